@@ -1,0 +1,319 @@
+//! Just enough of a BTF reader to find `task_struct` field offsets.
+//!
+//! Rust eBPF programs get no CO-RE relocations, so the agent reads the
+//! offsets of the fields its programs need from the running kernel's BTF
+//! (`/sys/kernel/btf/vmlinux`) and hands them over as load-time globals.
+
+use std::path::{Path, PathBuf};
+
+use xpuscope_common::TaskOffsets;
+
+/// The running kernel's BTF.
+pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    #[error(
+        "this kernel exposes no BTF at {path} ({source}); xpuscope needs a kernel built with \
+         CONFIG_DEBUG_INFO_BTF=y (most distribution kernels since 5.4 are)"
+    )]
+    Missing {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid BTF: {what}")]
+    Malformed { path: PathBuf, what: String },
+    #[error("the kernel's BTF has no `{0}`: this kernel is not supported")]
+    MissingField(String),
+}
+
+const BTF_MAGIC: u16 = 0xeb9f;
+const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
+const KIND_TYPEDEF: u32 = 8;
+const KIND_VOLATILE: u32 = 9;
+const KIND_CONST: u32 = 10;
+const KIND_RESTRICT: u32 = 11;
+const KIND_TYPE_TAG: u32 = 18;
+
+#[derive(Debug, Clone)]
+struct Member {
+    name_off: u32,
+    type_id: u32,
+    bit_offset: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Type {
+    name_off: u32,
+    kind: u32,
+    /// Referenced type for modifiers and typedefs.
+    type_ref: u32,
+    members: Vec<Member>,
+}
+
+/// A parsed BTF blob (types and strings).
+pub struct Btf {
+    /// Index = type id; id 0 is `void`.
+    types: Vec<Type>,
+    strings: Vec<u8>,
+}
+
+fn u16_at(d: &[u8], o: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(d.get(o..o + 2)?.try_into().ok()?))
+}
+fn u32_at(d: &[u8], o: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(d.get(o..o + 4)?.try_into().ok()?))
+}
+
+impl Btf {
+    pub fn from_file(path: &Path) -> Result<Self, BtfError> {
+        let data = std::fs::read(path).map_err(|source| BtfError::Missing {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&data).map_err(|what| BtfError::Malformed {
+            path: path.to_path_buf(),
+            what,
+        })
+    }
+
+    pub fn parse(d: &[u8]) -> Result<Self, String> {
+        let bad = |what: &str| what.to_string();
+        if u16_at(d, 0) != Some(BTF_MAGIC) {
+            return Err(bad("bad magic (big-endian BTF is not supported)"));
+        }
+        let hdr_len = u32_at(d, 4).ok_or("short header")? as usize;
+        let type_off = u32_at(d, 8).ok_or("short header")? as usize;
+        let type_len = u32_at(d, 12).ok_or("short header")? as usize;
+        let str_off = u32_at(d, 16).ok_or("short header")? as usize;
+        let str_len = u32_at(d, 20).ok_or("short header")? as usize;
+        let types_start = hdr_len + type_off;
+        let types_end = types_start + type_len;
+        let strings = d
+            .get(hdr_len + str_off..hdr_len + str_off + str_len)
+            .ok_or("string section out of bounds")?
+            .to_vec();
+        let mut types = vec![Type {
+            name_off: 0,
+            kind: 0,
+            type_ref: 0,
+            members: Vec::new(),
+        }];
+        let mut o = types_start;
+        while o < types_end {
+            let name_off = u32_at(d, o).ok_or("truncated type")?;
+            let info = u32_at(d, o + 4).ok_or("truncated type")?;
+            let size_or_type = u32_at(d, o + 8).ok_or("truncated type")?;
+            o += 12;
+            let vlen = (info & 0xffff) as usize;
+            let kind = (info >> 24) & 0x1f;
+            let kind_flag = info >> 31 == 1;
+            let mut members = Vec::new();
+            let extra = match kind {
+                1 => 4,                 // INT
+                3 => 12,                // ARRAY
+                KIND_STRUCT | KIND_UNION => {
+                    for i in 0..vlen {
+                        let m = o + i * 12;
+                        let raw = u32_at(d, m + 8).ok_or("truncated member")?;
+                        members.push(Member {
+                            name_off: u32_at(d, m).ok_or("truncated member")?,
+                            type_id: u32_at(d, m + 4).ok_or("truncated member")?,
+                            bit_offset: if kind_flag { raw & 0x00ff_ffff } else { raw },
+                        });
+                    }
+                    vlen * 12
+                }
+                6 => vlen * 8,  // ENUM
+                13 => vlen * 8, // FUNC_PROTO
+                14 => 4,        // VAR
+                15 => vlen * 12, // DATASEC
+                17 => 4,        // DECL_TAG
+                19 => vlen * 12, // ENUM64
+                2 | 7 | 8 | 9 | 10 | 11 | 12 | 16 | 18 => 0,
+                other => return Err(format!("unknown BTF kind {other}")),
+            };
+            o += extra;
+            types.push(Type {
+                name_off,
+                kind,
+                type_ref: size_or_type,
+                members,
+            });
+        }
+        Ok(Self { types, strings })
+    }
+
+    fn name(&self, off: u32) -> &str {
+        let start = off as usize;
+        let Some(rest) = self.strings.get(start..) else {
+            return "";
+        };
+        let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+        std::str::from_utf8(&rest[..end]).unwrap_or("")
+    }
+
+    fn struct_id(&self, name: &str) -> Option<u32> {
+        self.types
+            .iter()
+            .position(|t| t.kind == KIND_STRUCT && !t.members.is_empty() && self.name(t.name_off) == name)
+            .map(|i| i as u32)
+    }
+
+    /// Follows typedefs and qualifiers.
+    fn resolve(&self, mut id: u32) -> Option<&Type> {
+        for _ in 0..32 {
+            let t = self.types.get(id as usize)?;
+            match t.kind {
+                KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG => {
+                    id = t.type_ref
+                }
+                _ => return Some(t),
+            }
+        }
+        None
+    }
+
+    /// Byte offset of member `name` in the struct/union `ty`, looking
+    /// through anonymous nested structs and unions.
+    fn member_offset(&self, ty: &Type, name: &str) -> Option<u32> {
+        for m in &ty.members {
+            let member_name = self.name(m.name_off);
+            if member_name == name {
+                return Some(m.bit_offset / 8);
+            }
+            if member_name.is_empty()
+                && let Some(inner) = self.resolve(m.type_id)
+                && matches!(inner.kind, KIND_STRUCT | KIND_UNION)
+                && let Some(off) = self.member_offset(inner, name)
+            {
+                return Some(m.bit_offset / 8 + off);
+            }
+        }
+        None
+    }
+
+    fn member_type(&self, ty: &Type, name: &str) -> Option<&Type> {
+        for m in &ty.members {
+            let member_name = self.name(m.name_off);
+            if member_name == name {
+                return self.resolve(m.type_id);
+            }
+            if member_name.is_empty()
+                && let Some(inner) = self.resolve(m.type_id)
+                && matches!(inner.kind, KIND_STRUCT | KIND_UNION)
+                && let Some(t) = self.member_type(inner, name)
+            {
+                return Some(t);
+            }
+        }
+        None
+    }
+
+    /// Offset of a dotted member path (`"thread_info.cpu"`) in struct `strukt`.
+    pub fn offset_of(&self, strukt: &str, path: &str) -> Option<u32> {
+        let mut ty = self.types.get(self.struct_id(strukt)? as usize)?;
+        let mut total = 0;
+        let parts: Vec<&str> = path.split('.').collect();
+        for (i, part) in parts.iter().enumerate() {
+            total += self.member_offset(ty, part)?;
+            if i + 1 < parts.len() {
+                ty = self.member_type(ty, part)?;
+            }
+        }
+        Some(total)
+    }
+}
+
+/// The `task_struct` offsets the kernel programs need.
+pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
+    let field = |path: &str| {
+        btf.offset_of("task_struct", path)
+            .ok_or_else(|| BtfError::MissingField(format!("task_struct.{path}")))
+    };
+    Ok(TaskOffsets {
+        pid: field("pid")?,
+        tgid: field("tgid")?,
+        prio: field("prio")?,
+        comm: field("comm")?,
+        cpu: btf
+            .offset_of("task_struct", "thread_info.cpu")
+            .or_else(|| btf.offset_of("task_struct", "cpu"))
+            .unwrap_or(TaskOffsets::ABSENT),
+        _pad: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Builds a tiny BTF blob: int, struct inner { int a; int cpu; },
+    /// struct task_struct { int x; union { int pid; }; int tgid; struct inner thread_info; }.
+    fn sample() -> Vec<u8> {
+        let mut strings = b"\0int\0inner\0a\0cpu\0task_struct\0x\0pid\0tgid\0thread_info\0".to_vec();
+        strings.push(0);
+        let s = |name: &str| {
+            let hay = b"\0int\0inner\0a\0cpu\0task_struct\0x\0pid\0tgid\0thread_info\0";
+            let pos = hay
+                .windows(name.len() + 1)
+                .position(|w| &w[..name.len()] == name.as_bytes() && w[name.len()] == 0)
+                .unwrap();
+            pos as u32
+        };
+        let mut types = Vec::new();
+        let mut push = |words: &[u32]| {
+            for w in words {
+                types.extend_from_slice(&w.to_le_bytes());
+            }
+        };
+        // 1: int
+        push(&[s("int"), 1 << 24, 4, 32]);
+        // 2: struct inner { a@0, cpu@32bits }
+        push(&[s("inner"), (KIND_STRUCT << 24) | 2, 8]);
+        push(&[s("a"), 1, 0, s("cpu"), 1, 32]);
+        // 3: anonymous union { pid }
+        push(&[0, (KIND_UNION << 24) | 1, 4]);
+        push(&[s("pid"), 1, 0]);
+        // 4: struct task_struct
+        push(&[s("task_struct"), (KIND_STRUCT << 24) | 4, 20]);
+        push(&[s("x"), 1, 0, 0, 3, 32, s("tgid"), 1, 64, s("thread_info"), 2, 96]);
+        let mut blob = Vec::new();
+        blob.extend_from_slice(&BTF_MAGIC.to_le_bytes());
+        blob.extend_from_slice(&[1, 0]);
+        for w in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
+            blob.extend_from_slice(&w.to_le_bytes());
+        }
+        blob.extend_from_slice(&types);
+        blob.extend_from_slice(&strings);
+        blob
+    }
+
+    #[test]
+    fn finds_nested_and_anonymous_members() {
+        let btf = Btf::parse(&sample()).unwrap();
+        assert_eq!(btf.offset_of("task_struct", "x"), Some(0));
+        assert_eq!(btf.offset_of("task_struct", "pid"), Some(4), "through the anonymous union");
+        assert_eq!(btf.offset_of("task_struct", "tgid"), Some(8));
+        assert_eq!(btf.offset_of("task_struct", "thread_info.cpu"), Some(16));
+        assert_eq!(btf.offset_of("task_struct", "nope"), None);
+        assert!(matches!(task_offsets(&btf), Err(BtfError::MissingField(f)) if f == "task_struct.prio"));
+    }
+
+    #[test]
+    fn rejects_garbage() {
+        assert!(Btf::parse(b"not btf at all, not even close").is_err());
+    }
+
+    #[test]
+    fn running_kernel_offsets_are_plausible() {
+        // Every machine this project runs on has BTF (the agent needs it).
+        let btf = Btf::from_file(Path::new(VMLINUX_BTF)).expect("kernel BTF");
+        let off = task_offsets(&btf).expect("task_struct fields");
+        assert_eq!(off.tgid, off.pid + 4, "pid and tgid are adjacent pid_t fields");
+        assert!(off.comm > off.tgid && off.prio > 0);
+        assert_ne!(off.cpu, TaskOffsets::ABSENT);
+    }
+}

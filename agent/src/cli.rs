@@ -1,0 +1,122 @@
+//! Command-line interface. Defaults come from [`AttachConfig::default`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{self, AttachConfig, StackPolicy};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "agent",
+    version,
+    about = "xpuscope: eBPF observability for AI training nodes",
+    long_about = "xpuscope attaches to a running training process (no restart, no LD_PRELOAD) and \
+                  writes a native Perfetto trace (open it at https://ui.perfetto.dev) of its \
+                  scheduling: what ran on each CPU, every thread's state, who woke and who \
+                  preempted it, and symbolized off-CPU stacks."
+)]
+pub struct Cli {
+    /// More logging (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Trace a running process (and its threads and children) until the
+    /// duration ends, Ctrl-C/SIGTERM, or the process exits.
+    Attach(AttachArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AttachArgs {
+    /// The process to trace.
+    #[arg(short, long, required_unless_present = "system")]
+    pub pid: Option<u32>,
+    /// Trace file to write (native Perfetto protobuf).
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Stop after this long (e.g. 30s, 500ms, 2m).
+    #[arg(short, long, value_parser = config::parse_duration)]
+    pub duration: Option<Duration>,
+    /// Record scheduling of every process on every CPU (host-bound analysis).
+    #[arg(long)]
+    pub system: bool,
+    /// Off-CPU stack policy.
+    #[arg(long, value_enum, default_value_t = AttachConfig::default().stacks)]
+    pub stacks: StackPolicy,
+    /// Sampled policy: stacks per second per thread (average).
+    #[arg(long, default_value_t = config::DEFAULT_STACK_RATE)]
+    pub stack_rate: u32,
+    /// Sampled policy: burst of stacks a thread may take at once.
+    #[arg(long, default_value_t = config::DEFAULT_STACK_BURST)]
+    pub stack_burst: u32,
+    /// Kernel ring buffer size (power of two, e.g. 32M).
+    #[arg(long, value_parser = config::parse_ring_size, default_value = "32M")]
+    pub ring_size: u32,
+    /// Read kernel struct layouts from this BTF file instead of /sys/kernel/btf/vmlinux.
+    #[arg(long, default_value = crate::btf::VMLINUX_BTF)]
+    pub kernel_btf: PathBuf,
+    /// Also write a machine-readable summary (JSON) here.
+    #[arg(long)]
+    pub stats_json: Option<PathBuf>,
+    /// Testing aid: pause the reader this long (e.g. 5ms) after each batch.
+    #[arg(long, hide = true, value_parser = config::parse_duration)]
+    pub reader_delay: Option<Duration>,
+}
+
+impl AttachArgs {
+    pub fn into_config(self) -> AttachConfig {
+        let defaults = AttachConfig::default();
+        let output = self.output.unwrap_or_else(|| match self.pid {
+            Some(pid) => PathBuf::from(format!("xpuscope-{pid}.pftrace")),
+            None => PathBuf::from("xpuscope-system.pftrace"),
+        });
+        AttachConfig {
+            pid: self.pid,
+            system_wide: self.system,
+            output,
+            duration: self.duration,
+            stacks: self.stacks,
+            stack_rate: self.stack_rate,
+            stack_burst: self.stack_burst,
+            ring_bytes: self.ring_size,
+            kernel_btf: self.kernel_btf,
+            stats_json: self.stats_json,
+            reader_delay: self.reader_delay.unwrap_or(defaults.reader_delay),
+            drain_interval: defaults.drain_interval,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn attach_defaults() {
+        let cli = Cli::try_parse_from(["agent", "attach", "--pid", "42"]).unwrap();
+        let Command::Attach(args) = cli.command;
+        let cfg = args.into_config();
+        assert_eq!(cfg.pid, Some(42));
+        assert_eq!(cfg.output, PathBuf::from("xpuscope-42.pftrace"));
+        assert_eq!(cfg.stacks, StackPolicy::Sampled);
+        assert_eq!(cfg.ring_bytes, config::DEFAULT_RING_BYTES);
+    }
+
+    #[test]
+    fn pid_or_system_required() {
+        assert!(Cli::try_parse_from(["agent", "attach"]).is_err());
+        assert!(Cli::try_parse_from(["agent", "attach", "--system", "-d", "1s"]).is_ok());
+    }
+}

@@ -1,0 +1,155 @@
+//! The validated configuration of a recording. The CLI's defaults come from
+//! [`AttachConfig::default`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use xpuscope_common::stack_mode;
+
+/// How off-CPU stacks are taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StackPolicy {
+    /// No stacks.
+    Off,
+    /// Per-thread token bucket (`--stack-rate` per second, bursts of
+    /// `--stack-burst`): every long wait of a thread that blocks rarely is
+    /// kept, while a thread switching 100k times a second costs little.
+    Sampled,
+    /// A stack at every switch-out of a traced thread (costly on
+    /// switch-heavy workloads).
+    All,
+}
+
+impl StackPolicy {
+    pub fn kernel_mode(self) -> u32 {
+        match self {
+            StackPolicy::Off => stack_mode::OFF,
+            StackPolicy::Sampled => stack_mode::SAMPLED,
+            StackPolicy::All => stack_mode::ALL,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttachConfig {
+    /// The process to trace (with its threads and future children).
+    pub pid: Option<u32>,
+    /// Record every process's scheduling on every CPU.
+    pub system_wide: bool,
+    pub output: PathBuf,
+    /// Stop after this long (else on Ctrl-C/SIGTERM or when the target exits).
+    pub duration: Option<Duration>,
+    pub stacks: StackPolicy,
+    pub stack_rate: u32,
+    pub stack_burst: u32,
+    /// Ring buffer size in bytes (a power of two, at least one page).
+    pub ring_bytes: u32,
+    /// BTF to read kernel struct layouts from.
+    pub kernel_btf: PathBuf,
+    /// Write a JSON summary here at the end.
+    pub stats_json: Option<PathBuf>,
+    /// Testing aid: sleep this long after each drained batch, to force the
+    /// overload path.
+    pub reader_delay: Duration,
+    /// How often the reader drains the ring when no wakeup came.
+    pub drain_interval: Duration,
+}
+
+pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
+pub const DEFAULT_STACK_RATE: u32 = 100;
+pub const DEFAULT_STACK_BURST: u32 = 20;
+
+impl Default for AttachConfig {
+    fn default() -> Self {
+        Self {
+            pid: None,
+            system_wide: false,
+            output: PathBuf::from("xpuscope.pftrace"),
+            duration: None,
+            stacks: StackPolicy::Sampled,
+            stack_rate: DEFAULT_STACK_RATE,
+            stack_burst: DEFAULT_STACK_BURST,
+            ring_bytes: DEFAULT_RING_BYTES,
+            kernel_btf: PathBuf::from(crate::btf::VMLINUX_BTF),
+            stats_json: None,
+            reader_delay: Duration::ZERO,
+            drain_interval: Duration::from_millis(10),
+        }
+    }
+}
+
+/// Parses `30s`, `1.5s`, `500ms`, `2m`, `1h` or plain seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let (num, unit) = match t.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => (&t[..i], &t[i..]),
+        None => (t, "s"),
+    };
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration (examples: 30s, 500ms, 2m)"))?;
+    let scale = match unit {
+        "ms" => 1e-3,
+        "s" | "" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        other => return Err(format!("unknown unit `{other}` in `{text}` (use ms, s, m or h)")),
+    };
+    let secs = value * scale;
+    if !secs.is_finite() || secs <= 0.0 || secs > 7.0 * 86400.0 {
+        return Err(format!("duration `{text}` must be positive and at most 7 days"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Parses a byte size such as `32M`, `4096`, `1G`, `256k`.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("`{text}` is not a size (examples: 4096, 256k, 32M)"))
+}
+
+/// A valid ring buffer size: a power of two of at least one page, at most 1 GiB.
+pub fn parse_ring_size(text: &str) -> Result<u32, String> {
+    let bytes = parse_size(text)?;
+    let page = 4096;
+    if bytes < page || !bytes.is_power_of_two() || bytes > (1 << 30) {
+        return Err(format!(
+            "ring size {text} must be a power of two between 4k and 1G (the kernel requires it)"
+        ));
+    }
+    Ok(bytes as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("soon").unwrap_err().contains("not a duration"));
+        assert!(parse_duration("5y").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("0s").is_err());
+    }
+
+    #[test]
+    fn ring_sizes() {
+        assert_eq!(parse_ring_size("32M"), Ok(32 << 20));
+        assert_eq!(parse_ring_size("4096"), Ok(4096));
+        assert!(parse_ring_size("3000").is_err());
+        assert!(parse_ring_size("3M").is_err(), "not a power of two");
+        assert!(parse_ring_size("lots").is_err());
+    }
+}

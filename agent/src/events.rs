@@ -1,0 +1,359 @@
+//! Decoding of raw ring-buffer records into typed events: the one place
+//! that knows the byte layout of each record kind.
+
+use xpuscope_common::{
+    COMM_LEN, EventHeader, EventKind, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit,
+    ProcessFork, SchedSwitch, SchedWaking, TaskRename, switch_flags,
+};
+
+/// A task name as the kernel stores it (NUL-padded, not always UTF-8).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Comm(pub [u8; COMM_LEN]);
+
+impl Comm {
+    #[cfg(test)]
+    pub fn from_str_lossy(s: &str) -> Self {
+        let mut b = [0u8; COMM_LEN];
+        let n = s.len().min(COMM_LEN - 1);
+        b[..n].copy_from_slice(&s.as_bytes()[..n]);
+        Comm(b)
+    }
+
+    pub fn as_str(&self) -> std::borrow::Cow<'_, str> {
+        let end = self.0.iter().position(|b| *b == 0).unwrap_or(COMM_LEN);
+        String::from_utf8_lossy(&self.0[..end])
+    }
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+/// A context switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Switch {
+    pub cpu: u32,
+    pub ts: u64,
+    pub prev_tid: u32,
+    pub prev_tgid: u32,
+    pub prev_comm: Comm,
+    /// Raw `__state` of the previous task.
+    pub prev_state: u32,
+    pub prev_prio: i32,
+    pub next_tid: u32,
+    pub next_tgid: u32,
+    pub next_comm: Comm,
+    pub next_prio: i32,
+    pub preempt: bool,
+    pub prev_target: bool,
+    pub next_target: bool,
+    pub stack_follows: bool,
+}
+
+/// A wakeup (`new_task`: the first wakeup of a new task).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waking {
+    pub cpu: u32,
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: Comm,
+    pub prio: i32,
+    /// `u32::MAX` if unknown.
+    pub target_cpu: u32,
+    pub waker_tid: u32,
+    pub waker_tgid: u32,
+    pub new_task: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fork {
+    pub cpu: u32,
+    pub ts: u64,
+    pub parent_tid: u32,
+    pub parent_tgid: u32,
+    pub child_tid: u32,
+    pub child_tgid: u32,
+    pub child_comm: Comm,
+}
+
+impl Fork {
+    pub fn is_thread(&self) -> bool {
+        self.child_tgid == self.parent_tgid
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exec {
+    pub cpu: u32,
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    pub old_tid: u32,
+    pub comm: Comm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exit {
+    pub cpu: u32,
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    pub prio: i32,
+    pub comm: Comm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rename {
+    pub cpu: u32,
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    pub old_comm: Comm,
+    pub new_comm: Comm,
+}
+
+/// Stacks of a thread leaving the CPU (addresses leaf first).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackCapture {
+    pub cpu: u32,
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Kernel addresses, or the negative errno the kernel returned.
+    pub kernel: Result<Vec<u64>, i32>,
+    pub user: Result<Vec<u64>, i32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Switch(Switch),
+    Waking(Waking),
+    Fork(Fork),
+    Exec(Exec),
+    Exit(Exit),
+    Rename(Rename),
+    Stack(Box<StackCapture>),
+}
+
+impl Event {
+    pub fn kind(&self) -> EventKind {
+        match self {
+            Event::Switch(_) => EventKind::SchedSwitch,
+            Event::Waking(w) if w.new_task => EventKind::SchedWakeupNew,
+            Event::Waking(_) => EventKind::SchedWaking,
+            Event::Fork(_) => EventKind::ProcessFork,
+            Event::Exec(_) => EventKind::ProcessExec,
+            Event::Exit(_) => EventKind::ProcessExit,
+            Event::Rename(_) => EventKind::TaskRename,
+            Event::Stack(_) => EventKind::OffCpuStack,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("record of {0} bytes is shorter than its header")]
+    Short(usize),
+    #[error("unknown record kind {0}")]
+    UnknownKind(u32),
+    #[error("{kind:?} record has {got} bytes, expected {want}")]
+    Size { kind: EventKind, got: usize, want: usize },
+}
+
+fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
+    let want = size_of::<T>();
+    if bytes.len() < want {
+        return Err(DecodeError::Size { kind, got: bytes.len(), want });
+    }
+    // SAFETY: length checked; the record types are plain repr(C) data valid
+    // for any bit pattern, read unaligned from the ring buffer.
+    Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
+}
+
+fn stack(bytes_or_err: i32, frames: &[u64; MAX_STACK_DEPTH]) -> Result<Vec<u64>, i32> {
+    if bytes_or_err < 0 {
+        return Err(bytes_or_err);
+    }
+    let n = (bytes_or_err as usize / 8).min(MAX_STACK_DEPTH);
+    Ok(frames[..n].iter().copied().filter(|a| *a != 0).collect())
+}
+
+/// Decodes one ring-buffer record.
+pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
+    if bytes.len() < size_of::<EventHeader>() {
+        return Err(DecodeError::Short(bytes.len()));
+    }
+    // SAFETY: length checked; EventHeader is plain data.
+    let header: EventHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
+    let (cpu, ts) = (header.cpu, header.ts);
+    Ok(match kind {
+        EventKind::SchedSwitch => {
+            let r: SchedSwitch = read(bytes, kind)?;
+            Event::Switch(Switch {
+                cpu,
+                ts,
+                prev_tid: r.prev_tid,
+                prev_tgid: r.prev_tgid,
+                prev_comm: Comm(r.prev_comm),
+                prev_state: r.prev_state,
+                prev_prio: r.prev_prio,
+                next_tid: r.next_tid,
+                next_tgid: r.next_tgid,
+                next_comm: Comm(r.next_comm),
+                next_prio: r.next_prio,
+                preempt: r.flags & switch_flags::PREEMPT != 0,
+                prev_target: r.flags & switch_flags::PREV_TARGET != 0,
+                next_target: r.flags & switch_flags::NEXT_TARGET != 0,
+                stack_follows: r.flags & switch_flags::STACK_FOLLOWS != 0,
+            })
+        }
+        EventKind::SchedWaking | EventKind::SchedWakeupNew => {
+            let r: SchedWaking = read(bytes, kind)?;
+            Event::Waking(Waking {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                comm: Comm(r.comm),
+                prio: r.prio,
+                target_cpu: r.target_cpu,
+                waker_tid: r.waker_tid,
+                waker_tgid: r.waker_tgid,
+                new_task: kind == EventKind::SchedWakeupNew,
+            })
+        }
+        EventKind::ProcessFork => {
+            let r: ProcessFork = read(bytes, kind)?;
+            Event::Fork(Fork {
+                cpu,
+                ts,
+                parent_tid: r.parent_tid,
+                parent_tgid: r.parent_tgid,
+                child_tid: r.child_tid,
+                child_tgid: r.child_tgid,
+                child_comm: Comm(r.child_comm),
+            })
+        }
+        EventKind::ProcessExec => {
+            let r: ProcessExec = read(bytes, kind)?;
+            Event::Exec(Exec {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                old_tid: r.old_tid,
+                comm: Comm(r.comm),
+            })
+        }
+        EventKind::ProcessExit => {
+            let r: ProcessExit = read(bytes, kind)?;
+            Event::Exit(Exit {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                prio: r.prio,
+                comm: Comm(r.comm),
+            })
+        }
+        EventKind::TaskRename => {
+            let r: TaskRename = read(bytes, kind)?;
+            Event::Rename(Rename {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                old_comm: Comm(r.old_comm),
+                new_comm: Comm(r.new_comm),
+            })
+        }
+        EventKind::OffCpuStack => {
+            let r: OffCpuStack = read(bytes, kind)?;
+            Event::Stack(Box::new(StackCapture {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                kernel: stack(r.kernel_bytes, &r.kernel),
+                user: stack(r.user_bytes, &r.user),
+            }))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn as_bytes<T>(v: &T) -> Vec<u8> {
+        // SAFETY: test-only view of a plain repr(C) record.
+        unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    fn comm(s: &str) -> [u8; COMM_LEN] {
+        Comm::from_str_lossy(s).0
+    }
+
+    #[test]
+    fn decodes_a_switch_with_flags() {
+        let rec = SchedSwitch {
+            header: EventHeader { kind: EventKind::SchedSwitch as u32, cpu: 3, ts: 42 },
+            prev_tid: 10,
+            prev_tgid: 9,
+            next_tid: 0,
+            next_tgid: 0,
+            prev_state: 1,
+            prev_prio: 120,
+            next_prio: 120,
+            flags: switch_flags::PREEMPT | switch_flags::PREV_TARGET | switch_flags::STACK_FOLLOWS,
+            prev_comm: comm("worker"),
+            next_comm: comm("swapper/3"),
+        };
+        let Event::Switch(s) = decode(&as_bytes(&rec)).unwrap() else { panic!() };
+        assert_eq!((s.cpu, s.ts, s.prev_tid, s.prev_tgid, s.prev_state), (3, 42, 10, 9, 1));
+        assert_eq!(s.prev_comm.as_str(), "worker");
+        assert_eq!(s.next_comm.as_str(), "swapper/3");
+        assert!(s.preempt && s.prev_target && s.stack_follows && !s.next_target);
+    }
+
+    #[test]
+    fn decodes_stacks_and_errors() {
+        let mut rec = OffCpuStack {
+            header: EventHeader { kind: EventKind::OffCpuStack as u32, cpu: 1, ts: 7 },
+            tid: 5,
+            tgid: 5,
+            kernel_bytes: 16,
+            user_bytes: -14,
+            kernel: [0; MAX_STACK_DEPTH],
+            user: [0; MAX_STACK_DEPTH],
+        };
+        rec.kernel[0] = 0xffff_ffff_8100_0000;
+        rec.kernel[1] = 0xffff_ffff_8100_0100;
+        rec.kernel[2] = 0xdead; // beyond kernel_bytes: ignored
+        let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else { panic!() };
+        assert_eq!(s.kernel, Ok(vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_0100]));
+        assert_eq!(s.user, Err(-14));
+    }
+
+    #[test]
+    fn rejects_short_and_unknown_records() {
+        assert_eq!(decode(&[0; 4]), Err(DecodeError::Short(4)));
+        let mut bytes = as_bytes(&EventHeader { kind: 99, cpu: 0, ts: 0 });
+        assert_eq!(decode(&bytes), Err(DecodeError::UnknownKind(99)));
+        bytes = as_bytes(&EventHeader { kind: EventKind::TaskRename as u32, cpu: 0, ts: 0 });
+        assert!(matches!(decode(&bytes), Err(DecodeError::Size { kind: EventKind::TaskRename, .. })));
+    }
+
+    #[test]
+    fn comm_handles_full_and_invalid_names() {
+        let full = Comm(*b"0123456789abcdef");
+        assert_eq!(full.as_str(), "0123456789abcdef");
+        let mut bad = [0u8; COMM_LEN];
+        bad[..3].copy_from_slice(&[0x66, 0xff, 0x67]);
+        assert_eq!(Comm(bad).as_str(), "f\u{fffd}g");
+    }
+}

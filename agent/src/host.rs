@@ -1,0 +1,58 @@
+//! Facts about this host and its clocks, for the trace header.
+
+use xpuscope_perfetto::{ClockSnapshot, SystemInfo};
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CLOCK_BOOTTIME, the clock of every timestamp in the trace.
+pub fn boottime_ns() -> u64 {
+    clock_ns(libc::CLOCK_BOOTTIME)
+}
+
+pub fn clock_snapshot() -> ClockSnapshot {
+    ClockSnapshot {
+        boottime_ns: boottime_ns(),
+        monotonic_ns: clock_ns(libc::CLOCK_MONOTONIC),
+        realtime_ns: clock_ns(libc::CLOCK_REALTIME),
+    }
+}
+
+fn field(raw: &[libc::c_char]) -> String {
+    let bytes: Vec<u8> = raw.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+pub fn system_info() -> SystemInfo {
+    // SAFETY: uname fills the struct we own; zeroed is a valid initial state.
+    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::uname(&mut uts) };
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (hz, page, cpus) = unsafe {
+        (
+            libc::sysconf(libc::_SC_CLK_TCK),
+            libc::sysconf(libc::_SC_PAGESIZE),
+            libc::sysconf(libc::_SC_NPROCESSORS_CONF),
+        )
+    };
+    SystemInfo {
+        sysname: field(&uts.sysname),
+        version: field(&uts.version),
+        release: field(&uts.release),
+        machine: field(&uts.machine),
+        hz: hz.max(0) as i64,
+        page_size: page.max(0) as u32,
+        num_cpus: cpus.max(1) as u32,
+        machine_name: Some(field(&uts.nodename)),
+    }
+}
+
+/// Number of possible CPUs (per-CPU map values come in this many).
+pub fn possible_cpus() -> usize {
+    aya::util::nr_cpus().unwrap_or(1)
+}

@@ -1,0 +1,76 @@
+//! `agent`: xpuscope's privileged agent.
+//!
+//! `sudo agent attach --pid <PID> [-o trace.pftrace] [--duration 30s]`
+//! attaches eBPF programs to the scheduler tracepoints, follows the process
+//! and its children, and writes a native Perfetto trace. Requires Linux with
+//! BTF (`/sys/kernel/btf/vmlinux`) and root or CAP_BPF + CAP_PERFMON.
+
+mod btf;
+mod cli;
+mod config;
+mod events;
+mod host;
+mod load;
+mod offcpu;
+mod preflight;
+mod procfs;
+mod reader;
+mod session;
+mod state;
+mod summary;
+mod symbolize;
+mod trace;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use cli::{Cli, Command};
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    // A panicking stage must not leave a half-written trace behind silently.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        eprintln!("xpuscope: internal error; please report it with the message above");
+    }));
+    match cli.command {
+        Command::Attach(args) => {
+            let cfg = args.into_config();
+            let stats_path = cfg.stats_json.clone();
+            match session::run(cfg) {
+                Ok(summary) => {
+                    summary.print();
+                    if let Some(path) = stats_path {
+                        let json = serde_json::to_string_pretty(&summary).unwrap_or_default();
+                        if let Err(e) = std::fs::write(&path, json) {
+                            eprintln!("xpuscope: error: writing {}: {e}", path.display());
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                    if summary.stop_reason == summary::StopReason::Failed {
+                        return ExitCode::FAILURE;
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("xpuscope: error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Checks before anything is loaded, each failing with what is wrong and
+//! what to do about it.
+
+use std::fs::File;
+use std::path::Path;
+
+use crate::procfs;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PreflightError {
+    #[error(
+        "xpuscope needs root (or the CAP_BPF and CAP_PERFMON capabilities) to load its eBPF \
+         programs; run it with sudo"
+    )]
+    NotPrivileged,
+    #[error("no process with pid {0}: check the pid (e.g. `ps -p {0}`) and that it is still running")]
+    NoSuchProcess(u32),
+    #[error("pid {0} is a zombie (it has exited); nothing left to trace")]
+    Zombie(u32),
+    #[error("cannot write the trace to {path}: {source}; choose a writable path with -o")]
+    Output {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the eBPF programs are not built into this agent: run `cargo xtask build-ebpf`, then rebuild the agent")]
+    NoEbpfObject,
+}
+
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+/// Effective capabilities from `/proc/self/status`.
+fn effective_caps() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("CapEff:"))?.to_string();
+            u64::from_str_radix(line.split_whitespace().nth(1)?, 16).ok()
+        })
+        .unwrap_or(0)
+}
+
+pub fn check_privileges() -> Result<(), PreflightError> {
+    let caps = effective_caps();
+    let has = |cap: u32| caps & (1 << cap) != 0;
+    if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
+        Ok(())
+    } else {
+        Err(PreflightError::NotPrivileged)
+    }
+}
+
+/// Resolves the pid to trace: the process (tgid) owning it.
+pub fn check_target(pid: u32) -> Result<u32, PreflightError> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(|_| PreflightError::NoSuchProcess(pid))?;
+    let tgid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(pid);
+    if !procfs::is_alive(tgid) {
+        return Err(PreflightError::Zombie(tgid));
+    }
+    Ok(tgid)
+}
+
+/// Creates (truncates) the output file now, so a bad path fails before
+/// anything is attached.
+pub fn open_output(path: &Path) -> Result<File, PreflightError> {
+    File::create(path).map_err(|source| PreflightError::Output {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+pub fn check_object(object: &[u8]) -> Result<(), PreflightError> {
+    if object.is_empty() {
+        Err(PreflightError::NoEbpfObject)
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_pid_is_named() {
+        let err = check_target(u32::MAX - 1).unwrap_err();
+        assert!(err.to_string().contains("no process with pid 4294967294"));
+    }
+
+    #[test]
+    fn own_process_resolves_to_itself() {
+        assert_eq!(check_target(std::process::id()).unwrap(), std::process::id());
+    }
+
+    #[test]
+    fn unwritable_output_is_named() {
+        let err = open_output(Path::new("/nonexistent-dir/x.pftrace")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("/nonexistent-dir/x.pftrace") && msg.contains("-o"), "{msg}");
+    }
+
+    #[test]
+    fn missing_object_says_how_to_build() {
+        assert!(check_object(&[]).unwrap_err().to_string().contains("cargo xtask build-ebpf"));
+    }
+}

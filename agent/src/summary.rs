@@ -1,0 +1,173 @@
+//! The end-of-recording summary, printed for humans and optionally written
+//! as JSON for scripts and tests.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use xpuscope_common::EventKind;
+
+use crate::config::AttachConfig;
+use crate::offcpu::OffCpuSummary;
+use crate::trace::TraceStats;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Duration,
+    Interrupted,
+    Terminated,
+    TargetExited,
+    /// A stage stopped on its own (an error, reported below).
+    Failed,
+}
+
+impl StopReason {
+    fn describe(self) -> &'static str {
+        match self {
+            StopReason::Duration => "duration reached",
+            StopReason::Interrupted => "interrupted",
+            StopReason::Terminated => "terminated",
+            StopReason::TargetExited => "target exited",
+            StopReason::Failed => "a stage failed",
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct KindCount {
+    pub kind: String,
+    pub consumed: u64,
+    pub dropped: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Ranked {
+    pub what: String,
+    pub total_ns: u64,
+    pub count: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RunSummary {
+    pub output: String,
+    pub stop_reason: StopReason,
+    pub seconds: f64,
+    pub events: u64,
+    pub dropped: u64,
+    pub decode_errors: u64,
+    pub per_kind: Vec<KindCount>,
+    pub bytes: u64,
+    pub threads: usize,
+    pub stacks: u64,
+    pub stack_errors: u64,
+    pub stacks_unmatched: u64,
+    pub preemptions: u64,
+    pub offcpu_ns: u64,
+    pub offcpu_with_stack_ns: u64,
+    pub top_offcpu: Vec<Ranked>,
+    pub top_preemptors: Vec<Ranked>,
+}
+
+fn kind_name(kind: EventKind) -> String {
+    match kind {
+        EventKind::SchedSwitch => "sched_switch",
+        EventKind::SchedWaking => "sched_waking",
+        EventKind::SchedWakeupNew => "sched_wakeup_new",
+        EventKind::ProcessFork => "process_fork",
+        EventKind::ProcessExec => "process_exec",
+        EventKind::ProcessExit => "process_exit",
+        EventKind::TaskRename => "task_rename",
+        EventKind::OffCpuStack => "offcpu_stack",
+    }
+    .to_string()
+}
+
+fn ranked(map: &std::collections::HashMap<String, (u64, u64)>) -> Vec<Ranked> {
+    OffCpuSummary::top(map, 5)
+        .into_iter()
+        .map(|(what, total_ns, count)| Ranked { what, total_ns, count })
+        .collect()
+}
+
+impl RunSummary {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: &AttachConfig,
+        stop_reason: StopReason,
+        elapsed: Duration,
+        consumed: &[u64],
+        dropped: &[u64],
+        decode_errors: u64,
+        bytes: u64,
+        stats: TraceStats,
+    ) -> Self {
+        let per_kind: Vec<KindCount> = EventKind::ALL
+            .iter()
+            .map(|k| KindCount {
+                kind: kind_name(*k),
+                consumed: consumed.get(*k as usize).copied().unwrap_or(0),
+                dropped: dropped.get(*k as usize).copied().unwrap_or(0),
+            })
+            .collect();
+        Self {
+            output: cfg.output.display().to_string(),
+            stop_reason,
+            seconds: elapsed.as_secs_f64(),
+            events: per_kind.iter().map(|k| k.consumed).sum(),
+            dropped: per_kind.iter().map(|k| k.dropped).sum(),
+            decode_errors,
+            per_kind,
+            bytes,
+            threads: stats.threads_seen,
+            stacks: stats.stacks,
+            stack_errors: stats.stack_errors,
+            stacks_unmatched: stats.stacks_unmatched,
+            preemptions: stats.preemptions,
+            offcpu_ns: stats.offcpu.total_ns,
+            offcpu_with_stack_ns: stats.offcpu.with_stack_ns,
+            top_offcpu: ranked(&stats.offcpu.by_reason),
+            top_preemptors: ranked(&stats.offcpu.by_preemptor),
+        }
+    }
+
+    pub fn print(&self) {
+        let secs = |ns: u64| ns as f64 / 1e9;
+        eprintln!("xpuscope: stopped ({}) after {:.1} s", self.stop_reason.describe(), self.seconds);
+        let kinds: Vec<String> = self
+            .per_kind
+            .iter()
+            .filter(|k| k.consumed > 0)
+            .map(|k| format!("{} {}", k.kind, k.consumed))
+            .collect();
+        eprintln!("  events:  {} ({})", self.events, kinds.join(", "));
+        eprintln!("  dropped: {}{}", self.dropped, if self.dropped > 0 {
+            " (ring buffer full: try a larger --ring-size; CPUs with drops are marked lost_events in the trace)"
+        } else {
+            ""
+        });
+        eprintln!("  threads: {}   preemptions of traced threads: {}", self.threads, self.preemptions);
+        eprintln!(
+            "  off-CPU time of traced threads: {:.3} s ({:.3} s with a sampled stack, {} stacks)",
+            secs(self.offcpu_ns),
+            secs(self.offcpu_with_stack_ns),
+            self.stacks
+        );
+        if !self.top_offcpu.is_empty() {
+            eprintln!("  top off-CPU reasons:");
+            for r in &self.top_offcpu {
+                eprintln!("    {:>9.3} s {:>7}x  {}", secs(r.total_ns), r.count, r.what);
+            }
+        }
+        if !self.top_preemptors.is_empty() {
+            eprintln!("  top preemptors of traced threads:");
+            for r in &self.top_preemptors {
+                eprintln!("    {:>9.3} s {:>7}x  {}", secs(r.total_ns), r.count, r.what);
+            }
+        }
+        eprintln!(
+            "  trace:   {} ({:.1} MB); open it at https://ui.perfetto.dev",
+            self.output,
+            self.bytes as f64 / 1e6
+        );
+    }
+}

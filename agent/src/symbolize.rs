@@ -1,0 +1,230 @@
+//! Stack symbolization with blazesym, cached per address.
+//!
+//! User addresses are symbolized while the process is alive (when the stack
+//! arrives), through `/proc/PID/maps` (ELF symbols, DWARF where present);
+//! kernel addresses through kallsyms. Results are cached per (process,
+//! address) and per kernel address, so steady-state cost is a hash lookup.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blazesym::symbolize::source::{Kernel, Process, Source};
+use blazesym::symbolize::{Input, Symbolized, Symbolizer};
+use xpuscope_probes::maps::ProcessMaps;
+
+/// One symbolized frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SymFrame {
+    pub function: Arc<str>,
+    /// The backing file, `"kernel"`, or a pseudo name (`[vdso]`, `[anon]`).
+    pub module: Arc<str>,
+    pub module_start: u64,
+    pub module_end: u64,
+    /// File offset at which the module's mapping starts.
+    pub module_offset: u64,
+    /// Offset in the module's file (kernel: the address itself).
+    pub rel_pc: u64,
+}
+
+impl SymFrame {
+    pub fn is_kernel(&self) -> bool {
+        &*self.module == "kernel"
+    }
+}
+
+/// Leading kernel frames that belong to the tracing machinery, not to the
+/// task: the BPF program, the tracepoint trampoline.
+fn is_tracing_frame(name: &str) -> bool {
+    name.starts_with("bpf_prog_")
+        || name.starts_with("bpf_trace_run")
+        || name.starts_with("__bpf_trace_")
+        || name.starts_with("__traceiter_")
+        || name.starts_with("bpf_get_stack")
+        || name == "__bpf_get_stack"
+        || name == "bpf_get_stack_raw_tp"
+}
+
+const MAPS_REFRESH: Duration = Duration::from_millis(200);
+
+struct ProcessMapsCache {
+    maps: ProcessMaps,
+    read_at: Instant,
+}
+
+pub struct StackSymbolizer {
+    symbolizer: Symbolizer,
+    kernel: HashMap<u64, SymFrame>,
+    user: HashMap<(u32, u64), SymFrame>,
+    maps: HashMap<u32, ProcessMapsCache>,
+    kernel_name: Arc<str>,
+    pub lookups: u64,
+    pub cache_hits: u64,
+}
+
+impl Default for StackSymbolizer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StackSymbolizer {
+    pub fn new() -> Self {
+        Self {
+            symbolizer: Symbolizer::new(),
+            kernel: HashMap::new(),
+            user: HashMap::new(),
+            maps: HashMap::new(),
+            kernel_name: Arc::from("kernel"),
+            lookups: 0,
+            cache_hits: 0,
+        }
+    }
+
+    /// Kernel frames, leaf first, with the tracing machinery removed.
+    pub fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame> {
+        let missing: Vec<u64> = addrs.iter().copied().filter(|a| !self.kernel.contains_key(a)).collect();
+        self.lookups += addrs.len() as u64;
+        self.cache_hits += (addrs.len() - missing.len()) as u64;
+        if !missing.is_empty() {
+            let src = Source::Kernel(Kernel::default());
+            // Return addresses point after the call: look up the call itself.
+            let lookup: Vec<u64> = missing.iter().map(|a| a.saturating_sub(1)).collect();
+            let results = self.symbolizer.symbolize(&src, Input::AbsAddr(&lookup)).unwrap_or_default();
+            for (i, addr) in missing.iter().enumerate() {
+                let function: Arc<str> = match results.get(i) {
+                    Some(Symbolized::Sym(sym)) => Arc::from(&*sym.name),
+                    _ => Arc::from(format!("[kernel {addr:#x}]")),
+                };
+                self.kernel.insert(
+                    *addr,
+                    SymFrame {
+                        function,
+                        module: self.kernel_name.clone(),
+                        module_start: 0,
+                        module_end: 0,
+                        module_offset: 0,
+                        rel_pc: *addr,
+                    },
+                );
+            }
+        }
+        let frames: Vec<SymFrame> = addrs.iter().filter_map(|a| self.kernel.get(a).cloned()).collect();
+        let skip = frames.iter().take_while(|f| is_tracing_frame(&f.function)).count();
+        frames[skip..].to_vec()
+    }
+
+    fn maps_for(&mut self, tgid: u32, addr: u64) -> Option<&ProcessMaps> {
+        let stale = match self.maps.get(&tgid) {
+            None => true,
+            Some(c) => c.maps.find(addr).is_none() && c.read_at.elapsed() > MAPS_REFRESH,
+        };
+        if stale && let Ok(maps) = ProcessMaps::read(tgid) {
+            self.maps.insert(tgid, ProcessMapsCache { maps, read_at: Instant::now() });
+        }
+        self.maps.get(&tgid).map(|c| &c.maps)
+    }
+
+    /// User frames of process `tgid`, leaf first.
+    pub fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
+        let missing: Vec<u64> = addrs
+            .iter()
+            .copied()
+            .filter(|a| !self.user.contains_key(&(tgid, *a)))
+            .collect();
+        self.lookups += addrs.len() as u64;
+        self.cache_hits += (addrs.len() - missing.len()) as u64;
+        if !missing.is_empty() {
+            let src = Source::Process(Process::new(tgid.into()));
+            let lookup: Vec<u64> = missing.iter().map(|a| a.saturating_sub(1)).collect();
+            let names: Vec<Option<String>> = self
+                .symbolizer
+                .symbolize(&src, Input::AbsAddr(&lookup))
+                .unwrap_or_default()
+                .iter()
+                .map(|r| match r {
+                    Symbolized::Sym(sym) => Some(sym.name.to_string()),
+                    Symbolized::Unknown(_) => None,
+                })
+                .collect();
+            for (i, addr) in missing.iter().enumerate() {
+                let mapping = self.maps_for(tgid, *addr).and_then(|m| m.find(*addr)).cloned();
+                let (module, start, end, offset, rel_pc) = match &mapping {
+                    Some(m) if !m.path.is_empty() => (
+                        Arc::from(m.path.as_str()),
+                        m.start,
+                        m.end,
+                        m.offset,
+                        m.file_offset_of(*addr),
+                    ),
+                    Some(m) => (Arc::from("[anon]"), m.start, m.end, 0, addr - m.start),
+                    None => (Arc::from("[unknown]"), 0, 0, 0, *addr),
+                };
+                let function: Arc<str> = match names.get(i) {
+                    Some(Some(name)) => Arc::from(name.as_str()),
+                    _ => Arc::from(format!(
+                        "[{} {rel_pc:#x}]",
+                        short_module(module.trim_start_matches('[').trim_end_matches(']'))
+                    )),
+                };
+                self.user.insert(
+                    (tgid, *addr),
+                    SymFrame {
+                        function,
+                        module,
+                        module_start: start,
+                        module_end: end,
+                        module_offset: offset,
+                        rel_pc,
+                    },
+                );
+            }
+        }
+        addrs.iter().filter_map(|a| self.user.get(&(tgid, *a)).cloned()).collect()
+    }
+
+}
+
+impl StackSymbolizer {
+    /// Forgets what was cached for a process (after exec its addresses
+    /// belong to another program).
+    pub fn forget_process(&mut self, tgid: u32) {
+        self.maps.remove(&tgid);
+        self.user.retain(|(pid, _), _| *pid != tgid);
+    }
+}
+
+fn short_module(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[inline(never)]
+    #[unsafe(no_mangle)]
+    extern "C" fn xpuscope_symbolize_probe_target() -> u64 {
+        std::hint::black_box(7)
+    }
+
+    #[test]
+    fn symbolizes_own_function_and_caches() {
+        let mut s = StackSymbolizer::new();
+        // +1: frames are return addresses, looked up at addr - 1.
+        let addr = xpuscope_symbolize_probe_target as *const () as u64 + 1;
+        let frames = s.user_frames(std::process::id(), &[addr]);
+        assert_eq!(&*frames[0].function, "xpuscope_symbolize_probe_target");
+        assert!(frames[0].module.starts_with('/'), "{:?}", frames[0].module);
+        let again = s.user_frames(std::process::id(), &[addr]);
+        assert_eq!(frames, again);
+        assert_eq!(s.cache_hits, 1);
+    }
+
+    #[test]
+    fn drops_tracing_frames_from_kernel_stacks() {
+        assert!(is_tracing_frame("bpf_prog_6deef7357e7b4530_sched_switch"));
+        assert!(is_tracing_frame("bpf_trace_run4"));
+        assert!(!is_tracing_frame("__schedule"));
+    }
+}

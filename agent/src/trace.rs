@@ -1,0 +1,332 @@
+//! The trace stage: turns typed events into the Perfetto trace, keeps
+//! off-CPU intervals and names, and collects what the summary reports.
+//!
+//! Mapping to Perfetto (see `shared/design/perfetto-format.md`):
+//! - switches and wakings -> per-CPU compact sched bundles (CPU tracks,
+//!   thread states, wakeups);
+//! - fork/exec/exit/rename -> `task_newtask`, `task_rename`,
+//!   `sched_process_free` and process-tree packets (thread lifetimes and
+//!   names);
+//! - off-CPU intervals with a stack -> callstack samples weighted by the
+//!   off-CPU time;
+//! - preemptions of traced threads -> an instant "preempted by <task>" on
+//!   the thread's track;
+//! - drops -> `lost_events` on the CPU's bundle and a counter track.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::Arc;
+
+use anyhow::Result;
+use xpuscope_perfetto::{
+    self as pf, Arg, ArgValue, CounterUnit, ProcessInfo, ThreadInfo, TraceWriter, TrackUuid,
+};
+
+use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, Waking};
+use crate::offcpu::{OffCpuInterval, OffCpuSummary, OffCpuTracker, Preemptor, Stack};
+use crate::procfs;
+use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
+use crate::symbolize::{StackSymbolizer, SymFrame};
+
+const CLONE_THREAD_FLAGS: u64 = 0x0001_0000 | 0x0000_0100 | 0x0000_0800; // THREAD|VM|SIGHAND
+const SIGCHLD: u64 = 17;
+
+/// What the trace stage learned, for the summary.
+#[derive(Default)]
+pub struct TraceStats {
+    pub offcpu: OffCpuSummary,
+    pub stacks: u64,
+    pub stacks_unmatched: u64,
+    pub stack_errors: u64,
+    pub preemptions: u64,
+    pub threads_seen: usize,
+    pub first_ts: Option<u64>,
+    pub last_ts: u64,
+}
+
+pub struct TraceBuilder<W: Write> {
+    writer: TraceWriter<W>,
+    symbolizer: StackSymbolizer,
+    offcpu: OffCpuTracker,
+    /// tid -> (tgid, latest name) of traced threads.
+    threads: HashMap<u32, (u32, String)>,
+    thread_tracks: HashMap<u32, TrackUuid>,
+    drops_track: Option<TrackUuid>,
+    frames: FrameConverter,
+    pub stats: TraceStats,
+}
+
+impl<W: Write> TraceBuilder<W> {
+    pub fn new(writer: TraceWriter<W>) -> Self {
+        Self {
+            writer,
+            symbolizer: StackSymbolizer::new(),
+            offcpu: OffCpuTracker::default(),
+            threads: HashMap::new(),
+            thread_tracks: HashMap::new(),
+            drops_track: None,
+            frames: FrameConverter::default(),
+            stats: TraceStats::default(),
+        }
+    }
+
+    pub fn writer(&mut self) -> &mut TraceWriter<W> {
+        &mut self.writer
+    }
+
+    /// Writes the processes (and their threads) present at attach.
+    pub fn initial_processes(&mut self, ts: u64, processes: &[procfs::ProcessEntry]) -> Result<()> {
+        let mut procs = Vec::new();
+        let mut threads = Vec::new();
+        for p in processes {
+            procs.push(process_info(p.pid, p.ppid, &p.cmdline, &p.comm, p.uid));
+            for t in &p.threads {
+                threads.push(ThreadInfo { tid: t.tid as i32, tgid: p.pid as i32, name: t.comm.clone() });
+                self.threads.insert(t.tid, (p.pid, t.comm.clone()));
+            }
+        }
+        self.writer.process_tree(ts, &procs, &threads)?;
+        Ok(())
+    }
+
+    pub fn handle(&mut self, event: Event) -> Result<()> {
+        let ts = match &event {
+            Event::Switch(e) => e.ts,
+            Event::Waking(e) => e.ts,
+            Event::Fork(e) => e.ts,
+            Event::Exec(e) => e.ts,
+            Event::Exit(e) => e.ts,
+            Event::Rename(e) => e.ts,
+            Event::Stack(e) => e.ts,
+        };
+        self.stats.first_ts.get_or_insert(ts);
+        self.stats.last_ts = self.stats.last_ts.max(ts);
+        match event {
+            Event::Switch(s) => self.switch(&s),
+            Event::Waking(w) => self.waking(&w),
+            Event::Fork(f) => self.fork(&f),
+            Event::Exec(e) => self.exec(&e),
+            Event::Exit(e) => self.exit(&e),
+            Event::Rename(r) => self.rename(&r),
+            Event::Stack(s) => self.stack(&s),
+        }
+    }
+
+    fn switch(&mut self, s: &Switch) -> Result<()> {
+        let state = report_state(s.prev_state, s.preempt);
+        self.writer.sched_switch(
+            s.cpu,
+            s.ts,
+            state,
+            s.next_tid as i32,
+            s.next_prio,
+            &s.next_comm.as_str(),
+        )?;
+        if s.prev_target && s.prev_tid != 0 {
+            self.note_thread(s.prev_tid, s.prev_tgid, &s.prev_comm);
+            let preemptor = (state == 0 || state == REPORT_PREEMPTED).then(|| Preemptor {
+                tid: s.next_tid,
+                tgid: s.next_tgid,
+                comm: s.next_comm.as_str().into_owned(),
+            });
+            if let Some(p) = &preemptor {
+                self.preempted(s, p)?;
+            }
+            // A dying thread's last switch-out is not a wait: it never returns.
+            if state != REPORT_DEAD && state != REPORT_ZOMBIE {
+                self.offcpu.switched_out(s.prev_tid, s.prev_tgid, s.cpu, s.ts, state, preemptor);
+            }
+        }
+        if s.next_target && s.next_tid != 0 {
+            self.note_thread(s.next_tid, s.next_tgid, &s.next_comm);
+            if let Some(interval) = self.offcpu.switched_in(s.next_tid, s.ts) {
+                self.interval_done(interval)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn note_thread(&mut self, tid: u32, tgid: u32, comm: &Comm) {
+        self.threads.entry(tid).or_insert_with(|| (tgid, comm.as_str().into_owned()));
+    }
+
+    fn thread_track(&mut self, tid: u32) -> Result<TrackUuid> {
+        if let Some(t) = self.thread_tracks.get(&tid) {
+            return Ok(*t);
+        }
+        let (tgid, name) = self.threads.get(&tid).cloned().unwrap_or((tid, String::new()));
+        let track = self.writer.thread_track(tgid as i32, tid as i32, &name)?;
+        self.thread_tracks.insert(tid, track);
+        Ok(track)
+    }
+
+    fn preempted(&mut self, s: &Switch, by: &Preemptor) -> Result<()> {
+        self.stats.preemptions += 1;
+        let track = self.thread_track(s.prev_tid)?;
+        let args = [
+            Arg::new("by_comm", ArgValue::Str(by.comm.clone())),
+            Arg::new("by_tid", ArgValue::Uint(by.tid as u64)),
+            Arg::new("by_pid", ArgValue::Uint(by.tgid as u64)),
+            Arg::new("cpu", ArgValue::Uint(s.cpu as u64)),
+        ];
+        self.writer.instant(track, s.ts, &format!("preempted by {}", by.comm), &args, None)?;
+        Ok(())
+    }
+
+    fn waking(&mut self, w: &Waking) -> Result<()> {
+        let target_cpu = if w.target_cpu == u32::MAX { -1 } else { w.target_cpu as i32 };
+        self.writer.sched_waking(w.cpu, w.ts, w.tid as i32, target_cpu, w.prio, &w.comm.as_str())?;
+        Ok(())
+    }
+
+    fn fork(&mut self, f: &Fork) -> Result<()> {
+        let name = f.child_comm.as_str().into_owned();
+        let flags = if f.is_thread() { CLONE_THREAD_FLAGS } else { SIGCHLD };
+        self.writer.task_newtask(f.cpu, f.ts, f.parent_tid as i32, f.child_tid as i32, &name, flags, 0)?;
+        self.threads.insert(f.child_tid, (f.child_tgid, name.clone()));
+        if !f.is_thread() {
+            let cmdline = procfs::cmdline(f.child_tgid);
+            let p = process_info(f.child_tgid, f.parent_tgid, &cmdline, &name, None);
+            self.writer.process_tree(f.ts, &[p], &[ThreadInfo {
+                tid: f.child_tid as i32,
+                tgid: f.child_tgid as i32,
+                name,
+            }])?;
+        }
+        Ok(())
+    }
+
+    fn exec(&mut self, e: &Exec) -> Result<()> {
+        let new = e.comm.as_str().into_owned();
+        let old = self.threads.get(&e.tid).map(|t| t.1.clone()).unwrap_or_default();
+        self.writer.task_rename(e.cpu, e.ts, e.tid as i32, e.tid as i32, &old, &new)?;
+        self.threads.insert(e.tid, (e.tgid, new.clone()));
+        // A new program: addresses cached for the old one mean nothing now.
+        self.symbolizer.forget_process(e.tgid);
+        let cmdline = procfs::cmdline(e.tgid);
+        let ppid = procfs::stat(e.tgid).map(|s| s.ppid).unwrap_or(0);
+        let p = process_info(e.tgid, ppid, &cmdline, &new, None);
+        self.writer.process_tree(e.ts, &[p], &[ThreadInfo { tid: e.tid as i32, tgid: e.tgid as i32, name: new }])?;
+        Ok(())
+    }
+
+    fn exit(&mut self, e: &Exit) -> Result<()> {
+        if let Some(interval) = self.offcpu.exited(e.tid, e.ts) {
+            self.interval_done(interval)?;
+        }
+        self.writer.sched_process_free(e.cpu, e.ts, e.tid as i32, e.tid as i32, &e.comm.as_str(), e.prio)?;
+        Ok(())
+    }
+
+    fn rename(&mut self, r: &Rename) -> Result<()> {
+        let new = r.new_comm.as_str().into_owned();
+        self.writer.task_rename(r.cpu, r.ts, r.tid as i32, r.tid as i32, &r.old_comm.as_str(), &new)?;
+        self.threads.insert(r.tid, (r.tgid, new));
+        Ok(())
+    }
+
+    fn stack(&mut self, s: &StackCapture) -> Result<()> {
+        self.stats.stacks += 1;
+        if s.kernel.is_err() || s.user.is_err() {
+            self.stats.stack_errors += 1;
+        }
+        let kernel = match &s.kernel {
+            Ok(addrs) => self.symbolizer.kernel_frames(addrs),
+            Err(_) => Vec::new(),
+        };
+        let user = match &s.user {
+            Ok(addrs) => self.symbolizer.user_frames(s.tgid, addrs),
+            Err(_) => Vec::new(),
+        };
+        if !self.offcpu.stack_taken(s.tid, s.ts, Arc::new(Stack { kernel, user })) {
+            self.stats.stacks_unmatched += 1;
+        }
+        Ok(())
+    }
+
+    fn interval_done(&mut self, interval: OffCpuInterval) -> Result<()> {
+        if let Some(stack) = &interval.stack {
+            let frames: Vec<pf::Frame> =
+                stack.leaf_first().map(|f| self.frames.frame(f)).collect();
+            if !frames.is_empty() {
+                self.writer.stack_sample(
+                    interval.start,
+                    interval.cpu,
+                    interval.tgid as i32,
+                    interval.tid as i32,
+                    &frames,
+                    interval.duration(),
+                )?;
+            }
+        }
+        self.stats.offcpu.add(&interval);
+        Ok(())
+    }
+
+    /// Marks CPUs that lost events and updates the drop counter track.
+    pub fn drops(&mut self, ts: u64, cpus_with_new_drops: &[u32], total: u64) -> Result<()> {
+        for cpu in cpus_with_new_drops {
+            self.writer.mark_lost_events(*cpu);
+        }
+        let track = match self.drops_track {
+            Some(t) => t,
+            None => {
+                let t = self.writer.counter_track(None, "xpuscope dropped events", CounterUnit::Count)?;
+                self.drops_track = Some(t);
+                t
+            }
+        };
+        self.writer.counter(track, ts, total as f64)?;
+        Ok(())
+    }
+
+    /// Ends open intervals at `end` and finishes the file.
+    pub fn finish(mut self, end: u64) -> Result<(W, TraceStats, u64)> {
+        for interval in self.offcpu.finish_all(end) {
+            self.interval_done(interval)?;
+        }
+        self.stats.threads_seen = self.threads.len();
+        let bytes = self.writer.bytes_written();
+        let out = self.writer.finish()?;
+        Ok((out, self.stats, bytes))
+    }
+}
+
+fn process_info(pid: u32, ppid: u32, cmdline: &[String], comm: &str, uid: Option<u32>) -> ProcessInfo {
+    ProcessInfo {
+        pid: pid as i32,
+        ppid: ppid as i32,
+        // The importer skips processes without a cmdline: fall back to the comm.
+        cmdline: if cmdline.is_empty() { vec![comm.to_string()] } else { cmdline.to_vec() },
+        uid,
+    }
+}
+
+/// Converts symbolized frames, sharing one `Mapping` per module.
+#[derive(Default)]
+struct FrameConverter {
+    mappings: HashMap<(Arc<str>, u64), Arc<pf::Mapping>>,
+}
+
+impl FrameConverter {
+    fn frame(&mut self, f: &SymFrame) -> pf::Frame {
+        if f.is_kernel() {
+            return pf::Frame::kernel(f.function.to_string(), f.rel_pc);
+        }
+        let mapping = self
+            .mappings
+            .entry((f.module.clone(), f.module_start))
+            .or_insert_with(|| {
+                Arc::new(pf::Mapping {
+                    path: f.module.to_string(),
+                    build_id: None,
+                    start: f.module_start,
+                    end: f.module_end,
+                    start_offset: f.module_offset,
+                    load_bias: 0,
+                })
+            })
+            .clone();
+        pf::Frame::new(f.function.to_string(), mapping, f.rel_pc)
+    }
+}

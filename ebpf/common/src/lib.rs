@@ -1,0 +1,278 @@
+//! The event ABI shared by xpuscope's kernel programs and its agent.
+//!
+//! This crate is the only definition of what crosses the kernel/user
+//! boundary: the `#[repr(C)]` records pushed to the ring buffer, the globals
+//! and configuration the agent writes before and while the programs run, map
+//! names and limits. Every record starts with an [`EventHeader`] whose `kind`
+//! says which record follows; sizes are checked at compile time so both sides
+//! agree, and the agent's tests check the offsets it decodes.
+//!
+//! It is `no_std` so the kernel crate can use it; the `user` feature adds the
+//! `aya::Pod` impls the agent needs to read and write maps.
+#![no_std]
+
+/// Length of a task's `comm` (`TASK_COMM_LEN`).
+pub const COMM_LEN: usize = 16;
+/// Frames kept per stack (kernel and user stacks each).
+pub const MAX_STACK_DEPTH: usize = 64;
+/// Entries of the per-CPU drop counter array (indexed by [`EventKind`]).
+pub const DROP_SLOTS: u32 = 16;
+/// Most CPUs the per-CPU "tracked" flags cover.
+pub const MAX_CPUS: u32 = 1024;
+/// Most traced processes (tgids) at once.
+pub const MAX_TARGETS: u32 = 16384;
+/// Most threads with a stack-sampling budget at once (LRU).
+pub const MAX_STACK_BUDGETS: u32 = 65536;
+
+/// Map names, looked up by the agent.
+pub mod maps {
+    pub const EVENTS: &str = "EVENTS";
+    pub const TARGETS: &str = "TARGETS";
+    pub const TRACKED_CPUS: &str = "TRACKED_CPUS";
+    pub const DROPS: &str = "DROPS";
+    pub const CONFIG: &str = "CONFIG";
+    pub const STACK_BUDGETS: &str = "STACK_BUDGETS";
+}
+
+/// Global (read-only data) names, set by the agent at load time.
+pub mod globals {
+    /// `u32`: the agent's own tgid.
+    pub const AGENT_TGID: &str = "AGENT_TGID";
+    /// [`super::TaskOffsets`]: `task_struct` field offsets read from BTF.
+    pub const TASK_OFFSETS: &str = "TASK_OFFSETS";
+}
+
+/// What follows an [`EventHeader`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    SchedSwitch = 1,
+    SchedWaking = 2,
+    SchedWakeupNew = 3,
+    ProcessFork = 4,
+    ProcessExec = 5,
+    ProcessExit = 6,
+    TaskRename = 7,
+    OffCpuStack = 8,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 8] = [
+        EventKind::SchedSwitch,
+        EventKind::SchedWaking,
+        EventKind::SchedWakeupNew,
+        EventKind::ProcessFork,
+        EventKind::ProcessExec,
+        EventKind::ProcessExit,
+        EventKind::TaskRename,
+        EventKind::OffCpuStack,
+    ];
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| *k as u32 == v)
+    }
+}
+
+/// Drop-counter slot for stacks that could not be captured although the
+/// record carrying them was written (e.g. a user stack of a kernel thread).
+pub const DROP_SLOT_STACK_ERRORS: u32 = 15;
+
+/// Common header of every record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EventHeader {
+    /// An [`EventKind`] value.
+    pub kind: u32,
+    /// CPU the event fired on.
+    pub cpu: u32,
+    /// CLOCK_BOOTTIME nanoseconds.
+    pub ts: u64,
+}
+
+/// `sched_switch` flags.
+pub mod switch_flags {
+    /// The switch was a preemption (the previous task was still runnable).
+    pub const PREEMPT: u32 = 1;
+    /// The previous task belongs to a traced process.
+    pub const PREV_TARGET: u32 = 2;
+    /// The next task belongs to a traced process.
+    pub const NEXT_TARGET: u32 = 4;
+    /// An [`super::OffCpuStack`] record for the previous task follows.
+    pub const STACK_FOLLOWS: u32 = 8;
+}
+
+/// A context switch on `header.cpu` from `prev` to `next`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SchedSwitch {
+    pub header: EventHeader,
+    pub prev_tid: u32,
+    pub prev_tgid: u32,
+    pub next_tid: u32,
+    pub next_tgid: u32,
+    /// The raw `prev->__state` the tracepoint passes (TASK_* bits).
+    pub prev_state: u32,
+    pub prev_prio: i32,
+    pub next_prio: i32,
+    /// [`switch_flags`] bits.
+    pub flags: u32,
+    pub prev_comm: [u8; COMM_LEN],
+    pub next_comm: [u8; COMM_LEN],
+}
+
+/// `sched_waking` or `sched_wakeup_new`: the waker is the task running on
+/// `header.cpu` (`waker_tid`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SchedWaking {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    pub target_cpu: u32,
+    pub prio: i32,
+    pub waker_tid: u32,
+    pub waker_tgid: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A new task: a thread (`child_tgid == parent_tgid`) or a process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessFork {
+    pub header: EventHeader,
+    pub parent_tid: u32,
+    pub parent_tgid: u32,
+    pub child_tid: u32,
+    pub child_tgid: u32,
+    pub child_comm: [u8; COMM_LEN],
+}
+
+/// A successful exec; `comm` is the new name.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessExec {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// The tid before exec (a non-leader thread that execs takes the leader's).
+    pub old_tid: u32,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A task exiting (`sched_process_exit`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessExit {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    pub prio: i32,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A thread renamed (`prctl(PR_SET_NAME)`, `pthread_setname_np`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TaskRename {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    pub old_comm: [u8; COMM_LEN],
+    pub new_comm: [u8; COMM_LEN],
+}
+
+/// The stacks of a traced thread as it leaves the CPU; it belongs to the
+/// [`SchedSwitch`] with the same cpu and timestamp whose `prev_tid` is `tid`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct OffCpuStack {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Bytes of `kernel` filled (frames * 8), or a negative errno.
+    pub kernel_bytes: i32,
+    /// Bytes of `user` filled (frames * 8), or a negative errno.
+    pub user_bytes: i32,
+    /// Leaf first, as the kernel walks it.
+    pub kernel: [u64; MAX_STACK_DEPTH],
+    /// Leaf first.
+    pub user: [u64; MAX_STACK_DEPTH],
+}
+
+/// `task_struct` field offsets (bytes), read from the running kernel's BTF
+/// because Rust eBPF has no CO-RE relocations.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TaskOffsets {
+    pub pid: u32,
+    pub tgid: u32,
+    pub prio: u32,
+    pub comm: u32,
+    /// `thread_info.cpu` (x86-64) or `cpu`; [`TaskOffsets::ABSENT`] if neither.
+    pub cpu: u32,
+    pub _pad: u32,
+}
+
+impl TaskOffsets {
+    pub const ABSENT: u32 = u32::MAX;
+}
+
+/// Off-CPU stack capture policy (see [`Config::stack_mode`]).
+pub mod stack_mode {
+    /// No stacks.
+    pub const OFF: u32 = 0;
+    /// A per-thread token bucket: at most `stack_rate` stacks per second per
+    /// thread on average, with bursts of `stack_burst`.
+    pub const SAMPLED: u32 = 1;
+    /// A stack at every switch-out of a traced thread.
+    pub const ALL: u32 = 2;
+}
+
+/// Runtime configuration (map `CONFIG`, index 0), changeable while attached.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Record every task's scheduling, not only the targets'.
+    pub system_wide: u32,
+    /// A [`stack_mode`] value.
+    pub stack_mode: u32,
+    /// Stacks per second per thread in [`stack_mode::SAMPLED`].
+    pub stack_rate: u32,
+    /// Burst size in [`stack_mode::SAMPLED`].
+    pub stack_burst: u32,
+    /// Ring-buffer fill (bytes) above which a submit wakes the reader; below
+    /// it the reader drains on its own timer, so the agent's own wakeups do
+    /// not feed back into events.
+    pub wakeup_bytes: u64,
+}
+
+/// Per-thread token bucket state for [`stack_mode::SAMPLED`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StackBudget {
+    /// Credit in nanoseconds; a stack costs `1e9 / stack_rate`.
+    pub credit_ns: u64,
+    pub last_ns: u64,
+}
+
+// Both sides rely on these sizes; a change here is an ABI change.
+const _: () = assert!(core::mem::size_of::<EventHeader>() == 16);
+const _: () = assert!(core::mem::size_of::<SchedSwitch>() == 80);
+const _: () = assert!(core::mem::size_of::<SchedWaking>() == 56);
+const _: () = assert!(core::mem::size_of::<ProcessFork>() == 48);
+const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
+const _: () = assert!(core::mem::size_of::<ProcessExit>() == 48);
+const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
+const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<Config>() == 24);
+const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: plain-old-data records with explicit padding and no pointers.
+    unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::TaskOffsets {}
+    unsafe impl aya::Pod for super::StackBudget {}
+}

@@ -1,0 +1,52 @@
+//! Ring-buffer plumbing: reserve (counting failures) and submit with a
+//! wakeup policy that keeps the agent from tracing itself into a storm.
+
+use aya_ebpf::{
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::bpf_ktime_get_boot_ns,
+    maps::ring_buf::RingBufEntry,
+};
+use xpuscope_common::{Config, EventHeader, EventKind};
+
+use crate::maps::{EVENTS, count_drop};
+
+/// Reserves a record of type `T` (whose first field is an [`EventHeader`])
+/// and fills the header; `None` (counted as a drop of `kind`) if full.
+#[inline(always)]
+pub fn reserve<T: 'static>(kind: EventKind, cpu: u32, ts: u64) -> Option<RingBufEntry<T>> {
+    match EVENTS.reserve::<T>(0) {
+        Some(mut entry) => {
+            let header = entry.as_mut_ptr() as *mut EventHeader;
+            // SAFETY: every record type starts with an EventHeader (repr(C)),
+            // and the entry is at least that large.
+            unsafe {
+                (*header).kind = kind as u32;
+                (*header).cpu = cpu;
+                (*header).ts = ts;
+            }
+            Some(entry)
+        }
+        None => {
+            count_drop(kind as u32);
+            None
+        }
+    }
+}
+
+/// Submit flags: wake the reader only once enough data is waiting; the
+/// reader also drains on a short timer.
+#[inline(always)]
+pub fn submit_flags(config: &Config) -> u64 {
+    let waiting = EVENTS.query(BPF_RB_AVAIL_DATA as u64);
+    if waiting >= config.wakeup_bytes {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
+#[inline(always)]
+pub fn now() -> u64 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_ktime_get_boot_ns() }
+}

@@ -1,0 +1,93 @@
+/* Shared declarations of the simulated training rank. */
+#ifndef SIM_H
+#define SIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SIM_NOINLINE __attribute__((noinline))
+#define SIM_MAX_COMMS 8
+#define SIM_MAX_MEMBERS 256
+#define SIM_NAME_LEN 64
+
+/* One communicator this rank belongs to (a line of the launcher's comm file). */
+struct sim_comm {
+    char name[SIM_NAME_LEN]; /* e.g. "dp0", "tp3", "pp0-1.2" */
+    char kind[8];            /* "dp", "tp" or "pp" */
+    int size;
+    int rank; /* this process's rank inside the communicator */
+    int members[SIM_MAX_MEMBERS];
+    void *handle; /* ncclComm_t / HcclComm */
+    uint64_t seq; /* collectives issued so far (1-based seq of the next is seq + 1) */
+};
+
+/* Faults this rank injects into itself; a field < 0 (or empty name) = off. */
+struct sim_faults {
+    double slow_factor;
+    long slow_from_step;
+    long stall_step;
+    long stall_ms;
+    long leak_from_step;
+    long leak_mb;
+    long crash_step;
+    int crash_signal;
+    char hang_comm[SIM_NAME_LEN]; /* hang before collective hang_seq of hang_comm */
+    long hang_seq;
+    long hang_step; /* or before the gradient all-reduce of this step */
+    char delay_comm[SIM_NAME_LEN];
+    long delay_seq;
+    long delay_step;
+    long delay_ms;
+};
+
+struct sim_config {
+    int rank, local_rank, world_size;
+    long steps;
+    int microbatches;
+    int layers;           /* forward kernels per microbatch */
+    long kernel_us;       /* forward kernel time; backward kernels take twice */
+    int opt_kernels;      /* optimizer kernels per step */
+    long opt_kernel_us;
+    long host_us;         /* CPU time the main thread spends per step (dispatch) */
+    long loader_us;       /* CPU time the dataloader spends per batch */
+    int prefetch;         /* dataloader queue depth */
+    long grad_mb;         /* gradient bucket all-reduced over DP each step */
+    long act_kb;          /* activation per microbatch (PP send/recv, TP gather) */
+    long start_delay_ms;  /* pause after init so an agent can attach */
+    const char *start_gate; /* or wait until this file exists */
+    const char *comm_file;
+    const char *rdv_dir;
+    const char *step_log;
+    int tolerate_errors;  /* keep going when the device library fails (real libs) */
+    struct sim_faults faults;
+};
+
+/* clocks */
+uint64_t sim_boot_ns(void);
+uint64_t sim_real_ns(void);
+void sim_sleep_ns(uint64_t ns);
+void sim_cpu_work_us(long us);
+
+/* config.c */
+int sim_parse_args(struct sim_config *cfg, int argc, char **argv);
+
+/* steplog.c: JSON lines, one writer shared by the threads */
+int steplog_open(const char *path, int rank);
+void steplog_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void steplog_flush(void);
+
+/* comms.c */
+int comms_load(const char *path, struct sim_comm *comms, int max);
+int comms_rendezvous_init(struct sim_comm *comms, int n, const char *rdv_dir, int tolerate);
+
+/* dataloader.c */
+struct sim_batch {
+    long index;
+    size_t bytes;
+    unsigned char *data;
+};
+int dataloader_start(const struct sim_config *cfg);
+struct sim_batch *dataloader_next(void);
+void dataloader_release(struct sim_batch *b);
+
+#endif

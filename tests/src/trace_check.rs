@@ -1,0 +1,1 @@
+//! Placeholder: the perfetto work writes the decoder and importer-rule checker here.

@@ -1,0 +1,141 @@
+//! Building the kernel programs, the agent and the fixtures; the demo and
+//! the full test run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{clean_command, root, run_checked, setup};
+
+/// Where `build-ebpf` leaves the object the agent embeds.
+pub fn ebpf_object() -> PathBuf {
+    root().join("ebpf/programs/target/bpfel-unknown-none/release/xpuscope-ebpf")
+}
+
+pub fn ebpf() -> Result<()> {
+    setup::run()?;
+    run_checked(
+        clean_command("cargo")
+            .current_dir(root().join("ebpf/programs"))
+            .env(
+                "CARGO_ENCODED_RUSTFLAGS",
+                ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
+            )
+            // Always release: debug builds fail the verifier.
+            .args([
+                "+nightly",
+                "build",
+                "--target",
+                "bpfel-unknown-none",
+                "-Z",
+                "build-std=core",
+                "--release",
+            ]),
+        "building the eBPF programs",
+    )?;
+    let obj = ebpf_object();
+    if !obj.exists() {
+        bail!("the eBPF build finished but {} is missing", obj.display());
+    }
+    Ok(())
+}
+
+pub fn fixtures() -> Result<()> {
+    for dir in ["workloads", "standins", "sim"] {
+        let src = root().join("tests").join(dir);
+        if !src.join("Makefile").exists() {
+            continue;
+        }
+        let out = root().join("target/fixtures").join(dir);
+        std::fs::create_dir_all(&out)?;
+        run_checked(
+            Command::new("make")
+                .arg("-s")
+                .arg("-C")
+                .arg(&src)
+                .arg(format!("OUT={}", out.display())),
+            &format!("building fixtures in tests/{dir}"),
+        )?;
+    }
+    Ok(())
+}
+
+fn agent_release() -> Result<()> {
+    run_checked(
+        clean_command("cargo").args(["build", "--release", "-p", "xpuscope-agent"]),
+        "building the agent",
+    )
+}
+
+pub fn all() -> Result<()> {
+    ebpf()?;
+    agent_release()?;
+    fixtures()
+}
+
+/// The agent binary `build` produces.
+pub fn agent_binary() -> PathBuf {
+    root().join("target/release/agent")
+}
+
+/// Kills and reaps a child on drop.
+pub struct ChildGuard(pub Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn demo(output: &Path, duration: &str) -> Result<()> {
+    all()?;
+    let workload = root().join("target/fixtures/workloads/xpuscope-workload");
+    let child = Command::new(&workload)
+        .args(["loop", "60"])
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", workload.display()))?;
+    let guard = ChildGuard(child);
+    let pid = guard.0.id();
+    // Let it start its threads, as a real job would be running already.
+    std::thread::sleep(Duration::from_millis(300));
+    let output = if output.is_absolute() {
+        output.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(output)
+    };
+    eprintln!("xtask: demo workload running as pid {pid}; attaching for {duration}");
+    let started = Instant::now();
+    run_checked(
+        Command::new(agent_binary())
+            .args(["attach", "--pid", &pid.to_string(), "--duration", duration, "-o"])
+            .arg(&output),
+        "agent attach",
+    )?;
+    drop(guard);
+    println!(
+        "\nDemo trace written to {} ({:.1} s).\nOpen it at https://ui.perfetto.dev (\"Open trace file\"): \
+         CPU tracks, the workload's threads with their states, wakeups,\n\
+         off-CPU stacks (select an area on a thread's callstack track for a flamegraph).",
+        output.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn test(extra: &[String]) -> Result<()> {
+    all()?;
+    run_checked(
+        clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
+        "cargo fmt --check",
+    )?;
+    let mut cmd = clean_command("cargo");
+    cmd.args(["test", "--workspace", "--no-fail-fast"]);
+    if !extra.is_empty() {
+        cmd.args(extra);
+    }
+    run_checked(&mut cmd, "cargo test")
+}

@@ -1,0 +1,112 @@
+//! `cargo xtask <task>`: everything needed to go from a fresh clone to a
+//! traced demo or a full test run, idempotently.
+//!
+//! - `setup`: nightly `rust-src` and `bpf-linker` built against the nightly's
+//!   own libLLVM (see `shared/design/toolchain.md`);
+//! - `build-ebpf`: the kernel programs, for `bpfel-unknown-none`;
+//! - `build`: kernel programs, the agent (release) and the test fixtures;
+//! - `demo`: build, start the bundled workload, attach to it, write a trace;
+//! - `test`: build everything and run every test;
+//! - `bench`: the overhead and throughput benchmarks.
+
+mod bench;
+mod build;
+mod setup;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "xpuscope developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what the kernel side needs (idempotent).
+    Setup,
+    /// Build the eBPF programs.
+    BuildEbpf,
+    /// Build the eBPF programs, the agent (release) and the test fixtures.
+    Build,
+    /// Build, then trace the bundled demo workload and write a trace.
+    Demo {
+        /// Where to write the trace.
+        #[arg(short, long, default_value = "xpuscope-demo.pftrace")]
+        output: PathBuf,
+        /// How long to record.
+        #[arg(long, default_value = "5s")]
+        duration: String,
+    },
+    /// Build everything and run all tests.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Run the benchmarks and print their figures.
+    Bench {
+        /// Seconds per measured phase.
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.task {
+        Task::Setup => setup::run(),
+        Task::BuildEbpf => build::ebpf(),
+        Task::Build => build::all(),
+        Task::Demo { output, duration } => build::demo(&output, &duration),
+        Task::Test { args } => build::test(&args),
+        Task::Bench { seconds } => bench::run(seconds),
+    }
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// A command with the variables a parent `cargo run` sets removed, so nested
+/// cargo invocations pick their own toolchain and target dir.
+pub fn clean_command(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if key == "RUSTUP_TOOLCHAIN"
+            || key == "RUSTFLAGS"
+            || key == "RUSTC"
+            || key == "RUSTDOC"
+            || key == "CARGO_ENCODED_RUSTFLAGS"
+            || key.starts_with("CARGO_PKG_")
+            || key == "CARGO_MANIFEST_DIR"
+            || key == "CARGO_MANIFEST_PATH"
+            || key == "CARGO_PRIMARY_PACKAGE"
+        {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Runs `cmd`, failing with its description if it does not succeed.
+pub fn run_checked(cmd: &mut Command, what: &str) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {what} ({cmd:?})"))?;
+    if !status.success() {
+        bail!("{what} failed ({status})");
+    }
+    Ok(())
+}
