@@ -66,6 +66,20 @@ pub struct RunSummary {
     pub offcpu_with_stack_ns: u64,
     pub top_offcpu: Vec<Ranked>,
     pub top_preemptors: Vec<Ranked>,
+    /// The agent's own CPU time (user + system) for the whole run.
+    pub agent_cpu_seconds: f64,
+    /// The agent's peak resident memory.
+    pub agent_peak_rss_bytes: u64,
+}
+
+/// The agent's own CPU seconds and peak RSS so far.
+fn own_usage() -> (f64, u64) {
+    // SAFETY: getrusage fills the struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    (secs(ru.ru_utime) + secs(ru.ru_stime), ru.ru_maxrss.max(0) as u64 * 1024)
 }
 
 fn kind_name(kind: EventKind) -> String {
@@ -109,7 +123,10 @@ impl RunSummary {
                 dropped: dropped.get(*k as usize).copied().unwrap_or(0),
             })
             .collect();
+        let (agent_cpu_seconds, agent_peak_rss_bytes) = own_usage();
         Self {
+            agent_cpu_seconds,
+            agent_peak_rss_bytes,
             output: cfg.output.display().to_string(),
             stop_reason,
             seconds: elapsed.as_secs_f64(),
@@ -164,6 +181,12 @@ impl RunSummary {
                 eprintln!("    {:>9.3} s {:>7}x  {}", secs(r.total_ns), r.count, r.what);
             }
         }
+        eprintln!(
+            "  agent:   {:.2} s CPU ({:.0} ns per event), peak RSS {:.0} MB",
+            self.agent_cpu_seconds,
+            self.agent_cpu_seconds * 1e9 / self.events.max(1) as f64,
+            self.agent_peak_rss_bytes as f64 / 1e6
+        );
         eprintln!(
             "  trace:   {} ({:.1} MB); open it at https://ui.perfetto.dev",
             self.output,

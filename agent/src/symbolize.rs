@@ -57,6 +57,9 @@ pub struct StackSymbolizer {
     kernel: HashMap<u64, SymFrame>,
     user: HashMap<(u32, u64), SymFrame>,
     maps: HashMap<u32, ProcessMapsCache>,
+    /// Processes forked (not exec'd) from another: same address space at
+    /// fork, so the parent can stand in once the child is gone.
+    forked_from: HashMap<u32, u32>,
     kernel_name: Arc<str>,
     pub lookups: u64,
     pub cache_hits: u64,
@@ -75,6 +78,7 @@ impl StackSymbolizer {
             kernel: HashMap::new(),
             user: HashMap::new(),
             maps: HashMap::new(),
+            forked_from: HashMap::new(),
             kernel_name: Arc::from("kernel"),
             lookups: 0,
             cache_hits: 0,
@@ -135,7 +139,8 @@ impl StackSymbolizer {
         self.lookups += addrs.len() as u64;
         self.cache_hits += (addrs.len() - missing.len()) as u64;
         if !missing.is_empty() {
-            let src = Source::Process(Process::new(tgid.into()));
+            let pid = self.live_stand_in(tgid, missing[0]);
+            let src = Source::Process(Process::new(pid.into()));
             let lookup: Vec<u64> = missing.iter().map(|a| a.saturating_sub(1)).collect();
             let names: Vec<Option<String>> = self
                 .symbolizer
@@ -148,8 +153,8 @@ impl StackSymbolizer {
                 })
                 .collect();
             for (i, addr) in missing.iter().enumerate() {
-                let mapping = self.maps_for(tgid, *addr).and_then(|m| m.find(*addr)).cloned();
-                let (module, start, end, offset, rel_pc) = match &mapping {
+                let mapping = self.maps_for(pid, *addr).and_then(|m| m.find(*addr)).cloned();
+                let (module, start, end, offset, rel_pc): (Arc<str>, u64, u64, u64, u64) = match &mapping {
                     Some(m) if !m.path.is_empty() => (
                         Arc::from(m.path.as_str()),
                         m.start,
@@ -190,7 +195,30 @@ impl StackSymbolizer {
     /// belong to another program).
     pub fn forget_process(&mut self, tgid: u32) {
         self.maps.remove(&tgid);
+        self.forked_from.remove(&tgid);
         self.user.retain(|(pid, _), _| *pid != tgid);
+    }
+
+    /// `child` was forked from `parent` (without exec, so far).
+    pub fn process_forked(&mut self, child: u32, parent: u32) {
+        self.forked_from.insert(child, parent);
+    }
+
+    /// The process whose memory describes `tgid`'s addresses: itself while it
+    /// lives, else the live ancestor it was forked from.
+    fn live_stand_in(&mut self, tgid: u32, addr: u64) -> u32 {
+        let mut pid = tgid;
+        for _ in 0..8 {
+            // A zombie still has /proc/PID/maps, but empty.
+            if self.maps_for(pid, addr).is_some_and(|m| m.find(addr).is_some()) {
+                return pid;
+            }
+            match self.forked_from.get(&pid) {
+                Some(parent) => pid = *parent,
+                None => break,
+            }
+        }
+        tgid
     }
 }
 

@@ -185,6 +185,7 @@ impl<W: Write> TraceBuilder<W> {
         self.writer.task_newtask(f.cpu, f.ts, f.parent_tid as i32, f.child_tid as i32, &name, flags, 0)?;
         self.threads.insert(f.child_tid, (f.child_tgid, name.clone()));
         if !f.is_thread() {
+            self.symbolizer.process_forked(f.child_tgid, f.parent_tgid);
             let cmdline = procfs::cmdline(f.child_tgid);
             let p = process_info(f.child_tgid, f.parent_tgid, &cmdline, &name, None);
             self.writer.process_tree(f.ts, &[p], &[ThreadInfo {

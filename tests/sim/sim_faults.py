@@ -3,9 +3,9 @@ environment variables or launcher actions, and described in the ground truth.
 
 A fault is given on the command line as `KIND:key=value,key=value` or in a
 JSON fault file (a list of objects, or {"faults": [...]}) with the same keys
-plus "kind". Steps are 0-based; collective sequence numbers (seq) are 1-based
-and count every operation the rank issues on that communicator, start-up
-broadcast included (see sim_layout.collectives_per_step).
+plus "kind". Steps are 0-based; sequence numbers (seq) are 0-based and count
+the operations the rank issues on that communicator, the start-up broadcast
+included (see sim_layout.collectives_per_step), as the stand-ins count them.
 
   slow            rank, factor=3, from_step=0      compute kernels take factor x longer
   hang            rank, step | comm+seq            stop before that collective (the

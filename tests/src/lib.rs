@@ -1,10 +1,12 @@
 //! Shared support for xpuscope's end-to-end tests.
 //!
+//! - [`agent`]: runs the real agent and workloads under guards.
 //! - [`fixtures`]: builds the native fixtures (workloads, stand-in device
 //!   libraries, the simulated training job) from source, once per test run.
 //! - [`trace_check`]: decodes a trace with the official Perfetto schema (the
 //!   `perfetto_protos` crate, independent of the writer's prost types) and
 //!   checks the trace-processor importer's rules.
 
+pub mod agent;
 pub mod fixtures;
 pub mod trace_check;

@@ -19,9 +19,10 @@ static const char usage[] =
     "  --stall MS@STEP          dataloader sleeps MS before batch STEP\n"
     "  --leak MB@STEP           allocate MB more device memory every step from STEP\n"
     "  --crash SIGNAL@STEP      raise SIGNAL at the start of STEP\n"
-    "  --hang COMM@SEQ          stop forever before collective SEQ (1-based) of COMM\n"
+    "  --hang COMM@SEQ          stop forever before operation SEQ (0-based) of COMM\n"
     "  --hang-step STEP         stop forever before the gradient all-reduce of STEP\n"
-    "  --delay MS@COMM@SEQ      arrive MS late at collective SEQ of COMM\n"
+    "  --hang-inside SEQ        log where STANDIN_*_HANG_AT_SEQ=SEQ takes effect\n"
+    "  --delay MS@COMM@SEQ      arrive MS late at operation SEQ (0-based) of COMM\n"
     "  --delay-step MS@STEP     arrive MS late at the gradient all-reduce of STEP\n";
 
 static long env_long(const char *name, long def) {
@@ -88,13 +89,13 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         .grad_mb = 4,
         .act_kb = 256,
         .faults = {.slow_factor = 1.0, .slow_from_step = -1, .stall_step = -1,
-                   .leak_from_step = -1, .crash_step = -1, .hang_seq = -1, .hang_step = -1,
+                   .leak_from_step = -1, .crash_step = -1, .hang_seq = -1, .hang_step = -1, .hang_inside_seq = -1,
                    .delay_seq = -1, .delay_step = -1},
     };
     enum {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
-        O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HELP
+        O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -109,7 +110,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"stall", 1, 0, O_STALL},          {"leak", 1, 0, O_LEAK},
         {"crash", 1, 0, O_CRASH},          {"hang", 1, 0, O_HANG},
         {"hang-step", 1, 0, O_HANGSTEP},   {"delay", 1, 0, O_DELAY},
-        {"delay-step", 1, 0, O_DELAYSTEP}, {"help", 0, 0, O_HELP},
+        {"delay-step", 1, 0, O_DELAYSTEP}, {"hang-inside", 1, 0, O_HANGIN},
+        {"help", 0, 0, O_HELP},
         {0, 0, 0, 0},
     };
     struct sim_faults *f = &cfg->faults;
@@ -163,6 +165,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
             if (split_name_at(v, f->hang_comm, &f->hang_seq)) return bad("hang", v);
             break;
         case O_HANGSTEP: f->hang_step = atol(v); break;
+        case O_HANGIN: f->hang_inside_seq = atol(v); break;
         case O_DELAY: {
             char *end;
             f->delay_ms = strtol(v, &end, 10);

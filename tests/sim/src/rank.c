@@ -57,6 +57,7 @@ static struct {
     size_t nleaked, leaked_cap;
     long step;
     uint64_t step_kernel_ns;
+    int hang_inside_logged;
 } R;
 
 static uint64_t now(void) { return sim_boot_ns(); }
@@ -98,13 +99,16 @@ static SIM_NOINLINE void crash_now(int sig) {
     abort();
 }
 
+/* Called before every operation on a communicator; `seq` is the operation's
+ * 0-based index on that communicator (the stand-ins number collectives the
+ * same way, and no communicator here mixes collectives with send/recv). */
 static void before_collective(struct sim_comm *c, const char *op, int grad_sync) {
     const struct sim_faults *f = &R.cfg.faults;
-    c->seq++;
+    uint64_t seq = c->seq++;
     char extra[256];
     snprintf(extra, sizeof extra, ",\"comm\":\"%s\",\"seq\":%llu,\"op\":\"%s\"", c->name,
-             (unsigned long long)c->seq, op);
-    int delay = (f->delay_seq > 0 && c->seq == (uint64_t)f->delay_seq &&
+             (unsigned long long)seq, op);
+    int delay = (f->delay_seq >= 0 && seq == (uint64_t)f->delay_seq &&
                  !strcmp(c->name, f->delay_comm)) ||
                 (grad_sync && f->delay_step == R.step);
     if (delay && f->delay_ms > 0) {
@@ -113,12 +117,19 @@ static void before_collective(struct sim_comm *c, const char *op, int grad_sync)
         log_fault("delay", e2);
         late_before_collective(f->delay_ms);
     }
-    int hang = (f->hang_seq > 0 && c->seq == (uint64_t)f->hang_seq &&
+    int hang = (f->hang_seq >= 0 && seq == (uint64_t)f->hang_seq &&
                 !strcmp(c->name, f->hang_comm)) ||
                (grad_sync && f->hang_step == R.step);
     if (hang) {
         log_fault("hang", extra);
         stuck_before_collective();
+    }
+    /* STANDIN_*_HANG_AT_SEQ blocks inside the first collective (not send/recv)
+     * reaching that index; say which one it is. */
+    if (f->hang_inside_seq >= 0 && seq == (uint64_t)f->hang_inside_seq &&
+        strcmp(c->kind, "pp") != 0 && !R.hang_inside_logged) {
+        R.hang_inside_logged = 1;
+        log_fault("hang_inside", extra);
     }
 }
 

@@ -18,7 +18,7 @@ struct sim_comm {
     int rank; /* this process's rank inside the communicator */
     int members[SIM_MAX_MEMBERS];
     void *handle; /* ncclComm_t / HcclComm */
-    uint64_t seq; /* collectives issued so far (1-based seq of the next is seq + 1) */
+    uint64_t seq; /* operations issued so far = 0-based seq of the next one */
 };
 
 /* Faults this rank injects into itself; a field < 0 (or empty name) = off. */
@@ -31,8 +31,9 @@ struct sim_faults {
     long leak_mb;
     long crash_step;
     int crash_signal;
-    char hang_comm[SIM_NAME_LEN]; /* hang before collective hang_seq of hang_comm */
+    char hang_comm[SIM_NAME_LEN]; /* hang before operation hang_seq (0-based) of hang_comm */
     long hang_seq;
+    long hang_inside_seq; /* STANDIN_*_HANG_AT_SEQ is set to this (logged only) */
     long hang_step; /* or before the gradient all-reduce of this step */
     char delay_comm[SIM_NAME_LEN];
     long delay_seq;
