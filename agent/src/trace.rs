@@ -129,8 +129,14 @@ impl<W: Write> TraceBuilder<W> {
                 tgid: s.next_tgid,
                 comm: s.next_comm.as_str().into_owned(),
             });
+            // Preemption by another thread of the traced job is the job's own
+            // business (and happens at every wakeup); an outsider taking the
+            // CPU is interference worth a marker on the thread's track.
             if let Some(p) = &preemptor {
-                self.preempted(s, p)?;
+                self.stats.preemptions += 1;
+                if !s.next_target {
+                    self.preempted_by_outsider(s, p)?;
+                }
             }
             // A dying thread's last switch-out is not a wait: it never returns.
             if state != REPORT_DEAD && state != REPORT_ZOMBIE {
@@ -160,8 +166,7 @@ impl<W: Write> TraceBuilder<W> {
         Ok(track)
     }
 
-    fn preempted(&mut self, s: &Switch, by: &Preemptor) -> Result<()> {
-        self.stats.preemptions += 1;
+    fn preempted_by_outsider(&mut self, s: &Switch, by: &Preemptor) -> Result<()> {
         let track = self.thread_track(s.prev_tid)?;
         let args = [
             Arg::new("by_comm", ArgValue::Str(by.comm.clone())),

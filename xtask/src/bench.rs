@@ -1,1 +1,225 @@
-pub fn run(_seconds: u64) -> anyhow::Result<()> { anyhow::bail!("benchmarks: not written yet") }
+//! `cargo xtask bench`: overhead and throughput figures, always as ratios
+//! against a baseline measured in the same run, interleaved so machine noise
+//! hits every variant alike.
+//!
+//! 1. Scheduling capture overhead: a pinned pipe ping-pong between two
+//!    threads of the target (two switches and two wakeups per round trip),
+//!    without the agent, with it (no stacks), with the default sampled stack
+//!    policy, and with a stack at every switch. Also: events/s the agent
+//!    consumed and its drops during those runs.
+//! 2. Trace writer: switch events encoded per second on one core, and bytes
+//!    per switch in the file.
+//! 3. A system-wide recording under load: the agent's own CPU per event and
+//!    peak RSS.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::build::{self, ChildGuard};
+use crate::{clean_command, root, run_checked};
+
+fn workload() -> std::path::PathBuf {
+    root().join("target/fixtures/workloads/xpuscope-workload")
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Variant {
+    Baseline,
+    NoStacks,
+    Sampled,
+    AllStacks,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Baseline => "no agent",
+            Variant::NoStacks => "agent, no stacks",
+            Variant::Sampled => "agent, sampled stacks (default)",
+            Variant::AllStacks => "agent, stack at every switch",
+        }
+    }
+    fn stacks_arg(self) -> Option<&'static str> {
+        match self {
+            Variant::Baseline => None,
+            Variant::NoStacks => Some("off"),
+            Variant::Sampled => Some("sampled"),
+            Variant::AllStacks => Some("all"),
+        }
+    }
+}
+
+struct PingPongRun {
+    ns_per_round_trip: f64,
+    seconds: f64,
+    stats: Option<Value>,
+}
+
+/// One ping-pong run of `iters` round trips, optionally under the agent.
+fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
+    let mut wl = Command::new(workload())
+        .args(["pingpong", &iters.to_string(), "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the ping-pong workload")?;
+    let mut stdin = wl.stdin.take().context("stdin")?;
+    let stdout = wl.stdout.take().context("stdout")?;
+    let guard = ChildGuard(wl);
+    let stats_path = dir.join("bench-stats.json");
+    let mut agent = None;
+    if let Some(stacks) = variant.stacks_arg() {
+        let mut child = Command::new(build::agent_binary())
+            .args(["attach", "--pid", &guard.0.id().to_string(), "--stacks", stacks, "-o"])
+            .arg(dir.join("bench.pftrace"))
+            .arg("--stats-json")
+            .arg(&stats_path)
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting the agent")?;
+        let stderr = child.stderr.take().context("agent stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.contains("xpuscope: recording") => break,
+                Some(Ok(_)) => continue,
+                _ => bail!("the agent stopped before recording"),
+            }
+        }
+        // Keep draining its stderr so it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        agent = Some(ChildGuard(child));
+    }
+    let started = Instant::now();
+    stdin.write_all(b"go\n")?;
+    stdin.flush()?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let result: Value = serde_json::from_str(line.trim()).context("ping-pong result")?;
+    let mut stats = None;
+    if let Some(mut a) = agent {
+        let end = Instant::now() + Duration::from_secs(30);
+        while a.0.try_wait()?.is_none() {
+            if Instant::now() > end {
+                bail!("the agent did not stop after the target exited");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        stats = Some(serde_json::from_slice(&std::fs::read(&stats_path)?)?);
+    }
+    drop(guard);
+    Ok(PingPongRun {
+        ns_per_round_trip: result["ns_per_round_trip"].as_f64().context("ns_per_round_trip")?,
+        seconds,
+        stats,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn run(seconds: u64) -> Result<()> {
+    build::all()?;
+    let dir = root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+
+    // Calibrate the iteration count to about `seconds` per run.
+    let probe = pingpong(20_000, Variant::Baseline, &dir)?;
+    let iters = ((seconds as f64 * 1e9) / probe.ns_per_round_trip).max(10_000.0) as u64;
+    let variants = [Variant::Baseline, Variant::NoStacks, Variant::Sampled, Variant::AllStacks];
+    let rounds = 3;
+    let mut per_variant: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut drops = vec![0u64; variants.len()];
+    for round in 0..rounds {
+        for (i, v) in variants.iter().enumerate() {
+            let r = pingpong(iters, *v, &dir)?;
+            eprintln!("bench: round {round} {:<34} {:>8.2} us/round trip", v.name(), r.ns_per_round_trip / 1e3);
+            per_variant[i].push(r.ns_per_round_trip);
+            if let Some(s) = &r.stats {
+                let events = s["events"].as_f64().unwrap_or(0.0);
+                rates[i].push(events / r.seconds);
+                drops[i] += s["dropped"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    let base = median(per_variant[0].clone());
+    let mut sched = Vec::new();
+    println!("\n## Scheduling capture overhead (pinned pipe ping-pong, {iters} round trips, median of {rounds}, interleaved)\n");
+    println!("| variant | us per round trip | ratio to no agent | agent events/s | dropped |");
+    println!("|---|---|---|---|---|");
+    for (i, v) in variants.iter().enumerate() {
+        let m = median(per_variant[i].clone());
+        let rate = if rates[i].is_empty() { 0.0 } else { median(rates[i].clone()) };
+        println!(
+            "| {} | {:.2} | {:.2}x | {} | {} |",
+            v.name(),
+            m / 1e3,
+            m / base,
+            if rate > 0.0 { format!("{:.2} M", rate / 1e6) } else { "-".into() },
+            if *v == Variant::Baseline { "-".to_string() } else { drops[i].to_string() }
+        );
+        sched.push(json!({"variant": v.name(), "ns_per_round_trip": m, "ratio": m / base, "events_per_s": rate, "dropped": drops[i]}));
+    }
+
+    // Writer throughput, in release.
+    let out = clean_command("cargo")
+        .args(["run", "--release", "--quiet", "-p", "xpuscope-perfetto", "--example", "encode_bench"])
+        .output()
+        .context("running the writer benchmark")?;
+    if !out.status.success() {
+        bail!("writer benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let writer: Value = serde_json::from_slice(&out.stdout).context("writer benchmark output")?;
+    println!("\n## Trace writer (release, one core)\n");
+    println!(
+        "{:.2} M switch events/s encoded; {:.2} bytes per switch in the file",
+        writer["switches_per_s"].as_f64().unwrap_or(0.0) / 1e6,
+        writer["bytes_per_switch"].as_f64().unwrap_or(0.0)
+    );
+
+    // System-wide recording under load.
+    let secs = seconds.max(1) * 20;
+    let load = ChildGuard(
+        Command::new(workload())
+            .args(["loop", &(secs + 5).to_string()])
+            .stdout(Stdio::null())
+            .spawn()?,
+    );
+    let stats_path = dir.join("system-stats.json");
+    run_checked(
+        Command::new(build::agent_binary())
+            .args(["attach", "--system", "--duration", &format!("{secs}s"), "-o"])
+            .arg(dir.join("system.pftrace"))
+            .arg("--stats-json")
+            .arg(&stats_path)
+            .stderr(Stdio::null()),
+        "system-wide recording",
+    )?;
+    drop(load);
+    let sys: Value = serde_json::from_slice(&std::fs::read(&stats_path)?)?;
+    let events = sys["events"].as_f64().unwrap_or(0.0).max(1.0);
+    let cpu = sys["agent_cpu_seconds"].as_f64().unwrap_or(0.0);
+    println!("\n## System-wide recording, {secs} s, demo workload running\n");
+    println!(
+        "{} events, {} dropped; agent CPU {:.2} s = {:.0} ns per event (decode, symbolize with cache, encode); peak RSS {:.0} MB; trace {:.1} MB",
+        events as u64,
+        sys["dropped"],
+        cpu,
+        cpu * 1e9 / events,
+        sys["agent_peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+        sys["bytes"].as_f64().unwrap_or(0.0) / 1e6
+    );
+    let results = json!({"sched_overhead": sched, "writer": writer, "system_wide": sys, "iters": iters});
+    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&results)?)?;
+    println!("\n(raw figures: {})", dir.join("results.json").display());
+    Ok(())
+}

@@ -129,18 +129,26 @@ typedef enum {
 
 /* cupti_runtime_cbid.h values of the calls the stand-in implements. */
 enum {
+    CUPTI_RUNTIME_TRACE_CBID_INVALID = 0,
+    CUPTI_RUNTIME_TRACE_CBID_cudaDriverGetVersion_v3020 = 1,
+    CUPTI_RUNTIME_TRACE_CBID_cudaRuntimeGetVersion_v3020 = 2,
     CUPTI_RUNTIME_TRACE_CBID_cudaGetDeviceCount_v3020 = 3,
     CUPTI_RUNTIME_TRACE_CBID_cudaGetLastError_v3020 = 10,
+    CUPTI_RUNTIME_TRACE_CBID_cudaPeekAtLastError_v3020 = 11,
+    CUPTI_RUNTIME_TRACE_CBID_cudaGetErrorString_v3020 = 12,
     CUPTI_RUNTIME_TRACE_CBID_cudaSetDevice_v3020 = 16,
     CUPTI_RUNTIME_TRACE_CBID_cudaGetDevice_v3020 = 17,
     CUPTI_RUNTIME_TRACE_CBID_cudaMalloc_v3020 = 20,
     CUPTI_RUNTIME_TRACE_CBID_cudaFree_v3020 = 22,
+    CUPTI_RUNTIME_TRACE_CBID_cudaMemGetInfo_v3020 = 30,
     CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020 = 31,
     CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_v3020 = 41,
     CUPTI_RUNTIME_TRACE_CBID_cudaStreamCreate_v3020 = 129,
     CUPTI_RUNTIME_TRACE_CBID_cudaStreamDestroy_v3020 = 130,
     CUPTI_RUNTIME_TRACE_CBID_cudaStreamSynchronize_v3020 = 131,
+    CUPTI_RUNTIME_TRACE_CBID_cudaStreamQuery_v3020 = 132,
     CUPTI_RUNTIME_TRACE_CBID_cudaEventCreate_v3020 = 133,
+    CUPTI_RUNTIME_TRACE_CBID_cudaEventCreateWithFlags_v3020 = 134,
     CUPTI_RUNTIME_TRACE_CBID_cudaEventRecord_v3020 = 135,
     CUPTI_RUNTIME_TRACE_CBID_cudaEventDestroy_v3020 = 136,
     CUPTI_RUNTIME_TRACE_CBID_cudaEventSynchronize_v3020 = 137,
@@ -150,13 +158,23 @@ enum {
     CUPTI_RUNTIME_TRACE_CBID_cudaDeviceSynchronize_v3020 = 165,
     CUPTI_RUNTIME_TRACE_CBID_cudaStreamCreateWithFlags_v5000 = 198,
     CUPTI_RUNTIME_TRACE_CBID_cudaStreamDestroy_v5050 = 201,
+    CUPTI_RUNTIME_TRACE_CBID_cudaGetErrorName_v6050 = 209,
     CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000 = 211,
     CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_ptsz_v7000 = 214,
+    CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_ptds_v7000 = 215,
     CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_ptsz_v7000 = 225,
     CUPTI_RUNTIME_TRACE_CBID_cudaStreamSynchronize_ptsz_v7000 = 239,
+    CUPTI_RUNTIME_TRACE_CBID_cudaStreamQuery_ptsz_v7000 = 240,
     CUPTI_RUNTIME_TRACE_CBID_cudaEventRecord_ptsz_v7000 = 242,
+    CUPTI_RUNTIME_TRACE_CBID_cudaStreamWaitEvent_ptsz_v7000 = 247,
+    CUPTI_RUNTIME_TRACE_CBID_cudaLaunchHostFunc_v10000 = 284,
+    CUPTI_RUNTIME_TRACE_CBID_cudaLaunchHostFunc_ptsz_v10000 = 285,
     CUPTI_RUNTIME_TRACE_CBID_cudaMallocAsync_v11020 = 373,
-    CUPTI_RUNTIME_TRACE_CBID_cudaFreeAsync_v11020 = 375
+    CUPTI_RUNTIME_TRACE_CBID_cudaMallocAsync_ptsz_v11020 = 374,
+    CUPTI_RUNTIME_TRACE_CBID_cudaFreeAsync_v11020 = 375,
+    CUPTI_RUNTIME_TRACE_CBID_cudaFreeAsync_ptsz_v11020 = 376,
+    CUPTI_RUNTIME_TRACE_CBID_cudaStreamGetId_v12000 = 441,
+    CUPTI_RUNTIME_TRACE_CBID_cudaStreamGetId_ptsz_v12000 = 442
 };
 
 typedef struct PACKED_ALIGNMENT {

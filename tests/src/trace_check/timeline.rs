@@ -1,0 +1,585 @@
+//! [`Timeline`]: what a user of the Perfetto UI would see in a trace,
+//! reconstructed the way the importer does (prev task from the previous
+//! switch, wakers from the running task, thread names by priority, slices
+//! from BEGIN/END pairs, interned callstacks root first).
+
+use std::collections::{BTreeMap, HashMap};
+
+use perfetto_protos::trace::Trace;
+
+use super::extract::{self, Extracted, RawSwitch, SchedRecord};
+
+/// A context switch on `cpu` at `ts` from `prev_pid` to `next_pid`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Switch {
+    pub cpu: u32,
+    pub ts: u64,
+    /// The task switched out: the previous switch's `next_pid` on this CPU
+    /// (unknown for a CPU's first switch of compact data).
+    pub prev_pid: Option<i32>,
+    pub prev_state: i64,
+    pub next_pid: i32,
+    pub next_comm: String,
+    pub next_prio: i32,
+}
+
+/// `pid` woken up by the task running on `cpu`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waking {
+    pub cpu: u32,
+    pub ts: u64,
+    pub pid: i32,
+    pub comm: String,
+    pub prio: i32,
+    pub target_cpu: i32,
+    /// The task running on `cpu` at `ts`, if a switch told us.
+    pub waker_pid: Option<i32>,
+}
+
+/// `task_newtask`: `firing_pid` created `pid`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewTask {
+    pub cpu: u32,
+    pub ts: u64,
+    pub firing_pid: i32,
+    pub pid: i32,
+    pub comm: String,
+    pub clone_flags: u64,
+    pub oom_score_adj: i32,
+}
+
+/// `task_rename`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rename {
+    pub cpu: u32,
+    pub ts: u64,
+    pub firing_pid: i32,
+    pub pid: i32,
+    pub old_comm: String,
+    pub new_comm: String,
+}
+
+/// `sched_process_free`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessFree {
+    pub cpu: u32,
+    pub ts: u64,
+    pub firing_pid: i32,
+    pub pid: i32,
+    pub comm: String,
+    pub prio: i32,
+}
+
+/// A bundle flagged `lost_events`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LostEvents {
+    pub cpu: u32,
+    /// Earliest event timestamp in that bundle (None when it was empty).
+    pub first_ts: Option<u64>,
+}
+
+/// A process, from ProcessTree snapshots, forks and process tracks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessEntry {
+    pub pid: i32,
+    pub ppid: Option<i32>,
+    pub cmdline: Vec<String>,
+    pub uid: Option<u32>,
+    /// Process name: a process track's name, else cmdline[0], else the comm
+    /// it was forked with.
+    pub name: Option<String>,
+    /// Labels of its process track.
+    pub labels: Vec<String>,
+}
+
+/// A thread's final name and process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ThreadEntry {
+    pub tid: i32,
+    pub tgid: Option<i32>,
+    pub name: Option<String>,
+}
+
+/// What a track descriptor describes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TrackKind {
+    Process { pid: i32, name: Option<String>, labels: Vec<String> },
+    Thread { pid: i32, tid: i32, name: Option<String> },
+    Counter { unit: Option<i32>, unit_name: Option<String> },
+    Custom,
+}
+
+/// A track descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Track {
+    pub uuid: u64,
+    pub name: Option<String>,
+    pub parent: Option<u64>,
+    pub description: Option<String>,
+    pub kind: TrackKind,
+}
+
+/// A debug annotation value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ArgValue {
+    Int(i64),
+    Uint(u64),
+    Double(f64),
+    Str(String),
+    Bool(bool),
+    Pointer(u64),
+    /// Anything else (nested values, proto values), debug-printed.
+    Other(String),
+}
+
+/// A slice (BEGIN..END) on a track.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slice {
+    pub track: u64,
+    pub ts: u64,
+    /// END time; None when never ended.
+    pub end: Option<u64>,
+    /// Nesting depth on its track (0 = outermost).
+    pub depth: usize,
+    pub name: String,
+    pub category: Option<String>,
+    pub args: Vec<(String, ArgValue)>,
+    pub flow_ids: Vec<u64>,
+    /// From the END event.
+    pub terminating_flow_ids: Vec<u64>,
+    /// Function names, root first.
+    pub callstack: Option<Vec<String>>,
+    pub callstack_weight: Option<f64>,
+}
+
+impl Slice {
+    /// The value of argument `name`.
+    pub fn arg(&self, name: &str) -> Option<&ArgValue> {
+        self.args.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+}
+
+/// An instant event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Instant {
+    pub track: u64,
+    pub ts: u64,
+    pub name: String,
+    pub category: Option<String>,
+    pub args: Vec<(String, ArgValue)>,
+    pub flow_ids: Vec<u64>,
+    /// Function names, root first.
+    pub callstack: Option<Vec<String>>,
+}
+
+/// A counter value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CounterPoint {
+    pub track: u64,
+    pub ts: u64,
+    pub value: f64,
+}
+
+/// Which packet a sample came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SampleSource {
+    /// `TracePacket.perf_sample` (66).
+    PerfSample,
+    /// `TracePacket.stack_sample` (135, schema v58+).
+    StackSample,
+}
+
+/// A callstack sample.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackSample {
+    pub ts: u64,
+    pub cpu: Option<u32>,
+    pub pid: i32,
+    pub tid: i32,
+    /// `StackSample.primary_weight`; for `PerfSample`, the increase of the
+    /// CPU's cumulative `timebase_count` since its previous sample.
+    pub weight: Option<u64>,
+    /// Function names, root first.
+    pub frames: Vec<String>,
+    /// Mapping of each frame (path components joined by '/', e.g. "kernel").
+    pub mappings: Vec<String>,
+    pub source: SampleSource,
+}
+
+/// A thread state as the UI shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    Running,
+    /// R
+    Runnable,
+    /// R+
+    RunnablePreempted,
+    /// S
+    Sleeping,
+    /// D
+    Uninterruptible,
+    /// I (TASK_IDLE)
+    Idle,
+    /// X or Z
+    Dead,
+    /// Any other `prev_state` (T, t, P, combinations), raw.
+    Other(i64),
+}
+
+impl State {
+    /// Decodes a `sched_switch` `prev_state` like the importer, for kernel
+    /// `version` (major, minor); without one the importer assumes 4.4.
+    pub fn from_prev_state(raw: i64, version: Option<(u32, u32)>) -> State {
+        let version = version.unwrap_or((4, 4));
+        let preempt_bit = if version >= (4, 14) {
+            0x100
+        } else if version >= (4, 8) {
+            0x1000
+        } else {
+            0x800
+        };
+        match raw {
+            0 => State::Runnable,
+            r if r == preempt_bit => State::RunnablePreempted,
+            0x1 => State::Sleeping,
+            0x2 => State::Uninterruptible,
+            0x80 if version >= (4, 14) => State::Idle,
+            0x402 if version < (4, 14) => State::Idle,
+            0x10 | 0x20 => State::Dead,
+            r => State::Other(r),
+        }
+    }
+}
+
+/// Parses "6.18.0-1-amd64" into (6, 18).
+pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut it = release.split(|c: char| !c.is_ascii_digit());
+    let major = it.next()?.parse().ok()?;
+    let minor = it.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+/// What a user would see in one machine's part of a trace.
+#[derive(Clone, Debug, Default)]
+pub struct Timeline {
+    /// `utsname.release` of the last SystemInfo.
+    pub kernel_release: Option<String>,
+    /// Sorted by time (stable: file order at equal times).
+    pub switches: Vec<Switch>,
+    pub wakings: Vec<Waking>,
+    pub new_tasks: Vec<NewTask>,
+    pub renames: Vec<Rename>,
+    pub frees: Vec<ProcessFree>,
+    pub lost_events: Vec<LostEvents>,
+    pub processes: BTreeMap<i32, ProcessEntry>,
+    pub threads: BTreeMap<i32, ThreadEntry>,
+    pub tracks: BTreeMap<u64, Track>,
+    /// Sorted by (track, ts).
+    pub slices: Vec<Slice>,
+    pub instants: Vec<Instant>,
+    pub counters: Vec<CounterPoint>,
+    pub stack_samples: Vec<StackSample>,
+    /// Latest scheduler timestamp: open thread states end here.
+    pub end_ts: u64,
+}
+
+impl Timeline {
+    /// The timeline of all packets (for single-machine traces).
+    pub fn from_trace(trace: &Trace) -> Timeline {
+        Self::build(&extract::extract(trace), None)
+    }
+
+    /// The timeline of the packets with `machine_id` (0 = none set).
+    pub fn for_machine(trace: &Trace, machine_id: u32) -> Timeline {
+        Self::build(&extract::extract(trace), Some(machine_id))
+    }
+
+    fn build(x: &Extracted, machine: Option<u32>) -> Timeline {
+        let mine = |m: &u32| machine.is_none_or(|want| *m == want);
+        let mut t = Timeline {
+            kernel_release: x
+                .system_infos
+                .iter()
+                .filter(|(m, ..)| mine(m))
+                .filter_map(|(_, _, r)| r.clone())
+                .next_back(),
+            ..Timeline::default()
+        };
+        t.lost_events = x
+            .bundles
+            .iter()
+            .filter(|(m, _, _, lost, _)| mine(m) && *lost)
+            .map(|&(_, _, cpu, _, first_ts)| LostEvents { cpu, first_ts })
+            .collect();
+        t.sched(x, &mine);
+        t.names(x, &mine);
+        t.track_events(x, machine);
+        t.samples(x, &mine);
+        t
+    }
+
+    fn sched(&mut self, x: &Extracted, mine: &dyn Fn(&u32) -> bool) {
+        let mut records: Vec<&SchedRecord> =
+            x.sched.iter().filter(|(m, _)| mine(m)).map(|(_, r)| r).collect();
+        // Stable: at equal times keep tokenizer order (switches first).
+        records.sort_by_key(|r| r.ts());
+        let mut running: HashMap<u32, i32> = HashMap::new();
+        for r in records {
+            self.end_ts = self.end_ts.max(r.ts());
+            match r {
+                SchedRecord::Switch(RawSwitch { cpu, ts, prev_pid, prev_state, next_pid, next_comm, next_prio }) => {
+                    let prev = prev_pid.or_else(|| running.get(cpu).copied());
+                    running.insert(*cpu, *next_pid);
+                    self.switches.push(Switch {
+                        cpu: *cpu,
+                        ts: *ts,
+                        prev_pid: prev,
+                        prev_state: *prev_state,
+                        next_pid: *next_pid,
+                        next_comm: next_comm.clone(),
+                        next_prio: *next_prio,
+                    });
+                }
+                SchedRecord::Waking(w) => {
+                    let mut w = w.clone();
+                    w.waker_pid = running.get(&w.cpu).copied();
+                    self.wakings.push(w);
+                }
+                SchedRecord::NewTask(n) => self.new_tasks.push(n.clone()),
+                SchedRecord::Rename(r) => self.renames.push(r.clone()),
+                SchedRecord::Free(f) => self.frees.push(f.clone()),
+            }
+        }
+    }
+
+    fn names(&mut self, x: &Extracted, mine: &dyn Fn(&u32) -> bool) {
+        let mut updates: Vec<extract::NameUpdate> =
+            x.names.iter().filter(|(m, _)| mine(m)).map(|(_, u)| u.clone()).collect();
+        for (_, _, p) in x.processes.iter().filter(|(m, ..)| mine(m)) {
+            self.processes.insert(p.pid, p.clone());
+            self.threads.entry(p.pid).or_insert_with(|| ThreadEntry { tid: p.pid, tgid: Some(p.pid), name: None });
+        }
+        let ftrace = |tid: i32, tgid: Option<i32>, ts: u64, name: &str| extract::NameUpdate {
+            tid, tgid, priority: 1, ts, name: name.to_owned(),
+        };
+        for s in &self.switches {
+            updates.push(ftrace(s.next_pid, None, s.ts, &s.next_comm));
+        }
+        for w in &self.wakings {
+            updates.push(ftrace(w.pid, None, w.ts, &w.comm));
+        }
+        for r in &self.renames {
+            updates.push(ftrace(r.pid, None, r.ts, &r.new_comm));
+        }
+        for n in &self.new_tasks {
+            let parent_tgid = self.threads.get(&n.firing_pid).and_then(|t| t.tgid).unwrap_or(n.firing_pid);
+            let tgid = if n.clone_flags & 0x10000 != 0 {
+                parent_tgid
+            } else {
+                self.processes.entry(n.pid).or_insert_with(|| ProcessEntry {
+                    pid: n.pid,
+                    ppid: Some(parent_tgid),
+                    name: Some(n.comm.clone()),
+                    ..ProcessEntry::default()
+                });
+                n.pid
+            };
+            updates.push(ftrace(n.pid, Some(tgid), n.ts, &n.comm));
+        }
+        for (_, _, track) in x.tracks.iter().filter(|(m, ..)| mine(m)) {
+            match &track.kind {
+                TrackKind::Thread { pid, tid, name } => updates.push(extract::NameUpdate {
+                    tid: *tid, tgid: Some(*pid), priority: 4, ts: 0, name: name.clone().unwrap_or_default(),
+                }),
+                TrackKind::Process { pid, name, labels } => {
+                    let p = self.processes.entry(*pid).or_insert_with(|| ProcessEntry { pid: *pid, ..ProcessEntry::default() });
+                    if name.is_some() {
+                        p.name = name.clone();
+                    }
+                    p.labels = labels.clone();
+                }
+                _ => {}
+            }
+        }
+        // Highest priority wins, then the latest; stable for file order.
+        updates.sort_by_key(|u| (u.priority, u.ts));
+        for u in updates {
+            let e = self.threads.entry(u.tid).or_insert_with(|| ThreadEntry { tid: u.tid, ..ThreadEntry::default() });
+            if u.tgid.is_some() {
+                e.tgid = u.tgid;
+            }
+            if !u.name.is_empty() {
+                e.name = Some(u.name);
+            }
+        }
+    }
+
+    fn track_events(&mut self, x: &Extracted, machine: Option<u32>) {
+        let mine = |m: &u32| machine.is_none_or(|want| *m == want);
+        for (_, _, track) in x.tracks.iter().filter(|(m, ..)| mine(m)) {
+            self.tracks.insert(track.uuid, track.clone());
+        }
+        let mut events: Vec<&extract::RawTrackEvent> =
+            x.track_events.iter().filter(|(m, _)| mine(m)).map(|(_, e)| e).collect();
+        events.sort_by_key(|e| e.ts);
+        let names = |f: &Option<Vec<super::ResolvedFrame>>| {
+            f.as_ref().map(|fr| fr.iter().map(|f| f.function.clone()).collect())
+        };
+        let mut open: HashMap<u64, Vec<usize>> = HashMap::new();
+        for e in events {
+            let Some(track) = e.track else { continue };
+            match e.kind {
+                1 => {
+                    let stack = open.entry(track).or_default();
+                    stack.push(self.slices.len());
+                    self.slices.push(Slice {
+                        track,
+                        ts: e.ts,
+                        end: None,
+                        depth: stack.len() - 1,
+                        name: e.name.clone().unwrap_or_default(),
+                        category: e.category.clone(),
+                        args: e.args.clone(),
+                        flow_ids: e.flow_ids.clone(),
+                        terminating_flow_ids: Vec::new(),
+                        callstack: names(&e.callstack),
+                        callstack_weight: e.callstack_weight,
+                    });
+                }
+                2 => {
+                    if let Some(i) = open.get_mut(&track).and_then(Vec::pop) {
+                        let s = &mut self.slices[i];
+                        s.end = Some(e.ts);
+                        s.terminating_flow_ids = e.terminating_flow_ids.clone();
+                    }
+                }
+                3 => self.instants.push(Instant {
+                    track,
+                    ts: e.ts,
+                    name: e.name.clone().unwrap_or_default(),
+                    category: e.category.clone(),
+                    args: e.args.clone(),
+                    flow_ids: e.flow_ids.clone(),
+                    callstack: names(&e.callstack),
+                }),
+                _ => {}
+            }
+        }
+        self.slices.sort_by_key(|s| (s.track, s.ts));
+        self.counters = extract::counter_points(&x.track_events, machine);
+    }
+
+    fn samples(&mut self, x: &Extracted, mine: &dyn Fn(&u32) -> bool) {
+        let mut samples: Vec<StackSample> =
+            x.samples.iter().filter(|(m, _)| mine(m)).map(|(_, s)| s.clone()).collect();
+        samples.sort_by_key(|s| s.ts);
+        // PerfSample.timebase_count is cumulative per CPU: weight = increase.
+        let mut last: HashMap<Option<u32>, u64> = HashMap::new();
+        for s in samples.iter_mut().filter(|s| s.source == SampleSource::PerfSample) {
+            if let Some(count) = s.weight {
+                let prev = last.insert(s.cpu, count).unwrap_or(0);
+                s.weight = Some(count.saturating_sub(prev));
+            }
+        }
+        self.stack_samples = samples;
+    }
+
+    /// Name of thread `tid`, if known.
+    pub fn thread_name(&self, tid: i32) -> Option<&str> {
+        self.threads.get(&tid).and_then(|t| t.name.as_deref())
+    }
+
+    /// Process (tgid) of thread `tid`, if known.
+    pub fn process_of(&self, tid: i32) -> Option<i32> {
+        self.threads.get(&tid).and_then(|t| t.tgid)
+    }
+
+    /// The first track named `name`.
+    pub fn track_named(&self, name: &str) -> Option<&Track> {
+        self.tracks.values().find(|t| t.name.as_deref() == Some(name))
+    }
+
+    /// Slices on `track`, by start time.
+    pub fn slices_on(&self, track: u64) -> Vec<&Slice> {
+        self.slices.iter().filter(|s| s.track == track).collect()
+    }
+
+    /// (ts, value) of counter `track`, by time.
+    pub fn counter_values(&self, track: u64) -> Vec<(u64, f64)> {
+        let mut v: Vec<(u64, f64)> =
+            self.counters.iter().filter(|c| c.track == track).map(|c| (c.ts, c.value)).collect();
+        v.sort_by_key(|(ts, _)| *ts);
+        v
+    }
+
+    /// The states of thread `tid` over time, as (start, end, state) with
+    /// end > start: Running between switch-in and switch-out, the decoded
+    /// `prev_state` after a switch-out, Runnable after a waking of a
+    /// sleeping thread, nothing after `sched_process_free`. The last state
+    /// ends at [`Self::end_ts`]. (tid 0 mixes every CPU's idle task.)
+    pub fn thread_state_intervals(&self, tid: i32) -> Vec<(u64, u64, State)> {
+        let version = self.kernel_release.as_deref().and_then(kernel_version);
+        enum Ev {
+            In,
+            Out(i64),
+            Wake,
+            Free,
+        }
+        let mut evs: Vec<(u64, usize, Ev)> = Vec::new();
+        for (i, s) in self.switches.iter().enumerate() {
+            if s.prev_pid == Some(tid) {
+                evs.push((s.ts, 2 * i, Ev::Out(s.prev_state)));
+            }
+            if s.next_pid == tid {
+                evs.push((s.ts, 2 * i + 1, Ev::In));
+            }
+        }
+        let base = 2 * self.switches.len();
+        for (i, w) in self.wakings.iter().enumerate() {
+            if w.pid == tid {
+                evs.push((w.ts, base + i, Ev::Wake));
+            }
+        }
+        let base = base + self.wakings.len();
+        for (i, f) in self.frees.iter().enumerate() {
+            if f.pid == tid {
+                evs.push((f.ts, base + i, Ev::Free));
+            }
+        }
+        evs.sort_by_key(|(ts, order, _)| (*ts, *order));
+        let mut out = Vec::new();
+        let mut current: Option<(u64, State)> = None;
+        let mut close = |cur: &mut Option<(u64, State)>, ts: u64| {
+            if let Some((start, state)) = cur.take() {
+                if ts > start {
+                    out.push((start, ts, state));
+                }
+            }
+        };
+        for (ts, _, ev) in evs {
+            match ev {
+                Ev::In => {
+                    close(&mut current, ts);
+                    current = Some((ts, State::Running));
+                }
+                Ev::Out(raw) => {
+                    close(&mut current, ts);
+                    current = Some((ts, State::from_prev_state(raw, version)));
+                }
+                Ev::Wake => {
+                    let asleep = !matches!(
+                        current,
+                        Some((_, State::Running | State::Runnable | State::RunnablePreempted))
+                    );
+                    if asleep {
+                        close(&mut current, ts);
+                        current = Some((ts, State::Runnable));
+                    }
+                }
+                Ev::Free => close(&mut current, ts),
+            }
+        }
+        close(&mut current, self.end_ts);
+        out
+    }
+}

@@ -1,0 +1,568 @@
+//! The simulated training job (tests/sim) on the stand-in device libraries:
+//! collective semantics at job level, every fault kind visible in the
+//! simulator's own step times and exit statuses, the ground truth, and the
+//! Python and Ascend flavors.
+//!
+//! Each test runs `tests/sim/launch.py` under a guard that kills its whole
+//! process group on drop. Timing tests hold a lock so they do not share the
+//! CPUs with each other, and compare within one run (before/after a step, or
+//! one rank against the others) with wide margins: the machine is shared.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use xpuscope_tests::fixtures;
+
+/// One timing-sensitive job at a time.
+static TIMING: Mutex<()> = Mutex::new(());
+
+fn timing_lock() -> MutexGuard<'static, ()> {
+    TIMING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Kills the launcher's process group (launcher, ranks, noisy neighbours).
+struct GroupGuard(Option<Child>);
+
+impl GroupGuard {
+    fn wait_timeout(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.0.as_mut().expect("child present until drop");
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = child.try_wait().expect("try_wait on launcher") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let pgid = child.id() as libc::pid_t;
+            // SAFETY: signalling a process group we created; no memory involved.
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A scratch directory removed on drop unless the test is failing.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("xpuscope-sim-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        } else {
+            eprintln!("job output kept in {}", self.0.display());
+        }
+    }
+}
+
+/// A finished simulated job: its ground truth and every rank's step log.
+struct Job {
+    gt: Value,
+    launcher_exit: Option<i32>,
+    events: BTreeMap<u64, Vec<Value>>,
+    wall: Duration,
+    _dir: ScratchDir,
+}
+
+impl Job {
+    fn status(&self) -> &str {
+        self.gt["status"].as_str().unwrap_or("?")
+    }
+
+    fn rank(&self, r: u64) -> &Value {
+        &self.gt["ranks"][r as usize]
+    }
+
+    /// The step records of rank `r`, in step order.
+    fn steps(&self, r: u64) -> Vec<&Value> {
+        self.events[&r].iter().filter(|e| e["event"] == "step").collect()
+    }
+
+    fn step(&self, r: u64, step: u64) -> &Value {
+        self.steps(r)
+            .into_iter()
+            .find(|e| e["step"] == step)
+            .unwrap_or_else(|| panic!("rank {r} has no step {step}"))
+    }
+
+    fn ms(&self, r: u64, step: u64, field: &str) -> f64 {
+        self.step(r, step)[field].as_f64().expect("numeric field") / 1e6
+    }
+
+    /// Median of `field` (ms) over steps [from, to) of rank `r`.
+    fn median_ms(&self, r: u64, from: u64, to: u64, field: &str) -> f64 {
+        let mut v: Vec<f64> = (from..to).map(|s| self.ms(r, s, field)).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    fn fault_events(&self, r: u64, kind: &str) -> Vec<&Value> {
+        self.events[&r]
+            .iter()
+            .filter(|e| e["event"] == "fault" && e["kind"] == kind)
+            .collect()
+    }
+
+    fn world(&self) -> u64 {
+        self.gt["layout"]["world_size"].as_u64().unwrap()
+    }
+}
+
+fn run_job(name: &str, args: &[&str], limit: Duration) -> Job {
+    let fixtures = fixtures::build_all();
+    let dir = ScratchDir::new(name);
+    let launcher = fixtures::repo_root().join("tests/sim/launch.py");
+    let start = Instant::now();
+    let child = Command::new("python3")
+        .arg(&launcher)
+        .arg("--out-dir")
+        .arg(&dir.0)
+        .arg("--build-dir")
+        .arg(fixtures.join("sim"))
+        .arg("--job-name")
+        .arg(format!("test-{name}"))
+        .arg("--quiet")
+        .args(args)
+        .stdin(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn python3 tests/sim/launch.py");
+    let mut guard = GroupGuard(Some(child));
+    let status = guard.wait_timeout(limit);
+    let wall = start.elapsed();
+    assert!(status.is_some(), "job {name} did not finish within {limit:?}");
+    drop(guard);
+    let status = status.expect("checked above");
+    let gt = read_json(&dir.0.join("ground_truth.json"));
+    let mut events = BTreeMap::new();
+    for r in gt["ranks"].as_array().expect("ranks array") {
+        let rank = r["rank"].as_u64().expect("rank number");
+        let log = dir.0.join(r["step_log"].as_str().expect("step_log name"));
+        events.insert(rank, read_jsonl(&log));
+    }
+    Job {
+        gt,
+        launcher_exit: status.code().or(status.signal().map(|s| 128 + s)),
+        events,
+        wall,
+        _dir: dir,
+    }
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
+}
+
+fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn rank_log(job: &Job, r: u64) -> String {
+    let dir = job.gt["out_dir"].as_str().expect("out_dir");
+    let name = job.rank(r)["log"].as_str().expect("log name");
+    std::fs::read_to_string(Path::new(dir).join(name)).unwrap_or_default()
+}
+
+const LIMIT: Duration = Duration::from_secs(40);
+
+// ---------------------------------------------------------------------------
+
+#[test]
+fn clean_8_rank_job_completes_with_full_ground_truth() {
+    let _t = timing_lock();
+    let job = run_job("clean", &["--steps", "100", "--timeout", "60"], Duration::from_secs(90));
+    eprintln!(
+        "clean 8 ranks x 100 steps (tp2 pp2 dp2, nvidia, C): {:.2} s wall, {:.2} s in ground truth",
+        job.wall.as_secs_f64(),
+        job.gt["clock"]["duration_s"].as_f64().unwrap_or(f64::NAN)
+    );
+    assert_eq!(job.status(), "completed", "ground truth: {:#}", job.gt["ranks"]);
+    assert_eq!(job.launcher_exit, Some(0));
+
+    let gt = &job.gt;
+    assert_eq!(gt["schema"], "xpuscope-sim-ground-truth/1");
+    assert_eq!(gt["flavor"], "nvidia");
+    assert_eq!(gt["lang"], "c");
+    assert_eq!(gt["job"], "test-clean");
+    assert_eq!(gt["env"]["XPUSCOPE_JOB"], "test-clean");
+    for key in ["world_size", "tp", "pp", "dp"] {
+        assert!(gt["layout"][key].is_u64(), "layout.{key}");
+    }
+    assert_eq!(
+        (gt["layout"]["tp"].as_u64(), gt["layout"]["pp"].as_u64(), gt["layout"]["dp"].as_u64()),
+        (Some(2), Some(2), Some(2))
+    );
+    // Communicators: 4 TP pairs, 4 DP pairs, 4 PP stage pairs, every rank in
+    // one TP, one DP and one PP communicator.
+    let comms = gt["communicators"].as_array().expect("communicators");
+    let count = |kind: &str| comms.iter().filter(|c| c["kind"] == kind).count();
+    assert_eq!((count("tp"), count("dp"), count("pp")), (4, 4, 4));
+    assert_eq!(comms[0]["name"], "tp0");
+    assert_eq!(comms[0]["members"], serde_json::json!([0, 1]));
+    let dp0 = comms.iter().find(|c| c["name"] == "dp0").expect("dp0");
+    assert_eq!(dp0["members"], serde_json::json!([0, 2]));
+    let pp0 = comms.iter().find(|c| c["name"] == "pp0.0-1").expect("pp0.0-1");
+    assert_eq!(pp0["members"], serde_json::json!([0, 4]));
+
+    for r in 0..8 {
+        let rank = job.rank(r);
+        assert_eq!(rank["rank"], r);
+        assert!(rank["pid"].as_u64().unwrap_or(0) > 0);
+        assert!(rank["cpu"].is_u64(), "ranks are pinned");
+        assert_eq!(rank["comms"].as_array().map(Vec::len), Some(3));
+        assert_eq!(rank["exit"]["returncode"], 0);
+        assert_eq!(rank["exit"]["status"], "ok");
+        assert!(rank["exit"]["boot_ns"].as_u64().unwrap_or(0) > 0);
+        assert_eq!(rank["steps_completed"], 100);
+        assert_eq!(rank["last_step_completed"], 99);
+        let steps = job.steps(r);
+        assert_eq!(steps.len(), 100);
+        // Kernels of the step are accounted; the CUPTI consumer read records.
+        assert!(steps.iter().all(|s| s["kernel_ns"].as_u64().unwrap_or(0) > 0));
+        let records: u64 = steps.iter().map(|s| s["activity_records"].as_u64().unwrap_or(0)).sum();
+        assert!(records > 0, "rank {r}: no CUPTI records drained");
+    }
+    let launch = gt["clock"]["launch"]["boot_ns"].as_u64().expect("launch boot_ns");
+    let end = gt["clock"]["end"]["boot_ns"].as_u64().expect("end boot_ns");
+    assert!(gt["clock"]["launch"]["real_ns"].as_u64().unwrap_or(0) > 1_600_000_000_000_000_000);
+    let first = job.step(0, 0)["start_boot_ns"].as_u64().unwrap();
+    assert!(launch < first && first < end, "step times are CLOCK_BOOTTIME like the launcher's");
+    assert!(gt["faults"].as_array().is_some_and(Vec::is_empty));
+    assert!(gt["hang"].is_null());
+}
+
+#[test]
+fn ranks_of_a_collective_finish_it_together() {
+    // A DP all-reduce completes only when both ranks arrived: with rank 1
+    // arriving 400 ms late at step 5, rank 0 waits inside the all-reduce.
+    let _t = timing_lock();
+    let job = run_job(
+        "late",
+        &["--world-size", "4", "--dp", "4", "--steps", "12", "--fault", "delay:rank=1,step=5,ms=400"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "completed");
+    let ev = job.fault_events(1, "delay");
+    assert_eq!(ev.len(), 1, "one delay injected");
+    assert_eq!(ev[0]["comm"], "dp0");
+    assert_eq!(ev[0]["seq"], 6, "broadcast at start-up, then one all-reduce per step");
+    let fault = &job.gt["faults"][0];
+    assert_eq!(fault["expected"]["comm"], "dp0");
+    assert_eq!(fault["expected"]["seq"], 6);
+    assert_eq!(fault["expected"]["waiting_ranks"], serde_json::json!([0, 2, 3]));
+    assert_eq!(fault["injected"].as_array().map(Vec::len), Some(1));
+    for r in [0, 2, 3] {
+        let base = job.median_ms(r, 1, 5, "grad_sync_ns");
+        let late = job.ms(r, 5, "grad_sync_ns");
+        assert!(
+            late > base + 300.0 && late < base + 1000.0,
+            "rank {r} waited {late:.1} ms in the step-5 all-reduce (usually {base:.1} ms)"
+        );
+        let step = job.ms(r, 5, "dur_ns");
+        assert!(step > 380.0, "rank {r} step 5 took {step:.1} ms");
+    }
+    // The late rank itself did not wait in the collective: everyone was there.
+    let own = job.ms(1, 5, "grad_sync_ns");
+    assert!(own > 380.0, "the late rank's grad sync includes its own lateness: {own:.1} ms");
+    let others: Vec<f64> = [0, 2, 3].iter().map(|&r| job.step(r, 5)["end_boot_ns"].as_f64().unwrap()).collect();
+    let mine = job.step(1, 5)["end_boot_ns"].as_f64().unwrap();
+    for end in others {
+        assert!((end - mine).abs() < 100e6, "ranks finish step 5 together");
+    }
+}
+
+#[test]
+fn a_missing_rank_hangs_the_others_until_the_timeout() {
+    let job = run_job(
+        "hang",
+        &[
+            "--world-size", "4", "--dp", "4", "--steps", "50", "--timeout", "3",
+            "--fault", "hang:rank=2,step=10",
+        ],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "hung");
+    assert_eq!(job.launcher_exit, Some(124));
+    let hang = &job.gt["hang"];
+    assert_eq!(hang["detected_by"], "timeout");
+    assert_eq!(hang["ranks_alive"], serde_json::json!([0, 1, 2, 3]));
+    assert!(hang["boot_ns"].as_u64().is_some());
+    let ev = job.fault_events(2, "hang");
+    assert_eq!(ev.len(), 1);
+    assert_eq!((ev[0]["comm"].as_str(), ev[0]["seq"].as_u64()), (Some("dp0"), Some(11)));
+    for r in 0..4 {
+        let rank = job.rank(r);
+        assert_eq!(rank["status"], "hung", "rank {r}");
+        assert_eq!(rank["exit"]["killed_by_launcher"], "timeout");
+        // Step 10 began everywhere and completed nowhere.
+        assert_eq!(rank["last_step_completed"], 9, "rank {r}");
+        assert_eq!(rank["last_step_begun"], 10, "rank {r}");
+    }
+}
+
+#[test]
+fn a_hang_inside_the_collective_library_blocks_every_rank() {
+    // STANDIN_NCCL_HANG_AT_SEQ: rank 1 blocks inside its 4th collective
+    // (seq 3: the broadcast, then the all-reduces of steps 0, 1, 2).
+    let job = run_job(
+        "hang-inside",
+        &["--world-size", "2", "--dp", "2", "--steps", "20", "--timeout", "2.5",
+          "--fault", "hang_inside:rank=1,seq=3"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "hung");
+    let ev = job.fault_events(1, "hang_inside");
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0]["step"], 2);
+    assert_eq!(job.rank(1)["env"]["STANDIN_NCCL_HANG_AT_SEQ"], "3");
+    for r in 0..2 {
+        assert_eq!(job.rank(r)["last_step_completed"], 1, "rank {r}");
+        assert_eq!(job.rank(r)["last_step_begun"], 2, "rank {r}");
+    }
+}
+
+#[test]
+fn a_slow_rank_slows_its_compute_and_everyone_s_steps() {
+    let _t = timing_lock();
+    let job = run_job(
+        "slow",
+        &["--world-size", "4", "--dp", "4", "--steps", "30", "--kernel-us", "800",
+          "--fault", "slow:rank=3,factor=3,from_step=15"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "completed");
+    assert_eq!(job.fault_events(3, "slow").len(), 1);
+    assert_eq!(job.fault_events(3, "slow")[0]["step"], 15);
+    // The slow rank's own kernels take 3x (planned device time).
+    let k_before = job.median_ms(3, 5, 15, "kernel_ns");
+    let k_after = job.median_ms(3, 16, 30, "kernel_ns");
+    assert!((k_after / k_before - 3.0).abs() < 0.01, "{k_before} -> {k_after}");
+    for r in 0..4 {
+        let before = job.median_ms(r, 5, 15, "dur_ns");
+        let after = job.median_ms(r, 16, 30, "dur_ns");
+        assert!(
+            after > 2.0 * before,
+            "rank {r}: step time {before:.1} -> {after:.1} ms, expected about 3x"
+        );
+        if r != 3 {
+            // Peers' kernels are unchanged: they spend the time waiting in the all-reduce.
+            assert!((job.median_ms(r, 16, 30, "kernel_ns") - k_before).abs() < 0.01);
+            let wait = job.median_ms(r, 16, 30, "grad_sync_ns");
+            assert!(wait > 0.5 * (after - before), "rank {r} waits {wait:.1} ms in grad sync");
+        }
+    }
+}
+
+#[test]
+fn a_dataloader_stall_delays_that_step_on_every_rank() {
+    let _t = timing_lock();
+    let job = run_job(
+        "stall",
+        &["--world-size", "2", "--dp", "2", "--steps", "16", "--fault",
+          "dataloader_stall:rank=1,step=10,ms=500"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "completed");
+    assert_eq!(job.fault_events(1, "dataloader_stall").len(), 1);
+    let wait = job.ms(1, 10, "data_wait_ns");
+    let usual = job.median_ms(1, 2, 9, "data_wait_ns");
+    // Prefetch (2 batches) hides at most two steps of the stall.
+    let step = job.median_ms(1, 2, 9, "dur_ns");
+    assert!(wait > 500.0 - 3.0 * step - 50.0, "rank 1 waited {wait:.1} ms for batch 10");
+    assert!(usual < 20.0, "usual data wait {usual:.1} ms");
+    let peer_wait = job.ms(0, 10, "grad_sync_ns");
+    assert!(peer_wait > 0.7 * wait, "rank 0 waited {peer_wait:.1} ms for rank 1 in step 10");
+    assert!(job.ms(0, 10, "data_wait_ns") < 20.0, "rank 0's own loader was not stalled");
+}
+
+#[test]
+fn cpu_contention_stretches_the_contended_rank_s_host_work() {
+    let _t = timing_lock();
+    let job = run_job(
+        "contention",
+        &["--world-size", "2", "--dp", "2", "--steps", "40", "--host-us", "4000",
+          "--kernel-us", "100", "--fault", "cpu_contention:rank=1,from_step=20,threads=3"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "completed");
+    let fault = &job.gt["faults"][0];
+    let injected = &fault["injected"][0];
+    assert!(injected["neighbour_pid"].as_u64().is_some());
+    assert!(injected["boot_ns"].as_u64().is_some());
+    let cpu = job.rank(1)["cpu"].as_u64().expect("rank 1 pinned");
+    assert_eq!(fault["expected"]["cpu"], cpu);
+    let trigger = injected["step"].as_u64().expect("trigger step");
+    assert!((20..25).contains(&trigger), "neighbour started at step {trigger}");
+    let from = trigger + 2;
+    let before = job.median_ms(1, 5, 20, "host_ns");
+    let after = job.median_ms(1, from, 40, "host_ns");
+    assert!(
+        after > 1.8 * before,
+        "rank 1 host work {before:.1} -> {after:.1} ms with 3 spinners on CPU {cpu}"
+    );
+    let step_before = job.median_ms(0, 5, 20, "dur_ns");
+    let step_after = job.median_ms(0, from, 40, "dur_ns");
+    assert!(step_after > step_before + 0.5 * (after - before), "rank 0 waits for rank 1");
+}
+
+#[test]
+fn a_slow_link_stretches_the_collectives_of_that_rank() {
+    let _t = timing_lock();
+    let common = ["--world-size", "2", "--dp", "2", "--steps", "12", "--grad-mb", "32",
+                  "--bw-gbps", "10"];
+    let clean = run_job("link-clean", &common, LIMIT);
+    let mut args = common.to_vec();
+    args.extend(["--fault", "slow_link:rank=1,factor=5"]);
+    let slow = run_job("link-slow", &args, LIMIT);
+    assert_eq!((clean.status(), slow.status()), ("completed", "completed"));
+    assert_eq!(slow.rank(1)["env"]["STANDIN_LINK_SLOWDOWN"], "5.0");
+    assert_eq!(slow.gt["faults"][0]["expected"]["affected_comms"], serde_json::json!(["dp0"]));
+    // 32 MiB all-reduce over 2 ranks at 10 GB/s: about 3.4 ms; 5x: about 17 ms.
+    for r in 0..2 {
+        let base = clean.median_ms(r, 2, 12, "grad_sync_ns");
+        let slowed = slow.median_ms(r, 2, 12, "grad_sync_ns");
+        assert!(
+            slowed > 3.0 * base && slowed > 10.0,
+            "rank {r}: all-reduce {base:.1} -> {slowed:.1} ms with a 5x slower link"
+        );
+    }
+}
+
+#[test]
+fn a_device_memory_leak_ends_in_oom_at_the_expected_step() {
+    let job = run_job(
+        "oom",
+        &["--world-size", "2", "--dp", "2", "--steps", "40", "--device-mem-mb", "512",
+          "--fault", "mem_leak:rank=1,mb=48,from_step=3"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "failed");
+    assert_eq!(job.launcher_exit, Some(1));
+    let expected = &job.gt["faults"][0]["expected"];
+    let baseline = expected["baseline_bytes"].as_u64().expect("baseline from the rank");
+    let oom_step = expected["oom_step"].as_u64().expect("expected OOM step");
+    assert_eq!(oom_step, 3 + ((512u64 << 20) - baseline) / (48 << 20));
+    let oom: Vec<&Value> = job.events[&1].iter().filter(|e| e["event"] == "oom").collect();
+    assert_eq!(oom.len(), 1, "one OOM logged");
+    assert_eq!(oom[0]["step"], oom_step);
+    assert_eq!(oom[0]["status"], 2, "cudaErrorMemoryAllocation");
+    assert!(rank_log(&job, 1).contains(&format!("out of memory at step {oom_step}")));
+    let r1 = job.rank(1);
+    assert_eq!((r1["status"].as_str(), r1["exit"]["exit_code"].as_u64()), (Some("failed"), Some(1)));
+    assert_eq!(r1["last_step_completed"], oom_step - 1);
+    // torchrun-like: the launcher then stops the peer that waits for rank 1.
+    assert_eq!(job.rank(0)["status"], "terminated");
+    assert_eq!(job.gt["first_failure"]["rank"], 1);
+}
+
+#[test]
+fn a_crash_is_recorded_with_its_signal() {
+    let job = run_job(
+        "crash",
+        &["--world-size", "4", "--steps", "30", "--fault", "crash:rank=2,step=7,signal=SIGSEGV"],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "failed");
+    let r2 = job.rank(2);
+    assert_eq!(r2["status"], "crashed");
+    assert_eq!(r2["exit"]["signal"], 11);
+    assert_eq!(r2["exit"]["signal_name"], "SIGSEGV");
+    assert_eq!(r2["exit"]["returncode"], -11);
+    assert!(r2["exit"]["killed_by_launcher"].is_null());
+    assert_eq!(r2["last_step_completed"], 6);
+    let ev = job.fault_events(2, "crash");
+    assert_eq!((ev.len(), ev[0]["signal"].as_u64()), (1, Some(11)));
+    let truth = &job.gt["faults"][0];
+    assert_eq!(truth["expected"]["signal_name"], "SIGSEGV");
+    assert_eq!(truth["injected"][0]["step"], 7);
+    for r in [0, 1, 3] {
+        assert_eq!(job.rank(r)["status"], "terminated", "rank {r}");
+        assert_eq!(job.rank(r)["exit"]["killed_by_launcher"], "peer_failure");
+    }
+}
+
+#[test]
+fn python_flavor_runs_train_step_through_ctypes() {
+    for flavor in ["nvidia", "ascend"] {
+        let job = run_job(
+            &format!("python-{flavor}"),
+            &["--lang", "python", "--flavor", flavor, "--world-size", "4", "--steps", "8"],
+            LIMIT,
+        );
+        assert_eq!(job.status(), "completed", "{flavor}: {:#}", job.gt["ranks"]);
+        assert_eq!(job.gt["lang"], "python");
+        for r in 0..job.world() {
+            assert_eq!(job.rank(r)["steps_completed"], 8);
+            assert!(job.rank(r)["argv"][1].as_str().is_some_and(|a| a.ends_with("rank.py")));
+            let init = &job.events[&r][0];
+            assert_eq!((init["event"].as_str(), init["lang"].as_str()), (Some("init"), Some("python")));
+            let records: u64 =
+                job.steps(r).iter().map(|s| s["activity_records"].as_u64().unwrap_or(0)).sum();
+            assert!(records > 0, "{flavor} rank {r}: the activity consumer read no records");
+        }
+    }
+}
+
+#[test]
+fn ascend_flavor_runs_on_acl_hccl_and_mspti() {
+    let _t = timing_lock();
+    let job = run_job("ascend", &["--flavor", "ascend", "--steps", "20"], LIMIT);
+    assert_eq!(job.status(), "completed", "{:#}", job.gt["ranks"]);
+    assert_eq!(job.gt["flavor"], "ascend");
+    assert_eq!(job.gt["env"]["RANK_SIZE"], "8");
+    for r in 0..8 {
+        assert_eq!(job.rank(r)["steps_completed"], 20);
+        let records: u64 = job.steps(r).iter().map(|s| s["activity_records"].as_u64().unwrap_or(0)).sum();
+        assert!(records > 0, "rank {r}: no MSPTI records drained");
+        assert!(job.events[&r].iter().any(|e| e["event"] == "comm_init" && e["status"] == 0));
+    }
+}
+
+#[test]
+fn ranks_can_wait_at_a_start_gate_for_an_agent() {
+    let dir = ScratchDir::new("gate-file");
+    let gate = dir.0.join("go");
+    let gate_arg = gate.to_str().expect("utf-8 path").to_owned();
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(800));
+        std::fs::write(&gate, b"").expect("open the gate");
+    });
+    let job = run_job("gate", &["--world-size", "2", "--steps", "3", "--start-gate", &gate_arg], LIMIT);
+    opener.join().expect("gate thread");
+    assert_eq!(job.status(), "completed");
+    for r in 0..2 {
+        let ready = job.rank(r)["ready"]["boot_ns"].as_u64().expect("ready");
+        let start = job.rank(r)["start"]["boot_ns"].as_u64().expect("start");
+        assert!(start > ready, "rank {r} started after it was ready");
+        let launch = job.gt["clock"]["launch"]["boot_ns"].as_u64().unwrap();
+        assert!(start - launch > 700_000_000, "rank {r} waited for the gate");
+    }
+}
