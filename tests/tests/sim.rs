@@ -97,7 +97,10 @@ impl Job {
 
     /// The step records of rank `r`, in step order.
     fn steps(&self, r: u64) -> Vec<&Value> {
-        self.events[&r].iter().filter(|e| e["event"] == "step").collect()
+        self.events[&r]
+            .iter()
+            .filter(|e| e["event"] == "step")
+            .collect()
     }
 
     fn step(&self, r: u64, step: u64) -> &Value {
@@ -152,7 +155,10 @@ fn run_job(name: &str, args: &[&str], limit: Duration) -> Job {
     let mut guard = GroupGuard(Some(child));
     let status = guard.wait_timeout(limit);
     let wall = start.elapsed();
-    assert!(status.is_some(), "job {name} did not finish within {limit:?}");
+    assert!(
+        status.is_some(),
+        "job {name} did not finish within {limit:?}"
+    );
     drop(guard);
     let status = status.expect("checked above");
     let gt = read_json(&dir.0.join("ground_truth.json"));
@@ -172,8 +178,8 @@ fn run_job(name: &str, args: &[&str], limit: Duration) -> Job {
 }
 
 fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
 }
 
@@ -198,13 +204,22 @@ const LIMIT: Duration = Duration::from_secs(40);
 #[test]
 fn clean_8_rank_job_completes_with_full_ground_truth() {
     let _t = timing_lock();
-    let job = run_job("clean", &["--steps", "100", "--timeout", "60"], Duration::from_secs(90));
+    let job = run_job(
+        "clean",
+        &["--steps", "100", "--timeout", "60"],
+        Duration::from_secs(90),
+    );
     eprintln!(
         "clean 8 ranks x 100 steps (tp2 pp2 dp2, nvidia, C): {:.2} s wall, {:.2} s in ground truth",
         job.wall.as_secs_f64(),
         job.gt["clock"]["duration_s"].as_f64().unwrap_or(f64::NAN)
     );
-    assert_eq!(job.status(), "completed", "ground truth: {:#}", job.gt["ranks"]);
+    assert_eq!(
+        job.status(),
+        "completed",
+        "ground truth: {:#}",
+        job.gt["ranks"]
+    );
     assert_eq!(job.launcher_exit, Some(0));
 
     let gt = &job.gt;
@@ -217,7 +232,11 @@ fn clean_8_rank_job_completes_with_full_ground_truth() {
         assert!(gt["layout"][key].is_u64(), "layout.{key}");
     }
     assert_eq!(
-        (gt["layout"]["tp"].as_u64(), gt["layout"]["pp"].as_u64(), gt["layout"]["dp"].as_u64()),
+        (
+            gt["layout"]["tp"].as_u64(),
+            gt["layout"]["pp"].as_u64(),
+            gt["layout"]["dp"].as_u64()
+        ),
         (Some(2), Some(2), Some(2))
     );
     // Communicators: 4 TP pairs, 4 DP pairs, 4 PP stage pairs, every rank in
@@ -229,7 +248,10 @@ fn clean_8_rank_job_completes_with_full_ground_truth() {
     assert_eq!(comms[0]["members"], serde_json::json!([0, 1]));
     let dp0 = comms.iter().find(|c| c["name"] == "dp0").expect("dp0");
     assert_eq!(dp0["members"], serde_json::json!([0, 2]));
-    let pp0 = comms.iter().find(|c| c["name"] == "pp0.0-1").expect("pp0.0-1");
+    let pp0 = comms
+        .iter()
+        .find(|c| c["name"] == "pp0.0-1")
+        .expect("pp0.0-1");
     assert_eq!(pp0["members"], serde_json::json!([0, 4]));
 
     for r in 0..8 {
@@ -246,15 +268,27 @@ fn clean_8_rank_job_completes_with_full_ground_truth() {
         let steps = job.steps(r);
         assert_eq!(steps.len(), 100);
         // Kernels of the step are accounted; the CUPTI consumer read records.
-        assert!(steps.iter().all(|s| s["kernel_ns"].as_u64().unwrap_or(0) > 0));
-        let records: u64 = steps.iter().map(|s| s["activity_records"].as_u64().unwrap_or(0)).sum();
+        assert!(
+            steps
+                .iter()
+                .all(|s| s["kernel_ns"].as_u64().unwrap_or(0) > 0)
+        );
+        let records: u64 = steps
+            .iter()
+            .map(|s| s["activity_records"].as_u64().unwrap_or(0))
+            .sum();
         assert!(records > 0, "rank {r}: no CUPTI records drained");
     }
-    let launch = gt["clock"]["launch"]["boot_ns"].as_u64().expect("launch boot_ns");
+    let launch = gt["clock"]["launch"]["boot_ns"]
+        .as_u64()
+        .expect("launch boot_ns");
     let end = gt["clock"]["end"]["boot_ns"].as_u64().expect("end boot_ns");
     assert!(gt["clock"]["launch"]["real_ns"].as_u64().unwrap_or(0) > 1_600_000_000_000_000_000);
     let first = job.step(0, 0)["start_boot_ns"].as_u64().unwrap();
-    assert!(launch < first && first < end, "step times are CLOCK_BOOTTIME like the launcher's");
+    assert!(
+        launch < first && first < end,
+        "step times are CLOCK_BOOTTIME like the launcher's"
+    );
     assert!(gt["faults"].as_array().is_some_and(Vec::is_empty));
     assert!(gt["hang"].is_null());
 }
@@ -266,18 +300,33 @@ fn ranks_of_a_collective_finish_it_together() {
     let _t = timing_lock();
     let job = run_job(
         "late",
-        &["--world-size", "4", "--dp", "4", "--steps", "12", "--fault", "delay:rank=1,step=5,ms=400"],
+        &[
+            "--world-size",
+            "4",
+            "--dp",
+            "4",
+            "--steps",
+            "12",
+            "--fault",
+            "delay:rank=1,step=5,ms=400",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "completed");
     let ev = job.fault_events(1, "delay");
     assert_eq!(ev.len(), 1, "one delay injected");
     assert_eq!(ev[0]["comm"], "dp0");
-    assert_eq!(ev[0]["seq"], 6, "broadcast at start-up, then one all-reduce per step");
+    assert_eq!(
+        ev[0]["seq"], 6,
+        "broadcast at start-up, then one all-reduce per step"
+    );
     let fault = &job.gt["faults"][0];
     assert_eq!(fault["expected"]["comm"], "dp0");
     assert_eq!(fault["expected"]["seq"], 6);
-    assert_eq!(fault["expected"]["waiting_ranks"], serde_json::json!([0, 2, 3]));
+    assert_eq!(
+        fault["expected"]["waiting_ranks"],
+        serde_json::json!([0, 2, 3])
+    );
     assert_eq!(fault["injected"].as_array().map(Vec::len), Some(1));
     for r in [0, 2, 3] {
         let base = job.median_ms(r, 1, 5, "grad_sync_ns");
@@ -291,8 +340,14 @@ fn ranks_of_a_collective_finish_it_together() {
     }
     // The late rank itself did not wait in the collective: everyone was there.
     let own = job.ms(1, 5, "grad_sync_ns");
-    assert!(own > 380.0, "the late rank's grad sync includes its own lateness: {own:.1} ms");
-    let others: Vec<f64> = [0, 2, 3].iter().map(|&r| job.step(r, 5)["end_boot_ns"].as_f64().unwrap()).collect();
+    assert!(
+        own > 380.0,
+        "the late rank's grad sync includes its own lateness: {own:.1} ms"
+    );
+    let others: Vec<f64> = [0, 2, 3]
+        .iter()
+        .map(|&r| job.step(r, 5)["end_boot_ns"].as_f64().unwrap())
+        .collect();
     let mine = job.step(1, 5)["end_boot_ns"].as_f64().unwrap();
     for end in others {
         assert!((end - mine).abs() < 100e6, "ranks finish step 5 together");
@@ -304,8 +359,16 @@ fn a_missing_rank_hangs_the_others_until_the_timeout() {
     let job = run_job(
         "hang",
         &[
-            "--world-size", "4", "--dp", "4", "--steps", "50", "--timeout", "3",
-            "--fault", "hang:rank=2,step=10",
+            "--world-size",
+            "4",
+            "--dp",
+            "4",
+            "--steps",
+            "50",
+            "--timeout",
+            "3",
+            "--fault",
+            "hang:rank=2,step=10",
         ],
         LIMIT,
     );
@@ -317,7 +380,10 @@ fn a_missing_rank_hangs_the_others_until_the_timeout() {
     assert!(hang["boot_ns"].as_u64().is_some());
     let ev = job.fault_events(2, "hang");
     assert_eq!(ev.len(), 1);
-    assert_eq!((ev[0]["comm"].as_str(), ev[0]["seq"].as_u64()), (Some("dp0"), Some(11)));
+    assert_eq!(
+        (ev[0]["comm"].as_str(), ev[0]["seq"].as_u64()),
+        (Some("dp0"), Some(11))
+    );
     for r in 0..4 {
         let rank = job.rank(r);
         assert_eq!(rank["status"], "hung", "rank {r}");
@@ -334,8 +400,18 @@ fn a_hang_inside_the_collective_library_blocks_every_rank() {
     // (seq 3: the broadcast, then the all-reduces of steps 0, 1, 2).
     let job = run_job(
         "hang-inside",
-        &["--world-size", "2", "--dp", "2", "--steps", "20", "--timeout", "2.5",
-          "--fault", "hang_inside:rank=1,seq=3"],
+        &[
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "20",
+            "--timeout",
+            "2.5",
+            "--fault",
+            "hang_inside:rank=1,seq=3",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "hung");
@@ -354,8 +430,18 @@ fn a_slow_rank_slows_its_compute_and_everyone_s_steps() {
     let _t = timing_lock();
     let job = run_job(
         "slow",
-        &["--world-size", "4", "--dp", "4", "--steps", "30", "--kernel-us", "800",
-          "--fault", "slow:rank=3,factor=3,from_step=15"],
+        &[
+            "--world-size",
+            "4",
+            "--dp",
+            "4",
+            "--steps",
+            "30",
+            "--kernel-us",
+            "800",
+            "--fault",
+            "slow:rank=3,factor=3,from_step=15",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "completed");
@@ -364,7 +450,10 @@ fn a_slow_rank_slows_its_compute_and_everyone_s_steps() {
     // The slow rank's own kernels take 3x (planned device time).
     let k_before = job.median_ms(3, 5, 15, "kernel_ns");
     let k_after = job.median_ms(3, 16, 30, "kernel_ns");
-    assert!((k_after / k_before - 3.0).abs() < 0.01, "{k_before} -> {k_after}");
+    assert!(
+        (k_after / k_before - 3.0).abs() < 0.01,
+        "{k_before} -> {k_after}"
+    );
     for r in 0..4 {
         let before = job.median_ms(r, 5, 15, "dur_ns");
         let after = job.median_ms(r, 16, 30, "dur_ns");
@@ -376,7 +465,10 @@ fn a_slow_rank_slows_its_compute_and_everyone_s_steps() {
             // Peers' kernels are unchanged: they spend the time waiting in the all-reduce.
             assert!((job.median_ms(r, 16, 30, "kernel_ns") - k_before).abs() < 0.01);
             let wait = job.median_ms(r, 16, 30, "grad_sync_ns");
-            assert!(wait > 0.5 * (after - before), "rank {r} waits {wait:.1} ms in grad sync");
+            assert!(
+                wait > 0.5 * (after - before),
+                "rank {r} waits {wait:.1} ms in grad sync"
+            );
         }
     }
 }
@@ -386,8 +478,16 @@ fn a_dataloader_stall_delays_that_step_on_every_rank() {
     let _t = timing_lock();
     let job = run_job(
         "stall",
-        &["--world-size", "2", "--dp", "2", "--steps", "16", "--fault",
-          "dataloader_stall:rank=1,step=10,ms=500"],
+        &[
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "16",
+            "--fault",
+            "dataloader_stall:rank=1,step=10,ms=500",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "completed");
@@ -396,11 +496,20 @@ fn a_dataloader_stall_delays_that_step_on_every_rank() {
     let usual = job.median_ms(1, 2, 9, "data_wait_ns");
     // Prefetch (2 batches) hides at most two steps of the stall.
     let step = job.median_ms(1, 2, 9, "dur_ns");
-    assert!(wait > 500.0 - 3.0 * step - 50.0, "rank 1 waited {wait:.1} ms for batch 10");
+    assert!(
+        wait > 500.0 - 3.0 * step - 50.0,
+        "rank 1 waited {wait:.1} ms for batch 10"
+    );
     assert!(usual < 20.0, "usual data wait {usual:.1} ms");
     let peer_wait = job.ms(0, 10, "grad_sync_ns");
-    assert!(peer_wait > 0.7 * wait, "rank 0 waited {peer_wait:.1} ms for rank 1 in step 10");
-    assert!(job.ms(0, 10, "data_wait_ns") < 20.0, "rank 0's own loader was not stalled");
+    assert!(
+        peer_wait > 0.7 * wait,
+        "rank 0 waited {peer_wait:.1} ms for rank 1 in step 10"
+    );
+    assert!(
+        job.ms(0, 10, "data_wait_ns") < 20.0,
+        "rank 0's own loader was not stalled"
+    );
 }
 
 #[test]
@@ -408,8 +517,20 @@ fn cpu_contention_stretches_the_contended_rank_s_host_work() {
     let _t = timing_lock();
     let job = run_job(
         "contention",
-        &["--world-size", "2", "--dp", "2", "--steps", "40", "--host-us", "4000",
-          "--kernel-us", "100", "--fault", "cpu_contention:rank=1,from_step=20,threads=3"],
+        &[
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "40",
+            "--host-us",
+            "4000",
+            "--kernel-us",
+            "100",
+            "--fault",
+            "cpu_contention:rank=1,from_step=20,threads=3",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "completed");
@@ -420,7 +541,10 @@ fn cpu_contention_stretches_the_contended_rank_s_host_work() {
     let cpu = job.rank(1)["cpu"].as_u64().expect("rank 1 pinned");
     assert_eq!(fault["expected"]["cpu"], cpu);
     let trigger = injected["step"].as_u64().expect("trigger step");
-    assert!((20..25).contains(&trigger), "neighbour started at step {trigger}");
+    assert!(
+        (20..25).contains(&trigger),
+        "neighbour started at step {trigger}"
+    );
     let from = trigger + 2;
     let before = job.median_ms(1, 5, 20, "host_ns");
     let after = job.median_ms(1, from, 40, "host_ns");
@@ -430,21 +554,37 @@ fn cpu_contention_stretches_the_contended_rank_s_host_work() {
     );
     let step_before = job.median_ms(0, 5, 20, "dur_ns");
     let step_after = job.median_ms(0, from, 40, "dur_ns");
-    assert!(step_after > step_before + 0.5 * (after - before), "rank 0 waits for rank 1");
+    assert!(
+        step_after > step_before + 0.5 * (after - before),
+        "rank 0 waits for rank 1"
+    );
 }
 
 #[test]
 fn a_slow_link_stretches_the_collectives_of_that_rank() {
     let _t = timing_lock();
-    let common = ["--world-size", "2", "--dp", "2", "--steps", "12", "--grad-mb", "32",
-                  "--bw-gbps", "10"];
+    let common = [
+        "--world-size",
+        "2",
+        "--dp",
+        "2",
+        "--steps",
+        "12",
+        "--grad-mb",
+        "32",
+        "--bw-gbps",
+        "10",
+    ];
     let clean = run_job("link-clean", &common, LIMIT);
     let mut args = common.to_vec();
     args.extend(["--fault", "slow_link:rank=1,factor=5"]);
     let slow = run_job("link-slow", &args, LIMIT);
     assert_eq!((clean.status(), slow.status()), ("completed", "completed"));
     assert_eq!(slow.rank(1)["env"]["STANDIN_LINK_SLOWDOWN"], "5.0");
-    assert_eq!(slow.gt["faults"][0]["expected"]["affected_comms"], serde_json::json!(["dp0"]));
+    assert_eq!(
+        slow.gt["faults"][0]["expected"]["affected_comms"],
+        serde_json::json!(["dp0"])
+    );
     // 32 MiB all-reduce over 2 ranks at 10 GB/s: about 3.4 ms; 5x: about 17 ms.
     for r in 0..2 {
         let base = clean.median_ms(r, 2, 12, "grad_sync_ns");
@@ -460,23 +600,41 @@ fn a_slow_link_stretches_the_collectives_of_that_rank() {
 fn a_device_memory_leak_ends_in_oom_at_the_expected_step() {
     let job = run_job(
         "oom",
-        &["--world-size", "2", "--dp", "2", "--steps", "40", "--device-mem-mb", "512",
-          "--fault", "mem_leak:rank=1,mb=48,from_step=3"],
+        &[
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "40",
+            "--device-mem-mb",
+            "512",
+            "--fault",
+            "mem_leak:rank=1,mb=48,from_step=3",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "failed");
     assert_eq!(job.launcher_exit, Some(1));
     let expected = &job.gt["faults"][0]["expected"];
-    let baseline = expected["baseline_bytes"].as_u64().expect("baseline from the rank");
+    let baseline = expected["baseline_bytes"]
+        .as_u64()
+        .expect("baseline from the rank");
     let oom_step = expected["oom_step"].as_u64().expect("expected OOM step");
     assert_eq!(oom_step, 3 + ((512u64 << 20) - baseline) / (48 << 20));
-    let oom: Vec<&Value> = job.events[&1].iter().filter(|e| e["event"] == "oom").collect();
+    let oom: Vec<&Value> = job.events[&1]
+        .iter()
+        .filter(|e| e["event"] == "oom")
+        .collect();
     assert_eq!(oom.len(), 1, "one OOM logged");
     assert_eq!(oom[0]["step"], oom_step);
     assert_eq!(oom[0]["status"], 2, "cudaErrorMemoryAllocation");
     assert!(rank_log(&job, 1).contains(&format!("out of memory at step {oom_step}")));
     let r1 = job.rank(1);
-    assert_eq!((r1["status"].as_str(), r1["exit"]["exit_code"].as_u64()), (Some("failed"), Some(1)));
+    assert_eq!(
+        (r1["status"].as_str(), r1["exit"]["exit_code"].as_u64()),
+        (Some("failed"), Some(1))
+    );
     assert_eq!(r1["last_step_completed"], oom_step - 1);
     // torchrun-like: the launcher then stops the peer that waits for rank 1.
     assert_eq!(job.rank(0)["status"], "terminated");
@@ -487,7 +645,14 @@ fn a_device_memory_leak_ends_in_oom_at_the_expected_step() {
 fn a_crash_is_recorded_with_its_signal() {
     let job = run_job(
         "crash",
-        &["--world-size", "4", "--steps", "30", "--fault", "crash:rank=2,step=7,signal=SIGSEGV"],
+        &[
+            "--world-size",
+            "4",
+            "--steps",
+            "30",
+            "--fault",
+            "crash:rank=2,step=7,signal=SIGSEGV",
+        ],
         LIMIT,
     );
     assert_eq!(job.status(), "failed");
@@ -514,19 +679,41 @@ fn python_flavor_runs_train_step_through_ctypes() {
     for flavor in ["nvidia", "ascend"] {
         let job = run_job(
             &format!("python-{flavor}"),
-            &["--lang", "python", "--flavor", flavor, "--world-size", "4", "--steps", "8"],
+            &[
+                "--lang",
+                "python",
+                "--flavor",
+                flavor,
+                "--world-size",
+                "4",
+                "--steps",
+                "8",
+            ],
             LIMIT,
         );
         assert_eq!(job.status(), "completed", "{flavor}: {:#}", job.gt["ranks"]);
         assert_eq!(job.gt["lang"], "python");
         for r in 0..job.world() {
             assert_eq!(job.rank(r)["steps_completed"], 8);
-            assert!(job.rank(r)["argv"][1].as_str().is_some_and(|a| a.ends_with("rank.py")));
+            assert!(
+                job.rank(r)["argv"][1]
+                    .as_str()
+                    .is_some_and(|a| a.ends_with("rank.py"))
+            );
             let init = &job.events[&r][0];
-            assert_eq!((init["event"].as_str(), init["lang"].as_str()), (Some("init"), Some("python")));
-            let records: u64 =
-                job.steps(r).iter().map(|s| s["activity_records"].as_u64().unwrap_or(0)).sum();
-            assert!(records > 0, "{flavor} rank {r}: the activity consumer read no records");
+            assert_eq!(
+                (init["event"].as_str(), init["lang"].as_str()),
+                (Some("init"), Some("python"))
+            );
+            let records: u64 = job
+                .steps(r)
+                .iter()
+                .map(|s| s["activity_records"].as_u64().unwrap_or(0))
+                .sum();
+            assert!(
+                records > 0,
+                "{flavor} rank {r}: the activity consumer read no records"
+            );
         }
     }
 }
@@ -540,9 +727,17 @@ fn ascend_flavor_runs_on_acl_hccl_and_mspti() {
     assert_eq!(job.gt["env"]["RANK_SIZE"], "8");
     for r in 0..8 {
         assert_eq!(job.rank(r)["steps_completed"], 20);
-        let records: u64 = job.steps(r).iter().map(|s| s["activity_records"].as_u64().unwrap_or(0)).sum();
+        let records: u64 = job
+            .steps(r)
+            .iter()
+            .map(|s| s["activity_records"].as_u64().unwrap_or(0))
+            .sum();
         assert!(records > 0, "rank {r}: no MSPTI records drained");
-        assert!(job.events[&r].iter().any(|e| e["event"] == "comm_init" && e["status"] == 0));
+        assert!(
+            job.events[&r]
+                .iter()
+                .any(|e| e["event"] == "comm_init" && e["status"] == 0)
+        );
     }
 }
 
@@ -555,7 +750,18 @@ fn ranks_can_wait_at_a_start_gate_for_an_agent() {
         std::thread::sleep(Duration::from_millis(800));
         std::fs::write(&gate, b"").expect("open the gate");
     });
-    let job = run_job("gate", &["--world-size", "2", "--steps", "3", "--start-gate", &gate_arg], LIMIT);
+    let job = run_job(
+        "gate",
+        &[
+            "--world-size",
+            "2",
+            "--steps",
+            "3",
+            "--start-gate",
+            &gate_arg,
+        ],
+        LIMIT,
+    );
     opener.join().expect("gate thread");
     assert_eq!(job.status(), "completed");
     for r in 0..2 {

@@ -132,6 +132,10 @@ pub fn test(extra: &[String]) -> Result<()> {
         clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
         "cargo fmt --check",
     )?;
+    run_checked(
+        clean_command("cargo").args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+        "cargo clippy",
+    )?;
     let mut cmd = clean_command("cargo");
     cmd.args(["test", "--workspace", "--no-fail-fast"]);
     if !extra.is_empty() {
