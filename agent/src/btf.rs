@@ -112,8 +112,8 @@ impl Btf {
             let kind_flag = info >> 31 == 1;
             let mut members = Vec::new();
             let extra = match kind {
-                1 => 4,                 // INT
-                3 => 12,                // ARRAY
+                1 => 4,  // INT
+                3 => 12, // ARRAY
                 KIND_STRUCT | KIND_UNION => {
                     for i in 0..vlen {
                         let m = o + i * 12;
@@ -126,11 +126,11 @@ impl Btf {
                     }
                     vlen * 12
                 }
-                6 => vlen * 8,  // ENUM
-                13 => vlen * 8, // FUNC_PROTO
-                14 => 4,        // VAR
+                6 => vlen * 8,   // ENUM
+                13 => vlen * 8,  // FUNC_PROTO
+                14 => 4,         // VAR
                 15 => vlen * 12, // DATASEC
-                17 => 4,        // DECL_TAG
+                17 => 4,         // DECL_TAG
                 19 => vlen * 12, // ENUM64
                 2 | 7 | 8 | 9 | 10 | 11 | 12 | 16 | 18 => 0,
                 other => return Err(format!("unknown BTF kind {other}")),
@@ -158,7 +158,9 @@ impl Btf {
     fn struct_id(&self, name: &str) -> Option<u32> {
         self.types
             .iter()
-            .position(|t| t.kind == KIND_STRUCT && !t.members.is_empty() && self.name(t.name_off) == name)
+            .position(|t| {
+                t.kind == KIND_STRUCT && !t.members.is_empty() && self.name(t.name_off) == name
+            })
             .map(|i| i as u32)
     }
 
@@ -253,7 +255,8 @@ mod tests {
     /// Builds a tiny BTF blob: int, struct inner { int a; int cpu; },
     /// struct task_struct { int x; union { int pid; }; int tgid; struct inner thread_info; }.
     fn sample() -> Vec<u8> {
-        let mut strings = b"\0int\0inner\0a\0cpu\0task_struct\0x\0pid\0tgid\0thread_info\0".to_vec();
+        let mut strings =
+            b"\0int\0inner\0a\0cpu\0task_struct\0x\0pid\0tgid\0thread_info\0".to_vec();
         strings.push(0);
         let s = |name: &str| {
             let hay = b"\0int\0inner\0a\0cpu\0task_struct\0x\0pid\0tgid\0thread_info\0";
@@ -279,11 +282,30 @@ mod tests {
         push(&[s("pid"), 1, 0]);
         // 4: struct task_struct
         push(&[s("task_struct"), (KIND_STRUCT << 24) | 4, 20]);
-        push(&[s("x"), 1, 0, 0, 3, 32, s("tgid"), 1, 64, s("thread_info"), 2, 96]);
+        push(&[
+            s("x"),
+            1,
+            0,
+            0,
+            3,
+            32,
+            s("tgid"),
+            1,
+            64,
+            s("thread_info"),
+            2,
+            96,
+        ]);
         let mut blob = Vec::new();
         blob.extend_from_slice(&BTF_MAGIC.to_le_bytes());
         blob.extend_from_slice(&[1, 0]);
-        for w in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
+        for w in [
+            24u32,
+            0,
+            types.len() as u32,
+            types.len() as u32,
+            strings.len() as u32,
+        ] {
             blob.extend_from_slice(&w.to_le_bytes());
         }
         blob.extend_from_slice(&types);
@@ -295,11 +317,17 @@ mod tests {
     fn finds_nested_and_anonymous_members() {
         let btf = Btf::parse(&sample()).unwrap();
         assert_eq!(btf.offset_of("task_struct", "x"), Some(0));
-        assert_eq!(btf.offset_of("task_struct", "pid"), Some(4), "through the anonymous union");
+        assert_eq!(
+            btf.offset_of("task_struct", "pid"),
+            Some(4),
+            "through the anonymous union"
+        );
         assert_eq!(btf.offset_of("task_struct", "tgid"), Some(8));
         assert_eq!(btf.offset_of("task_struct", "thread_info.cpu"), Some(16));
         assert_eq!(btf.offset_of("task_struct", "nope"), None);
-        assert!(matches!(task_offsets(&btf), Err(BtfError::MissingField(f)) if f == "task_struct.prio"));
+        assert!(
+            matches!(task_offsets(&btf), Err(BtfError::MissingField(f)) if f == "task_struct.prio")
+        );
     }
 
     #[test]
@@ -312,7 +340,11 @@ mod tests {
         // Every machine this project runs on has BTF (the agent needs it).
         let btf = Btf::from_file(Path::new(VMLINUX_BTF)).expect("kernel BTF");
         let off = task_offsets(&btf).expect("task_struct fields");
-        assert_eq!(off.tgid, off.pid + 4, "pid and tgid are adjacent pid_t fields");
+        assert_eq!(
+            off.tgid,
+            off.pid + 4,
+            "pid and tgid are adjacent pid_t fields"
+        );
         assert!(off.comm > off.tgid && off.prio > 0);
         assert_ne!(off.cpu, TaskOffsets::ABSENT);
     }

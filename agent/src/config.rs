@@ -93,11 +93,17 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "s" | "" => 1.0,
         "m" | "min" => 60.0,
         "h" => 3600.0,
-        other => return Err(format!("unknown unit `{other}` in `{text}` (use ms, s, m or h)")),
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{text}` (use ms, s, m or h)"
+            ));
+        }
     };
     let secs = value * scale;
     if !secs.is_finite() || secs <= 0.0 || secs > 7.0 * 86400.0 {
-        return Err(format!("duration `{text}` must be positive and at most 7 days"));
+        return Err(format!(
+            "duration `{text}` must be positive and at most 7 days"
+        ));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -139,7 +145,11 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
-        assert!(parse_duration("soon").unwrap_err().contains("not a duration"));
+        assert!(
+            parse_duration("soon")
+                .unwrap_err()
+                .contains("not a duration")
+        );
         assert!(parse_duration("5y").unwrap_err().contains("unknown unit"));
         assert!(parse_duration("0s").is_err());
     }

@@ -160,13 +160,21 @@ pub enum DecodeError {
     #[error("unknown record kind {0}")]
     UnknownKind(u32),
     #[error("{kind:?} record has {got} bytes, expected {want}")]
-    Size { kind: EventKind, got: usize, want: usize },
+    Size {
+        kind: EventKind,
+        got: usize,
+        want: usize,
+    },
 }
 
 fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
     let want = size_of::<T>();
     if bytes.len() < want {
-        return Err(DecodeError::Size { kind, got: bytes.len(), want });
+        return Err(DecodeError::Size {
+            kind,
+            got: bytes.len(),
+            want,
+        });
     }
     // SAFETY: length checked; the record types are plain repr(C) data valid
     // for any bit pattern, read unaligned from the ring buffer.
@@ -301,7 +309,11 @@ mod tests {
     #[test]
     fn decodes_a_switch_with_flags() {
         let rec = SchedSwitch {
-            header: EventHeader { kind: EventKind::SchedSwitch as u32, cpu: 3, ts: 42 },
+            header: EventHeader {
+                kind: EventKind::SchedSwitch as u32,
+                cpu: 3,
+                ts: 42,
+            },
             prev_tid: 10,
             prev_tgid: 9,
             next_tid: 0,
@@ -313,8 +325,13 @@ mod tests {
             prev_comm: comm("worker"),
             next_comm: comm("swapper/3"),
         };
-        let Event::Switch(s) = decode(&as_bytes(&rec)).unwrap() else { panic!() };
-        assert_eq!((s.cpu, s.ts, s.prev_tid, s.prev_tgid, s.prev_state), (3, 42, 10, 9, 1));
+        let Event::Switch(s) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (s.cpu, s.ts, s.prev_tid, s.prev_tgid, s.prev_state),
+            (3, 42, 10, 9, 1)
+        );
         assert_eq!(s.prev_comm.as_str(), "worker");
         assert_eq!(s.next_comm.as_str(), "swapper/3");
         assert!(s.preempt && s.prev_target && s.stack_follows && !s.next_target);
@@ -323,7 +340,11 @@ mod tests {
     #[test]
     fn decodes_stacks_and_errors() {
         let mut rec = OffCpuStack {
-            header: EventHeader { kind: EventKind::OffCpuStack as u32, cpu: 1, ts: 7 },
+            header: EventHeader {
+                kind: EventKind::OffCpuStack as u32,
+                cpu: 1,
+                ts: 7,
+            },
             tid: 5,
             tgid: 5,
             kernel_bytes: 16,
@@ -334,18 +355,37 @@ mod tests {
         rec.kernel[0] = 0xffff_ffff_8100_0000;
         rec.kernel[1] = 0xffff_ffff_8100_0100;
         rec.kernel[2] = 0xdead; // beyond kernel_bytes: ignored
-        let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else { panic!() };
-        assert_eq!(s.kernel, Ok(vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_0100]));
+        let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            s.kernel,
+            Ok(vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_0100])
+        );
         assert_eq!(s.user, Err(-14));
     }
 
     #[test]
     fn rejects_short_and_unknown_records() {
         assert_eq!(decode(&[0; 4]), Err(DecodeError::Short(4)));
-        let mut bytes = as_bytes(&EventHeader { kind: 99, cpu: 0, ts: 0 });
+        let mut bytes = as_bytes(&EventHeader {
+            kind: 99,
+            cpu: 0,
+            ts: 0,
+        });
         assert_eq!(decode(&bytes), Err(DecodeError::UnknownKind(99)));
-        bytes = as_bytes(&EventHeader { kind: EventKind::TaskRename as u32, cpu: 0, ts: 0 });
-        assert!(matches!(decode(&bytes), Err(DecodeError::Size { kind: EventKind::TaskRename, .. })));
+        bytes = as_bytes(&EventHeader {
+            kind: EventKind::TaskRename as u32,
+            cpu: 0,
+            ts: 0,
+        });
+        assert!(matches!(
+            decode(&bytes),
+            Err(DecodeError::Size {
+                kind: EventKind::TaskRename,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -81,8 +81,11 @@ pub fn set_config(bpf: &mut Ebpf, config: Config) -> Result<()> {
 
 impl Probes {
     pub fn add_target(&mut self, tgid: u32) -> Result<()> {
-        let mut targets: HashMap<&mut MapData, u32, u32> =
-            HashMap::try_from(self.bpf.map_mut(maps::TARGETS).context("TARGETS map missing")?)?;
+        let mut targets: HashMap<&mut MapData, u32, u32> = HashMap::try_from(
+            self.bpf
+                .map_mut(maps::TARGETS)
+                .context("TARGETS map missing")?,
+        )?;
         targets
             .insert(tgid, 1, 0)
             .with_context(|| format!("adding pid {tgid} to the traced set"))
@@ -108,7 +111,12 @@ impl Probes {
             return Vec::new();
         };
         (0..DROP_SLOTS)
-            .map(|slot| array.get(&slot, 0).map(|v| v.iter().copied().collect()).unwrap_or_default())
+            .map(|slot| {
+                array
+                    .get(&slot, 0)
+                    .map(|v| v.iter().copied().collect())
+                    .unwrap_or_default()
+            })
             .collect()
     }
 
@@ -132,7 +140,10 @@ impl Probes {
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self.bpf.take_map(maps::EVENTS).context("EVENTS map missing")?;
+        let map = self
+            .bpf
+            .take_map(maps::EVENTS)
+            .context("EVENTS map missing")?;
         Ok(RingBuf::try_from(map)?)
     }
 }

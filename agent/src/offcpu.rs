@@ -81,7 +81,17 @@ impl OffCpuTracker {
         state: i64,
         preempted_by: Option<Preemptor>,
     ) {
-        self.open.insert(tid, Open { tgid, cpu, start: ts, state, stack: None, preempted_by });
+        self.open.insert(
+            tid,
+            Open {
+                tgid,
+                cpu,
+                start: ts,
+                state,
+                stack: None,
+                preempted_by,
+            },
+        );
     }
 
     /// The stack taken at the switch-out at `ts`.
@@ -108,11 +118,14 @@ impl OffCpuTracker {
 
     /// Closes every open interval at `end` (trace end).
     pub fn finish_all(&mut self, end: u64) -> Vec<OffCpuInterval> {
-        let mut out: Vec<OffCpuInterval> =
-            self.open.drain().map(|(tid, open)| {
+        let mut out: Vec<OffCpuInterval> = self
+            .open
+            .drain()
+            .map(|(tid, open)| {
                 let end = end.max(open.start);
                 finish(tid, open, end, true)
-            }).collect();
+            })
+            .collect();
         out.sort_by_key(|i| (i.start, i.tid));
         out
     }
@@ -156,7 +169,10 @@ pub fn reason(interval: &OffCpuInterval) -> String {
     let Some(stack) = &interval.stack else {
         return format!("{state} (no stack sampled)");
     };
-    let kernel = stack.kernel.iter().find(|f| !is_scheduler_frame(&f.function));
+    let kernel = stack
+        .kernel
+        .iter()
+        .find(|f| !is_scheduler_frame(&f.function));
     let user = stack.user.first();
     match (kernel, user) {
         (Some(k), Some(u)) => format!("{state} in {} <- {}", k.function, u.function),
@@ -188,7 +204,10 @@ impl OffCpuSummary {
             e.1 += 1;
         }
         if let Some(p) = &interval.preempted_by {
-            let e = self.by_preemptor.entry(format!("{} ({})", p.comm, p.tid)).or_default();
+            let e = self
+                .by_preemptor
+                .entry(format!("{} ({})", p.comm, p.tid))
+                .or_default();
             e.0 += d;
             e.1 += 1;
         }
@@ -196,7 +215,8 @@ impl OffCpuSummary {
 
     /// The `n` largest entries of `map` by total time.
     pub fn top(map: &HashMap<String, (u64, u64)>, n: usize) -> Vec<(String, u64, u64)> {
-        let mut v: Vec<(String, u64, u64)> = map.iter().map(|(k, (t, c))| (k.clone(), *t, *c)).collect();
+        let mut v: Vec<(String, u64, u64)> =
+            map.iter().map(|(k, (t, c))| (k.clone(), *t, *c)).collect();
         v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         v.truncate(n);
         v
@@ -227,10 +247,16 @@ mod tests {
             user: vec![frame("lock_it", false), frame("main", false)],
         });
         assert!(t.stack_taken(10, 100, stack.clone()));
-        assert!(!t.stack_taken(10, 99, stack.clone()), "stack of another switch");
+        assert!(
+            !t.stack_taken(10, 99, stack.clone()),
+            "stack of another switch"
+        );
         assert!(t.switched_in(11, 150).is_none(), "never left");
         let i = t.switched_in(10, 400).unwrap();
-        assert_eq!((i.start, i.end, i.duration(), i.truncated), (100, 400, 300, false));
+        assert_eq!(
+            (i.start, i.end, i.duration(), i.truncated),
+            (100, 400, 300, false)
+        );
         assert_eq!(reason(&i), "sleeping in futex_wait <- lock_it");
         let mut s = OffCpuSummary::default();
         s.add(&i);
@@ -240,7 +266,11 @@ mod tests {
     #[test]
     fn preemptions_and_truncation() {
         let mut t = OffCpuTracker::default();
-        let hog = Preemptor { tid: 77, tgid: 77, comm: "hog".into() };
+        let hog = Preemptor {
+            tid: 77,
+            tgid: 77,
+            comm: "hog".into(),
+        };
         t.switched_out(10, 9, 1, 100, 0x100, Some(hog));
         t.switched_out(12, 9, 0, 50, 0x1, None);
         let rest = t.finish_all(1000);

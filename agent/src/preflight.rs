@@ -13,7 +13,9 @@ pub enum PreflightError {
          programs; run it with sudo"
     )]
     NotPrivileged,
-    #[error("no process with pid {0}: check the pid (e.g. `ps -p {0}`) and that it is still running")]
+    #[error(
+        "no process with pid {0}: check the pid (e.g. `ps -p {0}`) and that it is still running"
+    )]
     NoSuchProcess(u32),
     #[error("pid {0} is a zombie (it has exited); nothing left to trace")]
     Zombie(u32),
@@ -23,7 +25,9 @@ pub enum PreflightError {
         #[source]
         source: std::io::Error,
     },
-    #[error("the eBPF programs are not built into this agent: run `cargo xtask build-ebpf`, then rebuild the agent")]
+    #[error(
+        "the eBPF programs are not built into this agent: run `cargo xtask build-ebpf`, then rebuild the agent"
+    )]
     NoEbpfObject,
 }
 
@@ -96,18 +100,29 @@ mod tests {
 
     #[test]
     fn own_process_resolves_to_itself() {
-        assert_eq!(check_target(std::process::id()).unwrap(), std::process::id());
+        assert_eq!(
+            check_target(std::process::id()).unwrap(),
+            std::process::id()
+        );
     }
 
     #[test]
     fn unwritable_output_is_named() {
         let err = open_output(Path::new("/nonexistent-dir/x.pftrace")).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("/nonexistent-dir/x.pftrace") && msg.contains("-o"), "{msg}");
+        assert!(
+            msg.contains("/nonexistent-dir/x.pftrace") && msg.contains("-o"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn missing_object_says_how_to_build() {
-        assert!(check_object(&[]).unwrap_err().to_string().contains("cargo xtask build-ebpf"));
+        assert!(
+            check_object(&[])
+                .unwrap_err()
+                .to_string()
+                .contains("cargo xtask build-ebpf")
+        );
     }
 }

@@ -79,7 +79,10 @@ pub fn threads(pid: u32) -> Vec<ThreadEntry> {
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(|tid| {
             let comm = fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).ok()?;
-            Some(ThreadEntry { tid, comm: comm.trim_end_matches('\n').to_string() })
+            Some(ThreadEntry {
+                tid,
+                comm: comm.trim_end_matches('\n').to_string(),
+            })
         })
         .collect();
     out.sort_by_key(|t| t.tid);

@@ -27,7 +27,10 @@ pub struct ReaderCounters {
 
 impl ReaderCounters {
     pub fn total_consumed(&self) -> u64 {
-        self.consumed.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+        self.consumed
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
@@ -43,7 +46,13 @@ pub struct Reader {
 impl Reader {
     /// Runs until `stop` turns true, then drains what is left and returns.
     pub async fn run(self, mut stop: watch::Receiver<bool>) -> Result<()> {
-        let Reader { ring, out, counters, drain_interval, delay } = self;
+        let Reader {
+            ring,
+            out,
+            counters,
+            drain_interval,
+            delay,
+        } = self;
         // SAFETY: the ring buffer owns its fd, which stays open (and is
         // deregistered) for as long as the AsyncFd owns the ring buffer.
         let mut fd = unsafe { AsyncFd::register(ring) }

@@ -28,7 +28,11 @@ use crate::{host, preflight, procfs};
 pub enum Msg {
     Events(Vec<Event>),
     /// Per-CPU drop totals changed: the CPUs with new drops, and the total.
-    Drops { ts: u64, cpus: Vec<u32>, total: u64 },
+    Drops {
+        ts: u64,
+        cpus: Vec<u32>,
+        total: u64,
+    },
 }
 
 /// Channel depth between reader and trace stage, in batches.
@@ -80,8 +84,13 @@ async fn record(
         }
     }
     let start_ts = host::boottime_ns();
-    let pids: Vec<u32> = if cfg.system_wide { procfs::all_pids() } else { probes.targets() };
-    let processes: Vec<procfs::ProcessEntry> = pids.into_iter().filter_map(procfs::process).collect();
+    let pids: Vec<u32> = if cfg.system_wide {
+        procfs::all_pids()
+    } else {
+        probes.targets()
+    };
+    let processes: Vec<procfs::ProcessEntry> =
+        pids.into_iter().filter_map(procfs::process).collect();
     let initial_threads: usize = processes.iter().map(|p| p.threads.len()).sum();
 
     let counters = Arc::new(ReaderCounters::default());
@@ -104,7 +113,11 @@ async fn record(
         Some(t) => eprintln!(
             "xpuscope: recording pid {t} ({}), {initial_threads} threads{} -> {}; Ctrl-C to stop",
             procfs::stat(t).map(|s| s.comm).unwrap_or_default(),
-            if cfg.system_wide { ", all CPUs and processes" } else { "" },
+            if cfg.system_wide {
+                ", all CPUs and processes"
+            } else {
+                ""
+            },
             cfg.output.display()
         ),
         None => eprintln!(
@@ -164,7 +177,9 @@ async fn record(
     send_drops(&probes, &mut drops_seen, &tx).await;
     let drops_by_kind = probes.drops_by_kind();
     let _ = stop_tx.send(true);
-    let reader_result = reader_task.await.map_err(|e| anyhow!("reader task panicked: {e}"))?;
+    let reader_result = reader_task
+        .await
+        .map_err(|e| anyhow!("reader task panicked: {e}"))?;
     drop(tx);
     drop(probes);
     let writer_result = tokio::task::spawn_blocking(move || writer_thread.join())
@@ -173,7 +188,11 @@ async fn record(
     let (stats, bytes) = writer_result?;
     reader_result?;
 
-    let consumed: Vec<u64> = counters.consumed.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let consumed: Vec<u64> = counters
+        .consumed
+        .iter()
+        .map(|c| c.load(Ordering::Relaxed))
+        .collect();
     Ok(RunSummary::new(
         &cfg,
         reason,
@@ -200,14 +219,22 @@ async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<Msg>) {
             }
         }
     }
-    let changed: Vec<u32> =
-        (0..seen.len()).filter(|&c| per_cpu[c] > seen[c]).map(|c| c as u32).collect();
+    let changed: Vec<u32> = (0..seen.len())
+        .filter(|&c| per_cpu[c] > seen[c])
+        .map(|c| c as u32)
+        .collect();
     if changed.is_empty() {
         return;
     }
     seen.copy_from_slice(&per_cpu);
     let total = per_cpu.iter().sum();
-    let _ = tx.send(Msg::Drops { ts: host::boottime_ns(), cpus: changed, total }).await;
+    let _ = tx
+        .send(Msg::Drops {
+            ts: host::boottime_ns(),
+            cpus: changed,
+            total,
+        })
+        .await;
 }
 
 /// The trace stage's thread: writes the header, then every event, then
@@ -241,7 +268,10 @@ fn write_trace(
     let end = host::boottime_ns();
     builder.writer().clock_snapshot(&host::clock_snapshot())?;
     let (out, stats, bytes) = builder.finish(end)?;
-    let file = out.into_inner().map_err(|e| e.into_error()).context("flushing the trace")?;
+    let file = out
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .context("flushing the trace")?;
     file.sync_all().context("syncing the trace file")?;
     Ok((stats, bytes))
 }

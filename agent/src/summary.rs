@@ -79,7 +79,10 @@ fn own_usage() -> (f64, u64) {
     // SAFETY: as above.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    (secs(ru.ru_utime) + secs(ru.ru_stime), ru.ru_maxrss.max(0) as u64 * 1024)
+    (
+        secs(ru.ru_utime) + secs(ru.ru_stime),
+        ru.ru_maxrss.max(0) as u64 * 1024,
+    )
 }
 
 fn kind_name(kind: EventKind) -> String {
@@ -99,7 +102,11 @@ fn kind_name(kind: EventKind) -> String {
 fn ranked(map: &std::collections::HashMap<String, (u64, u64)>) -> Vec<Ranked> {
     OffCpuSummary::top(map, 5)
         .into_iter()
-        .map(|(what, total_ns, count)| Ranked { what, total_ns, count })
+        .map(|(what, total_ns, count)| Ranked {
+            what,
+            total_ns,
+            count,
+        })
         .collect()
 }
 
@@ -149,7 +156,11 @@ impl RunSummary {
 
     pub fn print(&self) {
         let secs = |ns: u64| ns as f64 / 1e9;
-        eprintln!("xpuscope: stopped ({}) after {:.1} s", self.stop_reason.describe(), self.seconds);
+        eprintln!(
+            "xpuscope: stopped ({}) after {:.1} s",
+            self.stop_reason.describe(),
+            self.seconds
+        );
         let kinds: Vec<String> = self
             .per_kind
             .iter()
@@ -157,12 +168,19 @@ impl RunSummary {
             .map(|k| format!("{} {}", k.kind, k.consumed))
             .collect();
         eprintln!("  events:  {} ({})", self.events, kinds.join(", "));
-        eprintln!("  dropped: {}{}", self.dropped, if self.dropped > 0 {
-            " (ring buffer full: try a larger --ring-size; CPUs with drops are marked lost_events in the trace)"
-        } else {
-            ""
-        });
-        eprintln!("  threads: {}   preemptions of traced threads: {}", self.threads, self.preemptions);
+        eprintln!(
+            "  dropped: {}{}",
+            self.dropped,
+            if self.dropped > 0 {
+                " (ring buffer full: try a larger --ring-size; CPUs with drops are marked lost_events in the trace)"
+            } else {
+                ""
+            }
+        );
+        eprintln!(
+            "  threads: {}   preemptions of traced threads: {}",
+            self.threads, self.preemptions
+        );
         eprintln!(
             "  off-CPU time of traced threads: {:.3} s ({:.3} s with a sampled stack, {} stacks)",
             secs(self.offcpu_ns),
@@ -172,13 +190,23 @@ impl RunSummary {
         if !self.top_offcpu.is_empty() {
             eprintln!("  top off-CPU reasons:");
             for r in &self.top_offcpu {
-                eprintln!("    {:>9.3} s {:>7}x  {}", secs(r.total_ns), r.count, r.what);
+                eprintln!(
+                    "    {:>9.3} s {:>7}x  {}",
+                    secs(r.total_ns),
+                    r.count,
+                    r.what
+                );
             }
         }
         if !self.top_preemptors.is_empty() {
             eprintln!("  top preemptors of traced threads:");
             for r in &self.top_preemptors {
-                eprintln!("    {:>9.3} s {:>7}x  {}", secs(r.total_ns), r.count, r.what);
+                eprintln!(
+                    "    {:>9.3} s {:>7}x  {}",
+                    secs(r.total_ns),
+                    r.count,
+                    r.what
+                );
             }
         }
         eprintln!(

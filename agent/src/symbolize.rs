@@ -87,14 +87,21 @@ impl StackSymbolizer {
 
     /// Kernel frames, leaf first, with the tracing machinery removed.
     pub fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame> {
-        let missing: Vec<u64> = addrs.iter().copied().filter(|a| !self.kernel.contains_key(a)).collect();
+        let missing: Vec<u64> = addrs
+            .iter()
+            .copied()
+            .filter(|a| !self.kernel.contains_key(a))
+            .collect();
         self.lookups += addrs.len() as u64;
         self.cache_hits += (addrs.len() - missing.len()) as u64;
         if !missing.is_empty() {
             let src = Source::Kernel(Kernel::default());
             // Return addresses point after the call: look up the call itself.
             let lookup: Vec<u64> = missing.iter().map(|a| a.saturating_sub(1)).collect();
-            let results = self.symbolizer.symbolize(&src, Input::AbsAddr(&lookup)).unwrap_or_default();
+            let results = self
+                .symbolizer
+                .symbolize(&src, Input::AbsAddr(&lookup))
+                .unwrap_or_default();
             for (i, addr) in missing.iter().enumerate() {
                 let function: Arc<str> = match results.get(i) {
                     Some(Symbolized::Sym(sym)) => Arc::from(&*sym.name),
@@ -113,8 +120,14 @@ impl StackSymbolizer {
                 );
             }
         }
-        let frames: Vec<SymFrame> = addrs.iter().filter_map(|a| self.kernel.get(a).cloned()).collect();
-        let skip = frames.iter().take_while(|f| is_tracing_frame(&f.function)).count();
+        let frames: Vec<SymFrame> = addrs
+            .iter()
+            .filter_map(|a| self.kernel.get(a).cloned())
+            .collect();
+        let skip = frames
+            .iter()
+            .take_while(|f| is_tracing_frame(&f.function))
+            .count();
         frames[skip..].to_vec()
     }
 
@@ -124,7 +137,13 @@ impl StackSymbolizer {
             Some(c) => c.maps.find(addr).is_none() && c.read_at.elapsed() > MAPS_REFRESH,
         };
         if stale && let Ok(maps) = ProcessMaps::read(tgid) {
-            self.maps.insert(tgid, ProcessMapsCache { maps, read_at: Instant::now() });
+            self.maps.insert(
+                tgid,
+                ProcessMapsCache {
+                    maps,
+                    read_at: Instant::now(),
+                },
+            );
         }
         self.maps.get(&tgid).map(|c| &c.maps)
     }
@@ -153,18 +172,22 @@ impl StackSymbolizer {
                 })
                 .collect();
             for (i, addr) in missing.iter().enumerate() {
-                let mapping = self.maps_for(pid, *addr).and_then(|m| m.find(*addr)).cloned();
-                let (module, start, end, offset, rel_pc): (Arc<str>, u64, u64, u64, u64) = match &mapping {
-                    Some(m) if !m.path.is_empty() => (
-                        Arc::from(m.path.as_str()),
-                        m.start,
-                        m.end,
-                        m.offset,
-                        m.file_offset_of(*addr),
-                    ),
-                    Some(m) => (Arc::from("[anon]"), m.start, m.end, 0, addr - m.start),
-                    None => (Arc::from("[unknown]"), 0, 0, 0, *addr),
-                };
+                let mapping = self
+                    .maps_for(pid, *addr)
+                    .and_then(|m| m.find(*addr))
+                    .cloned();
+                let (module, start, end, offset, rel_pc): (Arc<str>, u64, u64, u64, u64) =
+                    match &mapping {
+                        Some(m) if !m.path.is_empty() => (
+                            Arc::from(m.path.as_str()),
+                            m.start,
+                            m.end,
+                            m.offset,
+                            m.file_offset_of(*addr),
+                        ),
+                        Some(m) => (Arc::from("[anon]"), m.start, m.end, 0, addr - m.start),
+                        None => (Arc::from("[unknown]"), 0, 0, 0, *addr),
+                    };
                 let function: Arc<str> = match names.get(i) {
                     Some(Some(name)) => Arc::from(name.as_str()),
                     _ => Arc::from(format!(
@@ -185,9 +208,11 @@ impl StackSymbolizer {
                 );
             }
         }
-        addrs.iter().filter_map(|a| self.user.get(&(tgid, *a)).cloned()).collect()
+        addrs
+            .iter()
+            .filter_map(|a| self.user.get(&(tgid, *a)).cloned())
+            .collect()
     }
-
 }
 
 impl StackSymbolizer {
@@ -210,7 +235,10 @@ impl StackSymbolizer {
         let mut pid = tgid;
         for _ in 0..8 {
             // A zombie still has /proc/PID/maps, but empty.
-            if self.maps_for(pid, addr).is_some_and(|m| m.find(addr).is_some()) {
+            if self
+                .maps_for(pid, addr)
+                .is_some_and(|m| m.find(addr).is_some())
+            {
                 return pid;
             }
             match self.forked_from.get(&pid) {

@@ -81,7 +81,11 @@ impl<W: Write> TraceBuilder<W> {
         for p in processes {
             procs.push(process_info(p.pid, p.ppid, &p.cmdline, &p.comm, p.uid));
             for t in &p.threads {
-                threads.push(ThreadInfo { tid: t.tid as i32, tgid: p.pid as i32, name: t.comm.clone() });
+                threads.push(ThreadInfo {
+                    tid: t.tid as i32,
+                    tgid: p.pid as i32,
+                    name: t.comm.clone(),
+                });
                 self.threads.insert(t.tid, (p.pid, t.comm.clone()));
             }
         }
@@ -140,7 +144,8 @@ impl<W: Write> TraceBuilder<W> {
             }
             // A dying thread's last switch-out is not a wait: it never returns.
             if state != REPORT_DEAD && state != REPORT_ZOMBIE {
-                self.offcpu.switched_out(s.prev_tid, s.prev_tgid, s.cpu, s.ts, state, preemptor);
+                self.offcpu
+                    .switched_out(s.prev_tid, s.prev_tgid, s.cpu, s.ts, state, preemptor);
             }
         }
         if s.next_target && s.next_tid != 0 {
@@ -153,14 +158,20 @@ impl<W: Write> TraceBuilder<W> {
     }
 
     fn note_thread(&mut self, tid: u32, tgid: u32, comm: &Comm) {
-        self.threads.entry(tid).or_insert_with(|| (tgid, comm.as_str().into_owned()));
+        self.threads
+            .entry(tid)
+            .or_insert_with(|| (tgid, comm.as_str().into_owned()));
     }
 
     fn thread_track(&mut self, tid: u32) -> Result<TrackUuid> {
         if let Some(t) = self.thread_tracks.get(&tid) {
             return Ok(*t);
         }
-        let (tgid, name) = self.threads.get(&tid).cloned().unwrap_or((tid, String::new()));
+        let (tgid, name) = self
+            .threads
+            .get(&tid)
+            .cloned()
+            .unwrap_or((tid, String::new()));
         let track = self.writer.thread_track(tgid as i32, tid as i32, &name)?;
         self.thread_tracks.insert(tid, track);
         Ok(track)
@@ -174,45 +185,92 @@ impl<W: Write> TraceBuilder<W> {
             Arg::new("by_pid", ArgValue::Uint(by.tgid as u64)),
             Arg::new("cpu", ArgValue::Uint(s.cpu as u64)),
         ];
-        self.writer.instant(track, s.ts, &format!("preempted by {}", by.comm), &args, None)?;
+        self.writer.instant(
+            track,
+            s.ts,
+            &format!("preempted by {}", by.comm),
+            &args,
+            None,
+        )?;
         Ok(())
     }
 
     fn waking(&mut self, w: &Waking) -> Result<()> {
-        let target_cpu = if w.target_cpu == u32::MAX { -1 } else { w.target_cpu as i32 };
-        self.writer.sched_waking(w.cpu, w.ts, w.tid as i32, target_cpu, w.prio, &w.comm.as_str())?;
+        let target_cpu = if w.target_cpu == u32::MAX {
+            -1
+        } else {
+            w.target_cpu as i32
+        };
+        self.writer.sched_waking(
+            w.cpu,
+            w.ts,
+            w.tid as i32,
+            target_cpu,
+            w.prio,
+            &w.comm.as_str(),
+        )?;
         Ok(())
     }
 
     fn fork(&mut self, f: &Fork) -> Result<()> {
         let name = f.child_comm.as_str().into_owned();
-        let flags = if f.is_thread() { CLONE_THREAD_FLAGS } else { SIGCHLD };
-        self.writer.task_newtask(f.cpu, f.ts, f.parent_tid as i32, f.child_tid as i32, &name, flags, 0)?;
-        self.threads.insert(f.child_tid, (f.child_tgid, name.clone()));
+        let flags = if f.is_thread() {
+            CLONE_THREAD_FLAGS
+        } else {
+            SIGCHLD
+        };
+        self.writer.task_newtask(
+            f.cpu,
+            f.ts,
+            f.parent_tid as i32,
+            f.child_tid as i32,
+            &name,
+            flags,
+            0,
+        )?;
+        self.threads
+            .insert(f.child_tid, (f.child_tgid, name.clone()));
         if !f.is_thread() {
             self.symbolizer.process_forked(f.child_tgid, f.parent_tgid);
             let cmdline = procfs::cmdline(f.child_tgid);
             let p = process_info(f.child_tgid, f.parent_tgid, &cmdline, &name, None);
-            self.writer.process_tree(f.ts, &[p], &[ThreadInfo {
-                tid: f.child_tid as i32,
-                tgid: f.child_tgid as i32,
-                name,
-            }])?;
+            self.writer.process_tree(
+                f.ts,
+                &[p],
+                &[ThreadInfo {
+                    tid: f.child_tid as i32,
+                    tgid: f.child_tgid as i32,
+                    name,
+                }],
+            )?;
         }
         Ok(())
     }
 
     fn exec(&mut self, e: &Exec) -> Result<()> {
         let new = e.comm.as_str().into_owned();
-        let old = self.threads.get(&e.tid).map(|t| t.1.clone()).unwrap_or_default();
-        self.writer.task_rename(e.cpu, e.ts, e.tid as i32, e.tid as i32, &old, &new)?;
+        let old = self
+            .threads
+            .get(&e.tid)
+            .map(|t| t.1.clone())
+            .unwrap_or_default();
+        self.writer
+            .task_rename(e.cpu, e.ts, e.tid as i32, e.tid as i32, &old, &new)?;
         self.threads.insert(e.tid, (e.tgid, new.clone()));
         // A new program: addresses cached for the old one mean nothing now.
         self.symbolizer.forget_process(e.tgid);
         let cmdline = procfs::cmdline(e.tgid);
         let ppid = procfs::stat(e.tgid).map(|s| s.ppid).unwrap_or(0);
         let p = process_info(e.tgid, ppid, &cmdline, &new, None);
-        self.writer.process_tree(e.ts, &[p], &[ThreadInfo { tid: e.tid as i32, tgid: e.tgid as i32, name: new }])?;
+        self.writer.process_tree(
+            e.ts,
+            &[p],
+            &[ThreadInfo {
+                tid: e.tid as i32,
+                tgid: e.tgid as i32,
+                name: new,
+            }],
+        )?;
         Ok(())
     }
 
@@ -220,13 +278,27 @@ impl<W: Write> TraceBuilder<W> {
         if let Some(interval) = self.offcpu.exited(e.tid, e.ts) {
             self.interval_done(interval)?;
         }
-        self.writer.sched_process_free(e.cpu, e.ts, e.tid as i32, e.tid as i32, &e.comm.as_str(), e.prio)?;
+        self.writer.sched_process_free(
+            e.cpu,
+            e.ts,
+            e.tid as i32,
+            e.tid as i32,
+            &e.comm.as_str(),
+            e.prio,
+        )?;
         Ok(())
     }
 
     fn rename(&mut self, r: &Rename) -> Result<()> {
         let new = r.new_comm.as_str().into_owned();
-        self.writer.task_rename(r.cpu, r.ts, r.tid as i32, r.tid as i32, &r.old_comm.as_str(), &new)?;
+        self.writer.task_rename(
+            r.cpu,
+            r.ts,
+            r.tid as i32,
+            r.tid as i32,
+            &r.old_comm.as_str(),
+            &new,
+        )?;
         self.threads.insert(r.tid, (r.tgid, new));
         Ok(())
     }
@@ -244,7 +316,10 @@ impl<W: Write> TraceBuilder<W> {
             Ok(addrs) => self.symbolizer.user_frames(s.tgid, addrs),
             Err(_) => Vec::new(),
         };
-        if !self.offcpu.stack_taken(s.tid, s.ts, Arc::new(Stack { kernel, user })) {
+        if !self
+            .offcpu
+            .stack_taken(s.tid, s.ts, Arc::new(Stack { kernel, user }))
+        {
             self.stats.stacks_unmatched += 1;
         }
         Ok(())
@@ -252,8 +327,7 @@ impl<W: Write> TraceBuilder<W> {
 
     fn interval_done(&mut self, interval: OffCpuInterval) -> Result<()> {
         if let Some(stack) = &interval.stack {
-            let frames: Vec<pf::Frame> =
-                stack.leaf_first().map(|f| self.frames.frame(f)).collect();
+            let frames: Vec<pf::Frame> = stack.leaf_first().map(|f| self.frames.frame(f)).collect();
             if !frames.is_empty() {
                 self.writer.stack_sample(
                     interval.start,
@@ -277,7 +351,11 @@ impl<W: Write> TraceBuilder<W> {
         let track = match self.drops_track {
             Some(t) => t,
             None => {
-                let t = self.writer.counter_track(None, "xpuscope dropped events", CounterUnit::Count)?;
+                let t = self.writer.counter_track(
+                    None,
+                    "xpuscope dropped events",
+                    CounterUnit::Count,
+                )?;
                 self.drops_track = Some(t);
                 t
             }
@@ -298,12 +376,22 @@ impl<W: Write> TraceBuilder<W> {
     }
 }
 
-fn process_info(pid: u32, ppid: u32, cmdline: &[String], comm: &str, uid: Option<u32>) -> ProcessInfo {
+fn process_info(
+    pid: u32,
+    ppid: u32,
+    cmdline: &[String],
+    comm: &str,
+    uid: Option<u32>,
+) -> ProcessInfo {
     ProcessInfo {
         pid: pid as i32,
         ppid: ppid as i32,
         // The importer skips processes without a cmdline: fall back to the comm.
-        cmdline: if cmdline.is_empty() { vec![comm.to_string()] } else { cmdline.to_vec() },
+        cmdline: if cmdline.is_empty() {
+            vec![comm.to_string()]
+        } else {
+            cmdline.to_vec()
+        },
         uid,
     }
 }

@@ -262,7 +262,11 @@ mod tests {
             end: 0x2000,
             ..Mapping::default()
         });
-        let stack = vec![Frame::kernel("schedule", 7), user("f", &lib), user("main", &lib)];
+        let stack = vec![
+            Frame::kernel("schedule", 7),
+            user("f", &lib),
+            user("main", &lib),
+        ];
         let mut s = SequenceInterner::default();
         let a = s.callstack(&stack).unwrap();
         let first = s.take_pending().unwrap();
@@ -274,7 +278,11 @@ mod tests {
         assert_eq!(first.build_ids.len(), 1);
         // Root first: main, f, schedule.
         let fn_of = |frame_iid: u64| {
-            let f = first.frames.iter().find(|f| f.iid == Some(frame_iid)).unwrap();
+            let f = first
+                .frames
+                .iter()
+                .find(|f| f.iid == Some(frame_iid))
+                .unwrap();
             let n = first
                 .function_names
                 .iter()
@@ -282,9 +290,17 @@ mod tests {
                 .unwrap();
             String::from_utf8(n.str.clone().unwrap()).unwrap()
         };
-        let order: Vec<String> = first.callstacks[0].frame_ids.iter().map(|&i| fn_of(i)).collect();
+        let order: Vec<String> = first.callstacks[0]
+            .frame_ids
+            .iter()
+            .map(|&i| fn_of(i))
+            .collect();
         assert_eq!(order, ["main", "f", "schedule"]);
-        let kernel = first.mappings.iter().find(|m| m.build_id.is_none()).unwrap();
+        let kernel = first
+            .mappings
+            .iter()
+            .find(|m| m.build_id.is_none())
+            .unwrap();
         assert_eq!((kernel.start, kernel.end), (Some(0), Some(0)));
 
         // Same stack again: same id, nothing new to define.

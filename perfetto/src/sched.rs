@@ -9,6 +9,9 @@ use crate::proto::{CompactSched, FtraceEvent, FtraceEventBundle, TracePacket};
 /// The importer rejects bundles for CPUs at or above this.
 pub(crate) const MAX_CPUS: u32 = 1024;
 
+/// Kernel comm buffer size, terminator included.
+const TASK_COMM_LEN: usize = 16;
+
 /// The comm intern table of one bundle: strings in `CompactSched.intern_table`
 /// order, found through an open-addressing index.
 #[derive(Default)]
@@ -49,7 +52,11 @@ impl CommTable {
             pos = (pos + 1) & mask;
         }
         let idx = table.len() as u32;
-        let mut s = self.spare.pop().unwrap_or_default();
+        // Recycled strings hold any comm of up to TASK_COMM_LEN bytes.
+        let mut s = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| String::with_capacity(TASK_COMM_LEN));
         s.push_str(comm);
         table.push(s);
         self.slots[pos] = idx + 1;
@@ -143,7 +150,14 @@ impl CpuBundle {
     }
 
     /// Appends a waking. The caller checked [`Self::goes_backwards`].
-    pub(crate) fn push_waking(&mut self, ts: u64, pid: i32, target_cpu: i32, prio: i32, comm: &str) {
+    pub(crate) fn push_waking(
+        &mut self,
+        ts: u64,
+        pid: i32,
+        target_cpu: i32,
+        prio: i32,
+        comm: &str,
+    ) {
         let c = &mut self.compact;
         c.waking_timestamp
             .push(ts - self.last_waking.unwrap_or_default());
@@ -166,8 +180,8 @@ impl CpuBundle {
     /// Moves the bundle's contents into a packet for `cpu`; hand the packet
     /// back to [`Self::recycle`] once encoded.
     pub(crate) fn take_packet(&mut self, cpu: u32) -> TracePacket {
-        let has_compact = !self.compact.switch_timestamp.is_empty()
-            || !self.compact.waking_timestamp.is_empty();
+        let has_compact =
+            !self.compact.switch_timestamp.is_empty() || !self.compact.waking_timestamp.is_empty();
         let compact = has_compact.then(|| std::mem::take(&mut self.compact));
         TracePacket {
             ftrace_events: Some(FtraceEventBundle {

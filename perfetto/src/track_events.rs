@@ -24,7 +24,12 @@ impl<W: Write> TraceWriter<W> {
     /// The track of process `pid`, named `name` with `labels` (e.g. the
     /// job's rank). The uuid depends only on `pid` (and the machine id):
     /// calling again re-describes the same track.
-    pub fn process_track(&mut self, pid: i32, name: &str, labels: &[String]) -> io::Result<TrackUuid> {
+    pub fn process_track(
+        &mut self,
+        pid: i32,
+        name: &str,
+        labels: &[String],
+    ) -> io::Result<TrackUuid> {
         let uuid = self.seq.uuid(TrackKind::Process, pid as u32 as u64, 0);
         self.write_descriptor(TrackDescriptor {
             uuid: Some(uuid.0),

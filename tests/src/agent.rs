@@ -54,7 +54,10 @@ impl Proc {
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("starting {name} ({cmd:?}): {e}"));
-        Proc { child, name: name.to_string() }
+        Proc {
+            child,
+            name: name.to_string(),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -116,7 +119,10 @@ impl Lines {
                 }
             }
         });
-        Lines { rx, seen: Vec::new() }
+        Lines {
+            rx,
+            seen: Vec::new(),
+        }
     }
 
     /// Waits for a line containing `needle`; panics with what was seen.
@@ -129,7 +135,10 @@ impl Lines {
             let left = end.saturating_duration_since(Instant::now());
             match self.rx.recv_timeout(left) {
                 Ok(line) => self.seen.push(line),
-                Err(_) => panic!("no line containing {needle:?} within {timeout:?}; saw:\n{}", self.seen.join("\n")),
+                Err(_) => panic!(
+                    "no line containing {needle:?} within {timeout:?}; saw:\n{}",
+                    self.seen.join("\n")
+                ),
             }
         }
     }
@@ -137,7 +146,10 @@ impl Lines {
     /// Everything until the stream closes (or `timeout`).
     pub fn rest(&mut self, timeout: Duration) -> String {
         let end = Instant::now() + timeout;
-        while let Ok(line) = self.rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+        while let Ok(line) = self
+            .rx
+            .recv_timeout(end.saturating_duration_since(Instant::now()))
+        {
             self.seen.push(line);
         }
         self.seen.join("\n")
@@ -171,21 +183,33 @@ impl Recording {
         let mut agent = Proc::spawn("agent", &mut cmd);
         let mut stderr = Lines::new(agent.stderr());
         stderr.wait_for("xpuscope: recording", Duration::from_secs(30));
-        Recording { agent, stderr, output, stats }
+        Recording {
+            agent,
+            stderr,
+            output,
+            stats,
+        }
     }
 
     /// Waits for the agent to finish on its own; returns its stderr.
     pub fn finish(mut self, timeout: Duration) -> Finished {
-        let status = self
-            .agent
-            .wait_timeout(timeout)
-            .unwrap_or_else(|| panic!("agent did not stop within {timeout:?}:\n{}", self.stderr.rest(Duration::from_millis(100))));
+        let status = self.agent.wait_timeout(timeout).unwrap_or_else(|| {
+            panic!(
+                "agent did not stop within {timeout:?}:\n{}",
+                self.stderr.rest(Duration::from_millis(100))
+            )
+        });
         let stderr = self.stderr.rest(Duration::from_secs(5));
         assert!(status.success(), "agent failed ({status}):\n{stderr}");
         let trace = std::fs::read(&self.output).expect("the trace file exists");
         let stats: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&self.stats).expect("stats written")).expect("stats are JSON");
-        Finished { stderr, trace, stats }
+            serde_json::from_slice(&std::fs::read(&self.stats).expect("stats written"))
+                .expect("stats are JSON");
+        Finished {
+            stderr,
+            trace,
+            stats,
+        }
     }
 }
 

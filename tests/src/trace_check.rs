@@ -18,7 +18,7 @@
 //! let bytes = std::fs::read("trace.pftrace").unwrap();
 //! let trace = decode(&bytes).unwrap();
 //! check_importer_rules(&trace).unwrap();
-//! let timeline = Timeline::from_trace(&trace);
+//! let timeline = Timeline::new(&trace);
 //! assert!(!timeline.switches.is_empty());
 //! ```
 
@@ -36,7 +36,7 @@ pub use sequence::ResolvedFrame;
 pub use timeline::{
     ArgValue, CounterPoint, Instant, LostEvents, NewTask, ProcessEntry, ProcessFree, Rename,
     SampleSource, Slice, StackSample, State, Switch, ThreadEntry, Timeline, Track, TrackKind,
-    Waking, kernel_version,
+    UNKNOWN_PID, Waking, kernel_version,
 };
 
 /// Decodes a whole trace file (uncompressed protobuf).
@@ -82,7 +82,12 @@ mod tests {
         p
     }
 
-    fn bundle(cpu: u32, compact: CompactSched, events: Vec<FtraceEvent>, lost: bool) -> TracePacket {
+    fn bundle(
+        cpu: u32,
+        compact: CompactSched,
+        events: Vec<FtraceEvent>,
+        lost: bool,
+    ) -> TracePacket {
         let mut b = FtraceEventBundle::new();
         b.cpu = Some(cpu);
         b.compact_sched = Some(compact).into();
@@ -187,7 +192,10 @@ mod tests {
         r.set_oldcomm("loader".into());
         r.set_newcomm("loader-2".into());
         rename.set_task_rename(r);
-        let mut c0 = switches(&["trainer", "loader", "swapper/0"], &[(1000, 0, 100, 0), (500, 1, 101, 1)]);
+        let mut c0 = switches(
+            &["trainer", "loader", "swapper/0"],
+            &[(1000, 0, 100, 0), (500, 1, 101, 1)],
+        );
         // 100 woken at 1800 on CPU 0 while 101 runs there.
         c0.waking_timestamp.push(1800);
         c0.waking_pid.push(100);
@@ -203,9 +211,19 @@ mod tests {
         n.set_comm("trainer".into());
         n.set_clone_flags(0x10000);
         newtask.set_task_newtask(n);
-        packets.push(bundle(0, switches(&["swapper/0"], &[(2000, 0x100, 0, 0)]), vec![newtask], true));
+        packets.push(bundle(
+            0,
+            switches(&["swapper/0"], &[(2000, 0x100, 0, 0)]),
+            vec![newtask],
+            true,
+        ));
         // CPU 1: 100 runs at 1900 (woken at 1800).
-        packets.push(bundle(1, switches(&["trainer"], &[(1900, 0, 100, 0)]), vec![], false));
+        packets.push(bundle(
+            1,
+            switches(&["trainer"], &[(1900, 0, 100, 0)]),
+            vec![],
+            false,
+        ));
 
         // Track events on sequence SEQ.
         let mut first = seq_packet(0, 1);
@@ -250,7 +268,8 @@ mod tests {
         let mut data = InternedData::new();
         data.function_names.push(interned_string(1, "main"));
         data.function_names.push(interned_string(2, "schedule"));
-        data.mapping_paths.push(interned_string(1, "/usr/lib/libc.so.6"));
+        data.mapping_paths
+            .push(interned_string(1, "/usr/lib/libc.so.6"));
         data.mapping_paths.push(interned_string(2, "kernel"));
         for (iid, path) in [(1, 1), (2, 2)] {
             let mut m = Mapping::new();
@@ -311,13 +330,21 @@ mod tests {
 
     #[test]
     fn timeline_reconstructs_what_the_ui_shows() {
-        let tl = Timeline::from_trace(&reencode(&good_trace()));
+        let tl = Timeline::new(&reencode(&good_trace()));
         assert_eq!(tl.kernel_release.as_deref(), Some("6.18.0-1-amd64"));
-        let sw: Vec<(u32, u64, Option<i32>, i32)> =
-            tl.switches.iter().map(|s| (s.cpu, s.ts, s.prev_pid, s.next_pid)).collect();
+        let sw: Vec<(u32, u64, i32, i32)> = tl
+            .switches
+            .iter()
+            .map(|s| (s.cpu, s.ts, s.prev_pid, s.next_pid))
+            .collect();
         assert_eq!(
             sw,
-            [(0, 1000, None, 100), (0, 1500, Some(100), 101), (1, 1900, None, 100), (0, 2000, Some(101), 0)]
+            [
+                (0, 1000, UNKNOWN_PID, 100),
+                (0, 1500, 100, 101),
+                (1, 1900, UNKNOWN_PID, 100),
+                (0, 2000, 101, 0)
+            ]
         );
         assert_eq!(tl.switches[3].next_comm, "swapper/0");
         assert_eq!(tl.wakings.len(), 1);
@@ -325,7 +352,14 @@ mod tests {
         assert_eq!(tl.wakings[0].comm, "trainer");
         assert_eq!(tl.renames[0].new_comm, "loader-2");
         assert_eq!(tl.new_tasks[0].pid, 102);
-        assert_eq!(tl.lost_events, [LostEvents { cpu: 0, first_ts: Some(1900) }]);
+        assert_eq!(
+            tl.lost_events,
+            [LostEvents {
+                cpu: 0,
+                first_ts: Some(1900)
+            }]
+        );
+        assert!(tl.lost_event_cpus.iter().eq([0].iter()));
 
         // Names: the track descriptor (priority 4) beats ProcessTree (2),
         // which beats ftrace (1) even when the ftrace rename is later.
@@ -357,17 +391,39 @@ mod tests {
         assert_eq!(slices[0].name, "step");
         assert_eq!(slices[0].arg("batch"), Some(&ArgValue::Uint(64)));
         assert_eq!(slices[0].terminating_flow_ids, [9]);
-        assert_eq!(tl.counter_values(56), [(1200, 3.5)]);
+        assert_eq!(tl.counter_series(56), [(1200, 3.5)]);
+        assert_eq!(tl.counter_values("mem"), [3.5]);
 
         assert_eq!(tl.stack_samples.len(), 2);
         let perf = &tl.stack_samples[0];
         assert_eq!(perf.source, SampleSource::PerfSample);
-        assert_eq!((perf.weight, perf.frames.clone()), (Some(700), vec!["main".to_string(), "schedule".into()]));
+        assert_eq!(
+            (perf.weight, perf.frames.clone()),
+            (700, vec!["main".to_string(), "schedule".into()])
+        );
         assert_eq!(perf.mappings, ["/usr/lib/libc.so.6", "kernel"]);
         let stack = &tl.stack_samples[1];
         assert_eq!(stack.source, SampleSource::StackSample);
-        assert_eq!((stack.pid, stack.tid, stack.weight), (100, 101, Some(250)));
+        assert_eq!((stack.pid, stack.tid, stack.weight), (100, 101, 250));
         assert_eq!(stack.frames, ["main", "schedule"]);
+    }
+
+    #[test]
+    fn a_new_task_with_a_reused_tid_starts_a_fresh_thread() {
+        let mut t = good_trace();
+        let mut newtask = FtraceEvent::new();
+        newtask.set_timestamp(1950);
+        newtask.set_pid(100);
+        let mut n = TaskNewtaskFtraceEvent::new();
+        n.set_pid(101);
+        n.set_comm("fresh".into());
+        n.set_clone_flags(0);
+        newtask.set_task_newtask(n);
+        t.packet[4].mut_ftrace_events().event.push(newtask);
+        let tl = Timeline::new(&reencode(&t));
+        // The ProcessTree name and tgid belonged to the previous thread 101.
+        assert_eq!(tl.thread_name(101), Some("fresh"));
+        assert_eq!(tl.process_of(101), Some(101));
     }
 
     #[test]
@@ -379,7 +435,10 @@ mod tests {
         assert_eq!(State::from_prev_state(0x20, new), State::Dead);
         assert_eq!(State::from_prev_state(0x4, new), State::Other(4));
         assert_eq!(State::from_prev_state(0x100, None), State::Other(0x100));
-        assert_eq!(State::from_prev_state(0x800, None), State::RunnablePreempted);
+        assert_eq!(
+            State::from_prev_state(0x800, None),
+            State::RunnablePreempted
+        );
         assert_eq!(kernel_version("6.18.0-1-amd64"), Some((6, 18)));
         assert_eq!(kernel_version("4.4"), Some((4, 4)));
     }
@@ -415,7 +474,11 @@ mod tests {
     #[test]
     fn detects_switches_going_back_across_bundles() {
         let mut t = good_trace();
-        let c = t.packet[4].mut_ftrace_events().compact_sched.as_mut().unwrap();
+        let c = t.packet[4]
+            .mut_ftrace_events()
+            .compact_sched
+            .as_mut()
+            .unwrap();
         c.switch_timestamp[0] = 1200;
         assert!(has(&errors_of(&t), "goes back in time"));
     }
@@ -425,7 +488,10 @@ mod tests {
         let mut t = good_trace();
         t.packet[6].clear_sequence_flags();
         let e = errors_of(&t);
-        assert!(has(&e, "before any packet with SEQ_INCREMENTAL_STATE_CLEARED"), "{e:?}");
+        assert!(
+            has(&e, "before any packet with SEQ_INCREMENTAL_STATE_CLEARED"),
+            "{e:?}"
+        );
         assert!(has(&e, "SEQ_NEEDS_INCREMENTAL_STATE"), "{e:?}");
 
         let mut t = good_trace();

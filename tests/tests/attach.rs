@@ -9,7 +9,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go, run_agent, workload_bin};
+use xpuscope_tests::agent::{
+    Lines, Proc, Recording, TempDir, exclusive, go, run_agent, workload_bin,
+};
 use xpuscope_tests::trace_check::{State, Timeline, check_importer_rules, decode};
 
 fn workload(args: &[&str]) -> Proc {
@@ -23,7 +25,9 @@ fn workload(args: &[&str]) -> Proc {
 }
 
 fn tid(truth: &Value, key: &str) -> i32 {
-    truth[key].as_i64().unwrap_or_else(|| panic!("{key} in {truth}")) as i32
+    truth[key]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{key} in {truth}")) as i32
 }
 
 #[test]
@@ -35,11 +39,19 @@ fn attach_records_the_known_pattern() {
     let mut out = Lines::new(wl.stdout());
     let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
     // A CPU hog outside the traced process, on the victim thread's CPU.
-    let _hog = Proc::spawn("hog", Command::new(workload_bin()).args(["hog", "1", "1.4"]));
+    let _hog = Proc::spawn(
+        "hog",
+        Command::new(workload_bin()).args(["hog", "1", "1.4"]),
+    );
     go(&mut stdin);
-    let truth: Value = serde_json::from_str(&out.wait_for("sleep_ns", Duration::from_secs(30))).unwrap();
+    let truth: Value =
+        serde_json::from_str(&out.wait_for("sleep_ns", Duration::from_secs(30))).unwrap();
     let done = rec.finish(Duration::from_secs(30));
-    assert!(done.stderr.contains("stopped (target exited)"), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("stopped (target exited)"),
+        "{}",
+        done.stderr
+    );
 
     let trace = decode(&done.trace).expect("decodes with the official schema");
     check_importer_rules(&trace).expect("importer rules hold");
@@ -57,12 +69,25 @@ fn attach_records_the_known_pattern() {
         ("victim_tid", "victim"),
     ] {
         let t = tid(&truth, key);
-        assert_eq!(tl.thread_name(t).as_deref(), Some(name), "name of {key} {t}");
-        assert_eq!(tl.process_of(t), Some(pid), "{key} {t} belongs to the workload");
-        assert!(tl.switches.iter().any(|s| s.next_pid == t), "{key} {t} ran on some CPU");
+        assert_eq!(
+            tl.thread_name(t).as_deref(),
+            Some(name),
+            "name of {key} {t}"
+        );
+        assert_eq!(
+            tl.process_of(t),
+            Some(pid),
+            "{key} {t} belongs to the workload"
+        );
+        assert!(
+            tl.switches.iter().any(|s| s.next_pid == t),
+            "{key} {t} ran on some CPU"
+        );
     }
     assert!(
-        tl.renames.iter().any(|r| r.pid == tid(&truth, "renamed_tid") && r.new_comm == "renamed-worker"),
+        tl.renames
+            .iter()
+            .any(|r| r.pid == tid(&truth, "renamed_tid") && r.new_comm == "renamed-worker"),
         "the rename is in the trace"
     );
 
@@ -70,7 +95,10 @@ fn attach_records_the_known_pattern() {
     let child = tid(&truth, "child_pid");
     assert_eq!(tl.process_of(child), Some(child));
     assert_eq!(tl.thread_name(child).as_deref(), Some("pattern-child"));
-    assert!(tl.switches.iter().any(|s| s.next_pid == child), "the child ran");
+    assert!(
+        tl.switches.iter().any(|s| s.next_pid == child),
+        "the child ran"
+    );
 
     // Sleep of the sleeper thread within 10% of what it measured itself.
     let sleeper = tid(&truth, "sleeper_tid");
@@ -82,7 +110,11 @@ fn attach_records_the_known_pattern() {
         .sum();
     let truth_ns = truth["sleep_ns"].as_u64().unwrap();
     let err = (slept as f64 - truth_ns as f64).abs() / truth_ns as f64;
-    assert!(err < 0.10, "sleeper slept {slept} ns in the trace vs {truth_ns} ns measured ({:.1}% off)", err * 100.0);
+    assert!(
+        err < 0.10,
+        "sleeper slept {slept} ns in the trace vs {truth_ns} ns measured ({:.1}% off)",
+        err * 100.0
+    );
 
     // Off-CPU stacks of the mutex waiter name the workload's functions and
     // the kernel's futex wait, weighted by time off CPU.
@@ -92,9 +124,14 @@ fn attach_records_the_known_pattern() {
         .iter()
         .filter(|s| s.tid == waiter && s.frames.iter().any(|f| f.contains("futex")))
         .collect();
-    assert!(!lock_waits.is_empty(), "the waiter has futex off-CPU stacks");
     assert!(
-        lock_waits.iter().any(|s| s.frames.iter().any(|f| f == "mutex_waiter_main")),
+        !lock_waits.is_empty(),
+        "the waiter has futex off-CPU stacks"
+    );
+    assert!(
+        lock_waits
+            .iter()
+            .any(|s| s.frames.iter().any(|f| f == "mutex_waiter_main")),
         "user frames of the waiter: {:?}",
         lock_waits[0].frames
     );
@@ -108,11 +145,17 @@ fn attach_records_the_known_pattern() {
         .iter()
         .filter(|s| s.prev_pid == victim && s.prev_state == 0x100 && s.next_comm == "cpu-hog")
         .count();
-    assert!(by_hog > 0, "switches from the victim (preempted) to cpu-hog");
+    assert!(
+        by_hog > 0,
+        "switches from the victim (preempted) to cpu-hog"
+    );
     let markers = tl
         .instants_on_thread(victim)
         .into_iter()
-        .filter(|(name, args)| name == "preempted by cpu-hog" && args.iter().any(|(k, v)| k == "by_comm" && v == "cpu-hog"))
+        .filter(|(name, args)| {
+            name == "preempted by cpu-hog"
+                && args.iter().any(|(k, v)| k == "by_comm" && v == "cpu-hog")
+        })
         .count();
     assert!(markers > 0, "preemption markers on the victim's track");
     assert_eq!(done.stats["dropped"], 0, "no drops at this rate");
@@ -122,7 +165,10 @@ fn attach_records_the_known_pattern() {
         .iter()
         .filter_map(|r| r["what"].as_str())
         .collect();
-    assert!(top.iter().any(|w| w.starts_with("cpu-hog")), "summary names the hog: {top:?}");
+    assert!(
+        top.iter().any(|w| w.starts_with("cpu-hog")),
+        "summary names the hog: {top:?}"
+    );
 }
 
 #[test]
@@ -134,16 +180,27 @@ fn sigterm_and_duration_leave_a_valid_trace() {
     std::thread::sleep(Duration::from_millis(800));
     rec.agent.signal(libc::SIGTERM);
     let done = rec.finish(Duration::from_secs(20));
-    assert!(done.stderr.contains("stopped (terminated)"), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("stopped (terminated)"),
+        "{}",
+        done.stderr
+    );
     let trace = decode(&done.trace).expect("a SIGTERM'd trace decodes");
     check_importer_rules(&trace).expect("and is finalized");
     let tl = Timeline::new(&trace);
     assert!(tl.switches.len() > 50, "it recorded scheduling");
 
     let dir2 = TempDir::new("duration");
-    let rec = Recording::start(dir2.path(), &["--pid", &wl.pid().to_string(), "--duration", "700ms"]);
+    let rec = Recording::start(
+        dir2.path(),
+        &["--pid", &wl.pid().to_string(), "--duration", "700ms"],
+    );
     let done = rec.finish(Duration::from_secs(20));
-    assert!(done.stderr.contains("stopped (duration reached)"), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("stopped (duration reached)"),
+        "{}",
+        done.stderr
+    );
     check_importer_rules(&decode(&done.trace).unwrap()).unwrap();
 }
 
@@ -151,15 +208,25 @@ fn sigterm_and_duration_leave_a_valid_trace() {
 fn system_mode_records_every_process() {
     let _serial = exclusive();
     let dir = TempDir::new("system");
-    let _hog = Proc::spawn("hog", Command::new(workload_bin()).args(["hog", "0", "1.5"]));
+    let _hog = Proc::spawn(
+        "hog",
+        Command::new(workload_bin()).args(["hog", "0", "1.5"]),
+    );
     let rec = Recording::start(dir.path(), &["--system", "--duration", "1s"]);
     let done = rec.finish(Duration::from_secs(20));
     let trace = decode(&done.trace).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
     let cpus: std::collections::BTreeSet<u32> = tl.switches.iter().map(|s| s.cpu).collect();
-    assert_eq!(cpus.len(), std::thread::available_parallelism().unwrap().get(), "every CPU has a track");
-    assert!(tl.switches.iter().any(|s| s.next_comm == "cpu-hog"), "an untraced process is recorded");
+    assert_eq!(
+        cpus.len(),
+        std::thread::available_parallelism().unwrap().get(),
+        "every CPU has a track"
+    );
+    assert!(
+        tl.switches.iter().any(|s| s.next_comm == "cpu-hog"),
+        "an untraced process is recorded"
+    );
     let pids: std::collections::BTreeSet<i32> = tl.switches.iter().map(|s| s.next_pid).collect();
     assert!(pids.len() > 3, "many tasks: {pids:?}");
 }
@@ -175,7 +242,16 @@ fn overload_counts_every_lost_event() {
     // One page of ring buffer and a reader that naps: most renames are lost.
     let rec = Recording::start(
         dir.path(),
-        &["--pid", &wl.pid().to_string(), "--ring-size", "4k", "--reader-delay", "5ms", "--stacks", "off"],
+        &[
+            "--pid",
+            &wl.pid().to_string(),
+            "--ring-size",
+            "4k",
+            "--reader-delay",
+            "5ms",
+            "--stacks",
+            "off",
+        ],
     );
     go(&mut stdin);
     out.wait_for("renames", Duration::from_secs(30));
@@ -190,22 +266,50 @@ fn overload_counts_every_lost_event() {
     let consumed = kind["consumed"].as_u64().unwrap();
     let dropped = kind["dropped"].as_u64().unwrap();
     assert!(dropped > 0, "the tiny ring overflowed");
-    assert_eq!(consumed + dropped, renames, "produced = consumed + dropped, exactly");
-    assert!(done.stderr.contains(&format!("dropped: {}", done.stats["dropped"])), "{}", done.stderr);
+    assert_eq!(
+        consumed + dropped,
+        renames,
+        "produced = consumed + dropped, exactly"
+    );
+    assert!(
+        done.stderr
+            .contains(&format!("dropped: {}", done.stats["dropped"])),
+        "{}",
+        done.stderr
+    );
     let trace = decode(&done.trace).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
-    assert!(!tl.lost_event_cpus.is_empty(), "lost_events marked on the CPU's bundles");
+    assert!(
+        !tl.lost_event_cpus.is_empty(),
+        "lost_events marked on the CPU's bundles"
+    );
     let drops = tl.counter_values("xpuscope dropped events");
-    assert_eq!(drops.last().map(|v| *v as u64), done.stats["dropped"].as_u64(), "drop counter track");
-    assert_eq!(tl.renames.len() as u64, consumed, "every consumed rename is in the trace");
+    assert_eq!(
+        drops.last().map(|v| *v as u64),
+        done.stats["dropped"].as_u64(),
+        "drop counter track"
+    );
+    assert_eq!(
+        tl.renames.len() as u64,
+        consumed,
+        "every consumed rename is in the trace"
+    );
 }
 
 #[test]
 fn bad_input_gets_a_clear_error() {
     let _serial = exclusive();
     // No such pid.
-    let out = run_agent(&["attach", "--pid", "999999999", "-d", "1s", "-o", "/tmp/xpuscope-never.pftrace"]);
+    let out = run_agent(&[
+        "attach",
+        "--pid",
+        "999999999",
+        "-d",
+        "1s",
+        "-o",
+        "/tmp/xpuscope-never.pftrace",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("no process with pid 999999999"), "{err}");
@@ -222,22 +326,59 @@ fn bad_input_gets_a_clear_error() {
 
     let me = std::process::id().to_string();
     // Unwritable output.
-    let out = run_agent(&["attach", "--pid", &me, "-d", "1s", "-o", "/proc/xpuscope/nope.pftrace"]);
+    let out = run_agent(&[
+        "attach",
+        "--pid",
+        &me,
+        "-d",
+        "1s",
+        "-o",
+        "/proc/xpuscope/nope.pftrace",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot write the trace to /proc/xpuscope/nope.pftrace") && err.contains("-o"), "{err}");
+    assert!(
+        err.contains("cannot write the trace to /proc/xpuscope/nope.pftrace") && err.contains("-o"),
+        "{err}"
+    );
 
     // A kernel without BTF (pointed at a BTF file that does not exist).
-    let out = run_agent(&["attach", "--pid", &me, "-d", "1s", "--kernel-btf", "/nonexistent/vmlinux", "-o", "/tmp/xpuscope-never.pftrace"]);
+    let out = run_agent(&[
+        "attach",
+        "--pid",
+        &me,
+        "-d",
+        "1s",
+        "--kernel-btf",
+        "/nonexistent/vmlinux",
+        "-o",
+        "/tmp/xpuscope-never.pftrace",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("no BTF at /nonexistent/vmlinux") && err.contains("CONFIG_DEBUG_INFO_BTF"), "{err}");
+    assert!(
+        err.contains("no BTF at /nonexistent/vmlinux") && err.contains("CONFIG_DEBUG_INFO_BTF"),
+        "{err}"
+    );
 
     // Not root: drop to nobody with no capabilities.
     let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
         .arg(xpuscope_tests::agent::agent_bin())
-        .args(["attach", "--pid", &me, "-d", "1s", "-o", "/tmp/xpuscope-never.pftrace"])
+        .args([
+            "attach",
+            "--pid",
+            &me,
+            "-d",
+            "1s",
+            "-o",
+            "/tmp/xpuscope-never.pftrace",
+        ])
         .output()
         .expect("setpriv (util-linux) runs");
     let err = String::from_utf8_lossy(&out.stderr);

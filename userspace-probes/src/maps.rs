@@ -55,7 +55,8 @@ impl ProcessMaps {
     /// Reads `/proc/<pid>/maps`.
     pub fn read(pid: u32) -> Result<Self, MapsError> {
         let path = PathBuf::from(format!("/proc/{pid}/maps"));
-        let text = std::fs::read_to_string(&path).map_err(|source| MapsError::Read { path, source })?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|source| MapsError::Read { path, source })?;
         Ok(Self::parse(&text))
     }
 

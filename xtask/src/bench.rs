@@ -75,7 +75,14 @@ fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
     let mut agent = None;
     if let Some(stacks) = variant.stacks_arg() {
         let mut child = Command::new(build::agent_binary())
-            .args(["attach", "--pid", &guard.0.id().to_string(), "--stacks", stacks, "-o"])
+            .args([
+                "attach",
+                "--pid",
+                &guard.0.id().to_string(),
+                "--stacks",
+                stacks,
+                "-o",
+            ])
             .arg(dir.join("bench.pftrace"))
             .arg("--stats-json")
             .arg(&stats_path)
@@ -115,7 +122,9 @@ fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
     }
     drop(guard);
     Ok(PingPongRun {
-        ns_per_round_trip: result["ns_per_round_trip"].as_f64().context("ns_per_round_trip")?,
+        ns_per_round_trip: result["ns_per_round_trip"]
+            .as_f64()
+            .context("ns_per_round_trip")?,
         seconds,
         stats,
     })
@@ -134,7 +143,12 @@ pub fn run(seconds: u64) -> Result<()> {
     // Calibrate the iteration count to about `seconds` per run.
     let probe = pingpong(20_000, Variant::Baseline, &dir)?;
     let iters = ((seconds as f64 * 1e9) / probe.ns_per_round_trip).max(10_000.0) as u64;
-    let variants = [Variant::Baseline, Variant::NoStacks, Variant::Sampled, Variant::AllStacks];
+    let variants = [
+        Variant::Baseline,
+        Variant::NoStacks,
+        Variant::Sampled,
+        Variant::AllStacks,
+    ];
     let rounds = 3;
     let mut per_variant: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
@@ -142,7 +156,11 @@ pub fn run(seconds: u64) -> Result<()> {
     for round in 0..rounds {
         for (i, v) in variants.iter().enumerate() {
             let r = pingpong(iters, *v, &dir)?;
-            eprintln!("bench: round {round} {:<34} {:>8.2} us/round trip", v.name(), r.ns_per_round_trip / 1e3);
+            eprintln!(
+                "bench: round {round} {:<34} {:>8.2} us/round trip",
+                v.name(),
+                r.ns_per_round_trip / 1e3
+            );
             per_variant[i].push(r.ns_per_round_trip);
             if let Some(s) = &r.stats {
                 let events = s["events"].as_f64().unwrap_or(0.0);
@@ -153,30 +171,55 @@ pub fn run(seconds: u64) -> Result<()> {
     }
     let base = median(per_variant[0].clone());
     let mut sched = Vec::new();
-    println!("\n## Scheduling capture overhead (pinned pipe ping-pong, {iters} round trips, median of {rounds}, interleaved)\n");
+    println!(
+        "\n## Scheduling capture overhead (pinned pipe ping-pong, {iters} round trips, median of {rounds}, interleaved)\n"
+    );
     println!("| variant | us per round trip | ratio to no agent | agent events/s | dropped |");
     println!("|---|---|---|---|---|");
     for (i, v) in variants.iter().enumerate() {
         let m = median(per_variant[i].clone());
-        let rate = if rates[i].is_empty() { 0.0 } else { median(rates[i].clone()) };
+        let rate = if rates[i].is_empty() {
+            0.0
+        } else {
+            median(rates[i].clone())
+        };
         println!(
             "| {} | {:.2} | {:.2}x | {} | {} |",
             v.name(),
             m / 1e3,
             m / base,
-            if rate > 0.0 { format!("{:.2} M", rate / 1e6) } else { "-".into() },
-            if *v == Variant::Baseline { "-".to_string() } else { drops[i].to_string() }
+            if rate > 0.0 {
+                format!("{:.2} M", rate / 1e6)
+            } else {
+                "-".into()
+            },
+            if *v == Variant::Baseline {
+                "-".to_string()
+            } else {
+                drops[i].to_string()
+            }
         );
         sched.push(json!({"variant": v.name(), "ns_per_round_trip": m, "ratio": m / base, "events_per_s": rate, "dropped": drops[i]}));
     }
 
     // Writer throughput, in release.
     let out = clean_command("cargo")
-        .args(["run", "--release", "--quiet", "-p", "xpuscope-perfetto", "--example", "encode_bench"])
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "xpuscope-perfetto",
+            "--example",
+            "encode_bench",
+        ])
         .output()
         .context("running the writer benchmark")?;
     if !out.status.success() {
-        bail!("writer benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "writer benchmark failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let writer: Value = serde_json::from_slice(&out.stdout).context("writer benchmark output")?;
     println!("\n## Trace writer (release, one core)\n");
@@ -197,7 +240,13 @@ pub fn run(seconds: u64) -> Result<()> {
     let stats_path = dir.join("system-stats.json");
     run_checked(
         Command::new(build::agent_binary())
-            .args(["attach", "--system", "--duration", &format!("{secs}s"), "-o"])
+            .args([
+                "attach",
+                "--system",
+                "--duration",
+                &format!("{secs}s"),
+                "-o",
+            ])
             .arg(dir.join("system.pftrace"))
             .arg("--stats-json")
             .arg(&stats_path)
@@ -218,8 +267,12 @@ pub fn run(seconds: u64) -> Result<()> {
         sys["agent_peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         sys["bytes"].as_f64().unwrap_or(0.0) / 1e6
     );
-    let results = json!({"sched_overhead": sched, "writer": writer, "system_wide": sys, "iters": iters});
-    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&results)?)?;
+    let results =
+        json!({"sched_overhead": sched, "writer": writer, "system_wide": sys, "iters": iters});
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(&results)?,
+    )?;
     println!("\n(raw figures: {})", dir.join("results.json").display());
     Ok(())
 }

@@ -21,7 +21,12 @@ pub fn ebpf() -> Result<()> {
             .current_dir(root().join("ebpf/programs"))
             .env(
                 "CARGO_ENCODED_RUSTFLAGS",
-                ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
+                [
+                    "--cfg=bpf_target_arch=\"x86_64\"",
+                    "-Cdebuginfo=2",
+                    "-Clink-arg=--btf",
+                ]
+                .join("\x1f"),
             )
             // Always release: debug builds fail the verifier.
             .args([
@@ -111,7 +116,14 @@ pub fn demo(output: &Path, duration: &str) -> Result<()> {
     let started = Instant::now();
     run_checked(
         Command::new(agent_binary())
-            .args(["attach", "--pid", &pid.to_string(), "--duration", duration, "-o"])
+            .args([
+                "attach",
+                "--pid",
+                &pid.to_string(),
+                "--duration",
+                duration,
+                "-o",
+            ])
             .arg(&output),
         "agent attach",
     )?;
@@ -133,7 +145,14 @@ pub fn test(extra: &[String]) -> Result<()> {
         "cargo fmt --check",
     )?;
     run_checked(
-        clean_command("cargo").args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+        clean_command("cargo").args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]),
         "cargo clippy",
     )?;
     let mut cmd = clean_command("cargo");

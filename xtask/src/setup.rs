@@ -61,7 +61,9 @@ fn nightly_libllvm(sysroot: &Path) -> Result<PathBuf> {
 fn cargo_home() -> PathBuf {
     std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo"))
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo")
+        })
 }
 
 fn ensure_bpf_linker(sysroot: &Path) -> Result<()> {
@@ -73,7 +75,11 @@ fn ensure_bpf_linker(sysroot: &Path) -> Result<()> {
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
-    if linker_ok && fs::read_to_string(&stamp).map(|s| s.trim() == want).unwrap_or(false) {
+    if linker_ok
+        && fs::read_to_string(&stamp)
+            .map(|s| s.trim() == want)
+            .unwrap_or(false)
+    {
         return Ok(());
     }
     if linker_ok && !stamp.exists() {
@@ -89,7 +95,10 @@ fn ensure_bpf_linker(sysroot: &Path) -> Result<()> {
             return Ok(());
         }
     }
-    eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against {} (about a minute)", libllvm.display());
+    eprintln!(
+        "xtask: building bpf-linker {BPF_LINKER_VERSION} against {} (about a minute)",
+        libllvm.display()
+    );
     let prefix = cargo_home().join("xpuscope-llvm-prefix");
     let lib = prefix.join("lib");
     fs::create_dir_all(&lib)?;
@@ -100,20 +109,18 @@ fn ensure_bpf_linker(sysroot: &Path) -> Result<()> {
             .with_context(|| format!("linking {}", link.display()))?;
     }
     run_checked(
-        clean_command("cargo")
-            .env("LLVM_PREFIX", &prefix)
-            .args([
-                "+nightly",
-                "install",
-                "--locked",
-                "--force",
-                "bpf-linker",
-                "--version",
-                BPF_LINKER_VERSION,
-                "--no-default-features",
-                "--features",
-                "llvm-22",
-            ]),
+        clean_command("cargo").env("LLVM_PREFIX", &prefix).args([
+            "+nightly",
+            "install",
+            "--locked",
+            "--force",
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ]),
         "cargo install bpf-linker",
     )?;
     fs::write(&stamp, &want)?;

@@ -50,7 +50,11 @@ pub fn decode_checked(bytes: &[u8]) -> Trace {
 
 /// Packets holding an ftrace bundle, in file order.
 pub fn bundles(trace: &Trace) -> Vec<&TracePacket> {
-    trace.packet.iter().filter(|p| p.has_ftrace_events()).collect()
+    trace
+        .packet
+        .iter()
+        .filter(|p| p.has_ftrace_events())
+        .collect()
 }
 
 /// xorshift64*: deterministic, no dependency.
@@ -91,8 +95,16 @@ pub fn realistic_switches(n: usize, cpus: u32, seed: u64) -> Vec<SwitchIn> {
     let mut rng = Rng::new(seed);
     let mut tasks: Vec<(i32, String, i32)> = Vec::new();
     let comms = [
-        "python3", "pt_main_thread", "pt_autograd_0", "nccl-proxy", "cuda-EvtHandlr",
-        "dataloader_0", "dataloader_1", "tokio-runtime-w", "sshd", "systemd-journal",
+        "python3",
+        "pt_main_thread",
+        "pt_autograd_0",
+        "nccl-proxy",
+        "cuda-EvtHandlr",
+        "dataloader_0",
+        "dataloader_1",
+        "tokio-runtime-w",
+        "sshd",
+        "systemd-journal",
     ];
     for (i, c) in comms.iter().enumerate() {
         for k in 0..4 {
@@ -119,7 +131,14 @@ pub fn realistic_switches(n: usize, cpus: u32, seed: u64) -> Vec<SwitchIn> {
             tasks[rng.below(tasks.len() as u64) as usize].clone()
         };
         idle[c] = pid == 0;
-        out.push(SwitchIn { cpu, ts: now[c], prev_state, pid, prio, comm });
+        out.push(SwitchIn {
+            cpu,
+            ts: now[c],
+            prev_state,
+            pid,
+            prio,
+            comm,
+        });
     }
     out.sort_by_key(|s| s.ts);
     out

@@ -20,7 +20,11 @@ fn system_info_is_first_with_every_field() {
     assert_eq!(info.hz(), 250);
     assert_eq!(info.page_size(), 4096);
     assert_eq!(info.num_cpus(), 2);
-    assert_eq!(info.machine_name(), "gpu-node-07");
+    // machine_name = 17 is newer than schema v51: an unknown field.
+    match info.special_fields.unknown_fields().get(17) {
+        Some(protobuf::UnknownValueRef::LengthDelimited(b)) => assert_eq!(b, b"gpu-node-07"),
+        other => panic!("machine_name missing: {other:?}"),
+    }
     assert_eq!(p.trusted_packet_sequence_id(), 1);
     assert_eq!(p.machine_id, None);
 }
@@ -32,8 +36,15 @@ fn clock_snapshot_has_boottime_monotonic_realtime() {
     let p = &trace.packet[1];
     assert_eq!(p.timestamp(), 1_000);
     let snap = p.clock_snapshot();
-    let clocks: Vec<(u32, u64)> = snap.clocks.iter().map(|c| (c.clock_id(), c.timestamp())).collect();
-    assert_eq!(clocks, [(6, 1_000), (3, 900), (1, 1_700_000_000_000_000_000)]);
+    let clocks: Vec<(u32, u64)> = snap
+        .clocks
+        .iter()
+        .map(|c| (c.clock_id(), c.timestamp()))
+        .collect();
+    assert_eq!(
+        clocks,
+        [(6, 1_000), (3, 900), (1, 1_700_000_000_000_000_000)]
+    );
     assert_eq!(snap.primary_trace_clock.unwrap().value(), 6);
 }
 
@@ -41,14 +52,41 @@ fn clock_snapshot_has_boottime_monotonic_realtime() {
 fn process_tree_round_trips_and_never_drops_a_process() {
     let mut w = writer();
     let processes = [
-        ProcessInfo { pid: 100, ppid: 1, cmdline: vec!["python3".into(), "train.py".into()], uid: Some(1000) },
-        ProcessInfo { pid: 200, ppid: 100, cmdline: vec![], uid: None },
-        ProcessInfo { pid: 300, ppid: 2, cmdline: vec![], uid: None },
+        ProcessInfo {
+            pid: 100,
+            ppid: 1,
+            cmdline: vec!["python3".into(), "train.py".into()],
+            uid: Some(1000),
+        },
+        ProcessInfo {
+            pid: 200,
+            ppid: 100,
+            cmdline: vec![],
+            uid: None,
+        },
+        ProcessInfo {
+            pid: 300,
+            ppid: 2,
+            cmdline: vec![],
+            uid: None,
+        },
     ];
     let threads = [
-        ThreadInfo { tid: 100, tgid: 100, name: "python3".into() },
-        ThreadInfo { tid: 101, tgid: 100, name: "pt_autograd_0".into() },
-        ThreadInfo { tid: 200, tgid: 200, name: "nccl-helper".into() },
+        ThreadInfo {
+            tid: 100,
+            tgid: 100,
+            name: "python3".into(),
+        },
+        ThreadInfo {
+            tid: 101,
+            tgid: 100,
+            name: "pt_autograd_0".into(),
+        },
+        ThreadInfo {
+            tid: 200,
+            tgid: 200,
+            name: "nccl-helper".into(),
+        },
     ];
     w.process_tree(5_000, &processes, &threads).unwrap();
     let trace = decode_checked(&w.finish().unwrap());
@@ -58,20 +96,45 @@ fn process_tree_round_trips_and_never_drops_a_process() {
     let got: Vec<(i32, i32, Vec<String>, Option<i32>, bool)> = tree
         .processes
         .iter()
-        .map(|p| (p.pid(), p.ppid(), p.cmdline.clone(), p.uid, p.cmdline_is_comm()))
+        .map(|p| {
+            (
+                p.pid(),
+                p.ppid(),
+                p.cmdline.clone(),
+                p.uid,
+                p.cmdline_is_comm(),
+            )
+        })
         .collect();
     assert_eq!(
         got,
         [
-            (100, 1, vec!["python3".into(), "train.py".into()], Some(1000), false),
+            (
+                100,
+                1,
+                vec!["python3".into(), "train.py".into()],
+                Some(1000),
+                false
+            ),
             (200, 100, vec!["nccl-helper".into()], None, true),
             (300, 2, vec!["300".into()], None, true),
         ]
     );
-    let threads: Vec<(i32, i32, &str)> = tree.threads.iter().map(|t| (t.tid(), t.tgid(), t.name())).collect();
-    assert_eq!(threads, [(100, 100, "python3"), (101, 100, "pt_autograd_0"), (200, 200, "nccl-helper")]);
+    let threads: Vec<(i32, i32, &str)> = tree
+        .threads
+        .iter()
+        .map(|t| (t.tid(), t.tgid(), t.name()))
+        .collect();
+    assert_eq!(
+        threads,
+        [
+            (100, 100, "python3"),
+            (101, 100, "pt_autograd_0"),
+            (200, 200, "nccl-helper")
+        ]
+    );
 
-    let tl = Timeline::from_trace(&trace);
+    let tl = Timeline::new(&trace);
     assert_eq!(tl.process_of(101), Some(100));
     assert_eq!(tl.thread_name(101), Some("pt_autograd_0"));
     assert_eq!(tl.processes[&200].ppid, Some(100));
@@ -80,11 +143,22 @@ fn process_tree_round_trips_and_never_drops_a_process() {
 
 #[test]
 fn machine_id_is_on_every_packet() {
-    let mut w = writer_with(WriterOptions { machine_id: Some(3), ..WriterOptions::default() });
+    let mut w = writer_with(WriterOptions {
+        machine_id: Some(3),
+        ..WriterOptions::default()
+    });
     w.sched_switch(0, 2_000, 0, 5, 120, "a").unwrap();
     let t = w.thread_track(5, 5, "a").unwrap();
     w.instant(t, 2_100, "x", &[], None).unwrap();
-    w.stack_sample(2_200, 0, 5, 5, &[xpuscope_perfetto::Frame::kernel("schedule", 1)], 10).unwrap();
+    w.stack_sample(
+        2_200,
+        0,
+        5,
+        5,
+        &[xpuscope_perfetto::Frame::kernel("schedule", 1)],
+        10,
+    )
+    .unwrap();
     let trace = decode_checked(&w.finish().unwrap());
     assert!(trace.packet.len() >= 6);
     assert!(trace.packet.iter().all(|p| p.machine_id == Some(3)));
@@ -130,9 +204,19 @@ fn flush_makes_the_output_a_complete_trace() {
 fn periodic_clock_snapshots_keep_their_order() {
     let mut w = writer();
     for i in 1..=3u64 {
-        w.clock_snapshot(&ClockSnapshot { boottime_ns: i * 1_000_000, monotonic_ns: i, realtime_ns: i }).unwrap();
+        w.clock_snapshot(&ClockSnapshot {
+            boottime_ns: i * 1_000_000,
+            monotonic_ns: i,
+            realtime_ns: i,
+        })
+        .unwrap();
     }
     let trace = decode_checked(&w.finish().unwrap());
-    let ts: Vec<u64> = trace.packet.iter().filter(|p| p.has_clock_snapshot()).map(|p| p.timestamp()).collect();
+    let ts: Vec<u64> = trace
+        .packet
+        .iter()
+        .filter(|p| p.has_clock_snapshot())
+        .map(|p| p.timestamp())
+        .collect();
     assert_eq!(ts, [1_000, 1_000_000, 2_000_000, 3_000_000]);
 }

@@ -32,7 +32,7 @@ static void queue_push(struct sim_batch *b) {
 }
 
 /* The injected stall: slow storage, a remote filesystem hiccup. */
-static SIM_NOINLINE void read_shard_stalled(long index, long ms) {
+SIM_NOINLINE void read_shard_stalled(long index, long ms) {
     steplog_printf("{\"event\":\"fault\",\"kind\":\"dataloader_stall\",\"step\":%ld,\"ms\":%ld,"
                    "\"boot_ns\":%llu,\"real_ns\":%llu}",
                    index, ms, (unsigned long long)sim_boot_ns(),
@@ -40,7 +40,7 @@ static SIM_NOINLINE void read_shard_stalled(long index, long ms) {
     sim_sleep_ns((uint64_t)ms * 1000000ull);
 }
 
-static SIM_NOINLINE struct sim_batch *load_batch(long index) {
+SIM_NOINLINE struct sim_batch *load_batch(long index) {
     const struct sim_faults *f = &config->faults;
     if (index == f->stall_step && f->stall_ms > 0)
         read_shard_stalled(index, f->stall_ms);
@@ -57,7 +57,7 @@ static SIM_NOINLINE struct sim_batch *load_batch(long index) {
     return b;
 }
 
-static SIM_NOINLINE void *dataloader_main(void *arg) {
+SIM_NOINLINE void *dataloader_main(void *arg) {
     (void)arg;
     pthread_setname_np(pthread_self(), "dataloader");
     for (long i = 0; i < config->steps; i++)

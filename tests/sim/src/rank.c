@@ -5,7 +5,11 @@
  * send per microbatch), backward (the reverse, TP reduce-scatter), gradient
  * all-reduce over the DP communicator on the comm stream, optimizer kernels,
  * then one JSON line with the step's times. Faults are injected here (slow
- * compute, hang, late arrival, leak, crash) and in the dataloader (stall). */
+ * compute, hang, late arrival, leak, crash) and in the dataloader (stall).
+ *
+ * The loop's functions (train_step, forward, backward, allreduce_gradients,
+ * optimizer_step, the fault sites) are noinline and exported (-rdynamic) so
+ * stacks name them and tests can place uprobes on them. */
 #define _GNU_SOURCE
 #include <signal.h>
 #include <stdio.h>
@@ -83,17 +87,17 @@ static void log_fault(const char *kind, const char *extra) {
 
 /* A rank that stops issuing work: stuck in host code before a collective, so
  * its peers wait inside that collective forever. */
-static SIM_NOINLINE void stuck_before_collective(void) {
+SIM_NOINLINE void stuck_before_collective(void) {
     for (;;)
         pause();
 }
 
 /* A rank that arrives late at a collective (e.g. a slow host-side step). */
-static SIM_NOINLINE void late_before_collective(long ms) {
+SIM_NOINLINE void late_before_collective(long ms) {
     sim_sleep_ns((uint64_t)ms * 1000000ull);
 }
 
-static SIM_NOINLINE void crash_now(int sig) {
+SIM_NOINLINE void crash_now(int sig) {
     prctl(PR_SET_DUMPABLE, 0); /* no core file from an injected crash */
     raise(sig);
     abort();
@@ -156,7 +160,7 @@ static int device_alloc(void **p, size_t bytes, const char *what) {
 }
 
 /* The leak: an activation cache that grows every step and is never freed. */
-static SIM_NOINLINE void cache_activations(void) {
+SIM_NOINLINE void cache_activations(void) {
     const struct sim_faults *f = &R.cfg.faults;
     if (f->leak_from_step < 0 || R.step < f->leak_from_step)
         return;
@@ -187,7 +191,7 @@ static SIM_NOINLINE void cache_activations(void) {
 
 /* ---- the training step ---- */
 
-static SIM_NOINLINE void forward(void) {
+SIM_NOINLINE void forward(void) {
     uint64_t k_ns = (uint64_t)R.cfg.kernel_us * 1000u;
     cache_activations();
     for (int mb = 0; mb < R.cfg.microbatches; mb++) {
@@ -213,7 +217,7 @@ static SIM_NOINLINE void forward(void) {
     check(dev_stream_sync(R.comm_stream), "comm stream sync");
 }
 
-static SIM_NOINLINE void backward(void) {
+SIM_NOINLINE void backward(void) {
     uint64_t k_ns = 2u * (uint64_t)R.cfg.kernel_us * 1000u;
     for (int mb = R.cfg.microbatches - 1; mb >= 0; mb--) {
         if (R.pp_next) {
@@ -242,7 +246,7 @@ static SIM_NOINLINE void backward(void) {
 }
 
 /* Data-parallel gradient all-reduce on the comm stream, as DDP does. */
-static SIM_NOINLINE void allreduce_gradients(void) {
+SIM_NOINLINE void allreduce_gradients(void) {
     const struct sim_faults *f = &R.cfg.faults;
     if (!R.dp) {
         /* No DP peers: the step-based hang/delay still happen at this point. */
@@ -261,7 +265,7 @@ static SIM_NOINLINE void allreduce_gradients(void) {
     check(dev_stream_sync(R.comm_stream), "comm stream sync");
 }
 
-static SIM_NOINLINE void optimizer_step(void) {
+SIM_NOINLINE void optimizer_step(void) {
     uint64_t k_ns = (uint64_t)R.cfg.opt_kernel_us * 1000u;
     for (int i = 0; i < R.cfg.opt_kernels; i++)
         launch(&opt_kernels[i % 2], k_ns);
@@ -269,9 +273,9 @@ static SIM_NOINLINE void optimizer_step(void) {
 }
 
 /* Host-side work of the step: graph dispatch, Python overhead. */
-static SIM_NOINLINE void dispatch_host_work(void) { sim_cpu_work_us(R.cfg.host_us); }
+SIM_NOINLINE void dispatch_host_work(void) { sim_cpu_work_us(R.cfg.host_us); }
 
-static SIM_NOINLINE void train_step(void) {
+SIM_NOINLINE void train_step(void) {
     const struct sim_faults *f = &R.cfg.faults;
     uint64_t t0 = now(), real0 = sim_real_ns();
     R.step_kernel_ns = 0;
@@ -375,7 +379,7 @@ static void allocate_buffers(void) {
 }
 
 /* DDP broadcasts the initial parameters from DP rank 0. */
-static SIM_NOINLINE void broadcast_parameters(void) {
+SIM_NOINLINE void broadcast_parameters(void) {
     if (!R.dp)
         return;
     before_collective(R.dp, "broadcast", 0);

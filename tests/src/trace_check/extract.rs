@@ -107,7 +107,9 @@ fn resolve(
 ) -> Option<String> {
     let found = table.get(&iid).cloned();
     if found.is_none() {
-        errors.push(format!("{kind} iid {iid} used before its definition on sequence {seq}"));
+        errors.push(format!(
+            "{kind} iid {iid} used before its definition on sequence {seq}"
+        ));
     }
     found
 }
@@ -172,7 +174,13 @@ fn track_event(
         errors.push("track event packet without timestamp".into());
     }
     let name = if e.has_name_iid() {
-        resolve("event name", &state.interned.event_names, e.name_iid(), seq, errors)
+        resolve(
+            "event name",
+            &state.interned.event_names,
+            e.name_iid(),
+            seq,
+            errors,
+        )
     } else if e.has_name() {
         Some(e.name().to_owned())
     } else {
@@ -240,7 +248,9 @@ fn inline_callstack(bytes: &[u8], errors: &mut Vec<String>) -> Option<Vec<Resolv
             })
             .collect()
     };
-    parse().map_err(|e| errors.push(format!("bad inline callstack: {e}"))).ok()
+    parse()
+        .map_err(|e| errors.push(format!("bad inline callstack: {e}")))
+        .ok()
 }
 
 fn track_descriptor(packet: &TracePacket) -> Track {
@@ -279,7 +289,8 @@ fn track_descriptor(packet: &TracePacket) -> Track {
         uuid: d.uuid(),
         name,
         parent: d.parent_uuid,
-        description: wire::unknown_bytes(unknown, 14).map(|b| String::from_utf8_lossy(b).into_owned()),
+        description: wire::unknown_bytes(unknown, 14)
+            .map(|b| String::from_utf8_lossy(b).into_owned()),
         kind,
     }
 }
@@ -315,16 +326,22 @@ fn stack_sample(
     let weight = wire::last_u64(&f, 11);
     let has_descriptor = wire::last_u64(&f, 10).is_some()
         || !wire::all_bytes(&f, 9).is_empty()
-        || state.stack_defaults.as_ref().is_some_and(|d| d.primary.is_some());
+        || state
+            .stack_defaults
+            .as_ref()
+            .is_some_and(|d| d.primary.is_some());
     if weight.is_some() && !has_descriptor {
-        errors.push("stack sample weight without a primary counter descriptor (dropped by the importer)".into());
+        errors.push(
+            "stack sample weight without a primary counter descriptor (dropped by the importer)"
+                .into(),
+        );
     }
     Ok(StackSample {
         ts,
         cpu,
         pid: pid.unwrap_or(0),
         tid: tid.unwrap_or(0),
-        weight,
+        weight: weight.unwrap_or(0),
         frames: frames.iter().map(|fr| fr.function.clone()).collect(),
         mappings: frames.into_iter().map(|fr| fr.mapping).collect(),
         source: SampleSource::StackSample,
@@ -332,16 +349,26 @@ fn stack_sample(
 }
 
 impl Extracted {
-    fn bundle(&mut self, machine: u32, idx: usize, b: &FtraceEventBundle, order: &mut Vec<(u32, SchedRecord)>) {
+    fn bundle(
+        &mut self,
+        machine: u32,
+        idx: usize,
+        b: &FtraceEventBundle,
+        order: &mut Vec<(u32, SchedRecord)>,
+    ) {
         let Some(cpu) = b.cpu else {
-            self.errors.push(format!("packet {idx}: ftrace bundle without cpu"));
+            self.errors
+                .push(format!("packet {idx}: ftrace bundle without cpu"));
             return;
         };
         if cpu >= 1024 {
-            self.errors.push(format!("packet {idx}: ftrace bundle for cpu {cpu} >= 1024"));
+            self.errors
+                .push(format!("packet {idx}: ftrace bundle for cpu {cpu} >= 1024"));
         }
         if b.previous_bundle_end_timestamp.is_some() {
-            self.errors.push(format!("packet {idx}: previous_bundle_end_timestamp is set"));
+            self.errors.push(format!(
+                "packet {idx}: previous_bundle_end_timestamp is set"
+            ));
         }
         let mut first_ts: Option<u64> = None;
         let mut seen = |ts: u64| first_ts = Some(first_ts.map_or(ts, |f| f.min(ts)));
@@ -357,25 +384,47 @@ impl Extracted {
                 })
             };
             let n = c.switch_timestamp.len();
-            let lens = [c.switch_prev_state.len(), c.switch_next_pid.len(), c.switch_next_prio.len(), c.switch_next_comm_index.len()];
+            let lens = [
+                c.switch_prev_state.len(),
+                c.switch_next_pid.len(),
+                c.switch_next_prio.len(),
+                c.switch_next_comm_index.len(),
+            ];
             if lens.iter().any(|&l| l != n) {
-                self.errors.push(format!("packet {idx}: compact switch arrays differ in length: {n} timestamps, {lens:?}"));
+                self.errors.push(format!(
+                    "packet {idx}: compact switch arrays differ in length: {n} timestamps, {lens:?}"
+                ));
             }
             let mut acc: u64 = 0;
             for i in 0..n.min(lens.into_iter().min().unwrap_or(0)) {
                 acc = acc.wrapping_add(c.switch_timestamp[i]);
                 if acc > i64::MAX as u64 {
-                    self.errors.push(format!("packet {idx}: switch timestamp overflows (negative delta?)"));
+                    self.errors.push(format!(
+                        "packet {idx}: switch timestamp overflows (negative delta?)"
+                    ));
                 }
                 seen(acc);
                 let next_comm = comm(c.switch_next_comm_index[i], &mut self.errors);
-                order.push((machine, SchedRecord::Switch(RawSwitch {
-                    cpu, ts: acc, prev_pid: None, prev_state: c.switch_prev_state[i],
-                    next_pid: c.switch_next_pid[i], next_comm, next_prio: c.switch_next_prio[i],
-                })));
+                order.push((
+                    machine,
+                    SchedRecord::Switch(RawSwitch {
+                        cpu,
+                        ts: acc,
+                        prev_pid: None,
+                        prev_state: c.switch_prev_state[i],
+                        next_pid: c.switch_next_pid[i],
+                        next_comm,
+                        next_prio: c.switch_next_prio[i],
+                    }),
+                ));
             }
             let n = c.waking_timestamp.len();
-            let lens = [c.waking_pid.len(), c.waking_target_cpu.len(), c.waking_prio.len(), c.waking_comm_index.len()];
+            let lens = [
+                c.waking_pid.len(),
+                c.waking_target_cpu.len(),
+                c.waking_prio.len(),
+                c.waking_comm_index.len(),
+            ];
             let flags = c.waking_common_flags.len();
             if lens.iter().any(|&l| l != n) || (flags != 0 && flags != n) {
                 self.errors.push(format!("packet {idx}: compact waking arrays differ in length: {n} timestamps, {lens:?}, {flags} flags"));
@@ -384,14 +433,24 @@ impl Extracted {
             for i in 0..n.min(lens.into_iter().min().unwrap_or(0)) {
                 acc = acc.wrapping_add(c.waking_timestamp[i]);
                 if acc > i64::MAX as u64 {
-                    self.errors.push(format!("packet {idx}: waking timestamp overflows (negative delta?)"));
+                    self.errors.push(format!(
+                        "packet {idx}: waking timestamp overflows (negative delta?)"
+                    ));
                 }
                 seen(acc);
                 let comm = comm(c.waking_comm_index[i], &mut self.errors);
-                order.push((machine, SchedRecord::Waking(Waking {
-                    cpu, ts: acc, pid: c.waking_pid[i], comm, prio: c.waking_prio[i],
-                    target_cpu: c.waking_target_cpu[i], waker_pid: None,
-                })));
+                order.push((
+                    machine,
+                    SchedRecord::Waking(Waking {
+                        cpu,
+                        ts: acc,
+                        pid: c.waking_pid[i],
+                        comm,
+                        prio: c.waking_prio[i],
+                        target_cpu: c.waking_target_cpu[i],
+                        waker_pid: None,
+                    }),
+                ));
             }
         }
         for e in &b.event {
@@ -400,59 +459,98 @@ impl Extracted {
             let record = if e.has_sched_switch() {
                 let s = e.sched_switch();
                 SchedRecord::Switch(RawSwitch {
-                    cpu, ts, prev_pid: Some(s.prev_pid()), prev_state: s.prev_state(),
-                    next_pid: s.next_pid(), next_comm: s.next_comm().to_owned(), next_prio: s.next_prio(),
+                    cpu,
+                    ts,
+                    prev_pid: Some(s.prev_pid()),
+                    prev_state: s.prev_state(),
+                    next_pid: s.next_pid(),
+                    next_comm: s.next_comm().to_owned(),
+                    next_prio: s.next_prio(),
                 })
             } else if e.has_sched_waking() {
                 let w = e.sched_waking();
                 SchedRecord::Waking(Waking {
-                    cpu, ts, pid: w.pid(), comm: w.comm().to_owned(), prio: w.prio(),
-                    target_cpu: w.target_cpu(), waker_pid: None,
+                    cpu,
+                    ts,
+                    pid: w.pid(),
+                    comm: w.comm().to_owned(),
+                    prio: w.prio(),
+                    target_cpu: w.target_cpu(),
+                    waker_pid: None,
                 })
             } else if e.has_task_newtask() {
                 let n = e.task_newtask();
                 SchedRecord::NewTask(NewTask {
-                    cpu, ts, firing_pid, pid: n.pid(), comm: n.comm().to_owned(),
-                    clone_flags: n.clone_flags(), oom_score_adj: n.oom_score_adj(),
+                    cpu,
+                    ts,
+                    firing_pid,
+                    pid: n.pid(),
+                    comm: n.comm().to_owned(),
+                    clone_flags: n.clone_flags(),
+                    oom_score_adj: n.oom_score_adj(),
                 })
             } else if e.has_task_rename() {
                 let r = e.task_rename();
                 SchedRecord::Rename(Rename {
-                    cpu, ts, firing_pid, pid: r.pid(), old_comm: r.oldcomm().to_owned(),
+                    cpu,
+                    ts,
+                    firing_pid,
+                    pid: r.pid(),
+                    old_comm: r.oldcomm().to_owned(),
                     new_comm: r.newcomm().to_owned(),
                 })
             } else if e.has_sched_process_free() {
                 let f = e.sched_process_free();
                 SchedRecord::Free(ProcessFree {
-                    cpu, ts, firing_pid, pid: f.pid(), comm: f.comm().to_owned(), prio: f.prio(),
+                    cpu,
+                    ts,
+                    firing_pid,
+                    pid: f.pid(),
+                    comm: f.comm().to_owned(),
+                    prio: f.prio(),
                 })
             } else {
                 continue;
             };
             order.push((machine, record));
         }
-        self.bundles.push((machine, idx, cpu, b.lost_events(), first_ts));
+        self.bundles
+            .push((machine, idx, cpu, b.lost_events(), first_ts));
     }
 
     fn process_tree(&mut self, machine: u32, idx: usize, p: &TracePacket) {
         let ts = p.timestamp();
         for proc in &p.process_tree().processes {
             if proc.cmdline.is_empty() {
-                self.errors.push(format!("packet {idx}: process {} has no cmdline (the importer skips it)", proc.pid()));
+                self.errors.push(format!(
+                    "packet {idx}: process {} has no cmdline (the importer skips it)",
+                    proc.pid()
+                ));
             }
-            self.processes.push((machine, ts, ProcessEntry {
-                pid: proc.pid(),
-                ppid: proc.ppid,
-                cmdline: proc.cmdline.clone(),
-                uid: proc.uid.map(|u| u as u32),
-                name: proc.cmdline.first().cloned(),
-                labels: Vec::new(),
-            }));
+            self.processes.push((
+                machine,
+                ts,
+                ProcessEntry {
+                    pid: proc.pid(),
+                    ppid: proc.ppid,
+                    cmdline: proc.cmdline.clone(),
+                    uid: proc.uid.map(|u| u as u32),
+                    name: proc.cmdline.first().cloned(),
+                    labels: Vec::new(),
+                },
+            ));
         }
         for t in &p.process_tree().threads {
-            self.names.push((machine, NameUpdate {
-                tid: t.tid(), tgid: t.tgid, priority: 2, ts, name: t.name().to_owned(),
-            }));
+            self.names.push((
+                machine,
+                NameUpdate {
+                    tid: t.tid(),
+                    tgid: t.tgid,
+                    priority: 2,
+                    ts,
+                    name: t.name().to_owned(),
+                },
+            ));
         }
     }
 }
@@ -465,7 +563,8 @@ pub(crate) fn extract(trace: &Trace) -> Extracted {
     for (idx, p) in trace.packet.iter().enumerate() {
         let machine = p.machine_id.unwrap_or(0);
         let (state, errs) = seqs.on_packet(machine, p);
-        out.errors.extend(errs.into_iter().map(|e| format!("packet {idx}: {e}")));
+        out.errors
+            .extend(errs.into_iter().map(|e| format!("packet {idx}: {e}")));
         let seq = p.trusted_packet_sequence_id();
         let mut errors = Vec::new();
         if p.has_system_info() {
@@ -487,33 +586,46 @@ pub(crate) fn extract(trace: &Trace) -> Extracted {
                 Some(iid) => callstack(state, iid, seq, &mut errors).unwrap_or_default(),
                 None => Vec::new(),
             };
-            out.samples.push((machine, StackSample {
-                ts: p.timestamp(),
-                cpu: s.cpu,
-                pid: s.pid() as i32,
-                tid: s.tid() as i32,
-                weight: s.timebase_count,
-                frames: frames.iter().map(|f| f.function.clone()).collect(),
-                mappings: frames.into_iter().map(|f| f.mapping).collect(),
-                source: SampleSource::PerfSample,
-            }));
+            out.samples.push((
+                machine,
+                StackSample {
+                    ts: p.timestamp(),
+                    cpu: s.cpu,
+                    pid: s.pid() as i32,
+                    tid: s.tid() as i32,
+                    weight: s.timebase_count(),
+                    frames: frames.iter().map(|f| f.function.clone()).collect(),
+                    mappings: frames.into_iter().map(|f| f.mapping).collect(),
+                    source: SampleSource::PerfSample,
+                },
+            ));
         } else if let Some(bytes) = wire::unknown_bytes(p.special_fields.unknown_fields(), 135) {
             match stack_sample(bytes, p.timestamp(), state, seq, &mut errors) {
                 Ok(s) => out.samples.push((machine, s)),
                 Err(e) => errors.push(format!("undecodable stack_sample: {e}")),
             }
         }
-        out.errors.extend(errors.into_iter().map(|e| format!("packet {idx}: {e}")));
+        out.errors
+            .extend(errors.into_iter().map(|e| format!("packet {idx}: {e}")));
     }
     out.sched = sched;
     out
 }
 
 /// Counter values of the extracted track events.
-pub(crate) fn counter_points(events: &[(u32, RawTrackEvent)], machine: Option<u32>) -> Vec<CounterPoint> {
+pub(crate) fn counter_points(
+    events: &[(u32, RawTrackEvent)],
+    machine: Option<u32>,
+) -> Vec<CounterPoint> {
     events
         .iter()
         .filter(|(m, e)| machine.is_none_or(|want| *m == want) && e.kind == 4)
-        .filter_map(|(_, e)| Some(CounterPoint { track: e.track?, ts: e.ts, value: e.counter_value? }))
+        .filter_map(|(_, e)| {
+            Some(CounterPoint {
+                track: e.track?,
+                ts: e.ts,
+                value: e.counter_value?,
+            })
+        })
         .collect()
 }

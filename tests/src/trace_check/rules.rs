@@ -36,11 +36,19 @@ pub fn check_importer_rules(trace: &Trace) -> Result<(), Vec<String>> {
     switch_order(&x, &mut errors);
     tracks(&x, &mut errors);
     slices_and_flows(&x, &mut errors);
-    if errors.is_empty() { Ok(()) } else { Err(errors) }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
 }
 
 fn system_info(trace: &Trace, x: &Extracted, errors: &mut Vec<String>) {
-    let mut machines: Vec<u32> = trace.packet.iter().map(|p| p.machine_id.unwrap_or(0)).collect();
+    let mut machines: Vec<u32> = trace
+        .packet
+        .iter()
+        .map(|p| p.machine_id.unwrap_or(0))
+        .collect();
     machines.sort_unstable();
     machines.dedup();
     for m in machines {
@@ -84,7 +92,10 @@ fn tracks(x: &Extracted, errors: &mut Vec<String>) {
         }
         if let Some(parent) = t.parent {
             if !described.contains_key(&(*m, parent)) {
-                errors.push(format!("packet {idx}: track {} has parent {parent} not described before", t.uuid));
+                errors.push(format!(
+                    "packet {idx}: track {} has parent {parent} not described before",
+                    t.uuid
+                ));
             }
         }
         let is_counter = matches!(t.kind, TrackKind::Counter { .. });
@@ -92,11 +103,17 @@ fn tracks(x: &Extracted, errors: &mut Vec<String>) {
     }
     for (m, e) in &x.track_events {
         let Some(track) = e.track else {
-            errors.push(format!("packet {}: track event without track_uuid", e.packet));
+            errors.push(format!(
+                "packet {}: track event without track_uuid",
+                e.packet
+            ));
             continue;
         };
         match described.get(&(*m, track)) {
-            None => errors.push(format!("packet {}: track {track} used but never described", e.packet)),
+            None => errors.push(format!(
+                "packet {}: track {track} used but never described",
+                e.packet
+            )),
             Some((idx, _)) if *idx > e.packet => errors.push(format!(
                 "packet {}: track {track} used before its descriptor (packet {idx})",
                 e.packet
@@ -104,16 +121,28 @@ fn tracks(x: &Extracted, errors: &mut Vec<String>) {
             Some((_, is_counter)) => {
                 let counter_event = e.kind == 4;
                 if counter_event && !is_counter {
-                    errors.push(format!("packet {}: counter value on non-counter track {track}", e.packet));
+                    errors.push(format!(
+                        "packet {}: counter value on non-counter track {track}",
+                        e.packet
+                    ));
                 }
                 if !counter_event && *is_counter {
-                    errors.push(format!("packet {}: event type {} on counter track {track}", e.packet, e.kind));
+                    errors.push(format!(
+                        "packet {}: event type {} on counter track {track}",
+                        e.packet, e.kind
+                    ));
                 }
                 if counter_event && e.counter_value.is_none() {
-                    errors.push(format!("packet {}: counter event without a value", e.packet));
+                    errors.push(format!(
+                        "packet {}: counter event without a value",
+                        e.packet
+                    ));
                 }
                 if matches!(e.kind, 1 | 3) && e.name.is_none() {
-                    errors.push(format!("packet {}: slice or instant without a name", e.packet));
+                    errors.push(format!(
+                        "packet {}: slice or instant without a name",
+                        e.packet
+                    ));
                 }
             }
         }
@@ -151,14 +180,23 @@ fn slices_and_flows(x: &Extracted, errors: &mut Vec<String>) {
             }
             for id in &e.flow_ids {
                 if flows.get(id) == Some(&Flow::Terminated) {
-                    errors.push(format!("packet {}: machine {m}: flow id {id} reused after it terminated", e.packet));
+                    errors.push(format!(
+                        "packet {}: machine {m}: flow id {id} reused after it terminated",
+                        e.packet
+                    ));
                 }
                 flows.insert(*id, Flow::Active);
             }
             for id in &e.terminating_flow_ids {
                 match flows.get(id) {
-                    None => errors.push(format!("packet {}: machine {m}: flow id {id} terminated but never started", e.packet)),
-                    Some(Flow::Terminated) => errors.push(format!("packet {}: machine {m}: flow id {id} terminated twice", e.packet)),
+                    None => errors.push(format!(
+                        "packet {}: machine {m}: flow id {id} terminated but never started",
+                        e.packet
+                    )),
+                    Some(Flow::Terminated) => errors.push(format!(
+                        "packet {}: machine {m}: flow id {id} terminated twice",
+                        e.packet
+                    )),
                     Some(Flow::Active) => {}
                 }
                 flows.insert(*id, Flow::Terminated);
@@ -166,7 +204,9 @@ fn slices_and_flows(x: &Extracted, errors: &mut Vec<String>) {
         }
         for (track, stack) in open {
             for (packet, ts) in stack {
-                errors.push(format!("packet {packet}: BEGIN at {ts} on track {track} never ended"));
+                errors.push(format!(
+                    "packet {packet}: BEGIN at {ts} on track {track} never ended"
+                ));
             }
         }
     }

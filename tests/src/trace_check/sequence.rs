@@ -69,7 +69,9 @@ fn define<V: PartialEq + std::fmt::Debug>(
         return;
     }
     if let Some(old) = map.get(&iid).filter(|old| **old != value) {
-        errors.push(format!("interned {kind} {iid} redefined: {old:?} then {value:?}"));
+        errors.push(format!(
+            "interned {kind} {iid} redefined: {old:?} then {value:?}"
+        ));
     }
     map.insert(iid, value);
 }
@@ -83,24 +85,60 @@ impl Interned {
     pub(crate) fn add(&mut self, data: &InternedData) -> Vec<String> {
         let mut e = Vec::new();
         for n in &data.event_names {
-            define("event name", &mut self.event_names, n.iid(), n.name().to_owned(), &mut e);
+            define(
+                "event name",
+                &mut self.event_names,
+                n.iid(),
+                n.name().to_owned(),
+                &mut e,
+            );
         }
         for n in &data.event_categories {
-            define("category", &mut self.categories, n.iid(), n.name().to_owned(), &mut e);
+            define(
+                "category",
+                &mut self.categories,
+                n.iid(),
+                n.name().to_owned(),
+                &mut e,
+            );
         }
         for n in &data.debug_annotation_names {
             let name = n.name().to_owned();
-            define("annotation name", &mut self.annotation_names, n.iid(), name, &mut e);
+            define(
+                "annotation name",
+                &mut self.annotation_names,
+                n.iid(),
+                name,
+                &mut e,
+            );
         }
         for s in &data.function_names {
             let name = text(s.str());
-            define("function name", &mut self.function_names, s.iid(), name, &mut e);
+            define(
+                "function name",
+                &mut self.function_names,
+                s.iid(),
+                name,
+                &mut e,
+            );
         }
         for s in &data.mapping_paths {
-            define("mapping path", &mut self.mapping_paths, s.iid(), text(s.str()), &mut e);
+            define(
+                "mapping path",
+                &mut self.mapping_paths,
+                s.iid(),
+                text(s.str()),
+                &mut e,
+            );
         }
         for s in &data.build_ids {
-            define("build id", &mut self.build_ids, s.iid(), s.str().to_vec(), &mut e);
+            define(
+                "build id",
+                &mut self.build_ids,
+                s.iid(),
+                s.str().to_vec(),
+                &mut e,
+            );
         }
         for m in &data.mappings {
             let def = MappingDef {
@@ -120,7 +158,13 @@ impl Interned {
             define("frame", &mut self.frames, f.iid(), def, &mut e);
         }
         for c in &data.callstacks {
-            define("callstack", &mut self.callstacks, c.iid(), c.frame_ids.clone(), &mut e);
+            define(
+                "callstack",
+                &mut self.callstacks,
+                c.iid(),
+                c.frame_ids.clone(),
+                &mut e,
+            );
         }
         e
     }
@@ -133,13 +177,17 @@ impl Interned {
         let mut parts = Vec::new();
         for p in &m.path_ids {
             let s = self.mapping_paths.get(p);
-            parts.push(s.ok_or_else(|| format!("mapping path {p} not defined"))?.as_str());
+            parts.push(
+                s.ok_or_else(|| format!("mapping path {p} not defined"))?
+                    .as_str(),
+            );
         }
         let build_id = if m.build_id == 0 {
             Vec::new()
         } else {
             let b = self.build_ids.get(&m.build_id);
-            b.ok_or_else(|| format!("build id {} not defined", m.build_id))?.clone()
+            b.ok_or_else(|| format!("build id {} not defined", m.build_id))?
+                .clone()
         };
         Ok((parts.join("/"), build_id))
     }
@@ -200,7 +248,10 @@ fn parse_stack_defaults(bytes: &[u8]) -> Result<StackSampleDefaults, String> {
     let primary = match wire::all_bytes(&f, 2).last() {
         Some(desc) => {
             let d = wire::fields(desc)?;
-            Some((wire::last_string(&d, 2).unwrap_or_default(), wire::last_u64(&d, 3)))
+            Some((
+                wire::last_string(&d, 2).unwrap_or_default(),
+                wire::last_u64(&d, 3),
+            ))
         }
         None => None,
     };
@@ -214,12 +265,17 @@ impl Sequences {
     /// Applies `packet`'s flags, defaults and interned data to its
     /// sequence, like the importer does before parsing the payload.
     /// Returns the sequence state and the problems found.
-    pub(crate) fn on_packet(&mut self, machine: u32, packet: &TracePacket) -> (&SeqState, Vec<String>) {
+    pub(crate) fn on_packet(
+        &mut self,
+        machine: u32,
+        packet: &TracePacket,
+    ) -> (&SeqState, Vec<String>) {
         let mut errors = Vec::new();
         let seq = packet.trusted_packet_sequence_id();
         let flags = packet.sequence_flags();
         let state = self.map.entry((machine, seq)).or_default();
-        let clears = flags & SEQ_INCREMENTAL_STATE_CLEARED != 0 || packet.incremental_state_cleared();
+        let clears =
+            flags & SEQ_INCREMENTAL_STATE_CLEARED != 0 || packet.incremental_state_cleared();
         if clears {
             if seq == 0 {
                 errors.push("incremental state cleared on sequence id 0".into());

@@ -3,20 +3,24 @@
 //! switch, wakers from the running task, thread names by priority, slices
 //! from BEGIN/END pairs, interned callstacks root first).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use perfetto_protos::trace::Trace;
 
 use super::extract::{self, Extracted, RawSwitch, SchedRecord};
+
+/// [`Switch::prev_pid`] of a CPU's first switch, whose previous task the
+/// compact format does not record.
+pub const UNKNOWN_PID: i32 = -1;
 
 /// A context switch on `cpu` at `ts` from `prev_pid` to `next_pid`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Switch {
     pub cpu: u32,
     pub ts: u64,
-    /// The task switched out: the previous switch's `next_pid` on this CPU
-    /// (unknown for a CPU's first switch of compact data).
-    pub prev_pid: Option<i32>,
+    /// The task switched out: the previous switch's `next_pid` on this CPU,
+    /// or [`UNKNOWN_PID`] for a CPU's first switch of compact data.
+    pub prev_pid: i32,
     pub prev_state: i64,
     pub next_pid: i32,
     pub next_comm: String,
@@ -103,9 +107,20 @@ pub struct ThreadEntry {
 /// What a track descriptor describes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TrackKind {
-    Process { pid: i32, name: Option<String>, labels: Vec<String> },
-    Thread { pid: i32, tid: i32, name: Option<String> },
-    Counter { unit: Option<i32>, unit_name: Option<String> },
+    Process {
+        pid: i32,
+        name: Option<String>,
+        labels: Vec<String>,
+    },
+    Thread {
+        pid: i32,
+        tid: i32,
+        name: Option<String>,
+    },
+    Counter {
+        unit: Option<i32>,
+        unit_name: Option<String>,
+    },
     Custom,
 }
 
@@ -130,6 +145,20 @@ pub enum ArgValue {
     Pointer(u64),
     /// Anything else (nested values, proto values), debug-printed.
     Other(String),
+}
+
+/// Text as the UI shows it: integers in decimal, pointers in hex.
+impl std::fmt::Display for ArgValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ArgValue::Int(v) => write!(f, "{v}"),
+            ArgValue::Uint(v) => write!(f, "{v}"),
+            ArgValue::Double(v) => write!(f, "{v}"),
+            ArgValue::Str(v) | ArgValue::Other(v) => f.write_str(v),
+            ArgValue::Bool(v) => write!(f, "{v}"),
+            ArgValue::Pointer(v) => write!(f, "{v:#x}"),
+        }
+    }
 }
 
 /// A slice (BEGIN..END) on a track.
@@ -198,7 +227,8 @@ pub struct StackSample {
     pub tid: i32,
     /// `StackSample.primary_weight`; for `PerfSample`, the increase of the
     /// CPU's cumulative `timebase_count` since its previous sample.
-    pub weight: Option<u64>,
+    /// 0 when the sample has none.
+    pub weight: u64,
     /// Function names, root first.
     pub frames: Vec<String>,
     /// Mapping of each frame (path components joined by '/', e.g. "kernel").
@@ -271,6 +301,8 @@ pub struct Timeline {
     pub renames: Vec<Rename>,
     pub frees: Vec<ProcessFree>,
     pub lost_events: Vec<LostEvents>,
+    /// CPUs with at least one `lost_events` bundle.
+    pub lost_event_cpus: BTreeSet<u32>,
     pub processes: BTreeMap<i32, ProcessEntry>,
     pub threads: BTreeMap<i32, ThreadEntry>,
     pub tracks: BTreeMap<u64, Track>,
@@ -285,7 +317,7 @@ pub struct Timeline {
 
 impl Timeline {
     /// The timeline of all packets (for single-machine traces).
-    pub fn from_trace(trace: &Trace) -> Timeline {
+    pub fn new(trace: &Trace) -> Timeline {
         Self::build(&extract::extract(trace), None)
     }
 
@@ -311,6 +343,7 @@ impl Timeline {
             .filter(|(m, _, _, lost, _)| mine(m) && *lost)
             .map(|&(_, _, cpu, _, first_ts)| LostEvents { cpu, first_ts })
             .collect();
+        t.lost_event_cpus = t.lost_events.iter().map(|l| l.cpu).collect();
         t.sched(x, &mine);
         t.names(x, &mine);
         t.track_events(x, machine);
@@ -319,21 +352,33 @@ impl Timeline {
     }
 
     fn sched(&mut self, x: &Extracted, mine: &dyn Fn(&u32) -> bool) {
-        let mut records: Vec<&SchedRecord> =
-            x.sched.iter().filter(|(m, _)| mine(m)).map(|(_, r)| r).collect();
+        let mut records: Vec<&SchedRecord> = x
+            .sched
+            .iter()
+            .filter(|(m, _)| mine(m))
+            .map(|(_, r)| r)
+            .collect();
         // Stable: at equal times keep tokenizer order (switches first).
         records.sort_by_key(|r| r.ts());
         let mut running: HashMap<u32, i32> = HashMap::new();
         for r in records {
             self.end_ts = self.end_ts.max(r.ts());
             match r {
-                SchedRecord::Switch(RawSwitch { cpu, ts, prev_pid, prev_state, next_pid, next_comm, next_prio }) => {
+                SchedRecord::Switch(RawSwitch {
+                    cpu,
+                    ts,
+                    prev_pid,
+                    prev_state,
+                    next_pid,
+                    next_comm,
+                    next_prio,
+                }) => {
                     let prev = prev_pid.or_else(|| running.get(cpu).copied());
                     running.insert(*cpu, *next_pid);
                     self.switches.push(Switch {
                         cpu: *cpu,
                         ts: *ts,
-                        prev_pid: prev,
+                        prev_pid: prev.unwrap_or(UNKNOWN_PID),
                         prev_state: *prev_state,
                         next_pid: *next_pid,
                         next_comm: next_comm.clone(),
@@ -353,14 +398,26 @@ impl Timeline {
     }
 
     fn names(&mut self, x: &Extracted, mine: &dyn Fn(&u32) -> bool) {
-        let mut updates: Vec<extract::NameUpdate> =
-            x.names.iter().filter(|(m, _)| mine(m)).map(|(_, u)| u.clone()).collect();
+        let mut updates: Vec<extract::NameUpdate> = x
+            .names
+            .iter()
+            .filter(|(m, _)| mine(m))
+            .map(|(_, u)| u.clone())
+            .collect();
         for (_, _, p) in x.processes.iter().filter(|(m, ..)| mine(m)) {
             self.processes.insert(p.pid, p.clone());
-            self.threads.entry(p.pid).or_insert_with(|| ThreadEntry { tid: p.pid, tgid: Some(p.pid), name: None });
+            self.threads.entry(p.pid).or_insert_with(|| ThreadEntry {
+                tid: p.pid,
+                tgid: Some(p.pid),
+                name: None,
+            });
         }
         let ftrace = |tid: i32, tgid: Option<i32>, ts: u64, name: &str| extract::NameUpdate {
-            tid, tgid, priority: 1, ts, name: name.to_owned(),
+            tid,
+            tgid,
+            priority: 1,
+            ts,
+            name: name.to_owned(),
         };
         for s in &self.switches {
             updates.push(ftrace(s.next_pid, None, s.ts, &s.next_comm));
@@ -372,7 +429,11 @@ impl Timeline {
             updates.push(ftrace(r.pid, None, r.ts, &r.new_comm));
         }
         for n in &self.new_tasks {
-            let parent_tgid = self.threads.get(&n.firing_pid).and_then(|t| t.tgid).unwrap_or(n.firing_pid);
+            let parent_tgid = self
+                .threads
+                .get(&n.firing_pid)
+                .and_then(|t| t.tgid)
+                .unwrap_or(n.firing_pid);
             let tgid = if n.clone_flags & 0x10000 != 0 {
                 parent_tgid
             } else {
@@ -389,10 +450,17 @@ impl Timeline {
         for (_, _, track) in x.tracks.iter().filter(|(m, ..)| mine(m)) {
             match &track.kind {
                 TrackKind::Thread { pid, tid, name } => updates.push(extract::NameUpdate {
-                    tid: *tid, tgid: Some(*pid), priority: 4, ts: 0, name: name.clone().unwrap_or_default(),
+                    tid: *tid,
+                    tgid: Some(*pid),
+                    priority: 4,
+                    ts: 0,
+                    name: name.clone().unwrap_or_default(),
                 }),
                 TrackKind::Process { pid, name, labels } => {
-                    let p = self.processes.entry(*pid).or_insert_with(|| ProcessEntry { pid: *pid, ..ProcessEntry::default() });
+                    let p = self.processes.entry(*pid).or_insert_with(|| ProcessEntry {
+                        pid: *pid,
+                        ..ProcessEntry::default()
+                    });
                     if name.is_some() {
                         p.name = name.clone();
                     }
@@ -401,10 +469,22 @@ impl Timeline {
                 _ => {}
             }
         }
+        // task_newtask starts a new thread (the importer's new utid): what
+        // was said about an earlier thread with the same tid no longer
+        // applies, except track descriptors, which carry no time.
+        let mut born: HashMap<i32, u64> = HashMap::new();
+        for n in &self.new_tasks {
+            let b = born.entry(n.pid).or_insert(n.ts);
+            *b = (*b).max(n.ts);
+        }
+        updates.retain(|u| u.priority == 4 || born.get(&u.tid).is_none_or(|&b| u.ts >= b));
         // Highest priority wins, then the latest; stable for file order.
         updates.sort_by_key(|u| (u.priority, u.ts));
         for u in updates {
-            let e = self.threads.entry(u.tid).or_insert_with(|| ThreadEntry { tid: u.tid, ..ThreadEntry::default() });
+            let e = self.threads.entry(u.tid).or_insert_with(|| ThreadEntry {
+                tid: u.tid,
+                ..ThreadEntry::default()
+            });
             if u.tgid.is_some() {
                 e.tgid = u.tgid;
             }
@@ -419,11 +499,16 @@ impl Timeline {
         for (_, _, track) in x.tracks.iter().filter(|(m, ..)| mine(m)) {
             self.tracks.insert(track.uuid, track.clone());
         }
-        let mut events: Vec<&extract::RawTrackEvent> =
-            x.track_events.iter().filter(|(m, _)| mine(m)).map(|(_, e)| e).collect();
+        let mut events: Vec<&extract::RawTrackEvent> = x
+            .track_events
+            .iter()
+            .filter(|(m, _)| mine(m))
+            .map(|(_, e)| e)
+            .collect();
         events.sort_by_key(|e| e.ts);
         let names = |f: &Option<Vec<super::ResolvedFrame>>| {
-            f.as_ref().map(|fr| fr.iter().map(|f| f.function.clone()).collect())
+            f.as_ref()
+                .map(|fr| fr.iter().map(|f| f.function.clone()).collect())
         };
         let mut open: HashMap<u64, Vec<usize>> = HashMap::new();
         for e in events {
@@ -470,16 +555,21 @@ impl Timeline {
     }
 
     fn samples(&mut self, x: &Extracted, mine: &dyn Fn(&u32) -> bool) {
-        let mut samples: Vec<StackSample> =
-            x.samples.iter().filter(|(m, _)| mine(m)).map(|(_, s)| s.clone()).collect();
+        let mut samples: Vec<StackSample> = x
+            .samples
+            .iter()
+            .filter(|(m, _)| mine(m))
+            .map(|(_, s)| s.clone())
+            .collect();
         samples.sort_by_key(|s| s.ts);
         // PerfSample.timebase_count is cumulative per CPU: weight = increase.
         let mut last: HashMap<Option<u32>, u64> = HashMap::new();
-        for s in samples.iter_mut().filter(|s| s.source == SampleSource::PerfSample) {
-            if let Some(count) = s.weight {
-                let prev = last.insert(s.cpu, count).unwrap_or(0);
-                s.weight = Some(count.saturating_sub(prev));
-            }
+        for s in samples
+            .iter_mut()
+            .filter(|s| s.source == SampleSource::PerfSample)
+        {
+            let prev = last.insert(s.cpu, s.weight).unwrap_or(0);
+            s.weight = s.weight.saturating_sub(prev);
         }
         self.stack_samples = samples;
     }
@@ -496,7 +586,9 @@ impl Timeline {
 
     /// The first track named `name`.
     pub fn track_named(&self, name: &str) -> Option<&Track> {
-        self.tracks.values().find(|t| t.name.as_deref() == Some(name))
+        self.tracks
+            .values()
+            .find(|t| t.name.as_deref() == Some(name))
     }
 
     /// Slices on `track`, by start time.
@@ -504,10 +596,63 @@ impl Timeline {
         self.slices.iter().filter(|s| s.track == track).collect()
     }
 
-    /// (ts, value) of counter `track`, by time.
-    pub fn counter_values(&self, track: u64) -> Vec<(u64, f64)> {
-        let mut v: Vec<(u64, f64)> =
-            self.counters.iter().filter(|c| c.track == track).map(|c| (c.ts, c.value)).collect();
+    /// Uuids of the thread tracks of `tid`.
+    fn thread_tracks(&self, tid: i32) -> BTreeSet<u64> {
+        self.tracks
+            .values()
+            .filter(|t| matches!(t.kind, TrackKind::Thread { tid: t2, .. } if t2 == tid))
+            .map(|t| t.uuid)
+            .collect()
+    }
+
+    /// Slices on the thread tracks of `tid`, by start time.
+    pub fn slices_on_thread(&self, tid: i32) -> Vec<&Slice> {
+        let tracks = self.thread_tracks(tid);
+        let mut v: Vec<&Slice> = self.slices.iter().filter(|s| tracks.contains(&s.track)).collect();
+        v.sort_by_key(|s| s.ts);
+        v
+    }
+
+    /// Instants on the thread tracks of `tid`, by time, as (name, args)
+    /// with argument values rendered as text (see [`ArgValue`]'s `Display`).
+    pub fn instants_on_thread(&self, tid: i32) -> Vec<(String, Vec<(String, String)>)> {
+        let tracks = self.thread_tracks(tid);
+        let mut v: Vec<&Instant> = self.instants.iter().filter(|i| tracks.contains(&i.track)).collect();
+        v.sort_by_key(|i| i.ts);
+        v.into_iter()
+            .map(|i| {
+                let args = i.args.iter().map(|(k, v)| (k.clone(), v.to_string())).collect();
+                (i.name.clone(), args)
+            })
+            .collect()
+    }
+
+    /// Values of the counter track(s) named `track_name`, by time.
+    pub fn counter_values(&self, track_name: &str) -> Vec<f64> {
+        let uuids: BTreeSet<u64> = self
+            .tracks
+            .values()
+            .filter(|t| t.name.as_deref() == Some(track_name))
+            .map(|t| t.uuid)
+            .collect();
+        let mut v: Vec<(u64, f64)> = self
+            .counters
+            .iter()
+            .filter(|c| uuids.contains(&c.track))
+            .map(|c| (c.ts, c.value))
+            .collect();
+        v.sort_by_key(|(ts, _)| *ts);
+        v.into_iter().map(|(_, value)| value).collect()
+    }
+
+    /// (ts, value) of counter track `track`, by time.
+    pub fn counter_series(&self, track: u64) -> Vec<(u64, f64)> {
+        let mut v: Vec<(u64, f64)> = self
+            .counters
+            .iter()
+            .filter(|c| c.track == track)
+            .map(|c| (c.ts, c.value))
+            .collect();
         v.sort_by_key(|(ts, _)| *ts);
         v
     }
@@ -527,7 +672,7 @@ impl Timeline {
         }
         let mut evs: Vec<(u64, usize, Ev)> = Vec::new();
         for (i, s) in self.switches.iter().enumerate() {
-            if s.prev_pid == Some(tid) {
+            if s.prev_pid == tid && tid != UNKNOWN_PID {
                 evs.push((s.ts, 2 * i, Ev::Out(s.prev_state)));
             }
             if s.next_pid == tid {
@@ -569,7 +714,10 @@ impl Timeline {
                 Ev::Wake => {
                     let asleep = !matches!(
                         current,
-                        Some((_, State::Running | State::Runnable | State::RunnablePreempted))
+                        Some((
+                            _,
+                            State::Running | State::Runnable | State::RunnablePreempted
+                        ))
                     );
                     if asleep {
                         close(&mut current, ts);

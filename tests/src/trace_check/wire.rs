@@ -2,8 +2,8 @@
 //! `perfetto_protos`, which rust-protobuf keeps as unknown fields
 //! (`TracePacket.stack_sample = 135`, `TrackEvent.callstack_iid = 56`, ...).
 
-use protobuf::UnknownValueRef;
 use protobuf::UnknownFields;
+use protobuf::UnknownValueRef;
 
 /// One field value as found on the wire.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -35,6 +35,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifndef STANDIN_STATIC_ASSERT
+#ifdef __cplusplus
+#define STANDIN_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#else
+#define STANDIN_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#endif
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -274,9 +282,9 @@ typedef struct PACKED_ALIGNMENT {
     uint32_t returnValue;     /* 36 */
 } CUpti_ActivityAPI;
 
-_Static_assert(sizeof(CUpti_ActivityKernel9) == 208, "CUpti_ActivityKernel9 is 208 bytes");
-_Static_assert(sizeof(CUpti_ActivityMemcpy6) == 96, "CUpti_ActivityMemcpy6 is 96 bytes");
-_Static_assert(sizeof(CUpti_ActivityAPI) == 40, "CUpti_ActivityAPI is 40 bytes");
+STANDIN_STATIC_ASSERT(sizeof(CUpti_ActivityKernel9) == 208, "CUpti_ActivityKernel9 is 208 bytes");
+STANDIN_STATIC_ASSERT(sizeof(CUpti_ActivityMemcpy6) == 96, "CUpti_ActivityMemcpy6 is 96 bytes");
+STANDIN_STATIC_ASSERT(sizeof(CUpti_ActivityAPI) == 40, "CUpti_ActivityAPI is 40 bytes");
 
 typedef void(CUPTIAPI *CUpti_BuffersCallbackRequestFunc)(uint8_t **buffer, size_t *size,
                                                          size_t *maxNumRecords);

@@ -39,6 +39,14 @@
 
 #include <stdint.h>
 
+#ifndef STANDIN_STATIC_ASSERT
+#ifdef __cplusplus
+#define STANDIN_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#else
+#define STANDIN_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#endif
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -57,7 +65,7 @@ struct standin_kernel_spec {
     uint64_t duration_ns; /* how long the kernel occupies its stream */
 };
 
-_Static_assert(sizeof(struct standin_kernel_spec) == 16, "standin_kernel_spec is 16 bytes");
+STANDIN_STATIC_ASSERT(sizeof(struct standin_kernel_spec) == 16, "standin_kernel_spec is 16 bytes");
 
 static inline struct standin_kernel_spec standin_kernel_spec_make(enum standin_kernel_mode mode,
                                                                   uint64_t duration_ns)

@@ -29,6 +29,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifndef STANDIN_STATIC_ASSERT
+#ifdef __cplusplus
+#define STANDIN_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#else
+#define STANDIN_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#endif
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -178,11 +186,11 @@ typedef struct MSPTI_PACKED_ALIGNMENT {
     const char *domain;                 /* 44 */
 } msptiActivityMarker;
 
-_Static_assert(sizeof(msptiActivityApi) == 48, "msptiActivityApi is 48 bytes");
-_Static_assert(sizeof(msptiActivityKernel) == 56, "msptiActivityKernel is 56 bytes");
-_Static_assert(sizeof(msptiActivityHccl) == 56, "msptiActivityHccl is 56 bytes");
-_Static_assert(sizeof(msptiActivityCommunication) == 72, "msptiActivityCommunication is 72 bytes");
-_Static_assert(sizeof(msptiActivityMarker) == 56, "msptiActivityMarker is 56 bytes");
+STANDIN_STATIC_ASSERT(sizeof(msptiActivityApi) == 48, "msptiActivityApi is 48 bytes");
+STANDIN_STATIC_ASSERT(sizeof(msptiActivityKernel) == 56, "msptiActivityKernel is 56 bytes");
+STANDIN_STATIC_ASSERT(sizeof(msptiActivityHccl) == 56, "msptiActivityHccl is 56 bytes");
+STANDIN_STATIC_ASSERT(sizeof(msptiActivityCommunication) == 72, "msptiActivityCommunication is 72 bytes");
+STANDIN_STATIC_ASSERT(sizeof(msptiActivityMarker) == 56, "msptiActivityMarker is 56 bytes");
 
 typedef void (*msptiBuffersCallbackRequestFunc)(uint8_t **buffer, size_t *size,
                                                 size_t *maxNumRecords);
