@@ -1,6 +1,7 @@
 //! Decoding of raw ring-buffer records into typed events: the one place
 //! that knows the byte layout of each record kind.
 
+use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
 use xpuscope_common::{
     COMM_LEN, EventHeader, EventKind, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit,
     ProcessFork, SchedSwitch, SchedWaking, TaskRename, switch_flags,
@@ -136,6 +137,10 @@ pub enum Event {
     Exit(Exit),
     Rename(Rename),
     Stack(Box<StackCapture>),
+    /// A device-library call entered; decoded to meaning by `xpuscope-probes`.
+    ProbeEntry(Box<UprobeEntry>),
+    /// A device-library call returned.
+    ProbeReturn(Box<UprobeReturn>),
 }
 
 impl Event {
@@ -149,6 +154,8 @@ impl Event {
             Event::Exit(_) => EventKind::ProcessExit,
             Event::Rename(_) => EventKind::TaskRename,
             Event::Stack(_) => EventKind::OffCpuStack,
+            Event::ProbeEntry(_) => EventKind::UprobeEntry,
+            Event::ProbeReturn(_) => EventKind::UprobeReturn,
         }
     }
 }
@@ -290,6 +297,8 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 user: stack(r.user_bytes, &r.user),
             }))
         }
+        EventKind::UprobeEntry => Event::ProbeEntry(Box::new(read(bytes, kind)?)),
+        EventKind::UprobeReturn => Event::ProbeReturn(Box::new(read(bytes, kind)?)),
     })
 }
 

@@ -95,6 +95,8 @@ fn kind_name(kind: EventKind) -> String {
         EventKind::ProcessExit => "process_exit",
         EventKind::TaskRename => "task_rename",
         EventKind::OffCpuStack => "offcpu_stack",
+        EventKind::UprobeEntry => "uprobe_entry",
+        EventKind::UprobeReturn => "uprobe_return",
     }
     .to_string()
 }

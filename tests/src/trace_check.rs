@@ -363,9 +363,9 @@ mod tests {
 
         // Names: the track descriptor (priority 4) beats ProcessTree (2),
         // which beats ftrace (1) even when the ftrace rename is later.
-        assert_eq!(tl.thread_name(100), Some("trainer-main"));
-        assert_eq!(tl.thread_name(101), Some("loader"));
-        assert_eq!(tl.thread_name(102), Some("trainer"));
+        assert_eq!(tl.thread_name(100).as_deref(), Some("trainer-main"));
+        assert_eq!(tl.thread_name(101).as_deref(), Some("loader"));
+        assert_eq!(tl.thread_name(102).as_deref(), Some("trainer"));
         assert_eq!(tl.process_of(101), Some(100));
         assert_eq!(tl.process_of(102), Some(100));
         assert_eq!(tl.processes[&100].cmdline, ["trainer", "--rank=0"]);
@@ -422,7 +422,7 @@ mod tests {
         t.packet[4].mut_ftrace_events().event.push(newtask);
         let tl = Timeline::new(&reencode(&t));
         // The ProcessTree name and tgid belonged to the previous thread 101.
-        assert_eq!(tl.thread_name(101), Some("fresh"));
+        assert_eq!(tl.thread_name(101).as_deref(), Some("fresh"));
         assert_eq!(tl.process_of(101), Some(101));
     }
 

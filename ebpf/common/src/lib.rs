@@ -11,6 +11,8 @@
 //! `aya::Pod` impls the agent needs to read and write maps.
 #![no_std]
 
+pub mod uprobe;
+
 /// Length of a task's `comm` (`TASK_COMM_LEN`).
 pub const COMM_LEN: usize = 16;
 /// Frames kept per stack (kernel and user stacks each).
@@ -54,10 +56,14 @@ pub enum EventKind {
     ProcessExit = 6,
     TaskRename = 7,
     OffCpuStack = 8,
+    /// A probed library function was entered ([`uprobe::UprobeEntry`]).
+    UprobeEntry = 9,
+    /// A probed library function returned ([`uprobe::UprobeReturn`]).
+    UprobeReturn = 10,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 8] = [
+    pub const ALL: [EventKind; 10] = [
         EventKind::SchedSwitch,
         EventKind::SchedWaking,
         EventKind::SchedWakeupNew,
@@ -66,6 +72,8 @@ impl EventKind {
         EventKind::ProcessExit,
         EventKind::TaskRename,
         EventKind::OffCpuStack,
+        EventKind::UprobeEntry,
+        EventKind::UprobeReturn,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -79,7 +87,7 @@ pub const DROP_SLOT_STACK_ERRORS: u32 = 15;
 
 /// Common header of every record.
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EventHeader {
     /// An [`EventKind`] value.
     pub kind: u32,

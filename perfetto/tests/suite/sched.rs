@@ -3,9 +3,7 @@
 
 use perfetto_protos::ftrace_event_bundle::FtraceEventBundle;
 use xpuscope_perfetto::WriterOptions;
-use xpuscope_tests::trace_check::{
-    State, Timeline, UNKNOWN_PID, check_importer_rules, decode,
-};
+use xpuscope_tests::trace_check::{State, Timeline, UNKNOWN_PID, check_importer_rules, decode};
 
 use super::common::*;
 
@@ -175,7 +173,7 @@ fn thread_lifetimes_share_the_cpu_bundle_in_time_order() {
     );
     assert_eq!(tl.process_of(200), Some(200), "a fork starts a process");
     assert_eq!(tl.processes[&200].ppid, Some(100));
-    assert_eq!(tl.thread_name(101), Some("pt_autograd_0"));
+    assert_eq!(tl.thread_name(101).as_deref(), Some("pt_autograd_0"));
     assert_eq!(tl.renames.len(), 1);
     assert_eq!(tl.frees[0].pid, 200);
     assert_eq!(

@@ -93,7 +93,8 @@ fn process_tree_round_trips_and_never_drops_a_process() {
     let p = trace.packet.iter().find(|p| p.has_process_tree()).unwrap();
     assert_eq!(p.timestamp(), 5_000);
     let tree = p.process_tree();
-    let got: Vec<(i32, i32, Vec<String>, Option<i32>, bool)> = tree
+    type Row = (i32, i32, Vec<String>, Option<i32>, bool);
+    let got: Vec<Row> = tree
         .processes
         .iter()
         .map(|p| {
@@ -136,7 +137,7 @@ fn process_tree_round_trips_and_never_drops_a_process() {
 
     let tl = Timeline::new(&trace);
     assert_eq!(tl.process_of(101), Some(100));
-    assert_eq!(tl.thread_name(101), Some("pt_autograd_0"));
+    assert_eq!(tl.thread_name(101).as_deref(), Some("pt_autograd_0"));
     assert_eq!(tl.processes[&200].ppid, Some(100));
     assert_eq!(tl.processes[&100].uid, Some(1000));
 }

@@ -119,7 +119,7 @@ fn track_descriptors_carry_every_field() {
     );
     assert_eq!(tl.processes[&4242].labels, labels);
     assert_eq!(tl.processes[&4242].name.as_deref(), Some("trainer"));
-    assert_eq!(tl.thread_name(4250), Some("pt_autograd_0"));
+    assert_eq!(tl.thread_name(4250).as_deref(), Some("pt_autograd_0"));
     assert_eq!(tl.process_of(4250), Some(4242));
     assert!(matches!(tl.tracks[&c2.0].kind, TrackKind::Counter { .. }));
 }
@@ -341,15 +341,20 @@ fn callstacks_on_slices_and_instants_resolve_root_first() {
     let by = [
         Arg::new("by_comm", "cpu-hog"),
         Arg::new("cpu", 3u64),
-        Arg { name: "at".into(), value: ArgValue::Pointer(0xbeef) },
+        Arg {
+            name: "at".into(),
+            value: ArgValue::Pointer(0xbeef),
+        },
     ];
-    w.instant(t, 400, "preempted by cpu-hog", &by, None).unwrap();
+    w.instant(t, 400, "preempted by cpu-hog", &by, None)
+        .unwrap();
     let trace = decode_checked(&w.finish().unwrap());
     // callstack_iid = 56 is newer than schema v51: an unknown varint.
     let iids: Vec<u64> = trace
         .packet
         .iter()
         .filter(|p| p.has_track_event() && p.track_event().type_() != Type::TYPE_SLICE_END)
+        .take(2)
         .map(
             |p| match p.track_event().special_fields.unknown_fields().get(56) {
                 Some(UnknownValueRef::Varint(v)) => v,
@@ -374,7 +379,11 @@ fn callstacks_on_slices_and_instants_resolve_root_first() {
         on_thread[1],
         (
             "preempted by cpu-hog".to_string(),
-            vec![text("by_comm", "cpu-hog"), text("cpu", "3"), text("at", "0xbeef")]
+            vec![
+                text("by_comm", "cpu-hog"),
+                text("cpu", "3"),
+                text("at", "0xbeef")
+            ]
         )
     );
 }

@@ -90,13 +90,13 @@ fn tracks(x: &Extracted, errors: &mut Vec<String>) {
         if t.uuid == 0 {
             errors.push(format!("packet {idx}: track descriptor with uuid 0"));
         }
-        if let Some(parent) = t.parent {
-            if !described.contains_key(&(*m, parent)) {
-                errors.push(format!(
-                    "packet {idx}: track {} has parent {parent} not described before",
-                    t.uuid
-                ));
-            }
+        if let Some(parent) = t.parent
+            && !described.contains_key(&(*m, parent))
+        {
+            errors.push(format!(
+                "packet {idx}: track {} has parent {parent} not described before",
+                t.uuid
+            ));
         }
         let is_counter = matches!(t.kind, TrackKind::Counter { .. });
         described.entry((*m, t.uuid)).or_insert((*idx, is_counter));
@@ -166,17 +166,15 @@ fn slices_and_flows(x: &Extracted, errors: &mut Vec<String>) {
         let mut flows: HashMap<u64, Flow> = HashMap::new();
         for e in events {
             let Some(track) = e.track else { continue };
-            match e.kind {
-                1 => open.entry(track).or_default().push((e.packet, e.ts)),
-                2 => {
-                    if open.get_mut(&track).and_then(Vec::pop).is_none() {
-                        errors.push(format!(
-                            "packet {}: END at {} on track {track} without an open BEGIN",
-                            e.packet, e.ts
-                        ));
-                    }
-                }
-                _ => {}
+            if e.kind == 1 {
+                open.entry(track).or_default().push((e.packet, e.ts));
+            }
+            let unmatched_end = e.kind == 2 && open.get_mut(&track).and_then(Vec::pop).is_none();
+            if unmatched_end {
+                errors.push(format!(
+                    "packet {}: END at {} on track {track} without an open BEGIN",
+                    e.packet, e.ts
+                ));
             }
             for id in &e.flow_ids {
                 if flows.get(id) == Some(&Flow::Terminated) {

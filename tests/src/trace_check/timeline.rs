@@ -575,8 +575,8 @@ impl Timeline {
     }
 
     /// Name of thread `tid`, if known.
-    pub fn thread_name(&self, tid: i32) -> Option<&str> {
-        self.threads.get(&tid).and_then(|t| t.name.as_deref())
+    pub fn thread_name(&self, tid: i32) -> Option<String> {
+        self.threads.get(&tid).and_then(|t| t.name.clone())
     }
 
     /// Process (tgid) of thread `tid`, if known.
@@ -608,7 +608,11 @@ impl Timeline {
     /// Slices on the thread tracks of `tid`, by start time.
     pub fn slices_on_thread(&self, tid: i32) -> Vec<&Slice> {
         let tracks = self.thread_tracks(tid);
-        let mut v: Vec<&Slice> = self.slices.iter().filter(|s| tracks.contains(&s.track)).collect();
+        let mut v: Vec<&Slice> = self
+            .slices
+            .iter()
+            .filter(|s| tracks.contains(&s.track))
+            .collect();
         v.sort_by_key(|s| s.ts);
         v
     }
@@ -617,11 +621,19 @@ impl Timeline {
     /// with argument values rendered as text (see [`ArgValue`]'s `Display`).
     pub fn instants_on_thread(&self, tid: i32) -> Vec<(String, Vec<(String, String)>)> {
         let tracks = self.thread_tracks(tid);
-        let mut v: Vec<&Instant> = self.instants.iter().filter(|i| tracks.contains(&i.track)).collect();
+        let mut v: Vec<&Instant> = self
+            .instants
+            .iter()
+            .filter(|i| tracks.contains(&i.track))
+            .collect();
         v.sort_by_key(|i| i.ts);
         v.into_iter()
             .map(|i| {
-                let args = i.args.iter().map(|(k, v)| (k.clone(), v.to_string())).collect();
+                let args = i
+                    .args
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.to_string()))
+                    .collect();
                 (i.name.clone(), args)
             })
             .collect()
@@ -695,10 +707,10 @@ impl Timeline {
         let mut out = Vec::new();
         let mut current: Option<(u64, State)> = None;
         let mut close = |cur: &mut Option<(u64, State)>, ts: u64| {
-            if let Some((start, state)) = cur.take() {
-                if ts > start {
-                    out.push((start, ts, state));
-                }
+            if let Some((start, state)) = cur.take()
+                && ts > start
+            {
+                out.push((start, ts, state));
             }
         };
         for (ts, _, ev) in evs {

@@ -1,0 +1,107 @@
+//! Records of user-space probes on device libraries (libcudart, libnccl,
+//! libcupti, libascendcl, libhccl, libmspti).
+//!
+//! One generic entry program and one generic return program serve every
+//! probed function; the function is identified by the probed address
+//! (`bpf_get_func_ip`), which the agent maps back to (library, symbol)
+//! through the process's mappings. The kernel copies raw machine state;
+//! `xpuscope-probes` decodes it into meaning using the catalog.
+
+use crate::EventHeader;
+
+/// Words copied from the stack at entry: `sp[0]` (the return address when
+/// the probe sits on the function's first instruction) and the stack-passed
+/// arguments after it.
+pub const ENTRY_STACK_WORDS: usize = 8;
+/// Most bytes copied through a pointer argument at entry or return.
+pub const DEREF_BYTES: usize = 128;
+
+/// No pointer argument is dereferenced.
+pub const DEREF_NONE: u8 = 0xff;
+
+/// What to copy for one probed function, keyed by [`ProbeKey`] in the
+/// `UPROBE_SPECS` map; written by the agent when it attaches.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeSpec {
+    /// Register argument index (0 = rdi ... 5 = r9) whose pointee is copied
+    /// at ENTRY, or [`DEREF_NONE`].
+    pub entry_deref_arg: u8,
+    /// Register argument index whose pointee is copied at RETURN (an out
+    /// parameter such as `cudaMalloc`'s `void **`), or [`DEREF_NONE`].
+    pub return_deref_arg: u8,
+    /// Bytes to copy (at most [`DEREF_BYTES`]).
+    pub deref_len: u16,
+    /// Capture level bit this probe belongs to; the probe pushes nothing
+    /// when `UPROBE_LEVELS` (config) lacks the bit.
+    pub level_bit: u32,
+}
+
+impl Default for ProbeSpec {
+    fn default() -> Self {
+        Self { entry_deref_arg: DEREF_NONE, return_deref_arg: DEREF_NONE, deref_len: 0, level_bit: 1 }
+    }
+}
+
+/// Key of `UPROBE_SPECS`: the process and the probed address in it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ProbeKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    /// Absolute address of the probe in the process (what
+    /// `bpf_get_func_ip` returns: function start + placement offset).
+    pub probe_ip: u64,
+}
+
+/// A probed function was entered.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UprobeEntry {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Absolute probe address (function start + placement offset).
+    pub probe_ip: u64,
+    /// rdi, rsi, rdx, rcx, r8, r9: the six register arguments.
+    pub args: [u64; 6],
+    /// Stack pointer at the probe.
+    pub sp: u64,
+    /// `sp[0..ENTRY_STACK_WORDS]` (unreadable words are 0).
+    pub stack: [u64; ENTRY_STACK_WORDS],
+    /// Bytes of `deref` that are valid (0 if nothing was copied).
+    pub deref_len: u32,
+    pub _pad: u32,
+    /// Copy of `*args[spec.entry_deref_arg]`.
+    pub deref: [u8; DEREF_BYTES],
+}
+
+/// A probed function returned.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UprobeReturn {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// The same probe address as the matching entry.
+    pub probe_ip: u64,
+    /// rax.
+    pub ret: u64,
+    /// Bytes of `deref` that are valid.
+    pub deref_len: u32,
+    pub _pad: u32,
+    /// Copy of `*saved_args[spec.return_deref_arg]` (saved at entry).
+    pub deref: [u8; DEREF_BYTES],
+}
+
+const _: () = assert!(core::mem::size_of::<UprobeEntry>() == 16 + 16 + 48 + 8 + 64 + 8 + 128);
+const _: () = assert!(core::mem::size_of::<UprobeReturn>() == 16 + 16 + 8 + 8 + 128);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 8);
+const _: () = assert!(core::mem::size_of::<ProbeKey>() == 16);
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: plain-old-data with explicit padding.
+    unsafe impl aya::Pod for super::ProbeSpec {}
+    unsafe impl aya::Pod for super::ProbeKey {}
+}
