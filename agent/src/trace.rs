@@ -13,7 +13,7 @@
 //!   the thread's track;
 //! - drops -> `lost_events` on the CPU's bundle and a counter track.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::sync::Arc;
 
@@ -50,6 +50,12 @@ pub struct TraceBuilder<W: Write> {
     offcpu: OffCpuTracker,
     /// tid -> (tgid, latest name) of traced threads.
     threads: HashMap<u32, (u32, String)>,
+    /// Threads named by the process tree at attach. The importer ranks
+    /// process-tree names above scheduler names, so a later rename of such
+    /// a thread is also written as a (higher-ranked) thread track name.
+    tree_named: HashSet<u32>,
+    /// Tree-named threads renamed since: their track carries the name.
+    renamed: HashSet<u32>,
     thread_tracks: HashMap<u32, TrackUuid>,
     drops_track: Option<TrackUuid>,
     frames: FrameConverter,
@@ -63,6 +69,8 @@ impl<W: Write> TraceBuilder<W> {
             symbolizer: StackSymbolizer::new(),
             offcpu: OffCpuTracker::default(),
             threads: HashMap::new(),
+            tree_named: HashSet::new(),
+            renamed: HashSet::new(),
             thread_tracks: HashMap::new(),
             drops_track: None,
             frames: FrameConverter::default(),
@@ -87,6 +95,7 @@ impl<W: Write> TraceBuilder<W> {
                     name: t.comm.clone(),
                 });
                 self.threads.insert(t.tid, (p.pid, t.comm.clone()));
+                self.tree_named.insert(t.tid);
             }
         }
         self.writer.process_tree(ts, &procs, &threads)?;
@@ -177,6 +186,14 @@ impl<W: Write> TraceBuilder<W> {
             .get(&tid)
             .cloned()
             .unwrap_or((tid, String::new()));
+        // Track names outrank every other source of thread names in the
+        // importer: give one only where it must override the process tree,
+        // so scheduler names and renames stay authoritative otherwise.
+        let name = if self.renamed.contains(&tid) {
+            name
+        } else {
+            String::new()
+        };
         let track = self.writer.thread_track(tgid as i32, tid as i32, &name)?;
         self.thread_tracks.insert(tid, track);
         Ok(track)
@@ -239,15 +256,9 @@ impl<W: Write> TraceBuilder<W> {
             self.symbolizer.process_forked(f.child_tgid, f.parent_tgid);
             let cmdline = procfs::cmdline(f.child_tgid);
             let p = process_info(f.child_tgid, f.parent_tgid, &cmdline, &name, None);
-            self.writer.process_tree(
-                f.ts,
-                &[p],
-                &[ThreadInfo {
-                    tid: f.child_tid as i32,
-                    tgid: f.child_tgid as i32,
-                    name,
-                }],
-            )?;
+            // The process entry only: a thread name here would outrank the
+            // child's later renames (exec, prctl) in the importer.
+            self.writer.process_tree(f.ts, &[p], &[])?;
         }
         Ok(())
     }
@@ -267,15 +278,8 @@ impl<W: Write> TraceBuilder<W> {
         let cmdline = procfs::cmdline(e.tgid);
         let ppid = procfs::stat(e.tgid).map(|s| s.ppid).unwrap_or(0);
         let p = process_info(e.tgid, ppid, &cmdline, &new, None);
-        self.writer.process_tree(
-            e.ts,
-            &[p],
-            &[ThreadInfo {
-                tid: e.tid as i32,
-                tgid: e.tgid as i32,
-                name: new,
-            }],
-        )?;
+        self.writer.process_tree(e.ts, &[p], &[])?;
+        self.renamed_thread(e.tid)?;
         Ok(())
     }
 
@@ -305,6 +309,17 @@ impl<W: Write> TraceBuilder<W> {
             &new,
         )?;
         self.threads.insert(r.tid, (r.tgid, new));
+        self.renamed_thread(r.tid)?;
+        Ok(())
+    }
+
+    /// After a rename of a thread the process tree named: its track is
+    /// described with the final name at the end (track names carry no
+    /// time, so once is enough however often it is renamed).
+    fn renamed_thread(&mut self, tid: u32) -> Result<()> {
+        if self.tree_named.contains(&tid) {
+            self.renamed.insert(tid);
+        }
         Ok(())
     }
 
@@ -371,6 +386,16 @@ impl<W: Write> TraceBuilder<W> {
 
     /// Ends open intervals at `end` and finishes the file.
     pub fn finish(mut self, end: u64) -> Result<(W, TraceStats, u64)> {
+        let mut renamed: Vec<u32> = self.renamed.iter().copied().collect();
+        renamed.sort_unstable();
+        for tid in renamed {
+            let (tgid, name) = self
+                .threads
+                .get(&tid)
+                .cloned()
+                .unwrap_or((tid, String::new()));
+            self.writer.thread_track(tgid as i32, tid as i32, &name)?;
+        }
         for interval in self.offcpu.finish_all(end) {
             self.interval_done(interval)?;
         }

@@ -19,6 +19,11 @@ use crate::types::{
 /// [`WriterOptions::bundle_events`] events each), a 256 KiB output buffer and
 /// the intern tables (one entry per distinct name, mapping, frame and
 /// callstack). See the crate docs for the packet layout.
+///
+/// End with [`TraceWriter::finish`] (or call [`TraceWriter::flush`] at
+/// checkpoints): dropping the writer loses the open bundles and up to 256 KiB
+/// of buffered packets. After an I/O error the output may end in a partial
+/// packet; stop writing.
 pub struct TraceWriter<W: Write> {
     pub(crate) sink: PacketSink<W>,
     /// Open bundle per CPU, indexed by cpu.

@@ -23,6 +23,8 @@
 //! ```
 
 mod extract;
+mod ftrace;
+mod records;
 mod rules;
 mod sequence;
 mod timeline;
@@ -31,13 +33,14 @@ mod wire;
 use perfetto_protos::trace::Trace;
 use protobuf::Message;
 
+pub use records::{
+    ArgValue, CounterPoint, Instant, LostEvents, NewTask, ProcessEntry, ProcessFree, Rename,
+    SampleSource, Slice, StackSample, State, Switch, ThreadEntry, Track, TrackKind, UNKNOWN_PID,
+    Waking, kernel_version,
+};
 pub use rules::check_importer_rules;
 pub use sequence::ResolvedFrame;
-pub use timeline::{
-    ArgValue, CounterPoint, Instant, LostEvents, NewTask, ProcessEntry, ProcessFree, Rename,
-    SampleSource, Slice, StackSample, State, Switch, ThreadEntry, Timeline, Track, TrackKind,
-    UNKNOWN_PID, Waking, kernel_version,
-};
+pub use timeline::Timeline;
 
 /// Decodes a whole trace file (uncompressed protobuf).
 pub fn decode(bytes: &[u8]) -> Result<Trace, String> {
@@ -532,6 +535,15 @@ mod tests {
         reuse.mut_track_event().flow_ids.push(9);
         t.packet.push(reuse);
         assert!(has(&errors_of(&t), "flow id 9 reused"));
+
+        let mut t = good_trace();
+        t.packet[9].mut_track_event().terminating_flow_ids.clear();
+        for ts in [1450, 1460] {
+            let mut e = event(ts, 55, Type::TYPE_INSTANT, Some(1));
+            e.mut_track_event().flow_ids.push(9);
+            t.packet.push(e);
+        }
+        assert!(has(&errors_of(&t), "flow id 9 on a third event"));
 
         let mut t = good_trace();
         t.packet[11].mut_track_event().set_track_uuid(55);

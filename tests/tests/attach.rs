@@ -91,6 +91,9 @@ fn attach_records_the_known_pattern() {
         "the rename is in the trace"
     );
 
+    // The main thread, present at attach, was renamed after it.
+    assert_eq!(tl.thread_name(pid).as_deref(), Some("pattern-main"));
+
     // The forked child process appears, as a process of its own.
     let child = tid(&truth, "child_pid");
     assert_eq!(tl.process_of(child), Some(child));
@@ -143,7 +146,13 @@ fn attach_records_the_known_pattern() {
     let by_hog = tl
         .switches
         .iter()
-        .filter(|s| s.prev_pid == victim && s.prev_state == 0x100 && s.next_comm == "cpu-hog")
+        // Still runnable when switched out: R (tick preemption on return to
+        // user space) or R+ (preempted in the kernel).
+        .filter(|s| {
+            s.prev_pid == victim
+                && (s.prev_state == 0 || s.prev_state == 0x100)
+                && s.next_comm == "cpu-hog"
+        })
         .count();
     assert!(
         by_hog > 0,

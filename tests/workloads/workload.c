@@ -248,6 +248,8 @@ int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "pattern";
     if (!strcmp(mode, "pattern")) {
         wait_for_go();
+        /* This thread existed at attach; renaming it now must show. */
+        prctl(PR_SET_NAME, "pattern-main");
         run_pattern(1);
         return 0;
     }

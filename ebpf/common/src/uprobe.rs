@@ -39,7 +39,12 @@ pub struct ProbeSpec {
 
 impl Default for ProbeSpec {
     fn default() -> Self {
-        Self { entry_deref_arg: DEREF_NONE, return_deref_arg: DEREF_NONE, deref_len: 0, level_bit: 1 }
+        Self {
+            entry_deref_arg: DEREF_NONE,
+            return_deref_arg: DEREF_NONE,
+            deref_len: 0,
+            level_bit: 1,
+        }
     }
 }
 

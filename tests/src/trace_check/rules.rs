@@ -5,8 +5,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use perfetto_protos::trace::Trace;
 
-use super::extract::{self, Extracted, SchedRecord};
-use super::timeline::TrackKind;
+use super::extract::{self, Extracted};
+use super::ftrace::SchedRecord;
+use super::records::TrackKind;
 
 /// Checks `trace` against the importer's rules; every violation found, with
 /// the packet index where it applies.
@@ -25,8 +26,9 @@ use super::timeline::TrackKind;
 /// - track events: non-zero sequence id, a timestamp, a `track_uuid`
 ///   described earlier (parents too); counters only on counter tracks;
 ///   BEGIN/END balanced per track, END never before its BEGIN;
-/// - flows: an id is terminated at most once, only after it started, and
-///   never used again afterwards;
+/// - flows: an id starts on one event and ends on one other (in its
+///   `flow_ids` or `terminating_flow_ids`), never on a third, never after it
+///   terminated;
 /// - `ProcessTree` processes have a cmdline;
 /// - `StackSample` weights have a counter descriptor.
 pub fn check_importer_rules(trace: &Trace) -> Result<(), Vec<String>> {
@@ -158,12 +160,8 @@ fn slices_and_flows(x: &Extracted, errors: &mut Vec<String>) {
         // The importer sorts by timestamp; equal times keep file order.
         events.sort_by_key(|e| (e.ts, e.packet));
         let mut open: HashMap<u64, Vec<(usize, u64)>> = HashMap::new();
-        #[derive(PartialEq)]
-        enum Flow {
-            Active,
-            Terminated,
-        }
-        let mut flows: HashMap<u64, Flow> = HashMap::new();
+        // Per flow id: events naming it in flow_ids, and whether it ended.
+        let mut flows: HashMap<u64, (u32, bool)> = HashMap::new();
         for e in events {
             let Some(track) = e.track else { continue };
             if e.kind == 1 {
@@ -177,27 +175,32 @@ fn slices_and_flows(x: &Extracted, errors: &mut Vec<String>) {
                 ));
             }
             for id in &e.flow_ids {
-                if flows.get(id) == Some(&Flow::Terminated) {
+                let (uses, ended) = flows.entry(*id).or_default();
+                if *ended {
                     errors.push(format!(
                         "packet {}: machine {m}: flow id {id} reused after it terminated",
                         e.packet
                     ));
+                } else if *uses >= 2 {
+                    errors.push(format!(
+                        "packet {}: machine {m}: flow id {id} on a third event (one start, one end: never reuse ids)",
+                        e.packet
+                    ));
                 }
-                flows.insert(*id, Flow::Active);
+                *uses += 1;
             }
             for id in &e.terminating_flow_ids {
-                match flows.get(id) {
-                    None => errors.push(format!(
+                match flows.get_mut(id) {
+                    None | Some((0, _)) => errors.push(format!(
                         "packet {}: machine {m}: flow id {id} terminated but never started",
                         e.packet
                     )),
-                    Some(Flow::Terminated) => errors.push(format!(
+                    Some((_, true)) => errors.push(format!(
                         "packet {}: machine {m}: flow id {id} terminated twice",
                         e.packet
                     )),
-                    Some(Flow::Active) => {}
+                    Some((_, ended)) => *ended = true,
                 }
-                flows.insert(*id, Flow::Terminated);
             }
         }
         for (track, stack) in open {

@@ -280,8 +280,12 @@ impl Sequences {
             if seq == 0 {
                 errors.push("incremental state cleared on sequence id 0".into());
             }
+            // The importer starts a new generation: interned data and
+            // packet defaults are gone (this packet may bring new ones).
             state.cleared = true;
             state.interned = Interned::default();
+            state.stack_defaults = None;
+            state.default_track_uuid = None;
         }
         if let Some(defaults) = packet.trace_packet_defaults.as_ref() {
             if seq == 0 {
