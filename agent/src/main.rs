@@ -20,6 +20,7 @@ mod state;
 mod summary;
 mod symbolize;
 mod trace;
+mod trace_file;
 
 use std::process::ExitCode;
 

@@ -185,7 +185,25 @@ async fn record(
     let writer_result = tokio::task::spawn_blocking(move || writer_thread.join())
         .await?
         .map_err(|_| anyhow!("the trace writer panicked"))?;
-    let (stats, bytes) = writer_result?;
+    let (stats, bytes) = match writer_result {
+        Ok(done) => done,
+        Err(e) => {
+            // A full disk or a quota: keep what was written, as a valid file.
+            let kept = crate::trace_file::cut_to_complete_packets(&cfg.output);
+            return Err(match kept {
+                Ok(n) => e.context(format!(
+                    "writing the trace failed; {} was cut back to its last complete packet \
+                     ({n} bytes) and is still a valid trace; free space or choose another \
+                     path with -o",
+                    cfg.output.display()
+                )),
+                Err(cut) => e.context(format!(
+                    "writing the trace failed, and {} could not be repaired ({cut})",
+                    cfg.output.display()
+                )),
+            });
+        }
+    };
     reader_result?;
 
     let consumed: Vec<u64> = counters

@@ -394,3 +394,39 @@ fn bad_input_gets_a_clear_error() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("needs root") && err.contains("sudo"), "{err}");
 }
+
+/// A tmpfs mount removed (and unmounted) on drop.
+struct SmallFs(TempDir);
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+#[test]
+fn full_disk_leaves_a_valid_trace_and_says_so() {
+    let _serial = exclusive();
+    let fs = SmallFs(TempDir::new("fulldisk"));
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "xpuscope-test"])
+        .arg(fs.0.path())
+        .status()
+        .expect("run mount");
+    assert!(mounted.success(), "mounting a small tmpfs (needs root)");
+    let output = fs.0.path().join("trace.pftrace");
+    let out = Command::new(xpuscope_tests::agent::agent_bin())
+        .args(["attach", "--system", "--duration", "4s", "-o"])
+        .arg(&output)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the agent");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(err.contains("cut back to its last complete packet"), "{err}");
+    let bytes = std::fs::read(&output).expect("the trace is still there");
+    assert!(!bytes.is_empty());
+    let trace = decode(&bytes).expect("what is left decodes");
+    check_importer_rules(&trace).expect("and is a valid trace");
+}
