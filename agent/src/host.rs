@@ -52,7 +52,7 @@ pub fn system_info() -> SystemInfo {
         version: field(&uts.version),
         release: field(&uts.release),
         machine: field(&uts.machine),
-        hz: hz.max(0) as i64,
+        hz: hz.max(0),
         page_size: page.max(0) as u32,
         num_cpus: cpus.max(1) as u32,
         machine_name: Some(field(&uts.nodename)),

@@ -151,7 +151,7 @@ async fn record(
                 }
                 probes.flush_log();
                 send_drops(&probes, &mut drops_seen, &tx).await;
-                if polls % STATUS_EVERY == 0 {
+                if polls.is_multiple_of(STATUS_EVERY) {
                     let consumed = counters.total_consumed();
                     let drops: u64 = drops_seen.iter().sum();
                     let line = format!(

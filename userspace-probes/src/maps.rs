@@ -90,7 +90,7 @@ impl ProcessMaps {
 }
 
 fn parse_line(line: &str) -> Option<Mapping> {
-    let mut fields = line.splitn(6, |c: char| c == ' ');
+    let mut fields = line.splitn(6, ' ');
     let range = fields.next()?;
     let perms = fields.next()?;
     let offset = fields.next()?;
