@@ -101,7 +101,10 @@ mod tests {
         f.write_all(&b).unwrap();
         f.write_all(&c[..20]).unwrap(); // torn by a full disk
         drop(f);
-        assert_eq!(cut_to_complete_packets(&path).unwrap(), (a.len() + b.len()) as u64);
+        assert_eq!(
+            cut_to_complete_packets(&path).unwrap(),
+            (a.len() + b.len()) as u64
+        );
         let mut whole = a.clone();
         whole.extend_from_slice(&b);
         assert_eq!(std::fs::read(&path).unwrap(), whole);

@@ -424,7 +424,10 @@ fn full_disk_leaves_a_valid_trace_and_says_so() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("No space left on device"), "{err}");
-    assert!(err.contains("cut back to its last complete packet"), "{err}");
+    assert!(
+        err.contains("cut back to its last complete packet"),
+        "{err}"
+    );
     let bytes = std::fs::read(&output).expect("the trace is still there");
     assert!(!bytes.is_empty());
     let trace = decode(&bytes).expect("what is left decodes");
