@@ -409,12 +409,15 @@ fn full_disk_leaves_a_valid_trace_and_says_so() {
     let _serial = exclusive();
     let fs = SmallFs(TempDir::new("fulldisk"));
     let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=256k", "xpuscope-test"])
+        .args(["-t", "tmpfs", "-o", "size=16k", "xpuscope-test"])
         .arg(fs.0.path())
         .status()
         .expect("run mount");
     assert!(mounted.success(), "mounting a small tmpfs (needs root)");
     let output = fs.0.path().join("trace.pftrace");
+    // Keep the scheduler busy so the trace outgrows the disk for sure.
+    let mut load = workload(&["pingpong", "400000", "0"]);
+    go(&mut load.stdin());
     let out = Command::new(xpuscope_tests::agent::agent_bin())
         .args(["attach", "--system", "--duration", "4s", "-o"])
         .arg(&output)
