@@ -69,6 +69,8 @@ async fn record(
         stack_rate: cfg.stack_rate,
         stack_burst: cfg.stack_burst,
         wakeup_bytes: (cfg.ring_bytes / 4) as u64,
+        probe_levels: 0,
+        _pad: 0,
     };
     let mut probes = load::load_and_attach(&LoadOptions {
         offsets,

@@ -34,6 +34,8 @@ pub mod maps {
     pub const DROPS: &str = "DROPS";
     pub const CONFIG: &str = "CONFIG";
     pub const STACK_BUDGETS: &str = "STACK_BUDGETS";
+    pub const UPROBE_SPECS: &str = "UPROBE_SPECS";
+    pub const UPROBE_PENDING: &str = "UPROBE_PENDING";
 }
 
 /// Global (read-only data) names, set by the agent at load time.
@@ -254,6 +256,9 @@ pub struct Config {
     /// it the reader drains on its own timer, so the agent's own wakeups do
     /// not feed back into events.
     pub wakeup_bytes: u64,
+    /// Device-library probe levels enabled (bits of `uprobe::ProbeSpec::level_bit`).
+    pub probe_levels: u32,
+    pub _pad: u32,
 }
 
 /// Per-thread token bucket state for [`stack_mode::SAMPLED`].
@@ -274,7 +279,7 @@ const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExit>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
-const _: () = assert!(core::mem::size_of::<Config>() == 24);
+const _: () = assert!(core::mem::size_of::<Config>() == 32);
 const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);
 
 #[cfg(feature = "user")]

@@ -59,6 +59,18 @@ pub struct ProbeKey {
     pub probe_ip: u64,
 }
 
+/// Most nested calls per thread whose return needs a saved pointer.
+pub const PENDING_DEPTH: usize = 8;
+
+/// Pointers saved at entry for the return program, per thread (LIFO).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PendingDerefs {
+    pub depth: u32,
+    pub _pad: u32,
+    pub ptrs: [u64; PENDING_DEPTH],
+}
+
 /// A probed function was entered.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -26,6 +26,8 @@ mod sched;
 mod stacks;
 #[cfg(target_arch = "bpf")]
 mod task;
+#[cfg(target_arch = "bpf")]
+mod uprobes;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

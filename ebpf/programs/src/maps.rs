@@ -6,6 +6,7 @@ use aya_ebpf::{
 };
 use xpuscope_common::{
     Config, DROP_SLOTS, MAX_CPUS, MAX_STACK_BUDGETS, MAX_TARGETS, StackBudget, TaskOffsets,
+    uprobe::{PendingDerefs, ProbeKey, ProbeSpec},
 };
 
 /// All records. The agent sets the real size at load time.
@@ -33,6 +34,14 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map]
 pub static STACK_BUDGETS: LruHashMap<u32, StackBudget> =
     LruHashMap::with_max_entries(MAX_STACK_BUDGETS, 0);
+
+/// What each probed device-library function copies, by (process, address).
+#[map]
+pub static UPROBE_SPECS: HashMap<ProbeKey, ProbeSpec> = HashMap::with_max_entries(16384, 0);
+
+/// Out-parameter pointers saved at entry for the return program, per thread.
+#[map]
+pub static UPROBE_PENDING: LruHashMap<u32, PendingDerefs> = LruHashMap::with_max_entries(65536, 0);
 
 /// The agent's own tgid (set at load).
 #[unsafe(no_mangle)]
