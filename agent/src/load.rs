@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::BtfTracePoint;
 use aya::{Btf, Ebpf, EbpfLoader};
-use xpuscope_common::{Config, DROP_SLOTS, TaskOffsets, globals, maps};
+use xpuscope_common::{Config, DROP_SLOTS, TARGET_GEN_AGENT, TaskOffsets, globals, maps};
 
 /// The kernel programs, embedded at build time (empty if not built).
 pub static EBPF_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xpuscope-ebpf.o"));
@@ -88,7 +88,17 @@ impl Probes {
         )?;
         targets
             .insert(tgid, 1, 0)
-            .with_context(|| format!("adding pid {tgid} to the traced set"))
+            .with_context(|| format!("adding pid {tgid} to the traced set"))?;
+        // Invalidate the kernel's per-CPU answers about who is traced.
+        let mut generation: Array<&mut MapData, u64> = Array::try_from(
+            self.bpf
+                .map_mut(maps::TARGET_GEN)
+                .context("TARGET_GEN map missing")?,
+        )?;
+        let next = generation.get(&TARGET_GEN_AGENT, 0).unwrap_or(0) + 1;
+        generation
+            .set(TARGET_GEN_AGENT, next, 0)
+            .context("bumping the target generation")
     }
 
     /// The traced tgids (including children the kernel added on fork).

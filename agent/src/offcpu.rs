@@ -7,6 +7,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use rustc_hash::FxHashMap;
+
+use crate::events::Comm;
 use crate::symbolize::SymFrame;
 
 /// Who took the CPU from a thread that was still runnable.
@@ -14,7 +17,7 @@ use crate::symbolize::SymFrame;
 pub struct Preemptor {
     pub tid: u32,
     pub tgid: u32,
-    pub comm: String,
+    pub comm: Comm,
 }
 
 /// A finished off-CPU interval.
@@ -67,7 +70,7 @@ struct Open {
 
 #[derive(Default)]
 pub struct OffCpuTracker {
-    open: HashMap<u32, Open>,
+    open: FxHashMap<u32, Open>,
 }
 
 impl OffCpuTracker {
@@ -187,8 +190,9 @@ pub fn reason(interval: &OffCpuInterval) -> String {
 pub struct OffCpuSummary {
     /// reason -> (total ns, count)
     pub by_reason: HashMap<String, (u64, u64)>,
-    /// preemptor "comm (tid)" -> (total ns, count)
-    pub by_preemptor: HashMap<String, (u64, u64)>,
+    /// (preemptor tid, comm) -> (total ns, count); named only when reported,
+    /// since this is updated at every preemption.
+    pub by_preemptor: FxHashMap<(u32, Comm), (u64, u64)>,
     pub total_ns: u64,
     pub with_stack_ns: u64,
 }
@@ -204,13 +208,20 @@ impl OffCpuSummary {
             e.1 += 1;
         }
         if let Some(p) = &interval.preempted_by {
-            let e = self
-                .by_preemptor
-                .entry(format!("{} ({})", p.comm, p.tid))
-                .or_default();
+            let e = self.by_preemptor.entry((p.tid, p.comm)).or_default();
             e.0 += d;
             e.1 += 1;
         }
+    }
+
+    /// The `n` preemptors that took the most time, as "comm (tid)".
+    pub fn top_preemptors(&self, n: usize) -> Vec<(String, u64, u64)> {
+        let named: HashMap<String, (u64, u64)> = self
+            .by_preemptor
+            .iter()
+            .map(|((tid, comm), v)| (format!("{} ({tid})", comm.as_str()), *v))
+            .collect();
+        Self::top(&named, n)
     }
 
     /// The `n` largest entries of `map` by total time.
@@ -269,7 +280,7 @@ mod tests {
         let hog = Preemptor {
             tid: 77,
             tgid: 77,
-            comm: "hog".into(),
+            comm: Comm::from_str_lossy("hog"),
         };
         t.switched_out(10, 9, 1, 100, 0x100, Some(hog));
         t.switched_out(12, 9, 0, 50, 0x1, None);
@@ -278,7 +289,7 @@ mod tests {
         assert!(rest.iter().all(|i| i.truncated && i.end == 1000));
         let mut s = OffCpuSummary::default();
         rest.iter().for_each(|i| s.add(i));
-        assert_eq!(s.by_preemptor["hog (77)"], (900, 1));
+        assert_eq!(s.top_preemptors(5), vec![("hog (77)".to_string(), 900, 1)]);
         assert_eq!(s.total_ns, 900 + 950);
         assert_eq!(s.with_stack_ns, 0);
         assert_eq!(t.open_count(), 0);

@@ -152,7 +152,16 @@ impl RunSummary {
             offcpu_ns: stats.offcpu.total_ns,
             offcpu_with_stack_ns: stats.offcpu.with_stack_ns,
             top_offcpu: ranked(&stats.offcpu.by_reason),
-            top_preemptors: ranked(&stats.offcpu.by_preemptor),
+            top_preemptors: stats
+                .offcpu
+                .top_preemptors(5)
+                .into_iter()
+                .map(|(what, total_ns, count)| Ranked {
+                    what,
+                    total_ns,
+                    count,
+                })
+                .collect(),
         }
     }
 

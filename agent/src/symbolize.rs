@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use blazesym::symbolize::source::{Kernel, Process, Source};
 use blazesym::symbolize::{Input, Symbolized, Symbolizer};
+use rustc_hash::FxHashMap;
 use xpuscope_probes::maps::ProcessMaps;
 
 /// One symbolized frame.
@@ -54,8 +55,8 @@ struct ProcessMapsCache {
 
 pub struct StackSymbolizer {
     symbolizer: Symbolizer,
-    kernel: HashMap<u64, SymFrame>,
-    user: HashMap<(u32, u64), SymFrame>,
+    kernel: FxHashMap<u64, SymFrame>,
+    user: FxHashMap<(u32, u64), SymFrame>,
     maps: HashMap<u32, ProcessMapsCache>,
     /// Processes forked (not exec'd) from another: same address space at
     /// fork, so the parent can stand in once the child is gone.
@@ -75,8 +76,8 @@ impl StackSymbolizer {
     pub fn new() -> Self {
         Self {
             symbolizer: Symbolizer::new(),
-            kernel: HashMap::new(),
-            user: HashMap::new(),
+            kernel: FxHashMap::default(),
+            user: FxHashMap::default(),
             maps: HashMap::new(),
             forked_from: HashMap::new(),
             kernel_name: Arc::from("kernel"),

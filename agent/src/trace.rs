@@ -18,6 +18,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::Result;
+use rustc_hash::FxHashMap;
 use xpuscope_perfetto::{
     self as pf, Arg, ArgValue, CounterUnit, ProcessInfo, ThreadInfo, TraceWriter, TrackUuid,
 };
@@ -49,14 +50,14 @@ pub struct TraceBuilder<W: Write> {
     symbolizer: StackSymbolizer,
     offcpu: OffCpuTracker,
     /// tid -> (tgid, latest name) of traced threads.
-    threads: HashMap<u32, (u32, String)>,
+    threads: FxHashMap<u32, (u32, String)>,
     /// Threads named by the process tree at attach. The importer ranks
     /// process-tree names above scheduler names, so a later rename of such
     /// a thread is also written as a (higher-ranked) thread track name.
     tree_named: HashSet<u32>,
     /// Tree-named threads renamed since: their track carries the name.
     renamed: HashSet<u32>,
-    thread_tracks: HashMap<u32, TrackUuid>,
+    thread_tracks: FxHashMap<u32, TrackUuid>,
     drops_track: Option<TrackUuid>,
     frames: FrameConverter,
     pub stats: TraceStats,
@@ -68,10 +69,10 @@ impl<W: Write> TraceBuilder<W> {
             writer,
             symbolizer: StackSymbolizer::new(),
             offcpu: OffCpuTracker::default(),
-            threads: HashMap::new(),
+            threads: FxHashMap::default(),
             tree_named: HashSet::new(),
             renamed: HashSet::new(),
-            thread_tracks: HashMap::new(),
+            thread_tracks: FxHashMap::default(),
             drops_track: None,
             frames: FrameConverter::default(),
             stats: TraceStats::default(),
@@ -145,7 +146,7 @@ impl<W: Write> TraceBuilder<W> {
             let preemptor = (state == 0 || state == REPORT_PREEMPTED).then(|| Preemptor {
                 tid: s.next_tid,
                 tgid: s.next_tgid,
-                comm: s.next_comm.as_str().into_owned(),
+                comm: s.next_comm,
             });
             // Preemption by another thread of the traced job is the job's own
             // business (and happens at every wakeup); an outsider taking the
@@ -202,7 +203,7 @@ impl<W: Write> TraceBuilder<W> {
     fn preempted_by_outsider(&mut self, s: &Switch, by: &Preemptor) -> Result<()> {
         let track = self.thread_track(s.prev_tid)?;
         let args = [
-            Arg::new("by_comm", ArgValue::Str(by.comm.clone())),
+            Arg::new("by_comm", ArgValue::Str(by.comm.as_str().into_owned())),
             Arg::new("by_tid", ArgValue::Uint(by.tid as u64)),
             Arg::new("by_pid", ArgValue::Uint(by.tgid as u64)),
             Arg::new("cpu", ArgValue::Uint(s.cpu as u64)),
@@ -210,7 +211,7 @@ impl<W: Write> TraceBuilder<W> {
         self.writer.instant(
             track,
             s.ts,
-            &format!("preempted by {}", by.comm),
+            &format!("preempted by {}", by.comm.as_str()),
             &args,
             None,
         )?;

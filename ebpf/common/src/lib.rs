@@ -23,6 +23,11 @@ pub const DROP_SLOTS: u32 = 16;
 pub const MAX_CPUS: u32 = 1024;
 /// Most traced processes (tgids) at once.
 pub const MAX_TARGETS: u32 = 16384;
+/// `TARGET_GEN` slots: bumped by the kernel (fork) and by the agent
+/// (attach) whenever `TARGETS` changes; each writer owns its slot.
+pub const TARGET_GEN_KERNEL: u32 = 0;
+pub const TARGET_GEN_AGENT: u32 = 1;
+
 /// Most threads with a stack-sampling budget at once (LRU).
 pub const MAX_STACK_BUDGETS: u32 = 65536;
 
@@ -30,6 +35,7 @@ pub const MAX_STACK_BUDGETS: u32 = 65536;
 pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     pub const TARGETS: &str = "TARGETS";
+    pub const TARGET_GEN: &str = "TARGET_GEN";
     pub const TRACKED_CPUS: &str = "TRACKED_CPUS";
     pub const DROPS: &str = "DROPS";
     pub const CONFIG: &str = "CONFIG";

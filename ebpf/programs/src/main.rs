@@ -13,6 +13,9 @@
 //! offsets the agent takes from `/sys/kernel/btf/vmlinux`.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// Atomic add on a map value (the kernel programs are always built by nightly).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 #[cfg(target_arch = "bpf")]
 mod maps;

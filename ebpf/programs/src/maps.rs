@@ -17,6 +17,19 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
 #[map]
 pub static TARGETS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TARGETS, 0);
 
+/// Generation of `TARGETS` (slots: kernel, agent); a change of their sum
+/// invalidates every CPU's `TARGET_CACHE`.
+#[map]
+pub static TARGET_GEN: Array<u64> = Array::with_max_entries(2, 0);
+
+/// Per-CPU cache of recent `TARGETS` answers: 4 direct-mapped words of
+/// `tgid << 32 | generation << 1 | is_target`, each written with a single
+/// store so a nested program never sees half an entry. The scheduler
+/// tracepoints ask for every switch and wakeup, and a hash lookup costs more
+/// than the rest of the filter.
+#[map]
+pub static TARGET_CACHE: PerCpuArray<[u64; 4]> = PerCpuArray::with_max_entries(1, 0);
+
 /// CPUs on which a traced thread ran or woke someone: every switch there is
 /// recorded from then on, so CPU tracks show what ran between the targets.
 #[map]
@@ -80,9 +93,55 @@ pub fn config() -> Config {
 }
 
 #[inline(always)]
+fn target_generation() -> u64 {
+    let k = TARGET_GEN
+        .get(xpuscope_common::TARGET_GEN_KERNEL)
+        .copied()
+        .unwrap_or(0);
+    let a = TARGET_GEN
+        .get(xpuscope_common::TARGET_GEN_AGENT)
+        .copied()
+        .unwrap_or(0);
+    k.wrapping_add(a) & 0x7fff_ffff
+}
+
+#[inline(always)]
 pub fn is_target(tgid: u32) -> bool {
+    if tgid == 0 {
+        return false; // the idle tasks are never traced
+    }
+    let generation = target_generation();
+    let slot = (tgid & 3) as usize;
+    let cache = TARGET_CACHE.get_ptr_mut(0);
+    if let Some(cache) = cache {
+        // SAFETY: this CPU's slot; a single 8-byte load.
+        let word = unsafe { core::ptr::read_volatile(&(*cache)[slot]) };
+        if word >> 32 == tgid as u64 && (word >> 1) & 0x7fff_ffff == generation {
+            return word & 1 == 1;
+        }
+    }
     // SAFETY: the value is only tested for presence.
-    unsafe { TARGETS.get(&tgid).is_some() }
+    let found = unsafe { TARGETS.get(&tgid).is_some() };
+    if let Some(cache) = cache {
+        let word = ((tgid as u64) << 32) | (generation << 1) | found as u64;
+        // SAFETY: this CPU's slot; a single 8-byte store.
+        unsafe { core::ptr::write_volatile(&mut (*cache)[slot], word) };
+    }
+    found
+}
+
+/// Tells every CPU's cache that `TARGETS` changed (after a kernel-side insert).
+#[inline(always)]
+pub fn targets_changed() {
+    if let Some(g) = TARGET_GEN.get_ptr_mut(xpuscope_common::TARGET_GEN_KERNEL) {
+        // SAFETY: an atomic add (BPF_ATOMIC) on the map value, which every
+        // CPU shares; core's atomics lack RMW methods on the BPF target.
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                g, 1,
+            )
+        };
+    }
 }
 
 #[inline(always)]

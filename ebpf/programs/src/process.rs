@@ -10,7 +10,7 @@ use aya_log_ebpf::warn;
 use xpuscope_common::{EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRename};
 
 use crate::{
-    maps::{TARGETS, config, is_target, offsets},
+    maps::{TARGETS, config, is_target, offsets, targets_changed},
     ring::{now, reserve, submit_flags},
     task,
 };
@@ -35,8 +35,14 @@ fn try_fork(ctx: &BtfTracePointContext) -> Option<u32> {
     let p = task::fields(parent, &off);
     let c = task::fields(child, &off);
     let traced = is_target(p.tgid);
-    if traced && c.tgid != p.tgid && TARGETS.insert(&c.tgid, &1, 0).is_err() {
-        warn!(ctx, "xpuscope: target map full, child process {} not followed", c.tgid);
+    if traced && c.tgid != p.tgid {
+        if TARGETS.insert(&c.tgid, &1, 0).is_err() {
+            warn!(
+                ctx,
+                "xpuscope: target map full, child process {} not followed", c.tgid
+            );
+        }
+        targets_changed();
     }
     if !traced && cfg.system_wide == 0 {
         return Some(0);

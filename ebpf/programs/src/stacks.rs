@@ -79,7 +79,12 @@ pub fn capture_off_cpu<C: EbpfContext>(
     unsafe {
         (*rec).tid = tid;
         (*rec).tgid = tgid;
-        let kernel = bpf_get_stack(ctx.as_ptr(), (*rec).kernel.as_mut_ptr().cast(), STACK_BYTES, 0);
+        let kernel = bpf_get_stack(
+            ctx.as_ptr(),
+            (*rec).kernel.as_mut_ptr().cast(),
+            STACK_BYTES,
+            0,
+        );
         let user = bpf_get_stack(
             ctx.as_ptr(),
             (*rec).user.as_mut_ptr().cast(),

@@ -29,7 +29,11 @@ use crate::{
 fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(u64, ProbeSpec)> {
     // SAFETY: helper on our own context.
     let probe_ip = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
-    let key = ProbeKey { tgid, _pad: 0, probe_ip };
+    let key = ProbeKey {
+        tgid,
+        _pad: 0,
+        probe_ip,
+    };
     // SAFETY: the value is copied out at once.
     let spec = *unsafe { UPROBE_SPECS.get(&key) }?;
     Some((probe_ip, spec))
@@ -89,13 +93,18 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
         (*rec).args = args;
         (*rec).sp = regs.rsp;
         let stack = &mut (*rec).stack;
-        let bytes = core::slice::from_raw_parts_mut(stack.as_mut_ptr().cast::<u8>(), ENTRY_STACK_WORDS * 8);
+        let bytes =
+            core::slice::from_raw_parts_mut(stack.as_mut_ptr().cast::<u8>(), ENTRY_STACK_WORDS * 8);
         if bpf_probe_read_user_buf(regs.rsp as *const u8, bytes).is_err() {
             *stack = [0; ENTRY_STACK_WORDS];
         }
         (*rec)._pad = 0;
         (*rec).deref_len = if spec.entry_deref_arg != DEREF_NONE {
-            copy_user(args[(spec.entry_deref_arg as usize) % 6], deref_len(&spec), &mut (*rec).deref)
+            copy_user(
+                args[(spec.entry_deref_arg as usize) % 6],
+                deref_len(&spec),
+                &mut (*rec).deref,
+            )
         } else {
             0
         };
@@ -114,7 +123,11 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
     let (probe_ip, spec) = spec_for(ctx, tgid)?;
     // The saved pointer is popped whatever the level, to stay balanced.
-    let saved = if spec.return_deref_arg != DEREF_NONE { pop_pending(tid) } else { 0 };
+    let saved = if spec.return_deref_arg != DEREF_NONE {
+        pop_pending(tid)
+    } else {
+        0
+    };
     let cfg = config();
     if cfg.probe_levels & spec.level_bit == 0 {
         return Some(0);
@@ -171,5 +184,9 @@ fn pop_pending(tid: u32) -> u64 {
     }
     p.depth -= 1;
     let depth = p.depth as usize;
-    if depth < PENDING_DEPTH { p.ptrs[depth] } else { 0 }
+    if depth < PENDING_DEPTH {
+        p.ptrs[depth]
+    } else {
+        0
+    }
 }
