@@ -143,7 +143,7 @@ impl<W: Write> TraceBuilder<W> {
         )?;
         if s.prev_target && s.prev_tid != 0 {
             self.note_thread(s.prev_tid, s.prev_tgid, &s.prev_comm);
-            let preemptor = (state == 0 || state == REPORT_PREEMPTED).then(|| Preemptor {
+            let preemptor = (state == 0 || state == REPORT_PREEMPTED).then_some(Preemptor {
                 tid: s.next_tid,
                 tgid: s.next_tgid,
                 comm: s.next_comm,
