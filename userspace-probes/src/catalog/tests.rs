@@ -1,0 +1,291 @@
+//! Catalog tests: names, ABI layouts, levels, the kernel spec.
+use super::*;
+use std::collections::HashSet;
+use xpuscope_common::uprobe::ENTRY_STACK_WORDS;
+
+#[test]
+fn library_from_path() {
+    let cases = [
+        (
+            "/x/nvidia/cuda_runtime/lib/libcudart.so.12",
+            Some(Library::Cudart),
+        ),
+        (
+            "/usr/local/cuda/lib64/libcudart.so.12.9.79",
+            Some(Library::Cudart),
+        ),
+        ("/x/libcudart.so", Some(Library::Cudart)),
+        (
+            "/x/torch.libs/libcudart-9335f6a2.so.12",
+            Some(Library::Cudart),
+        ),
+        ("/x/libnccl.so.2 (deleted)", Some(Library::Nccl)),
+        ("/x/libnccl-net.so", None),
+        ("/x/libcupti.so.12", Some(Library::Cupti)),
+        (
+            "/usr/local/Ascend/lib64/libascendcl.so",
+            Some(Library::AscendCl),
+        ),
+        ("/usr/local/Ascend/lib64/libhccl.so", Some(Library::Hccl)),
+        ("/usr/local/Ascend/lib64/libhccl_alg.so", None),
+        ("/x/libmspti.so", Some(Library::Mspti)),
+        ("/x/libcudart_static.a", None),
+        ("/x/libcudart.so.12.bak", None),
+        ("libcudart.so.12", Some(Library::Cudart)),
+        ("[vdso]", None),
+        ("", None),
+    ];
+    for (path, want) in cases {
+        assert_eq!(Library::from_path(path), want, "{path}");
+    }
+}
+
+#[test]
+fn names_and_aliases_are_unique_per_library() {
+    for lib in Library::ALL {
+        let mut seen = HashSet::new();
+        for f in lib.functions() {
+            for n in std::iter::once(&f.name).chain(f.aliases) {
+                assert!(seen.insert(*n), "{lib:?}: {n} twice");
+            }
+        }
+        assert!(!lib.functions().is_empty());
+    }
+}
+
+#[test]
+fn nccl_functions_alias_their_strong_symbol() {
+    for f in Library::Nccl.functions() {
+        assert_eq!(f.aliases, [format!("p{}", f.name).as_str()], "{}", f.name);
+    }
+}
+
+#[test]
+fn layouts_are_well_formed() {
+    for (lib, f) in all_functions() {
+        let mut regs = HashSet::new();
+        let mut slots = HashSet::new();
+        for a in f.args {
+            match a.loc {
+                ArgLoc::Reg(i) => assert!(i < 6 && regs.insert(i), "{}", f.name),
+                ArgLoc::Stack(s) => {
+                    assert!(slots.insert(s), "{}", f.name);
+                    // Stack args must be inside the copied words.
+                    assert!(1 + (s as usize) < ENTRY_STACK_WORDS, "{}", f.name);
+                    // System V: stack args only once all six registers are used
+                    // (by integer args or a register-passed aggregate).
+                    assert_eq!(regs.len(), 6, "{} has a stack arg with free regs", f.name);
+                }
+            }
+        }
+        // Register args are consecutive from rdi (no gaps): every
+        // argument of these APIs is INTEGER class.
+        let max = regs.iter().copied().max().map_or(0, |m| m + 1);
+        assert_eq!(regs.len(), max as usize, "{}: gap in registers", f.name);
+        for (len, what) in [
+            (f.capture.entry.map(|e| e.len), "entry"),
+            (f.capture.ret.map(|r| r.len), "return"),
+        ] {
+            if let Some(len) = len {
+                assert!(len > 0 && len as usize <= DEREF_BYTES, "{} {what}", f.name);
+            }
+        }
+        if let Some(r) = f.capture.ret {
+            assert!(
+                matches!(
+                    f.args
+                        .iter()
+                        .find(|a| a.loc == ArgLoc::Reg(r.arg))
+                        .map(|a| a.role),
+                    Some(
+                        Role::DevPtrOut
+                            | Role::CommOut
+                            | Role::IdOut
+                            | Role::ValueOut
+                            | Role::RecordOut
+                            | Role::TimestampOut
+                    )
+                ),
+                "{}: return deref of a non-out argument",
+                f.name
+            );
+        }
+        let _ = lib;
+    }
+}
+
+#[test]
+fn documented_abi_traps() {
+    let cuda = Library::Cudart.function("cudaLaunchKernel").unwrap();
+    assert_eq!(cuda.arg(Role::Func), Some(ArgLoc::Reg(0)));
+    assert_eq!(cuda.arg(Role::GridXY), Some(ArgLoc::Reg(1)));
+    assert_eq!(cuda.arg(Role::GridZ), Some(ArgLoc::Reg(2)));
+    assert_eq!(cuda.arg(Role::BlockXY), Some(ArgLoc::Reg(3)));
+    assert_eq!(cuda.arg(Role::BlockZ), Some(ArgLoc::Reg(4)));
+    assert_eq!(cuda.arg(Role::KernelArgs), Some(ArgLoc::Reg(5)));
+    assert_eq!(cuda.arg(Role::SharedMem), Some(ArgLoc::Stack(0)));
+    assert_eq!(cuda.arg(Role::Stream), Some(ArgLoc::Stack(1)));
+    for (lib, name) in [
+        (Library::Nccl, "ncclAllReduce"),
+        (Library::Hccl, "HcclAllReduce"),
+    ] {
+        let f = lib.function(name).unwrap();
+        assert_eq!(f.arg(Role::Comm), Some(ArgLoc::Reg(5)));
+        assert_eq!(f.arg(Role::Stream), Some(ArgLoc::Stack(0)));
+    }
+    let init = Library::Nccl.function("ncclCommInitRank").unwrap();
+    assert_eq!(init.arg(Role::NRanks), Some(ArgLoc::Reg(1)));
+    assert_eq!(init.arg(Role::Rank), Some(ArgLoc::Reg(2)));
+    assert_eq!(
+        init.capture.entry,
+        Some(EntryDeref {
+            source: DerefSource::Stack { slot: 0 },
+            len: 128,
+            string: false
+        })
+    );
+    assert_eq!(
+        init.capture.ret,
+        Some(ReturnDeref {
+            arg: 0,
+            len: 8,
+            twice: false
+        })
+    );
+    let hccl = Library::Hccl.function("HcclCommInitRootInfo").unwrap();
+    assert_eq!(
+        hccl.capture.entry.map(|e| e.source),
+        Some(DerefSource::Arg(1))
+    );
+    assert_eq!(hccl.capture.ret.map(|r| r.arg), Some(3));
+    for lib in [Library::Cupti, Library::Mspti] {
+        let next = lib
+            .functions()
+            .iter()
+            .find(|f| f.kind == CallKind::ActivityNextRecord)
+            .unwrap();
+        assert_eq!(
+            next.capture.ret,
+            Some(ReturnDeref {
+                arg: 2,
+                len: 128,
+                twice: true
+            })
+        );
+        assert_eq!(next.level, Level::L2);
+    }
+    let malloc = Library::Cudart.function("cudaMalloc").unwrap();
+    assert_eq!(
+        malloc.capture.ret,
+        Some(ReturnDeref {
+            arg: 0,
+            len: 8,
+            twice: false
+        })
+    );
+}
+
+#[test]
+fn variants_share_their_base_layout() {
+    for f in Library::Cudart.functions() {
+        for suffix in ["_ptsz", "_ptds"] {
+            if let Some(base) = f.name.strip_suffix(suffix) {
+                let b = Library::Cudart
+                    .function(base)
+                    .unwrap_or_else(|| panic!("{base}"));
+                assert_eq!(
+                    (b.args, b.kind, b.capture, b.level),
+                    (f.args, f.kind, f.capture, f.level),
+                    "{}",
+                    f.name
+                );
+            }
+        }
+    }
+    for v in [
+        "cudaLaunchKernel_ptsz",
+        "__cudaLaunchKernel",
+        "__cudaLaunchKernel_ptsz",
+        "cudaMemcpyAsync_ptsz",
+        "cudaMemcpy_ptds",
+        "cudaStreamSynchronize_ptsz",
+    ] {
+        assert!(Library::Cudart.function(v).is_some(), "{v}");
+    }
+}
+
+#[test]
+fn levels() {
+    assert_eq!(Level::L0.bit(), 1);
+    assert_eq!(Level::L2.bit(), 4);
+    assert_eq!(Level::L1.mask_up_to(), 0b11);
+    let level = |lib: Library, n: &str| lib.function(n).unwrap().level;
+    assert_eq!(level(Library::Nccl, "ncclAllReduce"), Level::L0);
+    assert_eq!(level(Library::Cudart, "cudaStreamSynchronize"), Level::L0);
+    assert_eq!(level(Library::Cudart, "cudaMalloc"), Level::L0);
+    assert_eq!(level(Library::Nccl, "ncclCommInitRank"), Level::L0);
+    assert_eq!(level(Library::Cudart, "cudaLaunchKernel"), Level::L1);
+    assert_eq!(level(Library::Cudart, "cudaMemcpyAsync"), Level::L1);
+    assert_eq!(
+        level(Library::Cupti, "cuptiActivityGetNextRecord"),
+        Level::L2
+    );
+}
+
+#[test]
+fn reads_cover_args_and_rsp() {
+    let sync = Library::Cudart.function("cudaStreamSynchronize").unwrap();
+    assert_eq!(sync.reads(), RegSet::EMPTY.with(Reg::Rdi).with(Reg::Rsp));
+    let launch = Library::Cudart.function("cudaLaunchKernel").unwrap();
+    for r in [
+        Reg::Rdi,
+        Reg::Rsi,
+        Reg::Rdx,
+        Reg::Rcx,
+        Reg::R8,
+        Reg::R9,
+        Reg::Rsp,
+    ] {
+        assert!(launch.reads().contains(r), "{r:?}");
+    }
+    assert!(!launch.reads().contains(Reg::Rax));
+}
+
+#[test]
+fn probe_spec_for_todays_abi() {
+    let spec = |lib: Library, n: &str| lib.function(n).unwrap().probe_spec();
+    let s = spec(Library::Cudart, "cudaMalloc");
+    assert_eq!(
+        (
+            s.entry_deref_arg,
+            s.return_deref_arg,
+            s.deref_len,
+            s.level_bit
+        ),
+        (DEREF_NONE, 0, 8, 1)
+    );
+    let s = spec(Library::Cudart, "cudaLaunchKernel");
+    assert_eq!(
+        (
+            s.entry_deref_arg,
+            s.return_deref_arg,
+            s.deref_len,
+            s.level_bit
+        ),
+        (DEREF_NONE, DEREF_NONE, 0, 2)
+    );
+    let s = spec(Library::Hccl, "HcclCommInitRootInfo");
+    assert_eq!(
+        (s.entry_deref_arg, s.return_deref_arg, s.deref_len),
+        (1, 3, 128)
+    );
+    // By-value id cannot be copied today: only the comm out-pointer.
+    let s = spec(Library::Nccl, "ncclCommInitRank");
+    assert_eq!(
+        (s.entry_deref_arg, s.return_deref_arg, s.deref_len),
+        (DEREF_NONE, 0, 8)
+    );
+    // Two levels degrade to the record pointer.
+    let s = spec(Library::Cupti, "cuptiActivityGetNextRecord");
+    assert_eq!((s.return_deref_arg, s.deref_len, s.level_bit), (2, 8, 4));
+}

@@ -1,0 +1,116 @@
+//! The probes attached in each process: absolute probe address -> catalog
+//! function, and the kernel `UPROBE_SPECS` entries to write for them.
+
+use std::collections::HashMap;
+
+use xpuscope_common::uprobe::{ProbeKey, ProbeSpec};
+
+use crate::catalog::{FunctionSpec, Library};
+use crate::discover::LoadedLibrary;
+use crate::resolve::ResolvedLibrary;
+
+/// What a probe address means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeTarget {
+    pub library: Library,
+    pub function: &'static FunctionSpec,
+    /// The placement's stack shift (stack args at `sp + 8 + sp_delta + 8 * slot`).
+    pub sp_delta: i64,
+}
+
+/// One probe of a process, as the kernel side needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttachedProbe {
+    pub key: ProbeKey,
+    /// Today's ABI (see [`FunctionSpec::probe_spec`]).
+    pub spec: ProbeSpec,
+    /// File offset to attach at, in the library's file.
+    pub file_offset: u64,
+    pub target: ProbeTarget,
+}
+
+/// Probe addresses of all traced processes.
+#[derive(Clone, Debug, Default)]
+pub struct ProbeTable {
+    by_ip: HashMap<(u32, u64), ProbeTarget>,
+}
+
+impl ProbeTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn insert(&mut self, tgid: u32, probe_ip: u64, target: ProbeTarget) {
+        self.by_ip.insert((tgid, probe_ip), target);
+    }
+
+    pub fn get(&self, tgid: u32, probe_ip: u64) -> Option<&ProbeTarget> {
+        self.by_ip.get(&(tgid, probe_ip))
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_ip.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_ip.is_empty()
+    }
+
+    /// Adds every probe of `resolved` as `loaded` maps it in `tgid`, and
+    /// returns them (keys and specs for the kernel map). Probes whose file
+    /// offset is not mapped executable are left out.
+    pub fn add_library(
+        &mut self,
+        tgid: u32,
+        loaded: &LoadedLibrary,
+        resolved: &ResolvedLibrary,
+    ) -> Vec<AttachedProbe> {
+        let mut out = Vec::with_capacity(resolved.probes.len());
+        for p in &resolved.probes {
+            let file_offset = p.probe_file_offset();
+            let Some(probe_ip) = loaded.address_of(file_offset) else {
+                continue;
+            };
+            let target = ProbeTarget {
+                library: resolved.library,
+                function: p.function,
+                sp_delta: p.placement.sp_delta,
+            };
+            self.insert(tgid, probe_ip, target);
+            out.push(AttachedProbe {
+                key: ProbeKey {
+                    tgid,
+                    _pad: 0,
+                    probe_ip,
+                },
+                spec: p.function.probe_spec(),
+                file_offset,
+                target,
+            });
+        }
+        out
+    }
+
+    /// Removes the probes inside `loaded`'s executable ranges of `tgid` and
+    /// returns their keys (to delete from the kernel map).
+    pub fn remove_library(&mut self, tgid: u32, loaded: &LoadedLibrary) -> Vec<ProbeKey> {
+        let mut gone = Vec::new();
+        self.by_ip.retain(|&(t, ip), _| {
+            let inside = t == tgid && loaded.file_offset_of(ip).is_some();
+            if inside {
+                gone.push(ProbeKey {
+                    tgid,
+                    _pad: 0,
+                    probe_ip: ip,
+                });
+            }
+            !inside
+        });
+        gone
+    }
+
+    /// Removes every probe of `tgid`.
+    pub fn remove_process(&mut self, tgid: u32) {
+        self.by_ip.retain(|&(t, _), _| t != tgid);
+    }
+}
