@@ -130,6 +130,41 @@ fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
     })
 }
 
+fn host_cpus() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+/// A ping-pong pair pinned to `cpu` that runs until dropped.
+fn endless_pingpong(cpu: usize) -> Result<ChildGuard> {
+    let mut child = Command::new(workload())
+        .args(["pingpong", "1000000000000", &cpu.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting a ping-pong pair")?;
+    child.stdin.take().context("stdin")?.write_all(b"go\n")?;
+    Ok(ChildGuard(child))
+}
+
+/// `agent attach --system` for `secs`; returns its stats.
+fn record_system(dir: &Path, name: &str, secs: u64, ring: &str) -> Result<Value> {
+    let stats_path = dir.join(format!("{name}-stats.json"));
+    run_checked(
+        Command::new(build::agent_binary())
+            .args(["attach", "--system", "--ring-size", ring, "--duration"])
+            .arg(format!("{secs}s"))
+            .arg("-o")
+            .arg(dir.join(format!("{name}.pftrace")))
+            .arg("--stats-json")
+            .arg(&stats_path)
+            .stderr(Stdio::null()),
+        "system-wide recording",
+    )?;
+    Ok(serde_json::from_slice(&std::fs::read(&stats_path)?)?)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -229,7 +264,23 @@ pub fn run(seconds: u64) -> Result<()> {
         writer["bytes_per_switch"].as_f64().unwrap_or(0.0)
     );
 
-    // System-wide recording under load.
+    // Throughput: a ping-pong pair on every CPU, recorded system-wide.
+    let tput_secs = seconds.max(1) * 3;
+    let pairs: Vec<ChildGuard> = (0..host_cpus())
+        .map(endless_pingpong)
+        .collect::<Result<_>>()?;
+    let tput = record_system(&dir, "throughput", tput_secs, "256M")?;
+    drop(pairs);
+    let tput_rate =
+        tput["events"].as_f64().unwrap_or(0.0) / tput["seconds"].as_f64().unwrap_or(1.0);
+    println!("\n## Throughput: a pinned ping-pong pair on each CPU, --system, {tput_secs} s\n");
+    println!(
+        "{:.2} M scheduler events/s consumed, {} dropped (ring 256 MiB)",
+        tput_rate / 1e6,
+        tput["dropped"]
+    );
+
+    // A long system-wide recording under load: the agent's own cost.
     let secs = seconds.max(1) * 20;
     let load = ChildGuard(
         Command::new(workload())
@@ -237,27 +288,13 @@ pub fn run(seconds: u64) -> Result<()> {
             .stdout(Stdio::null())
             .spawn()?,
     );
-    let stats_path = dir.join("system-stats.json");
-    run_checked(
-        Command::new(build::agent_binary())
-            .args([
-                "attach",
-                "--system",
-                "--duration",
-                &format!("{secs}s"),
-                "-o",
-            ])
-            .arg(dir.join("system.pftrace"))
-            .arg("--stats-json")
-            .arg(&stats_path)
-            .stderr(Stdio::null()),
-        "system-wide recording",
-    )?;
+    let pair = endless_pingpong(0)?;
+    let sys = record_system(&dir, "system", secs, "32M")?;
+    drop(pair);
     drop(load);
-    let sys: Value = serde_json::from_slice(&std::fs::read(&stats_path)?)?;
     let events = sys["events"].as_f64().unwrap_or(0.0).max(1.0);
     let cpu = sys["agent_cpu_seconds"].as_f64().unwrap_or(0.0);
-    println!("\n## System-wide recording, {secs} s, demo workload running\n");
+    println!("\n## System-wide recording, {secs} s, demo workload and a ping-pong pair running\n");
     println!(
         "{} events, {} dropped; agent CPU {:.2} s = {:.0} ns per event (decode, symbolize with cache, encode); peak RSS {:.0} MB; trace {:.1} MB",
         events as u64,
@@ -267,8 +304,7 @@ pub fn run(seconds: u64) -> Result<()> {
         sys["agent_peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         sys["bytes"].as_f64().unwrap_or(0.0) / 1e6
     );
-    let results =
-        json!({"sched_overhead": sched, "writer": writer, "system_wide": sys, "iters": iters});
+    let results = json!({"sched_overhead": sched, "writer": writer, "throughput": tput, "system_wide": sys, "iters": iters});
     std::fs::write(
         dir.join("results.json"),
         serde_json::to_string_pretty(&results)?,
