@@ -165,6 +165,21 @@ fn is_scheduler_frame(name: &str) -> bool {
         || name.starts_with("do_syscall")
 }
 
+/// The C library and the dynamic loader: wrappers, not the reason for a wait.
+fn is_system_library(module: &str) -> bool {
+    let file = module.rsplit('/').next().unwrap_or(module);
+    [
+        "libc.so",
+        "libc-",
+        "libpthread",
+        "ld-linux",
+        "libm.so",
+        "librt",
+    ]
+    .iter()
+    .any(|p| file.starts_with(p))
+}
+
 /// A short human reason for an off-CPU interval: its state, the kernel
 /// function it waited in, and the innermost user function.
 pub fn reason(interval: &OffCpuInterval) -> String {
@@ -176,7 +191,13 @@ pub fn reason(interval: &OffCpuInterval) -> String {
         .kernel
         .iter()
         .find(|f| !is_scheduler_frame(&f.function));
-    let user = stack.user.first();
+    // The innermost frame of the program itself says more than the C
+    // library's syscall wrapper it went through.
+    let user = stack
+        .user
+        .iter()
+        .find(|f| !is_system_library(&f.module))
+        .or(stack.user.first());
     match (kernel, user) {
         (Some(k), Some(u)) => format!("{state} in {} <- {}", k.function, u.function),
         (Some(k), None) => format!("{state} in {}", k.function),
@@ -239,9 +260,14 @@ mod tests {
     use super::*;
 
     fn frame(name: &str, kernel: bool) -> SymFrame {
+        let module = match (kernel, name.starts_with("__GI")) {
+            (true, _) => "kernel",
+            (false, true) => "/usr/lib/x86_64-linux-gnu/libc.so.6",
+            (false, false) => "/bin/app",
+        };
         SymFrame {
             function: Arc::from(name),
-            module: Arc::from(if kernel { "kernel" } else { "/bin/app" }),
+            module: Arc::from(module),
             module_start: 0,
             module_end: 0,
             module_offset: 0,
@@ -255,7 +281,11 @@ mod tests {
         t.switched_out(10, 9, 0, 100, 0x1, None);
         let stack = Arc::new(Stack {
             kernel: vec![frame("__schedule", true), frame("futex_wait", true)],
-            user: vec![frame("lock_it", false), frame("main", false)],
+            user: vec![
+                frame("__GI___lll_lock_wait", false),
+                frame("lock_it", false),
+                frame("main", false),
+            ],
         });
         assert!(t.stack_taken(10, 100, stack.clone()));
         assert!(
