@@ -30,6 +30,16 @@ pub enum Command {
     /// Trace a running process (and its threads and children) until the
     /// duration ends, Ctrl-C/SIGTERM, or the process exits.
     Attach(AttachArgs),
+    /// List the device libraries a process has mapped and where each
+    /// probed function's probe goes (static; nothing is attached).
+    Probes(ProbesArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ProbesArgs {
+    /// The process to inspect.
+    #[arg(short, long)]
+    pub pid: u32,
 }
 
 #[derive(Args, Debug)]
@@ -64,6 +74,11 @@ pub struct AttachArgs {
     /// Also write a machine-readable summary (JSON) here.
     #[arg(long)]
     pub stats_json: Option<PathBuf>,
+    /// Device-library calls to record: 0 collectives, syncs, memory and
+    /// communicator set-up; 1 adds kernel launches and copies; 2 adds
+    /// activity records (CUPTI/MSPTI).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub probe_level: u8,
     /// Testing aid: pause the reader this long (e.g. 5ms) after each batch.
     #[arg(long, hide = true, value_parser = config::parse_duration)]
     pub reader_delay: Option<Duration>,
@@ -89,6 +104,7 @@ impl AttachArgs {
             stats_json: self.stats_json,
             reader_delay: self.reader_delay.unwrap_or(defaults.reader_delay),
             drain_interval: defaults.drain_interval,
+            probe_level: self.probe_level,
         }
     }
 }
@@ -106,12 +122,22 @@ mod tests {
     #[test]
     fn attach_defaults() {
         let cli = Cli::try_parse_from(["agent", "attach", "--pid", "42"]).unwrap();
-        let Command::Attach(args) = cli.command;
+        let Command::Attach(args) = cli.command else {
+            panic!("not attach")
+        };
         let cfg = args.into_config();
         assert_eq!(cfg.pid, Some(42));
         assert_eq!(cfg.output, PathBuf::from("xpuscope-42.pftrace"));
         assert_eq!(cfg.stacks, StackPolicy::Sampled);
         assert_eq!(cfg.ring_bytes, config::DEFAULT_RING_BYTES);
+        assert_eq!(cfg.probe_level, 0);
+    }
+
+    #[test]
+    fn probe_level_bounded() {
+        assert!(Cli::try_parse_from(["agent", "attach", "-p", "1", "--probe-level", "2"]).is_ok());
+        assert!(Cli::try_parse_from(["agent", "attach", "-p", "1", "--probe-level", "3"]).is_err());
+        assert!(Cli::try_parse_from(["agent", "probes", "--pid", "1"]).is_ok());
     }
 
     #[test]

@@ -53,6 +53,9 @@ pub struct AttachConfig {
     pub reader_delay: Duration,
     /// How often the reader drains the ring when no wakeup came.
     pub drain_interval: Duration,
+    /// Device-library capture level: 0 collectives, syncs, memory, comm
+    /// init; 1 adds launches and copies; 2 adds activity records.
+    pub probe_level: u8,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -74,6 +77,7 @@ impl Default for AttachConfig {
             stats_json: None,
             reader_delay: Duration::ZERO,
             drain_interval: Duration::from_millis(10),
+            probe_level: 0,
         }
     }
 }

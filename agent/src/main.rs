@@ -8,11 +8,13 @@
 mod btf;
 mod cli;
 mod config;
+mod device_probes;
 mod events;
 mod host;
 mod load;
 mod offcpu;
 mod preflight;
+mod probes_cmd;
 mod procfs;
 mod reader;
 mod session;
@@ -52,6 +54,13 @@ fn main() -> ExitCode {
         eprintln!("xpuscope: internal error; please report it with the message above");
     }));
     match cli.command {
+        Command::Probes(args) => match probes_cmd::run(args.pid) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xpuscope: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Attach(args) => {
             let cfg = args.into_config();
             let stats_path = cfg.stats_json.clone();

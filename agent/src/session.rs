@@ -17,6 +17,7 @@ use xpuscope_perfetto::TraceWriter;
 
 use crate::btf::{self, Btf};
 use crate::config::AttachConfig;
+use crate::device_probes::{self, DeviceProbes, TableUpdate};
 use crate::events::Event;
 use crate::load::{self, EBPF_OBJECT, LoadOptions, Probes};
 use crate::reader::{Reader, ReaderCounters};
@@ -33,6 +34,9 @@ pub enum Msg {
         cpus: Vec<u32>,
         total: u64,
     },
+    /// Device-library probes about to be attached (sent before they can
+    /// fire, so every hit finds its meaning).
+    Probes(TableUpdate),
 }
 
 /// Channel depth between reader and trace stage, in batches.
@@ -42,6 +46,8 @@ const CHANNEL_BATCHES: usize = 16;
 const POLL: Duration = Duration::from_millis(100);
 const STATUS_EVERY: u32 = 10;
 const CLOCK_SNAPSHOT_EVERY: Duration = Duration::from_secs(10);
+/// Polls between re-scans of the traced processes' libraries (dlopen).
+const DEVICE_SCAN_EVERY: u32 = 5;
 
 pub fn run(cfg: AttachConfig) -> Result<RunSummary> {
     preflight::check_object(EBPF_OBJECT)?;
@@ -71,7 +77,7 @@ async fn record(
         stack_rate: cfg.stack_rate,
         stack_burst: cfg.stack_burst,
         wakeup_bytes: (cfg.ring_bytes / 4) as u64,
-        probe_levels: 0,
+        probe_levels: device_probes::level_mask(cfg.probe_level),
         _pad: 0,
     };
     let mut probes = load::load_and_attach(&LoadOptions {
@@ -112,6 +118,15 @@ async fn record(
         .name("xpuscope-trace".into())
         .spawn(move || write_trace(file, rx, start_ts, processes))
         .context("starting the trace writer")?;
+
+    // Device libraries already mapped are probed before the start line, so
+    // a caller waiting for it sees their calls from then on.
+    let mut device = DeviceProbes::new(device_probes::level_mask(cfg.probe_level));
+    if target.is_some()
+        && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
+    {
+        tracing::warn!("device probes: {e:#}");
+    }
 
     match target {
         Some(t) => eprintln!(
@@ -154,6 +169,12 @@ async fn record(
                     break StopReason::Failed;
                 }
                 probes.flush_log();
+                if target.is_some()
+                    && polls.is_multiple_of(DEVICE_SCAN_EVERY)
+                    && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
+                {
+                    tracing::warn!("device probes: {e:#}");
+                }
                 send_drops(&probes, &mut drops_seen, &tx).await;
                 if polls.is_multiple_of(STATUS_EVERY) {
                     let consumed = counters.total_consumed();
@@ -177,6 +198,7 @@ async fn record(
 
     // Detach first, then drain: everything produced is then either consumed
     // or counted as dropped.
+    device.detach_all(&mut probes.bpf);
     probes.detach_all();
     send_drops(&probes, &mut drops_seen, &tx).await;
     let drops_by_kind = probes.drops_by_kind();
@@ -215,7 +237,7 @@ async fn record(
         .iter()
         .map(|c| c.load(Ordering::Relaxed))
         .collect();
-    Ok(RunSummary::new(
+    let mut summary = RunSummary::new(
         &cfg,
         reason,
         started.elapsed(),
@@ -224,7 +246,29 @@ async fn record(
         counters.decode_errors.load(Ordering::Relaxed),
         bytes,
         stats,
-    ))
+    );
+    summary.set_device_probes(device.stats);
+    Ok(summary)
+}
+
+/// Re-reads the traced processes' libraries; announces new probes to the
+/// trace stage, then attaches them.
+async fn scan_devices(
+    device: &mut DeviceProbes,
+    probes: &mut Probes,
+    tx: &mpsc::Sender<Msg>,
+) -> Result<()> {
+    let plan = device.plan(&probes.targets());
+    if plan.is_empty() {
+        return Ok(());
+    }
+    let mut plan = plan;
+    for update in std::mem::take(&mut plan.updates) {
+        tx.send(Msg::Probes(update))
+            .await
+            .map_err(|_| anyhow!("the trace stage stopped"))?;
+    }
+    device.apply(&mut probes.bpf, plan)
 }
 
 /// Sends new per-CPU drops to the trace stage.
@@ -281,6 +325,7 @@ fn write_trace(
                 }
             }
             Msg::Drops { ts, cpus, total } => builder.drops(ts, &cpus, total)?,
+            Msg::Probes(update) => builder.probes_added(update)?,
         }
         if last_snapshot.elapsed() >= CLOCK_SNAPSHOT_EVERY {
             builder.writer().clock_snapshot(&host::clock_snapshot())?;

@@ -70,6 +70,31 @@ pub struct RunSummary {
     pub agent_cpu_seconds: f64,
     /// The agent's peak resident memory.
     pub agent_peak_rss_bytes: u64,
+    pub device: DeviceSummary,
+}
+
+/// Device-library calls (absent libraries leave it all zero).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct DeviceSummary {
+    /// Library mappings probed (per process).
+    pub libraries: u64,
+    /// Functions attached (entry and return), over all processes.
+    pub attached_probes: u64,
+    /// Functions or libraries that could not be attached.
+    pub attach_failures: u64,
+    /// Calls recorded (entry and return paired).
+    pub calls: u64,
+    /// Calls that returned an error status.
+    pub errors: u64,
+    pub activity_records: u64,
+    /// Entries whose return never came (lost, or the thread exited).
+    pub entries_without_return: u64,
+    /// Returns whose entry was not seen (attached mid-call, or lost).
+    pub returns_without_entry: u64,
+    /// Records at an address no probe is known at.
+    pub unknown_probes: u64,
+    /// Calls still open when the recording ended.
+    pub in_flight_at_end: u64,
 }
 
 /// The agent's own CPU seconds and peak RSS so far.
@@ -162,7 +187,23 @@ impl RunSummary {
                     count,
                 })
                 .collect(),
+            device: DeviceSummary {
+                calls: stats.device.calls,
+                errors: stats.device.errors,
+                activity_records: stats.device.activities,
+                entries_without_return: stats.device.entries_without_return,
+                returns_without_entry: stats.device.returns_without_entry,
+                unknown_probes: stats.device.unknown_probes,
+                in_flight_at_end: stats.device.in_flight_at_end,
+                ..DeviceSummary::default()
+            },
         }
+    }
+
+    pub fn set_device_probes(&mut self, stats: crate::device_probes::DeviceProbeStats) {
+        self.device.libraries = stats.libraries;
+        self.device.attached_probes = stats.attached;
+        self.device.attach_failures = stats.attach_failures;
     }
 
     pub fn print(&self) {
@@ -219,6 +260,21 @@ impl RunSummary {
                     r.what
                 );
             }
+        }
+        let d = &self.device;
+        if d.attached_probes + d.attach_failures + d.calls > 0 {
+            eprintln!(
+                "  device:  {} calls ({} errors), {} probes on {} libraries, {} attach failures, \
+                 unmatched: {} entries {} returns, {} in flight at end",
+                d.calls,
+                d.errors,
+                d.attached_probes,
+                d.libraries,
+                d.attach_failures,
+                d.entries_without_return,
+                d.returns_without_entry,
+                d.in_flight_at_end
+            );
         }
         eprintln!(
             "  agent:   {:.2} s CPU ({:.0} ns per event), peak RSS {:.0} MB",

@@ -11,7 +11,11 @@
 //!   off-CPU time;
 //! - preemptions of traced threads -> an instant "preempted by <task>" on
 //!   the thread's track;
-//! - drops -> `lost_events` on the CPU's bundle and a counter track.
+//! - drops -> `lost_events` on the CPU's bundle and a counter track;
+//! - device-library calls -> slices on the calling thread's track, device
+//!   memory counters, rank labels (see [`device`]).
+
+pub mod device;
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
@@ -43,6 +47,7 @@ pub struct TraceStats {
     pub threads_seen: usize,
     pub first_ts: Option<u64>,
     pub last_ts: u64,
+    pub device: device::DeviceStats,
 }
 
 pub struct TraceBuilder<W: Write> {
@@ -60,6 +65,7 @@ pub struct TraceBuilder<W: Write> {
     thread_tracks: FxHashMap<u32, TrackUuid>,
     drops_track: Option<TrackUuid>,
     frames: FrameConverter,
+    device: device::DeviceTrace,
     pub stats: TraceStats,
 }
 
@@ -75,6 +81,7 @@ impl<W: Write> TraceBuilder<W> {
             thread_tracks: FxHashMap::default(),
             drops_track: None,
             frames: FrameConverter::default(),
+            device: device::DeviceTrace::default(),
             stats: TraceStats::default(),
         }
     }
@@ -125,9 +132,8 @@ impl<W: Write> TraceBuilder<W> {
             Event::Exit(e) => self.exit(&e),
             Event::Rename(r) => self.rename(&r),
             Event::Stack(s) => self.stack(&s),
-            // Device-library probes are not attached yet (see the device
-            // probes issue); nothing produces these records today.
-            Event::ProbeEntry(_) | Event::ProbeReturn(_) => Ok(()),
+            Event::ProbeEntry(e) => self.probe_entry(&e),
+            Event::ProbeReturn(r) => self.probe_return(&r),
         }
     }
 
@@ -288,6 +294,7 @@ impl<W: Write> TraceBuilder<W> {
         if let Some(interval) = self.offcpu.exited(e.tid, e.ts) {
             self.interval_done(interval)?;
         }
+        self.device_exited(e.tgid, e.tid)?;
         self.writer.sched_process_free(
             e.cpu,
             e.ts,
@@ -400,6 +407,8 @@ impl<W: Write> TraceBuilder<W> {
         for interval in self.offcpu.finish_all(end) {
             self.interval_done(interval)?;
         }
+        self.device_finish(end)?;
+        self.stats.device = self.device.stats;
         self.stats.threads_seen = self.threads.len();
         let bytes = self.writer.bytes_written();
         let out = self.writer.finish()?;

@@ -7,6 +7,20 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+/// The pinned NVIDIA wheels (PyPI) and the library each provides, relative
+/// to the install folder.
+pub const NVIDIA_WHEELS: &[(&str, &str)] = &[
+    (
+        "nvidia-cuda-runtime-cu12==12.9.79",
+        "nvidia/cuda_runtime/lib/libcudart.so.12",
+    ),
+    ("nvidia-nccl-cu12==2.21.5", "nvidia/nccl/lib/libnccl.so.2"),
+    (
+        "nvidia-cuda-cupti-cu12==12.9.79",
+        "nvidia/cuda_cupti/lib/libcupti.so.12",
+    ),
+];
+
 /// The fixture folders, in build order (later ones may use earlier outputs).
 pub const FIXTURE_DIRS: &[&str] = &["workloads", "standins", "sim"];
 
@@ -57,4 +71,51 @@ fn build_one(dir: &str) {
         String::from_utf8_lossy(&result.stdout),
         String::from_utf8_lossy(&result.stderr)
     );
+}
+
+/// `~/.cache/xpuscope/nvidia-libs` with the pinned [`NVIDIA_WHEELS`]
+/// installed. Idempotent and safe against a concurrent installer: pip
+/// installs into a fresh temporary folder that is renamed into place only
+/// when complete.
+pub fn nvidia_libs() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let home = std::env::var_os("HOME").expect("HOME is set");
+        let dir = Path::new(&home).join(".cache/xpuscope/nvidia-libs");
+        let complete = |d: &Path| NVIDIA_WHEELS.iter().all(|(_, lib)| d.join(lib).is_file());
+        if complete(&dir) {
+            return dir;
+        }
+        let parent = dir.parent().expect("cache dir has a parent");
+        std::fs::create_dir_all(parent).expect("create ~/.cache/xpuscope");
+        let tmp = parent.join(format!("nvidia-libs.tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let out = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+            .arg(&tmp)
+            .args(NVIDIA_WHEELS.iter().map(|(wheel, _)| *wheel))
+            .output()
+            .expect("run python3 -m pip (is python3 with pip installed?)");
+        assert!(
+            out.status.success() && complete(&tmp),
+            "pip install of the NVIDIA wheels into {} failed:\n{}\n{}",
+            tmp.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !complete(&dir) {
+            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = std::fs::rename(&tmp, &dir) {
+                assert!(
+                    complete(&dir),
+                    "moving {} to {}: {e}",
+                    tmp.display(),
+                    dir.display()
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        dir
+    })
+    .clone()
 }

@@ -10,7 +10,6 @@ use std::ffi::CString;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use serde_json::Value;
 use xpuscope_probes::activity::{self, ActivityApi, ActivityDetail, ActivityKind};
@@ -209,54 +208,10 @@ const NVIDIA_WHEELS: &[(&str, &str, Library)] = &[
     ),
 ];
 
-/// `~/.cache/xpuscope/nvidia-libs` with the pinned wheels installed.
-/// Idempotent and safe against a concurrent installer: pip installs into a
-/// fresh temporary folder that is renamed into place only when complete.
+/// `~/.cache/xpuscope/nvidia-libs` with the pinned wheels installed (the
+/// shared installer: `xpuscope_tests::fixtures::nvidia_libs`).
 fn nvidia_libs() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let home = std::env::var_os("HOME").expect("HOME is set");
-        let dir = Path::new(&home).join(".cache/xpuscope/nvidia-libs");
-        let complete = |d: &Path| {
-            NVIDIA_WHEELS
-                .iter()
-                .all(|(_, lib, _)| d.join(lib).is_file())
-        };
-        if complete(&dir) {
-            return dir;
-        }
-        let parent = dir.parent().expect("cache dir has a parent");
-        std::fs::create_dir_all(parent).expect("create ~/.cache/xpuscope");
-        let tmp = parent.join(format!("nvidia-libs.tmp-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        let out = Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
-            .arg(&tmp)
-            .args(NVIDIA_WHEELS.iter().map(|(wheel, _, _)| *wheel))
-            .output()
-            .expect("run python3 -m pip (is python3 with pip installed?)");
-        assert!(
-            out.status.success() && complete(&tmp),
-            "pip install of the NVIDIA wheels into {} failed:\n{}\n{}",
-            tmp.display(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        if !complete(&dir) {
-            let _ = std::fs::remove_dir_all(&dir);
-            if let Err(e) = std::fs::rename(&tmp, &dir) {
-                assert!(
-                    complete(&dir),
-                    "moving {} to {}: {e}",
-                    tmp.display(),
-                    dir.display()
-                );
-            }
-        }
-        let _ = std::fs::remove_dir_all(&tmp);
-        dir
-    })
-    .clone()
+    xpuscope_tests::fixtures::nvidia_libs()
 }
 
 #[test]

@@ -18,6 +18,17 @@ pub const DEREF_BYTES: usize = 128;
 
 /// No pointer argument is dereferenced.
 pub const DEREF_NONE: u8 = 0xff;
+/// `entry_deref_arg` value: copy from the stack, at `sp + entry_stack_off`
+/// (an aggregate passed by value, such as `ncclCommInitRank`'s unique id).
+pub const DEREF_STACK: u8 = 0xfe;
+
+/// `ProbeSpec::flags`: at return, read the u64 pointer stored at the saved
+/// argument, then copy its pointee (`CUpti_Activity **record`).
+pub const RETURN_TWICE: u8 = 1 << 0;
+/// `ProbeSpec::flags`: copy at return only when the 32-bit status in rax is 0.
+pub const RETURN_ON_SUCCESS: u8 = 1 << 1;
+/// `ProbeSpec::flags`: the entry copy is a NUL-terminated string.
+pub const ENTRY_STRING: u8 = 1 << 2;
 
 /// What to copy for one probed function, keyed by [`ProbeKey`] in the
 /// `UPROBE_SPECS` map; written by the agent when it attaches.
@@ -25,13 +36,20 @@ pub const DEREF_NONE: u8 = 0xff;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProbeSpec {
     /// Register argument index (0 = rdi ... 5 = r9) whose pointee is copied
-    /// at ENTRY, or [`DEREF_NONE`].
+    /// at ENTRY, [`DEREF_STACK`], or [`DEREF_NONE`].
     pub entry_deref_arg: u8,
     /// Register argument index whose pointee is copied at RETURN (an out
     /// parameter such as `cudaMalloc`'s `void **`), or [`DEREF_NONE`].
     pub return_deref_arg: u8,
-    /// Bytes to copy (at most [`DEREF_BYTES`]).
-    pub deref_len: u16,
+    /// [`RETURN_TWICE`], [`RETURN_ON_SUCCESS`], [`ENTRY_STRING`].
+    pub flags: u8,
+    pub _pad: u8,
+    /// Bytes to copy at entry (at most [`DEREF_BYTES`]).
+    pub entry_deref_len: u16,
+    /// Bytes to copy at return (at most [`DEREF_BYTES`]).
+    pub return_deref_len: u16,
+    /// With [`DEREF_STACK`]: byte offset from the probe's sp.
+    pub entry_stack_off: u32,
     /// Capture level bit this probe belongs to; the probe pushes nothing
     /// when `UPROBE_LEVELS` (config) lacks the bit.
     pub level_bit: u32,
@@ -42,7 +60,11 @@ impl Default for ProbeSpec {
         Self {
             entry_deref_arg: DEREF_NONE,
             return_deref_arg: DEREF_NONE,
-            deref_len: 0,
+            flags: 0,
+            _pad: 0,
+            entry_deref_len: 0,
+            return_deref_len: 0,
+            entry_stack_off: 0,
             level_bit: 1,
         }
     }
@@ -113,7 +135,7 @@ pub struct UprobeReturn {
 
 const _: () = assert!(core::mem::size_of::<UprobeEntry>() == 16 + 16 + 48 + 8 + 64 + 8 + 128);
 const _: () = assert!(core::mem::size_of::<UprobeReturn>() == 16 + 16 + 8 + 8 + 128);
-const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 8);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 16);
 const _: () = assert!(core::mem::size_of::<ProbeKey>() == 16);
 
 #[cfg(feature = "user")]

@@ -7,7 +7,7 @@ use aya_ebpf::{
     EbpfContext,
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_probe_read_user_buf,
-        generated::bpf_get_func_ip,
+        generated::{bpf_get_func_ip, bpf_probe_read_user, bpf_probe_read_user_str},
     },
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
@@ -15,8 +15,9 @@ use aya_ebpf::{
 use xpuscope_common::{
     EventKind,
     uprobe::{
-        DEREF_BYTES, DEREF_NONE, ENTRY_STACK_WORDS, PENDING_DEPTH, PendingDerefs, ProbeKey,
-        ProbeSpec, UprobeEntry, UprobeReturn,
+        DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_WORDS, ENTRY_STRING, PENDING_DEPTH,
+        PendingDerefs, ProbeKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE, UprobeEntry,
+        UprobeReturn,
     },
 };
 
@@ -39,26 +40,52 @@ fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(u64, ProbeSpec)> {
     Some((probe_ip, spec))
 }
 
+/// Copies `len` (at most [`DEREF_BYTES`]) bytes at user address `ptr` into
+/// `dst`; returns the bytes copied (0 on a fault: nothing valid). Reads
+/// exactly `len` bytes, so a short record at the end of a mapping is read.
 #[inline(always)]
-fn deref_len(spec: &ProbeSpec) -> usize {
-    (spec.deref_len as usize).min(DEREF_BYTES)
-}
-
-/// Copies `len` bytes at user address `ptr` into `dst` (zeroed on failure);
-/// returns the bytes copied.
-#[inline(always)]
-fn copy_user(ptr: u64, len: usize, dst: &mut [u8; DEREF_BYTES]) -> u32 {
-    if ptr == 0 || len == 0 {
+fn copy_user(ptr: u64, len: u16, dst: &mut [u8; DEREF_BYTES]) -> u32 {
+    // Masked then capped: the verifier sees a size in [0, DEREF_BYTES].
+    let mut n = (len & 0xff) as u32;
+    if n > DEREF_BYTES as u32 {
+        n = DEREF_BYTES as u32;
+    }
+    if ptr == 0 || n == 0 {
         return 0;
     }
-    // The verifier needs a constant size: copy a whole buffer, report len.
-    // SAFETY: probe_read tolerates faulting user addresses.
-    match unsafe { bpf_probe_read_user_buf(ptr as *const u8, dst) } {
-        Ok(()) => len as u32,
-        Err(_) => {
-            *dst = [0; DEREF_BYTES];
-            0
-        }
+    // SAFETY: probe_read tolerates faulting user addresses; `n` fits `dst`.
+    let rc = unsafe { bpf_probe_read_user(dst.as_mut_ptr().cast(), n, ptr as *const _) };
+    if rc == 0 { n } else { 0 }
+}
+
+/// Copies a NUL-terminated string of at most `len` bytes (NUL included);
+/// returns the bytes copied without the NUL.
+#[inline(always)]
+fn copy_user_str(ptr: u64, len: u16, dst: &mut [u8; DEREF_BYTES]) -> u32 {
+    let mut n = (len & 0xff) as u32;
+    if n > DEREF_BYTES as u32 {
+        n = DEREF_BYTES as u32;
+    }
+    if ptr == 0 || n == 0 {
+        return 0;
+    }
+    // SAFETY: as above; the helper NUL-terminates within `n`.
+    let rc = unsafe { bpf_probe_read_user_str(dst.as_mut_ptr().cast(), n, ptr as *const _) };
+    if rc > 1 { (rc - 1) as u32 } else { 0 }
+}
+
+/// Register argument `i` (a branch per index: an indexed stack read with a
+/// computed offset does not pass the verifier).
+#[inline(always)]
+fn arg(args: &[u64; 6], i: u8) -> u64 {
+    match i {
+        0 => args[0],
+        1 => args[1],
+        2 => args[2],
+        3 => args[3],
+        4 => args[4],
+        5 => args[5],
+        _ => 0,
     }
 }
 
@@ -71,18 +98,19 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
     let (probe_ip, spec) = spec_for(ctx, tgid)?;
+    // SAFETY: the probe context's saved user registers.
+    let regs = unsafe { &*ctx.regs };
+    let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
+    // Pushed whatever the level: the return program pops whatever the level.
+    if spec.return_deref_arg != DEREF_NONE {
+        push_pending(tid, arg(&args, spec.return_deref_arg));
+    }
     let cfg = config();
     if cfg.probe_levels & spec.level_bit == 0 {
         return Some(0);
     }
     // SAFETY: helper without arguments.
     let cpu = unsafe { bpf_get_smp_processor_id() };
-    // SAFETY: the probe context's saved user registers.
-    let regs = unsafe { &*ctx.regs };
-    let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
-    if spec.return_deref_arg != DEREF_NONE {
-        push_pending(tid, args[(spec.return_deref_arg as usize) % 6]);
-    }
     let mut entry = reserve::<UprobeEntry>(EventKind::UprobeEntry, cpu, now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
@@ -99,14 +127,15 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
             *stack = [0; ENTRY_STACK_WORDS];
         }
         (*rec)._pad = 0;
-        (*rec).deref_len = if spec.entry_deref_arg != DEREF_NONE {
-            copy_user(
-                args[(spec.entry_deref_arg as usize) % 6],
-                deref_len(&spec),
-                &mut (*rec).deref,
-            )
+        let src = match spec.entry_deref_arg {
+            DEREF_NONE => 0,
+            DEREF_STACK => regs.rsp.wrapping_add(u64::from(spec.entry_stack_off)),
+            i => arg(&args, i),
+        };
+        (*rec).deref_len = if spec.flags & ENTRY_STRING != 0 {
+            copy_user_str(src, spec.entry_deref_len, &mut (*rec).deref)
         } else {
-            0
+            copy_user(src, spec.entry_deref_len, &mut (*rec).deref)
         };
     }
     entry.submit(submit_flags(&cfg));
@@ -145,7 +174,16 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
         (*rec).probe_ip = probe_ip;
         (*rec).ret = ret;
         (*rec)._pad = 0;
-        (*rec).deref_len = copy_user(saved, deref_len(&spec), &mut (*rec).deref);
+        let ok = spec.flags & RETURN_ON_SUCCESS == 0 || ret as u32 == 0;
+        let mut src = if ok { saved } else { 0 };
+        if src != 0 && spec.flags & RETURN_TWICE != 0 {
+            let mut word = [0u8; 8];
+            src = match bpf_probe_read_user_buf(src as *const u8, &mut word) {
+                Ok(()) => u64::from_le_bytes(word),
+                Err(_) => 0,
+            };
+        }
+        (*rec).deref_len = copy_user(src, spec.return_deref_len, &mut (*rec).deref);
     }
     entry.submit(submit_flags(&cfg));
     Some(0)

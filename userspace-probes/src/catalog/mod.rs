@@ -27,7 +27,9 @@
 mod ascend;
 mod nvidia;
 
-use xpuscope_common::uprobe::{DEREF_BYTES, DEREF_NONE, ProbeSpec};
+use xpuscope_common::uprobe::{
+    DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STRING, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE,
+};
 
 use crate::placement::{Reg, RegSet};
 
@@ -536,35 +538,47 @@ impl FunctionSpec {
         set.with(Reg::Rsp)
     }
 
-    /// The kernel spec under today's ABI (`xpuscope_common::uprobe::ProbeSpec`:
-    /// one length shared by the entry and return copies, pointer arguments
-    /// only, one level). Captures it cannot express degrade as follows:
-    /// a by-value stack aggregate (`ncclCommInitRank`'s id) is not copied
-    /// (the decoder falls back to the entry record's stack words, 56 of the
-    /// 128 bytes); a two-level return copy copies only the pointer (8
-    /// bytes: the decoder counts the record as unread); entry and return
-    /// copies share the larger length; strings are copied as fixed bytes.
-    /// See [`Capture`] for what the extended ABI should carry.
+    /// The kernel spec (`xpuscope_common::uprobe::ProbeSpec`) carrying
+    /// [`Capture`] exactly: a by-value stack aggregate is copied from
+    /// `sp + 8 + 8 * slot` (the attacher adds the placement's `sp_delta`,
+    /// see [`crate::decode::table::ProbeTable::add_library`]), strings with
+    /// `ENTRY_STRING`, two-level return copies with `RETURN_TWICE`, and
+    /// return copies of status-returning functions only on success.
     pub fn probe_spec(&self) -> ProbeSpec {
         let mut spec = ProbeSpec {
             level_bit: self.level.bit(),
             ..ProbeSpec::default()
         };
-        let mut len = 0u16;
-        if let Some(e) = self.capture.entry
-            && let DerefSource::Arg(i) = e.source
-        {
-            spec.entry_deref_arg = i;
-            len = len.max(e.len);
+        if let Some(e) = self.capture.entry {
+            match e.source {
+                DerefSource::Arg(i) => spec.entry_deref_arg = i,
+                DerefSource::Stack { slot } => {
+                    spec.entry_deref_arg = DEREF_STACK;
+                    spec.entry_stack_off = 8 + 8 * u32::from(slot);
+                }
+            }
+            spec.entry_deref_len = e.len.min(DEREF_BYTES as u16);
+            if e.string {
+                spec.flags |= ENTRY_STRING;
+            }
+            if spec.entry_deref_len == 0 {
+                spec.entry_deref_arg = DEREF_NONE;
+                spec.entry_stack_off = 0;
+            }
         }
         if let Some(r) = self.capture.ret {
             spec.return_deref_arg = r.arg;
-            len = len.max(if r.twice { 8 } else { r.len });
-        }
-        spec.deref_len = len.min(DEREF_BYTES as u16);
-        if spec.deref_len == 0 {
-            spec.entry_deref_arg = DEREF_NONE;
-            spec.return_deref_arg = DEREF_NONE;
+            spec.return_deref_len = r.len.min(DEREF_BYTES as u16);
+            if r.twice {
+                spec.flags |= RETURN_TWICE;
+            }
+            if self.ret == RetKind::Status {
+                spec.flags |= RETURN_ON_SUCCESS;
+            }
+            if spec.return_deref_len == 0 {
+                spec.return_deref_arg = DEREF_NONE;
+                spec.flags &= !(RETURN_TWICE | RETURN_ON_SUCCESS);
+            }
         }
         spec
     }

@@ -1,7 +1,9 @@
 //! Catalog tests: names, ABI layouts, levels, the kernel spec.
 use super::*;
 use std::collections::HashSet;
-use xpuscope_common::uprobe::ENTRY_STACK_WORDS;
+use xpuscope_common::uprobe::{
+    DEREF_STACK, ENTRY_STACK_WORDS, ENTRY_STRING, RETURN_ON_SUCCESS, RETURN_TWICE,
+};
 
 #[test]
 fn library_from_path() {
@@ -252,40 +254,57 @@ fn reads_cover_args_and_rsp() {
 }
 
 #[test]
-fn probe_spec_for_todays_abi() {
+fn probe_spec_carries_capture() {
     let spec = |lib: Library, n: &str| lib.function(n).unwrap().probe_spec();
     let s = spec(Library::Cudart, "cudaMalloc");
     assert_eq!(
         (
             s.entry_deref_arg,
             s.return_deref_arg,
-            s.deref_len,
+            s.entry_deref_len,
+            s.return_deref_len,
+            s.flags,
             s.level_bit
         ),
-        (DEREF_NONE, 0, 8, 1)
+        (DEREF_NONE, 0, 0, 8, RETURN_ON_SUCCESS, 1)
     );
     let s = spec(Library::Cudart, "cudaLaunchKernel");
     assert_eq!(
-        (
-            s.entry_deref_arg,
-            s.return_deref_arg,
-            s.deref_len,
-            s.level_bit
-        ),
+        (s.entry_deref_arg, s.return_deref_arg, s.flags, s.level_bit),
         (DEREF_NONE, DEREF_NONE, 0, 2)
     );
     let s = spec(Library::Hccl, "HcclCommInitRootInfo");
     assert_eq!(
-        (s.entry_deref_arg, s.return_deref_arg, s.deref_len),
-        (1, 3, 128)
+        (
+            s.entry_deref_arg,
+            s.return_deref_arg,
+            s.entry_deref_len,
+            s.return_deref_len
+        ),
+        (1, 3, 128, 8)
     );
-    // By-value id cannot be copied today: only the comm out-pointer.
+    // The by-value id: 128 bytes from sp + 8.
     let s = spec(Library::Nccl, "ncclCommInitRank");
     assert_eq!(
-        (s.entry_deref_arg, s.return_deref_arg, s.deref_len),
-        (DEREF_NONE, 0, 8)
+        (
+            s.entry_deref_arg,
+            s.entry_stack_off,
+            s.entry_deref_len,
+            s.return_deref_arg,
+            s.return_deref_len
+        ),
+        (DEREF_STACK, 8, 128, 0, 8)
     );
-    // Two levels degrade to the record pointer.
+    // Two levels: the record itself.
     let s = spec(Library::Cupti, "cuptiActivityGetNextRecord");
-    assert_eq!((s.return_deref_arg, s.deref_len, s.level_bit), (2, 8, 4));
+    assert_eq!(
+        (s.return_deref_arg, s.return_deref_len, s.flags, s.level_bit),
+        (2, 128, RETURN_TWICE | RETURN_ON_SUCCESS, 4)
+    );
+    let s = spec(Library::Mspti, "msptiActivityGetNextRecord");
+    assert_eq!(s.flags & RETURN_TWICE, RETURN_TWICE);
+    // Strings.
+    let f = all_functions().find(|(_, f)| matches!(f.capture.entry, Some(e) if e.string));
+    let (lib, f) = f.unwrap();
+    assert_eq!(spec(lib, f.name).flags & ENTRY_STRING, ENTRY_STRING);
 }

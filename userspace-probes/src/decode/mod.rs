@@ -178,8 +178,8 @@ pub struct DecoderStats {
     pub unknown_probes: u64,
     pub returns_without_entry: u64,
     pub entries_without_return: u64,
-    /// Activity iterations whose record could not be read (today's kernel
-    /// ABI copies only the record pointer) or was empty.
+    /// Activity iterations whose record could not be read (the copy failed,
+    /// or only the 8-byte pointer came) or was empty.
     pub activity_unread: u64,
     /// Activity records that did not decode (unknown kind, short).
     pub activity_errors: u64,
@@ -411,7 +411,7 @@ impl Decoder {
         let Some(api) = ActivityApi::of(p.target.library) else {
             return;
         };
-        // Today's ABI copies only the 8-byte record pointer.
+        // Only a pointer (a kernel without `RETURN_TWICE`) or nothing: unread.
         if bytes.len() <= 8 {
             self.stats.activity_unread += 1;
             return;

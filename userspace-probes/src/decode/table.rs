@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use xpuscope_common::uprobe::{ProbeKey, ProbeSpec};
+use xpuscope_common::uprobe::{DEREF_NONE, DEREF_STACK, ProbeKey, ProbeSpec};
 
 use crate::catalog::{FunctionSpec, Library};
 use crate::discover::LoadedLibrary;
@@ -22,7 +22,8 @@ pub struct ProbeTarget {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttachedProbe {
     pub key: ProbeKey,
-    /// Today's ABI (see [`FunctionSpec::probe_spec`]).
+    /// What the kernel copies (see [`FunctionSpec::probe_spec`]), stack
+    /// offsets adjusted for the placement.
     pub spec: ProbeSpec,
     /// File offset to attach at, in the library's file.
     pub file_offset: u64,
@@ -77,13 +78,24 @@ impl ProbeTable {
                 sp_delta: p.placement.sp_delta,
             };
             self.insert(tgid, probe_ip, target);
+            let mut spec = p.function.probe_spec();
+            if spec.entry_deref_arg == DEREF_STACK {
+                // The aggregate moved by the instructions the probe sits past.
+                match u32::try_from(i64::from(spec.entry_stack_off) + p.placement.sp_delta) {
+                    Ok(off) => spec.entry_stack_off = off,
+                    Err(_) => {
+                        spec.entry_deref_arg = DEREF_NONE;
+                        spec.entry_deref_len = 0;
+                    }
+                }
+            }
             out.push(AttachedProbe {
                 key: ProbeKey {
                     tgid,
                     _pad: 0,
                     probe_ip,
                 },
-                spec: p.function.probe_spec(),
+                spec,
                 file_offset,
                 target,
             });

@@ -1,0 +1,456 @@
+//! Device-library probes: finds the catalog libraries (libcudart, libnccl,
+//! libcupti, libascendcl, libhccl, libmspti) mapped by each traced process,
+//! attaches the generic `device_call_entry` / `device_call_return` programs
+//! at every probed function's file offset (scoped to that process), and
+//! writes what each probe copies into `UPROBE_SPECS`.
+//!
+//! Costless when no device library is present: the uprobe programs are
+//! loaded only when the first library is found. Each round is split in two
+//! so the trace stage learns a probe's meaning before the kernel can report
+//! a hit on it: [`DeviceProbes::plan`] (read maps, resolve) returns the
+//! table updates to send, then [`DeviceProbes::apply`] attaches and writes
+//! the specs.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use aya::Ebpf;
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::programs::UProbe;
+use aya::programs::uprobe::{UProbeLink, UProbeLinkId, UProbeScope};
+use xpuscope_common::maps;
+use xpuscope_common::uprobe::{ProbeKey, ProbeSpec};
+use xpuscope_probes::catalog::Level;
+use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget};
+use xpuscope_probes::discover::{self, LoadedLibrary};
+use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::resolve::{self, ResolvedLibrary};
+
+use crate::trace::device::RankIdentity;
+
+pub const ENTRY_PROGRAM: &str = "device_call_entry";
+pub const RETURN_PROGRAM: &str = "device_call_return";
+
+/// Config mask for `--probe-level N`: level N and every level below it.
+pub fn level_mask(level: u8) -> u32 {
+    let level = match level {
+        0 => Level::L0,
+        1 => Level::L1,
+        _ => Level::L2,
+    };
+    level.mask_up_to()
+}
+
+/// Probes of one process, to tell the trace stage before they fire.
+#[derive(Debug)]
+pub struct TableUpdate {
+    pub tgid: u32,
+    pub probes: Vec<(u64, ProbeTarget)>,
+    /// Read while the process certainly exists (the trace stage may see
+    /// this after it exited).
+    pub identity: RankIdentity,
+}
+
+/// Counters for the summary.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceProbeStats {
+    /// Functions attached (entry and return), over all processes.
+    pub attached: u64,
+    /// Single functions (or whole libraries) that could not be attached.
+    pub attach_failures: u64,
+    pub libraries: u64,
+}
+
+struct AttachedFn {
+    key: ProbeKey,
+    entry: UProbeLinkId,
+    ret: UProbeLinkId,
+}
+
+struct AttachedLib {
+    lib: LoadedLibrary,
+    fns: Vec<AttachedFn>,
+}
+
+/// Work found by [`DeviceProbes::plan`].
+#[derive(Default)]
+pub struct Plan {
+    add: Vec<(u32, LoadedLibrary, String, Vec<AttachedProbe>)>,
+    remove: Vec<(u32, LoadedLibrary)>,
+    gone: Vec<u32>,
+    pub updates: Vec<TableUpdate>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.add.is_empty() && self.remove.is_empty() && self.gone.is_empty()
+    }
+}
+
+#[derive(Default)]
+pub struct DeviceProbes {
+    level_mask: u32,
+    loaded: bool,
+    /// Loading the programs failed: no further attempts.
+    disabled: bool,
+    /// (path, inode) -> the resolved library (None: resolution failed).
+    cache: HashMap<(String, u64), Option<Arc<ResolvedLibrary>>>,
+    procs: HashMap<u32, Vec<AttachedLib>>,
+    /// Links of probes stopped during the recording (exited processes,
+    /// unmapped libraries), closed at the end.
+    retired: Vec<UProbeLink>,
+    pub stats: DeviceProbeStats,
+}
+
+/// The path to open a mapped library by: its path when that is still the
+/// mapped file, else the process's `map_files` link (deleted, replaced, or
+/// in another mount namespace).
+fn open_path(pid: u32, lib: &LoadedLibrary) -> Option<String> {
+    if !lib.deleted
+        && std::fs::metadata(&lib.path)
+            .map(|m| m.ino() == lib.inode)
+            .unwrap_or(false)
+    {
+        return Some(lib.path.clone());
+    }
+    lib.map_files_path(pid)
+}
+
+impl DeviceProbes {
+    /// Probes the functions of the levels in `level_mask` (see
+    /// [`level_mask`]).
+    pub fn new(level_mask: u32) -> Self {
+        Self {
+            level_mask,
+            ..Self::default()
+        }
+    }
+
+    /// Reads the maps of `pids`, resolves new libraries, and returns what
+    /// changed. Processes not in `pids` (exited) are dropped.
+    pub fn plan(&mut self, pids: &[u32]) -> Plan {
+        let mut plan = Plan::default();
+        for &pid in self.procs.keys() {
+            if !pids.contains(&pid) {
+                plan.gone.push(pid);
+            }
+        }
+        for &pid in pids {
+            let Ok(maps) = ProcessMaps::read(pid) else {
+                continue; // exited, or a kernel thread
+            };
+            let now = discover::discover(&maps);
+            let old: Vec<LoadedLibrary> = self
+                .procs
+                .get(&pid)
+                .map(|libs| libs.iter().map(|l| l.lib.clone()).collect())
+                .unwrap_or_default();
+            let diff = discover::diff(&old, &now);
+            for lib in diff.removed {
+                plan.remove.push((pid, lib));
+            }
+            let mut added = diff.added;
+            for (before, after) in diff.replaced {
+                plan.remove.push((pid, before));
+                added.push(after);
+            }
+            for lib in added {
+                let Some(path) = open_path(pid, &lib) else {
+                    continue;
+                };
+                let Some(resolved) = self.resolved(&path, &lib) else {
+                    continue;
+                };
+                let mut table = ProbeTable::new();
+                // Only the levels recorded: every probe costs a perf event
+                // (slow to close, see `detach_all`) and a trap per call.
+                let probes: Vec<AttachedProbe> = table
+                    .add_library(pid, &lib, &resolved)
+                    .into_iter()
+                    .filter(|p| p.spec.level_bit & self.level_mask != 0)
+                    .collect();
+                plan.updates.push(TableUpdate {
+                    tgid: pid,
+                    probes: probes.iter().map(|p| (p.key.probe_ip, p.target)).collect(),
+                    identity: RankIdentity::read(pid),
+                });
+                plan.add.push((pid, lib, path, probes));
+            }
+        }
+        plan
+    }
+
+    fn resolved(&mut self, path: &str, lib: &LoadedLibrary) -> Option<Arc<ResolvedLibrary>> {
+        let key = (lib.path.clone(), lib.inode);
+        if let Some(r) = self.cache.get(&key) {
+            return r.clone();
+        }
+        let r = match resolve::resolve(Path::new(path), lib.library) {
+            Ok(r) => {
+                for f in r.missing_required() {
+                    tracing::warn!("{}: {} not exported", lib.path, f.name);
+                }
+                Some(Arc::new(r))
+            }
+            Err(e) => {
+                tracing::warn!("device probes: resolving {}: {e}", lib.path);
+                self.stats.attach_failures += 1;
+                None
+            }
+        };
+        self.cache.insert(key, r.clone());
+        r
+    }
+
+    /// Attaches and detaches what `plan` found (send `plan.updates` to the
+    /// trace stage first).
+    pub fn apply(&mut self, bpf: &mut Ebpf, plan: Plan) -> Result<()> {
+        for pid in plan.gone {
+            if let Some(libs) = self.procs.remove(&pid) {
+                for lib in libs {
+                    self.detach(bpf, lib.fns);
+                }
+            }
+        }
+        for (pid, lib) in plan.remove {
+            if let Some(libs) = self.procs.get_mut(&pid)
+                && let Some(i) = libs.iter().position(|l| l.lib == lib)
+            {
+                let gone = libs.remove(i);
+                self.detach(bpf, gone.fns);
+            }
+        }
+        if plan.add.is_empty() {
+            return Ok(());
+        }
+        if self.disabled {
+            return Ok(());
+        }
+        if !self.loaded {
+            if let Err(e) = load_programs(bpf) {
+                // The scheduler recording goes on without device calls.
+                self.disabled = true;
+                self.stats.attach_failures += 1;
+                return Err(e.context("device probes disabled"));
+            }
+            self.loaded = true;
+        }
+        for (pid, lib, path, probes) in plan.add {
+            let fns = self.attach(bpf, pid, &path, &probes);
+            tracing::info!(
+                "device probes: pid {pid}: {} ({} of {} functions attached)",
+                lib.path,
+                fns.len(),
+                probes.len()
+            );
+            self.stats.libraries += 1;
+            self.procs
+                .entry(pid)
+                .or_default()
+                .push(AttachedLib { lib, fns });
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &mut self,
+        bpf: &mut Ebpf,
+        pid: u32,
+        path: &str,
+        probes: &[AttachedProbe],
+    ) -> Vec<AttachedFn> {
+        let Some(scope) = NonZeroU32::new(pid).map(UProbeScope::OneProcess) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(probes.len());
+        for p in probes {
+            if let Err(e) = write_spec(bpf, p.key, p.spec) {
+                tracing::warn!("device probes: {}: {e:#}", p.target.function.name);
+                self.stats.attach_failures += 1;
+                continue;
+            }
+            let entry = attach_one(bpf, ENTRY_PROGRAM, p.file_offset, path, scope);
+            let ret = attach_one(bpf, RETURN_PROGRAM, p.file_offset, path, scope);
+            match (entry, ret) {
+                (Ok(entry), Ok(ret)) => {
+                    self.stats.attached += 1;
+                    out.push(AttachedFn {
+                        key: p.key,
+                        entry,
+                        ret,
+                    });
+                }
+                (entry, ret) => {
+                    let err = entry.as_ref().err().or(ret.as_ref().err());
+                    tracing::warn!(
+                        "device probes: attaching {} in pid {pid} at {path}+{:#x}: {}",
+                        p.target.function.name,
+                        p.file_offset,
+                        err.map(|e| format!("{e:#}")).unwrap_or_default()
+                    );
+                    self.stats.attach_failures += 1;
+                    if let Ok(id) = entry {
+                        detach_one(bpf, ENTRY_PROGRAM, id);
+                    }
+                    if let Ok(id) = ret {
+                        detach_one(bpf, RETURN_PROGRAM, id);
+                    }
+                    delete_spec(bpf, p.key);
+                }
+            }
+        }
+        out
+    }
+
+    /// Stops the probes of `fns`: their specs go at once (the programs
+    /// then push nothing for them), their links are kept until the end
+    /// (see [`DeviceProbes::detach_all`]).
+    fn detach(&mut self, bpf: &mut Ebpf, fns: Vec<AttachedFn>) {
+        let links = take_links(bpf, fns);
+        self.retired.extend(links);
+    }
+
+    /// Silences every probe, then hands the links to a child process that
+    /// closes them after the agent exits.
+    ///
+    /// Closing a uprobe perf event waits for an RCU tasks-trace grace
+    /// period under a kernel-wide mutex (about 90 ms each on 6.18): 92
+    /// probes of one rank would hold the agent for 8 s. With the specs
+    /// deleted the probes push nothing, so nothing is lost by closing later.
+    pub fn detach_all(&mut self, bpf: &mut Ebpf) {
+        let mut fns = Vec::new();
+        for (_, libs) in self.procs.drain() {
+            for lib in libs {
+                fns.extend(lib.fns);
+            }
+        }
+        let mut links = take_links(bpf, fns);
+        links.append(&mut self.retired);
+        if links.is_empty() {
+            return;
+        }
+        close_after_exit(links);
+    }
+}
+
+/// Keeps a reference to every link's file in a child process that waits
+/// for this process to exit (its end of a pipe closes), then exits itself:
+/// the last reference, and the slow release, is the child's.
+fn close_after_exit(links: Vec<UProbeLink>) {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two descriptors into the array we own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return; // the links are closed (slowly) when dropped
+    }
+    // SAFETY: the child only calls async-signal-safe functions (close,
+    // read, _exit) before exiting.
+    match unsafe { libc::fork() } {
+        0 => unsafe {
+            libc::prctl(libc::PR_SET_NAME, c"xpuscope-close".as_ptr());
+            libc::close(fds[1]);
+            let mut b = 0u8;
+            while libc::read(fds[0], (&raw mut b).cast(), 1) != 0 {
+                if *libc::__errno_location() != libc::EINTR {
+                    break;
+                }
+            }
+            libc::_exit(0);
+        },
+        -1 => {
+            // SAFETY: our own descriptors.
+            unsafe {
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+        }
+        child => {
+            tracing::debug!("device probes: pid {child} closes the uprobe links");
+            // SAFETY: our own descriptor; the write end stays open until exit.
+            unsafe { libc::close(fds[0]) };
+            // The child holds references: these closes are cheap.
+            drop(links);
+        }
+    }
+}
+
+/// Deletes the specs and takes ownership of the links of `fns`.
+fn take_links(bpf: &mut Ebpf, fns: Vec<AttachedFn>) -> Vec<UProbeLink> {
+    let mut links = Vec::with_capacity(fns.len() * 2);
+    let mut rets = Vec::with_capacity(fns.len());
+    for f in fns {
+        delete_spec(bpf, f.key);
+        if let Ok(p) = uprobe(bpf, ENTRY_PROGRAM) {
+            match p.take_link(f.entry) {
+                Ok(l) => links.push(l),
+                Err(e) => tracing::debug!("detaching {ENTRY_PROGRAM}: {e}"),
+            }
+        }
+        rets.push(f.ret);
+    }
+    if let Ok(p) = uprobe(bpf, RETURN_PROGRAM) {
+        for id in rets {
+            match p.take_link(id) {
+                Ok(l) => links.push(l),
+                Err(e) => tracing::debug!("detaching {RETURN_PROGRAM}: {e}"),
+            }
+        }
+    }
+    links
+}
+
+fn uprobe<'a>(bpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
+    Ok(bpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?
+        .try_into()?)
+}
+
+fn load_programs(bpf: &mut Ebpf) -> Result<()> {
+    for name in [ENTRY_PROGRAM, RETURN_PROGRAM] {
+        uprobe(bpf, name)?
+            .load()
+            .with_context(|| format!("verifying/loading {name}"))?;
+    }
+    Ok(())
+}
+
+fn attach_one(
+    bpf: &mut Ebpf,
+    program: &str,
+    offset: u64,
+    path: &str,
+    scope: UProbeScope,
+) -> Result<UProbeLinkId> {
+    Ok(uprobe(bpf, program)?.attach(offset, path, scope)?)
+}
+
+fn detach_one(bpf: &mut Ebpf, program: &str, id: UProbeLinkId) {
+    if let Ok(p) = uprobe(bpf, program)
+        && let Err(e) = p.detach(id)
+    {
+        tracing::debug!("detaching {program}: {e}");
+    }
+}
+
+fn specs(bpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, ProbeKey, ProbeSpec>> {
+    Ok(BpfHashMap::try_from(
+        bpf.map_mut(maps::UPROBE_SPECS)
+            .context("UPROBE_SPECS map missing")?,
+    )?)
+}
+
+fn write_spec(bpf: &mut Ebpf, key: ProbeKey, spec: ProbeSpec) -> Result<()> {
+    specs(bpf)?
+        .insert(key, spec, 0)
+        .context("writing UPROBE_SPECS (full?)")
+}
+
+fn delete_spec(bpf: &mut Ebpf, key: ProbeKey) {
+    if let Ok(mut m) = specs(bpf) {
+        let _ = m.remove(&key);
+    }
+}

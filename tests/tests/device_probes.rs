@@ -1,0 +1,576 @@
+//! End-to-end: device-library calls (uprobes on the stand-in CUDA runtime
+//! and NCCL) recorded by `agent attach` and decoded from the written trace
+//! with the independent decoder. Root and eBPF; these never skip.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
+use xpuscope_tests::fixtures;
+use xpuscope_tests::trace_check::{
+    ArgValue, Slice, Timeline, TrackKind, check_importer_rules, decode,
+};
+
+/// Kills a whole process group (the launcher and its ranks) on drop.
+struct GroupGuard(Child);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child's process group.
+        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
+/// (pid, tid) of a slice's thread track.
+fn thread_of(tl: &Timeline, s: &Slice) -> Option<(i32, i32)> {
+    match &tl.tracks.get(&s.track)?.kind {
+        TrackKind::Thread { pid, tid, .. } => Some((*pid, *tid)),
+        _ => None,
+    }
+}
+
+fn arg<'a>(s: &'a Slice, name: &str) -> Option<&'a ArgValue> {
+    s.args.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+}
+
+fn arg_text(s: &Slice, name: &str) -> String {
+    arg(s, name).map(|v| v.to_string()).unwrap_or_default()
+}
+
+/// Waits until no earlier agent is still closing its uprobe links in the
+/// background (`xpuscope-close`): the kernel serialises those closes with
+/// new attaches, which would delay this test's probes.
+fn wait_for_closers() {
+    let closing = || {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                std::fs::read_to_string(e.path().join("comm"))
+                    .is_ok_and(|c| c.trim() == "xpuscope-close")
+            })
+    };
+    wait_until(
+        Duration::from_secs(60),
+        "earlier agents' uprobe closes",
+        || !closing(),
+    );
+}
+
+fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn read_json(path: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// A 2-rank data-parallel job (C ranks, NVIDIA stand-ins) that initialises,
+/// waits at its start gate while the agent attaches to the launcher, then
+/// trains: every rank's all-reduces are on its threads, with the sizes and
+/// types the simulator issues and the same collective numbers on every rank.
+#[test]
+fn sim_job_all_reduces_on_every_rank() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("devsim");
+    let job_dir = dir.path().join("job");
+    let gate = dir.path().join("go");
+    let steps = 4u64;
+    let launcher = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--out-dir")
+        .arg(&job_dir)
+        .arg("--build-dir")
+        .arg(fixtures.join("sim"))
+        .args(["--job-name", "devsim", "--quiet", "--timeout", "60"])
+        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+        .args(["--steps", &steps.to_string()])
+        .arg("--start-gate")
+        .arg(&gate)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn the simulated job");
+    let mut launcher = GroupGuard(launcher);
+    let launcher_pid = launcher.0.id();
+
+    // Every rank initialised (communicators, memory) and waits at the gate.
+    let gt_path = job_dir.join("ground_truth.json");
+    wait_until(Duration::from_secs(20), "ranks ready", || {
+        (0..2).all(|r| {
+            std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
+                .is_ok_and(|t| t.contains("\"ready\""))
+        })
+    });
+    let gt = read_json(&gt_path).expect("ground truth");
+    let grad_mb = gt["workload"]["grad_mb"].as_u64().expect("grad_mb");
+    let rank_pids: BTreeMap<u64, i32> = gt["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["rank"].as_u64().unwrap(),
+                r["pid"].as_i64().unwrap() as i32,
+            )
+        })
+        .collect();
+    assert_eq!(rank_pids.len(), 2);
+
+    let rec = Recording::start(dir.path(), &["--pid", &launcher_pid.to_string()]);
+    std::fs::write(&gate, b"").expect("open the gate");
+    let done = rec.finish(Duration::from_secs(40));
+    let status = launcher.0.wait().expect("launcher status");
+    assert!(status.success(), "the job failed: {status}");
+    assert!(
+        done.stderr.contains("stopped (target exited)"),
+        "{}",
+        done.stderr
+    );
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+
+    let device = &done.stats["device"];
+    assert!(device["attached_probes"].as_u64().unwrap() > 0, "{device}");
+    assert_eq!(device["attach_failures"], 0, "{device}");
+    assert_eq!(device["entries_without_return"], 0, "{device}");
+    assert_eq!(device["returns_without_entry"], 0, "{device}");
+
+    let expected_name = format!("ncclAllReduce {grad_mb} MiB fp32 sum");
+    let count = (grad_mb << 20) / 4;
+    let mut seqs_by_rank = BTreeMap::new();
+    for (&rank, &pid) in &rank_pids {
+        let mut reduces: Vec<&Slice> = tl
+            .slices
+            .iter()
+            .filter(|s| s.name.starts_with("ncclAllReduce"))
+            .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+            .collect();
+        reduces.sort_by_key(|s| s.ts);
+        assert_eq!(
+            reduces.len() as u64,
+            steps,
+            "rank {rank}: one DP all-reduce per step: {:?}",
+            reduces.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+        for s in &reduces {
+            assert_eq!(s.name, expected_name);
+            assert_eq!(s.category.as_deref(), Some("device"));
+            assert!(s.end.is_some_and(|e| e >= s.ts), "{s:?}");
+            assert_eq!(arg_text(s, "bytes"), (grad_mb << 20).to_string());
+            assert_eq!(arg_text(s, "count"), count.to_string());
+            assert_eq!(arg_text(s, "dtype"), "fp32");
+            assert_eq!(arg_text(s, "op"), "sum");
+            assert_eq!(arg_text(s, "return"), "0");
+            assert!(arg(s, "error").is_none());
+            assert!(arg(s, "comm").is_some());
+        }
+        let seqs: Vec<String> = reduces.iter().map(|s| arg_text(s, "seq")).collect();
+        seqs_by_rank.insert(rank, seqs);
+        // The rank's identity from its environment.
+        let p = tl.processes.get(&pid).expect("rank process");
+        assert!(p.labels.contains(&format!("rank={rank}")), "{p:?}");
+        assert!(p.labels.contains(&"job=devsim".to_string()), "{p:?}");
+        assert_eq!(
+            p.name.as_deref(),
+            Some(format!("rank {rank}/2 job devsim").as_str())
+        );
+    }
+    // The same collective has the same number on every rank.
+    let first = seqs_by_rank.values().next().unwrap().clone();
+    let expect: Vec<String> = (0..steps).map(|s| s.to_string()).collect();
+    assert_eq!(first, expect, "counted from the attach");
+    for seqs in seqs_by_rank.values() {
+        assert_eq!(seqs, &first);
+    }
+}
+
+const DLOPEN_PROGRAM: &str = r#"
+import ctypes, os, sys, time
+lib_path = sys.argv[1]
+sys.stdin.readline()                       # "go": the agent is attached
+lib = ctypes.CDLL(lib_path)                # loaded after the attach
+time.sleep(1.2)                            # the agent re-scans every 500 ms
+child = os.fork()
+if child == 0:
+    # A second process: found as a child, attached, exits mid-trace.
+    time.sleep(1.2)
+    p = ctypes.c_void_p()
+    rc = lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(2 << 20))
+    print("child", rc, flush=True)
+    os._exit(0)
+p = ctypes.c_void_p()
+q = ctypes.c_void_p()
+rc1 = lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(1 << 20))
+rc2 = lib.cudaMalloc(ctypes.byref(q), ctypes.c_size_t(3 << 20))
+rc3 = lib.cudaFree(p)
+os.waitpid(child, 0)
+print("parent", rc1, rc2, rc3, p.value, flush=True)
+time.sleep(0.3)
+"#;
+
+/// A library loaded with dlopen after the attach is traced (found by the
+/// periodic re-scan), in the target and in a child forked later that exits
+/// mid-trace; device memory is counted per process.
+#[test]
+fn dlopened_library_and_exiting_child_are_traced() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("devdlopen");
+    let lib = fixtures.join("standins/lib/libcudart.so.12");
+    assert!(lib.exists(), "{}", lib.display());
+    let mut wl = Proc::spawn(
+        "dlopen",
+        Command::new("python3")
+            .args(["-c", DLOPEN_PROGRAM])
+            .arg(&lib)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
+    go(&mut stdin);
+    let parent = out.wait_for("parent", Duration::from_secs(20));
+    let done = rec.finish(Duration::from_secs(30));
+    assert!(parent.contains("parent 0 0 0"), "{parent}");
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = wl.pid() as i32;
+    let mallocs: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaMalloc"))
+        .collect();
+    let by_pid = |p: i32| -> Vec<&Slice> {
+        let mut v: Vec<&Slice> = mallocs
+            .iter()
+            .copied()
+            .filter(|s| thread_of(&tl, s).is_some_and(|(x, _)| x == p))
+            .collect();
+        v.sort_by_key(|s| s.ts);
+        v
+    };
+    let mine = by_pid(pid);
+    assert_eq!(
+        mine.len(),
+        2,
+        "{:?}",
+        mallocs.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    assert_eq!(arg_text(mine[0], "bytes"), (1u64 << 20).to_string());
+    assert_eq!(arg_text(mine[1], "bytes"), (3u64 << 20).to_string());
+    assert_eq!(arg_text(mine[0], "return"), "0");
+    assert!(arg(mine[0], "ptr").is_some(), "{:?}", mine[0]);
+    let frees: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaFree"))
+        .collect();
+    assert_eq!(frees.len(), 1);
+    assert_eq!(arg_text(frees[0], "ptr"), arg_text(mine[0], "ptr"));
+
+    // The child's call, on the child's thread.
+    let others: Vec<&Slice> = mallocs
+        .iter()
+        .copied()
+        .filter(|s| thread_of(&tl, s).is_some_and(|(x, _)| x != pid))
+        .collect();
+    assert_eq!(others.len(), 1, "the child's cudaMalloc");
+    assert_eq!(arg_text(others[0], "bytes"), (2u64 << 20).to_string());
+
+    // Device memory of the parent: 1 MiB, 4 MiB, then 3 MiB after the free.
+    let parent_tracks: Vec<u64> = tl
+        .tracks
+        .values()
+        .filter(|t| t.name.as_deref() == Some("device memory dev0"))
+        .filter(|t| {
+            t.parent
+                .and_then(|p| tl.tracks.get(&p))
+                .is_some_and(|p| matches!(p.kind, TrackKind::Process { pid: x, .. } if x == pid))
+        })
+        .map(|t| t.uuid)
+        .collect();
+    assert_eq!(parent_tracks.len(), 1);
+    let values: Vec<f64> = tl
+        .counter_series(parent_tracks[0])
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
+    let mib = (1u64 << 20) as f64;
+    assert_eq!(values, vec![mib, 4.0 * mib, 3.0 * mib]);
+
+    let device = &done.stats["device"];
+    assert_eq!(device["calls"], 4, "{device}");
+    assert_eq!(device["attach_failures"], 0, "{device}");
+}
+
+const NCCL_PROGRAM: &str = r#"
+import ctypes, os, sys, time
+cudart = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+sys.stdin.readline()                       # "go": the agent is attached
+nccl = ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+uid = UniqueId()
+assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+# Mark the id's (unused) tail: only a full 128-byte copy hashes to the same.
+ctypes.memmove(ctypes.addressof(uid) + 120, b"XPUSCOPE", 8)
+print("id", ctypes.string_at(ctypes.addressof(uid), 128).hex(), flush=True)
+child = os.fork()
+rank = 0 if child else 1
+time.sleep(1.2)                            # both processes are probed by now
+comm = ctypes.c_void_p()
+# ncclCommInitRank(ncclComm_t*, int nranks, ncclUniqueId id (by value), int rank)
+rc = nccl.ncclCommInitRank(ctypes.byref(comm), 2, uid, rank)
+assert rc == 0, rc
+buf = ctypes.c_void_p()
+assert cudart.cudaMalloc(ctypes.byref(buf), ctypes.c_size_t(8 << 20)) == 0
+for _ in range(2):
+    # 1 Mi bf16 elements (ncclBfloat16 = 9), ncclMax = 2, default stream
+    assert nccl.ncclAllReduce(buf, buf, ctypes.c_size_t(1 << 20), 9, 2, comm, None) == 0
+assert cudart.cudaDeviceSynchronize() == 0
+assert nccl.ncclCommDestroy(comm) == 0
+if child == 0:
+    os._exit(0)
+os.waitpid(child, 0)
+print("done", flush=True)
+time.sleep(0.3)
+"#;
+
+/// Two processes initialise one NCCL communicator after the attach (the
+/// 128-byte unique id passed by value on the stack is copied by the
+/// kernel) and all-reduce on it: both see the same communicator identity
+/// (the hash of the id), their own rank of 2, and exact collective numbers.
+#[test]
+fn communicator_identity_is_the_same_on_every_rank() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("devnccl");
+    let libs = fixtures.join("standins/lib");
+    let mut wl = Proc::spawn(
+        "nccl",
+        Command::new("python3")
+            .args(["-c", NCCL_PROGRAM])
+            .arg(libs.join("libcudart.so.12"))
+            .arg(libs.join("libnccl.so.2"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
+    go(&mut stdin);
+    let id_line = out.wait_for("id ", Duration::from_secs(20));
+    out.wait_for("done", Duration::from_secs(20));
+    let done = rec.finish(Duration::from_secs(30));
+
+    let hex = id_line
+        .lines()
+        .find_map(|l| l.strip_prefix("id "))
+        .expect("id line");
+    let id: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    assert_eq!(id.len(), 128);
+    assert_eq!(&id[120..], b"XPUSCOPE");
+    let expected_hash = format!("{:016x}", xpuscope_probes::decode::comm::comm_id_hash(&id));
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let inits: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("ncclCommInitRank"))
+        .collect();
+    assert_eq!(inits.len(), 2, "{:?}", inits);
+    for s in &inits {
+        assert_eq!(arg_text(s, "id_hash"), expected_hash, "{s:?}");
+        assert_eq!(arg_text(s, "nranks"), "2");
+    }
+    let mut by_rank: BTreeMap<String, Vec<&Slice>> = BTreeMap::new();
+    for s in tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("ncclAllReduce"))
+    {
+        by_rank.entry(arg_text(s, "rank")).or_default().push(s);
+    }
+    assert_eq!(
+        by_rank.keys().cloned().collect::<Vec<_>>(),
+        vec!["0".to_string(), "1".to_string()]
+    );
+    let mut pids = std::collections::BTreeSet::new();
+    for (rank, mut calls) in by_rank {
+        calls.sort_by_key(|s| s.ts);
+        assert_eq!(calls.len(), 2, "rank {rank}");
+        for (seq, s) in calls.iter().enumerate() {
+            assert_eq!(s.name, "ncclAllReduce 2 MiB bf16 max");
+            assert_eq!(arg_text(s, "comm_hash"), expected_hash);
+            assert_eq!(arg_text(s, "size"), "2");
+            assert_eq!(arg_text(s, "seq"), seq.to_string());
+            assert_eq!(arg_text(s, "seq_exact"), "true");
+            pids.insert(thread_of(&tl, s).expect("on a thread").0);
+        }
+    }
+    assert_eq!(pids.len(), 2, "one rank per process");
+}
+
+const REAL_LIBS_PROGRAM: &str = r#"
+import ctypes, sys
+cudart = ctypes.CDLL(sys.argv[1])
+nccl = ctypes.CDLL(sys.argv[2])
+print("loaded", flush=True)
+sys.stdin.readline()                       # "go": the agent is attached
+p = ctypes.c_void_p()
+rc1 = cudart.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(5 << 20))
+# ncclAllReduce(send, recv, count, ncclFloat32 = 7, ncclSum = 0, comm = NULL, stream)
+rc2 = nccl.ncclAllReduce(None, None, ctypes.c_size_t(1024), 7, 0, None, None)
+print("rc", rc1, rc2, flush=True)
+"#;
+
+/// The real NVIDIA libraries (PyPI wheels; no GPU here): `cudaMalloc`
+/// fails with 35 (insufficient driver) and `ncclAllReduce` on a NULL
+/// communicator with 4 (invalid argument); the trace has both calls with
+/// exactly those arguments and return codes, marked as errors.
+#[test]
+fn real_nvidia_libraries_calls_and_errors() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let libs = fixtures::nvidia_libs();
+    let dir = TempDir::new("devreal");
+    let mut wl = Proc::spawn(
+        "real-libs",
+        Command::new("python3")
+            .args(["-c", REAL_LIBS_PROGRAM])
+            .arg(libs.join("nvidia/cuda_runtime/lib/libcudart.so.12"))
+            .arg(libs.join("nvidia/nccl/lib/libnccl.so.2"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    out.wait_for("loaded", Duration::from_secs(20));
+    let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
+    go(&mut stdin);
+    let rc = out.wait_for("rc ", Duration::from_secs(20));
+    let done = rec.finish(Duration::from_secs(30));
+    assert!(rc.contains("rc 35 4"), "{rc}");
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = wl.pid() as i32;
+    let on_pid = |prefix: &str| -> Vec<&Slice> {
+        tl.slices
+            .iter()
+            .filter(|s| s.name.starts_with(prefix))
+            .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+            .collect()
+    };
+    let malloc = on_pid("cudaMalloc");
+    assert_eq!(malloc.len(), 1, "{malloc:?}");
+    let m = malloc[0];
+    assert!(m.name.ends_with(" [error 35]"), "{}", m.name);
+    assert_eq!(arg_text(m, "bytes"), (5u64 << 20).to_string());
+    assert_eq!(arg_text(m, "return"), "35");
+    assert_eq!(arg_text(m, "error"), "35");
+    let reduce = on_pid("ncclAllReduce");
+    assert_eq!(reduce.len(), 1, "{reduce:?}");
+    let r = reduce[0];
+    assert!(
+        r.name.starts_with("ncclAllReduce 4 KiB fp32 sum"),
+        "{}",
+        r.name
+    );
+    assert!(r.name.ends_with(" [error 4]"), "{}", r.name);
+    assert_eq!(arg_text(r, "count"), "1024");
+    assert_eq!(arg_text(r, "bytes"), "4096");
+    assert_eq!(arg_text(r, "return"), "4");
+    assert_eq!(arg_text(r, "comm"), "0x0");
+    // The failed allocation is also an instant with what was asked.
+    let failed: Vec<_> = tl
+        .instants_on_thread(m_tid(&tl, m))
+        .into_iter()
+        .filter(|(n, _)| n == "cudaMalloc failed")
+        .collect();
+    assert_eq!(failed.len(), 1);
+    assert!(
+        failed[0]
+            .1
+            .contains(&("requested".to_string(), (5u64 << 20).to_string())),
+        "{failed:?}"
+    );
+    assert_eq!(
+        done.stats["device"]["errors"], 2,
+        "{}",
+        done.stats["device"]
+    );
+}
+
+fn m_tid(tl: &Timeline, s: &Slice) -> i32 {
+    thread_of(tl, s).expect("on a thread").1
+}
+
+/// `agent probes --pid` lists the mapped device libraries and where each
+/// probe goes.
+#[test]
+fn probes_subcommand_lists_functions() {
+    let _serial = exclusive();
+    let fixtures = fixtures::build_all();
+    let lib = fixtures.join("standins/lib/libnccl.so.2");
+    let mut wl = Proc::spawn(
+        "probes-list",
+        Command::new("python3")
+            .args([
+                "-c",
+                "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print('loaded', flush=True); sys.stdin.readline()",
+            ])
+            .arg(&lib)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    out.wait_for("loaded", Duration::from_secs(20));
+    let listed = xpuscope_tests::agent::run_agent(&["probes", "--pid", &wl.pid().to_string()]);
+    go(&mut stdin);
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.status.success(), "{text}");
+    assert!(text.contains("nccl "), "{text}");
+    assert!(text.contains("libnccl.so.2"), "{text}");
+    let row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("ncclAllReduce "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(row.contains("0x"), "{row}");
+    assert!(
+        row.contains("emulated") || row.contains("optimized"),
+        "{row}"
+    );
+
+    let none =
+        xpuscope_tests::agent::run_agent(&["probes", "--pid", &std::process::id().to_string()]);
+    assert!(none.status.success());
+    assert!(String::from_utf8_lossy(&none.stdout).contains("no device library mapped"));
+}
