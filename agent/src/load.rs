@@ -131,6 +131,35 @@ impl Probes {
     }
 
     /// Detaches and unloads every program (maps stay readable).
+    /// Events the kernel skipped because a program would have re-entered
+    /// itself on a CPU (per `EventKind` slot). Read before detaching.
+    pub fn kernel_skips(&self) -> Vec<u64> {
+        use std::os::fd::{AsFd, AsRawFd};
+        use xpuscope_common::EventKind;
+        let kind_of = |name: &str| match name {
+            "sched_switch" => Some(EventKind::SchedSwitch),
+            "sched_waking" => Some(EventKind::SchedWaking),
+            "sched_wakeup_new" => Some(EventKind::SchedWakeupNew),
+            "sched_process_fork" => Some(EventKind::ProcessFork),
+            "sched_process_exec" => Some(EventKind::ProcessExec),
+            "sched_process_exit" => Some(EventKind::ProcessExit),
+            "task_rename" => Some(EventKind::TaskRename),
+            _ => None,
+        };
+        let mut out = vec![0; DROP_SLOTS as usize];
+        for (name, _) in PROGRAMS {
+            let (Some(kind), Some(program)) = (kind_of(name), self.bpf.program(name)) else {
+                continue;
+            };
+            if let Ok(fd) = program.fd()
+                && let Some(n) = crate::kernel_misses::recursion_misses(fd.as_fd().as_raw_fd())
+            {
+                out[kind as usize] += n;
+            }
+        }
+        out
+    }
+
     pub fn detach_all(&mut self) {
         for (name, _) in PROGRAMS {
             if let Some(program) = self.bpf.program_mut(name)

@@ -11,6 +11,7 @@ mod config;
 mod device_probes;
 mod events;
 mod host;
+mod kernel_misses;
 mod load;
 mod offcpu;
 mod preflight;

@@ -198,10 +198,14 @@ async fn record(
 
     // Detach first, then drain: everything produced is then either consumed
     // or counted as dropped.
+    let kernel_skips = probes.kernel_skips();
     device.detach_all(&mut probes.bpf);
     probes.detach_all();
     send_drops(&probes, &mut drops_seen, &tx).await;
-    let drops_by_kind = probes.drops_by_kind();
+    let mut drops_by_kind = probes.drops_by_kind();
+    for (slot, skipped) in kernel_skips.iter().enumerate() {
+        drops_by_kind[slot] += skipped;
+    }
     let _ = stop_tx.send(true);
     let reader_result = reader_task
         .await
@@ -248,6 +252,7 @@ async fn record(
         stats,
     );
     summary.set_device_probes(device.stats);
+    summary.kernel_skipped = kernel_skips.iter().sum();
     Ok(summary)
 }
 

@@ -53,7 +53,12 @@ pub struct RunSummary {
     pub stop_reason: StopReason,
     pub seconds: f64,
     pub events: u64,
+    /// Every lost event: ring buffer full, plus `kernel_skipped`.
     pub dropped: u64,
+    /// Of `dropped`: program runs the kernel skipped because the program was
+    /// already running on that CPU (a tracepoint firing from an interrupt
+    /// inside it).
+    pub kernel_skipped: u64,
     pub decode_errors: u64,
     pub per_kind: Vec<KindCount>,
     pub bytes: u64,
@@ -166,6 +171,7 @@ impl RunSummary {
             seconds: elapsed.as_secs_f64(),
             events: per_kind.iter().map(|k| k.consumed).sum(),
             dropped: per_kind.iter().map(|k| k.dropped).sum(),
+            kernel_skipped: 0,
             decode_errors,
             per_kind,
             bytes,
@@ -220,15 +226,25 @@ impl RunSummary {
             .map(|k| format!("{} {}", k.kind, k.consumed))
             .collect();
         eprintln!("  events:  {} ({})", self.events, kinds.join(", "));
-        eprintln!(
-            "  dropped: {}{}",
-            self.dropped,
-            if self.dropped > 0 {
-                " (ring buffer full: try a larger --ring-size; CPUs with drops are marked lost_events in the trace)"
-            } else {
-                ""
-            }
-        );
+        let ring_full = self.dropped - self.kernel_skipped.min(self.dropped);
+        let mut why = Vec::new();
+        if ring_full > 0 {
+            why.push(format!(
+                "{ring_full} with the ring buffer full: try a larger --ring-size; those CPUs are \
+                 marked lost_events in the trace"
+            ));
+        }
+        if self.kernel_skipped > 0 {
+            why.push(format!(
+                "{} skipped by the kernel: a tracepoint fired from an interrupt while its program ran",
+                self.kernel_skipped
+            ));
+        }
+        if why.is_empty() {
+            eprintln!("  dropped: 0");
+        } else {
+            eprintln!("  dropped: {} ({})", self.dropped, why.join("; "));
+        }
         eprintln!(
             "  threads: {}   preemptions of traced threads: {}",
             self.threads, self.preemptions
