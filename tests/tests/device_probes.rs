@@ -12,7 +12,7 @@ use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
 use xpuscope_tests::fixtures;
 use xpuscope_tests::trace_check::{
-    ArgValue, Slice, Timeline, TrackKind, check_importer_rules, decode,
+    ArgValue, Slice, Timeline, Track, TrackKind, check_importer_rules, decode,
 };
 
 /// Kills a whole process group (the launcher and its ranks) on drop.
@@ -573,4 +573,406 @@ fn probes_subcommand_lists_functions() {
         xpuscope_tests::agent::run_agent(&["probes", "--pid", &std::process::id().to_string()]);
     assert!(none.status.success());
     assert!(String::from_utf8_lossy(&none.stdout).contains("no device library mapped"));
+}
+
+/// The sim's kernel names (`tests/sim/src/rank.c`).
+const SIM_KERNELS: &[&str] = &[
+    "embedding_fwd",
+    "attention_fwd",
+    "mlp_fwd",
+    "mlp_bwd",
+    "attention_bwd",
+    "grad_scale",
+    "adam",
+];
+
+/// A finished 2-rank NVIDIA sim job traced from its start gate with
+/// `--probe-level level`.
+struct SimRun {
+    _dir: TempDir,
+    job_dir: std::path::PathBuf,
+    rank_pids: BTreeMap<u64, i32>,
+    tl: Timeline,
+}
+
+fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new(tag);
+    let job_dir = dir.path().join("job");
+    let gate = dir.path().join("go");
+    let launcher = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--out-dir")
+        .arg(&job_dir)
+        .arg("--build-dir")
+        .arg(fixtures.join("sim"))
+        .args(["--job-name", tag, "--quiet", "--timeout", "60"])
+        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+        .args(["--steps", &steps.to_string()])
+        .args(extra)
+        .arg("--start-gate")
+        .arg(&gate)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn the simulated job");
+    let mut launcher = GroupGuard(launcher);
+    let launcher_pid = launcher.0.id();
+    wait_until(Duration::from_secs(20), "ranks ready", || {
+        (0..2).all(|r| {
+            std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
+                .is_ok_and(|t| t.contains("\"ready\""))
+        })
+    });
+    let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+    let rank_pids: BTreeMap<u64, i32> = gt["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["rank"].as_u64().unwrap(),
+                r["pid"].as_i64().unwrap() as i32,
+            )
+        })
+        .collect();
+    assert_eq!(rank_pids.len(), 2);
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &launcher_pid.to_string(), "--probe-level", level],
+    );
+    std::fs::write(&gate, b"").expect("open the gate");
+    let done = rec.finish(Duration::from_secs(40));
+    let status = launcher.0.wait().expect("launcher status");
+    assert!(status.success(), "the job failed: {status}");
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    SimRun {
+        _dir: dir,
+        job_dir,
+        rank_pids,
+        tl: Timeline::new(&trace),
+    }
+}
+
+/// The tracks under process `pid`'s track whose names start with `prefix`.
+fn device_tracks<'a>(tl: &'a Timeline, pid: i32, prefix: &str) -> Vec<&'a Track> {
+    let Some(process) = tl
+        .tracks
+        .values()
+        .find(|t| matches!(t.kind, TrackKind::Process { pid: p, .. } if p == pid))
+    else {
+        return Vec::new();
+    };
+    tl.tracks
+        .values()
+        .filter(|t| t.parent == Some(process.uuid))
+        .filter(|t| t.name.as_deref().is_some_and(|n| n.starts_with(prefix)))
+        .collect()
+}
+
+/// Slices of one track in time order, none overlapping (they nest).
+fn ordered_slices<'a>(tl: &'a Timeline, track: &Track) -> Vec<&'a Slice> {
+    let mut slices = tl.slices_on(track.uuid);
+    slices.sort_by_key(|s| s.ts);
+    for w in slices.windows(2) {
+        let end = w[0].end.expect("ended");
+        assert!(end <= w[1].ts, "{track:?}: {:?} overlaps {:?}", w[0], w[1]);
+    }
+    slices
+}
+
+/// `--probe-level 2`: the kernels and copies the stand-in CUPTI reported
+/// to each rank are on "GPU d stream s" tracks under the rank's process,
+/// from device start to end, named by kernel name, one per record the
+/// rank's CUPTI consumer drained in the traced steps.
+#[test]
+fn sim_job_device_streams_from_activity_records() {
+    let _serial = exclusive();
+    let steps = 3;
+    // Steps long enough that the agent reads each kernel name (from the
+    // rank's memory, once) while the rank still runs.
+    let run = run_sim_job("devstream", "2", steps, &["--host-us", "250000"]);
+    let tl = &run.tl;
+    for (&rank, &pid) in &run.rank_pids {
+        let tracks = device_tracks(tl, pid, "GPU ");
+        assert!(!tracks.is_empty(), "rank {rank}: no device stream tracks");
+        assert!(
+            tracks
+                .iter()
+                .all(|t| !t.name.as_deref().unwrap().contains("estimated")),
+            "{tracks:?}"
+        );
+        let mut slices = Vec::new();
+        for t in &tracks {
+            slices.extend(ordered_slices(tl, t));
+        }
+        for s in &slices {
+            assert!(s.end.is_some_and(|e| e >= s.ts), "{s:?}");
+            assert_eq!(s.category.as_deref(), Some("device"));
+            assert!(arg(s, "correlation_id").is_some(), "{s:?}");
+            assert!(arg(s, "stream").is_some(), "{s:?}");
+            assert!(
+                SIM_KERNELS.contains(&s.name.as_str())
+                    || s.name.starts_with("ncclDevKernel_")
+                    || s.name.starts_with("memcpy "),
+                "unexpected device slice name {:?}: {s:?} of {}",
+                s.name,
+                slices.len()
+            );
+        }
+        for k in SIM_KERNELS {
+            assert!(
+                slices.iter().any(|s| s.name == *k),
+                "rank {rank}: no {k} on the device"
+            );
+        }
+        let nccl: Vec<_> = slices
+            .iter()
+            .filter(|s| s.name.starts_with("ncclDevKernel_AllReduce"))
+            .collect();
+        assert_eq!(
+            nccl.len() as u64,
+            steps,
+            "rank {rank}: one all-reduce kernel a step"
+        );
+        // Exactly the records the rank drained in its steps.
+        let log = std::fs::read_to_string(run.job_dir.join(format!("rank{rank}.steps.jsonl")))
+            .expect("step log");
+        let drained: u64 = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["event"] == "step")
+            .map(|v| v["activity_records"].as_u64().unwrap_or(0))
+            .sum();
+        assert_eq!(slices.len() as u64, drained, "rank {rank}");
+    }
+}
+
+/// `--probe-level 1` (no activity records): device work per stream is
+/// estimated from launch to the next sync, labelled as estimated.
+#[test]
+fn sim_job_estimated_device_streams() {
+    let _serial = exclusive();
+    let run = run_sim_job("devest", "1", 3, &[]);
+    let tl = &run.tl;
+    for (&rank, &pid) in &run.rank_pids {
+        let tracks = device_tracks(tl, pid, "GPU ");
+        assert!(
+            !tracks.is_empty(),
+            "rank {rank}: no estimated device tracks"
+        );
+        let launches = tl
+            .slices
+            .iter()
+            .filter(|s| s.name.starts_with("cudaLaunchKernel"))
+            .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
+            .count() as u64;
+        let mut estimated = 0;
+        for t in &tracks {
+            let name = t.name.as_deref().unwrap();
+            assert!(name.ends_with("(estimated)"), "{name}");
+            for s in ordered_slices(tl, t) {
+                assert!(s.name.starts_with("estimated: "), "{s:?}");
+                assert_eq!(arg_text(s, "estimated"), "true");
+                assert!(s.end.is_some_and(|e| e > s.ts), "{s:?}");
+                estimated += arg(s, "kernels")
+                    .map(|v| v.to_string().parse::<u64>().unwrap())
+                    .unwrap();
+            }
+        }
+        assert!(
+            estimated > 0 && estimated <= launches,
+            "rank {rank}: {estimated} estimated kernels, {launches} launches"
+        );
+    }
+}
+
+/// A CUPTI consumer (ctypes, stand-in libraries) that enables kernel, copy
+/// and runtime-API records, launches kernels on two streams after "go",
+/// and prints the kernel records it read as JSON.
+const CUPTI_PROGRAM: &str = r#"
+import ctypes, json, sys, time
+from ctypes import (CFUNCTYPE, POINTER, Structure, addressof, byref, c_char_p, c_int,
+                    c_size_t, c_uint, c_uint32, c_uint64, c_void_p, sizeof)
+libs = sys.argv[1]
+cudart = ctypes.CDLL(libs + "/libcudart.so.12")
+cupti = ctypes.CDLL(libs + "/libcupti.so.12")
+REQ = CFUNCTYPE(None, POINTER(c_void_p), POINTER(c_size_t), POINTER(c_size_t))
+DONE = CFUNCTYPE(None, c_void_p, c_uint32, c_void_p, c_size_t, c_size_t)
+keep, kernels = [], []
+def req(buf, size, max_records):
+    b = (c_uint64 * 512)()
+    keep.append(b)
+    buf[0] = addressof(b)
+    size[0] = sizeof(b)
+    max_records[0] = 0
+def done(ctx, stream_id, buf, size, valid):
+    rec = c_void_p()
+    while cupti.cuptiActivityGetNextRecord(c_void_p(buf), c_size_t(valid), byref(rec)) == 0:
+        r = rec.value
+        u32 = lambda off: c_uint32.from_address(r + off).value
+        u64 = lambda off: c_uint64.from_address(r + off).value
+        if u32(0) in (3, 10):
+            name = ctypes.string_at(u64(104)).decode()
+            kernels.append({"start": u64(16), "end": u64(24), "stream": u32(48),
+                            "correlation": u32(92), "name": name})
+req_cb, done_cb = REQ(req), DONE(done)
+cupti.cuptiActivityRegisterCallbacks.argtypes = [REQ, DONE]
+assert cupti.cuptiActivityRegisterCallbacks(req_cb, done_cb) == 0
+for kind in (10, 1, 5):
+    assert cupti.cuptiActivityEnable(c_int(kind)) == 0
+class Dim3(Structure):
+    _fields_ = [("x", c_uint), ("y", c_uint), ("z", c_uint)]
+class Spec(Structure):
+    _fields_ = [("magic", c_uint32), ("mode", c_uint32), ("ns", c_uint64)]
+cudart.__cudaRegisterFatBinary.restype = c_void_p
+cudart.__cudaRegisterFatBinary.argtypes = [c_void_p]
+names = [b"flow_gemm", b"flow_relu"]
+stubs = [ctypes.create_string_buffer(16) for _ in names]
+for stub, name in zip(stubs, names):
+    h = cudart.__cudaRegisterFatBinary(None)
+    cudart.__cudaRegisterFunction(c_void_p(h), c_void_p(addressof(stub)), c_char_p(name),
+                                  c_char_p(name), c_int(-1), None, None, None, None, None)
+    cudart.__cudaRegisterFatBinaryEnd(c_void_p(h))
+streams = [c_void_p(), c_void_p()]
+for s in streams:
+    assert cudart.cudaStreamCreate(byref(s)) == 0
+spec = Spec(0x4E524B53, 0, 2_000_000)
+args = (c_void_p * 1)(addressof(spec))
+cudart.cudaLaunchKernel.argtypes = [c_void_p, Dim3, Dim3, c_void_p, c_size_t, c_void_p]
+sys.stdin.readline()                       # "go": the agent is attached
+time.sleep(0.3)
+# A first runtime-API record reaches the agent before the launches.
+assert cudart.cudaStreamSynchronize(streams[0]) == 0
+cupti.cuptiActivityFlushAll(c_uint32(0))
+time.sleep(1.0)
+for i in range(4):
+    for stub, s in zip(stubs, streams):
+        assert cudart.cudaLaunchKernel(addressof(stub), Dim3(4, 1, 1), Dim3(64, 1, 1),
+                                       addressof(args), 0, s) == 0
+for s in streams:
+    assert cudart.cudaStreamSynchronize(s) == 0
+cupti.cuptiActivityFlushAll(c_uint32(0))
+time.sleep(0.5)                            # the agent reads the names meanwhile
+print(json.dumps({"kernels": kernels}), flush=True)
+"#;
+
+/// `--probe-level 2` with CUPTI runtime-API records: every kernel record is
+/// a slice on its stream's track with the record's exact times, correlation
+/// id and name, and a flow from its `cudaLaunchKernel` slice (or a marker
+/// inside it) to it.
+#[test]
+fn activity_records_flow_from_host_launches() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("devflow");
+    let libs = fixtures.join("standins/lib");
+    let mut wl = Proc::spawn(
+        "cupti",
+        Command::new("python3")
+            .args(["-c", CUPTI_PROGRAM])
+            .arg(&libs)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &wl.pid().to_string(), "--probe-level", "2"],
+    );
+    go(&mut stdin);
+    let line = out.wait_for("kernels", Duration::from_secs(20));
+    let done = rec.finish(Duration::from_secs(30));
+    let records: Value = serde_json::from_str(&line).expect("records json");
+    let records = records["kernels"].as_array().expect("kernels").clone();
+    assert_eq!(records.len(), 8, "{records:?}");
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = wl.pid() as i32;
+    let tracks = device_tracks(&tl, pid, "GPU 0 stream ");
+    assert_eq!(tracks.len(), 2, "one track per stream: {tracks:?}");
+    let mut device: Vec<&Slice> = Vec::new();
+    for t in &tracks {
+        device.extend(ordered_slices(&tl, t));
+    }
+    let mut got: Vec<(u64, u64, String, String)> = device
+        .iter()
+        .map(|s| {
+            (
+                s.ts,
+                s.end.unwrap(),
+                s.name.clone(),
+                arg_text(s, "correlation_id"),
+            )
+        })
+        .collect();
+    let mut want: Vec<(u64, u64, String, String)> = records
+        .iter()
+        .map(|r| {
+            (
+                r["start"].as_u64().unwrap(),
+                r["end"].as_u64().unwrap(),
+                r["name"].as_str().unwrap().to_string(),
+                r["correlation"].to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want);
+    for t in &tracks {
+        let stream = t.name.as_deref().unwrap().rsplit(' ').next().unwrap();
+        for s in tl.slices_on(t.uuid) {
+            assert_eq!(arg_text(s, "stream"), stream);
+        }
+    }
+
+    // Flows: from the launching thread, inside its cudaLaunchKernel.
+    let launches: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaLaunchKernel"))
+        .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+        .collect();
+    assert_eq!(launches.len(), 8);
+    let mut ids = std::collections::BTreeSet::new();
+    let mut from_launches = 0;
+    for d in &device {
+        assert_eq!(d.terminating_flow_ids.len(), 1, "{d:?}");
+        let id = d.terminating_flow_ids[0];
+        assert!(ids.insert(id), "flow id {id} reused");
+        let sources: Vec<&Slice> = tl
+            .slices
+            .iter()
+            .filter(|s| s.flow_ids.contains(&id))
+            .collect();
+        assert_eq!(sources.len(), 1, "{d:?}");
+        let src = sources[0];
+        assert!(src.ts <= d.ts, "{src:?} after {d:?}");
+        // The launch slice itself; or, when the agent had not yet seen an
+        // API record of the process as the launch was traced, a marker at
+        // the API record's start inside the launch.
+        let from_launch = launches.iter().any(|l| std::ptr::eq(*l, src));
+        let inside_launch = src.name == "device work enqueued"
+            && launches.iter().any(|l| {
+                thread_of(&tl, l) == thread_of(&tl, src)
+                    && l.ts <= src.ts
+                    && src.end.unwrap() <= l.end.unwrap()
+            });
+        assert!(from_launch || inside_launch, "{src:?}");
+        if from_launch {
+            from_launches += 1;
+        }
+    }
+    eprintln!(
+        "{from_launches} of {} flows start on the launch slice itself",
+        device.len()
+    );
 }

@@ -4,16 +4,21 @@
 //! allocations as instants, and each process's rank identity as process
 //! labels.
 
+mod streams;
+
 use std::collections::HashMap;
 use std::io::Write;
 
 use anyhow::Result;
+use streams::{DeviceStreams, HeldCall, HostCall, OpenWindow, StreamKey, Work};
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
 use xpuscope_perfetto::{Arg, ArgValue, CounterUnit, TrackUuid};
-use xpuscope_probes::catalog::Vendor;
+use xpuscope_probes::activity::names::RemoteStrings;
+use xpuscope_probes::activity::{ActivityDetail, ActivityKind};
+use xpuscope_probes::catalog::{CallKind, LaunchKind, SyncKind, Vendor};
 use xpuscope_probes::decode::args::CallArgs;
 use xpuscope_probes::decode::memory::MemoryEffect;
-use xpuscope_probes::decode::{Decoded, Decoder, DeviceCall, Unmatched};
+use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, Unmatched};
 
 use super::TraceBuilder;
 use crate::device_probes::TableUpdate;
@@ -29,6 +34,12 @@ pub struct DeviceStats {
     pub unknown_probes: u64,
     /// Calls still open when the recording ended.
     pub in_flight_at_end: u64,
+    /// Slices on device-stream tracks from activity records.
+    pub device_slices: u64,
+    /// Estimated device slices (no activity records).
+    pub estimated_slices: u64,
+    /// Flows from host calls to device slices.
+    pub device_flows: u64,
 }
 
 pub struct DeviceTrace {
@@ -37,6 +48,10 @@ pub struct DeviceTrace {
     /// Process tracks written, with the rank identity as labels.
     process_tracks: HashMap<u32, TrackUuid>,
     out: Vec<Decoded>,
+    /// Device-stream tracks (activity records, estimates).
+    streams: DeviceStreams,
+    /// Kernel names read from the applications.
+    strings: RemoteStrings,
     pub stats: DeviceStats,
 }
 
@@ -47,6 +62,8 @@ impl Default for DeviceTrace {
             memory_tracks: HashMap::new(),
             process_tracks: HashMap::new(),
             out: Vec::new(),
+            streams: DeviceStreams::default(),
+            strings: RemoteStrings::default(),
             stats: DeviceStats::default(),
         }
     }
@@ -291,8 +308,20 @@ impl<W: Write> TraceBuilder<W> {
     pub(super) fn device_exited(&mut self, tgid: u32, tid: u32) -> Result<()> {
         let mut out = std::mem::take(&mut self.device.out);
         if tid == tgid {
+            self.release_held(Some(tgid))?;
+            let mut keys: Vec<StreamKey> = (self.device.streams.pending.keys())
+                .filter(|k| k.tgid == tgid)
+                .cloned()
+                .collect();
+            keys.sort();
+            for key in keys {
+                self.flush_stream(&key)?;
+            }
+            self.device.streams.forget_process(tgid);
+            self.device.strings.forget_process(tgid);
             self.device.decoder.process_exited(tgid, &mut out);
         } else {
+            self.device.streams.current_device.remove(&(tgid, tid));
             self.device.decoder.thread_exited(tgid, tid, &mut out);
         }
         self.emit(&mut out)?;
@@ -323,6 +352,12 @@ impl<W: Write> TraceBuilder<W> {
                 None,
             )?;
         }
+        self.release_held(None)?;
+        let mut keys: Vec<StreamKey> = self.device.streams.pending.keys().cloned().collect();
+        keys.sort();
+        for key in keys {
+            self.flush_stream(&key)?;
+        }
         let s = self.device.decoder.stats();
         self.device.stats.activities = s.activities;
         self.device.stats.unknown_probes = s.unknown_probes;
@@ -333,15 +368,7 @@ impl<W: Write> TraceBuilder<W> {
         for d in out.drain(..) {
             match d {
                 Decoded::Call(call) => self.device_call(&call)?,
-                Decoded::Activity(a) => {
-                    let track = self.writer.thread_track(a.tgid as i32, a.tid as i32, "")?;
-                    let args = [Arg::new(
-                        "activity",
-                        ArgValue::Str(format!("{:?}", a.activity)),
-                    )];
-                    self.writer
-                        .instant(track, a.ts, "device activity record", &args, None)?;
-                }
+                Decoded::Activity(a) => self.device_activity(&a)?,
                 Decoded::Unmatched(Unmatched::EntryWithoutReturn { call, reason }) => {
                     self.device.stats.entries_without_return += 1;
                     let track = self
@@ -371,6 +398,29 @@ impl<W: Write> TraceBuilder<W> {
         if call.error {
             self.device.stats.errors += 1;
         }
+        let end = call.end_ts.unwrap_or(call.start_ts).max(call.start_ts);
+        self.estimate(call, end)?;
+        // Calls that enqueue device work wait (bounded) for their API
+        // record in processes that produce them: it gives the flow id.
+        let enqueues = matches!(call.kind, CallKind::Launch(_) | CallKind::Memcpy);
+        if enqueues
+            && call.memory.is_none()
+            && call.end_ts.is_some()
+            && self.device.streams.api_seen.contains(&call.tgid)
+        {
+            let held = self.device.streams.held.entry(call.tgid).or_default();
+            held.push_back(HeldCall { call: call.clone() });
+            if held.len() > streams::MAX_HELD {
+                let h = held.pop_front().expect("not empty");
+                self.write_call(&h.call, &[])?;
+            }
+            return Ok(());
+        }
+        self.write_call(call, &[])
+    }
+
+    /// One call as a slice on its thread (with the flow to its device work).
+    fn write_call(&mut self, call: &DeviceCall, flow_ids: &[u64]) -> Result<()> {
         // An empty name: track names outrank scheduler names in the importer.
         let track = self
             .writer
@@ -383,12 +433,309 @@ impl<W: Write> TraceBuilder<W> {
             &slice_name(call),
             Some("device"),
             &args,
-            &[],
+            flow_ids,
             None,
         )?;
         self.writer.slice_end(track, end, &[])?;
         if let Some(m) = &call.memory {
             self.memory_effect(call, m, track, end)?;
+        }
+        Ok(())
+    }
+
+    /// An API record of process `tgid`: the held call of that thread it
+    /// lies in gets a flow id (written now, with the flow); held calls of
+    /// the thread before it will get none (written now). False when no
+    /// held call matches.
+    fn api_record(&mut self, tgid: u32, tid: u32, start: u64, end: u64, corr: u64) -> Result<bool> {
+        self.device.streams.api_seen.insert(tgid);
+        let Some(held) = self.device.streams.held.get_mut(&tgid) else {
+            return Ok(false);
+        };
+        let Some(i) = held.iter().position(|h| {
+            h.call.tid == tid && h.call.start_ts <= start && h.call.end_ts.is_some_and(|e| end <= e)
+        }) else {
+            return Ok(false);
+        };
+        let mut release = Vec::new();
+        let mut k = 0;
+        held.retain(|h| {
+            let j = k;
+            k += 1;
+            if j <= i && h.call.tid == tid {
+                release.push((j == i, h.call.clone()));
+                false
+            } else {
+                true
+            }
+        });
+        for (matched, call) in release {
+            if matched {
+                let id = self.device.streams.launch_flow(tgid, corr);
+                self.write_call(&call, &[id])?;
+            } else {
+                self.write_call(&call, &[])?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Writes the held calls of one process, or of all.
+    fn release_held(&mut self, tgid: Option<u32>) -> Result<()> {
+        let mut keys: Vec<u32> = match tgid {
+            Some(t) => vec![t],
+            None => self.device.streams.held.keys().copied().collect(),
+        };
+        keys.sort();
+        for t in keys {
+            if let Some(held) = self.device.streams.held.remove(&t) {
+                for h in held {
+                    self.write_call(&h.call, &[])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An activity record: API records are remembered for flows; device
+    /// work is buffered for its stream's track.
+    fn device_activity(&mut self, e: &ActivityEvent) -> Result<()> {
+        let a = &e.activity;
+        let ascend = e.library.vendor() == Vendor::Ascend;
+        match a.kind {
+            ActivityKind::Api => {
+                if let (Some(c), ActivityDetail::Api { tid, .. }) = (a.correlation_id, a.detail) {
+                    let tid = if tid == 0 { e.tid } else { tid };
+                    if self.api_record(e.tgid, tid, a.start, a.end, c)? {
+                        return Ok(());
+                    }
+                    let call = HostCall { tid, ts: a.start };
+                    self.device.streams.remember_api(e.tgid, c, call);
+                }
+                return Ok(());
+            }
+            ActivityKind::Marker => return Ok(()),
+            _ => {}
+        }
+        if a.stream.is_none() && a.device.is_none() {
+            return Ok(());
+        }
+        self.device.streams.with_activity.insert(e.tgid);
+        let mut name_error = None;
+        let mut read_name = |fallback: &str| {
+            let n = match a.name_ptr.map(|p| self.device.strings.get(e.tgid, p)) {
+                Some(Ok(n)) => Some(n),
+                Some(Err(err)) => {
+                    name_error = Some(err.to_string());
+                    None
+                }
+                None => None,
+            };
+            streams::bounded_name(n.as_deref(), fallback)
+        };
+        let name = match (a.kind, a.detail) {
+            (ActivityKind::Memcpy, ActivityDetail::Memcpy { bytes, kind }) => {
+                format!("memcpy {kind:?} {bytes} B")
+            }
+            (ActivityKind::Memcpy, _) => "memcpy".to_string(),
+            (ActivityKind::Kernel, _) => read_name("kernel"),
+            _ => read_name("device task"),
+        };
+        let mut args = Vec::new();
+        if let Some(err) = name_error {
+            args.push(Arg::new("name_error", ArgValue::Str(err)));
+        }
+        if let Some(c) = a.correlation_id {
+            args.push(Arg::new("correlation_id", ArgValue::Uint(c)));
+        }
+        if let Some(d) = a.device {
+            args.push(Arg::new("device", ArgValue::Uint(d.into())));
+        }
+        if let Some(s) = a.stream {
+            args.push(Arg::new("stream", ArgValue::Uint(s)));
+        }
+        match a.detail {
+            ActivityDetail::Launch { grid, block, .. } => {
+                let dims = |d: [i32; 3]| format!("({},{},{})", d[0], d[1], d[2]);
+                args.push(Arg::new("grid", ArgValue::Str(dims(grid))));
+                args.push(Arg::new("block", ArgValue::Str(dims(block))));
+            }
+            ActivityDetail::Memcpy { bytes, .. } => {
+                args.push(Arg::new("bytes", ArgValue::Uint(bytes)));
+            }
+            _ => {}
+        }
+        let key = StreamKey {
+            tgid: e.tgid,
+            name: streams::stream_track_name(ascend, a.device, a.stream),
+            estimated: false,
+        };
+        let work = Work {
+            start: a.start,
+            end: a.end.max(a.start),
+            name,
+            args,
+            correlation: a.correlation_id,
+        };
+        if self.device.streams.push(key.clone(), work) {
+            self.flush_stream(&key)?;
+        }
+        Ok(())
+    }
+
+    /// Estimated device work from launches and syncs (used only for
+    /// processes without activity records).
+    fn estimate(&mut self, call: &DeviceCall, end: u64) -> Result<()> {
+        if call.error || self.device.streams.with_activity.contains(&call.tgid) {
+            return Ok(());
+        }
+        let ascend = call.library.vendor() == Vendor::Ascend;
+        let st = &mut self.device.streams;
+        let device = |st: &DeviceStreams| {
+            st.current_device
+                .get(&(call.tgid, call.tid))
+                .copied()
+                .unwrap_or(0)
+        };
+        let closed: Vec<(u64, OpenWindow)> = match (call.kind, &call.args) {
+            (_, CallArgs::SetDevice { device }) => {
+                st.current_device
+                    .insert((call.tgid, call.tid), (*device).max(0) as u32);
+                return Ok(());
+            }
+            (CallKind::Launch(LaunchKind::Kernel | LaunchKind::KernelExC), CallArgs::Launch(l)) => {
+                let dev = device(st);
+                st.open
+                    .entry((call.tgid, ascend, l.stream.unwrap_or(0)))
+                    .and_modify(|w| w.launches += 1)
+                    .or_insert(OpenWindow {
+                        device: dev,
+                        first_launch: call.start_ts,
+                        launches: 1,
+                    });
+                return Ok(());
+            }
+            (CallKind::Sync(SyncKind::Stream), CallArgs::Sync { stream, .. }) => {
+                let s = stream.unwrap_or(0);
+                st.open
+                    .remove(&(call.tgid, ascend, s))
+                    .map(|w| (s, w))
+                    .into_iter()
+                    .collect()
+            }
+            (CallKind::Sync(SyncKind::Device), _) => {
+                let dev = device(st);
+                let keys: Vec<_> = st
+                    .open
+                    .iter()
+                    .filter(|(k, w)| k.0 == call.tgid && k.1 == ascend && w.device == dev)
+                    .map(|(k, _)| *k)
+                    .collect();
+                let mut v: Vec<(u64, OpenWindow)> = keys
+                    .into_iter()
+                    .filter_map(|k| st.open.remove(&k).map(|w| (k.2, w)))
+                    .collect();
+                v.sort_by_key(|(s, _)| *s);
+                v
+            }
+            _ => return Ok(()),
+        };
+        for (stream, w) in closed {
+            let key = StreamKey {
+                tgid: call.tgid,
+                name: streams::estimated_track_name(ascend, w.device, stream),
+                estimated: true,
+            };
+            let work = Work {
+                start: w.first_launch,
+                end: end.max(w.first_launch),
+                name: format!("estimated: {} kernels", w.launches),
+                args: streams::estimated_args(w.launches),
+                correlation: None,
+            };
+            if self.device.streams.push(key.clone(), work) {
+                self.flush_stream(&key)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes a track's pending work in start order, on lanes so slices
+    /// nest, with a flow from the host call where the API record is known.
+    fn flush_stream(&mut self, key: &StreamKey) -> Result<()> {
+        let Some(mut work) = self.device.streams.pending.remove(key) else {
+            return Ok(());
+        };
+        if key.estimated && self.device.streams.with_activity.contains(&key.tgid) {
+            return Ok(());
+        }
+        work.sort_by_key(|w| (w.start, w.end));
+        let parent = self.device_process_track(key.tgid)?;
+        for w in work {
+            let mut flow = Vec::new();
+            let launch = w
+                .correlation
+                .and_then(|c| self.device.streams.launch_flows.remove(&(key.tgid, c)));
+            let host = match launch {
+                Some(_) => None,
+                None => w
+                    .correlation
+                    .and_then(|c| self.device.streams.api.remove(&(key.tgid, c))),
+            };
+            if let Some(id) = launch {
+                self.device.stats.device_flows += 1;
+                flow.push(id);
+            }
+            if let Some(h) = host {
+                let id = self.device.streams.new_flow();
+                let t = self
+                    .writer
+                    .thread_track(key.tgid as i32, h.tid as i32, "")?;
+                let args = [Arg::new(
+                    "correlation_id",
+                    ArgValue::Uint(w.correlation.unwrap_or(0)),
+                )];
+                self.writer.slice_begin(
+                    t,
+                    h.ts,
+                    "device work enqueued",
+                    Some("device"),
+                    &args,
+                    &[id],
+                    None,
+                )?;
+                self.writer.slice_end(t, h.ts, &[])?;
+                self.device.stats.device_flows += 1;
+                flow.push(id);
+            }
+            let lanes = self.device.streams.lanes.entry(key.clone()).or_default();
+            let ends: Vec<u64> = lanes.tracks.iter().map(|(_, e)| *e).collect();
+            let lane = streams::pick_lane(&ends, w.start);
+            if lane == lanes.tracks.len() {
+                let name = if lane == 0 {
+                    key.name.clone()
+                } else {
+                    format!("{} #{}", key.name, lane + 1)
+                };
+                let desc = if key.estimated {
+                    "estimated: from a launch to the next sync of its stream (no activity records)"
+                } else {
+                    "device work from activity records"
+                };
+                let t = self.writer.custom_track(Some(parent), &name, Some(desc))?;
+                lanes.tracks.push((t, 0));
+            }
+            let (track, last_end) = &mut lanes.tracks[lane];
+            *last_end = w.end;
+            let track = *track;
+            self.writer
+                .slice_begin(track, w.start, &w.name, Some("device"), &w.args, &[], None)?;
+            self.writer.slice_end(track, w.end, &flow)?;
+            if key.estimated {
+                self.device.stats.estimated_slices += 1;
+            } else {
+                self.device.stats.device_slices += 1;
+            }
         }
         Ok(())
     }
@@ -441,7 +788,7 @@ mod tests {
     use xpuscope_perfetto::TraceWriter;
     use xpuscope_probes::catalog::Library;
     use xpuscope_probes::decode::table::ProbeTarget;
-    use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+    use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
 
     use crate::events::Event;
 
@@ -562,6 +909,356 @@ mod tests {
         assert_eq!(stats.device.calls, 3);
         assert_eq!(stats.device.errors, 1);
         assert_eq!(stats.device.returns_without_entry, 1);
+    }
+
+    fn builder() -> TraceBuilder<Vec<u8>> {
+        let mut b = TraceBuilder::new(TraceWriter::new(Vec::new()));
+        b.writer()
+            .system_info(&xpuscope_perfetto::SystemInfo {
+                release: "6.18.0".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        b
+    }
+
+    fn record(
+        tgid: u32,
+        kind: ActivityKind,
+        (start, end): (u64, u64),
+        stream: Option<u64>,
+        corr: u64,
+        name_ptr: Option<u64>,
+        detail: ActivityDetail,
+    ) -> Decoded {
+        use xpuscope_probes::activity::{ActivityApi, DeviceActivity};
+        Decoded::Activity(ActivityEvent {
+            tgid,
+            tid: 43,
+            ts: 100_000,
+            library: Library::Cupti,
+            activity: DeviceActivity {
+                api: ActivityApi::Cupti,
+                kind,
+                raw_kind: 0,
+                start,
+                end,
+                device: stream.map(|_| 0),
+                stream,
+                correlation_id: Some(corr),
+                name_ptr,
+                detail,
+            },
+        })
+    }
+
+    fn api(tgid: u32, start: u64, corr: u64) -> Decoded {
+        record(
+            tgid,
+            ActivityKind::Api,
+            (start, start + 50),
+            None,
+            corr,
+            None,
+            ActivityDetail::Api {
+                cbid: Some(211),
+                pid: tgid,
+                tid: 43,
+                ret: Some(0),
+            },
+        )
+    }
+
+    /// Activity records, late and out of order, become slices on
+    /// per-stream tracks in start order (overlaps on a second lane), named
+    /// by the kernel name read from the application, with a flow from the
+    /// host call their API record matches.
+    #[test]
+    fn activity_records_become_device_stream_slices_with_flows() {
+        let pid = std::process::id();
+        let kname = std::ffi::CString::new("sgemm_128x64").unwrap();
+        let ptr = kname.as_ptr() as u64;
+        let launch = ActivityDetail::Launch {
+            grid: [8, 1, 1],
+            block: [128, 1, 1],
+            static_shared: 0,
+            dynamic_shared: 0,
+        };
+        let mut b = builder();
+        let mut out = vec![
+            api(pid, 1_000, 1),
+            api(pid, 2_000, 2),
+            // Out of order, and 2 overlaps 1.
+            record(
+                pid,
+                ActivityKind::Kernel,
+                (6_000, 7_000),
+                Some(7),
+                2,
+                None,
+                launch,
+            ),
+            record(
+                pid,
+                ActivityKind::Kernel,
+                (5_000, 9_000),
+                Some(7),
+                1,
+                Some(ptr),
+                launch,
+            ),
+            record(
+                pid,
+                ActivityKind::Kernel,
+                (9_500, 9_800),
+                Some(7),
+                9,
+                Some(ptr),
+                launch,
+            ),
+            record(
+                pid,
+                ActivityKind::Memcpy,
+                (3_000, 4_000),
+                Some(8),
+                3,
+                None,
+                ActivityDetail::Memcpy {
+                    bytes: 4096,
+                    kind: xpuscope_probes::decode::enums::MemcpyKind::HostToDevice,
+                },
+            ),
+        ];
+        b.emit(&mut out).unwrap();
+        let (bytes, stats, _) = b.finish(20_000).unwrap();
+        let trace = decode(&bytes).unwrap();
+        check_importer_rules(&trace).unwrap();
+        let tl = Timeline::new(&trace);
+        let s7 = tl.track_named("GPU 0 stream 7").expect("stream track");
+        let lane2 = tl.track_named("GPU 0 stream 7 #2").expect("lane track");
+        let process = tl
+            .tracks
+            .values()
+            .find(|t| matches!(t.kind, TrackKind::Process { pid: p, .. } if p == pid as i32))
+            .unwrap();
+        assert_eq!(s7.parent, Some(process.uuid));
+        let on7: Vec<(u64, Option<u64>, &str)> = tl
+            .slices_on(s7.uuid)
+            .iter()
+            .map(|s| (s.ts, s.end, s.name.as_str()))
+            .collect();
+        assert_eq!(
+            on7,
+            vec![
+                (5_000, Some(9_000), "sgemm_128x64"),
+                (9_500, Some(9_800), "sgemm_128x64")
+            ]
+        );
+        let on2 = tl.slices_on(lane2.uuid);
+        assert_eq!((on2[0].ts, on2[0].end), (6_000, Some(7_000)));
+        assert_eq!(on2[0].name, "kernel");
+        let first = tl.slices_on(s7.uuid)[0];
+        let arg = |n: &str| {
+            first
+                .args
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.to_string())
+        };
+        assert_eq!(arg("correlation_id").as_deref(), Some("1"));
+        assert_eq!(arg("stream").as_deref(), Some("7"));
+        assert_eq!(arg("grid").as_deref(), Some("(8,1,1)"));
+        let copy = tl.slices_on(tl.track_named("GPU 0 stream 8").unwrap().uuid)[0];
+        assert_eq!(copy.name, "memcpy HostToDevice 4096 B");
+        // Flows: host (API record's start on thread 43) -> device slice.
+        let host = tl.slices_on_thread(43);
+        assert_eq!(host.len(), 2, "{host:?}");
+        assert_eq!(host[0].ts, 1_000);
+        assert_eq!(host[0].flow_ids.len(), 1);
+        assert_eq!(first.terminating_flow_ids, host[0].flow_ids);
+        assert_eq!(on2[0].terminating_flow_ids, host[1].flow_ids);
+        assert_ne!(host[0].flow_ids, host[1].flow_ids);
+        // No API record: no flow.
+        assert!(copy.terminating_flow_ids.is_empty());
+        assert_eq!(stats.device.device_slices, 4);
+        assert_eq!(stats.device.device_flows, 2);
+        assert_eq!(stats.device.estimated_slices, 0);
+    }
+
+    fn call(kind: CallKind, args: CallArgs, (start, end): (u64, u64)) -> Decoded {
+        Decoded::Call(DeviceCall {
+            library: Library::Cudart,
+            function: "f",
+            kind,
+            tgid: 42,
+            tid: 43,
+            start_ts: start,
+            end_ts: Some(end),
+            args,
+            ret: Some(0),
+            error: false,
+            name: "f".into(),
+            comm: None,
+            memory: None,
+        })
+    }
+
+    fn launch(stream: u64, ts: u64) -> Decoded {
+        use xpuscope_probes::decode::args::LaunchArgs;
+        call(
+            CallKind::Launch(LaunchKind::Kernel),
+            CallArgs::Launch(LaunchArgs {
+                func: 0x1234,
+                grid: None,
+                block: None,
+                blocks: None,
+                shared_mem: None,
+                stream: Some(stream),
+            }),
+            (ts, ts + 100),
+        )
+    }
+
+    /// Without activity records: launch to the next sync of the stream,
+    /// labelled as estimated; a device sync closes every stream.
+    #[test]
+    fn launches_and_syncs_become_estimated_device_slices() {
+        let mut b = builder();
+        let sync = |stream: Option<u64>, kind, ts: u64| {
+            call(
+                CallKind::Sync(kind),
+                CallArgs::Sync {
+                    stream,
+                    event: None,
+                },
+                (ts, ts + 1_000),
+            )
+        };
+        let mut out = vec![
+            call(
+                CallKind::SetDevice,
+                CallArgs::SetDevice { device: 1 },
+                (10, 20),
+            ),
+            launch(0x10, 1_000),
+            launch(0x10, 2_000),
+            launch(0x20, 2_500),
+            sync(Some(0x10), SyncKind::Stream, 3_000),
+            launch(0x10, 5_000),
+            sync(None, SyncKind::Device, 6_000),
+        ];
+        b.emit(&mut out).unwrap();
+        let (bytes, stats, _) = b.finish(20_000).unwrap();
+        let trace = decode(&bytes).unwrap();
+        check_importer_rules(&trace).unwrap();
+        let tl = Timeline::new(&trace);
+        let t = tl.track_named("GPU 1 stream 0x10 (estimated)").unwrap();
+        let got: Vec<(u64, Option<u64>, &str)> = tl
+            .slices_on(t.uuid)
+            .iter()
+            .map(|s| (s.ts, s.end, s.name.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1_000, Some(4_000), "estimated: 2 kernels"),
+                (5_000, Some(7_000), "estimated: 1 kernels")
+            ]
+        );
+        let s = tl.slices_on(t.uuid)[0];
+        assert!(
+            s.args
+                .iter()
+                .any(|(k, v)| k == "estimated" && v.to_string() == "true"),
+            "{s:?}"
+        );
+        let t2 = tl.track_named("GPU 1 stream 0x20 (estimated)").unwrap();
+        assert_eq!(tl.slices_on(t2.uuid)[0].end, Some(7_000));
+        assert_eq!(stats.device.estimated_slices, 3);
+    }
+
+    /// Once a process produces API records, its launches wait for theirs:
+    /// the flow starts on the launch slice itself.
+    #[test]
+    fn flow_starts_on_the_launch_slice() {
+        let mut b = builder();
+        let mut out = vec![
+            api(42, 500, 1),
+            launch(0x10, 1_000),
+            launch(0x10, 2_000),
+            api(42, 2_010, 3),
+            record(
+                42,
+                ActivityKind::Kernel,
+                (3_000, 3_500),
+                Some(7),
+                3,
+                None,
+                ActivityDetail::None,
+            ),
+            record(
+                42,
+                ActivityKind::Kernel,
+                (2_500, 2_900),
+                Some(7),
+                2,
+                None,
+                ActivityDetail::None,
+            ),
+        ];
+        b.emit(&mut out).unwrap();
+        let (bytes, stats, _) = b.finish(20_000).unwrap();
+        let trace = decode(&bytes).unwrap();
+        check_importer_rules(&trace).unwrap();
+        let tl = Timeline::new(&trace);
+        let host = tl.slices_on_thread(43);
+        let names: Vec<(&str, u64)> = host.iter().map(|s| (s.name.as_str(), s.ts)).collect();
+        // The first launch had no API record: written without a flow.
+        assert_eq!(names, vec![("f", 1_000), ("f", 2_000)]);
+        assert!(host[0].flow_ids.is_empty());
+        assert_eq!(host[1].flow_ids.len(), 1);
+        let t = tl.track_named("GPU 0 stream 7").unwrap();
+        let dev = tl.slices_on(t.uuid);
+        assert!(dev[0].terminating_flow_ids.is_empty());
+        assert_eq!(dev[1].terminating_flow_ids, host[1].flow_ids);
+        assert_eq!(stats.device.device_flows, 1);
+    }
+
+    /// A process with activity records gets no estimates.
+    #[test]
+    fn no_estimates_with_activity_records() {
+        let mut b = builder();
+        let mut out = vec![
+            launch(0x10, 1_000),
+            api(42, 1_010, 1),
+            record(
+                42,
+                ActivityKind::Kernel,
+                (1_500, 1_800),
+                Some(7),
+                1,
+                None,
+                ActivityDetail::None,
+            ),
+            call(
+                CallKind::Sync(SyncKind::Stream),
+                CallArgs::Sync {
+                    stream: Some(0x10),
+                    event: None,
+                },
+                (2_000, 3_000),
+            ),
+        ];
+        b.emit(&mut out).unwrap();
+        let (bytes, stats, _) = b.finish(20_000).unwrap();
+        let tl = Timeline::new(&decode(&bytes).unwrap());
+        assert!(
+            tl.tracks
+                .values()
+                .all(|t| { !t.name.as_deref().unwrap_or("").contains("estimated") })
+        );
+        assert_eq!(stats.device.estimated_slices, 0);
+        assert_eq!(stats.device.device_slices, 1);
     }
 
     #[test]

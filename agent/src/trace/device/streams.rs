@@ -1,0 +1,209 @@
+//! Device work on per-stream tracks.
+//!
+//! - Activity records (CUPTI/MSPTI, `--probe-level 2`): one slice per
+//!   kernel / copy / HCCL task from its true device start to end, on a track
+//!   "GPU 0 stream 7" under the process. A flow goes from the host API call
+//!   that enqueued it (matched by correlation id through the API record: a
+//!   zero-length "launch" slice on the calling thread at the API record's
+//!   start) to the device slice.
+//! - Without activity records: an estimate per stream, from the first
+//!   launch after the previous window to the end of the next sync covering
+//!   that stream, on "GPU 0 stream 0x... (estimated)", `estimated=true`.
+//!
+//! Records arrive late and out of order, so work is buffered per track and
+//! written in start order when a track has more than [`MAX_BUFFERED`]
+//! pending and at the end. Work that overlaps earlier work of its stream
+//! goes to an extra lane track ("GPU 0 stream 7 #2") so slices nest.
+
+use std::collections::{HashMap, HashSet};
+
+use std::collections::VecDeque;
+
+use xpuscope_perfetto::{Arg, ArgValue, TrackUuid};
+use xpuscope_probes::decode::DeviceCall;
+
+/// Most pending slices per track before they are written.
+pub const MAX_BUFFERED: usize = 4096;
+/// Most API records remembered for flows (cleared when exceeded).
+pub const MAX_API_RECORDS: usize = 1 << 16;
+/// Longest kernel name kept (characters).
+pub const MAX_NAME_CHARS: usize = 256;
+/// Most calls held per process waiting for their API record.
+pub const MAX_HELD: usize = 1024;
+/// Flow ids from here on (unique in the trace, never reused).
+const FLOW_BASE: u64 = 0x5850_0000_0000_0000;
+
+/// Where a piece of device work goes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamKey {
+    pub tgid: u32,
+    /// The track name ("GPU 0 stream 7").
+    pub name: String,
+    pub estimated: bool,
+}
+
+/// One pending slice.
+#[derive(Clone, Debug)]
+pub struct Work {
+    pub start: u64,
+    pub end: u64,
+    pub name: String,
+    pub args: Vec<Arg>,
+    /// The correlation id, to find the host call.
+    pub correlation: Option<u64>,
+}
+
+/// The host side of a correlation: the API record's thread and start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostCall {
+    pub tid: u32,
+    pub ts: u64,
+}
+
+/// A host call that enqueued device work, waiting for its API record.
+#[derive(Clone, Debug)]
+pub struct HeldCall {
+    pub call: DeviceCall,
+}
+
+/// An estimate window being built.
+#[derive(Clone, Copy, Debug)]
+pub struct OpenWindow {
+    pub device: u32,
+    pub first_launch: u64,
+    pub launches: u64,
+}
+
+/// Lane tracks of one stream and where each lane's last slice ends.
+#[derive(Debug, Default)]
+pub struct Lanes {
+    pub tracks: Vec<(TrackUuid, u64)>,
+}
+
+/// The lane for work starting at `start` given each lane's last end: the
+/// first lane free by then, or a new one (`ends.len()`).
+pub fn pick_lane(ends: &[u64], start: u64) -> usize {
+    ends.iter().position(|&e| e <= start).unwrap_or(ends.len())
+}
+
+#[derive(Debug, Default)]
+pub struct DeviceStreams {
+    pub pending: HashMap<StreamKey, Vec<Work>>,
+    pub lanes: HashMap<StreamKey, Lanes>,
+    /// (tgid, correlation id) -> the host API call.
+    pub api: HashMap<(u32, u64), HostCall>,
+    /// (tgid, correlation id) -> the flow already on the host call's slice.
+    pub launch_flows: HashMap<(u32, u64), u64>,
+    /// Processes that produce API records.
+    pub api_seen: HashSet<u32>,
+    /// Per process: calls waiting for their API record, in order.
+    pub held: HashMap<u32, VecDeque<HeldCall>>,
+    next_flow: u64,
+    /// Processes with activity records: no estimates for them.
+    pub with_activity: HashSet<u32>,
+    /// (tgid, tid) -> current device (`cudaSetDevice`).
+    pub current_device: HashMap<(u32, u32), u32>,
+    /// (tgid, vendor is Ascend, stream) -> open estimate window.
+    pub open: HashMap<(u32, bool, u64), OpenWindow>,
+}
+
+impl DeviceStreams {
+    pub fn new_flow(&mut self) -> u64 {
+        self.next_flow += 1;
+        FLOW_BASE + self.next_flow
+    }
+
+    pub fn remember_api(&mut self, tgid: u32, correlation: u64, call: HostCall) {
+        if self.api.len() >= MAX_API_RECORDS {
+            self.api.clear();
+        }
+
+        self.api.insert((tgid, correlation), call);
+    }
+
+    /// A flow id for the host call of `correlation` (on its slice).
+    pub fn launch_flow(&mut self, tgid: u32, correlation: u64) -> u64 {
+        if self.launch_flows.len() >= MAX_API_RECORDS {
+            self.launch_flows.clear();
+        }
+        let id = self.new_flow();
+        self.launch_flows.insert((tgid, correlation), id);
+        id
+    }
+
+    /// Drops what is kept about an exited process (its written tracks and
+    /// whether it had activity records stay).
+    pub fn forget_process(&mut self, tgid: u32) {
+        self.api.retain(|k, _| k.0 != tgid);
+        self.launch_flows.retain(|k, _| k.0 != tgid);
+        self.current_device.retain(|k, _| k.0 != tgid);
+        self.open.retain(|k, _| k.0 != tgid);
+        self.held.remove(&tgid);
+    }
+
+    /// Buffers work; true when its track should be flushed now.
+    pub fn push(&mut self, key: StreamKey, work: Work) -> bool {
+        let v = self.pending.entry(key).or_default();
+        v.push(work);
+        v.len() > MAX_BUFFERED
+    }
+}
+
+/// "GPU 0 stream 7" / "NPU 1 stream 3".
+pub fn stream_track_name(ascend: bool, device: Option<u32>, stream: Option<u64>) -> String {
+    let unit = if ascend { "NPU" } else { "GPU" };
+    let dev = device.map_or("?".to_string(), |d| d.to_string());
+    let stream = stream.map_or("?".to_string(), |s| s.to_string());
+    format!("{unit} {dev} stream {stream}")
+}
+
+/// "GPU 0 stream 0x7f.. (estimated)" (a host stream handle; 0 = default).
+pub fn estimated_track_name(ascend: bool, device: u32, stream: u64) -> String {
+    let unit = if ascend { "NPU" } else { "GPU" };
+    if stream == 0 {
+        format!("{unit} {device} stream default (estimated)")
+    } else {
+        format!("{unit} {device} stream {stream:#x} (estimated)")
+    }
+}
+
+/// A name read from the application, bounded; "kernel" when unreadable.
+pub fn bounded_name(name: Option<&str>, fallback: &str) -> String {
+    match name {
+        Some(n) if !n.trim().is_empty() => n.chars().take(MAX_NAME_CHARS).collect(),
+        _ => fallback.to_string(),
+    }
+}
+
+pub fn estimated_args(launches: u64) -> Vec<Arg> {
+    vec![
+        Arg::new("estimated", ArgValue::Bool(true)),
+        Arg::new("kernels", ArgValue::Uint(launches)),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_keep_slices_nested() {
+        assert_eq!(pick_lane(&[], 5), 0);
+        assert_eq!(pick_lane(&[10], 10), 0);
+        assert_eq!(pick_lane(&[10], 9), 1);
+        assert_eq!(pick_lane(&[10, 4], 9), 1);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(stream_track_name(false, Some(0), Some(7)), "GPU 0 stream 7");
+        assert_eq!(stream_track_name(true, Some(1), Some(3)), "NPU 1 stream 3");
+        assert_eq!(
+            estimated_track_name(false, 0, 0x10),
+            "GPU 0 stream 0x10 (estimated)"
+        );
+        assert_eq!(bounded_name(None, "kernel"), "kernel");
+        assert_eq!(bounded_name(Some(""), "kernel"), "kernel");
+        assert_eq!(bounded_name(Some(&"k".repeat(999)), "x").len(), 256);
+    }
+}
