@@ -1,0 +1,493 @@
+//! Tests of the device-call trace stage, decoded back independently.
+
+use super::*;
+use xpuscope_common::EventHeader;
+use xpuscope_perfetto::TraceWriter;
+use xpuscope_probes::catalog::Library;
+use xpuscope_probes::decode::table::ProbeTarget;
+use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
+
+use crate::events::Event;
+
+fn entry(ts: u64, ip: u64, args: [u64; 6]) -> Event {
+    Event::ProbeEntry(Box::new(UprobeEntry {
+        header: EventHeader {
+            kind: 0,
+            cpu: 0,
+            ts,
+        },
+        tid: 43,
+        tgid: 42,
+        probe_ip: ip,
+        args,
+        sp: 0,
+        stack: [0; 8],
+        deref_len: 0,
+        _pad: 0,
+        deref: [0; 128],
+    }))
+}
+
+fn ret(ts: u64, ip: u64, rax: u64, out: &[u8]) -> Event {
+    let mut deref = [0u8; 128];
+    deref[..out.len()].copy_from_slice(out);
+    Event::ProbeReturn(Box::new(UprobeReturn {
+        header: EventHeader {
+            kind: 0,
+            cpu: 0,
+            ts,
+        },
+        tid: 43,
+        tgid: 42,
+        probe_ip: ip,
+        ret: rax,
+        deref_len: out.len() as u32,
+        _pad: 0,
+        deref,
+    }))
+}
+
+/// Calls become named slices with arguments on the thread's track,
+/// errors are marked, memory is a counter, unmatched records counted.
+#[test]
+fn device_calls_become_slices_and_counters() {
+    let mut b = TraceBuilder::new(TraceWriter::new(Vec::new()));
+    b.writer()
+        .system_info(&xpuscope_perfetto::SystemInfo {
+            release: "6.18.0".into(),
+            ..Default::default()
+        })
+        .unwrap();
+    let target = |lib: Library, f: &str| ProbeTarget {
+        library: lib,
+        function: lib.function(f).unwrap(),
+        sp_delta: 0,
+    };
+    b.probes_added(TableUpdate {
+        tgid: 42,
+        probes: vec![
+            (0x1000, target(Library::Nccl, "ncclAllReduce")),
+            (0x2000, target(Library::Cudart, "cudaMalloc")),
+        ],
+        identity: RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0"),
+    })
+    .unwrap();
+    let events = vec![
+        entry(1_000, 0x1000, [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0]),
+        ret(9_000, 0x1000, 0, &[]),
+        entry(10_000, 0x2000, [0x7000, 1 << 20, 0, 0, 0, 0]),
+        ret(11_000, 0x2000, 0, &0x2000_0000_0000u64.to_le_bytes()),
+        entry(12_000, 0x2000, [0x7000, 1 << 40, 0, 0, 0, 0]),
+        ret(13_000, 0x2000, 2, &[]),
+        ret(14_000, 0x1000, 0, &[]),
+    ];
+    for e in events {
+        b.handle(e).unwrap();
+    }
+    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let names: Vec<&str> = tl
+        .slices_on_thread(43)
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            "ncclAllReduce 64 MiB bf16 sum",
+            "cudaMalloc 1 MiB",
+            "cudaMalloc 1 TiB [error 2]"
+        ]
+    );
+    let reduce = tl.slices_on_thread(43)[0];
+    assert_eq!((reduce.ts, reduce.end), (1_000, Some(9_000)));
+    let arg = |n: &str| {
+        reduce
+            .args
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.to_string())
+    };
+    assert_eq!(arg("seq").as_deref(), Some("0"));
+    assert_eq!(arg("dtype").as_deref(), Some("bf16"));
+    assert_eq!(
+        tl.counter_values("device memory dev0"),
+        vec![1048576.0, 1048576.0]
+    );
+    let marks = tl.instants_on_thread(43);
+    assert!(
+        marks.iter().any(|(n, _)| n == "cudaMalloc failed"),
+        "{marks:?}"
+    );
+    let p = &tl.processes[&42];
+    assert_eq!(p.name.as_deref(), Some("rank 1/2 job j"));
+    assert_eq!(stats.device.calls, 3);
+    assert_eq!(stats.device.errors, 1);
+    assert_eq!(stats.device.returns_without_entry, 1);
+}
+
+fn builder() -> TraceBuilder<Vec<u8>> {
+    let mut b = TraceBuilder::new(TraceWriter::new(Vec::new()));
+    b.writer()
+        .system_info(&xpuscope_perfetto::SystemInfo {
+            release: "6.18.0".into(),
+            ..Default::default()
+        })
+        .unwrap();
+    b
+}
+
+fn record(
+    tgid: u32,
+    kind: ActivityKind,
+    (start, end): (u64, u64),
+    stream: Option<u64>,
+    corr: u64,
+    name_ptr: Option<u64>,
+    detail: ActivityDetail,
+) -> Decoded {
+    use xpuscope_probes::activity::{ActivityApi, DeviceActivity};
+    Decoded::Activity(ActivityEvent {
+        tgid,
+        tid: 43,
+        ts: 100_000,
+        library: Library::Cupti,
+        activity: DeviceActivity {
+            api: ActivityApi::Cupti,
+            kind,
+            raw_kind: 0,
+            start,
+            end,
+            device: stream.map(|_| 0),
+            stream,
+            correlation_id: Some(corr),
+            name_ptr,
+            detail,
+        },
+    })
+}
+
+fn api(tgid: u32, start: u64, corr: u64) -> Decoded {
+    record(
+        tgid,
+        ActivityKind::Api,
+        (start, start + 50),
+        None,
+        corr,
+        None,
+        ActivityDetail::Api {
+            cbid: Some(211),
+            pid: tgid,
+            tid: 43,
+            ret: Some(0),
+        },
+    )
+}
+
+/// Activity records, late and out of order, become slices on
+/// per-stream tracks in start order (overlaps on a second lane), named
+/// by the kernel name read from the application, with a flow from the
+/// host call their API record matches.
+#[test]
+fn activity_records_become_device_stream_slices_with_flows() {
+    let pid = std::process::id();
+    let kname = std::ffi::CString::new("sgemm_128x64").unwrap();
+    let ptr = kname.as_ptr() as u64;
+    let launch = ActivityDetail::Launch {
+        grid: [8, 1, 1],
+        block: [128, 1, 1],
+        static_shared: 0,
+        dynamic_shared: 0,
+    };
+    let mut b = builder();
+    let mut out = vec![
+        api(pid, 1_000, 1),
+        api(pid, 2_000, 2),
+        // Out of order, and 2 overlaps 1.
+        record(
+            pid,
+            ActivityKind::Kernel,
+            (6_000, 7_000),
+            Some(7),
+            2,
+            None,
+            launch,
+        ),
+        record(
+            pid,
+            ActivityKind::Kernel,
+            (5_000, 9_000),
+            Some(7),
+            1,
+            Some(ptr),
+            launch,
+        ),
+        record(
+            pid,
+            ActivityKind::Kernel,
+            (9_500, 9_800),
+            Some(7),
+            9,
+            Some(ptr),
+            launch,
+        ),
+        record(
+            pid,
+            ActivityKind::Memcpy,
+            (3_000, 4_000),
+            Some(8),
+            3,
+            None,
+            ActivityDetail::Memcpy {
+                bytes: 4096,
+                kind: xpuscope_probes::decode::enums::MemcpyKind::HostToDevice,
+            },
+        ),
+    ];
+    b.emit(&mut out).unwrap();
+    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let s7 = tl.track_named("GPU 0 stream 7").expect("stream track");
+    let lane2 = tl.track_named("GPU 0 stream 7 #2").expect("lane track");
+    let process = tl
+        .tracks
+        .values()
+        .find(|t| matches!(t.kind, TrackKind::Process { pid: p, .. } if p == pid as i32))
+        .unwrap();
+    assert_eq!(s7.parent, Some(process.uuid));
+    let on7: Vec<(u64, Option<u64>, &str)> = tl
+        .slices_on(s7.uuid)
+        .iter()
+        .map(|s| (s.ts, s.end, s.name.as_str()))
+        .collect();
+    assert_eq!(
+        on7,
+        vec![
+            (5_000, Some(9_000), "sgemm_128x64"),
+            (9_500, Some(9_800), "sgemm_128x64")
+        ]
+    );
+    let on2 = tl.slices_on(lane2.uuid);
+    assert_eq!((on2[0].ts, on2[0].end), (6_000, Some(7_000)));
+    assert_eq!(on2[0].name, "kernel");
+    let first = tl.slices_on(s7.uuid)[0];
+    let arg = |n: &str| {
+        first
+            .args
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.to_string())
+    };
+    assert_eq!(arg("correlation_id").as_deref(), Some("1"));
+    assert_eq!(arg("stream").as_deref(), Some("7"));
+    assert_eq!(arg("grid").as_deref(), Some("(8,1,1)"));
+    let copy = tl.slices_on(tl.track_named("GPU 0 stream 8").unwrap().uuid)[0];
+    assert_eq!(copy.name, "memcpy HostToDevice 4096 B");
+    // Flows: host (API record's start on thread 43) -> device slice.
+    let host = tl.slices_on_thread(43);
+    assert_eq!(host.len(), 2, "{host:?}");
+    assert_eq!(host[0].ts, 1_000);
+    assert_eq!(host[0].flow_ids.len(), 1);
+    assert_eq!(first.terminating_flow_ids, host[0].flow_ids);
+    assert_eq!(on2[0].terminating_flow_ids, host[1].flow_ids);
+    assert_ne!(host[0].flow_ids, host[1].flow_ids);
+    // No API record: no flow.
+    assert!(copy.terminating_flow_ids.is_empty());
+    assert_eq!(stats.device.device_slices, 4);
+    assert_eq!(stats.device.device_flows, 2);
+    assert_eq!(stats.device.estimated_slices, 0);
+}
+
+fn call(kind: CallKind, args: CallArgs, (start, end): (u64, u64)) -> Decoded {
+    Decoded::Call(DeviceCall {
+        library: Library::Cudart,
+        function: "f",
+        kind,
+        tgid: 42,
+        tid: 43,
+        start_ts: start,
+        end_ts: Some(end),
+        args,
+        ret: Some(0),
+        error: false,
+        name: "f".into(),
+        comm: None,
+        memory: None,
+    })
+}
+
+fn launch(stream: u64, ts: u64) -> Decoded {
+    use xpuscope_probes::decode::args::LaunchArgs;
+    call(
+        CallKind::Launch(LaunchKind::Kernel),
+        CallArgs::Launch(LaunchArgs {
+            func: 0x1234,
+            grid: None,
+            block: None,
+            blocks: None,
+            shared_mem: None,
+            stream: Some(stream),
+        }),
+        (ts, ts + 100),
+    )
+}
+
+/// Without activity records: launch to the next sync of the stream,
+/// labelled as estimated; a device sync closes every stream.
+#[test]
+fn launches_and_syncs_become_estimated_device_slices() {
+    let mut b = builder();
+    let sync = |stream: Option<u64>, kind, ts: u64| {
+        call(
+            CallKind::Sync(kind),
+            CallArgs::Sync {
+                stream,
+                event: None,
+            },
+            (ts, ts + 1_000),
+        )
+    };
+    let mut out = vec![
+        call(
+            CallKind::SetDevice,
+            CallArgs::SetDevice { device: 1 },
+            (10, 20),
+        ),
+        launch(0x10, 1_000),
+        launch(0x10, 2_000),
+        launch(0x20, 2_500),
+        sync(Some(0x10), SyncKind::Stream, 3_000),
+        launch(0x10, 5_000),
+        sync(None, SyncKind::Device, 6_000),
+    ];
+    b.emit(&mut out).unwrap();
+    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let t = tl.track_named("GPU 1 stream 0x10 (estimated)").unwrap();
+    let got: Vec<(u64, Option<u64>, &str)> = tl
+        .slices_on(t.uuid)
+        .iter()
+        .map(|s| (s.ts, s.end, s.name.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (1_000, Some(4_000), "estimated: 2 kernels"),
+            (5_000, Some(7_000), "estimated: 1 kernels")
+        ]
+    );
+    let s = tl.slices_on(t.uuid)[0];
+    assert!(
+        s.args
+            .iter()
+            .any(|(k, v)| k == "estimated" && v.to_string() == "true"),
+        "{s:?}"
+    );
+    let t2 = tl.track_named("GPU 1 stream 0x20 (estimated)").unwrap();
+    assert_eq!(tl.slices_on(t2.uuid)[0].end, Some(7_000));
+    assert_eq!(stats.device.estimated_slices, 3);
+}
+
+/// Once a process produces API records, its launches wait for theirs:
+/// the flow starts on the launch slice itself.
+#[test]
+fn flow_starts_on_the_launch_slice() {
+    let mut b = builder();
+    let mut out = vec![
+        api(42, 500, 1),
+        launch(0x10, 1_000),
+        launch(0x10, 2_000),
+        api(42, 2_010, 3),
+        record(
+            42,
+            ActivityKind::Kernel,
+            (3_000, 3_500),
+            Some(7),
+            3,
+            None,
+            ActivityDetail::None,
+        ),
+        record(
+            42,
+            ActivityKind::Kernel,
+            (2_500, 2_900),
+            Some(7),
+            2,
+            None,
+            ActivityDetail::None,
+        ),
+    ];
+    b.emit(&mut out).unwrap();
+    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let host = tl.slices_on_thread(43);
+    let names: Vec<(&str, u64)> = host.iter().map(|s| (s.name.as_str(), s.ts)).collect();
+    // The first launch had no API record: written without a flow.
+    assert_eq!(names, vec![("f", 1_000), ("f", 2_000)]);
+    assert!(host[0].flow_ids.is_empty());
+    assert_eq!(host[1].flow_ids.len(), 1);
+    let t = tl.track_named("GPU 0 stream 7").unwrap();
+    let dev = tl.slices_on(t.uuid);
+    assert!(dev[0].terminating_flow_ids.is_empty());
+    assert_eq!(dev[1].terminating_flow_ids, host[1].flow_ids);
+    assert_eq!(stats.device.device_flows, 1);
+}
+
+/// A process with activity records gets no estimates.
+#[test]
+fn no_estimates_with_activity_records() {
+    let mut b = builder();
+    let mut out = vec![
+        launch(0x10, 1_000),
+        api(42, 1_010, 1),
+        record(
+            42,
+            ActivityKind::Kernel,
+            (1_500, 1_800),
+            Some(7),
+            1,
+            None,
+            ActivityDetail::None,
+        ),
+        call(
+            CallKind::Sync(SyncKind::Stream),
+            CallArgs::Sync {
+                stream: Some(0x10),
+                event: None,
+            },
+            (2_000, 3_000),
+        ),
+    ];
+    b.emit(&mut out).unwrap();
+    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let tl = Timeline::new(&decode(&bytes).unwrap());
+    assert!(
+        tl.tracks
+            .values()
+            .all(|t| { !t.name.as_deref().unwrap_or("").contains("estimated") })
+    );
+    assert_eq!(stats.device.estimated_slices, 0);
+    assert_eq!(stats.device.device_slices, 1);
+}
+
+#[test]
+fn rank_identity_from_environ() {
+    let env = b"PATH=/bin\0RANK=3\0WORLD_SIZE=8\0LOCAL_RANK=1\0JOB_NAME=j\0XPUSCOPE_JOB=sim-a\0";
+    let id = RankIdentity::from_environ(env);
+    assert_eq!(id.name().as_deref(), Some("rank 3/8 job sim-a"));
+    assert_eq!(
+        id.labels(),
+        vec!["rank=3", "local_rank=1", "world_size=8", "job=sim-a"]
+    );
+    let id = RankIdentity::from_environ(b"JOB_NAME=j\0");
+    assert_eq!(id.name(), None);
+    assert_eq!(id.job.as_deref(), Some("j"));
+}
