@@ -15,6 +15,19 @@ use xpuscope_tests::trace_check::{
     ArgValue, Slice, Timeline, Track, TrackKind, check_importer_rules, decode,
 };
 
+/// A Python program (`python3 -c program args...`) with piped stdin and
+/// stdout, killed on drop.
+fn python_program<A: AsRef<std::ffi::OsStr>>(name: &str, program: &str, args: &[A]) -> Proc {
+    Proc::spawn(
+        name,
+        Command::new("python3")
+            .args(["-c", program])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    )
+}
+
 /// Kills a whole process group (the launcher and its ranks) on drop.
 struct GroupGuard(Child);
 
@@ -82,70 +95,20 @@ fn read_json(path: &Path) -> Option<Value> {
 #[test]
 fn sim_job_all_reduces_on_every_rank() {
     let _serial = exclusive();
-    wait_for_closers();
-    let fixtures = fixtures::build_all();
-    let dir = TempDir::new("devsim");
-    let job_dir = dir.path().join("job");
-    let gate = dir.path().join("go");
     let steps = 4u64;
-    let launcher = Command::new("python3")
-        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-        .arg("--out-dir")
-        .arg(&job_dir)
-        .arg("--build-dir")
-        .arg(fixtures.join("sim"))
-        .args(["--job-name", "devsim", "--quiet", "--timeout", "60"])
-        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
-        .args(["--steps", &steps.to_string()])
-        .arg("--start-gate")
-        .arg(&gate)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("spawn the simulated job");
-    let mut launcher = GroupGuard(launcher);
-    let launcher_pid = launcher.0.id();
-
-    // Every rank initialised (communicators, memory) and waits at the gate.
-    let gt_path = job_dir.join("ground_truth.json");
-    wait_until(Duration::from_secs(20), "ranks ready", || {
-        (0..2).all(|r| {
-            std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
-                .is_ok_and(|t| t.contains("\"ready\""))
-        })
-    });
-    let gt = read_json(&gt_path).expect("ground truth");
-    let grad_mb = gt["workload"]["grad_mb"].as_u64().expect("grad_mb");
-    let rank_pids: BTreeMap<u64, i32> = gt["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|r| {
-            (
-                r["rank"].as_u64().unwrap(),
-                r["pid"].as_i64().unwrap() as i32,
-            )
-        })
-        .collect();
-    assert_eq!(rank_pids.len(), 2);
-
-    let rec = Recording::start(dir.path(), &["--pid", &launcher_pid.to_string()]);
-    std::fs::write(&gate, b"").expect("open the gate");
-    let done = rec.finish(Duration::from_secs(40));
-    let status = launcher.0.wait().expect("launcher status");
-    assert!(status.success(), "the job failed: {status}");
+    let run = run_sim_job("devsim", "0", steps, &[]);
     assert!(
-        done.stderr.contains("stopped (target exited)"),
+        run.stderr.contains("stopped (target exited)"),
         "{}",
-        done.stderr
+        run.stderr
     );
+    let grad_mb = run.ground_truth["workload"]["grad_mb"]
+        .as_u64()
+        .expect("grad_mb");
+    let tl = &run.tl;
+    let rank_pids = run.rank_pids.clone();
 
-    let trace = decode(&done.trace).expect("decodes");
-    check_importer_rules(&trace).expect("importer rules hold");
-    let tl = Timeline::new(&trace);
-
-    let device = &done.stats["device"];
+    let device = &run.stats["device"];
     assert!(device["attached_probes"].as_u64().unwrap() > 0, "{device}");
     assert_eq!(device["attach_failures"], 0, "{device}");
     assert_eq!(device["entries_without_return"], 0, "{device}");
@@ -159,7 +122,7 @@ fn sim_job_all_reduces_on_every_rank() {
             .slices
             .iter()
             .filter(|s| s.name.starts_with("ncclAllReduce"))
-            .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+            .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
             .collect();
         reduces.sort_by_key(|s| s.ts);
         assert_eq!(
@@ -235,14 +198,7 @@ fn dlopened_library_and_exiting_child_are_traced() {
     let dir = TempDir::new("devdlopen");
     let lib = fixtures.join("standins/lib/libcudart.so.12");
     assert!(lib.exists(), "{}", lib.display());
-    let mut wl = Proc::spawn(
-        "dlopen",
-        Command::new("python3")
-            .args(["-c", DLOPEN_PROGRAM])
-            .arg(&lib)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
-    );
+    let mut wl = python_program("dlopen", DLOPEN_PROGRAM, &[&lib]);
     let mut stdin = wl.stdin();
     let mut out = Lines::new(wl.stdout());
     let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
@@ -367,14 +323,10 @@ fn communicator_identity_is_the_same_on_every_rank() {
     let fixtures = fixtures::build_all();
     let dir = TempDir::new("devnccl");
     let libs = fixtures.join("standins/lib");
-    let mut wl = Proc::spawn(
+    let mut wl = python_program(
         "nccl",
-        Command::new("python3")
-            .args(["-c", NCCL_PROGRAM])
-            .arg(libs.join("libcudart.so.12"))
-            .arg(libs.join("libnccl.so.2"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
+        NCCL_PROGRAM,
+        &[libs.join("libcudart.so.12"), libs.join("libnccl.so.2")],
     );
     let mut stdin = wl.stdin();
     let mut out = Lines::new(wl.stdout());
@@ -459,14 +411,13 @@ fn real_nvidia_libraries_calls_and_errors() {
     wait_for_closers();
     let libs = fixtures::nvidia_libs();
     let dir = TempDir::new("devreal");
-    let mut wl = Proc::spawn(
+    let mut wl = python_program(
         "real-libs",
-        Command::new("python3")
-            .args(["-c", REAL_LIBS_PROGRAM])
-            .arg(libs.join("nvidia/cuda_runtime/lib/libcudart.so.12"))
-            .arg(libs.join("nvidia/nccl/lib/libnccl.so.2"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
+        REAL_LIBS_PROGRAM,
+        &[
+            libs.join("nvidia/cuda_runtime/lib/libcudart.so.12"),
+            libs.join("nvidia/nccl/lib/libnccl.so.2"),
+        ],
     );
     let mut stdin = wl.stdin();
     let mut out = Lines::new(wl.stdout());
@@ -592,6 +543,9 @@ struct SimRun {
     _dir: TempDir,
     job_dir: std::path::PathBuf,
     rank_pids: BTreeMap<u64, i32>,
+    ground_truth: Value,
+    stats: Value,
+    stderr: String,
     tl: Timeline,
 }
 
@@ -653,6 +607,9 @@ fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
         _dir: dir,
         job_dir,
         rank_pids,
+        ground_truth: gt,
+        stats: done.stats,
+        stderr: done.stderr,
         tl: Timeline::new(&trace),
     }
 }
@@ -871,14 +828,7 @@ fn activity_records_flow_from_host_launches() {
     let fixtures = fixtures::build_all();
     let dir = TempDir::new("devflow");
     let libs = fixtures.join("standins/lib");
-    let mut wl = Proc::spawn(
-        "cupti",
-        Command::new("python3")
-            .args(["-c", CUPTI_PROGRAM])
-            .arg(&libs)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
-    );
+    let mut wl = python_program("cupti", CUPTI_PROGRAM, &[&libs]);
     let mut stdin = wl.stdin();
     let mut out = Lines::new(wl.stdout());
     let rec = Recording::start(
