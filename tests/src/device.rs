@@ -1,0 +1,193 @@
+//! Shared support for the device-probe end-to-end tests: the simulated
+//! job under the agent, Python test programs, and trace lookups.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::agent::{Proc, Recording, TempDir};
+use crate::fixtures;
+use crate::trace_check::{
+    ArgValue, Slice, Timeline, Track, TrackKind, check_importer_rules, decode,
+};
+
+/// A Python program (`python3 -c program args...`) with piped stdin and
+/// stdout, killed on drop.
+pub fn python_program<A: AsRef<std::ffi::OsStr>>(name: &str, program: &str, args: &[A]) -> Proc {
+    Proc::spawn(
+        name,
+        Command::new("python3")
+            .args(["-c", program])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    )
+}
+
+/// Kills a whole process group (the launcher and its ranks) on drop.
+pub struct GroupGuard(pub Child);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child's process group.
+        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
+/// (pid, tid) of a slice's thread track.
+pub fn thread_of(tl: &Timeline, s: &Slice) -> Option<(i32, i32)> {
+    match &tl.tracks.get(&s.track)?.kind {
+        TrackKind::Thread { pid, tid, .. } => Some((*pid, *tid)),
+        _ => None,
+    }
+}
+
+pub fn arg<'a>(s: &'a Slice, name: &str) -> Option<&'a ArgValue> {
+    s.args.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+}
+
+pub fn arg_text(s: &Slice, name: &str) -> String {
+    arg(s, name).map(|v| v.to_string()).unwrap_or_default()
+}
+
+/// Waits until no earlier agent is still closing its uprobe links in the
+/// background (`xpuscope-close`): the kernel serialises those closes with
+/// new attaches, which would delay this test's probes.
+pub fn wait_for_closers() {
+    let closing = || {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                std::fs::read_to_string(e.path().join("comm"))
+                    .is_ok_and(|c| c.trim() == "xpuscope-close")
+            })
+    };
+    wait_until(
+        Duration::from_secs(60),
+        "earlier agents' uprobe closes",
+        || !closing(),
+    );
+}
+
+pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn read_json(path: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// A finished 2-rank NVIDIA sim job traced from its start gate with
+/// `--probe-level level`.
+pub struct SimRun {
+    pub _dir: TempDir,
+    pub job_dir: std::path::PathBuf,
+    pub rank_pids: BTreeMap<u64, i32>,
+    pub ground_truth: Value,
+    pub stats: Value,
+    pub stderr: String,
+    pub tl: Timeline,
+}
+
+pub fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new(tag);
+    let job_dir = dir.path().join("job");
+    let gate = dir.path().join("go");
+    let launcher = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--out-dir")
+        .arg(&job_dir)
+        .arg("--build-dir")
+        .arg(fixtures.join("sim"))
+        .args(["--job-name", tag, "--quiet", "--timeout", "60"])
+        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+        .args(["--steps", &steps.to_string()])
+        .args(extra)
+        .arg("--start-gate")
+        .arg(&gate)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn the simulated job");
+    let mut launcher = GroupGuard(launcher);
+    let launcher_pid = launcher.0.id();
+    wait_until(Duration::from_secs(20), "ranks ready", || {
+        (0..2).all(|r| {
+            std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
+                .is_ok_and(|t| t.contains("\"ready\""))
+        })
+    });
+    let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+    let rank_pids: BTreeMap<u64, i32> = gt["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["rank"].as_u64().unwrap(),
+                r["pid"].as_i64().unwrap() as i32,
+            )
+        })
+        .collect();
+    assert_eq!(rank_pids.len(), 2);
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &launcher_pid.to_string(), "--probe-level", level],
+    );
+    std::fs::write(&gate, b"").expect("open the gate");
+    let done = rec.finish(Duration::from_secs(40));
+    let status = launcher.0.wait().expect("launcher status");
+    assert!(status.success(), "the job failed: {status}");
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    SimRun {
+        _dir: dir,
+        job_dir,
+        rank_pids,
+        ground_truth: gt,
+        stats: done.stats,
+        stderr: done.stderr,
+        tl: Timeline::new(&trace),
+    }
+}
+
+/// The tracks under process `pid`'s track whose names start with `prefix`.
+pub fn device_tracks<'a>(tl: &'a Timeline, pid: i32, prefix: &str) -> Vec<&'a Track> {
+    let Some(process) = tl
+        .tracks
+        .values()
+        .find(|t| matches!(t.kind, TrackKind::Process { pid: p, .. } if p == pid))
+    else {
+        return Vec::new();
+    };
+    tl.tracks
+        .values()
+        .filter(|t| t.parent == Some(process.uuid))
+        .filter(|t| t.name.as_deref().is_some_and(|n| n.starts_with(prefix)))
+        .collect()
+}
+
+/// Slices of one track in time order, none overlapping (they nest).
+pub fn ordered_slices<'a>(tl: &'a Timeline, track: &Track) -> Vec<&'a Slice> {
+    let mut slices = tl.slices_on(track.uuid);
+    slices.sort_by_key(|s| s.ts);
+    for w in slices.windows(2) {
+        let end = w[0].end.expect("ended");
+        assert!(end <= w[1].ts, "{track:?}: {:?} overlaps {:?}", w[0], w[1]);
+    }
+    slices
+}
