@@ -23,8 +23,8 @@ use aya::maps::{HashMap as BpfHashMap, MapData};
 use aya::programs::UProbe;
 use aya::programs::uprobe::{UProbeLink, UProbeLinkId, UProbeScope};
 use xpuscope_common::maps;
-use xpuscope_common::uprobe::{ProbeKey, ProbeSpec};
-use xpuscope_probes::catalog::Level;
+use xpuscope_common::uprobe::{ProbeKey, ProbeSpec, RETURN_USER_STACK};
+use xpuscope_probes::catalog::{CallKind, Level};
 use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget};
 use xpuscope_probes::discover::{self, LoadedLibrary};
 use xpuscope_probes::maps::ProcessMaps;
@@ -94,6 +94,8 @@ impl Plan {
 #[derive(Default)]
 pub struct DeviceProbes {
     level_mask: u32,
+    /// Take the caller's stack at every device-memory allocation.
+    alloc_stacks: bool,
     loaded: bool,
     /// Loading the programs failed: no further attempts.
     disabled: bool,
@@ -122,10 +124,12 @@ fn open_path(pid: u32, lib: &LoadedLibrary) -> Option<String> {
 
 impl DeviceProbes {
     /// Probes the functions of the levels in `level_mask` (see
-    /// [`level_mask`]).
-    pub fn new(level_mask: u32) -> Self {
+    /// [`level_mask`]); with `alloc_stacks`, allocations carry the caller's
+    /// stack (allocation sites, an OOM's stack).
+    pub fn new(level_mask: u32, alloc_stacks: bool) -> Self {
         Self {
             level_mask,
+            alloc_stacks,
             ..Self::default()
         }
     }
@@ -172,6 +176,14 @@ impl DeviceProbes {
                     .add_library(pid, &lib, &resolved)
                     .into_iter()
                     .filter(|p| p.spec.level_bit & self.level_mask != 0)
+                    .map(|mut p| {
+                        // Allocations are rare next to launches (caching
+                        // allocators), so a stack for each costs little.
+                        if self.alloc_stacks && p.target.function.kind == CallKind::Malloc {
+                            p.spec.flags |= RETURN_USER_STACK;
+                        }
+                        p
+                    })
                     .collect();
                 plan.updates.push(TableUpdate {
                     tgid: pid,

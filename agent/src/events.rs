@@ -1,7 +1,7 @@
 //! Decoding of raw ring-buffer records into typed events: the one place
 //! that knows the byte layout of each record kind.
 
-use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
+use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
     COMM_LEN, EventHeader, EventKind, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit,
     ProcessFork, SchedSwitch, SchedWaking, TaskRename, switch_flags,
@@ -141,6 +141,21 @@ pub enum Event {
     ProbeEntry(Box<UprobeEntry>),
     /// A device-library call returned.
     ProbeReturn(Box<UprobeReturn>),
+    /// The user stack of a thread returning from a device-library call
+    /// (before that call's `ProbeReturn`).
+    ProbeStack(Box<CallStack>),
+}
+
+/// A caller's user stack at a probed function's return (addresses leaf
+/// first: the return address in the caller, then its callers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallStack {
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    pub probe_ip: u64,
+    /// Addresses, or the negative errno the kernel returned.
+    pub user: Result<Vec<u64>, i32>,
 }
 
 impl Event {
@@ -156,6 +171,7 @@ impl Event {
             Event::Stack(_) => EventKind::OffCpuStack,
             Event::ProbeEntry(_) => EventKind::UprobeEntry,
             Event::ProbeReturn(_) => EventKind::UprobeReturn,
+            Event::ProbeStack(_) => EventKind::UprobeStack,
         }
     }
 }
@@ -299,6 +315,16 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         }
         EventKind::UprobeEntry => Event::ProbeEntry(Box::new(read(bytes, kind)?)),
         EventKind::UprobeReturn => Event::ProbeReturn(Box::new(read(bytes, kind)?)),
+        EventKind::UprobeStack => {
+            let r: UprobeStack = read(bytes, kind)?;
+            Event::ProbeStack(Box::new(CallStack {
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                probe_ip: r.probe_ip,
+                user: stack(r.user_bytes, &r.user),
+            }))
+        }
     })
 }
 

@@ -16,7 +16,7 @@ use xpuscope_common::{Config, DROP_SLOTS};
 use xpuscope_perfetto::TraceWriter;
 
 use crate::btf::{self, Btf};
-use crate::config::AttachConfig;
+use crate::config::{AttachConfig, StackPolicy};
 use crate::device_probes::{self, DeviceProbes, TableUpdate};
 use crate::events::Event;
 use crate::load::{self, EBPF_OBJECT, LoadOptions, Probes};
@@ -121,7 +121,10 @@ async fn record(
 
     // Device libraries already mapped are probed before the start line, so
     // a caller waiting for it sees their calls from then on.
-    let mut device = DeviceProbes::new(device_probes::level_mask(cfg.probe_level));
+    let mut device = DeviceProbes::new(
+        device_probes::level_mask(cfg.probe_level),
+        cfg.stacks != StackPolicy::Off,
+    );
     if target.is_some()
         && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
     {

@@ -78,8 +78,11 @@ pub struct RunSummary {
     pub device: DeviceSummary,
 }
 
+/// Most allocation sites listed in the summary.
+const SUMMARY_SITES: usize = 10;
+
 /// Device-library calls (absent libraries leave it all zero).
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct DeviceSummary {
     /// Library mappings probed (per process).
     pub libraries: u64,
@@ -100,6 +103,23 @@ pub struct DeviceSummary {
     pub unknown_probes: u64,
     /// Calls still open when the recording ended.
     pub in_flight_at_end: u64,
+    /// Slices on device-stream tracks from activity records.
+    pub device_slices: u64,
+    /// Estimated device slices (streams without activity records).
+    pub estimated_slices: u64,
+    /// Flows from host launches to their device work.
+    pub device_flows: u64,
+    /// Device-memory allocations that failed (an OOM), each marked in the
+    /// trace with its stack and the largest live allocation sites.
+    pub failed_allocations: u64,
+    /// Allocating stacks taken, and those the kernel could not take.
+    pub alloc_stacks: u64,
+    pub alloc_stack_errors: u64,
+    /// Largest live allocation sites (at each process's exit or at the
+    /// end), largest first.
+    pub largest_live_sites: Vec<crate::trace::device::SiteReport>,
+    /// Calls per probed function, most called first (the probes' hits).
+    pub functions: Vec<crate::trace::device::FunctionCalls>,
 }
 
 /// The agent's own CPU seconds and peak RSS so far.
@@ -127,6 +147,7 @@ fn kind_name(kind: EventKind) -> String {
         EventKind::OffCpuStack => "offcpu_stack",
         EventKind::UprobeEntry => "uprobe_entry",
         EventKind::UprobeReturn => "uprobe_return",
+        EventKind::UprobeStack => "uprobe_stack",
     }
     .to_string()
 }
@@ -201,6 +222,19 @@ impl RunSummary {
                 returns_without_entry: stats.device.returns_without_entry,
                 unknown_probes: stats.device.unknown_probes,
                 in_flight_at_end: stats.device.in_flight_at_end,
+                device_slices: stats.device.device_slices,
+                estimated_slices: stats.device.estimated_slices,
+                device_flows: stats.device.device_flows,
+                failed_allocations: stats.device.failed_allocations,
+                alloc_stacks: stats.device.alloc_stacks,
+                alloc_stack_errors: stats.device.alloc_stack_errors,
+                largest_live_sites: stats
+                    .alloc_sites
+                    .iter()
+                    .take(SUMMARY_SITES)
+                    .cloned()
+                    .collect(),
+                functions: stats.device_functions.clone(),
                 ..DeviceSummary::default()
             },
         }
@@ -291,6 +325,41 @@ impl RunSummary {
                 d.returns_without_entry,
                 d.in_flight_at_end
             );
+            if d.device_slices + d.estimated_slices > 0 {
+                eprintln!(
+                    "           device work: {} slices from activity records, {} estimated, \
+                     {} flows from host launches",
+                    d.device_slices, d.estimated_slices, d.device_flows
+                );
+            }
+            let top: Vec<String> = d
+                .functions
+                .iter()
+                .take(5)
+                .map(|f| format!("{} {}", f.function, f.calls))
+                .collect();
+            if !top.is_empty() {
+                eprintln!("           most called: {}", top.join(", "));
+            }
+            if d.failed_allocations > 0 {
+                eprintln!(
+                    "           {} failed allocations (marked in the trace with their stacks)",
+                    d.failed_allocations
+                );
+            }
+            if !d.largest_live_sites.is_empty() {
+                eprintln!("  largest live device-memory allocation sites:");
+                for s in d.largest_live_sites.iter().take(5) {
+                    eprintln!(
+                        "    {:>10.1} MiB in {:>5} allocations  pid {} {}  {}",
+                        s.bytes as f64 / (1u64 << 20) as f64,
+                        s.allocations,
+                        s.pid,
+                        s.device,
+                        s.stack
+                    );
+                }
+            }
         }
         eprintln!(
             "  agent:   {:.2} s CPU ({:.0} ns per event), peak RSS {:.0} MB",

@@ -48,6 +48,11 @@ pub struct TraceStats {
     pub first_ts: Option<u64>,
     pub last_ts: u64,
     pub device: device::DeviceStats,
+    /// Largest live device-memory allocation sites (at each process's exit
+    /// or the end), largest first.
+    pub alloc_sites: Vec<device::SiteReport>,
+    /// Device-library calls per function, most called first.
+    pub device_functions: Vec<device::FunctionCalls>,
 }
 
 pub struct TraceBuilder<W: Write> {
@@ -121,6 +126,7 @@ impl<W: Write> TraceBuilder<W> {
             Event::Stack(e) => e.ts,
             Event::ProbeEntry(e) => e.header.ts,
             Event::ProbeReturn(e) => e.header.ts,
+            Event::ProbeStack(e) => e.ts,
         };
         self.stats.first_ts.get_or_insert(ts);
         self.stats.last_ts = self.stats.last_ts.max(ts);
@@ -134,6 +140,7 @@ impl<W: Write> TraceBuilder<W> {
             Event::Stack(s) => self.stack(&s),
             Event::ProbeEntry(e) => self.probe_entry(&e),
             Event::ProbeReturn(r) => self.probe_return(&r),
+            Event::ProbeStack(s) => self.probe_stack(&s),
         }
     }
 
@@ -294,7 +301,7 @@ impl<W: Write> TraceBuilder<W> {
         if let Some(interval) = self.offcpu.exited(e.tid, e.ts) {
             self.interval_done(interval)?;
         }
-        self.device_exited(e.tgid, e.tid)?;
+        self.device_exited(e.tgid, e.tid, e.ts)?;
         self.writer.sched_process_free(
             e.cpu,
             e.ts,
@@ -409,6 +416,26 @@ impl<W: Write> TraceBuilder<W> {
         }
         self.device_finish(end)?;
         self.stats.device = self.device.stats;
+        let mut sites = std::mem::take(&mut self.device.site_reports);
+        sites.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+        self.stats.alloc_sites = sites;
+        let mut functions: Vec<device::FunctionCalls> = self
+            .device
+            .by_function
+            .iter()
+            .map(
+                |(&(library, function), &(calls, errors))| device::FunctionCalls {
+                    library,
+                    function,
+                    calls,
+                    errors,
+                },
+            )
+            .collect();
+        functions.sort_by(|a, b| {
+            (b.calls, a.library, a.function).cmp(&(a.calls, b.library, b.function))
+        });
+        self.stats.device_functions = functions;
         self.stats.threads_seen = self.threads.len();
         let bytes = self.writer.bytes_written();
         let out = self.writer.finish()?;

@@ -88,8 +88,8 @@ pub fn read_json(path: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
-/// A finished 2-rank NVIDIA sim job traced from its start gate with
-/// `--probe-level level`.
+/// A finished 2-rank sim job (NVIDIA flavor unless `extra` says
+/// `--flavor ascend`) traced from its start gate with `--probe-level level`.
 pub struct SimRun {
     pub _dir: TempDir,
     pub job_dir: std::path::PathBuf,
@@ -98,9 +98,44 @@ pub struct SimRun {
     pub stats: Value,
     pub stderr: String,
     pub tl: Timeline,
+    /// The launcher's exit status.
+    pub status: std::process::ExitStatus,
+}
+
+impl SimRun {
+    /// The activity records rank `rank`'s CUPTI/MSPTI consumer read, in
+    /// the order it read them (the job must run with `--activity-log`).
+    pub fn activity_log(&self, rank: u64) -> Vec<Value> {
+        let path = self.job_dir.join(format!("rank{rank}.activity.jsonl"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+            .collect()
+    }
+
+    /// Records rank `rank` drained in its steps, by its step log.
+    pub fn drained_in_steps(&self, rank: u64) -> u64 {
+        let path = self.job_dir.join(format!("rank{rank}.steps.jsonl"));
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["event"] == "step")
+            .map(|v| v["activity_records"].as_u64().unwrap_or(0))
+            .sum()
+    }
 }
 
 pub fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
+    let run = run_sim_job_any_outcome(tag, level, steps, extra);
+    assert!(run.status.success(), "the job failed: {}", run.status);
+    run
+}
+
+/// [`run_sim_job`] for a job that may fail (an injected fault): its
+/// launcher's exit status is in [`SimRun::status`].
+pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
     wait_for_closers();
     let fixtures = fixtures::build_all();
     let dir = TempDir::new(tag);
@@ -151,7 +186,6 @@ pub fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun
     std::fs::write(&gate, b"").expect("open the gate");
     let done = rec.finish(Duration::from_secs(40));
     let status = launcher.0.wait().expect("launcher status");
-    assert!(status.success(), "the job failed: {status}");
     let trace = decode(&done.trace).expect("decodes");
     check_importer_rules(&trace).expect("importer rules hold");
     SimRun {
@@ -162,6 +196,7 @@ pub fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun
         stats: done.stats,
         stderr: done.stderr,
         tl: Timeline::new(&trace),
+        status,
     }
 }
 

@@ -4,12 +4,15 @@
 //! allocations as instants, and each process's rank identity as process
 //! labels.
 
+mod sites;
 mod streams;
 
 use std::collections::HashMap;
 use std::io::Write;
 
 use anyhow::Result;
+pub use sites::SiteReport;
+use sites::{AllocSites, TOP_SITES};
 use streams::{DeviceStreams, HeldCall, HostCall, OpenWindow, StreamKey, Work};
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
 use xpuscope_perfetto::{Arg, ArgValue, CounterUnit, TrackUuid};
@@ -17,11 +20,12 @@ use xpuscope_probes::activity::names::RemoteStrings;
 use xpuscope_probes::activity::{ActivityDetail, ActivityKind};
 use xpuscope_probes::catalog::{CallKind, LaunchKind, SyncKind, Vendor};
 use xpuscope_probes::decode::args::CallArgs;
-use xpuscope_probes::decode::memory::MemoryEffect;
+use xpuscope_probes::decode::memory::{LiveSite, MemoryEffect};
 use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, Unmatched};
 
 use super::TraceBuilder;
 use crate::device_probes::TableUpdate;
+use crate::events::CallStack;
 
 /// What the device decoding saw, for the summary.
 #[derive(Clone, Copy, Debug, Default)]
@@ -40,6 +44,23 @@ pub struct DeviceStats {
     pub estimated_slices: u64,
     /// Flows from host calls to device slices.
     pub device_flows: u64,
+    /// Allocations that failed (marked with their stack and the largest
+    /// live sites).
+    pub failed_allocations: u64,
+    /// Allocating stacks received, and those the kernel could not take.
+    pub alloc_stacks: u64,
+    pub alloc_stack_errors: u64,
+    /// Allocating stacks not given a site (too many distinct sites).
+    pub alloc_sites_over_limit: u64,
+}
+
+/// Completed calls of one function, for the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FunctionCalls {
+    pub library: &'static str,
+    pub function: &'static str,
+    pub calls: u64,
+    pub errors: u64,
 }
 
 pub struct DeviceTrace {
@@ -52,6 +73,13 @@ pub struct DeviceTrace {
     streams: DeviceStreams,
     /// Kernel names read from the applications.
     strings: RemoteStrings,
+    /// Allocating stacks, interned.
+    sites: AllocSites,
+    /// Largest live allocation sites of processes that exited or were
+    /// still running at the end.
+    pub site_reports: Vec<SiteReport>,
+    /// (library, function) -> (calls, errors).
+    pub by_function: HashMap<(&'static str, &'static str), (u64, u64)>,
     pub stats: DeviceStats,
 }
 
@@ -64,6 +92,9 @@ impl Default for DeviceTrace {
             out: Vec::new(),
             streams: DeviceStreams::default(),
             strings: RemoteStrings::default(),
+            sites: AllocSites::default(),
+            site_reports: Vec::new(),
+            by_function: HashMap::new(),
             stats: DeviceStats::default(),
         }
     }
@@ -304,10 +335,81 @@ impl<W: Write> TraceBuilder<W> {
         Ok(())
     }
 
+    /// The caller's stack as an allocation returns (just before its return
+    /// record): interned as a site the call and its bytes are charged to.
+    pub(super) fn probe_stack(&mut self, s: &CallStack) -> Result<()> {
+        self.device.stats.alloc_stacks += 1;
+        let addrs = match &s.user {
+            Ok(a) if !a.is_empty() => a,
+            _ => {
+                self.device.stats.alloc_stack_errors += 1;
+                return Ok(());
+            }
+        };
+        let (symbolizer, frames) = (&mut self.symbolizer, &mut self.frames);
+        let site = self.device.sites.intern(s.tgid, addrs, || {
+            let sym = symbolizer.user_frames(s.tgid, addrs);
+            let converted = sym.iter().map(|f| frames.frame(f)).collect();
+            (sym, converted)
+        });
+        self.device.stats.alloc_sites_over_limit = self.device.sites.over_limit;
+        if let Some(site) = site {
+            self.device
+                .decoder
+                .on_call_site(s.tgid, s.tid, s.probe_ip, site);
+        }
+        Ok(())
+    }
+
+    /// Process `tgid`'s device memory still held, by allocation site, as an
+    /// instant on its process track (`why`: "at exit", "at end of trace")
+    /// and in the summary.
+    fn report_live_sites(&mut self, tgid: u32, ts: u64, why: &str) -> Result<()> {
+        let Some(rows) = self
+            .device
+            .decoder
+            .memory(tgid)
+            .map(|m| m.largest_sites(None, TOP_SITES))
+        else {
+            return Ok(());
+        };
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let held: u64 = self
+            .device
+            .decoder
+            .memory(tgid)
+            .map(|m| m.devices().map(|(_, b)| b).sum())
+            .unwrap_or(0);
+        let mut args = vec![Arg::new("device_bytes_held", ArgValue::Uint(held))];
+        args.extend(self.device.sites.annotations("live_sites", &rows));
+        let stack = self.site_frames(rows[0].site);
+        let track = self.device_process_track(tgid)?;
+        self.writer.instant(
+            track,
+            ts,
+            &format!("device memory held {why}"),
+            &args,
+            stack.as_deref(),
+        )?;
+        let reports = self.device.sites.reports(tgid, &rows);
+        self.device.site_reports.extend(reports);
+        Ok(())
+    }
+
+    /// The frames of allocation site `site` (for a callstack).
+    fn site_frames(&self, site: Option<u64>) -> Option<Vec<xpuscope_perfetto::Frame>> {
+        let frames = &self.device.sites.get(site?)?.frames;
+        (!frames.is_empty()).then(|| frames.clone())
+    }
+
     /// A thread (or, for the main thread, the process) exited.
-    pub(super) fn device_exited(&mut self, tgid: u32, tid: u32) -> Result<()> {
+    pub(super) fn device_exited(&mut self, tgid: u32, tid: u32, ts: u64) -> Result<()> {
         let mut out = std::mem::take(&mut self.device.out);
         if tid == tgid {
+            self.report_live_sites(tgid, ts, "at exit")?;
+            self.device.sites.forget_process(tgid);
             self.release_held(Some(tgid))?;
             let mut keys: Vec<StreamKey> = (self.device.streams.pending.keys())
                 .filter(|k| k.tgid == tgid)
@@ -352,6 +454,11 @@ impl<W: Write> TraceBuilder<W> {
                 None,
             )?;
         }
+        let mut live: Vec<u32> = self.device.process_tracks.keys().copied().collect();
+        live.sort_unstable();
+        for tgid in live {
+            self.report_live_sites(tgid, end, "at end of trace")?;
+        }
         self.release_held(None)?;
         let mut keys: Vec<StreamKey> = self.device.streams.pending.keys().cloned().collect();
         keys.sort();
@@ -395,8 +502,15 @@ impl<W: Write> TraceBuilder<W> {
 
     fn device_call(&mut self, call: &DeviceCall) -> Result<()> {
         self.device.stats.calls += 1;
+        let counts = self
+            .device
+            .by_function
+            .entry((call.library.name(), call.function))
+            .or_default();
+        counts.0 += 1;
         if call.error {
             self.device.stats.errors += 1;
+            counts.1 += 1;
         }
         let end = call.end_ts.unwrap_or(call.start_ts).max(call.start_ts);
         self.estimate(call, end)?;
@@ -427,6 +541,7 @@ impl<W: Write> TraceBuilder<W> {
             .thread_track(call.tgid as i32, call.tid as i32, "")?;
         let args = call_args(call);
         let end = call.end_ts.unwrap_or(call.start_ts).max(call.start_ts);
+        let stack = self.site_frames(call.site);
         self.writer.slice_begin(
             track,
             call.start_ts,
@@ -434,7 +549,7 @@ impl<W: Write> TraceBuilder<W> {
             Some("device"),
             &args,
             flow_ids,
-            None,
+            stack.as_deref(),
         )?;
         self.writer.slice_end(track, end, &[])?;
         if let Some(m) = &call.memory {
@@ -763,18 +878,29 @@ impl<W: Write> TraceBuilder<W> {
         };
         self.writer.counter(counter, ts, m.held_after as f64)?;
         if let Some(req) = m.failed_request {
-            let args = [
+            self.device.stats.failed_allocations += 1;
+            // What holds the device's memory when the allocation fails.
+            let live: Vec<LiveSite> = self
+                .device
+                .decoder
+                .memory(call.tgid)
+                .map(|l| l.largest_sites(Some(m.device), TOP_SITES))
+                .unwrap_or_default();
+            let mut args = vec![
                 Arg::new("requested", ArgValue::Uint(req)),
                 Arg::new("device_bytes_held", ArgValue::Uint(m.held_after)),
                 Arg::new("device", ArgValue::Uint(m.device.index.into())),
                 Arg::new("return", ArgValue::Int(call.ret.unwrap_or(0))),
+                Arg::new("stack", ArgValue::Str(self.device.sites.label(m.site))),
             ];
+            args.extend(self.device.sites.annotations("live_sites", &live));
+            let stack = self.site_frames(m.site);
             self.writer.instant(
                 thread,
                 ts,
                 &format!("{} failed", call.function),
                 &args,
-                None,
+                stack.as_deref(),
             )?;
         }
         Ok(())

@@ -68,10 +68,13 @@ pub enum EventKind {
     UprobeEntry = 9,
     /// A probed library function returned ([`uprobe::UprobeReturn`]).
     UprobeReturn = 10,
+    /// The caller's user stack as a probed function returns
+    /// ([`uprobe::UprobeStack`]); precedes that call's return record.
+    UprobeStack = 11,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 10] = [
+    pub const ALL: [EventKind; 11] = [
         EventKind::SchedSwitch,
         EventKind::SchedWaking,
         EventKind::SchedWakeupNew,
@@ -82,6 +85,7 @@ impl EventKind {
         EventKind::OffCpuStack,
         EventKind::UprobeEntry,
         EventKind::UprobeReturn,
+        EventKind::UprobeStack,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {

@@ -7,7 +7,7 @@
 //! through the process's mappings. The kernel copies raw machine state;
 //! `xpuscope-probes` decodes it into meaning using the catalog.
 
-use crate::EventHeader;
+use crate::{EventHeader, MAX_STACK_DEPTH};
 
 /// Words copied from the stack at entry: `sp[0]` (the return address when
 /// the probe sits on the function's first instruction) and the stack-passed
@@ -30,6 +30,13 @@ pub const RETURN_ON_SUCCESS: u8 = 1 << 1;
 /// `ProbeSpec::flags`: the entry copy is a NUL-terminated string.
 pub const ENTRY_STRING: u8 = 1 << 2;
 
+/// `ProbeSpec::flags`: at return, push the caller's user stack
+/// ([`UprobeStack`]) before the return record: where device memory was
+/// allocated (an OOM's stack, the largest live allocation sites). Taken at
+/// return, not entry: there the frame-pointer chain starts in the caller
+/// and no frame is skipped.
+pub const RETURN_USER_STACK: u8 = 1 << 3;
+
 /// What to copy for one probed function, keyed by [`ProbeKey`] in the
 /// `UPROBE_SPECS` map; written by the agent when it attaches.
 #[repr(C)]
@@ -41,7 +48,8 @@ pub struct ProbeSpec {
     /// Register argument index whose pointee is copied at RETURN (an out
     /// parameter such as `cudaMalloc`'s `void **`), or [`DEREF_NONE`].
     pub return_deref_arg: u8,
-    /// [`RETURN_TWICE`], [`RETURN_ON_SUCCESS`], [`ENTRY_STRING`].
+    /// [`RETURN_TWICE`], [`RETURN_ON_SUCCESS`], [`ENTRY_STRING`],
+    /// [`RETURN_USER_STACK`].
     pub flags: u8,
     pub _pad: u8,
     /// Bytes to copy at entry (at most [`DEREF_BYTES`]).
@@ -133,6 +141,23 @@ pub struct UprobeReturn {
     pub deref: [u8; DEREF_BYTES],
 }
 
+/// The user stack of a thread returning from a probed function (spec flag
+/// [`RETURN_USER_STACK`]), leaf (the return address in the caller) first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UprobeStack {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// The probe address of the call returning.
+    pub probe_ip: u64,
+    /// Bytes of `user` filled, or the negative errno of `bpf_get_stack`.
+    pub user_bytes: i32,
+    pub _pad: u32,
+    pub user: [u64; MAX_STACK_DEPTH],
+}
+
+const _: () = assert!(core::mem::size_of::<UprobeStack>() == 16 + 8 + 8 + 8 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<UprobeEntry>() == 16 + 16 + 48 + 8 + 64 + 8 + 128);
 const _: () = assert!(core::mem::size_of::<UprobeReturn>() == 16 + 16 + 8 + 8 + 128);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 16);

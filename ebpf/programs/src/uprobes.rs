@@ -5,24 +5,25 @@
 
 use aya_ebpf::{
     EbpfContext,
+    bindings::BPF_F_USER_STACK,
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_probe_read_user_buf,
-        generated::{bpf_get_func_ip, bpf_probe_read_user, bpf_probe_read_user_str},
+        generated::{bpf_get_func_ip, bpf_get_stack, bpf_probe_read_user, bpf_probe_read_user_str},
     },
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
 use xpuscope_common::{
-    EventKind,
+    DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH,
     uprobe::{
         DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_WORDS, ENTRY_STRING, PENDING_DEPTH,
-        PendingDerefs, ProbeKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE, UprobeEntry,
-        UprobeReturn,
+        PendingDerefs, ProbeKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE, RETURN_USER_STACK,
+        UprobeEntry, UprobeReturn, UprobeStack,
     },
 };
 
 use crate::{
-    maps::{UPROBE_PENDING, UPROBE_SPECS, config},
+    maps::{UPROBE_PENDING, UPROBE_SPECS, config, count_drop},
     ring::{now, reserve, submit_flags},
 };
 
@@ -165,7 +166,11 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     let cpu = unsafe { bpf_get_smp_processor_id() };
     // SAFETY: the probe context's saved user registers.
     let ret = unsafe { (*ctx.regs).rax };
-    let mut entry = reserve::<UprobeReturn>(EventKind::UprobeReturn, cpu, now())?;
+    let ts = now();
+    if spec.flags & RETURN_USER_STACK != 0 {
+        push_user_stack(ctx, cpu, ts, tid, tgid, probe_ip);
+    }
+    let mut entry = reserve::<UprobeReturn>(EventKind::UprobeReturn, cpu, ts)?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -187,6 +192,35 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     }
     entry.submit(submit_flags(&cfg));
     Some(0)
+}
+
+/// Pushes the returning thread's user stack (it precedes the return record
+/// in the ring, so the agent has it when the call completes).
+#[inline(always)]
+fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32, probe_ip: u64) {
+    let Some(mut entry) = reserve::<UprobeStack>(EventKind::UprobeStack, cpu, ts) else {
+        return;
+    };
+    let rec = entry.as_mut_ptr();
+    // SAFETY: `rec` points into the reserved record; the buffer handed to
+    // bpf_get_stack is exactly the size passed.
+    unsafe {
+        (*rec).tid = tid;
+        (*rec).tgid = tgid;
+        (*rec).probe_ip = probe_ip;
+        (*rec)._pad = 0;
+        let n = bpf_get_stack(
+            ctx.as_ptr(),
+            (*rec).user.as_mut_ptr().cast(),
+            (MAX_STACK_DEPTH * 8) as u32,
+            BPF_F_USER_STACK as u64,
+        );
+        if n < 0 {
+            count_drop(DROP_SLOT_STACK_ERRORS);
+        }
+        (*rec).user_bytes = n as i32;
+    }
+    entry.submit(submit_flags(&config()));
 }
 
 #[inline(always)]

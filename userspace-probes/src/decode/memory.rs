@@ -7,6 +7,11 @@
 //! per thread by `cudaSetDevice` / `aclrtSetDevice` (default 0). Memory
 //! allocated before the agent attached is unknown: its frees are counted as
 //! untracked, never subtracted.
+//!
+//! Each allocation may carry an allocation site: an opaque id the caller
+//! gives (the agent interns the allocating user stack). Bytes held are also
+//! kept per (device, site), so the largest live allocation sites are known
+//! at any time (at an OOM, at the end of a trace).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -38,12 +43,34 @@ pub struct MemoryEffect {
     /// A free of memory allocated before the agent attached (or not
     /// remembered): its size is unknown.
     pub untracked: bool,
+    /// The allocation site: of this allocation, or of the allocation this
+    /// free released (None: allocated without a known site).
+    pub site: Option<u64>,
+}
+
+/// Live bytes allocated at one site on one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SiteUsage {
+    /// Bytes of this site's allocations not yet freed.
+    pub bytes: u64,
+    /// Its live allocations.
+    pub allocations: u64,
+}
+
+/// One row of [`MemoryLedger::largest_sites`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LiveSite {
+    pub device: Device,
+    /// None: allocations whose site is unknown (no stack was taken).
+    pub site: Option<u64>,
+    pub usage: SiteUsage,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Allocation {
     device: Device,
     size: u64,
+    site: Option<u64>,
 }
 
 /// Device memory of one process.
@@ -51,6 +78,8 @@ struct Allocation {
 pub struct MemoryLedger {
     allocations: HashMap<u64, Allocation>,
     held: BTreeMap<Device, u64>,
+    /// Live bytes per (device, site); entries leave when they reach 0.
+    sites: HashMap<(Device, Option<u64>), SiteUsage>,
     current: HashMap<(u32, Vendor), u32>,
     /// Failed allocations.
     pub failures: u64,
@@ -96,18 +125,30 @@ impl MemoryLedger {
         self.current.retain(|(t, _), _| *t != tid);
     }
 
-    /// An allocation of `size` bytes at `ptr` succeeded on `tid`.
-    pub fn allocated(&mut self, tid: u32, vendor: Vendor, ptr: u64, size: u64) -> MemoryEffect {
+    /// An allocation of `size` bytes at `ptr` succeeded on `tid`, made at
+    /// `site`.
+    pub fn allocated(
+        &mut self,
+        tid: u32,
+        vendor: Vendor,
+        ptr: u64,
+        size: u64,
+        site: Option<u64>,
+    ) -> MemoryEffect {
         let device = self.current_device(tid, vendor);
         // A pointer handed out twice without a free seen: the old one was
         // freed unseen; do not count it twice.
         if let Some(old) = self.allocations.remove(&ptr) {
-            self.sub(old.device, old.size);
+            self.release(old);
         }
         if self.allocations.len() < MAX_ALLOCATIONS {
-            self.allocations.insert(ptr, Allocation { device, size });
+            let a = Allocation { device, size, site };
+            self.allocations.insert(ptr, a);
             let held = self.held.entry(device).or_insert(0);
             *held = held.saturating_add(size);
+            let usage = self.sites.entry((device, site)).or_default();
+            usage.bytes = usage.bytes.saturating_add(size);
+            usage.allocations += 1;
         } else {
             self.unremembered += 1;
         }
@@ -117,11 +158,18 @@ impl MemoryLedger {
             held_after: self.held(device),
             failed_request: None,
             untracked: false,
+            site,
         }
     }
 
-    /// An allocation of `size` bytes failed on `tid`.
-    pub fn failed(&mut self, tid: u32, vendor: Vendor, size: u64) -> MemoryEffect {
+    /// An allocation of `size` bytes failed on `tid` at `site`.
+    pub fn failed(
+        &mut self,
+        tid: u32,
+        vendor: Vendor,
+        size: u64,
+        site: Option<u64>,
+    ) -> MemoryEffect {
         self.failures += 1;
         let device = self.current_device(tid, vendor);
         MemoryEffect {
@@ -130,6 +178,7 @@ impl MemoryLedger {
             held_after: self.held(device),
             failed_request: Some(size),
             untracked: false,
+            site,
         }
     }
 
@@ -137,13 +186,14 @@ impl MemoryLedger {
     pub fn freed(&mut self, tid: u32, vendor: Vendor, ptr: u64) -> MemoryEffect {
         match self.allocations.remove(&ptr) {
             Some(a) => {
-                self.sub(a.device, a.size);
+                self.release(a);
                 MemoryEffect {
                     device: a.device,
                     delta: -i64::try_from(a.size).unwrap_or(i64::MAX),
                     held_after: self.held(a.device),
                     failed_request: None,
                     untracked: false,
+                    site: a.site,
                 }
             }
             None => {
@@ -155,7 +205,46 @@ impl MemoryLedger {
                     held_after: self.held(device),
                     failed_request: None,
                     untracked: true,
+                    site: None,
                 }
+            }
+        }
+    }
+
+    /// The `n` sites holding the most live bytes on `device` (every device
+    /// when None), largest first (ties: fewer allocations, then site id,
+    /// so the order is stable).
+    pub fn largest_sites(&self, device: Option<Device>, n: usize) -> Vec<LiveSite> {
+        let mut rows: Vec<LiveSite> = self
+            .sites
+            .iter()
+            .filter(|((d, _), u)| u.bytes > 0 && device.is_none_or(|want| *d == want))
+            .map(|(&(device, site), &usage)| LiveSite {
+                device,
+                site,
+                usage,
+            })
+            .collect();
+        rows.sort_by(|a, b| {
+            (b.usage.bytes, a.usage.allocations, a.device, a.site).cmp(&(
+                a.usage.bytes,
+                b.usage.allocations,
+                b.device,
+                b.site,
+            ))
+        });
+        rows.truncate(n);
+        rows
+    }
+
+    fn release(&mut self, a: Allocation) {
+        self.sub(a.device, a.size);
+        let key = (a.device, a.site);
+        if let Some(usage) = self.sites.get_mut(&key) {
+            usage.bytes = usage.bytes.saturating_sub(a.size);
+            usage.allocations = usage.allocations.saturating_sub(1);
+            if usage.allocations == 0 {
+                self.sites.remove(&key);
             }
         }
     }
@@ -188,11 +277,11 @@ mod tests {
     #[test]
     fn per_device_per_thread() {
         let mut m = MemoryLedger::default();
-        let e = m.allocated(10, Vendor::Nvidia, 0x1000, GIB);
+        let e = m.allocated(10, Vendor::Nvidia, 0x1000, GIB, None);
         assert_eq!((e.device, e.delta, e.held_after), (dev(0), GIB as i64, GIB));
         m.set_device(10, Vendor::Nvidia, 3);
         assert_eq!(m.current_device(11, Vendor::Nvidia), dev(0), "per thread");
-        let e = m.allocated(10, Vendor::Nvidia, 0x2000, 2 * GIB);
+        let e = m.allocated(10, Vendor::Nvidia, 0x2000, 2 * GIB, None);
         assert_eq!((e.device, e.held_after), (dev(3), 2 * GIB));
         // Freed from another thread: still the allocation's device.
         let e = m.freed(11, Vendor::Nvidia, 0x2000);
@@ -204,7 +293,7 @@ mod tests {
         assert_eq!(m.live(), 1);
         // Ascend devices are separate.
         m.set_device(10, Vendor::Ascend, 3);
-        let e = m.allocated(10, Vendor::Ascend, 0x3000, 5);
+        let e = m.allocated(10, Vendor::Ascend, 0x3000, 5, None);
         assert_eq!(
             e.device,
             Device {
@@ -220,7 +309,7 @@ mod tests {
     #[test]
     fn failures_and_unknown_frees() {
         let mut m = MemoryLedger::default();
-        let e = m.failed(1, Vendor::Nvidia, 100 * GIB);
+        let e = m.failed(1, Vendor::Nvidia, 100 * GIB, None);
         assert_eq!(
             (e.failed_request, e.delta, e.held_after),
             (Some(100 * GIB), 0, 0)
@@ -229,10 +318,55 @@ mod tests {
         assert!(e.untracked);
         assert_eq!((m.failures, m.untracked_frees), (1, 1));
         // The same pointer allocated twice without a seen free.
-        m.allocated(1, Vendor::Nvidia, 0x10, 7);
-        m.allocated(1, Vendor::Nvidia, 0x10, 9);
+        m.allocated(1, Vendor::Nvidia, 0x10, 7, Some(1));
+        m.allocated(1, Vendor::Nvidia, 0x10, 9, Some(2));
         assert_eq!(m.held(dev(0)), 9);
         assert_eq!(m.size_of(0x10), Some(9));
         assert_eq!(m.devices().collect::<Vec<_>>(), [(dev(0), 9)]);
+        // The unseen free left site 1; site 2 holds the pointer now.
+        let sites = m.largest_sites(None, 10);
+        assert_eq!(sites.len(), 1);
+        assert_eq!((sites[0].site, sites[0].usage.bytes), (Some(2), 9));
+    }
+
+    #[test]
+    fn largest_live_sites_by_bytes_held() {
+        let mut m = MemoryLedger::default();
+        // Site 7: three allocations of 1 GiB; site 8: one of 2 GiB; no site:
+        // 512 MiB; site 9 on device 1.
+        for (i, ptr) in [0x100u64, 0x200, 0x300].iter().enumerate() {
+            let e = m.allocated(1, Vendor::Nvidia, *ptr, GIB, Some(7));
+            assert_eq!((e.site, e.held_after), (Some(7), (i as u64 + 1) * GIB));
+        }
+        m.allocated(1, Vendor::Nvidia, 0x400, 2 * GIB, Some(8));
+        m.allocated(1, Vendor::Nvidia, 0x500, GIB / 2, None);
+        m.set_device(1, Vendor::Nvidia, 1);
+        m.allocated(1, Vendor::Nvidia, 0x600, 5 * GIB, Some(9));
+        let rows = m.largest_sites(Some(dev(0)), 2);
+        assert_eq!(
+            rows.iter()
+                .map(|r| (r.site, r.usage.bytes, r.usage.allocations))
+                .collect::<Vec<_>>(),
+            [(Some(7), 3 * GIB, 3), (Some(8), 2 * GIB, 1)]
+        );
+        assert_eq!(m.largest_sites(None, 1)[0].site, Some(9));
+        // A free is charged back to its site and reports it.
+        let e = m.freed(2, Vendor::Nvidia, 0x200);
+        assert_eq!((e.site, e.delta), (Some(7), -(GIB as i64)));
+        m.freed(2, Vendor::Nvidia, 0x100);
+        let rows = m.largest_sites(Some(dev(0)), 3);
+        assert_eq!(
+            rows.iter()
+                .map(|r| (r.site, r.usage.bytes))
+                .collect::<Vec<_>>(),
+            [(Some(8), 2 * GIB), (Some(7), GIB), (None, GIB / 2)]
+        );
+        // Fully freed sites disappear.
+        m.freed(2, Vendor::Nvidia, 0x400);
+        m.freed(2, Vendor::Nvidia, 0x300);
+        assert_eq!(m.largest_sites(Some(dev(0)), 3).len(), 1);
+        // A failure names its site but holds nothing.
+        let e = m.failed(1, Vendor::Nvidia, GIB, Some(7));
+        assert_eq!((e.site, e.failed_request), (Some(7), Some(GIB)));
     }
 }

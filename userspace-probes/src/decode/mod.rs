@@ -94,6 +94,9 @@ pub struct DeviceCall {
     pub name: String,
     pub comm: Option<CommContext>,
     pub memory: Option<MemoryEffect>,
+    /// The caller's stack (an id from [`Decoder::on_call_site`]), when the
+    /// kernel took one for this call.
+    pub site: Option<u64>,
 }
 
 /// An activity record the application read.
@@ -150,6 +153,9 @@ pub enum Unmatched {
 }
 
 /// Decoder output.
+// Calls are nearly every value: boxing them would add an allocation per
+// call to save space only on the rarer activity records.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decoded {
     Call(DeviceCall),
@@ -191,6 +197,8 @@ struct Pending {
     target: ProbeTarget,
     entry: UprobeEntry,
     seq: (Option<u64>, bool),
+    /// The caller's stack, as the site id given to [`Decoder::on_call_site`].
+    site: Option<u64>,
 }
 
 #[derive(Default)]
@@ -291,6 +299,7 @@ impl Decoder {
             target,
             entry: *e,
             seq: (None, false),
+            site: None,
         };
         if let CallKind::Collective(_) = target.function.kind
             && let Some(comm) = pending.raw(None).u64(Role::Comm)
@@ -344,6 +353,20 @@ impl Decoder {
         }
         if let Some(p) = matched {
             self.complete(&p, Some(r), out);
+        }
+    }
+
+    /// The kernel took the user stack of thread `tid` returning from the
+    /// probe at `probe_ip` (it comes just before that return record): the
+    /// caller interned it as `site`. The call then carries it, and an
+    /// allocation is charged to it.
+    pub fn on_call_site(&mut self, tgid: u32, tid: u32, probe_ip: u64, site: u64) {
+        if let Some(p) = self
+            .threads
+            .get_mut(&(tgid, tid))
+            .and_then(|s| s.iter_mut().rev().find(|p| p.entry.probe_ip == probe_ip))
+        {
+            p.site = Some(site);
         }
     }
 
@@ -464,10 +487,12 @@ impl Decoder {
         match &args {
             CallArgs::Malloc(a) if r.is_some() => {
                 memory = match a.ptr {
-                    Some(ptr) if ok => Some(process.memory.allocated(tid, vendor, ptr, a.size)),
+                    Some(ptr) if ok => {
+                        Some(process.memory.allocated(tid, vendor, ptr, a.size, p.site))
+                    }
                     // Succeeded, but the pointer copy failed: unknown.
                     None if ok => None,
-                    _ => Some(process.memory.failed(tid, vendor, a.size)),
+                    _ => Some(process.memory.failed(tid, vendor, a.size, p.site)),
                 };
             }
             CallArgs::Free { ptr, .. } if ok && *ptr != 0 => {
@@ -537,6 +562,7 @@ impl Decoder {
             name,
             comm,
             memory,
+            site: p.site,
         }
     }
 }

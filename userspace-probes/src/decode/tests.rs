@@ -638,6 +638,64 @@ fn device_memory_accounting() {
     assert_eq!(ledger.failures, 1);
 }
 
+/// A site given between entry and return (as the kernel's stack record
+/// arrives) is carried by the call and charged with the allocation; a free
+/// elsewhere credits it back; a failed allocation names its site.
+#[test]
+fn allocation_sites_from_call_stacks() {
+    let mut d = decoder_with(&["cudaMalloc", "cudaFree"], 0);
+    let mut out = Vec::new();
+    let ip = ip_of("cudaMalloc");
+    d.on_entry(
+        &entry("cudaMalloc", 1, [0x8000, GIB, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    // A site for another probe of the thread is not this call's.
+    d.on_call_site(TGID, TID, ip_of("cudaFree"), 99);
+    d.on_call_site(TGID, TID, ip, 7);
+    d.on_return(
+        &ret("cudaMalloc", 2, 0, &0x2000_0000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    let [Decoded::Call(c)] = out.as_slice() else {
+        panic!("{out:?}")
+    };
+    assert_eq!((c.site, c.memory.unwrap().site), (Some(7), Some(7)));
+    // Without a stack: no site.
+    let c = call(
+        &mut d,
+        entry("cudaMalloc", 3, [0x8000, 2 * GIB, 0, 0, 0, 0], &[]),
+        ret("cudaMalloc", 4, 0, &0x2100_0000_0000u64.to_le_bytes()),
+    );
+    assert_eq!(c.site, None);
+    let rows = d.memory(TGID).unwrap().largest_sites(None, 5);
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.site, r.usage.bytes))
+            .collect::<Vec<_>>(),
+        [(None, 2 * GIB), (Some(7), GIB)]
+    );
+    let c = call(
+        &mut d,
+        entry("cudaFree", 5, [0x2000_0000_0000, 0, 0, 0, 0, 0], &[]),
+        ret("cudaFree", 6, 0, &[]),
+    );
+    assert_eq!(c.memory.unwrap().site, Some(7));
+    assert_eq!(d.memory(TGID).unwrap().largest_sites(None, 5).len(), 1);
+    let mut out = Vec::new();
+    d.on_entry(
+        &entry("cudaMalloc", 7, [0x8000, 64 * GIB, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_call_site(TGID, TID, ip, 8);
+    d.on_return(&ret("cudaMalloc", 8, 2, &[]), &mut out);
+    let [Decoded::Call(c)] = out.as_slice() else {
+        panic!("{out:?}")
+    };
+    let m = c.memory.unwrap();
+    assert_eq!((m.failed_request, m.site), (Some(64 * GIB), Some(8)));
+}
+
 #[test]
 fn copies_syncs_markers() {
     let mut d = decoder_with(

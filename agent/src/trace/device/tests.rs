@@ -317,6 +317,7 @@ fn call(kind: CallKind, args: CallArgs, (start, end): (u64, u64)) -> Decoded {
         name: "f".into(),
         comm: None,
         memory: None,
+        site: None,
     })
 }
 
