@@ -31,7 +31,8 @@ pub enum Command {
     /// duration ends, Ctrl-C/SIGTERM, or the process exits.
     Attach(AttachArgs),
     /// List the device libraries a process has mapped and where each
-    /// probed function's probe goes (static; nothing is attached).
+    /// probed function's probe goes; with --duration, also count each
+    /// probe's hits for that long (attached, recording nothing else).
     Probes(ProbesArgs),
 }
 
@@ -40,6 +41,10 @@ pub struct ProbesArgs {
     /// The process to inspect.
     #[arg(short, long)]
     pub pid: u32,
+    /// Attach every probe (all levels) this long and list how often each
+    /// was hit (e.g. 5s). Needs root. Without it nothing is attached.
+    #[arg(short, long, value_parser = config::parse_duration)]
+    pub duration: Option<std::time::Duration>,
 }
 
 #[derive(Args, Debug)]
@@ -138,6 +143,12 @@ mod tests {
         assert!(Cli::try_parse_from(["agent", "attach", "-p", "1", "--probe-level", "2"]).is_ok());
         assert!(Cli::try_parse_from(["agent", "attach", "-p", "1", "--probe-level", "3"]).is_err());
         assert!(Cli::try_parse_from(["agent", "probes", "--pid", "1"]).is_ok());
+        let cli = Cli::try_parse_from(["agent", "probes", "-p", "1", "--duration", "2s"]).unwrap();
+        let Command::Probes(args) = cli.command else {
+            panic!("not probes")
+        };
+        assert_eq!(args.duration, Some(std::time::Duration::from_secs(2)));
+        assert!(Cli::try_parse_from(["agent", "probes", "-p", "1", "-d", "soon"]).is_err());
     }
 
     #[test]

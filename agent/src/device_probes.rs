@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use aya::Ebpf;
-use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap};
 use aya::programs::UProbe;
 use aya::programs::uprobe::{UProbeLink, UProbeLinkId, UProbeScope};
 use xpuscope_common::maps;
@@ -67,6 +67,8 @@ pub struct DeviceProbeStats {
 
 struct AttachedFn {
     key: ProbeKey,
+    /// (library, function): what its hits are counted under.
+    name: (&'static str, &'static str),
     entry: UProbeLinkId,
     ret: UProbeLinkId,
 }
@@ -105,6 +107,8 @@ pub struct DeviceProbes {
     /// Links of probes stopped during the recording (exited processes,
     /// unmapped libraries), closed at the end.
     retired: Vec<UProbeLink>,
+    /// Hits of probes already detached, by (library, function).
+    retired_hits: HashMap<(&'static str, &'static str), u64>,
     pub stats: DeviceProbeStats,
 }
 
@@ -292,6 +296,7 @@ impl DeviceProbes {
                     self.stats.attached += 1;
                     out.push(AttachedFn {
                         key: p.key,
+                        name: (p.target.library.name(), p.target.function.name),
                         entry,
                         ret,
                     });
@@ -322,8 +327,33 @@ impl DeviceProbes {
     /// then push nothing for them), their links are kept until the end
     /// (see [`DeviceProbes::detach_all`]).
     fn detach(&mut self, bpf: &mut Ebpf, fns: Vec<AttachedFn>) {
+        for f in &fns {
+            *self.retired_hits.entry(f.name).or_default() += take_hits(bpf, f.key);
+        }
         let links = take_links(bpf, fns);
         self.retired.extend(links);
+    }
+
+    /// Calls of every probed function so far (all processes, detached
+    /// probes included), by (library, function), as the kernel counted
+    /// them: records dropped on the way are still counted here.
+    pub fn hits(&self, bpf: &Ebpf) -> HashMap<(&'static str, &'static str), u64> {
+        let mut out = self.retired_hits.clone();
+        for f in self.procs.values().flatten().flat_map(|l| &l.fns) {
+            *out.entry(f.name).or_default() += read_hits(bpf, f.key);
+        }
+        out
+    }
+
+    /// Calls of each probe of process `pid`, by probe address.
+    pub fn hits_by_address(&self, bpf: &Ebpf, pid: u32) -> HashMap<u64, u64> {
+        self.procs
+            .get(&pid)
+            .into_iter()
+            .flatten()
+            .flat_map(|l| &l.fns)
+            .map(|f| (f.key.probe_ip, read_hits(bpf, f.key)))
+            .collect()
     }
 
     /// Silences every probe, then hands the links to a child process that
@@ -453,6 +483,31 @@ fn specs(bpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, ProbeKey, ProbeSpec>
         bpf.map_mut(maps::UPROBE_SPECS)
             .context("UPROBE_SPECS map missing")?,
     )?)
+}
+
+/// Calls counted for the probe at `key`, summed over CPUs.
+fn read_hits(bpf: &Ebpf, key: ProbeKey) -> u64 {
+    let Some(map) = bpf.map(maps::UPROBE_HITS) else {
+        return 0;
+    };
+    let Ok(hits) = PerCpuHashMap::<&MapData, ProbeKey, u64>::try_from(map) else {
+        return 0;
+    };
+    hits.get(&key, 0)
+        .map(|per_cpu| per_cpu.iter().sum())
+        .unwrap_or(0)
+}
+
+/// Reads and forgets the count of a probe being detached (its address may
+/// be reused by another library later).
+fn take_hits(bpf: &mut Ebpf, key: ProbeKey) -> u64 {
+    let n = read_hits(bpf, key);
+    if let Some(map) = bpf.map_mut(maps::UPROBE_HITS)
+        && let Ok(mut hits) = PerCpuHashMap::<&mut MapData, ProbeKey, u64>::try_from(map)
+    {
+        let _ = hits.remove(&key);
+    }
+    n
 }
 
 fn write_spec(bpf: &mut Ebpf, key: ProbeKey, spec: ProbeSpec) -> Result<()> {

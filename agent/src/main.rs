@@ -55,7 +55,7 @@ fn main() -> ExitCode {
         eprintln!("xpuscope: internal error; please report it with the message above");
     }));
     match cli.command {
-        Command::Probes(args) => match probes_cmd::run(args.pid) {
+        Command::Probes(args) => match probes_cmd::run(args.pid, args.duration) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("xpuscope: error: {e:#}");

@@ -1,17 +1,29 @@
-//! `agent probes --pid PID`: the device libraries a process has mapped and
-//! where each probed function's probe goes. Static: nothing is attached.
+//! `agent probes --pid PID [--duration D]`: the device libraries a process
+//! has mapped and where each probed function's probe goes. Static unless
+//! `--duration`: then every probe is attached for that long with the
+//! capture levels off, so the kernel only counts each probe's hits (nothing
+//! is recorded), and the listing gains a hits column.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use aya::EbpfLoader;
+use xpuscope_common::{Config, globals};
 use xpuscope_probes::discover;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve;
 
-pub fn run(pid: u32) -> Result<()> {
-    let text = listing(pid)?;
+use crate::device_probes::{self, DeviceProbes};
+use crate::load::{self, EBPF_OBJECT};
+use crate::preflight;
+
+pub fn run(pid: u32, count_for: Option<Duration>) -> Result<()> {
+    let hits = count_for.map(|d| count_hits(pid, d)).transpose()?;
+    let text = listing(pid, hits.as_ref())?;
     // A closed pipe (`| head`) is not an error.
     match std::io::stdout().lock().write_all(text.as_bytes()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
@@ -19,7 +31,44 @@ pub fn run(pid: u32) -> Result<()> {
     }
 }
 
-fn listing(pid: u32) -> Result<String> {
+/// Attaches every probe of `pid`'s device libraries for `duration` (or
+/// until the process exits) with no capture level enabled, and returns each
+/// probe's hits by probe address.
+fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
+    preflight::check_object(EBPF_OBJECT)?;
+    preflight::check_privileges()?;
+    preflight::check_target(pid)?;
+    let agent_tgid = std::process::id();
+    let mut bpf = EbpfLoader::new()
+        .override_global(globals::AGENT_TGID, &agent_tgid, true)
+        .load(EBPF_OBJECT)
+        .context("loading the eBPF programs failed (is BPF enabled in this kernel?)")?;
+    // Levels off: the programs count hits and push no records.
+    load::set_config(
+        &mut bpf,
+        Config {
+            probe_levels: 0,
+            ..Config::default()
+        },
+    )?;
+    let mut device = DeviceProbes::new(device_probes::level_mask(2), false);
+    let plan = device.plan(&[pid]);
+    device.apply(&mut bpf, plan)?;
+    eprintln!(
+        "xpuscope: counting calls of {} probed functions in pid {pid} for {:.1} s",
+        device.stats.attached,
+        duration.as_secs_f64()
+    );
+    let end = Instant::now() + duration;
+    while Instant::now() < end && Path::new(&format!("/proc/{pid}")).exists() {
+        std::thread::sleep(Duration::from_millis(100).min(end - Instant::now()));
+    }
+    let hits = device.hits_by_address(&bpf, pid);
+    device.detach_all(&mut bpf);
+    Ok(hits)
+}
+
+fn listing(pid: u32, hits: Option<&HashMap<u64, u64>>) -> Result<String> {
     let mut out = String::new();
     let maps = ProcessMaps::read(pid).with_context(|| format!("reading /proc/{pid}/maps"))?;
     let libs = discover::discover(&maps);
@@ -51,21 +100,33 @@ fn listing(pid: u32) -> Result<String> {
         };
         let _ = writeln!(
             out,
-            "  {:<36} {:>18} {:>10}  {:<24} placement",
-            "function", "address", "offset", "first instruction"
+            "  {:<36} {:>18} {:>10}  {:<24} {}placement",
+            "function",
+            "address",
+            "offset",
+            "first instruction",
+            if hits.is_some() { "      hits  " } else { "" }
         );
         for p in &resolved.probes {
-            let addr = lib
-                .address_of(p.probe_file_offset())
+            let address = lib.address_of(p.probe_file_offset());
+            let addr = address
                 .map(|a| format!("{a:#x}"))
                 .unwrap_or_else(|| "unmapped".into());
+            let hit_column = match hits {
+                Some(h) => match address.and_then(|a| h.get(&a)) {
+                    Some(n) => format!("{n:>10}  "),
+                    None => format!("{:>10}  ", "-"),
+                },
+                None => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "  {:<36} {:>18} {:>#10x}  {:<24} {}",
+                "  {:<36} {:>18} {:>#10x}  {:<24} {}{}",
                 p.function.name,
                 addr,
                 p.probe_file_offset(),
                 p.placement.first_insn,
+                hit_column,
                 p.placement
             );
         }

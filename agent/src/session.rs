@@ -202,6 +202,7 @@ async fn record(
     // Detach first, then drain: everything produced is then either consumed
     // or counted as dropped.
     let kernel_skips = probes.kernel_skips();
+    let device_hits = device.hits(&probes.bpf);
     device.detach_all(&mut probes.bpf);
     probes.detach_all();
     send_drops(&probes, &mut drops_seen, &tx).await;
@@ -255,6 +256,7 @@ async fn record(
         stats,
     );
     summary.set_device_probes(device.stats);
+    summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
     Ok(summary)
 }

@@ -1,6 +1,7 @@
 //! The end-of-recording summary, printed for humans and optionally written
 //! as JSON for scripts and tests.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -240,6 +241,29 @@ impl RunSummary {
         }
     }
 
+    /// The kernel's per-function hit counts, merged into
+    /// [`DeviceSummary::functions`] (most hit first).
+    pub fn set_device_hits(&mut self, hits: &HashMap<(&'static str, &'static str), u64>) {
+        let functions = &mut self.device.functions;
+        for (&(library, function), &n) in hits {
+            match functions
+                .iter_mut()
+                .find(|f| f.library == library && f.function == function)
+            {
+                Some(f) => f.hits += n,
+                None => functions.push(crate::trace::device::FunctionCalls {
+                    library,
+                    function,
+                    hits: n,
+                    ..Default::default()
+                }),
+            }
+        }
+        functions.sort_by(|a, b| {
+            (b.hits, b.calls, a.library, a.function).cmp(&(a.hits, a.calls, b.library, b.function))
+        });
+    }
+
     pub fn set_device_probes(&mut self, stats: crate::device_probes::DeviceProbeStats) {
         self.device.libraries = stats.libraries;
         self.device.attached_probes = stats.attached;
@@ -336,7 +360,7 @@ impl RunSummary {
                 .functions
                 .iter()
                 .take(5)
-                .map(|f| format!("{} {}", f.function, f.calls))
+                .map(|f| format!("{} {}", f.function, f.hits.max(f.calls)))
                 .collect();
             if !top.is_empty() {
                 eprintln!("           most called: {}", top.join(", "));

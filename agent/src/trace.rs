@@ -427,6 +427,7 @@ impl<W: Write> TraceBuilder<W> {
                 |(&(library, function), &(calls, errors))| device::FunctionCalls {
                     library,
                     function,
+                    hits: 0,
                     calls,
                     errors,
                 },

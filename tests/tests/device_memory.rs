@@ -149,12 +149,24 @@ fn oom_is_marked_with_its_stack_and_the_sites_holding_memory() {
     assert_eq!(top["bytes"].as_u64(), Some(leaked * leak));
     assert!(top["stack"].as_str().unwrap().contains("cache_activations"));
     let functions = d["functions"].as_array().expect("functions");
-    let malloc_calls: u64 = functions
+    let malloc: Vec<&Value> = functions
         .iter()
         .filter(|f| f["function"] == "cudaMalloc")
-        .map(|f| f["calls"].as_u64().unwrap())
-        .sum();
-    assert_eq!(malloc_calls, leaked + 1, "{functions:?}");
+        .collect();
+    assert_eq!(malloc.len(), 1, "{functions:?}");
+    // Decoded calls, and the kernel's count of the probe's hits (all of
+    // rank 1's and rank 0's, which allocates nothing after the gate).
+    assert_eq!(
+        malloc[0]["calls"].as_u64(),
+        Some(leaked + 1),
+        "{functions:?}"
+    );
+    assert_eq!(
+        malloc[0]["hits"].as_u64(),
+        Some(leaked + 1),
+        "{functions:?}"
+    );
+    assert_eq!(malloc[0]["errors"].as_u64(), Some(1), "{functions:?}");
     assert!(
         run.stderr
             .contains("largest live device-memory allocation sites"),

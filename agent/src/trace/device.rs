@@ -54,11 +54,14 @@ pub struct DeviceStats {
     pub alloc_sites_over_limit: u64,
 }
 
-/// Completed calls of one function, for the summary.
+/// Calls of one probed function, for the summary.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct FunctionCalls {
     pub library: &'static str,
     pub function: &'static str,
+    /// Entries the kernel counted (its probe's hits).
+    pub hits: u64,
+    /// Calls decoded into the trace (entry and return paired).
     pub calls: u64,
     pub errors: u64,
 }

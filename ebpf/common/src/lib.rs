@@ -42,6 +42,7 @@ pub mod maps {
     pub const STACK_BUDGETS: &str = "STACK_BUDGETS";
     pub const UPROBE_SPECS: &str = "UPROBE_SPECS";
     pub const UPROBE_PENDING: &str = "UPROBE_PENDING";
+    pub const UPROBE_HITS: &str = "UPROBE_HITS";
 }
 
 /// Global (read-only data) names, set by the agent at load time.

@@ -2,7 +2,7 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xpuscope_common::{
     Config, DROP_SLOTS, MAX_CPUS, MAX_STACK_BUDGETS, MAX_TARGETS, StackBudget, TaskOffsets,
@@ -51,6 +51,12 @@ pub static STACK_BUDGETS: LruHashMap<u32, StackBudget> =
 /// What each probed device-library function copies, by (process, address).
 #[map]
 pub static UPROBE_SPECS: HashMap<ProbeKey, ProbeSpec> = HashMap::with_max_entries(16384, 0);
+
+/// Calls of each probed function (entries), by (process, address), per
+/// CPU: counted whatever the capture level, so `agent probes` can count
+/// hits with nothing pushed to the ring.
+#[map]
+pub static UPROBE_HITS: PerCpuHashMap<ProbeKey, u64> = PerCpuHashMap::with_max_entries(16384, 0);
 
 /// Out-parameter pointers saved at entry for the return program, per thread.
 #[map]

@@ -23,12 +23,12 @@ use xpuscope_common::{
 };
 
 use crate::{
-    maps::{UPROBE_PENDING, UPROBE_SPECS, config, count_drop},
+    maps::{UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop},
     ring::{now, reserve, submit_flags},
 };
 
 #[inline(always)]
-fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(u64, ProbeSpec)> {
+fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(ProbeKey, ProbeSpec)> {
     // SAFETY: helper on our own context.
     let probe_ip = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
     let key = ProbeKey {
@@ -38,7 +38,24 @@ fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(u64, ProbeSpec)> {
     };
     // SAFETY: the value is copied out at once.
     let spec = *unsafe { UPROBE_SPECS.get(&key) }?;
-    Some((probe_ip, spec))
+    Some((key, spec))
+}
+
+/// One more call of the probe at `key` (this CPU's count).
+#[inline(always)]
+fn count_hit(key: &ProbeKey) {
+    match UPROBE_HITS.get_ptr_mut(key) {
+        // SAFETY: an atomic add (BPF_ATOMIC) on this CPU's value: a
+        // preempted uprobe program may share the CPU with another.
+        Some(n) => unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                n, 1,
+            );
+        },
+        None => {
+            let _ = UPROBE_HITS.insert(key, &1, 0);
+        }
+    }
 }
 
 /// Copies `len` (at most [`DEREF_BYTES`]) bytes at user address `ptr` into
@@ -98,7 +115,9 @@ pub fn device_call_entry(ctx: ProbeContext) -> u32 {
 fn try_entry(ctx: &ProbeContext) -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
-    let (probe_ip, spec) = spec_for(ctx, tgid)?;
+    let (key, spec) = spec_for(ctx, tgid)?;
+    let probe_ip = key.probe_ip;
+    count_hit(&key);
     // SAFETY: the probe context's saved user registers.
     let regs = unsafe { &*ctx.regs };
     let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
@@ -151,7 +170,8 @@ pub fn device_call_return(ctx: RetProbeContext) -> u32 {
 fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
-    let (probe_ip, spec) = spec_for(ctx, tgid)?;
+    let (key, spec) = spec_for(ctx, tgid)?;
+    let probe_ip = key.probe_ip;
     // The saved pointer is popped whatever the level, to stay balanced.
     let saved = if spec.return_deref_arg != DEREF_NONE {
         pop_pending(tid)
