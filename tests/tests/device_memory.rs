@@ -63,11 +63,16 @@ fn oom_is_marked_with_its_stack_and_the_sites_holding_memory() {
     );
     assert!(!run.status.success(), "the leaking job must fail");
     let steps = std::fs::read_to_string(run.job_dir.join("rank1.steps.jsonl")).expect("steps");
-    let oom: Value = steps
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "oom")
-        .expect("rank 1 logged its OOM");
+    let event = |name: &str| -> Value {
+        steps
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["event"] == name)
+            .unwrap_or_else(|| panic!("rank 1 logged no {name}"))
+    };
+    let oom = event("oom");
+    // Device memory the rank held at its start gate (before the attach).
+    let before_attach = event("ready")["mem_bytes"].as_u64().expect("mem_bytes");
     let oom_step = oom["step"].as_u64().unwrap();
     let leaked = oom_step - 3; // allocations that succeeded, steps 3..oom
     assert!(leaked >= 2, "{oom}");
@@ -92,6 +97,29 @@ fn oom_is_marked_with_its_stack_and_the_sites_holding_memory() {
     // Allocations made before the attach (at the start gate) are not seen:
     // what the agent saw held is exactly the leak.
     assert_eq!(uint(instant_arg(f, "device_bytes_held")), leaked * leak);
+    // ... and with what it held before, the rank's own accounting.
+    assert_eq!(
+        oom["in_use_bytes"].as_u64(),
+        Some(before_attach + leaked * leak),
+        "{oom}"
+    );
+    // The counter track climbs one leak at a time to the same bytes.
+    let counter = tl
+        .tracks
+        .values()
+        .find(|t| {
+            t.name.as_deref() == Some("device memory dev0")
+                && t.parent.and_then(|p| pid_of_track(tl, p)) == Some(rank1)
+        })
+        .expect("rank 1's device memory counter");
+    let values: Vec<u64> = tl
+        .counter_series(counter.uuid)
+        .iter()
+        .map(|(_, v)| *v as u64)
+        .collect();
+    let climb: Vec<u64> = (1..=leaked).map(|n| n * leak).collect();
+    assert!(values.starts_with(&climb), "{values:?}");
+    assert_eq!(values.iter().max(), Some(&(leaked * leak)), "{values:?}");
     // The allocating stack, root first, through the simulator's functions.
     let stack = f.callstack.as_ref().expect("the OOM carries its stack");
     let at = |name: &str| stack.iter().position(|f| f == name);
