@@ -96,6 +96,10 @@ pub struct DeviceSummary {
     /// Calls that returned an error status.
     pub errors: u64,
     pub activity_records: u64,
+    /// Activity records read by the application that could not be copied,
+    /// and those that did not decode: their device work is missing.
+    pub activity_unread: u64,
+    pub activity_errors: u64,
     /// Entries whose return never came (lost, or the thread exited).
     pub entries_without_return: u64,
     /// Returns whose entry was not seen (attached mid-call, or lost).
@@ -219,6 +223,8 @@ impl RunSummary {
                 calls: stats.device.calls,
                 errors: stats.device.errors,
                 activity_records: stats.device.activities,
+                activity_unread: stats.device.activity_unread,
+                activity_errors: stats.device.activity_errors,
                 entries_without_return: stats.device.entries_without_return,
                 returns_without_entry: stats.device.returns_without_entry,
                 unknown_probes: stats.device.unknown_probes,
@@ -349,6 +355,12 @@ impl RunSummary {
                 d.returns_without_entry,
                 d.in_flight_at_end
             );
+            if d.activity_unread + d.activity_errors > 0 {
+                eprintln!(
+                    "           activity records lost: {} could not be copied, {} did not decode",
+                    d.activity_unread, d.activity_errors
+                );
+            }
             if d.device_slices + d.estimated_slices > 0 {
                 eprintln!(
                     "           device work: {} slices from activity records, {} estimated, \

@@ -67,6 +67,7 @@ class RankProc:
     env_extra: dict[str, str]
     step_log: Path
     log: Path
+    activity_log: Path | None = None
     proc: subprocess.Popen | None = None
     status: str = "running"
     killed_by_launcher: str | None = None  # "timeout", "peer_failure", "abort"
@@ -149,6 +150,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--real-libs", metavar="DIR",
                    help="run on the real NVIDIA libraries pip-installed into DIR "
                         "(LD_LIBRARY_PATH; errors tolerated, no GPU needed)")
+    p.add_argument("--activity-api", action="store_true",
+                   help="the ranks' CUPTI/MSPTI consumers also enable host API records "
+                        "(CUPTI RUNTIME / MSPTI API), which link each kernel to its launch "
+                        "by correlation id")
+    p.add_argument("--activity-log", action="store_true",
+                   help="each rank writes every activity record it reads to "
+                        "rank<R>.activity.jsonl")
     p.add_argument("--quiet", action="store_true")
     for name, default, help_ in WORKLOAD_OPTS:
         p.add_argument(f"--{name}", type=int, default=default, help=help_)
@@ -165,7 +173,7 @@ def real_lib_path(root: str) -> str:
 
 
 def rank_argv(args, build: Path, rank: int, comm_file: Path, rdv: Path, step_log: Path,
-              inj: sim_faults.RankInjection | None) -> list[str]:
+              activity_log: Path | None, inj: sim_faults.RankInjection | None) -> list[str]:
     if args.lang == "c":
         argv = [str(build / "bin" / f"sim_rank_{args.flavor}")]
     else:
@@ -182,6 +190,10 @@ def rank_argv(args, build: Path, rank: int, comm_file: Path, rdv: Path, step_log
         argv += ["--start-gate", str(Path(args.start_gate).resolve())]
     if args.real_libs:
         argv.append("--tolerate-errors")
+    if args.activity_api:
+        argv.append("--activity-api")
+    if activity_log:
+        argv += ["--activity-log", str(activity_log)]
     if inj:
         argv += inj.args
     return argv
@@ -285,6 +297,9 @@ class Job:
             comm_file.write_text(comm_file_text(self.layout, r))
             step_log = self.out / f"rank{r}.steps.jsonl"
             step_log.unlink(missing_ok=True)
+            activity_log = self.out / f"rank{r}.activity.jsonl" if a.activity_log else None
+            if activity_log:
+                activity_log.unlink(missing_ok=True)
             env = dict(base)
             env.update({"RANK": str(r), "LOCAL_RANK": str(r)})
             if a.flavor == "ascend":
@@ -293,8 +308,10 @@ class Job:
                 env.update(inj[r].env)
             self.ranks.append(RankProc(
                 rank=r, local_rank=r, cpu=self.cpu_of(r),
-                argv=rank_argv(a, self.build, r, comm_file, rdv, step_log, inj.get(r)),
-                env_extra=env, step_log=step_log, log=self.out / f"rank{r}.log"))
+                argv=rank_argv(a, self.build, r, comm_file, rdv, step_log, activity_log,
+                               inj.get(r)),
+                env_extra=env, step_log=step_log, log=self.out / f"rank{r}.log",
+                activity_log=activity_log))
             self.tails[r] = StepLogTail(step_log)
 
     # ---- running ----

@@ -89,6 +89,8 @@ def parse_args(argv):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--start-gate")
     p.add_argument("--tolerate-errors", action="store_true")
+    p.add_argument("--activity-api", action="store_true")
+    p.add_argument("--activity-log")
     p.add_argument("--slow")
     p.add_argument("--stall")
     p.add_argument("--leak")
@@ -191,7 +193,9 @@ class Rank:
                        world_size=self.world, pid=os.getpid(), flavor=self.dev.flavor,
                        lang="python", boot_ns=boot_ns(), real_ns=real_ns())
         self.check(self.dev.init(self.local_rank), "device init")
-        self.check(self.dev.activity_start(), "activity consumer start")
+        if a.activity_log:
+            self.dev.activity.open_log(a.activity_log)
+        self.check(self.dev.activity_start(a.activity_api), "activity consumer start")
         self.kernels = {}
         for name in self.FWD + self.BWD + self.OPT:
             err, handle = self.dev.register_kernel(name, not a.tolerate_errors)

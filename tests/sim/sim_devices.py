@@ -9,6 +9,7 @@ Each method returns the library's status code (0 = success).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 from ctypes import (CFUNCTYPE, POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t,
@@ -55,14 +56,74 @@ def _sig(lib, name, restype, *argtypes):
     return fn
 
 
+def _u32(addr: int, off: int) -> int:
+    return c_uint32.from_address(addr + off).value
+
+
+def _u64(addr: int, off: int) -> int:
+    return c_uint64.from_address(addr + off).value
+
+
+def _cstr(ptr: int) -> str | None:
+    return ctypes.string_at(ptr).decode(errors="replace") if ptr else None
+
+
+def _record(kind: str, raw_kind: int, start: int, end: int, **fields) -> dict:
+    """One activity-log line, as src/steplog.c writes it (absent fields left out)."""
+    return {"kind": kind, "raw_kind": raw_kind, "start": start, "end": end,
+            **{k: v for k, v in fields.items() if v is not None}}
+
+
+def _cupti_record(r: int) -> dict:
+    """Offsets of standin_cupti.h (CUDA 12.9 layouts)."""
+    kind = _u32(r, 0)
+    if kind in (3, 10):  # KERNEL, CONCURRENT_KERNEL (CUpti_ActivityKernel9)
+        return _record("kernel", kind, _u64(r, 16), _u64(r, 24), device=_u32(r, 40),
+                       stream=_u32(r, 48), correlation=_u32(r, 92), name=_cstr(_u64(r, 104)))
+    if kind == 1:  # MEMCPY (CUpti_ActivityMemcpy6)
+        return _record("memcpy", kind, _u64(r, 16), _u64(r, 24), device=_u32(r, 32),
+                       stream=_u32(r, 40), correlation=_u32(r, 44), bytes=_u64(r, 8))
+    if kind in (4, 5):  # DRIVER, RUNTIME (CUpti_ActivityAPI)
+        return _record("api", kind, _u64(r, 8), _u64(r, 16), correlation=_u32(r, 32),
+                       pid=_u32(r, 24), tid=_u32(r, 28), cbid=_u32(r, 4))
+    return _record("other", kind, 0, 0)
+
+
+def _mspti_record(r: int) -> dict:
+    """Offsets of standin_mspti.h (packed CANN 8 layouts)."""
+    kind = _u32(r, 0)
+    if kind == 2:  # KERNEL
+        return _record("kernel", kind, _u64(r, 4), _u64(r, 12), device=_u32(r, 20),
+                       stream=_u32(r, 24), correlation=_u64(r, 28), name=_cstr(_u64(r, 44)))
+    if kind == 3:  # API
+        return _record("api", kind, _u64(r, 4), _u64(r, 12), correlation=_u64(r, 28),
+                       pid=_u32(r, 20), tid=_u32(r, 24), name=_cstr(_u64(r, 36)))
+    if kind == 4:  # HCCL
+        return _record("hccl", kind, _u64(r, 4), _u64(r, 12), device=_u32(r, 20),
+                       stream=_u32(r, 24), name=_cstr(_u64(r, 36)))
+    if kind == 9:  # COMMUNICATION
+        return _record("communication", kind, _u64(r, 24), _u64(r, 32), device=_u32(r, 16),
+                       stream=_u32(r, 20), correlation=_u64(r, 64), name=_cstr(_u64(r, 48)))
+    if kind == 1:  # MARKER
+        ts = _u64(r, 12)
+        return _record("marker", kind, ts, ts, name=_cstr(_u64(r, 36)))
+    return _record("other", kind, 0, 0)
+
+
 class _ActivityCounter:
     """Counts records read back with *ActivityGetNextRecord from the
-    buffers the activity library hands back (possibly on its own thread)."""
+    buffers the activity library hands back (possibly on its own thread),
+    and with an activity log, writes each one there (decoded by `decode`)."""
 
-    def __init__(self, get_next, end_code: int):
+    def __init__(self, get_next, decode):
         self.get_next = get_next
+        self.decode = decode
         self.lock = threading.Lock()
         self.count = 0
+        self.log = None
+
+    def open_log(self, path: str) -> None:
+        self.log = open(path, "w")
 
     def request(self, buf, size, max_records):
         ptr = _libc.aligned_alloc(8, ACTIVITY_BUFFER_BYTES)
@@ -73,16 +134,23 @@ class _ActivityCounter:
     def complete(self, buf, valid):
         record = c_void_p()
         n = 0
+        lines = []
         if buf and valid:
             while self.get_next(buf, valid, byref(record)) == 0:
                 n += 1
+                if self.log:
+                    lines.append(json.dumps(self.decode(record.value)) + "\n")
         with self.lock:
             self.count += n
+            if self.log:
+                self.log.writelines(lines)
         _libc.free(ctypes.cast(buf, c_void_p))
 
     def take(self) -> int:
         with self.lock:
             n, self.count = self.count, 0
+            if self.log:
+                self.log.flush()
         return n
 
 
@@ -131,7 +199,7 @@ class NvidiaDevice:
         self.cuptiActivityFlushAll = _sig(cupti, "cuptiActivityFlushAll", c_int, c_uint32)
         get_next = _sig(cupti, "cuptiActivityGetNextRecord", c_int, POINTER(c_uint8), c_size_t,
                         POINTER(vp))
-        self.activity = _ActivityCounter(get_next, 12)
+        self.activity = _ActivityCounter(get_next, _cupti_record)
         self._req = req_t(self.activity.request)
         self._done = done_t(lambda ctx, sid, buf, size, valid: self.activity.complete(buf, valid))
         self._kernel_stubs: dict[str, ctypes.Array] = {}
@@ -201,9 +269,10 @@ class NvidiaDevice:
     def recv(self, buf, count, peer, comm, stream) -> int:
         return self.ncclRecv(buf, count, self.FLOAT32, peer, comm, stream)
 
-    def activity_start(self) -> int:
+    def activity_start(self, api_records: bool) -> int:
         err = self.cuptiActivityRegisterCallbacks(self._req, self._done)
-        for kind in (10, 1):  # CONCURRENT_KERNEL, MEMCPY
+        # CONCURRENT_KERNEL, MEMCPY (+ RUNTIME)
+        for kind in (10, 1) + ((5,) if api_records else ()):
             err = err or self.cuptiActivityEnable(kind)
         return err
 
@@ -264,7 +333,7 @@ class AscendDevice:
                         POINTER(vp))
         self.mstxRangeStartA = _sig(mspti, "mstxRangeStartA", c_uint64, c_char_p, vp)
         self.mstxRangeEnd = _sig(mspti, "mstxRangeEnd", None, c_uint64)
-        self.activity = _ActivityCounter(get_next, 3)
+        self.activity = _ActivityCounter(get_next, _mspti_record)
         self._req = req_t(self.activity.request)
         self._done = done_t(lambda buf, size, valid: self.activity.complete(buf, valid))
 
@@ -328,9 +397,10 @@ class AscendDevice:
     def recv(self, buf, count, peer, comm, stream) -> int:
         return self.HcclRecv(buf, count, self.FP32, peer, comm, stream)
 
-    def activity_start(self) -> int:
+    def activity_start(self, api_records: bool) -> int:
         err = self.msptiActivityRegisterCallbacks(self._req, self._done)
-        for kind in (2, 4, 9):  # KERNEL, HCCL, COMMUNICATION
+        # KERNEL, HCCL, COMMUNICATION (+ API)
+        for kind in (2, 4, 9) + ((3,) if api_records else ()):
             err = err or self.msptiActivityEnable(kind)
         return err
 

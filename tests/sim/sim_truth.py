@@ -81,6 +81,7 @@ def rank_summary(job, rp, coord, events: list[dict], base_env: dict) -> dict:
         "done": {k: done[k] for k in ("boot_ns", "real_ns")} if done else None,
         "step_log": rp.step_log.name,
         "log": rp.log.name,
+        "activity_log": rp.activity_log.name if rp.activity_log else None,
         "argv": rp.argv,
         "env": {k: v for k, v in rp.env_extra.items()
                 if k in ("RANK", "LOCAL_RANK") or base_env.get(k) != v},
@@ -178,6 +179,7 @@ def ground_truth(job) -> dict:
                                   "opt-kernel-us", "host-us", "loader-us", "prefetch",
                                   "grad-mb", "act-kb")} | {"bw_gbps": a.bw_gbps,
                                                            "device_mem_mb": a.device_mem_mb},
+        "activity": {"api_records": a.activity_api, "log": a.activity_log},
         "communicators": [
             {"name": c.name, "kind": c.kind, "size": len(c.members), "members": c.members,
              "collectives": collectives_per_step(job.layout, c, a.microbatches)}

@@ -10,7 +10,9 @@ use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
-use xpuscope_tests::trace_check::{Slice, Timeline, TrackKind, check_importer_rules, decode};
+use xpuscope_tests::trace_check::{
+    Slice, Timeline, Track, TrackKind, check_importer_rules, decode,
+};
 
 /// A 2-rank data-parallel job (C ranks, NVIDIA stand-ins) that initialises,
 /// waits at its start gate while the agent attaches to the launcher, then
@@ -745,4 +747,299 @@ fn activity_records_flow_from_host_launches() {
         "{from_launches} of {} flows start on the launch slice itself",
         device.len()
     );
+}
+
+/// One piece of device work, as a device-stream slice shows it or as an
+/// activity record describes it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct DeviceWork {
+    /// The stream's track ("NPU 0 stream 3"), without a lane suffix.
+    track: String,
+    start: u64,
+    end: u64,
+    /// Kernel or HCCL operation name; "memcpy" for copies (the agent names
+    /// those by kind and size).
+    name: String,
+    correlation: Option<u64>,
+    bytes: Option<u64>,
+}
+
+/// Record kinds that are device work (the rest, API and markers, are not
+/// drawn on stream tracks).
+const DEVICE_RECORD_KINDS: &[&str] = &["kernel", "memcpy", "hccl", "communication"];
+
+fn work_of_record(unit: &str, r: &Value) -> DeviceWork {
+    let n = |k: &str| r[k].as_u64();
+    let kind = r["kind"].as_str().expect("kind");
+    DeviceWork {
+        track: format!(
+            "{unit} {} stream {}",
+            n("device").expect("device"),
+            n("stream").expect("stream")
+        ),
+        start: n("start").expect("start"),
+        end: n("end").expect("end"),
+        name: match kind {
+            "memcpy" => "memcpy".to_string(),
+            _ => r["name"].as_str().expect("name").to_string(),
+        },
+        correlation: n("correlation"),
+        bytes: n("bytes"),
+    }
+}
+
+fn work_of_slice(track: &Track, s: &Slice) -> DeviceWork {
+    let track_name = track.name.as_deref().expect("named");
+    let stream_track = track_name
+        .split_once(" #")
+        .map_or(track_name, |(base, _)| base);
+    let uint = |k: &str| arg(s, k).map(|v| v.to_string().parse::<u64>().expect(k));
+    // The track is the record's device and stream.
+    let (device, stream) = (
+        uint("device").expect("device"),
+        uint("stream").expect("stream"),
+    );
+    assert!(
+        stream_track.ends_with(&format!(" {device} stream {stream}")),
+        "{track_name}: {s:?}"
+    );
+    let bytes = uint("bytes");
+    let name = if s.name.starts_with("memcpy ") {
+        let b = bytes.expect("a copy's bytes");
+        assert!(s.name.ends_with(&format!(" {b} B")), "{s:?}");
+        "memcpy".to_string()
+    } else {
+        s.name.clone()
+    };
+    DeviceWork {
+        track: stream_track.to_string(),
+        start: s.ts,
+        end: s.end.expect("ended"),
+        name,
+        correlation: uint("correlation_id"),
+        bytes,
+    }
+}
+
+/// The host function an API record describes: MSPTI names it, CUPTI gives
+/// its runtime callback id (`cupti_runtime_cbid.h`).
+fn api_function(r: &Value) -> String {
+    if let Some(name) = r["name"].as_str() {
+        return name.to_string();
+    }
+    match r["cbid"].as_u64() {
+        Some(211) => "cudaLaunchKernel".to_string(),
+        Some(41) => "cudaMemcpyAsync".to_string(),
+        other => format!("cbid {other:?}"),
+    }
+}
+
+/// Checks rank `rank`'s device-stream tracks (`unit` "GPU" / "NPU")
+/// against what its activity consumer read (`--activity-log`, with
+/// `--activity-api`): one slice per kernel / copy / HCCL record, on the
+/// track of its device and stream, with the record's start, end, name and
+/// correlation id; and a flow into each slice whose correlation id an API
+/// record carries (the kernels launched and the copies; collectives have
+/// none), from the host call that API record describes: the traced call on
+/// the record's thread around the record's times, or, when the agent had
+/// not yet seen an API record of the process as that call was traced, a
+/// "device work enqueued" marker at the record's start. Returns how many
+/// flows start on the host call's own slice.
+fn check_streams_against_records(run: &SimRun, rank: u64, unit: &str) -> usize {
+    let tl = &run.tl;
+    let pid = run.rank_pids[&rank];
+    let records = run.activity_log(rank);
+    assert_eq!(
+        records.len() as u64,
+        run.drained_in_steps(rank),
+        "rank {rank}: the activity log has every record the rank read"
+    );
+    let mut want: Vec<DeviceWork> = records
+        .iter()
+        .filter(|r| DEVICE_RECORD_KINDS.contains(&r["kind"].as_str().unwrap_or("")))
+        .map(|r| work_of_record(unit, r))
+        .collect();
+    let api: BTreeMap<u64, &Value> = records
+        .iter()
+        .filter(|r| r["kind"] == "api")
+        .map(|r| (r["correlation"].as_u64().expect("correlation"), r))
+        .collect();
+    assert!(!api.is_empty(), "rank {rank}: no API records read");
+    // Every record the application read was copied and decoded.
+    let device = &run.stats["device"];
+    assert_eq!(device["activity_unread"], 0, "{device}");
+    assert_eq!(device["activity_errors"], 0, "{device}");
+
+    let tracks = device_tracks(tl, pid, &format!("{unit} "));
+    assert!(!tracks.is_empty(), "rank {rank}: no device stream tracks");
+    let mut device: Vec<(&Slice, DeviceWork)> = Vec::new();
+    for t in &tracks {
+        assert!(
+            !t.name.as_deref().unwrap().contains("estimated"),
+            "{tracks:?}"
+        );
+        for s in ordered_slices(tl, t) {
+            assert_eq!(s.category.as_deref(), Some("device"), "{s:?}");
+            device.push((s, work_of_slice(t, s)));
+        }
+    }
+    let mut got: Vec<DeviceWork> = device.iter().map(|(_, w)| w.clone()).collect();
+    got.sort();
+    want.sort();
+    if got != want {
+        let mut counts: BTreeMap<&DeviceWork, i64> = BTreeMap::new();
+        for w in &want {
+            *counts.entry(w).or_default() += 1;
+        }
+        for g in &got {
+            *counts.entry(g).or_default() -= 1;
+        }
+        let missing: Vec<_> = counts.iter().filter(|(_, n)| **n > 0).collect();
+        let extra: Vec<_> = counts.iter().filter(|(_, n)| **n < 0).collect();
+        // The agent's count of records it decoded, against what the ranks
+        // read, tells a record lost in the copy from one mis-drawn.
+        let read: u64 = run.rank_pids.keys().map(|&r| run.drained_in_steps(r)).sum();
+        panic!(
+            "rank {rank}: {} device slices, {} device records; records without a slice: \
+             {missing:#?}; slices without a record: {extra:#?}; the ranks read {read} \
+             records, the agent decoded {}; agent: {}",
+            got.len(),
+            want.len(),
+            run.stats["device"]["activity_records"],
+            run.stats["device"]
+        );
+    }
+
+    let mut flow_ids = std::collections::BTreeSet::new();
+    let mut from_host_call = 0;
+    for (s, work) in &device {
+        let launched = SIM_KERNELS.contains(&work.name.as_str()) || work.name == "memcpy";
+        let Some(a) = work.correlation.and_then(|c| api.get(&c)) else {
+            assert!(!launched, "rank {rank}: no API record for {s:?}");
+            assert!(s.terminating_flow_ids.is_empty(), "{s:?}");
+            continue;
+        };
+        assert!(launched, "rank {rank}: {s:?} correlates with {a}");
+        let corr = work.correlation.unwrap();
+        let function = api_function(a);
+        let tid = a["tid"].as_u64().expect("tid") as i32;
+        let (a_start, a_end) = (a["start"].as_u64().unwrap(), a["end"].as_u64().unwrap());
+        let calls: Vec<&Slice> = tl
+            .slices
+            .iter()
+            .filter(|h| thread_of(tl, h) == Some((pid, tid)))
+            .filter(|h| h.name.starts_with(&function))
+            .filter(|h| h.ts <= a_start && h.end.is_some_and(|e| a_end <= e))
+            .collect();
+        assert_eq!(calls.len(), 1, "rank {rank}: the {function} call of {a}");
+        let call = calls[0];
+        assert_eq!(
+            s.terminating_flow_ids.len(),
+            1,
+            "rank {rank}: one flow into {s:?}"
+        );
+        let id = s.terminating_flow_ids[0];
+        assert!(flow_ids.insert(id), "flow id {id} reused");
+        let sources: Vec<&Slice> = tl
+            .slices
+            .iter()
+            .filter(|x| x.flow_ids.contains(&id))
+            .collect();
+        assert_eq!(sources.len(), 1, "{s:?}");
+        let src = sources[0];
+        if std::ptr::eq(src, call) {
+            from_host_call += 1;
+        } else {
+            assert_eq!(src.name, "device work enqueued", "{src:?} for {call:?}");
+            assert_eq!(thread_of(tl, src), Some((pid, tid)), "{src:?}");
+            assert_eq!((src.ts, src.end), (a_start, Some(a_start)), "{src:?}");
+            assert_eq!(arg_text(src, "correlation_id"), corr.to_string());
+            assert!(call.flow_ids.is_empty(), "{call:?}");
+        }
+    }
+    // Every flow from the rank's threads ends on one of its device slices
+    // (none from a call whose work the consumer does not read).
+    for h in tl
+        .slices
+        .iter()
+        .filter(|h| thread_of(tl, h).is_some_and(|(p, _)| p == pid))
+    {
+        for id in &h.flow_ids {
+            assert!(
+                flow_ids.contains(id),
+                "rank {rank}: flow {id} from {h:?} ends nowhere"
+            );
+        }
+    }
+    from_host_call
+}
+
+/// `--probe-level 2` on the Ascend flavor (AscendCL, HCCL, MSPTI), whose
+/// MSPTI consumer also enables API records: each kernel, HCCL and
+/// communication record the rank read is a slice on its "NPU d stream s"
+/// track with the record's exact times, name and correlation id, and each
+/// kernel has one flow from its `aclrtLaunchKernel`.
+#[test]
+fn sim_job_npu_streams_and_flows_from_mspti_records() {
+    let _serial = exclusive();
+    let steps = 3;
+    let run = run_sim_job(
+        "devnpu",
+        "2",
+        steps,
+        &[
+            "--flavor",
+            "ascend",
+            "--host-us",
+            "250000",
+            "--activity-api",
+            "--activity-log",
+        ],
+    );
+    assert_eq!(run.ground_truth["flavor"], "ascend");
+    for &rank in run.rank_pids.keys() {
+        assert!(
+            device_tracks(&run.tl, run.rank_pids[&rank], "GPU ").is_empty(),
+            "rank {rank}: NPU work on a GPU track"
+        );
+        let from_launch = check_streams_against_records(&run, rank, "NPU");
+        // From the second step on, the agent knows the rank reads API
+        // records and holds each launch for its record.
+        assert!(from_launch > 0, "rank {rank}: no flow from a launch slice");
+        let records = run.activity_log(rank);
+        let count = |kind: &str, name: &str| {
+            records
+                .iter()
+                .filter(|r| r["kind"] == kind && r["name"] == name)
+                .count() as u64
+        };
+        for k in SIM_KERNELS {
+            assert!(count("kernel", k) > 0, "rank {rank}: no {k} record");
+        }
+        assert_eq!(count("hccl", "HcclAllReduce"), steps, "rank {rank}");
+        assert_eq!(
+            count("communication", "HcclAllReduce"),
+            steps,
+            "rank {rank}"
+        );
+    }
+}
+
+/// `--probe-level 2` on the NVIDIA flavor whose CUPTI consumer also
+/// enables runtime-API records: the device slices are exactly the kernel
+/// and copy records, and each launched kernel and copy has one flow from
+/// its `cudaLaunchKernel` / `cudaMemcpyAsync`.
+#[test]
+fn sim_job_gpu_flows_from_cupti_runtime_records() {
+    let _serial = exclusive();
+    let run = run_sim_job(
+        "devgpuflow",
+        "2",
+        3,
+        &["--host-us", "250000", "--activity-api", "--activity-log"],
+    );
+    for &rank in run.rank_pids.keys() {
+        let from_launch = check_streams_against_records(&run, rank, "GPU");
+        assert!(from_launch > 0, "rank {rank}: no flow from a launch slice");
+    }
 }

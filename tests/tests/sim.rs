@@ -781,6 +781,135 @@ fn ascend_flavor_runs_on_acl_hccl_and_mspti() {
     }
 }
 
+/// The sim's kernel names (`tests/sim/src/rank.c`, `rank.py`).
+const SIM_KERNELS: &[&str] = &[
+    "embedding_fwd",
+    "attention_fwd",
+    "mlp_fwd",
+    "mlp_bwd",
+    "attention_bwd",
+    "grad_scale",
+    "adam",
+];
+
+/// `--activity-log` writes every record a rank's CUPTI/MSPTI consumer read
+/// (as many as its steps report); `--activity-api` adds the host API
+/// records, one per launch with the kernel's correlation id, from the
+/// rank's own process, starting before its kernel. The C and Python ranks
+/// read the same records; without `--activity-api` there are none of the
+/// API kind.
+#[test]
+fn activity_log_has_api_records_linking_kernels_to_launches() {
+    let kinds_of = |job: &Job, r: u64| -> Vec<Value> {
+        let dir = job.gt["out_dir"].as_str().expect("out_dir");
+        let name = job.rank(r)["activity_log"]
+            .as_str()
+            .expect("activity_log name");
+        let log = read_jsonl(&Path::new(dir).join(name));
+        let drained: u64 = job
+            .steps(r)
+            .iter()
+            .map(|s| s["activity_records"].as_u64().unwrap_or(0))
+            .sum();
+        assert_eq!(
+            log.len() as u64,
+            drained,
+            "rank {r}: one line per record read"
+        );
+        log
+    };
+    let steps = 2u64;
+    let base = [
+        "--world-size",
+        "2",
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--steps",
+        "2",
+    ];
+    for flavor in ["nvidia", "ascend"] {
+        let launch_api = |a: &Value| match flavor {
+            "nvidia" => a["cbid"] == 211, // cudaLaunchKernel_v7000
+            _ => a["name"] == "aclrtLaunchKernel",
+        };
+        let mut by_lang = BTreeMap::new();
+        for lang in ["c", "python"] {
+            let name = format!("actlog-{flavor}-{lang}");
+            let mut args = base.to_vec();
+            args.extend([
+                "--flavor",
+                flavor,
+                "--lang",
+                lang,
+                "--activity-api",
+                "--activity-log",
+            ]);
+            let job = run_job(&name, &args, LIMIT);
+            assert_eq!(job.status(), "completed", "{name}: {:#}", job.gt["ranks"]);
+            assert_eq!(job.gt["activity"]["api_records"], true);
+            for r in 0..2 {
+                let log = kinds_of(&job, r);
+                let pid = job.rank(r)["pid"].as_u64().expect("pid");
+                let api: BTreeMap<u64, &Value> = log
+                    .iter()
+                    .filter(|a| a["kind"] == "api")
+                    .map(|a| (a["correlation"].as_u64().expect("correlation"), a))
+                    .collect();
+                let kernels: Vec<&Value> = log
+                    .iter()
+                    .filter(|k| k["kind"] == "kernel")
+                    .filter(|k| SIM_KERNELS.iter().any(|n| k["name"] == *n))
+                    .collect();
+                // Forward and backward kernels per microbatch and layer, and
+                // the optimizer's (workload defaults: 2, 3, 2).
+                assert_eq!(
+                    kernels.len() as u64,
+                    steps * (2 * 3 * 2 + 2),
+                    "{name} rank {r}"
+                );
+                for k in kernels {
+                    let corr = k["correlation"].as_u64().expect("kernel correlation");
+                    let a = api
+                        .get(&corr)
+                        .unwrap_or_else(|| panic!("{name} rank {r}: no API record for {k}"));
+                    assert!(launch_api(a), "{name} rank {r}: {k} from {a}");
+                    assert_eq!(a["pid"].as_u64(), Some(pid), "{a}");
+                    assert!(a["start"].as_u64() <= k["start"].as_u64(), "{a} {k}");
+                }
+                let mut kinds: Vec<String> = log
+                    .iter()
+                    .map(|x| format!("{} {} {}", x["kind"], x["name"], x["cbid"]))
+                    .collect();
+                kinds.sort();
+                by_lang.entry(r).or_insert_with(Vec::new).push(kinds);
+            }
+        }
+        for (r, runs) in by_lang {
+            assert_eq!(
+                runs[0], runs[1],
+                "{flavor} rank {r}: C and Python read alike"
+            );
+        }
+    }
+    let mut args = base.to_vec();
+    args.push("--activity-log");
+    let job = run_job("actlog-noapi", &args, LIMIT);
+    assert_eq!(job.status(), "completed", "{:#}", job.gt["ranks"]);
+    assert_eq!(job.gt["activity"]["api_records"], false);
+    for r in 0..2 {
+        let log = kinds_of(&job, r);
+        assert!(log.iter().any(|x| x["kind"] == "kernel"), "rank {r}");
+        assert!(
+            !log.iter().any(|x| x["kind"] == "api"),
+            "rank {r}: API records off"
+        );
+    }
+}
+
 fn boot_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

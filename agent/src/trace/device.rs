@@ -52,6 +52,10 @@ pub struct DeviceStats {
     pub alloc_stack_errors: u64,
     /// Allocating stacks not given a site (too many distinct sites).
     pub alloc_sites_over_limit: u64,
+    /// Activity records the application read that the probe could not
+    /// copy, or that did not decode (lost device slices).
+    pub activity_unread: u64,
+    pub activity_errors: u64,
 }
 
 /// Calls of one probed function, for the summary.
@@ -471,6 +475,8 @@ impl<W: Write> TraceBuilder<W> {
         let s = self.device.decoder.stats();
         self.device.stats.activities = s.activities;
         self.device.stats.unknown_probes = s.unknown_probes;
+        self.device.stats.activity_unread = s.activity_unread;
+        self.device.stats.activity_errors = s.activity_errors;
         Ok(())
     }
 
@@ -519,11 +525,9 @@ impl<W: Write> TraceBuilder<W> {
         self.estimate(call, end)?;
         // Calls that enqueue device work wait (bounded) for their API
         // record in processes that produce them: it gives the flow id.
-        let enqueues = matches!(call.kind, CallKind::Launch(_) | CallKind::Memcpy);
-        if enqueues
-            && call.memory.is_none()
+        if call.memory.is_none()
             && call.end_ts.is_some()
-            && self.device.streams.api_seen.contains(&call.tgid)
+            && self.device.streams.awaits_api_record(call.tgid, call.kind)
         {
             let held = self.device.streams.held.entry(call.tgid).or_default();
             held.push_back(HeldCall { call: call.clone() });
@@ -639,6 +643,7 @@ impl<W: Write> TraceBuilder<W> {
             return Ok(());
         }
         self.device.streams.with_activity.insert(e.tgid);
+        self.device.streams.work_seen.insert((e.tgid, a.kind));
         let mut name_error = None;
         let mut read_name = |fallback: &str| {
             let n = match a.name_ptr.map(|p| self.device.strings.get(e.tgid, p)) {

@@ -59,8 +59,10 @@ fn count_hit(key: &ProbeKey) {
 }
 
 /// Copies `len` (at most [`DEREF_BYTES`]) bytes at user address `ptr` into
-/// `dst`; returns the bytes copied (0 on a fault: nothing valid). Reads
-/// exactly `len` bytes, so a short record at the end of a mapping is read.
+/// `dst`; returns the bytes copied (0 on a fault: nothing valid). When the
+/// full read faults, the bytes up to the end of `ptr`'s page are read
+/// instead: a record shorter than `len` near the end of a page is kept even
+/// when the next page is not mapped or not yet touched.
 #[inline(always)]
 fn copy_user(ptr: u64, len: u16, dst: &mut [u8; DEREF_BYTES]) -> u32 {
     // Masked then capped: the verifier sees a size in [0, DEREF_BYTES].
@@ -73,8 +75,31 @@ fn copy_user(ptr: u64, len: u16, dst: &mut [u8; DEREF_BYTES]) -> u32 {
     }
     // SAFETY: probe_read tolerates faulting user addresses; `n` fits `dst`.
     let rc = unsafe { bpf_probe_read_user(dst.as_mut_ptr().cast(), n, ptr as *const _) };
-    if rc == 0 { n } else { 0 }
+    if rc == 0 {
+        return n;
+    }
+    // The bytes past a short record can lie in a page never touched yet
+    // (fresh buffer memory), which faults the whole read; the record itself
+    // was just written, so its page is present: read up to that page's end.
+    let in_page = PAGE_SIZE - (ptr as u32 & (PAGE_SIZE - 1));
+    if in_page >= n {
+        return 0;
+    }
+    // Masked then capped again for the verifier (in_page < n already).
+    let mut m = in_page & 0xff;
+    if m > DEREF_BYTES as u32 {
+        m = DEREF_BYTES as u32;
+    }
+    if m == 0 {
+        return 0;
+    }
+    // SAFETY: as above; `m` < `n` fits `dst`.
+    let rc = unsafe { bpf_probe_read_user(dst.as_mut_ptr().cast(), m, ptr as *const _) };
+    if rc == 0 { m } else { 0 }
 }
+
+/// x86-64 base page size.
+const PAGE_SIZE: u32 = 4096;
 
 /// Copies a NUL-terminated string of at most `len` bytes (NUL included);
 /// returns the bytes copied without the NUL.

@@ -14,6 +14,8 @@ static const char usage[] =
     "  --steps N --microbatches M --layers L --kernel-us U --opt-kernels K\n"
     "  --opt-kernel-us U --host-us U --loader-us U --prefetch N --grad-mb MB\n"
     "  --act-kb KB --start-delay-ms MS --start-gate FILE --tolerate-errors\n"
+    "  --activity-api           also enable host API activity records\n"
+    "  --activity-log FILE      write every activity record read, one JSON line each\n"
     "faults:\n"
     "  --slow FACTOR@STEP       kernels take FACTOR times longer from STEP\n"
     "  --stall MS@STEP          dataloader sleeps MS before batch STEP\n"
@@ -95,7 +97,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
     enum {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
-        O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_HELP
+        O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_ACTAPI,
+        O_ACTLOG, O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -111,6 +114,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"crash", 1, 0, O_CRASH},          {"hang", 1, 0, O_HANG},
         {"hang-step", 1, 0, O_HANGSTEP},   {"delay", 1, 0, O_DELAY},
         {"delay-step", 1, 0, O_DELAYSTEP}, {"hang-inside", 1, 0, O_HANGIN},
+        {"activity-api", 0, 0, O_ACTAPI},  {"activity-log", 1, 0, O_ACTLOG},
         {"help", 0, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -138,6 +142,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         case O_RDV: cfg->rdv_dir = v; break;
         case O_LOG: cfg->step_log = v; break;
         case O_TOL: cfg->tolerate_errors = 1; break;
+        case O_ACTAPI: cfg->activity_api = 1; break;
+        case O_ACTLOG: cfg->activity_log = v; break;
         case O_SLOW:
             if (split_num_at(v, &d, &n) || d <= 0) return bad("slow", v);
             f->slow_factor = d, f->slow_from_step = n;

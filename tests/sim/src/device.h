@@ -47,9 +47,12 @@ int dev_send(void *buf, size_t count, int peer, void *comm, void *stream);
 int dev_recv(void *buf, size_t count, int peer, void *comm, void *stream);
 
 /* The activity consumer (CUPTI / MSPTI): register buffer callbacks and
- * enable kinds; drain flushes and returns how many records were read with
- * *ActivityGetNextRecord since the last drain. */
-int dev_activity_start(void);
+ * enable the device-work kinds, plus the host API kind (CUPTI RUNTIME /
+ * MSPTI API) when api_records is set; drain flushes and returns how many
+ * records were read with *ActivityGetNextRecord since the last drain. Each
+ * record read also goes to actlog_write (sim.h), a no-op unless the rank
+ * has an activity log. */
+int dev_activity_start(int api_records);
 /* Host range markers around a training step (mstx on Ascend; none on NVIDIA,
  * whose NVTX library is not part of the job). */
 uint64_t dev_range_start(const char *message);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "device.h"
+#include "sim.h"
 #include "standin_acl.h"
 #include "standin_hccl.h"
 #include "standin_mspti.h"
@@ -99,24 +100,83 @@ static void buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records
     *max_records = 0;
 }
 
+/* What the consumer read, for the activity log. */
+static void log_record(const msptiActivity *record) {
+    struct sim_activity a = {.raw_kind = record->kind, .device = -1, .stream = -1,
+                             .correlation = -1, .pid = -1, .tid = -1, .cbid = -1, .bytes = -1};
+    switch (record->kind) {
+    case MSPTI_ACTIVITY_KIND_KERNEL: {
+        const msptiActivityKernel *k = (const void *)record;
+        a.kind = "kernel";
+        a.start = k->start, a.end = k->end;
+        a.device = k->ds.deviceId, a.stream = k->ds.streamId;
+        a.correlation = (int64_t)k->correlationId;
+        a.name = k->name;
+        break;
+    }
+    case MSPTI_ACTIVITY_KIND_API: {
+        const msptiActivityApi *r = (const void *)record;
+        a.kind = "api";
+        a.start = r->start, a.end = r->end;
+        a.pid = r->pt.processId, a.tid = r->pt.threadId;
+        a.correlation = (int64_t)r->correlationId;
+        a.name = r->name;
+        break;
+    }
+    case MSPTI_ACTIVITY_KIND_HCCL: {
+        const msptiActivityHccl *h = (const void *)record;
+        a.kind = "hccl";
+        a.start = h->start, a.end = h->end;
+        a.device = h->ds.deviceId, a.stream = h->ds.streamId;
+        a.name = h->name;
+        break;
+    }
+    case MSPTI_ACTIVITY_KIND_COMMUNICATION: {
+        const msptiActivityCommunication *c = (const void *)record;
+        a.kind = "communication";
+        a.start = c->start, a.end = c->end;
+        a.device = c->ds.deviceId, a.stream = c->ds.streamId;
+        a.correlation = (int64_t)c->correlationId;
+        a.name = c->name;
+        break;
+    }
+    case MSPTI_ACTIVITY_KIND_MARKER: {
+        const msptiActivityMarker *m = (const void *)record;
+        a.kind = "marker";
+        a.start = a.end = m->timestamp;
+        a.name = m->name;
+        break;
+    }
+    default:
+        a.kind = "other";
+        break;
+    }
+    actlog_write(&a);
+}
+
 static void buffer_completed(uint8_t *buffer, size_t size, size_t valid) {
     (void)size;
     msptiActivity *record = NULL;
     uint64_t n = 0;
-    while (buffer && valid > 0 && msptiActivityGetNextRecord(buffer, valid, &record) == MSPTI_SUCCESS)
+    while (buffer && valid > 0 && msptiActivityGetNextRecord(buffer, valid, &record) == MSPTI_SUCCESS) {
+        log_record(record);
         n++;
+    }
     atomic_fetch_add(&activity_records, n);
     free(buffer);
 }
 
-int dev_activity_start(void) {
+int dev_activity_start(int api_records) {
     int err = msptiActivityRegisterCallbacks(buffer_requested, buffer_completed);
     if (err != MSPTI_SUCCESS)
         return err;
     static const msptiActivityKind kinds[] = {MSPTI_ACTIVITY_KIND_KERNEL,
                                               MSPTI_ACTIVITY_KIND_HCCL,
-                                              MSPTI_ACTIVITY_KIND_COMMUNICATION};
-    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+                                              MSPTI_ACTIVITY_KIND_COMMUNICATION,
+                                              MSPTI_ACTIVITY_KIND_API};
+    /* The API kind comes last: left out unless asked for. */
+    size_t n = sizeof kinds / sizeof kinds[0] - (api_records ? 0 : 1);
+    for (size_t i = 0; i < n; i++) {
         err = msptiActivityEnable(kinds[i]);
         if (err != MSPTI_SUCCESS)
             return err;

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "device.h"
+#include "sim.h"
 #include "standin_cuda.h"
 #include "standin_cupti.h"
 #include "standin_nccl.h"
@@ -100,6 +101,44 @@ static void buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records
     *max_records = 0;
 }
 
+/* What the consumer read, for the activity log. */
+static void log_record(const CUpti_Activity *record) {
+    struct sim_activity a = {.raw_kind = record->kind, .device = -1, .stream = -1,
+                             .correlation = -1, .pid = -1, .tid = -1, .cbid = -1, .bytes = -1};
+    switch (record->kind) {
+    case CUPTI_ACTIVITY_KIND_KERNEL:
+    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+        const CUpti_ActivityKernel9 *k = (const void *)record;
+        a.kind = "kernel";
+        a.start = k->start, a.end = k->end;
+        a.device = k->deviceId, a.stream = k->streamId, a.correlation = k->correlationId;
+        a.name = k->name;
+        break;
+    }
+    case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const CUpti_ActivityMemcpy6 *m = (const void *)record;
+        a.kind = "memcpy";
+        a.start = m->start, a.end = m->end;
+        a.device = m->deviceId, a.stream = m->streamId, a.correlation = m->correlationId;
+        a.bytes = (int64_t)m->bytes;
+        break;
+    }
+    case CUPTI_ACTIVITY_KIND_RUNTIME:
+    case CUPTI_ACTIVITY_KIND_DRIVER: {
+        const CUpti_ActivityAPI *r = (const void *)record;
+        a.kind = "api";
+        a.start = r->start, a.end = r->end;
+        a.pid = r->processId, a.tid = r->threadId, a.correlation = r->correlationId;
+        a.cbid = r->cbid;
+        break;
+    }
+    default:
+        a.kind = "other";
+        break;
+    }
+    actlog_write(&a);
+}
+
 static void buffer_completed(CUcontext ctx, uint32_t stream_id, uint8_t *buffer, size_t size,
                              size_t valid) {
     (void)ctx;
@@ -107,19 +146,24 @@ static void buffer_completed(CUcontext ctx, uint32_t stream_id, uint8_t *buffer,
     (void)size;
     CUpti_Activity *record = NULL;
     uint64_t n = 0;
-    while (buffer && valid > 0 && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS)
+    while (buffer && valid > 0 && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+        log_record(record);
         n++;
+    }
     atomic_fetch_add(&activity_records, n);
     free(buffer);
 }
 
-int dev_activity_start(void) {
+int dev_activity_start(int api_records) {
     int err = cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed);
     if (err != CUPTI_SUCCESS)
         return err;
     static const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL,
-                                               CUPTI_ACTIVITY_KIND_MEMCPY};
-    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+                                               CUPTI_ACTIVITY_KIND_MEMCPY,
+                                               CUPTI_ACTIVITY_KIND_RUNTIME};
+    /* The API kind comes last: left out unless asked for. */
+    size_t n = sizeof kinds / sizeof kinds[0] - (api_records ? 0 : 1);
+    for (size_t i = 0; i < n; i++) {
         err = cuptiActivityEnable(kinds[i]);
         if (err != CUPTI_SUCCESS)
             return err;

@@ -312,6 +312,7 @@ SIM_NOINLINE void train_step(void) {
     dev_range_end(range);
     dataloader_release(batch);
     uint64_t records = dev_activity_drain();
+    actlog_flush();
     steplog_printf(
         "{\"event\":\"step\",\"rank\":%d,\"step\":%ld,\"start_boot_ns\":%llu,"
         "\"end_boot_ns\":%llu,\"start_real_ns\":%llu,\"dur_ns\":%llu,\"data_wait_ns\":%llu,"
@@ -417,7 +418,11 @@ int main(int argc, char **argv) {
                    (unsigned long long)sim_boot_ns(), (unsigned long long)sim_real_ns());
 
     check(dev_init(R.cfg.local_rank), "device init");
-    check(dev_activity_start(), "activity consumer start");
+    if (R.cfg.activity_log && actlog_open(R.cfg.activity_log)) {
+        perror(R.cfg.activity_log);
+        return 2;
+    }
+    check(dev_activity_start(R.cfg.activity_api), "activity consumer start");
     register_kernels();
     check(dev_stream_create(&R.compute), "compute stream create");
     check(dev_stream_create(&R.comm_stream), "comm stream create");
@@ -445,6 +450,7 @@ int main(int argc, char **argv) {
     steplog_printf("{\"event\":\"done\",\"steps\":%ld,\"boot_ns\":%llu,\"real_ns\":%llu}",
                    R.cfg.steps, (unsigned long long)sim_boot_ns(),
                    (unsigned long long)sim_real_ns());
+    actlog_flush();
     steplog_flush();
     return 0;
 }

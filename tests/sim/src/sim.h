@@ -60,6 +60,8 @@ struct sim_config {
     const char *rdv_dir;
     const char *step_log;
     int tolerate_errors;  /* keep going when the device library fails (real libs) */
+    int activity_api;     /* the activity consumer also enables host API records */
+    const char *activity_log; /* every activity record read, one JSON line each */
     struct sim_faults faults;
 };
 
@@ -76,6 +78,23 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv);
 int steplog_open(const char *path, int rank);
 void steplog_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void steplog_flush(void);
+
+/* steplog.c: the activity log, what the rank's CUPTI/MSPTI consumer read
+ * (the ground truth for a tool that decodes the same records). A field
+ * the record kind does not have is -1 (numbers) or NULL (name). */
+struct sim_activity {
+    const char *kind; /* "kernel", "memcpy", "api", "hccl", "communication", "marker" */
+    uint32_t raw_kind;
+    uint64_t start, end;
+    int64_t device, stream, correlation;
+    int64_t pid, tid; /* API records: the calling thread */
+    int64_t cbid;     /* CUPTI API records: the runtime callback id */
+    int64_t bytes;    /* copies */
+    const char *name;
+};
+int actlog_open(const char *path);
+void actlog_write(const struct sim_activity *a);
+void actlog_flush(void);
 
 /* comms.c */
 int comms_load(const char *path, struct sim_comm *comms, int max);

@@ -63,3 +63,62 @@ void steplog_flush(void) {
     fflush(log_file);
     pthread_mutex_unlock(&log_lock);
 }
+
+/* ---- activity log ---- */
+
+static FILE *actlog_file;
+static pthread_mutex_t actlog_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int actlog_open(const char *path) {
+    actlog_file = fopen(path, "w");
+    return actlog_file ? 0 : -1;
+}
+
+static void put_json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if (*p < 0x20)
+            fprintf(f, "\\u%04x", *p);
+        else
+            fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
+static void put_opt(FILE *f, const char *key, int64_t v) {
+    if (v >= 0)
+        fprintf(f, ",\"%s\":%lld", key, (long long)v);
+}
+
+/* Called from the activity library's completion callback, which may run on
+ * any thread (the one flushing, or the one that filled the buffer). */
+void actlog_write(const struct sim_activity *a) {
+    if (!actlog_file)
+        return;
+    pthread_mutex_lock(&actlog_lock);
+    fprintf(actlog_file, "{\"kind\":\"%s\",\"raw_kind\":%u,\"start\":%llu,\"end\":%llu", a->kind,
+            a->raw_kind, (unsigned long long)a->start, (unsigned long long)a->end);
+    put_opt(actlog_file, "device", a->device);
+    put_opt(actlog_file, "stream", a->stream);
+    put_opt(actlog_file, "correlation", a->correlation);
+    put_opt(actlog_file, "pid", a->pid);
+    put_opt(actlog_file, "tid", a->tid);
+    put_opt(actlog_file, "cbid", a->cbid);
+    put_opt(actlog_file, "bytes", a->bytes);
+    if (a->name) {
+        fputs(",\"name\":", actlog_file);
+        put_json_string(actlog_file, a->name);
+    }
+    fputs("}\n", actlog_file);
+    pthread_mutex_unlock(&actlog_lock);
+}
+
+void actlog_flush(void) {
+    if (!actlog_file)
+        return;
+    pthread_mutex_lock(&actlog_lock);
+    fflush(actlog_file);
+    pthread_mutex_unlock(&actlog_lock);
+}

@@ -20,6 +20,8 @@ use std::collections::{HashMap, HashSet};
 use std::collections::VecDeque;
 
 use xpuscope_perfetto::{Arg, ArgValue, TrackUuid};
+use xpuscope_probes::activity::ActivityKind;
+use xpuscope_probes::catalog::CallKind;
 use xpuscope_probes::decode::DeviceCall;
 
 /// Most pending slices per track before they are written.
@@ -96,6 +98,8 @@ pub struct DeviceStreams {
     pub launch_flows: HashMap<(u32, u64), u64>,
     /// Processes that produce API records.
     pub api_seen: HashSet<u32>,
+    /// (tgid, kind) of the device work each process's records described.
+    pub work_seen: HashSet<(u32, ActivityKind)>,
     /// Per process: calls waiting for their API record, in order.
     pub held: HashMap<u32, VecDeque<HeldCall>>,
     next_flow: u64,
@@ -131,9 +135,25 @@ impl DeviceStreams {
         id
     }
 
+    /// Whether a host call of `kind` in process `tgid` waits for its API
+    /// record (for the flow id on its slice), once the process produces
+    /// API records. Launches do: kernel records are what a consumer reads
+    /// API records for. Copies only once the process has shown a copy
+    /// record: consumers often leave those off (MSPTI ones do), and a flow
+    /// from a copy would then end nowhere.
+    pub fn awaits_api_record(&self, tgid: u32, kind: CallKind) -> bool {
+        let awaits = match kind {
+            CallKind::Launch(_) => true,
+            CallKind::Memcpy => self.work_seen.contains(&(tgid, ActivityKind::Memcpy)),
+            _ => false,
+        };
+        awaits && self.api_seen.contains(&tgid)
+    }
+
     /// Drops what is kept about an exited process (its written tracks and
     /// whether it had activity records stay).
     pub fn forget_process(&mut self, tgid: u32) {
+        self.work_seen.retain(|k| k.0 != tgid);
         self.api.retain(|k, _| k.0 != tgid);
         self.launch_flows.retain(|k, _| k.0 != tgid);
         self.current_device.retain(|k, _| k.0 != tgid);
@@ -192,6 +212,27 @@ mod tests {
         assert_eq!(pick_lane(&[10], 10), 0);
         assert_eq!(pick_lane(&[10], 9), 1);
         assert_eq!(pick_lane(&[10, 4], 9), 1);
+    }
+
+    #[test]
+    fn copies_await_api_records_only_once_copy_records_show() {
+        use xpuscope_probes::catalog::{LaunchKind, SyncKind};
+        let mut st = DeviceStreams::default();
+        let launch = CallKind::Launch(LaunchKind::Kernel);
+        assert!(!st.awaits_api_record(1, launch), "no API records yet");
+        st.api_seen.insert(1);
+        assert!(st.awaits_api_record(1, launch));
+        assert!(
+            !st.awaits_api_record(1, CallKind::Memcpy),
+            "no copy records"
+        );
+        assert!(!st.awaits_api_record(1, CallKind::Sync(SyncKind::Stream)));
+        assert!(!st.awaits_api_record(2, launch), "another process");
+        st.work_seen.insert((1, ActivityKind::Memcpy));
+        assert!(st.awaits_api_record(1, CallKind::Memcpy));
+        st.forget_process(1);
+        st.api_seen.insert(1);
+        assert!(!st.awaits_api_record(1, CallKind::Memcpy));
     }
 
     #[test]

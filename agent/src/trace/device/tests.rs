@@ -442,6 +442,46 @@ fn flow_starts_on_the_launch_slice() {
     assert_eq!(stats.device.device_flows, 1);
 }
 
+/// A process whose consumer reads kernel and API records but no copy
+/// records (as MSPTI consumers do): its copies are written at once,
+/// without a flow that no device slice would end; its launches still wait
+/// for their API record.
+#[test]
+fn copies_without_copy_records_carry_no_flow() {
+    let mut b = builder();
+    let mut out = vec![
+        api(42, 500, 1),
+        call(CallKind::Memcpy, CallArgs::None, (1_000, 1_100)),
+        api(42, 1_010, 5),
+        launch(0x10, 2_000),
+        api(42, 2_010, 6),
+        record(
+            42,
+            ActivityKind::Kernel,
+            (2_500, 2_900),
+            Some(7),
+            6,
+            None,
+            ActivityDetail::None,
+        ),
+    ];
+    b.emit(&mut out).unwrap();
+    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let host = tl.slices_on_thread(43);
+    assert_eq!(host.len(), 2, "{host:?}");
+    assert!(host[0].flow_ids.is_empty(), "the copy: {:?}", host[0]);
+    assert_eq!(host[1].flow_ids.len(), 1, "the launch");
+    let t = tl.track_named("GPU 0 stream 7").unwrap();
+    assert_eq!(
+        tl.slices_on(t.uuid)[0].terminating_flow_ids,
+        host[1].flow_ids
+    );
+    assert_eq!(stats.device.device_flows, 1);
+}
+
 /// A process with activity records gets no estimates.
 #[test]
 fn no_estimates_with_activity_records() {
