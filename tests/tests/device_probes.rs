@@ -1022,6 +1022,28 @@ fn sim_job_npu_streams_and_flows_from_mspti_records() {
             steps,
             "rank {rank}"
         );
+        // The communication records' element count and type are on their
+        // slices, equal to the host call's.
+        let tl = &run.tl;
+        let pid = run.rank_pids[&rank];
+        let host: Vec<(String, String)> = tl
+            .slices
+            .iter()
+            .filter(|s| s.name.starts_with("HcclAllReduce "))
+            .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
+            .map(|s| (arg_text(s, "count"), arg_text(s, "dtype")))
+            .collect();
+        assert!(!host.is_empty(), "rank {rank}: no host HcclAllReduce");
+        let on_device: Vec<(String, String)> = device_tracks(tl, pid, "NPU ")
+            .iter()
+            .flat_map(|t| tl.slices_on(t.uuid))
+            .filter(|s| s.name == "HcclAllReduce" && arg(s, "count").is_some())
+            .map(|s| (arg_text(s, "count"), arg_text(s, "dtype")))
+            .collect();
+        assert_eq!(on_device.len() as u64, steps, "rank {rank}");
+        for work in &on_device {
+            assert!(host.contains(work), "rank {rank}: {work:?} not in {host:?}");
+        }
     }
 }
 

@@ -686,6 +686,13 @@ impl<W: Write> TraceBuilder<W> {
             ActivityDetail::Memcpy { bytes, .. } => {
                 args.push(Arg::new("bytes", ArgValue::Uint(bytes)));
             }
+            ActivityDetail::Hccl { bandwidth_gbps, .. } => {
+                args.push(Arg::new("bandwidth_gbps", ArgValue::Double(bandwidth_gbps)));
+            }
+            ActivityDetail::Communication { dtype, count, .. } => {
+                args.push(Arg::new("dtype", ArgValue::Str(dtype.name().into())));
+                args.push(Arg::new("count", ArgValue::Uint(count)));
+            }
             _ => {}
         }
         let key = StreamKey {
