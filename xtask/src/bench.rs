@@ -11,6 +11,9 @@
 //!    per switch in the file.
 //! 3. A system-wide recording under load: the agent's own CPU per event and
 //!    peak RSS.
+//! 4. Device-library probes (`cargo xtask bench probes` alone): cost per
+//!    traced call against a bare counting uprobe, and the overhead on a
+//!    simulated training step (see `bench_probes`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -170,10 +173,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(seconds: u64) -> Result<()> {
+pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
     build::all()?;
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
+    match only {
+        None => {}
+        Some("probes") => {
+            let probes = crate::bench_probes::run(&dir)?;
+            std::fs::write(
+                dir.join("probes-results.json"),
+                serde_json::to_string_pretty(&probes)?,
+            )?;
+            println!(
+                "\n(raw figures: {})",
+                dir.join("probes-results.json").display()
+            );
+            return Ok(());
+        }
+        Some(other) => bail!("unknown benchmark part {other:?} (known: probes)"),
+    }
 
     // Calibrate the iteration count to about `seconds` per run.
     let probe = pingpong(20_000, Variant::Baseline, &dir)?;
@@ -304,7 +323,8 @@ pub fn run(seconds: u64) -> Result<()> {
         sys["agent_peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         sys["bytes"].as_f64().unwrap_or(0.0) / 1e6
     );
-    let results = json!({"sched_overhead": sched, "writer": writer, "throughput": tput, "system_wide": sys, "iters": iters});
+    let probes = crate::bench_probes::run(&dir)?;
+    let results = json!({"sched_overhead": sched, "writer": writer, "throughput": tput, "system_wide": sys, "device_probes": probes, "iters": iters});
     std::fs::write(
         dir.join("results.json"),
         serde_json::to_string_pretty(&results)?,

@@ -10,6 +10,7 @@
 //! - `bench`: the overhead and throughput benchmarks.
 
 mod bench;
+mod bench_probes;
 mod build;
 mod setup;
 
@@ -54,6 +55,8 @@ enum Task {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 3)]
         seconds: u64,
+        /// Only this part: `probes` (device-library probe costs).
+        only: Option<String>,
     },
 }
 
@@ -65,7 +68,7 @@ fn main() -> Result<()> {
         Task::Build => build::all(),
         Task::Demo { output, duration } => build::demo(&output, &duration),
         Task::Test { args } => build::test(&args),
-        Task::Bench { seconds } => bench::run(seconds),
+        Task::Bench { seconds, only } => bench::run(seconds, only.as_deref()),
     }
 }
 

@@ -37,6 +37,11 @@ pub const ENTRY_STRING: u8 = 1 << 2;
 /// and no frame is skipped.
 pub const RETURN_USER_STACK: u8 = 1 << 3;
 
+/// `ProbeSpec::flags`: copy `sp[0..ENTRY_STACK_WORDS]` at entry (the
+/// function has stack-passed arguments); otherwise the words are zero and
+/// the entry skips a user-memory read.
+pub const ENTRY_STACK_ARGS: u8 = 1 << 4;
+
 /// What to copy for one probed function, keyed by [`ProbeKey`] in the
 /// `UPROBE_SPECS` map; written by the agent when it attaches.
 #[repr(C)]
@@ -49,7 +54,7 @@ pub struct ProbeSpec {
     /// parameter such as `cudaMalloc`'s `void **`), or [`DEREF_NONE`].
     pub return_deref_arg: u8,
     /// [`RETURN_TWICE`], [`RETURN_ON_SUCCESS`], [`ENTRY_STRING`],
-    /// [`RETURN_USER_STACK`].
+    /// [`RETURN_USER_STACK`], [`ENTRY_STACK_ARGS`].
     pub flags: u8,
     pub _pad: u8,
     /// Bytes to copy at entry (at most [`DEREF_BYTES`]).
@@ -114,7 +119,8 @@ pub struct UprobeEntry {
     pub args: [u64; 6],
     /// Stack pointer at the probe.
     pub sp: u64,
-    /// `sp[0..ENTRY_STACK_WORDS]` (unreadable words are 0).
+    /// `sp[0..ENTRY_STACK_WORDS]` with [`ENTRY_STACK_ARGS`] (unreadable
+    /// words are 0), else zeros.
     pub stack: [u64; ENTRY_STACK_WORDS],
     /// Bytes of `deref` that are valid (0 if nothing was copied).
     pub deref_len: u32,

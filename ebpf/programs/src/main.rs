@@ -7,7 +7,9 @@
 //! - `sched`: `sched_switch`, `sched_waking`, `sched_wakeup_new`;
 //! - `process`: fork (following traced processes into children), exec, exit,
 //!   rename;
-//! - `ring`, `task`, `stacks`: shared plumbing.
+//! - `uprobes`: device-library calls (one generic entry/return pair);
+//! - `ring`, `task`, `stacks`: shared plumbing;
+//! - `bench`: a bare counting uprobe, the benchmark's baseline only.
 //!
 //! Requires a kernel with BTF (`tp_btf` programs); task fields are read at
 //! offsets the agent takes from `/sys/kernel/btf/vmlinux`.
@@ -17,6 +19,8 @@
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
+#[cfg(target_arch = "bpf")]
+mod bench;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]

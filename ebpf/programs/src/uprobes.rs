@@ -16,9 +16,9 @@ use aya_ebpf::{
 use xpuscope_common::{
     DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH,
     uprobe::{
-        DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_WORDS, ENTRY_STRING, PENDING_DEPTH,
-        PendingDerefs, ProbeKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE, RETURN_USER_STACK,
-        UprobeEntry, UprobeReturn, UprobeStack,
+        DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING,
+        PENDING_DEPTH, PendingDerefs, ProbeKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE,
+        RETURN_USER_STACK, UprobeEntry, UprobeReturn, UprobeStack,
     },
 };
 
@@ -166,9 +166,15 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
         (*rec).args = args;
         (*rec).sp = regs.rsp;
         let stack = &mut (*rec).stack;
-        let bytes =
-            core::slice::from_raw_parts_mut(stack.as_mut_ptr().cast::<u8>(), ENTRY_STACK_WORDS * 8);
-        if bpf_probe_read_user_buf(regs.rsp as *const u8, bytes).is_err() {
+        if spec.flags & ENTRY_STACK_ARGS != 0 {
+            let bytes = core::slice::from_raw_parts_mut(
+                stack.as_mut_ptr().cast::<u8>(),
+                ENTRY_STACK_WORDS * 8,
+            );
+            if bpf_probe_read_user_buf(regs.rsp as *const u8, bytes).is_err() {
+                *stack = [0; ENTRY_STACK_WORDS];
+            }
+        } else {
             *stack = [0; ENTRY_STACK_WORDS];
         }
         (*rec)._pad = 0;

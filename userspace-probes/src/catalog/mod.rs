@@ -28,7 +28,8 @@ mod ascend;
 mod nvidia;
 
 use xpuscope_common::uprobe::{
-    DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STRING, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE,
+    DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STRING, ProbeSpec,
+    RETURN_ON_SUCCESS, RETURN_TWICE,
 };
 
 use crate::placement::{Reg, RegSet};
@@ -549,6 +550,16 @@ impl FunctionSpec {
             level_bit: self.level.bit(),
             ..ProbeSpec::default()
         };
+        // Stack words are read only for functions that pass arguments (or
+        // an aggregate) on the stack: the read costs every call.
+        let on_stack = self.args.iter().any(|a| matches!(a.loc, ArgLoc::Stack(_)))
+            || matches!(
+                self.capture.entry.map(|e| e.source),
+                Some(DerefSource::Stack { .. })
+            );
+        if on_stack {
+            spec.flags |= ENTRY_STACK_ARGS;
+        }
         if let Some(e) = self.capture.entry {
             match e.source {
                 DerefSource::Arg(i) => spec.entry_deref_arg = i,

@@ -2,7 +2,7 @@
 use super::*;
 use std::collections::HashSet;
 use xpuscope_common::uprobe::{
-    DEREF_STACK, ENTRY_STACK_WORDS, ENTRY_STRING, RETURN_ON_SUCCESS, RETURN_TWICE,
+    DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING, RETURN_ON_SUCCESS, RETURN_TWICE,
 };
 
 #[test]
@@ -268,11 +268,14 @@ fn probe_spec_carries_capture() {
         ),
         (DEREF_NONE, 0, 0, 8, RETURN_ON_SUCCESS, 1)
     );
+    // Stream and shared memory are passed on the stack: the entry reads
+    // stack words (and only functions like it do).
     let s = spec(Library::Cudart, "cudaLaunchKernel");
     assert_eq!(
         (s.entry_deref_arg, s.return_deref_arg, s.flags, s.level_bit),
-        (DEREF_NONE, DEREF_NONE, 0, 2)
+        (DEREF_NONE, DEREF_NONE, ENTRY_STACK_ARGS, 2)
     );
+    assert_eq!(spec(Library::Cudart, "cudaSetDevice").flags, 0);
     let s = spec(Library::Hccl, "HcclCommInitRootInfo");
     assert_eq!(
         (
@@ -295,6 +298,7 @@ fn probe_spec_carries_capture() {
         ),
         (DEREF_STACK, 8, 128, 0, 8)
     );
+    assert_ne!(s.flags & ENTRY_STACK_ARGS, 0);
     // Two levels: the record itself.
     let s = spec(Library::Cupti, "cuptiActivityGetNextRecord");
     assert_eq!(

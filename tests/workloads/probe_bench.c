@@ -1,0 +1,184 @@
+/*
+ * xpuscope-probe-bench LIBCUDART [CPU]: the target of the device-probe benchmarks
+ * (`cargo xtask bench probes`). It loads a CUDA runtime (a stand-in, or a
+ * real one) with dlopen and answers commands on stdin, one per line, so the
+ * benchmark can attach and detach probes on one live process between
+ * measurements:
+ *
+ *   calls N   call cudaSetDevice(0) N times; prints "ns_per_call X"
+ *   steps K   run K simulated training steps; prints "step_ns S1 S2 ..."
+ *   quit
+ *
+ * With CPU, only the calling (main) thread is pinned to that CPU, once the
+ * library's stream threads exist: device work then runs elsewhere, as on a
+ * GPU, and the main thread does not context switch at each launch.
+ *
+ * A step is LAUNCHES kernel launches, one every LAUNCH_PERIOD_NS: host work
+ * between them makes up the period with what a launch itself costs (a fixed
+ * amount of computation calibrated at start, not a wait for a deadline, so
+ * that any added cost lengthens the step), then a stream synchronize and a
+ * 1 MiB allocation and free: 20 k launches per second with the calls the
+ * agent's default level probes (syncs and memory).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sched.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define LAUNCHES 1000
+#define LAUNCH_PERIOD_NS 50000
+
+typedef struct {
+    unsigned x, y, z;
+} dim3;
+
+typedef int (*set_device_fn)(int);
+typedef int (*launch_fn)(const void *, dim3, dim3, void **, size_t, void *);
+typedef int (*sync_fn)(void *);
+typedef int (*malloc_fn)(void **, size_t);
+typedef int (*free_fn)(void *);
+
+static set_device_fn set_device;
+static launch_fn launch_kernel;
+static sync_fn stream_sync;
+static malloc_fn dev_malloc;
+static free_fn dev_free;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static volatile uint64_t sink;
+
+/* Host work: `iters` rounds of dependent arithmetic. */
+static void host_work(uint64_t iters)
+{
+    uint64_t x = sink + 1;
+    for (uint64_t i = 0; i < iters; i++)
+        x = x * 6364136223846793005u + 1442695040888963407u;
+    sink = x;
+}
+
+/* Rounds of host_work() that take about `ns` (best of a few tries). */
+static uint64_t calibrate(uint64_t ns)
+{
+    uint64_t iters = 1u << 20, best = UINT64_MAX;
+    for (int i = 0; i < 5; i++) {
+        uint64_t t0 = now_ns();
+        host_work(iters);
+        uint64_t dt = now_ns() - t0;
+        if (dt < best)
+            best = dt;
+    }
+    return iters * ns / (best ? best : 1);
+}
+
+static void *must_sym(void *lib, const char *name)
+{
+    void *f = dlsym(lib, name);
+    if (!f) {
+        fprintf(stderr, "probe-bench: %s: %s\n", name, dlerror());
+        exit(2);
+    }
+    return f;
+}
+
+static void calls(uint64_t n)
+{
+    uint64_t t0 = now_ns();
+    for (uint64_t i = 0; i < n; i++)
+        set_device(0);
+    uint64_t dt = now_ns() - t0;
+    printf("ns_per_call %.2f\n", (double)dt / (double)n);
+    fflush(stdout);
+}
+
+/* One training step; returns its duration in ns. */
+static uint64_t one_step(uint64_t gap_iters)
+{
+    static char kernel;
+    dim3 grid = {1, 1, 1}, block = {128, 1, 1};
+    uint64_t t0 = now_ns();
+    for (int i = 0; i < LAUNCHES; i++) {
+        host_work(gap_iters);
+        launch_kernel(&kernel, grid, block, NULL, 0, NULL);
+    }
+    stream_sync(NULL);
+    void *p = NULL;
+    if (dev_malloc(&p, 1u << 20) == 0)
+        dev_free(p);
+    return now_ns() - t0;
+}
+
+static void steps(uint64_t k, uint64_t gap_iters)
+{
+    printf("step_ns");
+    for (uint64_t s = 0; s < k; s++)
+        printf(" %" PRIu64, one_step(gap_iters));
+    printf("\n");
+    fflush(stdout);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2 && argc != 3) {
+        fprintf(stderr, "usage: %s LIBCUDART [CPU]\n", argv[0]);
+        return 2;
+    }
+    void *lib = dlopen(argv[1], RTLD_NOW);
+    if (!lib) {
+        fprintf(stderr, "probe-bench: %s\n", dlerror());
+        return 2;
+    }
+    set_device = (set_device_fn)must_sym(lib, "cudaSetDevice");
+    launch_kernel = (launch_fn)must_sym(lib, "cudaLaunchKernel");
+    stream_sync = (sync_fn)must_sym(lib, "cudaStreamSynchronize");
+    dev_malloc = (malloc_fn)must_sym(lib, "cudaMalloc");
+    dev_free = (free_fn)must_sym(lib, "cudaFree");
+    /* Host work per period: the period less what a launch costs in a step
+     * (the stand-in hands it to a stream thread it may have to wake),
+     * found by trial steps. */
+    uint64_t iters_per_us = calibrate(1000000) / 1000;
+    uint64_t gap_ns = LAUNCH_PERIOD_NS, gap_iters = 0;
+    for (int trial = 0; trial < 4; trial++) {
+        gap_iters = gap_ns * iters_per_us / 1000;
+        uint64_t step = one_step(gap_iters);
+        int64_t over = ((int64_t)step - (int64_t)LAUNCHES * LAUNCH_PERIOD_NS) / LAUNCHES;
+        gap_ns = (int64_t)gap_ns > over ? (uint64_t)((int64_t)gap_ns - over) : 0;
+    }
+    if (argc == 3) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(atoi(argv[2]), &set);
+        if (sched_setaffinity(0, sizeof set, &set) != 0) {
+            perror("probe-bench: sched_setaffinity");
+            return 2;
+        }
+    }
+    gap_iters = gap_ns * iters_per_us / 1000;
+    printf("ready\n");
+    fflush(stdout);
+
+    char line[128];
+    while (fgets(line, sizeof line, stdin)) {
+        uint64_t n;
+        if (sscanf(line, "calls %" SCNu64, &n) == 1)
+            calls(n);
+        else if (sscanf(line, "steps %" SCNu64, &n) == 1)
+            steps(n, gap_iters);
+        else if (strncmp(line, "quit", 4) == 0)
+            break;
+        else {
+            fprintf(stderr, "probe-bench: unknown command: %s", line);
+            return 2;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,532 @@
+//! `cargo xtask bench probes`: what device-library probes cost.
+//!
+//! 1. Per call: one live process (`xpuscope-probe-bench`) calls the stand-in
+//!    `cudaSetDevice` N times per measurement while, in turn and
+//!    interleaved over rounds, nothing is attached; a bare uprobe+uretprobe
+//!    pair that only counts (`bench_count_*` in the eBPF object) sits on
+//!    the function's first instruction (where a naive tool puts it); the
+//!    same bare pair sits where the agent places its probe; and the agent
+//!    itself is attached (default options: its real entry and return
+//!    programs, records to the ring). Done on the plain stand-in (`push
+//!    %rbp` first) and on the `-fcf-protection` build (`endbr64` first,
+//!    which the kernel single-steps: the agent places past it).
+//! 2. Per step: the same process runs simulated training steps (1000
+//!    kernel launches at 20 k/s, a stream sync, an allocation and a free),
+//!    without and with the agent at its default level, interleaved.
+//!
+//! Every figure is a ratio or difference against a baseline measured in
+//! the same run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeLinkId, UProbeScope};
+use aya::programs::{ProgramError, UProbe};
+use aya::{Ebpf, EbpfLoader};
+use serde_json::{Value, json};
+
+use crate::build::{self, ChildGuard};
+use crate::root;
+
+/// The function measured: probed at the agent's default level, cheap in
+/// the stand-in, and `endbr64`-first in the cf-protection build.
+const FUNCTION: &str = "cudaSetDevice";
+const CALLS: u64 = 100_000;
+const CALL_ROUNDS: usize = 5;
+const STEP_ROUNDS: usize = 12;
+const STEPS_PER_ROUND: u64 = 20;
+
+fn bench_binary() -> PathBuf {
+    root().join("target/fixtures/workloads/xpuscope-probe-bench")
+}
+
+/// Where the benchmark process runs.
+#[derive(Clone, Copy, Debug)]
+enum Placement {
+    /// Every thread on the last CPU: each launch wakes the stand-in's
+    /// stream thread there, two context switches of the launching CPU.
+    SameCpu,
+    /// Only the launching thread on the last CPU; the stream thread (the
+    /// "device") runs elsewhere, as device work does on a GPU.
+    DeviceElsewhere,
+}
+
+/// The benchmark process and its command channel.
+struct Target {
+    guard: ChildGuard,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Target {
+    fn start(lib: &Path, placement: Placement) -> Result<Target> {
+        // The target on the last CPU, the agent on CPU 0 (as on a node
+        // where the agent does not share the training thread's core).
+        let cpu = last_cpu().to_string();
+        let mut cmd = match placement {
+            Placement::SameCpu => {
+                let mut c = Command::new("taskset");
+                c.args(["-c", &cpu]).arg(bench_binary()).arg(lib);
+                c
+            }
+            Placement::DeviceElsewhere => {
+                let mut c = Command::new(bench_binary());
+                c.arg(lib).arg(&cpu);
+                c
+            }
+        };
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting xpuscope-probe-bench")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("stdout")?);
+        let mut t = Target {
+            guard: ChildGuard(child),
+            stdin,
+            stdout,
+        };
+        let ready = t.line()?;
+        if ready.trim() != "ready" {
+            bail!("probe-bench: expected ready, got {ready:?}");
+        }
+        Ok(t)
+    }
+
+    fn pid(&self) -> u32 {
+        self.guard.0.id()
+    }
+
+    fn line(&mut self) -> Result<String> {
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            bail!("probe-bench exited");
+        }
+        Ok(line)
+    }
+
+    fn command(&mut self, cmd: &str) -> Result<Vec<f64>> {
+        writeln!(self.stdin, "{cmd}")?;
+        self.stdin.flush()?;
+        let line = self.line()?;
+        Ok(line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect())
+    }
+
+    fn ns_per_call(&mut self) -> Result<f64> {
+        self.command(&format!("calls {CALLS}"))?
+            .first()
+            .copied()
+            .context("ns_per_call")
+    }
+
+    fn step_ns(&mut self, steps: u64) -> Result<Vec<f64>> {
+        self.command(&format!("steps {steps}"))
+    }
+}
+
+/// The agent attached to a pid until dropped (SIGINT, then waits).
+struct AgentRun {
+    child: Option<Child>,
+    stats: PathBuf,
+}
+
+impl AgentRun {
+    fn start(pid: u32, dir: &Path) -> Result<AgentRun> {
+        wait_for_closers()?;
+        let stats = dir.join("probes-bench-stats.json");
+        let _ = std::fs::remove_file(&stats);
+        let mut child = Command::new("taskset")
+            .args(["-c", "0"])
+            .arg(build::agent_binary())
+            .args(["attach", "--pid", &pid.to_string(), "-o"])
+            .arg(dir.join("probes-bench.pftrace"))
+            .arg("--stats-json")
+            .arg(&stats)
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting the agent")?;
+        let stderr = child.stderr.take().context("agent stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.contains("xpuscope: recording") => break,
+                Some(Ok(_)) => continue,
+                _ => bail!("the agent stopped before recording"),
+            }
+        }
+        std::thread::spawn(move || for _ in lines {});
+        Ok(AgentRun {
+            child: Some(child),
+            stats,
+        })
+    }
+
+    /// Stops the agent and waits until its probes are released; returns
+    /// its stats.
+    fn stop(mut self) -> Result<Value> {
+        let mut child = self.child.take().context("agent")?;
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let status = child.wait()?;
+        if !status.success() {
+            bail!("the agent failed: {status}");
+        }
+        wait_for_closers()?;
+        Ok(serde_json::from_slice(&std::fs::read(&self.stats)?)?)
+    }
+}
+
+impl Drop for AgentRun {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits until no agent's `xpuscope-close` child still holds uprobes: a
+/// probe being released still traps, which would bias what follows.
+fn wait_for_closers() -> Result<()> {
+    let end = Instant::now() + Duration::from_secs(120);
+    loop {
+        let closing = std::fs::read_dir("/proc")?.flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "xpuscope-close")
+        });
+        if !closing {
+            return Ok(());
+        }
+        if Instant::now() > end {
+            bail!("an xpuscope-close process did not finish");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The bare counting programs, loaded once.
+struct BareProbe {
+    bpf: Ebpf,
+}
+
+impl BareProbe {
+    fn load() -> Result<BareProbe> {
+        let mut bpf = EbpfLoader::new()
+            .load_file(build::ebpf_object())
+            .context("loading the eBPF object for the bare probe")?;
+        for name in ["bench_count_entry", "bench_count_return"] {
+            program(&mut bpf, name)?
+                .load()
+                .with_context(|| format!("loading {name}"))?;
+        }
+        Ok(BareProbe { bpf })
+    }
+
+    /// Attaches the counting pair at `offset` in `lib`, for every process
+    /// as the agent does (see `agent/src/device_probes.rs`); returns the
+    /// links to detach.
+    fn attach(&mut self, lib: &Path, offset: u64) -> Result<[UProbeLinkId; 2]> {
+        let scope = UProbeScope::AllProcesses;
+        let mut ids = Vec::with_capacity(2);
+        for name in ["bench_count_entry", "bench_count_return"] {
+            let id = program(&mut self.bpf, name)?
+                .attach(UProbeAttachLocation::AbsoluteOffset(offset), lib, scope)
+                .with_context(|| format!("attaching {name} at {}+{offset:#x}", lib.display()))?;
+            ids.push(id);
+        }
+        let [entry, ret]: [UProbeLinkId; 2] =
+            ids.try_into().map_err(|_| anyhow::anyhow!("two links"))?;
+        Ok([entry, ret])
+    }
+
+    fn detach(&mut self, ids: [UProbeLinkId; 2]) -> Result<()> {
+        for (name, id) in ["bench_count_entry", "bench_count_return"]
+            .into_iter()
+            .zip(ids)
+        {
+            program(&mut self.bpf, name)?.detach(id)?;
+        }
+        Ok(())
+    }
+
+    /// Entries counted so far (all CPUs).
+    fn entries(&self) -> Result<u64> {
+        let map = self.bpf.map("BENCH_HITS").context("BENCH_HITS")?;
+        let hits = aya::maps::PerCpuArray::<_, u64>::try_from(map)?;
+        Ok(hits.get(&0, 0)?.iter().sum())
+    }
+}
+
+fn program<'a>(bpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
+    let p: &mut UProbe = bpf
+        .program_mut(name)
+        .with_context(|| format!("{name} missing from the eBPF object"))?
+        .try_into()
+        .map_err(|e: ProgramError| anyhow::anyhow!("{name}: {e}"))?;
+    Ok(p)
+}
+
+/// The function's file offset and the agent's placement offset past it,
+/// from `agent probes --pid`.
+fn placement(pid: u32, lib: &Path) -> Result<(u64, u64, String)> {
+    let out = Command::new(build::agent_binary())
+        .args(["probes", "--pid", &pid.to_string()])
+        .output()
+        .context("agent probes")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(FUNCTION))
+        .with_context(|| {
+            format!(
+                "no {FUNCTION} in `agent probes` for {}:\n{text}",
+                lib.display()
+            )
+        })?;
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    // function, address, probe file offset, first instruction..., "+N" ...
+    let probe_offset = u64::from_str_radix(cols[2].trim_start_matches("0x"), 16)
+        .with_context(|| format!("offset in {row:?}"))?;
+    let plus = cols[3..]
+        .iter()
+        .find_map(|c| c.strip_prefix('+').and_then(|n| n.parse::<u64>().ok()))
+        .with_context(|| format!("placement in {row:?}"))?;
+    let first = row
+        .split_whitespace()
+        .skip(3)
+        .take_while(|c| !c.starts_with('+'))
+        .collect::<Vec<_>>()
+        .join(" ");
+    Ok((probe_offset - plus, plus, first))
+}
+
+fn last_cpu() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get() - 1)
+        .unwrap_or(0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Per-call cost on one build of the library.
+fn per_call(label: &str, lib: &Path, dir: &Path, bare: &mut BareProbe) -> Result<Value> {
+    let mut target = Target::start(lib, Placement::SameCpu)?;
+    let pid = target.pid();
+    let (start, placed, first_insn) = placement(pid, lib)?;
+    // Variants: untraced, bare at the first instruction, bare at the
+    // agent's placement (when it differs), the agent.
+    let mut names = vec!["untraced", "bare uprobe at function start"];
+    if placed != 0 {
+        names.push("bare uprobe at the agent's placement");
+    }
+    names.push("agent (default options)");
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let _ = target.ns_per_call()?; // warm-up
+    for round in 0..CALL_ROUNDS {
+        let mut column = 0;
+        samples[column].push(target.ns_per_call()?);
+        column += 1;
+        let offsets: Vec<u64> = if placed != 0 {
+            vec![start, start + placed]
+        } else {
+            vec![start]
+        };
+        for off in offsets {
+            let before = bare.entries()?;
+            let ids = bare.attach(lib, off)?;
+            samples[column].push(target.ns_per_call()?);
+            bare.detach(ids)?;
+            let hits = bare.entries()? - before;
+            if hits < CALLS {
+                bail!("the bare probe at {off:#x} counted {hits} of {CALLS} calls");
+            }
+            column += 1;
+        }
+        let agent = AgentRun::start(pid, dir)?;
+        samples[column].push(target.ns_per_call()?);
+        let stats = agent.stop()?;
+        let hits: u64 = stats["device"]["functions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|f| f["function"] == FUNCTION)
+            .filter_map(|f| f["hits"].as_u64())
+            .sum();
+        if hits < CALLS {
+            bail!("the agent's probe counted {hits} of {CALLS} calls: not attached?");
+        }
+        eprintln!(
+            "bench probes: {label} round {round}: {}",
+            names
+                .iter()
+                .zip(&samples)
+                .map(|(n, s)| format!("{n} {:.0} ns", s.last().unwrap_or(&0.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    wait_for_closers()?;
+    let medians: Vec<f64> = samples.iter().map(|s| median(s.clone())).collect();
+    let base = medians[0];
+    let added: Vec<f64> = medians.iter().map(|m| m - base).collect();
+    let agent_added = *added.last().unwrap_or(&0.0);
+    let bare_same_place = if placed != 0 { added[2] } else { added[1] };
+    Ok(json!({
+        "library": label,
+        "function": FUNCTION,
+        "first_instruction": first_insn,
+        "agent_placement": placed,
+        "variants": names.iter().zip(&medians).zip(&added).map(|((n, m), a)| json!({
+            "variant": n, "ns_per_call": m, "added_ns": a,
+        })).collect::<Vec<_>>(),
+        "agent_added_ns": agent_added,
+        "agent_vs_bare_same_place": agent_added / bare_same_place,
+        "agent_vs_bare_at_start": agent_added / added[1],
+    }))
+}
+
+/// Step-time overhead at the agent's default level.
+fn step_overhead(lib: &Path, dir: &Path, placement: Placement) -> Result<Value> {
+    let mut target = Target::start(lib, placement)?;
+    let pid = target.pid();
+    let _ = target.step_ns(2)?; // warm-up
+    let mut base = Vec::new();
+    let mut traced = Vec::new();
+    let mut base_rounds = Vec::new();
+    // Each agent round against the baseline round just before it.
+    let mut paired = Vec::new();
+    let mut probe_hits = 0u64;
+    let mut switches = 0u64;
+    for round in 0..STEP_ROUNDS {
+        let b = target.step_ns(STEPS_PER_ROUND)?;
+        base_rounds.push(median(b.clone()));
+        base.extend(b);
+        let agent = AgentRun::start(pid, dir)?;
+        let t = target.step_ns(STEPS_PER_ROUND)?;
+        let stats = agent.stop()?;
+        probe_hits += stats["device"]["functions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| f["hits"].as_u64())
+            .sum::<u64>();
+        switches += stats["per_kind"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|k| k["kind"] == "sched_switch")
+            .filter_map(|k| k["consumed"].as_u64())
+            .sum::<u64>();
+        eprintln!(
+            "bench probes: steps ({placement:?}) round {round}: untraced {:.3} ms, agent {:.3} ms",
+            base_rounds.last().unwrap_or(&0.0) / 1e6,
+            median(t.clone()) / 1e6
+        );
+        paired.push((median(t.clone()) / base_rounds[round] - 1.0) * 100.0);
+        traced.extend(t);
+    }
+    wait_for_closers()?;
+    let (b, t) = (median(base), median(traced));
+    let spread = (base_rounds.iter().cloned().fold(f64::MIN, f64::max)
+        - base_rounds.iter().cloned().fold(f64::MAX, f64::min))
+        / b;
+    let steps = (STEP_ROUNDS as u64 * STEPS_PER_ROUND) as f64;
+    let paired_min = paired.iter().cloned().fold(f64::MAX, f64::min);
+    let paired_max = paired.iter().cloned().fold(f64::MIN, f64::max);
+    Ok(json!({
+        "placement": format!("{placement:?}"),
+        "untraced_step_ms": b / 1e6,
+        "agent_step_ms": t / 1e6,
+        "overhead_percent": (t / b - 1.0) * 100.0,
+        "paired_overhead_percent_median": median(paired.clone()),
+        "paired_overhead_percent_min": paired_min,
+        "paired_overhead_percent_max": paired_max,
+        "baseline_spread_percent": spread * 100.0,
+        "launches_per_s": 1000.0 / (b / 1e9),
+        "probe_hits_per_step": probe_hits as f64 / steps,
+        "context_switches_per_step": switches as f64 / steps,
+        "steps_per_variant": STEP_ROUNDS as u64 * STEPS_PER_ROUND,
+    }))
+}
+
+pub fn run(dir: &Path) -> Result<Value> {
+    let standins = root().join("target/fixtures/standins");
+    let plain = standins.join("lib/libcudart.so.12");
+    let cfprot = standins.join("lib-cfprot/libcudart.so.12");
+    let mut bare = BareProbe::load()?;
+    let calls = vec![
+        per_call(
+            "stand-in libcudart (push %rbp first)",
+            &plain,
+            dir,
+            &mut bare,
+        )?,
+        per_call(
+            "stand-in libcudart, -fcf-protection (endbr64 first)",
+            &cfprot,
+            dir,
+            &mut bare,
+        )?,
+    ];
+    let steps = vec![
+        step_overhead(&plain, dir, Placement::DeviceElsewhere)?,
+        step_overhead(&plain, dir, Placement::SameCpu)?,
+    ];
+
+    println!(
+        "\n## Device-library probes: cost per call ({FUNCTION}, {CALLS} calls, median of {CALL_ROUNDS} interleaved rounds)\n"
+    );
+    println!("| library | variant | ns per call | added ns |");
+    println!("|---|---|---|---|");
+    for c in &calls {
+        for v in c["variants"].as_array().into_iter().flatten() {
+            println!(
+                "| {} | {} | {:.0} | {:.0} |",
+                c["library"].as_str().unwrap_or(""),
+                v["variant"].as_str().unwrap_or(""),
+                v["ns_per_call"].as_f64().unwrap_or(0.0),
+                v["added_ns"].as_f64().unwrap_or(0.0)
+            );
+        }
+        println!(
+            "| | agent / bare at the same place | {:.2}x | |",
+            c["agent_vs_bare_same_place"].as_f64().unwrap_or(0.0)
+        );
+    }
+    println!(
+        "\n## Training-step overhead, default level (1000 launches, a sync, an allocation and a free per step)\n"
+    );
+    println!(
+        "| stream thread | launches/s | untraced ms/step | agent ms/step | overhead | paired per round: median (range) | baseline spread | probe hits/step | switches traced/step |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for st in &steps {
+        let f = |k: &str| st[k].as_f64().unwrap_or(0.0);
+        println!(
+            "| {} | {:.0} | {:.3} | {:.3} | {:+.2}% | {:+.2}% ({:+.2}..{:+.2}) | {:.2}% | {:.1} | {:.0} |",
+            st["placement"].as_str().unwrap_or(""),
+            f("launches_per_s"),
+            f("untraced_step_ms"),
+            f("agent_step_ms"),
+            f("overhead_percent"),
+            f("paired_overhead_percent_median"),
+            f("paired_overhead_percent_min"),
+            f("paired_overhead_percent_max"),
+            f("baseline_spread_percent"),
+            f("probe_hits_per_step"),
+            f("context_switches_per_step"),
+        );
+    }
+    Ok(json!({"per_call": calls, "step": steps}))
+}
