@@ -13,6 +13,10 @@ use xpuscope_common::{
 #[map]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
 
+/// When this CPU last forced a reader wakeup (see `ring::submit_flags`).
+#[map]
+pub static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 /// Traced processes: tgid -> 1. Children are added on fork.
 #[map]
 pub static TARGETS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TARGETS, 0);

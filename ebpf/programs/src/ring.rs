@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use xpuscope_common::{Config, EventHeader, EventKind};
 
-use crate::maps::{EVENTS, count_drop};
+use crate::maps::{EVENTS, LAST_WAKEUP, count_drop};
 
 /// Reserves a record of type `T` (whose first field is an [`EventHeader`])
 /// and fills the header; `None` (counted as a drop of `kind`) if full.
@@ -33,16 +33,33 @@ pub fn reserve<T: 'static>(kind: EventKind, cpu: u32, ts: u64) -> Option<RingBuf
     }
 }
 
-/// Submit flags: wake the reader only once enough data is waiting; the
-/// reader also drains on a short timer.
+/// Least time between two wakeups forced by one CPU.
+const WAKEUP_GAP_NS: u64 = 1_000_000;
+
+/// Submit flags: wake the reader only once enough data is waiting, and
+/// then at most once a millisecond per CPU; the reader also drains on a
+/// short timer. (A forced wakeup costs the submitting CPU several
+/// microseconds: forcing one per record while a reader lags made every
+/// record that expensive.)
 #[inline(always)]
 pub fn submit_flags(config: &Config) -> u64 {
     let waiting = EVENTS.query(BPF_RB_AVAIL_DATA as u64);
-    if waiting >= config.wakeup_bytes {
-        BPF_RB_FORCE_WAKEUP as u64
-    } else {
-        BPF_RB_NO_WAKEUP as u64
+    if waiting < config.wakeup_bytes {
+        return BPF_RB_NO_WAKEUP as u64;
     }
+    let Some(last) = LAST_WAKEUP.get_ptr_mut(0) else {
+        return BPF_RB_FORCE_WAKEUP as u64;
+    };
+    let ts = now();
+    // SAFETY: this CPU's slot; a race with a preempted program on the same
+    // CPU at worst forces one more wakeup.
+    unsafe {
+        if ts.wrapping_sub(*last) < WAKEUP_GAP_NS {
+            return BPF_RB_NO_WAKEUP as u64;
+        }
+        *last = ts;
+    }
+    BPF_RB_FORCE_WAKEUP as u64
 }
 
 #[inline(always)]
