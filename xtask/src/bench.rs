@@ -92,17 +92,7 @@ fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
             .stderr(Stdio::piped())
             .spawn()
             .context("starting the agent")?;
-        let stderr = child.stderr.take().context("agent stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        loop {
-            match lines.next() {
-                Some(Ok(l)) if l.contains("xpuscope: recording") => break,
-                Some(Ok(_)) => continue,
-                _ => bail!("the agent stopped before recording"),
-            }
-        }
-        // Keep draining its stderr so it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
+        wait_until_recording(&mut child)?;
         agent = Some(ChildGuard(child));
     }
     let started = Instant::now();
@@ -168,7 +158,23 @@ fn record_system(dir: &Path, name: &str, secs: u64, ring: &str) -> Result<Value>
     Ok(serde_json::from_slice(&std::fs::read(&stats_path)?)?)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// Waits for the agent's "recording" line on its (piped) stderr, then keeps
+/// draining stderr so the agent never blocks on a full pipe.
+pub(crate) fn wait_until_recording(agent: &mut std::process::Child) -> Result<()> {
+    let stderr = agent.stderr.take().context("agent stderr")?;
+    let mut lines = BufReader::new(stderr).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l.contains("xpuscope: recording") => break,
+            Some(Ok(_)) => continue,
+            _ => bail!("the agent stopped before recording"),
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Ok(())
+}
+
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }

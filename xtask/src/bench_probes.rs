@@ -28,6 +28,7 @@ use aya::programs::{ProgramError, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use serde_json::{Value, json};
 
+use crate::bench::{median, wait_until_recording};
 use crate::build::{self, ChildGuard};
 use crate::root;
 
@@ -153,16 +154,7 @@ impl AgentRun {
             .stderr(Stdio::piped())
             .spawn()
             .context("starting the agent")?;
-        let stderr = child.stderr.take().context("agent stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        loop {
-            match lines.next() {
-                Some(Ok(l)) if l.contains("xpuscope: recording") => break,
-                Some(Ok(_)) => continue,
-                _ => bail!("the agent stopped before recording"),
-            }
-        }
-        std::thread::spawn(move || for _ in lines {});
+        wait_until_recording(&mut child)?;
         Ok(AgentRun {
             child: Some(child),
             stats,
@@ -312,11 +304,6 @@ fn last_cpu() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get() - 1)
         .unwrap_or(0)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// Per-call cost on one build of the library.
