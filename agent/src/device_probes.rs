@@ -2,11 +2,14 @@
 //! libcupti, libascendcl, libhccl, libmspti) mapped by each traced process,
 //! attaches the generic `device_call_entry` / `device_call_return` programs
 //! at every probed function's file offset, and writes what each probe
-//! copies, per process, into `UPROBE_SPECS`.
+//! copies into `UPROBE_SPECS`.
 //!
 //! Probes are attached per library FILE (device, inode, offset) for all
 //! processes, and shared by every traced process mapping that file; the
-//! programs ignore processes without a spec. A uprobe scoped to one process
+//! programs ignore processes not traced. Each probe has a slot, passed to
+//! the programs as its attach cookie: its spec and hit counter sit at that
+//! index of two arrays, and records carry it, so a traced process whose
+//! maps the agent has not read yet still decodes. A uprobe scoped to one process
 //! is a perf event bound to its main thread, which the kernel schedules out
 //! and in at each of that thread's context switches: 50-200 of them added
 //! microseconds to every switch of a training loop's main thread. The price
@@ -18,7 +21,9 @@
 //! so the trace stage learns a probe's meaning before the kernel can report
 //! a hit on it: [`DeviceProbes::plan`] (read maps, resolve) returns the
 //! table updates to send, then [`DeviceProbes::apply`] attaches and writes
-//! the specs.
+//! the specs. A probe stays attached until the recording ends, even when no
+//! traced process maps its file any more: one that maps it again reuses it
+//! (a second probe on the same place would record every call twice).
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
@@ -27,11 +32,11 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use aya::Ebpf;
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap};
+use aya::maps::{Array, MapData, PerCpuArray};
 use aya::programs::UProbe;
-use aya::programs::uprobe::{UProbeLink, UProbeLinkId, UProbeScope};
-use xpuscope_common::maps;
+use aya::programs::uprobe::{UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope};
 use xpuscope_common::uprobe::{ProbeKey, ProbeSpec, RETURN_USER_STACK};
+use xpuscope_common::{MAX_PROBE_SLOTS, maps};
 use xpuscope_probes::catalog::{CallKind, Level};
 use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget};
 use xpuscope_probes::discover::{self, LoadedLibrary};
@@ -57,7 +62,8 @@ pub fn level_mask(level: u8) -> u32 {
 #[derive(Debug)]
 pub struct TableUpdate {
     pub tgid: u32,
-    pub probes: Vec<(u64, ProbeTarget)>,
+    /// (address in the process, probe slot, what it is).
+    pub probes: Vec<(u64, u32, ProbeTarget)>,
     /// Read while the process certainly exists (the trace stage may see
     /// this after it exited).
     pub identity: RankIdentity,
@@ -75,8 +81,6 @@ pub struct DeviceProbeStats {
 
 struct AttachedFn {
     key: ProbeKey,
-    /// (library, function): what its hits are counted under.
-    name: (&'static str, &'static str),
     /// The shared uprobe pair it uses.
     site: ProbeSite,
 }
@@ -89,7 +93,11 @@ type ProbeSite = (u64, u64, u64);
 struct SharedProbe {
     entry: UProbeLinkId,
     ret: UProbeLinkId,
+    /// Traced processes mapping it now.
     users: u32,
+    slot: u32,
+    /// (library, function): what its hits are counted under.
+    name: (&'static str, &'static str),
 }
 
 struct AttachedLib {
@@ -97,10 +105,14 @@ struct AttachedLib {
     fns: Vec<AttachedFn>,
 }
 
+/// A probe to attach and the slot it has (or shares).
+type SlottedProbe = (AttachedProbe, u32);
+
 /// Work found by [`DeviceProbes::plan`].
 #[derive(Default)]
 pub struct Plan {
-    add: Vec<(u32, LoadedLibrary, String, Vec<AttachedProbe>)>,
+    /// (pid, library, path to open, its probes with their slots).
+    add: Vec<(u32, LoadedLibrary, String, Vec<SlottedProbe>)>,
     remove: Vec<(u32, LoadedLibrary)>,
     gone: Vec<u32>,
     pub updates: Vec<TableUpdate>,
@@ -125,11 +137,8 @@ pub struct DeviceProbes {
     procs: HashMap<u32, Vec<AttachedLib>>,
     /// Attached uprobe pairs, by file position.
     shared: HashMap<ProbeSite, SharedProbe>,
-    /// Links of probes stopped during the recording (exited processes,
-    /// unmapped libraries), closed at the end.
-    retired: Vec<UProbeLink>,
-    /// Hits of probes already detached, by (library, function).
-    retired_hits: HashMap<(&'static str, &'static str), u64>,
+    /// Probe slots handed out, by file position (slot 0 means none).
+    slots: HashMap<ProbeSite, u32>,
     pub stats: DeviceProbeStats,
 }
 
@@ -194,31 +203,67 @@ impl DeviceProbes {
                 let Some(resolved) = self.resolved(&path, &lib) else {
                     continue;
                 };
+                let file = match std::fs::metadata(&path) {
+                    Ok(m) => (m.dev(), m.ino()),
+                    Err(e) => {
+                        tracing::warn!("device probes: pid {pid}: {path}: {e}");
+                        self.stats.attach_failures += 1;
+                        continue;
+                    }
+                };
                 let mut table = ProbeTable::new();
                 // Only the levels recorded: every probe costs a perf event
                 // (slow to close, see `detach_all`) and a trap per call.
-                let probes: Vec<AttachedProbe> = table
+                let (level_mask, alloc_stacks) = (self.level_mask, self.alloc_stacks);
+                let probes: Vec<SlottedProbe> = table
                     .add_library(pid, &lib, &resolved)
                     .into_iter()
-                    .filter(|p| p.spec.level_bit & self.level_mask != 0)
+                    .filter(|p| p.spec.level_bit & level_mask != 0)
                     .map(|mut p| {
                         // Allocations are rare next to launches (caching
                         // allocators), so a stack for each costs little.
-                        if self.alloc_stacks && p.target.function.kind == CallKind::Malloc {
+                        if alloc_stacks && p.target.function.kind == CallKind::Malloc {
                             p.spec.flags |= RETURN_USER_STACK;
                         }
                         p
                     })
+                    .filter_map(|p| {
+                        let slot = self.slot_for((file.0, file.1, p.file_offset));
+                        if slot.is_none() {
+                            tracing::warn!(
+                                "device probes: {}: all {MAX_PROBE_SLOTS} probe slots in use",
+                                p.target.function.name
+                            );
+                            self.stats.attach_failures += 1;
+                        }
+                        Some((p, slot?))
+                    })
                     .collect();
                 plan.updates.push(TableUpdate {
                     tgid: pid,
-                    probes: probes.iter().map(|p| (p.key.probe_ip, p.target)).collect(),
+                    probes: probes
+                        .iter()
+                        .map(|(p, slot)| (p.key.probe_ip, *slot, p.target))
+                        .collect(),
                     identity: RankIdentity::read(pid),
                 });
                 plan.add.push((pid, lib, path, probes));
             }
         }
         plan
+    }
+
+    /// The slot of the probe at `site`, handed out at its first use.
+    fn slot_for(&mut self, site: ProbeSite) -> Option<u32> {
+        if let Some(&s) = self.slots.get(&site) {
+            return Some(s);
+        }
+        let next = self.slots.len() as u32 + 1;
+        if next >= MAX_PROBE_SLOTS {
+            return None;
+        }
+        self.slots.insert(site, next);
+        Some(next)
     }
 
     fn resolved(&mut self, path: &str, lib: &LoadedLibrary) -> Option<Arc<ResolvedLibrary>> {
@@ -249,7 +294,7 @@ impl DeviceProbes {
         for pid in plan.gone {
             if let Some(libs) = self.procs.remove(&pid) {
                 for lib in libs {
-                    self.detach(bpf, lib.fns);
+                    self.detach(lib.fns);
                 }
             }
         }
@@ -258,7 +303,7 @@ impl DeviceProbes {
                 && let Some(i) = libs.iter().position(|l| l.lib == lib)
             {
                 let gone = libs.remove(i);
-                self.detach(bpf, gone.fns);
+                self.detach(gone.fns);
             }
         }
         if plan.add.is_empty() {
@@ -298,7 +343,7 @@ impl DeviceProbes {
         bpf: &mut Ebpf,
         pid: u32,
         path: &str,
-        probes: &[AttachedProbe],
+        probes: &[SlottedProbe],
     ) -> Vec<AttachedFn> {
         let (dev, ino) = match std::fs::metadata(path) {
             Ok(m) => (m.dev(), m.ino()),
@@ -309,27 +354,24 @@ impl DeviceProbes {
             }
         };
         let mut out = Vec::with_capacity(probes.len());
-        for p in probes {
-            if let Err(e) = write_spec(bpf, p.key, p.spec) {
-                tracing::warn!("device probes: {}: {e:#}", p.target.function.name);
-                self.stats.attach_failures += 1;
-                continue;
-            }
+        for &(p, slot) in probes {
             let site = (dev, ino, p.file_offset);
-            let attached = AttachedFn {
-                key: p.key,
-                name: (p.target.library.name(), p.target.function.name),
-                site,
-            };
+            let attached = AttachedFn { key: p.key, site };
             if let Some(shared) = self.shared.get_mut(&site) {
                 shared.users += 1;
                 self.stats.attached += 1;
                 out.push(attached);
                 continue;
             }
+            // The spec first: the probe may fire as soon as it is attached.
+            if let Err(e) = write_spec(bpf, slot, p.spec) {
+                tracing::warn!("device probes: {}: {e:#}", p.target.function.name);
+                self.stats.attach_failures += 1;
+                continue;
+            }
             let scope = UProbeScope::AllProcesses;
-            let entry = attach_one(bpf, ENTRY_PROGRAM, p.file_offset, path, scope);
-            let ret = attach_one(bpf, RETURN_PROGRAM, p.file_offset, path, scope);
+            let entry = attach_one(bpf, ENTRY_PROGRAM, p.file_offset, path, scope, slot);
+            let ret = attach_one(bpf, RETURN_PROGRAM, p.file_offset, path, scope, slot);
             match (entry, ret) {
                 (Ok(entry), Ok(ret)) => {
                     self.stats.attached += 1;
@@ -339,6 +381,8 @@ impl DeviceProbes {
                             entry,
                             ret,
                             users: 1,
+                            slot,
+                            name: (p.target.library.name(), p.target.function.name),
                         },
                     );
                     out.push(attached);
@@ -358,41 +402,30 @@ impl DeviceProbes {
                     if let Ok(id) = ret {
                         detach_one(bpf, RETURN_PROGRAM, id);
                     }
-                    delete_spec(bpf, p.key);
+                    silence(bpf, slot);
                 }
             }
         }
         out
     }
 
-    /// Stops the probes of `fns`: their specs go at once (the programs
-    /// then push nothing for them), their links are kept until the end
-    /// (see [`DeviceProbes::detach_all`]).
-    fn detach(&mut self, bpf: &mut Ebpf, fns: Vec<AttachedFn>) {
-        let mut unused = Vec::new();
+    /// A process no longer maps the files of `fns`. Their probes stay
+    /// attached (see the module notes); only traced processes are recorded.
+    fn detach(&mut self, fns: Vec<AttachedFn>) {
         for f in fns {
-            *self.retired_hits.entry(f.name).or_default() += take_hits(bpf, f.key);
-            delete_spec(bpf, f.key);
             if let Some(shared) = self.shared.get_mut(&f.site) {
                 shared.users = shared.users.saturating_sub(1);
-                if shared.users == 0
-                    && let Some(gone) = self.shared.remove(&f.site)
-                {
-                    unused.push(gone);
-                }
             }
         }
-        let links = take_links(bpf, unused);
-        self.retired.extend(links);
     }
 
-    /// Calls of every probed function so far (all processes, detached
-    /// probes included), by (library, function), as the kernel counted
-    /// them: records dropped on the way are still counted here.
+    /// Calls of every probed function by traced processes so far (exited
+    /// ones included), by (library, function), as the kernel counted them:
+    /// records dropped on the way are still counted here.
     pub fn hits(&self, bpf: &Ebpf) -> HashMap<(&'static str, &'static str), u64> {
-        let mut out = self.retired_hits.clone();
-        for f in self.procs.values().flatten().flat_map(|l| &l.fns) {
-            *out.entry(f.name).or_default() += read_hits(bpf, f.key);
+        let mut out = HashMap::new();
+        for shared in self.shared.values() {
+            *out.entry(shared.name).or_default() += read_hits(bpf, shared.slot);
         }
         out
     }
@@ -404,7 +437,10 @@ impl DeviceProbes {
             .into_iter()
             .flatten()
             .flat_map(|l| &l.fns)
-            .map(|f| (f.key.probe_ip, read_hits(bpf, f.key)))
+            .filter_map(|f| {
+                let slot = self.shared.get(&f.site)?.slot;
+                Some((f.key.probe_ip, read_hits(bpf, slot)))
+            })
             .collect()
     }
 
@@ -414,16 +450,14 @@ impl DeviceProbes {
     /// Closing a uprobe perf event waits for an RCU tasks-trace grace
     /// period under a kernel-wide mutex (about 90 ms each on 6.18): 92
     /// probes of one rank would hold the agent for 8 s. With the specs
-    /// deleted the probes push nothing, so nothing is lost by closing later.
+    /// zeroed the probes push nothing, so nothing is lost by closing later.
     pub fn detach_all(&mut self, bpf: &mut Ebpf) {
-        for (_, libs) in self.procs.drain() {
-            for f in libs.into_iter().flat_map(|l| l.fns) {
-                delete_spec(bpf, f.key);
-            }
-        }
+        self.procs.clear();
         let shared: Vec<SharedProbe> = self.shared.drain().map(|(_, s)| s).collect();
-        let mut links = take_links(bpf, shared);
-        links.append(&mut self.retired);
+        for s in &shared {
+            silence(bpf, s.slot);
+        }
+        let links = take_links(bpf, shared);
         if links.is_empty() {
             return;
         }
@@ -517,8 +551,13 @@ fn attach_one(
     offset: u64,
     path: &str,
     scope: UProbeScope,
+    slot: u32,
 ) -> Result<UProbeLinkId> {
-    Ok(uprobe(bpf, program)?.attach(offset, path, scope)?)
+    let point = UProbeAttachPoint {
+        location: offset.into(),
+        cookie: Some(u64::from(slot)),
+    };
+    Ok(uprobe(bpf, program)?.attach(point, path, scope)?)
 }
 
 fn detach_one(bpf: &mut Ebpf, program: &str, id: UProbeLinkId) {
@@ -529,46 +568,39 @@ fn detach_one(bpf: &mut Ebpf, program: &str, id: UProbeLinkId) {
     }
 }
 
-fn specs(bpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, ProbeKey, ProbeSpec>> {
-    Ok(BpfHashMap::try_from(
+fn specs(bpf: &mut Ebpf) -> Result<Array<&mut MapData, ProbeSpec>> {
+    Ok(Array::try_from(
         bpf.map_mut(maps::UPROBE_SPECS)
             .context("UPROBE_SPECS map missing")?,
     )?)
 }
 
-/// Calls counted for the probe at `key`, summed over CPUs.
-fn read_hits(bpf: &Ebpf, key: ProbeKey) -> u64 {
+/// Calls counted at probe slot `slot`, summed over CPUs.
+fn read_hits(bpf: &Ebpf, slot: u32) -> u64 {
     let Some(map) = bpf.map(maps::UPROBE_HITS) else {
         return 0;
     };
-    let Ok(hits) = PerCpuHashMap::<&MapData, ProbeKey, u64>::try_from(map) else {
+    let Ok(hits) = PerCpuArray::<&MapData, u64>::try_from(map) else {
         return 0;
     };
-    hits.get(&key, 0)
+    hits.get(&slot, 0)
         .map(|per_cpu| per_cpu.iter().sum())
         .unwrap_or(0)
 }
 
-/// Reads and forgets the count of a probe being detached (its address may
-/// be reused by another library later).
-fn take_hits(bpf: &mut Ebpf, key: ProbeKey) -> u64 {
-    let n = read_hits(bpf, key);
-    if let Some(map) = bpf.map_mut(maps::UPROBE_HITS)
-        && let Ok(mut hits) = PerCpuHashMap::<&mut MapData, ProbeKey, u64>::try_from(map)
-    {
-        let _ = hits.remove(&key);
-    }
-    n
-}
-
-fn write_spec(bpf: &mut Ebpf, key: ProbeKey, spec: ProbeSpec) -> Result<()> {
+fn write_spec(bpf: &mut Ebpf, slot: u32, spec: ProbeSpec) -> Result<()> {
     specs(bpf)?
-        .insert(key, spec, 0)
-        .context("writing UPROBE_SPECS (full?)")
+        .set(slot, spec, 0)
+        .with_context(|| format!("writing UPROBE_SPECS[{slot}]"))
 }
 
-fn delete_spec(bpf: &mut Ebpf, key: ProbeKey) {
-    if let Ok(mut m) = specs(bpf) {
-        let _ = m.remove(&key);
+/// Makes the probe at `slot` record nothing (an all-zero spec).
+fn silence(bpf: &mut Ebpf, slot: u32) {
+    let off = ProbeSpec {
+        level_bit: 0,
+        ..ProbeSpec::default()
+    };
+    if let Err(e) = write_spec(bpf, slot, off) {
+        tracing::debug!("silencing probe slot {slot}: {e:#}");
     }
 }

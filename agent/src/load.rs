@@ -79,26 +79,27 @@ pub fn set_config(bpf: &mut Ebpf, config: Config) -> Result<()> {
     Ok(())
 }
 
+/// Adds `tgid` to the traced set (`TARGETS`).
+pub fn add_target(bpf: &mut Ebpf, tgid: u32) -> Result<()> {
+    let mut targets: HashMap<&mut MapData, u32, u32> =
+        HashMap::try_from(bpf.map_mut(maps::TARGETS).context("TARGETS map missing")?)?;
+    targets
+        .insert(tgid, 1, 0)
+        .with_context(|| format!("adding pid {tgid} to the traced set"))?;
+    // Invalidate the kernel's per-CPU answers about who is traced.
+    let mut generation: Array<&mut MapData, u64> = Array::try_from(
+        bpf.map_mut(maps::TARGET_GEN)
+            .context("TARGET_GEN map missing")?,
+    )?;
+    let next = generation.get(&TARGET_GEN_AGENT, 0).unwrap_or(0) + 1;
+    generation
+        .set(TARGET_GEN_AGENT, next, 0)
+        .context("bumping the target generation")
+}
+
 impl Probes {
     pub fn add_target(&mut self, tgid: u32) -> Result<()> {
-        let mut targets: HashMap<&mut MapData, u32, u32> = HashMap::try_from(
-            self.bpf
-                .map_mut(maps::TARGETS)
-                .context("TARGETS map missing")?,
-        )?;
-        targets
-            .insert(tgid, 1, 0)
-            .with_context(|| format!("adding pid {tgid} to the traced set"))?;
-        // Invalidate the kernel's per-CPU answers about who is traced.
-        let mut generation: Array<&mut MapData, u64> = Array::try_from(
-            self.bpf
-                .map_mut(maps::TARGET_GEN)
-                .context("TARGET_GEN map missing")?,
-        )?;
-        let next = generation.get(&TARGET_GEN_AGENT, 0).unwrap_or(0) + 1;
-        generation
-            .set(TARGET_GEN_AGENT, next, 0)
-            .context("bumping the target generation")
+        add_target(&mut self.bpf, tgid)
     }
 
     /// The traced tgids (including children the kernel added on fork).

@@ -51,6 +51,8 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
             ..Config::default()
         },
     )?;
+    // Only traced processes are counted (the probes sit on the files).
+    load::add_target(&mut bpf, pid)?;
     let mut device = DeviceProbes::new(device_probes::level_mask(2), false);
     let plan = device.plan(&[pid]);
     device.apply(&mut bpf, plan)?;

@@ -297,8 +297,9 @@ impl<W: Write> TraceBuilder<W> {
     /// label the process with its rank.
     pub fn probes_added(&mut self, update: TableUpdate) -> Result<()> {
         let table = self.device.decoder.probes_mut();
-        for (ip, target) in update.probes {
+        for (ip, slot, target) in update.probes {
             table.insert(update.tgid, ip, target);
+            table.insert_slot(slot, target);
         }
         if !self.device.process_tracks.contains_key(&update.tgid) {
             let t = self.writer.process_track(

@@ -94,6 +94,10 @@ impl EventKind {
     }
 }
 
+/// Most device-library probes (slots of `UPROBE_SPECS` and `UPROBE_HITS`)
+/// in one recording.
+pub const MAX_PROBE_SLOTS: u32 = 16384;
+
 /// Drop-counter slot for stacks that could not be captured although the
 /// record carrying them was written (e.g. a user stack of a kernel thread).
 pub const DROP_SLOT_STACK_ERRORS: u32 = 15;

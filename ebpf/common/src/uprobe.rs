@@ -2,9 +2,13 @@
 //! libcupti, libascendcl, libhccl, libmspti).
 //!
 //! One generic entry program and one generic return program serve every
-//! probed function; the function is identified by the probed address
-//! (`bpf_get_func_ip`), which the agent maps back to (library, symbol)
-//! through the process's mappings. The kernel copies raw machine state;
+//! probed function. Each probe (one place in one library file, shared by
+//! every traced process mapping the file) has a slot, its attach cookie:
+//! the programs find what to copy at that slot of `UPROBE_SPECS` and count
+//! hits at that slot of `UPROBE_HITS` (array lookups: a hash lookup keyed by
+//! process and address cost each program about 40 ns more). Records carry
+//! the slot and the probed address (`bpf_get_func_ip`); the agent maps them
+//! back to (library, symbol). The kernel copies raw machine state;
 //! `xpuscope-probes` decodes it into meaning using the catalog.
 
 use crate::{EventHeader, MAX_STACK_DEPTH};
@@ -42,8 +46,9 @@ pub const RETURN_USER_STACK: u8 = 1 << 3;
 /// the entry skips a user-memory read.
 pub const ENTRY_STACK_ARGS: u8 = 1 << 4;
 
-/// What to copy for one probed function, keyed by [`ProbeKey`] in the
-/// `UPROBE_SPECS` map; written by the agent when it attaches.
+/// What to copy for one probed function, at its probe's slot in the
+/// `UPROBE_SPECS` array; written by the agent before it attaches the probe.
+/// An all-zero spec (`level_bit` 0) is an unused or silenced slot.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProbeSpec {
@@ -83,7 +88,8 @@ impl Default for ProbeSpec {
     }
 }
 
-/// Key of `UPROBE_SPECS`: the process and the probed address in it.
+/// A probe as one process sees it: the process and the probed address in
+/// it (how the agent's probe table is keyed).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ProbeKey {
@@ -124,7 +130,9 @@ pub struct UprobeEntry {
     pub stack: [u64; ENTRY_STACK_WORDS],
     /// Bytes of `deref` that are valid (0 if nothing was copied).
     pub deref_len: u32,
-    pub _pad: u32,
+    /// The probe's slot (attach cookie): which function of which library
+    /// file, whatever the process.
+    pub slot: u32,
     /// Copy of `*args[spec.entry_deref_arg]`.
     pub deref: [u8; DEREF_BYTES],
 }
@@ -142,7 +150,8 @@ pub struct UprobeReturn {
     pub ret: u64,
     /// Bytes of `deref` that are valid.
     pub deref_len: u32,
-    pub _pad: u32,
+    /// The probe's slot, as in [`UprobeEntry::slot`].
+    pub slot: u32,
     /// Copy of `*saved_args[spec.return_deref_arg]` (saved at entry).
     pub deref: [u8; DEREF_BYTES],
 }

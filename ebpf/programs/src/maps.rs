@@ -2,11 +2,12 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use xpuscope_common::{
-    Config, DROP_SLOTS, MAX_CPUS, MAX_STACK_BUDGETS, MAX_TARGETS, StackBudget, TaskOffsets,
-    uprobe::{PendingDerefs, ProbeKey, ProbeSpec},
+    Config, DROP_SLOTS, MAX_CPUS, MAX_PROBE_SLOTS, MAX_STACK_BUDGETS, MAX_TARGETS, StackBudget,
+    TaskOffsets,
+    uprobe::{PendingDerefs, ProbeSpec},
 };
 
 /// All records. The agent sets the real size at load time.
@@ -52,15 +53,15 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 pub static STACK_BUDGETS: LruHashMap<u32, StackBudget> =
     LruHashMap::with_max_entries(MAX_STACK_BUDGETS, 0);
 
-/// What each probed device-library function copies, by (process, address).
+/// What each device-library probe copies, by its slot (attach cookie).
 #[map]
-pub static UPROBE_SPECS: HashMap<ProbeKey, ProbeSpec> = HashMap::with_max_entries(16384, 0);
+pub static UPROBE_SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0);
 
-/// Calls of each probed function (entries), by (process, address), per
-/// CPU: counted whatever the capture level, so `agent probes` can count
-/// hits with nothing pushed to the ring.
+/// Calls of each probe (entries) by traced processes, by slot, per CPU:
+/// counted whatever the capture level, so `agent probes` can count hits
+/// with nothing pushed to the ring.
 #[map]
-pub static UPROBE_HITS: PerCpuHashMap<ProbeKey, u64> = PerCpuHashMap::with_max_entries(16384, 0);
+pub static UPROBE_HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_PROBE_SLOTS, 0);
 
 /// Out-parameter pointers saved at entry for the return program, per thread.
 #[map]

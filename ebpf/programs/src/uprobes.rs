@@ -1,14 +1,16 @@
 //! Device-library calls: one generic entry and one generic return program,
-//! attached (per process) to every probed function of libcudart, libnccl,
-//! libcupti, libascendcl, libhccl and libmspti. The probed address
-//! identifies the function; `UPROBE_SPECS` says what to copy for it.
+//! attached to every probed function of libcudart, libnccl, libcupti,
+//! libascendcl, libhccl and libmspti (once per library file, for all
+//! processes). A probe's slot, its attach cookie, says what to copy
+//! (`UPROBE_SPECS`) and where to count hits (`UPROBE_HITS`); processes not
+//! traced are ignored.
 
 use aya_ebpf::{
     EbpfContext,
     bindings::BPF_F_USER_STACK,
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_probe_read_user_buf,
-        generated::{bpf_get_func_ip, bpf_get_stack, bpf_probe_read_user, bpf_probe_read_user_str},
+        generated::{bpf_get_attach_cookie, bpf_get_func_ip, bpf_get_stack, bpf_probe_read_user, bpf_probe_read_user_str},
     },
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
@@ -17,43 +19,47 @@ use xpuscope_common::{
     DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH,
     uprobe::{
         DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING,
-        PENDING_DEPTH, PendingDerefs, ProbeKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE,
+        PENDING_DEPTH, PendingDerefs, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE,
         RETURN_USER_STACK, UprobeEntry, UprobeReturn, UprobeStack,
     },
 };
 
 use crate::{
-    maps::{UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop},
+    maps::{UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop, is_target},
     ring::{now, reserve, submit_flags},
 };
 
+/// The probe that fired, for a traced process: (slot, address, spec).
 #[inline(always)]
-fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(ProbeKey, ProbeSpec)> {
-    // SAFETY: helper on our own context.
-    let probe_ip = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
-    let key = ProbeKey {
-        tgid,
-        _pad: 0,
-        probe_ip,
+fn spec_for<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<(u32, u64, ProbeSpec)> {
+    if !is_target(tgid) {
+        return None;
+    }
+    // SAFETY: helpers on our own context.
+    let (cookie, probe_ip) = unsafe {
+        (
+            bpf_get_attach_cookie(ctx.as_ptr()),
+            bpf_get_func_ip(ctx.as_ptr()),
+        )
     };
-    // SAFETY: the value is copied out at once.
-    let spec = *unsafe { UPROBE_SPECS.get(&key) }?;
-    Some((key, spec))
+    let slot = cookie as u32;
+    let spec = *UPROBE_SPECS.get(slot)?;
+    if spec.level_bit == 0 {
+        return None; // an unused or silenced slot
+    }
+    Some((slot, probe_ip, spec))
 }
 
-/// One more call of the probe at `key` (this CPU's count).
+/// One more call of the probe at `slot` (this CPU's count).
 #[inline(always)]
-fn count_hit(key: &ProbeKey) {
-    match UPROBE_HITS.get_ptr_mut(key) {
+fn count_hit(slot: u32) {
+    if let Some(n) = UPROBE_HITS.get_ptr_mut(slot) {
         // SAFETY: an atomic add (BPF_ATOMIC) on this CPU's value: a
         // preempted uprobe program may share the CPU with another.
-        Some(n) => unsafe {
+        unsafe {
             core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
                 n, 1,
             );
-        },
-        None => {
-            let _ = UPROBE_HITS.insert(key, &1, 0);
         }
     }
 }
@@ -140,9 +146,8 @@ pub fn device_call_entry(ctx: ProbeContext) -> u32 {
 fn try_entry(ctx: &ProbeContext) -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
-    let (key, spec) = spec_for(ctx, tgid)?;
-    let probe_ip = key.probe_ip;
-    count_hit(&key);
+    let (slot, probe_ip, spec) = spec_for(ctx, tgid)?;
+    count_hit(slot);
     // SAFETY: the probe context's saved user registers.
     let regs = unsafe { &*ctx.regs };
     let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
@@ -165,6 +170,7 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
         (*rec).probe_ip = probe_ip;
         (*rec).args = args;
         (*rec).sp = regs.rsp;
+        (*rec).slot = slot;
         let stack = &mut (*rec).stack;
         if spec.flags & ENTRY_STACK_ARGS != 0 {
             let bytes = core::slice::from_raw_parts_mut(
@@ -177,7 +183,6 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
         } else {
             *stack = [0; ENTRY_STACK_WORDS];
         }
-        (*rec)._pad = 0;
         let src = match spec.entry_deref_arg {
             DEREF_NONE => 0,
             DEREF_STACK => regs.rsp.wrapping_add(u64::from(spec.entry_stack_off)),
@@ -201,8 +206,7 @@ pub fn device_call_return(ctx: RetProbeContext) -> u32 {
 fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
-    let (key, spec) = spec_for(ctx, tgid)?;
-    let probe_ip = key.probe_ip;
+    let (slot, probe_ip, spec) = spec_for(ctx, tgid)?;
     // The saved pointer is popped whatever the level, to stay balanced.
     let saved = if spec.return_deref_arg != DEREF_NONE {
         pop_pending(tid)
@@ -229,7 +233,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
         (*rec).tgid = tgid;
         (*rec).probe_ip = probe_ip;
         (*rec).ret = ret;
-        (*rec)._pad = 0;
+        (*rec).slot = slot;
         let ok = spec.flags & RETURN_ON_SUCCESS == 0 || ret as u32 == 0;
         let mut src = if ok { saved } else { 0 };
         if src != 0 && spec.flags & RETURN_TWICE != 0 {

@@ -31,11 +31,11 @@
 //!     header: header(1_000), tid: 43, tgid: 42, probe_ip: 0x7f00_1000,
 //!     // send, recv, count, ncclBfloat16, ncclSum, comm; the stream is on the stack.
 //!     args: [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0], sp: 0, stack: [0; 8],
-//!     deref_len: 0, _pad: 0, deref: [0; 128],
+//!     deref_len: 0, slot: 0, deref: [0; 128],
 //! };
 //! let ret = UprobeReturn {
 //!     header: header(9_000), tid: 43, tgid: 42, probe_ip: 0x7f00_1000, ret: 0,
-//!     deref_len: 0, _pad: 0, deref: [0; 128],
+//!     deref_len: 0, slot: 0, deref: [0; 128],
 //! };
 //! let mut out = Vec::new();
 //! decoder.on_entry(&entry, &mut out);
@@ -284,7 +284,7 @@ impl Decoder {
 
     /// A probed function was entered.
     pub fn on_entry(&mut self, e: &UprobeEntry, out: &mut Vec<Decoded>) {
-        let Some(&target) = self.probes.get(e.tgid, e.probe_ip) else {
+        let Some(&target) = self.probes.lookup(e.tgid, e.probe_ip, e.slot) else {
             self.stats.unknown_probes += 1;
             out.push(Decoded::Unmatched(Unmatched::UnknownProbe {
                 tgid: e.tgid,
@@ -328,7 +328,7 @@ impl Decoder {
             .and_then(|s| s.iter().rposition(|p| p.entry.probe_ip == r.probe_ip));
         let (Some(i), Some(stack)) = (found, self.threads.get_mut(&key)) else {
             self.stats.returns_without_entry += 1;
-            let target = self.probes.get(r.tgid, r.probe_ip);
+            let target = self.probes.lookup(r.tgid, r.probe_ip, r.slot);
             if target.is_none() {
                 self.stats.unknown_probes += 1;
             }

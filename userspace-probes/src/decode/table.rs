@@ -1,5 +1,8 @@
 //! The probes attached in each process: absolute probe address -> catalog
-//! function, and the kernel `UPROBE_SPECS` entries to write for them.
+//! function, and the kernel `UPROBE_SPECS` entries to write for them. A
+//! probe's slot (shared by every process mapping the same file) also names
+//! its function: a record from a process whose own addresses are not known
+//! yet still decodes.
 
 use std::collections::HashMap;
 
@@ -34,6 +37,8 @@ pub struct AttachedProbe {
 #[derive(Clone, Debug, Default)]
 pub struct ProbeTable {
     by_ip: HashMap<(u32, u64), ProbeTarget>,
+    /// Probe slots (kernel attach cookies; 0 is none) -> function.
+    by_slot: HashMap<u32, ProbeTarget>,
 }
 
 impl ProbeTable {
@@ -47,6 +52,23 @@ impl ProbeTable {
 
     pub fn get(&self, tgid: u32, probe_ip: u64) -> Option<&ProbeTarget> {
         self.by_ip.get(&(tgid, probe_ip))
+    }
+
+    /// Names probe slot `slot` (non-zero).
+    pub fn insert_slot(&mut self, slot: u32, target: ProbeTarget) {
+        if slot != 0 {
+            self.by_slot.insert(slot, target);
+        }
+    }
+
+    /// The function a record is about: by the process's own address, else
+    /// by the probe's slot (a process whose libraries the agent has not
+    /// read yet, calling a probe another traced process attached).
+    pub fn lookup(&self, tgid: u32, probe_ip: u64, slot: u32) -> Option<&ProbeTarget> {
+        self.get(tgid, probe_ip).or_else(|| match slot {
+            0 => None,
+            s => self.by_slot.get(&s),
+        })
     }
 
     pub fn len(&self) -> usize {

@@ -69,7 +69,7 @@ fn entry(name: &str, ts: u64, args: [u64; 6], stack: &[u64]) -> UprobeEntry {
         sp: 0x7ffd_0000_1000,
         stack: [0; ENTRY_STACK_WORDS],
         deref_len: 0,
-        _pad: 0,
+        slot: 0,
         deref: [0; DEREF_BYTES],
     };
     e.stack[0] = 0x5555_0000_1234; // return address
@@ -91,7 +91,7 @@ fn ret(name: &str, ts: u64, rax: u64, deref: &[u8]) -> UprobeReturn {
         probe_ip: ip_of(name),
         ret: rax,
         deref_len: deref.len() as u32,
-        _pad: 0,
+        slot: 0,
         deref: [0; DEREF_BYTES],
     };
     r.deref[..deref.len()].copy_from_slice(deref);
@@ -1009,4 +1009,54 @@ fn malformed_records_are_bounded() {
     );
     assert_eq!(c.memory, None, "succeeded, pointer unknown: no accounting");
     assert_eq!(c.name, "cudaMalloc 16.0 EiB");
+}
+
+/// A traced process whose own addresses the agent has not read yet (a new
+/// rank calling a probe another rank's library file already has) decodes
+/// by the probe's slot; a record with no known address and no known slot
+/// is an unknown probe, counted.
+#[test]
+fn records_decode_by_probe_slot_when_the_process_is_not_known_yet() {
+    let mut table = ProbeTable::new();
+    let library = lib_of("cudaMalloc");
+    table.insert_slot(
+        7,
+        ProbeTarget {
+            library,
+            function: library.function("cudaMalloc").unwrap(),
+            sp_delta: 0,
+        },
+    );
+    // Slot 0 means "no slot": never a lookup key.
+    table.insert_slot(0, table.lookup(0, 0, 7).copied().unwrap());
+    let mut d = Decoder::new(table);
+    let mut e = pid(
+        entry("cudaMalloc", 1_000, [0x8000, GIB, 0, 0, 0, 0], &[]),
+        555,
+        556,
+    );
+    e.slot = 7;
+    let mut r = pid_r(
+        ret("cudaMalloc", 2_000, 0, &0x2000_0000_0000u64.to_le_bytes()),
+        555,
+        556,
+    );
+    r.slot = 7;
+    let c = call(&mut d, e, r);
+    assert_eq!((c.tgid, c.tid, c.function), (555, 556, "cudaMalloc"));
+    assert_eq!(c.name, "cudaMalloc 1 GiB");
+    assert_eq!((c.start_ts, c.end_ts, c.ret), (1_000, Some(2_000), Some(0)));
+
+    let mut out = Vec::new();
+    e.slot = 0;
+    d.on_entry(&e, &mut out);
+    assert!(matches!(
+        out.as_slice(),
+        [Decoded::Unmatched(Unmatched::UnknownProbe {
+            tgid: 555,
+            at_return: false,
+            ..
+        })]
+    ));
+    assert_eq!(d.stats().unknown_probes, 1);
 }

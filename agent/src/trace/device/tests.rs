@@ -23,7 +23,7 @@ fn entry(ts: u64, ip: u64, args: [u64; 6]) -> Event {
         sp: 0,
         stack: [0; 8],
         deref_len: 0,
-        _pad: 0,
+        slot: 0,
         deref: [0; 128],
     }))
 }
@@ -42,7 +42,7 @@ fn ret(ts: u64, ip: u64, rax: u64, out: &[u8]) -> Event {
         probe_ip: ip,
         ret: rax,
         deref_len: out.len() as u32,
-        _pad: 0,
+        slot: 0,
         deref,
     }))
 }
@@ -66,8 +66,8 @@ fn device_calls_become_slices_and_counters() {
     b.probes_added(TableUpdate {
         tgid: 42,
         probes: vec![
-            (0x1000, target(Library::Nccl, "ncclAllReduce")),
-            (0x2000, target(Library::Cudart, "cudaMalloc")),
+            (0x1000, 1, target(Library::Nccl, "ncclAllReduce")),
+            (0x2000, 2, target(Library::Cudart, "cudaMalloc")),
         ],
         identity: RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0"),
     })
