@@ -105,14 +105,21 @@ struct AttachedLib {
     fns: Vec<AttachedFn>,
 }
 
-/// A probe to attach and the slot it has (or shares).
-type SlottedProbe = (AttachedProbe, u32);
+/// A library to probe in one process, as [`DeviceProbes::plan`] found it.
+struct PlannedLibrary {
+    pid: u32,
+    lib: LoadedLibrary,
+    /// The path to open it by, and the (device, inode) found there.
+    path: String,
+    file: (u64, u64),
+    /// Its probes, each with the slot it has (or shares).
+    probes: Vec<(AttachedProbe, u32)>,
+}
 
 /// Work found by [`DeviceProbes::plan`].
 #[derive(Default)]
 pub struct Plan {
-    /// (pid, library, path to open, its probes with their slots).
-    add: Vec<(u32, LoadedLibrary, String, Vec<SlottedProbe>)>,
+    add: Vec<PlannedLibrary>,
     remove: Vec<(u32, LoadedLibrary)>,
     gone: Vec<u32>,
     pub updates: Vec<TableUpdate>,
@@ -215,7 +222,7 @@ impl DeviceProbes {
                 // Only the levels recorded: every probe costs a perf event
                 // (slow to close, see `detach_all`) and a trap per call.
                 let (level_mask, alloc_stacks) = (self.level_mask, self.alloc_stacks);
-                let probes: Vec<SlottedProbe> = table
+                let probes: Vec<(AttachedProbe, u32)> = table
                     .add_library(pid, &lib, &resolved)
                     .into_iter()
                     .filter(|p| p.spec.level_bit & level_mask != 0)
@@ -247,7 +254,13 @@ impl DeviceProbes {
                         .collect(),
                     identity: RankIdentity::read(pid),
                 });
-                plan.add.push((pid, lib, path, probes));
+                plan.add.push(PlannedLibrary {
+                    pid,
+                    lib,
+                    path,
+                    file,
+                    probes,
+                });
             }
         }
         plan
@@ -321,8 +334,11 @@ impl DeviceProbes {
             }
             self.loaded = true;
         }
-        for (pid, lib, path, probes) in plan.add {
-            let fns = self.attach(bpf, pid, &path, &probes);
+        for planned in plan.add {
+            let fns = self.attach(bpf, &planned);
+            let PlannedLibrary {
+                pid, lib, probes, ..
+            } = planned;
             tracing::info!(
                 "device probes: pid {pid}: {} ({} of {} functions attached)",
                 lib.path,
@@ -338,24 +354,17 @@ impl DeviceProbes {
         Ok(())
     }
 
-    fn attach(
-        &mut self,
-        bpf: &mut Ebpf,
-        pid: u32,
-        path: &str,
-        probes: &[SlottedProbe],
-    ) -> Vec<AttachedFn> {
-        let (dev, ino) = match std::fs::metadata(path) {
-            Ok(m) => (m.dev(), m.ino()),
-            Err(e) => {
-                tracing::warn!("device probes: pid {pid}: {path}: {e}");
-                self.stats.attach_failures += 1;
-                return Vec::new();
-            }
-        };
+    fn attach(&mut self, bpf: &mut Ebpf, planned: &PlannedLibrary) -> Vec<AttachedFn> {
+        let PlannedLibrary {
+            pid,
+            path,
+            file: (dev, ino),
+            probes,
+            ..
+        } = planned;
         let mut out = Vec::with_capacity(probes.len());
         for &(p, slot) in probes {
-            let site = (dev, ino, p.file_offset);
+            let site = (*dev, *ino, p.file_offset);
             let attached = AttachedFn { key: p.key, site };
             if let Some(shared) = self.shared.get_mut(&site) {
                 shared.users += 1;

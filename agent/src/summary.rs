@@ -91,35 +91,9 @@ pub struct DeviceSummary {
     pub attached_probes: u64,
     /// Functions or libraries that could not be attached.
     pub attach_failures: u64,
-    /// Calls recorded (entry and return paired).
-    pub calls: u64,
-    /// Calls that returned an error status.
-    pub errors: u64,
-    pub activity_records: u64,
-    /// Activity records read by the application that could not be copied,
-    /// and those that did not decode: their device work is missing.
-    pub activity_unread: u64,
-    pub activity_errors: u64,
-    /// Entries whose return never came (lost, or the thread exited).
-    pub entries_without_return: u64,
-    /// Returns whose entry was not seen (attached mid-call, or lost).
-    pub returns_without_entry: u64,
-    /// Records at an address no probe is known at.
-    pub unknown_probes: u64,
-    /// Calls still open when the recording ended.
-    pub in_flight_at_end: u64,
-    /// Slices on device-stream tracks from activity records.
-    pub device_slices: u64,
-    /// Estimated device slices (streams without activity records).
-    pub estimated_slices: u64,
-    /// Flows from host launches to their device work.
-    pub device_flows: u64,
-    /// Device-memory allocations that failed (an OOM), each marked in the
-    /// trace with its stack and the largest live allocation sites.
-    pub failed_allocations: u64,
-    /// Allocating stacks taken, and those the kernel could not take.
-    pub alloc_stacks: u64,
-    pub alloc_stack_errors: u64,
+    /// What the decoding saw (calls, losses, device slices, allocations).
+    #[serde(flatten)]
+    pub counts: crate::trace::device::DeviceStats,
     /// Largest live allocation sites (at each process's exit or at the
     /// end), largest first.
     pub largest_live_sites: Vec<crate::trace::device::SiteReport>,
@@ -220,21 +194,7 @@ impl RunSummary {
                 })
                 .collect(),
             device: DeviceSummary {
-                calls: stats.device.calls,
-                errors: stats.device.errors,
-                activity_records: stats.device.activities,
-                activity_unread: stats.device.activity_unread,
-                activity_errors: stats.device.activity_errors,
-                entries_without_return: stats.device.entries_without_return,
-                returns_without_entry: stats.device.returns_without_entry,
-                unknown_probes: stats.device.unknown_probes,
-                in_flight_at_end: stats.device.in_flight_at_end,
-                device_slices: stats.device.device_slices,
-                estimated_slices: stats.device.estimated_slices,
-                device_flows: stats.device.device_flows,
-                failed_allocations: stats.device.failed_allocations,
-                alloc_stacks: stats.device.alloc_stacks,
-                alloc_stack_errors: stats.device.alloc_stack_errors,
+                counts: stats.device,
                 largest_live_sites: stats
                     .alloc_sites
                     .iter()
@@ -342,30 +302,31 @@ impl RunSummary {
             }
         }
         let d = &self.device;
-        if d.attached_probes + d.attach_failures + d.calls > 0 {
+        let c = &d.counts;
+        if d.attached_probes + d.attach_failures + c.calls > 0 {
             eprintln!(
                 "  device:  {} calls ({} errors), {} probes on {} libraries, {} attach failures, \
                  unmatched: {} entries {} returns, {} in flight at end",
-                d.calls,
-                d.errors,
+                c.calls,
+                c.errors,
                 d.attached_probes,
                 d.libraries,
                 d.attach_failures,
-                d.entries_without_return,
-                d.returns_without_entry,
-                d.in_flight_at_end
+                c.entries_without_return,
+                c.returns_without_entry,
+                c.in_flight_at_end
             );
-            if d.activity_unread + d.activity_errors > 0 {
+            if c.activity_unread + c.activity_errors > 0 {
                 eprintln!(
                     "           activity records lost: {} could not be copied, {} did not decode",
-                    d.activity_unread, d.activity_errors
+                    c.activity_unread, c.activity_errors
                 );
             }
-            if d.device_slices + d.estimated_slices > 0 {
+            if c.device_slices + c.estimated_slices > 0 {
                 eprintln!(
                     "           device work: {} slices from activity records, {} estimated, \
                      {} flows from host launches",
-                    d.device_slices, d.estimated_slices, d.device_flows
+                    c.device_slices, c.estimated_slices, c.device_flows
                 );
             }
             let top: Vec<String> = d
@@ -377,10 +338,10 @@ impl RunSummary {
             if !top.is_empty() {
                 eprintln!("           most called: {}", top.join(", "));
             }
-            if d.failed_allocations > 0 {
+            if c.failed_allocations > 0 {
                 eprintln!(
                     "           {} failed allocations (marked in the trace with their stacks)",
-                    d.failed_allocations
+                    c.failed_allocations
                 );
             }
             if !d.largest_live_sites.is_empty() {

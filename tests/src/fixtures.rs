@@ -21,6 +21,18 @@ pub const NVIDIA_WHEELS: &[(&str, &str)] = &[
     ),
 ];
 
+/// The kernel names the simulated job launches (`tests/sim/src/rank.c`,
+/// `rank.py`).
+pub const SIM_KERNELS: &[&str] = &[
+    "embedding_fwd",
+    "attention_fwd",
+    "mlp_fwd",
+    "mlp_bwd",
+    "attention_bwd",
+    "grad_scale",
+    "adam",
+];
+
 /// The fixture folders, in build order (later ones may use earlier outputs).
 pub const FIXTURE_DIRS: &[&str] = &["workloads", "standins", "sim"];
 

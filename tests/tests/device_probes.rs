@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
 use xpuscope_tests::device::*;
-use xpuscope_tests::fixtures;
+use xpuscope_tests::fixtures::{self, SIM_KERNELS};
 use xpuscope_tests::trace_check::{
     Slice, Timeline, Track, TrackKind, check_importer_rules, decode,
 };
@@ -451,17 +451,6 @@ fn probes_subcommand_lists_functions() {
     assert!(none.status.success());
     assert!(String::from_utf8_lossy(&none.stdout).contains("no device library mapped"));
 }
-
-/// The sim's kernel names (`tests/sim/src/rank.c`).
-const SIM_KERNELS: &[&str] = &[
-    "embedding_fwd",
-    "attention_fwd",
-    "mlp_fwd",
-    "mlp_bwd",
-    "attention_bwd",
-    "grad_scale",
-    "adam",
-];
 
 /// `--probe-level 2`: the kernels and copies the stand-in CUPTI reported
 /// to each rank are on "GPU d stream s" tracks under the rank's process,

@@ -16,7 +16,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use xpuscope_tests::fixtures;
+use xpuscope_tests::fixtures::{self, SIM_KERNELS};
 
 /// One timing-sensitive job at a time.
 static TIMING: Mutex<()> = Mutex::new(());
@@ -780,17 +780,6 @@ fn ascend_flavor_runs_on_acl_hccl_and_mspti() {
         );
     }
 }
-
-/// The sim's kernel names (`tests/sim/src/rank.c`, `rank.py`).
-const SIM_KERNELS: &[&str] = &[
-    "embedding_fwd",
-    "attention_fwd",
-    "mlp_fwd",
-    "mlp_bwd",
-    "attention_bwd",
-    "grad_scale",
-    "adam",
-];
 
 /// `--activity-log` writes every record a rank's CUPTI/MSPTI consumer read
 /// (as many as its steps report); `--activity-api` adds the host API

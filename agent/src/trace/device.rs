@@ -27,35 +27,42 @@ use super::TraceBuilder;
 use crate::device_probes::TableUpdate;
 use crate::events::CallStack;
 
-/// What the device decoding saw, for the summary.
-#[derive(Clone, Copy, Debug, Default)]
+/// What the device decoding saw; the summary (and its JSON) shows it as is.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct DeviceStats {
+    /// Calls recorded (entry and return paired).
     pub calls: u64,
+    /// Calls that returned an error status.
     pub errors: u64,
+    #[serde(rename = "activity_records")]
     pub activities: u64,
+    /// Activity records the application read that the probe could not
+    /// copy, and those that did not decode: their device work is missing.
+    pub activity_unread: u64,
+    pub activity_errors: u64,
+    /// Entries whose return never came (lost, or the thread exited).
     pub entries_without_return: u64,
+    /// Returns whose entry was not seen (attached mid-call, or lost).
     pub returns_without_entry: u64,
+    /// Records at an address no probe is known at.
     pub unknown_probes: u64,
     /// Calls still open when the recording ended.
     pub in_flight_at_end: u64,
     /// Slices on device-stream tracks from activity records.
     pub device_slices: u64,
-    /// Estimated device slices (no activity records).
+    /// Estimated device slices (streams without activity records).
     pub estimated_slices: u64,
-    /// Flows from host calls to device slices.
+    /// Flows from host launches to their device work.
     pub device_flows: u64,
-    /// Allocations that failed (marked with their stack and the largest
-    /// live sites).
+    /// Device-memory allocations that failed (an OOM), each marked in the
+    /// trace with its stack and the largest live allocation sites.
     pub failed_allocations: u64,
-    /// Allocating stacks received, and those the kernel could not take.
+    /// Allocating stacks taken, and those the kernel could not take.
     pub alloc_stacks: u64,
     pub alloc_stack_errors: u64,
     /// Allocating stacks not given a site (too many distinct sites).
+    #[serde(skip)]
     pub alloc_sites_over_limit: u64,
-    /// Activity records the application read that the probe could not
-    /// copy, or that did not decode (lost device slices).
-    pub activity_unread: u64,
-    pub activity_errors: u64,
 }
 
 /// Calls of one probed function, for the summary.

@@ -51,13 +51,7 @@ fn ret(ts: u64, ip: u64, rax: u64, out: &[u8]) -> Event {
 /// errors are marked, memory is a counter, unmatched records counted.
 #[test]
 fn device_calls_become_slices_and_counters() {
-    let mut b = TraceBuilder::new(TraceWriter::new(Vec::new()));
-    b.writer()
-        .system_info(&xpuscope_perfetto::SystemInfo {
-            release: "6.18.0".into(),
-            ..Default::default()
-        })
-        .unwrap();
+    let mut b = builder();
     let target = |lib: Library, f: &str| ProbeTarget {
         library: lib,
         function: lib.function(f).unwrap(),
