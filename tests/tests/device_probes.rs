@@ -630,8 +630,7 @@ print(json.dumps({"kernels": kernels}), flush=True)
 
 /// `--probe-level 2` with CUPTI runtime-API records: every kernel record is
 /// a slice on its stream's track with the record's exact times, correlation
-/// id and name, and a flow from its `cudaLaunchKernel` slice (or a marker
-/// inside it) to it.
+/// id and name, and a flow from its `cudaLaunchKernel` slice to it.
 #[test]
 fn activity_records_flow_from_host_launches() {
     let _serial = exclusive();
@@ -717,24 +716,18 @@ fn activity_records_flow_from_host_launches() {
         assert_eq!(sources.len(), 1, "{d:?}");
         let src = sources[0];
         assert!(src.ts <= d.ts, "{src:?} after {d:?}");
-        // The launch slice itself; or, when the agent had not yet seen an
-        // API record of the process as the launch was traced, a marker at
-        // the API record's start inside the launch.
-        let from_launch = launches.iter().any(|l| std::ptr::eq(*l, src));
-        let inside_launch = src.name == "device work enqueued"
-            && launches.iter().any(|l| {
-                thread_of(&tl, l) == thread_of(&tl, src)
-                    && l.ts <= src.ts
-                    && src.end.unwrap() <= l.end.unwrap()
-            });
-        assert!(from_launch || inside_launch, "{src:?}");
-        if from_launch {
+        if launches.iter().any(|l| std::ptr::eq(*l, src)) {
             from_launches += 1;
         }
     }
-    eprintln!(
-        "{from_launches} of {} flows start on the launch slice itself",
-        device.len()
+    // The program's first API record (its stream sync's, flushed a second
+    // before the launches) told the agent that this process reads API
+    // records: it held every launch for its record, so each flow starts on
+    // the launch slice itself.
+    assert_eq!(
+        from_launches,
+        device.len(),
+        "flows from a marker instead of the launch slice"
     );
 }
 
@@ -825,7 +818,8 @@ fn api_function(r: &Value) -> String {
 
 /// Checks rank `rank`'s device-stream tracks (`unit` "GPU" / "NPU")
 /// against what its activity consumer read (`--activity-log`, with
-/// `--activity-api`): one slice per kernel / copy / HCCL record, on the
+/// `--activity-api`): one slice per kernel / copy record and per HCCL
+/// operation (its HCCL and communication records), on the
 /// track of its device and stream, with the record's start, end, name and
 /// correlation id; and a flow into each slice whose correlation id an API
 /// record carries (the kernels launched and the copies; collectives have
@@ -843,9 +837,21 @@ fn check_streams_against_records(run: &SimRun, rank: u64, unit: &str) -> usize {
         run.drained_in_steps(rank),
         "rank {rank}: the activity log has every record the rank read"
     );
+    // MSPTI describes an HCCL operation twice, an HCCL and a communication
+    // record with the same times: one slice (the communication record's
+    // correlation id, both records' details).
+    let op = |w: &DeviceWork| (w.track.clone(), w.start, w.end, w.name.clone());
+    let communication_ops: std::collections::BTreeSet<_> = records
+        .iter()
+        .filter(|r| r["kind"] == "communication")
+        .map(|r| op(&work_of_record(unit, r)))
+        .collect();
     let mut want: Vec<DeviceWork> = records
         .iter()
         .filter(|r| DEVICE_RECORD_KINDS.contains(&r["kind"].as_str().unwrap_or("")))
+        .filter(|r| {
+            r["kind"] != "hccl" || !communication_ops.contains(&op(&work_of_record(unit, r)))
+        })
         .map(|r| work_of_record(unit, r))
         .collect();
     let api: BTreeMap<u64, &Value> = records
@@ -964,10 +970,11 @@ fn check_streams_against_records(run: &SimRun, rank: u64, unit: &str) -> usize {
 }
 
 /// `--probe-level 2` on the Ascend flavor (AscendCL, HCCL, MSPTI), whose
-/// MSPTI consumer also enables API records: each kernel, HCCL and
-/// communication record the rank read is a slice on its "NPU d stream s"
-/// track with the record's exact times, name and correlation id, and each
-/// kernel has one flow from its `aclrtLaunchKernel`.
+/// MSPTI consumer also enables API records: each kernel record and each
+/// HCCL operation (its HCCL and communication records together) the rank
+/// read is one slice on its "NPU d stream s" track with the record's exact
+/// times, name and correlation id, and each kernel has one flow from its
+/// `aclrtLaunchKernel`.
 #[test]
 fn sim_job_npu_streams_and_flows_from_mspti_records() {
     let _serial = exclusive();
@@ -1023,13 +1030,21 @@ fn sim_job_npu_streams_and_flows_from_mspti_records() {
             .map(|s| (arg_text(s, "count"), arg_text(s, "dtype")))
             .collect();
         assert!(!host.is_empty(), "rank {rank}: no host HcclAllReduce");
-        let on_device: Vec<(String, String)> = device_tracks(tl, pid, "NPU ")
+        // One slice per operation, with the HCCL record's bandwidth and the
+        // communication record's element count and type.
+        let slices: Vec<&Slice> = device_tracks(tl, pid, "NPU ")
             .iter()
             .flat_map(|t| tl.slices_on(t.uuid))
-            .filter(|s| s.name == "HcclAllReduce" && arg(s, "count").is_some())
+            .filter(|s| s.name == "HcclAllReduce")
+            .collect();
+        assert_eq!(slices.len() as u64, steps, "rank {rank}: {slices:#?}");
+        for s in &slices {
+            assert!(arg(s, "bandwidth_gbps").is_some(), "{s:?}");
+        }
+        let on_device: Vec<(String, String)> = slices
+            .iter()
             .map(|s| (arg_text(s, "count"), arg_text(s, "dtype")))
             .collect();
-        assert_eq!(on_device.len() as u64, steps, "rank {rank}");
         for work in &on_device {
             assert!(host.contains(work), "rank {rank}: {work:?} not in {host:?}");
         }

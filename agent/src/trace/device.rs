@@ -13,7 +13,7 @@ use std::io::Write;
 use anyhow::Result;
 pub use sites::SiteReport;
 use sites::{AllocSites, TOP_SITES};
-use streams::{DeviceStreams, HeldCall, HostCall, OpenWindow, StreamKey, Work};
+use streams::{CollectiveView, DeviceStreams, HeldCall, HostCall, OpenWindow, StreamKey, Work};
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
 use xpuscope_perfetto::{Arg, ArgValue, CounterUnit, TrackUuid};
 use xpuscope_probes::activity::names::RemoteStrings;
@@ -714,6 +714,11 @@ impl<W: Write> TraceBuilder<W> {
             name,
             args,
             correlation: a.correlation_id,
+            collective_view: match a.kind {
+                ActivityKind::Hccl => Some(CollectiveView::Hccl),
+                ActivityKind::Communication => Some(CollectiveView::Communication),
+                _ => None,
+            },
         };
         if self.device.streams.push(key.clone(), work) {
             self.flush_stream(&key)?;
@@ -790,6 +795,7 @@ impl<W: Write> TraceBuilder<W> {
                 name: format!("estimated: {} kernels", w.launches),
                 args: streams::estimated_args(w.launches),
                 correlation: None,
+                collective_view: None,
             };
             if self.device.streams.push(key.clone(), work) {
                 self.flush_stream(&key)?;

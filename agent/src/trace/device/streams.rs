@@ -53,6 +53,47 @@ pub struct Work {
     pub args: Vec<Arg>,
     /// The correlation id, to find the host call.
     pub correlation: Option<u64>,
+    /// Which view of a collective this is, if one: MSPTI describes each
+    /// HCCL operation twice (an HCCL record with its bandwidth, a
+    /// communication record with its element count, type and correlation
+    /// id), and the two become one slice.
+    pub collective_view: Option<CollectiveView>,
+}
+
+/// The two MSPTI record kinds that describe one HCCL operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollectiveView {
+    Hccl,
+    Communication,
+}
+
+/// How far back in a track's pending work the other view of a collective
+/// is looked for (the two records are read one after the other).
+const COLLECTIVE_VIEW_WINDOW: usize = 64;
+
+/// Folds `work` into the other view of the same operation among the last
+/// pending slices (same name, start and end); false if there is none.
+fn merge_collective_view(pending: &mut [Work], work: &mut Work) -> bool {
+    let Some(view) = work.collective_view else {
+        return false;
+    };
+    let start = pending.len().saturating_sub(COLLECTIVE_VIEW_WINDOW);
+    let Some(other) = pending[start..].iter_mut().rev().find(|w| {
+        w.collective_view.is_some_and(|v| v != view)
+            && (w.start, w.end) == (work.start, work.end)
+            && w.name == work.name
+    }) else {
+        return false;
+    };
+    for arg in work.args.drain(..) {
+        if !other.args.iter().any(|a| a.name == arg.name) {
+            other.args.push(arg);
+        }
+    }
+    other.correlation = other.correlation.or(work.correlation);
+    // Merged: a third record of the operation would be a new slice.
+    other.collective_view = None;
+    true
 }
 
 /// The host side of a correlation: the API record's thread and start.
@@ -162,8 +203,11 @@ impl DeviceStreams {
     }
 
     /// Buffers work; true when its track should be flushed now.
-    pub fn push(&mut self, key: StreamKey, work: Work) -> bool {
+    pub fn push(&mut self, key: StreamKey, mut work: Work) -> bool {
         let v = self.pending.entry(key).or_default();
+        if merge_collective_view(v, &mut work) {
+            return false;
+        }
         v.push(work);
         v.len() > MAX_BUFFERED
     }
@@ -233,6 +277,49 @@ mod tests {
         st.forget_process(1);
         st.api_seen.insert(1);
         assert!(!st.awaits_api_record(1, CallKind::Memcpy));
+    }
+
+    fn view(start: u64, end: u64, v: CollectiveView, args: &[(&str, u64)]) -> Work {
+        Work {
+            start,
+            end,
+            name: "HcclAllReduce".into(),
+            args: args
+                .iter()
+                .map(|(k, x)| Arg::new(*k, ArgValue::Uint(*x)))
+                .collect(),
+            correlation: (v == CollectiveView::Communication).then_some(9),
+            collective_view: Some(v),
+        }
+    }
+
+    #[test]
+    fn the_two_mspti_views_of_a_collective_are_one_slice() {
+        use CollectiveView::{Communication, Hccl};
+        let mut st = DeviceStreams::default();
+        let key = StreamKey {
+            tgid: 1,
+            name: "NPU 0 stream 3".into(),
+            estimated: false,
+        };
+        st.push(
+            key.clone(),
+            view(10, 20, Hccl, &[("stream", 3), ("bandwidth", 5)]),
+        );
+        st.push(
+            key.clone(),
+            view(10, 20, Communication, &[("stream", 3), ("count", 64)]),
+        );
+        // Another operation at other times, and a third record of the first.
+        st.push(key.clone(), view(30, 40, Communication, &[("count", 8)]));
+        st.push(key.clone(), view(10, 20, Hccl, &[("bandwidth", 6)]));
+        let pending = &st.pending[&key];
+        assert_eq!(pending.len(), 3, "{pending:?}");
+        let merged = &pending[0];
+        let names: Vec<&str> = merged.args.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, ["stream", "bandwidth", "count"]);
+        assert_eq!(merged.correlation, Some(9));
+        assert_eq!((pending[1].start, pending[2].start), (30, 10));
     }
 
     #[test]
