@@ -6,12 +6,18 @@
  * measurements:
  *
  *   calls N   call cudaSetDevice(0) N times; prints "ns_per_call X"
- *   steps K   run K simulated training steps; prints "step_ns S1 S2 ..."
+ *   steps K   run K simulated training steps; prints "step_ns S1 S2 ..." (wall
+ *             time per step) and then "step_cpu_ns C1 C2 ..." (the calling
+ *             thread's CPU time per step, user and system: what probes and
+ *             scheduler programs running in its context add, without the
+ *             time it waits for the stream)
  *   quit
  *
- * With CPU, only the calling (main) thread is pinned to that CPU, once the
- * library's stream threads exist: device work then runs elsewhere, as on a
- * GPU, and the main thread does not context switch at each launch.
+ * With CPU, the calling (main) thread is pinned to that CPU and the
+ * library's stream threads to the other CPUs, once they exist: device work
+ * then runs elsewhere, as on a GPU, and the main thread does not context
+ * switch at each launch. (Run with STANDIN_STREAM_POLL_US set, the stream
+ * threads poll for work and launches do not wake them either.)
  *
  * A step is LAUNCHES kernel launches, one every LAUNCH_PERIOD_NS: host work
  * between them makes up the period with what a launch itself costs (a fixed
@@ -21,6 +27,7 @@
  * agent's default level probes (syncs and memory).
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <sched.h>
 #include <inttypes.h>
@@ -28,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define LAUNCHES 1000
 #define LAUNCH_PERIOD_NS 50000
@@ -52,6 +60,13 @@ static uint64_t now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
@@ -80,6 +95,41 @@ static uint64_t calibrate(uint64_t ns)
     return iters * ns / (best ? best : 1);
 }
 
+/* Pins this thread to `cpu` and every other thread of the process to the
+ * remaining CPUs. */
+static void pin_device_elsewhere(int cpu)
+{
+    cpu_set_t mine, others;
+    CPU_ZERO(&mine);
+    CPU_SET(cpu, &mine);
+    if (sched_getaffinity(0, sizeof others, &others) != 0) {
+        perror("probe-bench: sched_getaffinity");
+        exit(2);
+    }
+    CPU_CLR(cpu, &others);
+    if (sched_setaffinity(0, sizeof mine, &mine) != 0) {
+        perror("probe-bench: sched_setaffinity");
+        exit(2);
+    }
+    if (CPU_COUNT(&others) == 0)
+        return;
+    pid_t self = gettid();
+    DIR *d = opendir("/proc/self/task");
+    if (!d) {
+        perror("probe-bench: /proc/self/task");
+        exit(2);
+    }
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        pid_t tid = (pid_t)atoi(e->d_name);
+        if (tid > 0 && tid != self && sched_setaffinity(tid, sizeof others, &others) != 0) {
+            perror("probe-bench: sched_setaffinity (stream thread)");
+            exit(2);
+        }
+    }
+    closedir(d);
+}
+
 static void *must_sym(void *lib, const char *name)
 {
     void *f = dlsym(lib, name);
@@ -100,11 +150,13 @@ static void calls(uint64_t n)
     fflush(stdout);
 }
 
-/* One training step; returns its duration in ns. */
-static uint64_t one_step(uint64_t gap_iters)
+/* One training step; returns its duration in ns and stores the calling
+ * thread's CPU time in `*cpu_ns` when not NULL. */
+static uint64_t one_step(uint64_t gap_iters, uint64_t *cpu_ns)
 {
     static char kernel;
     dim3 grid = {1, 1, 1}, block = {128, 1, 1};
+    uint64_t c0 = thread_cpu_ns();
     uint64_t t0 = now_ns();
     for (int i = 0; i < LAUNCHES; i++) {
         host_work(gap_iters);
@@ -114,15 +166,27 @@ static uint64_t one_step(uint64_t gap_iters)
     void *p = NULL;
     if (dev_malloc(&p, 1u << 20) == 0)
         dev_free(p);
-    return now_ns() - t0;
+    uint64_t wall = now_ns() - t0;
+    if (cpu_ns)
+        *cpu_ns = thread_cpu_ns() - c0;
+    return wall;
 }
 
 static void steps(uint64_t k, uint64_t gap_iters)
 {
+    uint64_t *cpu = calloc(k ? k : 1, sizeof *cpu);
+    if (!cpu) {
+        fprintf(stderr, "probe-bench: out of memory\n");
+        exit(2);
+    }
     printf("step_ns");
     for (uint64_t s = 0; s < k; s++)
-        printf(" %" PRIu64, one_step(gap_iters));
+        printf(" %" PRIu64, one_step(gap_iters, &cpu[s]));
+    printf("\nstep_cpu_ns");
+    for (uint64_t s = 0; s < k; s++)
+        printf(" %" PRIu64, cpu[s]);
     printf("\n");
+    free(cpu);
     fflush(stdout);
 }
 
@@ -149,19 +213,12 @@ int main(int argc, char **argv)
     uint64_t gap_ns = LAUNCH_PERIOD_NS, gap_iters = 0;
     for (int trial = 0; trial < 4; trial++) {
         gap_iters = gap_ns * iters_per_us / 1000;
-        uint64_t step = one_step(gap_iters);
+        uint64_t step = one_step(gap_iters, NULL);
         int64_t over = ((int64_t)step - (int64_t)LAUNCHES * LAUNCH_PERIOD_NS) / LAUNCHES;
         gap_ns = (int64_t)gap_ns > over ? (uint64_t)((int64_t)gap_ns - over) : 0;
     }
-    if (argc == 3) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(atoi(argv[2]), &set);
-        if (sched_setaffinity(0, sizeof set, &set) != 0) {
-            perror("probe-bench: sched_setaffinity");
-            return 2;
-        }
-    }
+    if (argc == 3)
+        pin_device_elsewhere(atoi(argv[2]));
     gap_iters = gap_ns * iters_per_us / 1000;
     printf("ready\n");
     fflush(stdout);

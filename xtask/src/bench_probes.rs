@@ -12,7 +12,10 @@
 //!    which the kernel single-steps: the agent places past it).
 //! 2. Per step: the same process runs simulated training steps (1000
 //!    kernel launches at 20 k/s, a stream sync, an allocation and a free),
-//!    without and with the agent at its default level, interleaved.
+//!    without and with the agent at its default level: rounds with the
+//!    agent, each between two untraced rounds; the overhead is the mean of
+//!    the per-round ratios with its 95% confidence interval, for the step's
+//!    wall time and for the launching thread's CPU time.
 //!
 //! Every figure is a ratio or difference against a baseline measured in
 //! the same run.
@@ -37,8 +40,8 @@ use crate::root;
 const FUNCTION: &str = "cudaSetDevice";
 const CALLS: u64 = 100_000;
 const CALL_ROUNDS: usize = 5;
-const STEP_ROUNDS: usize = 12;
-const STEPS_PER_ROUND: u64 = 20;
+const STEP_ROUNDS: usize = 24;
+const STEPS_PER_ROUND: u64 = 10;
 
 fn bench_binary() -> PathBuf {
     root().join("target/fixtures/workloads/xpuscope-probe-bench")
@@ -51,7 +54,8 @@ enum Placement {
     /// stream thread there, two context switches of the launching CPU.
     SameCpu,
     /// Only the launching thread on the last CPU; the stream thread (the
-    /// "device") runs elsewhere, as device work does on a GPU.
+    /// "device") runs elsewhere and polls for work, as a GPU takes
+    /// launched work without a host thread being woken.
     DeviceElsewhere,
 }
 
@@ -76,6 +80,9 @@ impl Target {
             Placement::DeviceElsewhere => {
                 let mut c = Command::new(bench_binary());
                 c.arg(lib).arg(&cpu);
+                // Stream threads poll between launches 50 us apart
+                // instead of being woken by each (a GPU is not woken).
+                c.env("STANDIN_STREAM_POLL_US", "500");
                 c
             }
         };
@@ -113,12 +120,7 @@ impl Target {
     fn command(&mut self, cmd: &str) -> Result<Vec<f64>> {
         writeln!(self.stdin, "{cmd}")?;
         self.stdin.flush()?;
-        let line = self.line()?;
-        Ok(line
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|v| v.parse().ok())
-            .collect())
+        Ok(numbers(&self.line()?))
     }
 
     fn ns_per_call(&mut self) -> Result<f64> {
@@ -128,9 +130,33 @@ impl Target {
             .context("ns_per_call")
     }
 
-    fn step_ns(&mut self, steps: u64) -> Result<Vec<f64>> {
-        self.command(&format!("steps {steps}"))
+    /// Runs `steps` steps; wall and calling-thread CPU ns per step.
+    fn steps(&mut self, steps: u64) -> Result<(Vec<f64>, Vec<f64>)> {
+        let wall = self.command(&format!("steps {steps}"))?;
+        let cpu = numbers(&self.line()?);
+        if wall.len() != steps as usize || cpu.len() != steps as usize {
+            bail!(
+                "probe-bench answered {} and {} of {steps} steps",
+                wall.len(),
+                cpu.len()
+            );
+        }
+        Ok((wall, cpu))
     }
+
+    /// One round of STEPS_PER_ROUND steps: median wall and CPU ns per step.
+    fn round(&mut self) -> Result<(f64, f64)> {
+        let (wall, cpu) = self.steps(STEPS_PER_ROUND)?;
+        Ok((median(wall), median(cpu)))
+    }
+}
+
+/// The numbers after the first word of an answer line.
+fn numbers(line: &str) -> Vec<f64> {
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect()
 }
 
 /// The agent attached to a pid until dropped (SIGINT, then waits).
@@ -383,25 +409,122 @@ fn per_call(label: &str, lib: &Path, dir: &Path, bare: &mut BareProbe) -> Result
     }))
 }
 
-/// Step-time overhead at the agent's default level.
-fn step_overhead(lib: &Path, dir: &Path, placement: Placement) -> Result<Value> {
+/// Mean, and the half-width of its 95% confidence interval (Student's t),
+/// of `v`.
+fn mean_ci95(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    if v.len() < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, t95(v.len() - 1) * (var / n).sqrt())
+}
+
+/// Two-sided 95% critical value of Student's t for `df` degrees of freedom
+/// (table values; conservative between entries).
+fn t95(df: usize) -> f64 {
+    const TABLE: [(usize, f64); 12] = [
+        (1, 12.706),
+        (2, 4.303),
+        (3, 3.182),
+        (4, 2.776),
+        (5, 2.571),
+        (6, 2.447),
+        (8, 2.306),
+        (10, 2.228),
+        (15, 2.131),
+        (20, 2.086),
+        (30, 2.042),
+        (60, 2.000),
+    ];
+    TABLE
+        .iter()
+        .rev()
+        .find(|(d, _)| *d <= df)
+        .map_or(f64::INFINITY, |(_, t)| *t)
+}
+
+/// Per-round overhead in percent of one measure (wall or CPU time per
+/// step): each agent round against the mean of the baseline rounds just
+/// before and just after it, which cancels a drift of this VM's speed
+/// that is linear over the three rounds.
+fn paired_overhead(base_rounds: &[f64], agent_rounds: &[f64]) -> Vec<f64> {
+    agent_rounds
+        .iter()
+        .enumerate()
+        .map(|(r, a)| (a / ((base_rounds[r] + base_rounds[r + 1]) / 2.0) - 1.0) * 100.0)
+        .collect()
+}
+
+/// Summary of paired per-round overheads: mean with its 95% interval,
+/// median and range.
+fn overhead_summary(paired: &[f64]) -> Value {
+    let (mean, ci) = mean_ci95(paired);
+    json!({
+        "mean_percent": mean,
+        "ci95_percent": ci,
+        "median_percent": median(paired.to_vec()),
+        "min_percent": paired.iter().cloned().fold(f64::MAX, f64::min),
+        "max_percent": paired.iter().cloned().fold(f64::MIN, f64::max),
+    })
+}
+
+/// Run time and run count of every loaded BPF program, by id.
+fn program_runs() -> Result<std::collections::HashMap<u32, (u64, u64)>> {
+    aya::programs::loaded_programs()
+        .map(|p| {
+            let p = p?;
+            Ok((p.id(), (p.run_time().as_nanos() as u64, p.run_count())))
+        })
+        .collect()
+}
+
+/// What the kernel programs cost per step: one more round with the agent,
+/// with BPF run-time statistics on (which add their own ~70 ns to every
+/// run: an upper bound). Returns (program ns per step, program runs per
+/// step); the programs of both CPUs count.
+fn program_time_per_step(target: &mut Target, pid: u32, dir: &Path) -> Result<(f64, f64)> {
+    let agent = AgentRun::start(pid, dir)?;
+    let stats_on = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("enabling BPF run-time statistics")?;
+    let before = program_runs()?;
+    target.steps(STEPS_PER_ROUND)?;
+    let after = program_runs()?;
+    drop(stats_on);
+    agent.stop()?;
+    let (mut ns, mut runs) = (0u64, 0u64);
+    for (id, (t1, c1)) in &after {
+        let (t0, c0) = before.get(id).copied().unwrap_or((0, 0));
+        ns += t1.saturating_sub(t0);
+        runs += c1.saturating_sub(c0);
+    }
+    let steps = STEPS_PER_ROUND as f64;
+    Ok((ns as f64 / steps, runs as f64 / steps))
+}
+
+/// Step-time overhead at the agent's default level: STEP_ROUNDS rounds of
+/// STEPS_PER_ROUND steps with the agent, each between two untraced rounds
+/// (B A B A ... B), on one live process.
+/// `hit_ns`: what the kernel's uprobe+uretprobe pair costs per call without
+/// any program work (the bare pair's added ns from the per-call part).
+fn step_overhead(lib: &Path, dir: &Path, placement: Placement, hit_ns: f64) -> Result<Value> {
     let mut target = Target::start(lib, placement)?;
     let pid = target.pid();
-    let _ = target.step_ns(2)?; // warm-up
-    let mut base = Vec::new();
-    let mut traced = Vec::new();
-    let mut base_rounds = Vec::new();
-    // Each agent round against the baseline round just before it.
-    let mut paired = Vec::new();
+    let _ = target.steps(2)?; // warm-up
+    let (mut base_wall, mut base_cpu) = (Vec::new(), Vec::new());
+    let (mut agent_wall, mut agent_cpu) = (Vec::new(), Vec::new());
     let mut probe_hits = 0u64;
     let mut switches = 0u64;
+    let (w, c) = target.round()?;
+    base_wall.push(w);
+    base_cpu.push(c);
     for round in 0..STEP_ROUNDS {
-        let b = target.step_ns(STEPS_PER_ROUND)?;
-        base_rounds.push(median(b.clone()));
-        base.extend(b);
         let agent = AgentRun::start(pid, dir)?;
-        let t = target.step_ns(STEPS_PER_ROUND)?;
+        let (w, c) = target.round()?;
         let stats = agent.stop()?;
+        agent_wall.push(w);
+        agent_cpu.push(c);
         probe_hits += stats["device"]["functions"]
             .as_array()
             .into_iter()
@@ -415,35 +538,46 @@ fn step_overhead(lib: &Path, dir: &Path, placement: Placement) -> Result<Value> 
             .filter(|k| k["kind"] == "sched_switch")
             .filter_map(|k| k["consumed"].as_u64())
             .sum::<u64>();
+        let (w, c) = target.round()?;
+        base_wall.push(w);
+        base_cpu.push(c);
         eprintln!(
-            "bench probes: steps ({placement:?}) round {round}: untraced {:.3} ms, agent {:.3} ms",
-            base_rounds.last().unwrap_or(&0.0) / 1e6,
-            median(t.clone()) / 1e6
+            "bench probes: steps ({placement:?}) round {round}: untraced {:.3} ms, agent {:.3} ms, untraced {:.3} ms",
+            base_wall[round] / 1e6,
+            agent_wall[round] / 1e6,
+            base_wall[round + 1] / 1e6,
         );
-        paired.push((median(t.clone()) / base_rounds[round] - 1.0) * 100.0);
-        traced.extend(t);
     }
+    let (program_ns, program_runs) = program_time_per_step(&mut target, pid, dir)?;
     wait_for_closers()?;
-    let (b, t) = (median(base), median(traced));
-    let spread = (base_rounds.iter().cloned().fold(f64::MIN, f64::max)
-        - base_rounds.iter().cloned().fold(f64::MAX, f64::min))
+    let b = median(base_wall.clone());
+    let spread = (base_wall.iter().cloned().fold(f64::MIN, f64::max)
+        - base_wall.iter().cloned().fold(f64::MAX, f64::min))
         / b;
     let steps = (STEP_ROUNDS as u64 * STEPS_PER_ROUND) as f64;
-    let paired_min = paired.iter().cloned().fold(f64::MAX, f64::min);
-    let paired_max = paired.iter().cloned().fold(f64::MIN, f64::max);
+    let hits_per_step = probe_hits as f64 / steps;
+    // Kernel-side work the agent adds to a step: its programs' run time
+    // plus the uprobe traps of the probed calls.
+    let attributed_ns = program_ns + hits_per_step * hit_ns;
     Ok(json!({
         "placement": format!("{placement:?}"),
+        "rounds": STEP_ROUNDS,
+        "steps_per_round": STEPS_PER_ROUND,
         "untraced_step_ms": b / 1e6,
-        "agent_step_ms": t / 1e6,
-        "overhead_percent": (t / b - 1.0) * 100.0,
-        "paired_overhead_percent_median": median(paired.clone()),
-        "paired_overhead_percent_min": paired_min,
-        "paired_overhead_percent_max": paired_max,
+        "agent_step_ms": median(agent_wall.clone()) / 1e6,
+        "untraced_step_cpu_ms": median(base_cpu.clone()) / 1e6,
+        "agent_step_cpu_ms": median(agent_cpu.clone()) / 1e6,
+        "wall": overhead_summary(&paired_overhead(&base_wall, &agent_wall)),
+        "cpu": overhead_summary(&paired_overhead(&base_cpu, &agent_cpu)),
         "baseline_spread_percent": spread * 100.0,
         "launches_per_s": 1000.0 / (b / 1e9),
-        "probe_hits_per_step": probe_hits as f64 / steps,
+        "probe_hits_per_step": hits_per_step,
         "context_switches_per_step": switches as f64 / steps,
-        "steps_per_variant": STEP_ROUNDS as u64 * STEPS_PER_ROUND,
+        "program_runs_per_step": program_runs,
+        "program_ns_per_step": program_ns,
+        "uprobe_pair_ns": hit_ns,
+        "attributed_ns_per_step": attributed_ns,
+        "attributed_percent": attributed_ns / b * 100.0,
     }))
 }
 
@@ -466,9 +600,13 @@ pub fn run(dir: &Path) -> Result<Value> {
             &mut bare,
         )?,
     ];
+    // The bare pair's added cost on the plain build, per call.
+    let hit_ns = calls[0]["variants"][1]["added_ns"]
+        .as_f64()
+        .context("bare pair cost")?;
     let steps = vec![
-        step_overhead(&plain, dir, Placement::DeviceElsewhere)?,
-        step_overhead(&plain, dir, Placement::SameCpu)?,
+        step_overhead(&plain, dir, Placement::DeviceElsewhere, hit_ns)?,
+        step_overhead(&plain, dir, Placement::SameCpu, hit_ns)?,
     ];
 
     println!(
@@ -495,25 +633,37 @@ pub fn run(dir: &Path) -> Result<Value> {
         "\n## Training-step overhead, default level (1000 launches, a sync, an allocation and a free per step)\n"
     );
     println!(
-        "| stream thread | launches/s | untraced ms/step | agent ms/step | overhead | paired per round: median (range) | baseline spread | probe hits/step | switches traced/step |"
+        "| stream thread | launches/s | untraced ms/step | agent ms/step | wall overhead: mean +- 95% CI | median (range) | launching thread CPU: mean +- 95% CI | baseline spread | probe hits/step | switches traced/step | BPF program runs/step | kernel-side cost/step |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for st in &steps {
         let f = |k: &str| st[k].as_f64().unwrap_or(0.0);
+        let o = |m: &str, k: &str| st[m][k].as_f64().unwrap_or(0.0);
         println!(
-            "| {} | {:.0} | {:.3} | {:.3} | {:+.2}% | {:+.2}% ({:+.2}..{:+.2}) | {:.2}% | {:.1} | {:.0} |",
+            "| {} | {:.0} | {:.3} | {:.3} | {:+.2}% +- {:.2}% | {:+.2}% ({:+.2}..{:+.2}) | {:+.2}% +- {:.2}% | {:.2}% | {:.1} | {:.0} | {:.0} | {:.1} us ({:.2}%) |",
             st["placement"].as_str().unwrap_or(""),
             f("launches_per_s"),
             f("untraced_step_ms"),
             f("agent_step_ms"),
-            f("overhead_percent"),
-            f("paired_overhead_percent_median"),
-            f("paired_overhead_percent_min"),
-            f("paired_overhead_percent_max"),
+            o("wall", "mean_percent"),
+            o("wall", "ci95_percent"),
+            o("wall", "median_percent"),
+            o("wall", "min_percent"),
+            o("wall", "max_percent"),
+            o("cpu", "mean_percent"),
+            o("cpu", "ci95_percent"),
             f("baseline_spread_percent"),
             f("probe_hits_per_step"),
             f("context_switches_per_step"),
+            f("program_runs_per_step"),
+            f("attributed_ns_per_step") / 1e3,
+            f("attributed_percent"),
         );
     }
+    println!(
+        "\n({STEP_ROUNDS} agent rounds of {STEPS_PER_ROUND} steps, each against the untraced rounds just before and after it; \
+         kernel-side cost: the agent's BPF programs' run time per step (one more round, run-time statistics on, both CPUs) \
+         plus probe hits x the bare uprobe pair's cost)"
+    );
     Ok(json!({"per_call": calls, "step": steps}))
 }

@@ -14,7 +14,7 @@ use xpuscope_common::{
 #[map]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
 
-/// When this CPU last forced a reader wakeup (see `ring::submit_flags`).
+/// When this CPU last forced a reader wakeup (see `ring::submit`).
 #[map]
 pub static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 

@@ -11,7 +11,7 @@ use xpuscope_common::{EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRena
 
 use crate::{
     maps::{TARGETS, config, is_target, offsets, targets_changed},
-    ring::{now, reserve, submit_flags},
+    ring::{now, reserve, submit},
     task,
 };
 
@@ -57,7 +57,7 @@ fn try_fork(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec).child_tgid = c.tgid;
         task::comm(child, &off, &mut (*rec).child_comm);
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }
 
@@ -86,7 +86,7 @@ fn try_exec(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec)._pad = 0;
         task::comm(p, &off, &mut (*rec).comm);
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }
 
@@ -114,7 +114,7 @@ fn try_exit(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec)._pad = 0;
         task::comm(p, &off, &mut (*rec).comm);
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }
 
@@ -146,6 +146,6 @@ fn try_rename(ctx: &BtfTracePointContext) -> Option<u32> {
             (*rec).new_comm = [0; 16];
         }
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }

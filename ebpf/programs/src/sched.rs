@@ -9,7 +9,7 @@ use xpuscope_common::{EventKind, SchedSwitch, SchedWaking, switch_flags};
 
 use crate::{
     maps::{TRACKED_CPUS, agent_tgid, config, is_target, offsets},
-    ring::{now, reserve, submit_flags},
+    ring::{now, reserve, submit},
     stacks, task,
 };
 
@@ -78,7 +78,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
         task::comm(prev, &off, &mut (*rec).prev_comm);
         task::comm(next, &off, &mut (*rec).next_comm);
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
 
     if take_stack {
         stacks::capture_off_cpu(ctx, &cfg, cpu, ts, prev_task.tid, prev_task.tgid);
@@ -129,6 +129,6 @@ fn try_waking(ctx: &BtfTracePointContext, kind: EventKind) -> Option<u32> {
         (*rec).waker_tgid = (waker >> 32) as u32;
         task::comm(wakee, &off, &mut (*rec).comm);
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }

@@ -10,7 +10,7 @@ use xpuscope_common::{
 
 use crate::{
     maps::{STACK_BUDGETS, count_drop},
-    ring::{reserve, submit_flags},
+    ring::{reserve, submit},
 };
 
 const STACK_BYTES: u32 = (MAX_STACK_DEPTH * 8) as u32;
@@ -97,5 +97,5 @@ pub fn capture_off_cpu<C: EbpfContext>(
         (*rec).kernel_bytes = kernel as i32;
         (*rec).user_bytes = user as i32;
     }
-    entry.submit(submit_flags(cfg));
+    submit(entry, cfg);
 }

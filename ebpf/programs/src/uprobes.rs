@@ -26,7 +26,7 @@ use xpuscope_common::{
 
 use crate::{
     maps::{UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop, is_target},
-    ring::{now, reserve, submit_flags},
+    ring::{now, reserve, submit},
 };
 
 /// The probe that fired, for a traced process: (slot, address, spec).
@@ -194,7 +194,7 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
             copy_user(src, spec.entry_deref_len, &mut (*rec).deref)
         };
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }
 
@@ -245,7 +245,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
         }
         (*rec).deref_len = copy_user(src, spec.return_deref_len, &mut (*rec).deref);
     }
-    entry.submit(submit_flags(&cfg));
+    submit(entry, &cfg);
     Some(0)
 }
 
@@ -275,7 +275,7 @@ fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32
         }
         (*rec).user_bytes = n as i32;
     }
-    entry.submit(submit_flags(&config()));
+    submit(entry, &config());
 }
 
 #[inline(always)]

@@ -81,10 +81,49 @@ static void run_event_wait(struct sd_op *op)
     pthread_mutex_unlock(&e->mu);
 }
 
+/* STANDIN_STREAM_POLL_US: how long an idle stream worker polls its queue
+ * before it sleeps on its condition variable (default 0: it sleeps at
+ * once). A GPU picks up launched work without the launching thread waking
+ * anything; with polling, launches that follow each other closer than this
+ * do not wake the worker either (pthread_cond_signal without waiters makes
+ * no system call), as with a real device. */
+static uint64_t poll_ns(void)
+{
+    static uint64_t ns = UINT64_MAX;
+    uint64_t v = __atomic_load_n(&ns, __ATOMIC_RELAXED);
+    if (v == UINT64_MAX) {
+        v = sd_env_u64("STANDIN_STREAM_POLL_US", 0) * 1000;
+        __atomic_store_n(&ns, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+/* Polls for queued work for up to poll_ns(); true if some arrived. */
+static int poll_for_work(struct sd_stream *s)
+{
+    uint64_t limit = poll_ns();
+    if (limit == 0) {
+        return 0;
+    }
+    uint64_t deadline = sd_now_ns() + limit;
+    do {
+        for (int i = 0; i < 64; i++) {
+            if (__atomic_load_n(&s->head, __ATOMIC_ACQUIRE) != NULL) {
+                return 1;
+            }
+            __builtin_ia32_pause();
+        }
+    } while (sd_now_ns() < deadline);
+    return 0;
+}
+
 static void *stream_worker(void *arg)
 {
     struct sd_stream *s = arg;
     for (;;) {
+        if (__atomic_load_n(&s->head, __ATOMIC_ACQUIRE) == NULL) {
+            poll_for_work(s);
+        }
         pthread_mutex_lock(&s->mu);
         while (s->head == NULL) {
             pthread_cond_wait(&s->work_cv, &s->mu);
