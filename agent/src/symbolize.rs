@@ -2,6 +2,9 @@
 //!
 //! User addresses are symbolized while the process is alive (when the stack
 //! arrives), through `/proc/PID/maps` (ELF symbols, DWARF where present);
+//! when the process has gone by then (a rank that exits right after its
+//! OOM), through the file its cached mappings name, by file offset, if the
+//! file on disk is still the one mapped (same inode);
 //! kernel addresses through kallsyms. Results are cached per (process,
 //! address) and per kernel address, so steady-state cost is a hash lookup.
 
@@ -9,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blazesym::symbolize::source::{Kernel, Process, Source};
+use blazesym::symbolize::source::{Elf, Kernel, Process, Source};
 use blazesym::symbolize::{Input, Symbolized, Symbolizer};
 use rustc_hash::FxHashMap;
 use xpuscope_probes::maps::ProcessMaps;
@@ -189,9 +192,15 @@ impl StackSymbolizer {
                         Some(m) => (Arc::from("[anon]"), m.start, m.end, 0, addr - m.start),
                         None => (Arc::from("[unknown]"), 0, 0, 0, *addr),
                     };
-                let function: Arc<str> = match names.get(i) {
-                    Some(Some(name)) => Arc::from(name.as_str()),
-                    _ => Arc::from(format!(
+                let name = match names.get(i) {
+                    Some(Some(name)) => Some(name.clone()),
+                    _ => mapping
+                        .as_ref()
+                        .and_then(|m| self.symbol_in_file(m, rel_pc.saturating_sub(1))),
+                };
+                let function: Arc<str> = match name {
+                    Some(name) => Arc::from(name.as_str()),
+                    None => Arc::from(format!(
                         "[{} {rel_pc:#x}]",
                         short_module(module.trim_start_matches('[').trim_end_matches(']'))
                     )),
@@ -217,6 +226,30 @@ impl StackSymbolizer {
 }
 
 impl StackSymbolizer {
+    /// The function at `file_offset` of the file `m` maps, read from disk:
+    /// for a process that has exited (its `/proc` entry is gone) whose
+    /// mappings were cached. Only while the path still holds the mapped file
+    /// (same inode): a library replaced since would name the wrong code.
+    fn symbol_in_file(
+        &self,
+        m: &xpuscope_probes::maps::Mapping,
+        file_offset: u64,
+    ) -> Option<String> {
+        use std::os::unix::fs::MetadataExt;
+        if !m.path.starts_with('/') || std::fs::metadata(&m.path).ok()?.ino() != m.inode {
+            return None;
+        }
+        let src = Source::Elf(Elf::new(&m.path));
+        let found = self
+            .symbolizer
+            .symbolize_single(&src, Input::FileOffset(file_offset))
+            .ok()?;
+        match found {
+            Symbolized::Sym(sym) => Some(sym.name.to_string()),
+            Symbolized::Unknown(_) => None,
+        }
+    }
+
     /// Forgets what was cached for a process (after exec its addresses
     /// belong to another program).
     pub fn forget_process(&mut self, tgid: u32) {
@@ -276,6 +309,25 @@ mod tests {
         let again = s.user_frames(std::process::id(), &[addr]);
         assert_eq!(frames, again);
         assert_eq!(s.cache_hits, 1);
+    }
+
+    #[test]
+    fn exited_process_frames_come_from_the_mapped_file() {
+        let s = StackSymbolizer::new();
+        let addr = xpuscope_symbolize_probe_target as *const () as u64;
+        let maps = ProcessMaps::read(std::process::id()).expect("own maps");
+        let m = maps.find(addr).expect("own code is mapped").clone();
+        let name = s.symbol_in_file(&m, m.file_offset_of(addr));
+        assert_eq!(name.as_deref(), Some("xpuscope_symbolize_probe_target"));
+        // A path that no longer holds the mapped file (another inode) is not read.
+        let replaced = xpuscope_probes::maps::Mapping {
+            inode: m.inode.wrapping_add(1),
+            ..m
+        };
+        assert_eq!(
+            s.symbol_in_file(&replaced, replaced.file_offset_of(addr)),
+            None
+        );
     }
 
     #[test]
