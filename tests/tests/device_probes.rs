@@ -611,6 +611,7 @@ for s in streams:
 spec = Spec(0x4E524B53, 0, 2_000_000)
 args = (c_void_p * 1)(addressof(spec))
 cudart.cudaLaunchKernel.argtypes = [c_void_p, Dim3, Dim3, c_void_p, c_size_t, c_void_p]
+print("loaded", flush=True)                # the agent attaches to mapped libraries
 sys.stdin.readline()                       # "go": the agent is attached
 time.sleep(0.3)
 # A first runtime-API record reaches the agent before the launches.
@@ -641,6 +642,9 @@ fn activity_records_flow_from_host_launches() {
     let mut wl = python_program("cupti", CUPTI_PROGRAM, &[&libs]);
     let mut stdin = wl.stdin();
     let mut out = Lines::new(wl.stdout());
+    // The libraries are mapped before the attach: their probes are in place
+    // before the first API record (a rescan could come after it).
+    out.wait_for("loaded", Duration::from_secs(20));
     let rec = Recording::start(
         dir.path(),
         &["--pid", &wl.pid().to_string(), "--probe-level", "2"],
