@@ -625,8 +625,8 @@ for i in range(4):
 for s in streams:
     assert cudart.cudaStreamSynchronize(s) == 0
 cupti.cuptiActivityFlushAll(c_uint32(0))
-time.sleep(0.5)                            # the agent reads the names meanwhile
 print(json.dumps({"kernels": kernels}), flush=True)
+sys.stdin.readline()                       # the agent stopped: it read the names from here
 "#;
 
 /// `--probe-level 2` with CUPTI runtime-API records: every kernel record is
@@ -651,7 +651,11 @@ fn activity_records_flow_from_host_launches() {
     );
     go(&mut stdin);
     let line = out.wait_for("kernels", Duration::from_secs(20));
+    // Stopped while the program still runs: the agent reads kernel names
+    // from its memory, however far behind it is.
+    rec.agent.signal(libc::SIGINT);
     let done = rec.finish(Duration::from_secs(30));
+    go(&mut stdin);
     let records: Value = serde_json::from_str(&line).expect("records json");
     let records = records["kernels"].as_array().expect("kernels").clone();
     assert_eq!(records.len(), 8, "{records:?}");
