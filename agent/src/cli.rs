@@ -70,9 +70,14 @@ pub struct AttachArgs {
     /// Sampled policy: burst of stacks a thread may take at once.
     #[arg(long, default_value_t = config::DEFAULT_STACK_BURST)]
     pub stack_burst: u32,
-    /// Kernel ring buffer size (power of two, e.g. 32M).
+    /// Kernel ring buffer size for scheduling records (power of two, e.g. 32M).
     #[arg(long, value_parser = config::parse_ring_size, default_value = "32M")]
     pub ring_size: u32,
+    /// Kernel ring buffer size for device-library calls (power of two).
+    /// Larger absorbs longer reader stalls at bursts of calls; past the CPU
+    /// caches each traced call costs more.
+    #[arg(long, value_parser = config::parse_ring_size, default_value = "256K")]
+    pub device_ring_size: u32,
     /// Read kernel struct layouts from this BTF file instead of /sys/kernel/btf/vmlinux.
     #[arg(long, default_value = crate::btf::VMLINUX_BTF)]
     pub kernel_btf: PathBuf,
@@ -105,6 +110,7 @@ impl AttachArgs {
             stack_rate: self.stack_rate,
             stack_burst: self.stack_burst,
             ring_bytes: self.ring_size,
+            device_ring_bytes: self.device_ring_size,
             kernel_btf: self.kernel_btf,
             stats_json: self.stats_json,
             reader_delay: self.reader_delay.unwrap_or(defaults.reader_delay),
@@ -135,6 +141,7 @@ mod tests {
         assert_eq!(cfg.output, PathBuf::from("xpuscope-42.pftrace"));
         assert_eq!(cfg.stacks, StackPolicy::Sampled);
         assert_eq!(cfg.ring_bytes, config::DEFAULT_RING_BYTES);
+        assert_eq!(cfg.device_ring_bytes, config::DEFAULT_DEVICE_RING_BYTES);
         assert_eq!(cfg.probe_level, 0);
     }
 

@@ -174,6 +174,22 @@ impl Event {
             Event::ProbeStack(_) => EventKind::UprobeStack,
         }
     }
+
+    /// When the kernel stamped the record.
+    pub fn ts(&self) -> u64 {
+        match self {
+            Event::Switch(e) => e.ts,
+            Event::Waking(e) => e.ts,
+            Event::Fork(e) => e.ts,
+            Event::Exec(e) => e.ts,
+            Event::Exit(e) => e.ts,
+            Event::Rename(e) => e.ts,
+            Event::Stack(e) => e.ts,
+            Event::ProbeEntry(e) => e.header.ts,
+            Event::ProbeReturn(e) => e.header.ts,
+            Event::ProbeStack(e) => e.ts,
+        }
+    }
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]

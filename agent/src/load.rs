@@ -31,6 +31,7 @@ pub struct Probes {
 pub struct LoadOptions<'a> {
     pub offsets: TaskOffsets,
     pub ring_bytes: u32,
+    pub device_ring_bytes: u32,
     pub config: Config,
     pub kernel_btf: &'a Path,
 }
@@ -41,6 +42,7 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Probes> {
         .override_global(globals::AGENT_TGID, &agent_tgid, true)
         .override_global(globals::TASK_OFFSETS, &opts.offsets, true)
         .map_max_entries(maps::EVENTS, opts.ring_bytes)
+        .map_max_entries(maps::DEVICE_EVENTS, opts.device_ring_bytes)
         .load(EBPF_OBJECT)
         .context(
             "loading the eBPF programs failed (is BPF enabled in this kernel, and not blocked by \
@@ -179,11 +181,15 @@ impl Probes {
         }
     }
 
-    pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self
-            .bpf
-            .take_map(maps::EVENTS)
-            .context("EVENTS map missing")?;
-        Ok(RingBuf::try_from(map)?)
+    /// The scheduler ring and the device-call ring.
+    pub fn take_rings(&mut self) -> Result<(RingBuf<MapData>, RingBuf<MapData>)> {
+        let mut take = |name: &str| -> Result<RingBuf<MapData>> {
+            let map = self
+                .bpf
+                .take_map(name)
+                .with_context(|| format!("{name} map missing"))?;
+            Ok(RingBuf::try_from(map)?)
+        };
+        Ok((take(maps::EVENTS)?, take(maps::DEVICE_EVENTS)?))
     }
 }

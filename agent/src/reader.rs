@@ -1,5 +1,6 @@
-//! The ring-buffer reader stage: drains the kernel ring buffer on wakeups
-//! and on a short timer, decodes every record and hands batches on.
+//! The ring-buffer reader stage: drains the kernel's two ring buffers
+//! (scheduling, device calls) on wakeups and on a short timer, decodes
+//! every record and hands batches on, merged in time order.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,7 +12,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
 use xpuscope_common::DROP_SLOTS;
 
-use crate::events;
+use crate::events::{self, Event};
 use crate::session::Msg;
 
 /// Records per batch sent downstream.
@@ -35,7 +36,10 @@ impl ReaderCounters {
 }
 
 pub struct Reader {
-    pub ring: RingBuf<MapData>,
+    /// Scheduler and process records.
+    pub sched: RingBuf<MapData>,
+    /// Device-library call records.
+    pub device: RingBuf<MapData>,
     pub out: mpsc::Sender<Msg>,
     pub counters: Arc<ReaderCounters>,
     pub drain_interval: Duration,
@@ -47,62 +51,136 @@ impl Reader {
     /// Runs until `stop` turns true, then drains what is left and returns.
     pub async fn run(self, mut stop: watch::Receiver<bool>) -> Result<()> {
         let Reader {
-            ring,
+            sched,
+            device,
             out,
             counters,
             drain_interval,
             delay,
         } = self;
-        // SAFETY: the ring buffer owns its fd, which stays open (and is
-        // deregistered) for as long as the AsyncFd owns the ring buffer.
-        let mut fd = unsafe { AsyncFd::register(ring) }
-            .map_err(|e| anyhow::anyhow!("registering the ring buffer with the runtime: {e}"))?;
+        let register = |ring| {
+            // SAFETY: the ring buffer owns its fd, which stays open (and is
+            // deregistered) for as long as the AsyncFd owns the ring buffer.
+            unsafe { AsyncFd::register(ring) }
+                .map_err(|e| anyhow::anyhow!("registering a ring buffer with the runtime: {e}"))
+        };
+        let mut sched = register(sched)?;
+        let mut device = register(device)?;
         let mut tick = tokio::time::interval(drain_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let mut stopping = false;
             tokio::select! {
-                guard = fd.readable_mut() => guard?.clear_ready(),
+                guard = sched.readable_mut() => guard?.clear_ready(),
+                guard = device.readable_mut() => guard?.clear_ready(),
                 _ = tick.tick() => {}
                 _ = stop.changed() => stopping = true,
             }
-            if !drain(fd.get_mut(), &out, &counters, delay).await {
+            let mut rings = Rings {
+                sched: sched.get_mut(),
+                device: device.get_mut(),
+            };
+            if !drain(&mut rings, &out, &counters, delay).await {
                 return Ok(()); // downstream is gone
             }
             if stopping || *stop.borrow() {
-                drain(fd.get_mut(), &out, &counters, Duration::ZERO).await;
+                drain(&mut rings, &out, &counters, Duration::ZERO).await;
                 return Ok(());
             }
         }
     }
 }
 
+struct Rings<'a> {
+    sched: &'a mut RingBuf<MapData>,
+    device: &'a mut RingBuf<MapData>,
+}
+
+/// Decodes records from `ring` into `into` until it is empty, `limit`
+/// records were read, or (with `until`) a record stamped after `until`
+/// was read.
+fn read_ring(
+    ring: &mut RingBuf<MapData>,
+    into: &mut Vec<Event>,
+    limit: usize,
+    until: Option<u64>,
+    counters: &ReaderCounters,
+) {
+    let mut n = 0;
+    while n < limit {
+        let Some(item) = ring.next() else { break };
+        n += 1;
+        match events::decode(&item) {
+            Ok(event) => {
+                counters.consumed[event.kind() as usize].fetch_add(1, Ordering::Relaxed);
+                let ts = event.ts();
+                into.push(event);
+                if until.is_some_and(|u| ts > u) {
+                    break;
+                }
+            }
+            Err(e) => {
+                counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("undecodable record: {e}");
+            }
+        }
+    }
+}
+
+/// Merges two sequences by timestamp, keeping each one's own order.
+fn merge_by_time(a: Vec<Event>, b: Vec<Event>) -> Vec<Event> {
+    if a.is_empty() {
+        return b;
+    }
+    if b.is_empty() {
+        return a;
+    }
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let mut a = a.into_iter().peekable();
+    let mut b = b.into_iter().peekable();
+    loop {
+        let take_a = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) => x.ts() <= y.ts(),
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => break,
+        };
+        out.extend(if take_a { a.next() } else { b.next() });
+    }
+    out
+}
+
+/// One batch from both rings, in time order where it matters: a thread's
+/// device records all come before its exit record. The device ring is read
+/// before and after the scheduler ring; the second read goes on (unbounded
+/// by the batch size) until it is empty or past the last scheduler record
+/// read, so a device record that was written before a scheduler record of
+/// this batch (the ring keeps write order) is in this batch too. Returns
+/// the batch and whether either ring had more than a batch.
+fn read_batch(rings: &mut Rings, counters: &ReaderCounters) -> (Vec<Event>, bool) {
+    let mut device = Vec::new();
+    read_ring(rings.device, &mut device, BATCH, None, counters);
+    let mut sched = Vec::with_capacity(BATCH);
+    read_ring(rings.sched, &mut sched, BATCH, None, counters);
+    let full = device.len() == BATCH || sched.len() == BATCH;
+    if let Some(last) = sched.iter().map(Event::ts).max() {
+        read_ring(rings.device, &mut device, usize::MAX, Some(last), counters);
+    }
+    (merge_by_time(device, sched), full)
+}
+
 /// Drains everything available. Returns false if the consumer hung up.
 async fn drain(
-    ring: &mut RingBuf<MapData>,
+    rings: &mut Rings<'_>,
     out: &mpsc::Sender<Msg>,
     counters: &ReaderCounters,
     delay: Duration,
 ) -> bool {
     loop {
-        let mut batch = Vec::with_capacity(BATCH);
-        while batch.len() < BATCH {
-            let Some(item) = ring.next() else { break };
-            match events::decode(&item) {
-                Ok(event) => {
-                    counters.consumed[event.kind() as usize].fetch_add(1, Ordering::Relaxed);
-                    batch.push(event);
-                }
-                Err(e) => {
-                    counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("undecodable record: {e}");
-                }
-            }
-        }
+        let (batch, full) = read_batch(rings, counters);
         if batch.is_empty() {
             return true;
         }
-        let full = batch.len() == BATCH;
         if out.send(Msg::Events(batch)).await.is_err() {
             return false;
         }
@@ -112,5 +190,46 @@ async fn drain(
         if !full {
             return true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{Comm, Rename};
+
+    fn at(ts: u64, tid: u32) -> Event {
+        Event::Rename(Rename {
+            cpu: 0,
+            ts,
+            tid,
+            tgid: tid,
+            old_comm: Comm::default(),
+            new_comm: Comm::default(),
+        })
+    }
+
+    fn order(v: &[Event]) -> Vec<(u64, u32)> {
+        v.iter()
+            .map(|e| match e {
+                Event::Rename(r) => (r.ts, r.tid),
+                _ => unreachable!(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn merge_interleaves_by_time_and_keeps_each_sequence_order() {
+        // The scheduler sequence is not strictly sorted (records of two
+        // CPUs): its own order stays.
+        let sched = vec![at(10, 1), at(30, 1), at(25, 1), at(50, 1)];
+        let device = vec![at(5, 2), at(26, 2), at(40, 2)];
+        let merged = merge_by_time(device, sched);
+        assert_eq!(
+            order(&merged),
+            vec![(5, 2), (10, 1), (26, 2), (30, 1), (25, 1), (40, 2), (50, 1)]
+        );
+        assert_eq!(order(&merge_by_time(vec![], vec![at(1, 1)])), vec![(1, 1)]);
+        assert_eq!(order(&merge_by_time(vec![at(1, 2)], vec![])), vec![(1, 2)]);
     }
 }

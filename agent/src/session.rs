@@ -77,12 +77,14 @@ async fn record(
         stack_rate: cfg.stack_rate,
         stack_burst: cfg.stack_burst,
         wakeup_bytes: (cfg.ring_bytes / 4) as u64,
+        device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
         probe_levels: device_probes::level_mask(cfg.probe_level),
         _pad: 0,
     };
     let mut probes = load::load_and_attach(&LoadOptions {
         offsets,
         ring_bytes: cfg.ring_bytes,
+        device_ring_bytes: cfg.device_ring_bytes,
         config: kernel_config,
         kernel_btf: &cfg.kernel_btf,
     })?;
@@ -106,8 +108,10 @@ async fn record(
     let counters = Arc::new(ReaderCounters::default());
     let (tx, rx) = mpsc::channel::<Msg>(CHANNEL_BATCHES);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (sched_ring, device_ring) = probes.take_rings()?;
     let reader = Reader {
-        ring: probes.take_ring()?,
+        sched: sched_ring,
+        device: device_ring,
         out: tx.clone(),
         counters: counters.clone(),
         drain_interval: cfg.drain_interval,

@@ -1077,3 +1077,135 @@ fn sim_job_gpu_flows_from_cupti_runtime_records() {
         assert!(from_launch > 0, "rank {rank}: no flow from a launch slice");
     }
 }
+
+/// Calls `cudaStreamSynchronize` (recorded at the default level) a given
+/// number of times once told to.
+const SYNC_STORM_PROGRAM: &str = r#"
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+n = int(sys.argv[2])
+sync = lib.cudaStreamSynchronize
+sync.argtypes = [ctypes.c_void_p]
+print("loaded", flush=True)
+sys.stdin.readline()                       # "go": the agent is attached
+for _ in range(n):
+    sync(None)
+print("calls", n, flush=True)
+sys.stdin.readline()
+"#;
+
+/// The device-call ring overflowing (one page, a reader that naps) loses
+/// records but never silently: for entries and returns alike, what the
+/// agent read plus what the kernel counted as dropped is exactly the
+/// probe's hits; the loss is in the summary and on the trace's drop
+/// counter, calls missing half their records are counted, and the trace
+/// stays valid.
+#[test]
+fn device_ring_overflow_counts_every_lost_record() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("devoverflow");
+    let lib = fixtures.join("standins/lib/libcudart.so.12");
+    let calls = 20_000u64;
+    let mut wl = python_program(
+        "storm",
+        SYNC_STORM_PROGRAM,
+        &[lib.as_os_str(), calls.to_string().as_ref()],
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    out.wait_for("loaded", Duration::from_secs(20));
+    let rec = Recording::start(
+        dir.path(),
+        &[
+            "--pid",
+            &wl.pid().to_string(),
+            "--device-ring-size",
+            "4k",
+            "--reader-delay",
+            "5ms",
+            "--stacks",
+            "off",
+        ],
+    );
+    go(&mut stdin);
+    out.wait_for("calls", Duration::from_secs(60));
+    rec.agent.signal(libc::SIGINT);
+    let done = rec.finish(Duration::from_secs(60));
+    go(&mut stdin);
+
+    let stats = &done.stats;
+    let kind = |name: &str| {
+        let k = stats["per_kind"]
+            .as_array()
+            .expect("per_kind")
+            .iter()
+            .find(|k| k["kind"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {stats}"));
+        (
+            k["consumed"].as_u64().unwrap(),
+            k["dropped"].as_u64().unwrap(),
+        )
+    };
+    let device = &stats["device"];
+    let sync: Vec<&Value> = device["functions"]
+        .as_array()
+        .expect("functions")
+        .iter()
+        .filter(|f| f["function"] == "cudaStreamSynchronize")
+        .collect();
+    assert_eq!(sync.len(), 1, "{device}");
+    assert_eq!(sync[0]["hits"].as_u64(), Some(calls), "{device}");
+    let (entries, entries_dropped) = kind("uprobe_entry");
+    let (returns, returns_dropped) = kind("uprobe_return");
+    assert!(
+        entries_dropped > 0,
+        "the one-page device ring overflowed: {stats}"
+    );
+    assert_eq!(
+        entries + entries_dropped,
+        calls,
+        "entries: read + dropped = hits"
+    );
+    assert_eq!(
+        returns + returns_dropped,
+        calls,
+        "returns: read + dropped = hits"
+    );
+    // The scheduler's ring is apart: none of its records were lost.
+    for name in ["sched_switch", "sched_waking"] {
+        assert_eq!(kind(name).1, 0, "{name} lost records: {stats}");
+    }
+    // Calls with both records are slices; the others are counted.
+    let decoded = sync[0]["calls"].as_u64().unwrap();
+    let no_return = device["entries_without_return"].as_u64().unwrap();
+    let no_entry = device["returns_without_entry"].as_u64().unwrap();
+    assert_eq!(decoded + no_return, entries, "{device}");
+    assert_eq!(decoded + no_entry, returns, "{device}");
+    assert!(
+        done.stderr
+            .contains(&format!("dropped: {}", stats["dropped"])),
+        "{}",
+        done.stderr
+    );
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = wl.pid() as i32;
+    let slices = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaStreamSynchronize"))
+        .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+        .count() as u64;
+    assert_eq!(slices, decoded, "a slice per call with both records");
+    assert!(!tl.lost_event_cpus.is_empty(), "lost_events marked");
+    let drops = tl.counter_values("xpuscope dropped events");
+    assert_eq!(
+        drops.last().map(|v| *v as u64),
+        stats["dropped"].as_u64(),
+        "drop counter track"
+    );
+}

@@ -34,6 +34,7 @@ pub const MAX_STACK_BUDGETS: u32 = 65536;
 /// Map names, looked up by the agent.
 pub mod maps {
     pub const EVENTS: &str = "EVENTS";
+    pub const DEVICE_EVENTS: &str = "DEVICE_EVENTS";
     pub const TARGETS: &str = "TARGETS";
     pub const TARGET_GEN: &str = "TARGET_GEN";
     pub const TRACKED_CPUS: &str = "TRACKED_CPUS";
@@ -271,6 +272,8 @@ pub struct Config {
     /// it the reader drains on its own timer, so the agent's own wakeups do
     /// not feed back into events.
     pub wakeup_bytes: u64,
+    /// `wakeup_bytes` for the device-call ring.
+    pub device_wakeup_bytes: u64,
     /// Device-library probe levels enabled (bits of `uprobe::ProbeSpec::level_bit`).
     pub probe_levels: u32,
     pub _pad: u32,
@@ -294,7 +297,7 @@ const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExit>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
-const _: () = assert!(core::mem::size_of::<Config>() == 32);
+const _: () = assert!(core::mem::size_of::<Config>() == 40);
 const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);
 
 #[cfg(feature = "user")]

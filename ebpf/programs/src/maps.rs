@@ -10,13 +10,22 @@ use xpuscope_common::{
     uprobe::{PendingDerefs, ProbeSpec},
 };
 
-/// All records. The agent sets the real size at load time.
+/// Scheduler and process records. The agent sets the real size at load
+/// time.
 #[map]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
 
-/// When this CPU last forced a reader wakeup (see `ring::submit`).
+/// Device-library call records (uprobes), apart from the scheduler's: a
+/// small ring whose lines stay in cache between the agent reading them and
+/// the probes writing them again (each call writes ~460 bytes; into a ring
+/// of tens of MB every write missed the caches), and a scheduler storm
+/// cannot take its room. The agent sets the real size at load time.
 #[map]
-pub static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+pub static DEVICE_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 18, 0);
+
+/// When this CPU last forced a reader wakeup, per ring (see `ring::submit`).
+#[map]
+pub static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
 
 /// Traced processes: tgid -> 1. Children are added on fork.
 #[map]

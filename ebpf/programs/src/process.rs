@@ -11,7 +11,7 @@ use xpuscope_common::{EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRena
 
 use crate::{
     maps::{TARGETS, config, is_target, offsets, targets_changed},
-    ring::{now, reserve, submit},
+    ring::{Ring, now, reserve, submit},
     task,
 };
 
@@ -47,7 +47,7 @@ fn try_fork(ctx: &BtfTracePointContext) -> Option<u32> {
     if !traced && cfg.system_wide == 0 {
         return Some(0);
     }
-    let mut entry = reserve::<ProcessFork>(EventKind::ProcessFork, this_cpu(), now())?;
+    let mut entry = reserve::<ProcessFork>(Ring::Sched, EventKind::ProcessFork, this_cpu(), now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -57,7 +57,7 @@ fn try_fork(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec).child_tgid = c.tgid;
         task::comm(child, &off, &mut (*rec).child_comm);
     }
-    submit(entry, &cfg);
+    submit(Ring::Sched, entry, &cfg);
     Some(0)
 }
 
@@ -76,7 +76,7 @@ fn try_exec(ctx: &BtfTracePointContext) -> Option<u32> {
     if cfg.system_wide == 0 && !is_target(t.tgid) {
         return Some(0);
     }
-    let mut entry = reserve::<ProcessExec>(EventKind::ProcessExec, this_cpu(), now())?;
+    let mut entry = reserve::<ProcessExec>(Ring::Sched, EventKind::ProcessExec, this_cpu(), now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -86,7 +86,7 @@ fn try_exec(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec)._pad = 0;
         task::comm(p, &off, &mut (*rec).comm);
     }
-    submit(entry, &cfg);
+    submit(Ring::Sched, entry, &cfg);
     Some(0)
 }
 
@@ -104,7 +104,7 @@ fn try_exit(ctx: &BtfTracePointContext) -> Option<u32> {
     if cfg.system_wide == 0 && !is_target(t.tgid) {
         return Some(0);
     }
-    let mut entry = reserve::<ProcessExit>(EventKind::ProcessExit, this_cpu(), now())?;
+    let mut entry = reserve::<ProcessExit>(Ring::Sched, EventKind::ProcessExit, this_cpu(), now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -114,7 +114,7 @@ fn try_exit(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec)._pad = 0;
         task::comm(p, &off, &mut (*rec).comm);
     }
-    submit(entry, &cfg);
+    submit(Ring::Sched, entry, &cfg);
     Some(0)
 }
 
@@ -133,7 +133,7 @@ fn try_rename(ctx: &BtfTracePointContext) -> Option<u32> {
     if cfg.system_wide == 0 && !is_target(t.tgid) {
         return Some(0);
     }
-    let mut entry = reserve::<TaskRename>(EventKind::TaskRename, this_cpu(), now())?;
+    let mut entry = reserve::<TaskRename>(Ring::Sched, EventKind::TaskRename, this_cpu(), now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record; the new
     // name is a kernel string the tracepoint hands us.
@@ -146,6 +146,6 @@ fn try_rename(ctx: &BtfTracePointContext) -> Option<u32> {
             (*rec).new_comm = [0; 16];
         }
     }
-    submit(entry, &cfg);
+    submit(Ring::Sched, entry, &cfg);
     Some(0)
 }

@@ -9,7 +9,7 @@ use xpuscope_common::{EventKind, SchedSwitch, SchedWaking, switch_flags};
 
 use crate::{
     maps::{TRACKED_CPUS, agent_tgid, config, is_target, offsets},
-    ring::{now, reserve, submit},
+    ring::{Ring, now, reserve, submit},
     stacks, task,
 };
 
@@ -63,7 +63,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
         flags |= switch_flags::STACK_FOLLOWS;
     }
 
-    let mut entry = reserve::<SchedSwitch>(EventKind::SchedSwitch, cpu, ts)?;
+    let mut entry = reserve::<SchedSwitch>(Ring::Sched, EventKind::SchedSwitch, cpu, ts)?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -78,7 +78,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
         task::comm(prev, &off, &mut (*rec).prev_comm);
         task::comm(next, &off, &mut (*rec).next_comm);
     }
-    submit(entry, &cfg);
+    submit(Ring::Sched, entry, &cfg);
 
     if take_stack {
         stacks::capture_off_cpu(ctx, &cfg, cpu, ts, prev_task.tid, prev_task.tgid);
@@ -117,7 +117,7 @@ fn try_waking(ctx: &BtfTracePointContext, kind: EventKind) -> Option<u32> {
         }
     }
     let waker = bpf_get_current_pid_tgid();
-    let mut entry = reserve::<SchedWaking>(kind, cpu, now())?;
+    let mut entry = reserve::<SchedWaking>(Ring::Sched, kind, cpu, now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -129,6 +129,6 @@ fn try_waking(ctx: &BtfTracePointContext, kind: EventKind) -> Option<u32> {
         (*rec).waker_tgid = (waker >> 32) as u32;
         task::comm(wakee, &off, &mut (*rec).comm);
     }
-    submit(entry, &cfg);
+    submit(Ring::Sched, entry, &cfg);
     Some(0)
 }

@@ -10,7 +10,7 @@ use xpuscope_common::{
 
 use crate::{
     maps::{STACK_BUDGETS, count_drop},
-    ring::{reserve, submit},
+    ring::{Ring, reserve, submit},
 };
 
 const STACK_BYTES: u32 = (MAX_STACK_DEPTH * 8) as u32;
@@ -70,7 +70,7 @@ pub fn capture_off_cpu<C: EbpfContext>(
     tid: u32,
     tgid: u32,
 ) {
-    let Some(mut entry) = reserve::<OffCpuStack>(EventKind::OffCpuStack, cpu, ts) else {
+    let Some(mut entry) = reserve::<OffCpuStack>(Ring::Sched, EventKind::OffCpuStack, cpu, ts) else {
         return;
     };
     let rec = entry.as_mut_ptr();
@@ -97,5 +97,5 @@ pub fn capture_off_cpu<C: EbpfContext>(
         (*rec).kernel_bytes = kernel as i32;
         (*rec).user_bytes = user as i32;
     }
-    submit(entry, cfg);
+    submit(Ring::Sched, entry, cfg);
 }

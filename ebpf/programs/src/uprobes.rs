@@ -26,7 +26,7 @@ use xpuscope_common::{
 
 use crate::{
     maps::{UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop, is_target},
-    ring::{now, reserve, submit},
+    ring::{Ring, now, reserve, submit},
 };
 
 /// The probe that fired, for a traced process: (slot, address, spec).
@@ -161,7 +161,7 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
     }
     // SAFETY: helper without arguments.
     let cpu = unsafe { bpf_get_smp_processor_id() };
-    let mut entry = reserve::<UprobeEntry>(EventKind::UprobeEntry, cpu, now())?;
+    let mut entry = reserve::<UprobeEntry>(Ring::Device, EventKind::UprobeEntry, cpu, now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -194,7 +194,7 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
             copy_user(src, spec.entry_deref_len, &mut (*rec).deref)
         };
     }
-    submit(entry, &cfg);
+    submit(Ring::Device, entry, &cfg);
     Some(0)
 }
 
@@ -225,7 +225,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     if spec.flags & RETURN_USER_STACK != 0 {
         push_user_stack(ctx, cpu, ts, tid, tgid, probe_ip);
     }
-    let mut entry = reserve::<UprobeReturn>(EventKind::UprobeReturn, cpu, ts)?;
+    let mut entry = reserve::<UprobeReturn>(Ring::Device, EventKind::UprobeReturn, cpu, ts)?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -245,7 +245,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
         }
         (*rec).deref_len = copy_user(src, spec.return_deref_len, &mut (*rec).deref);
     }
-    submit(entry, &cfg);
+    submit(Ring::Device, entry, &cfg);
     Some(0)
 }
 
@@ -253,7 +253,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
 /// in the ring, so the agent has it when the call completes).
 #[inline(always)]
 fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32, probe_ip: u64) {
-    let Some(mut entry) = reserve::<UprobeStack>(EventKind::UprobeStack, cpu, ts) else {
+    let Some(mut entry) = reserve::<UprobeStack>(Ring::Device, EventKind::UprobeStack, cpu, ts) else {
         return;
     };
     let rec = entry.as_mut_ptr();
@@ -275,7 +275,7 @@ fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32
         }
         (*rec).user_bytes = n as i32;
     }
-    submit(entry, &config());
+    submit(Ring::Device, entry, &config());
 }
 
 #[inline(always)]
