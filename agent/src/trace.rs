@@ -116,18 +116,7 @@ impl<W: Write> TraceBuilder<W> {
     }
 
     pub fn handle(&mut self, event: Event) -> Result<()> {
-        let ts = match &event {
-            Event::Switch(e) => e.ts,
-            Event::Waking(e) => e.ts,
-            Event::Fork(e) => e.ts,
-            Event::Exec(e) => e.ts,
-            Event::Exit(e) => e.ts,
-            Event::Rename(e) => e.ts,
-            Event::Stack(e) => e.ts,
-            Event::ProbeEntry(e) => e.header.ts,
-            Event::ProbeReturn(e) => e.header.ts,
-            Event::ProbeStack(e) => e.ts,
-        };
+        let ts = event.ts();
         self.stats.first_ts.get_or_insert(ts);
         self.stats.last_ts = self.stats.last_ts.max(ts);
         match event {

@@ -219,6 +219,22 @@ pub struct Finished {
     pub stats: serde_json::Value,
 }
 
+impl Finished {
+    /// (consumed, dropped) records of one kind ("task_rename") in the summary.
+    pub fn per_kind(&self, name: &str) -> (u64, u64) {
+        let k = self.stats["per_kind"]
+            .as_array()
+            .expect("per_kind")
+            .iter()
+            .find(|k| k["kind"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {}", self.stats));
+        (
+            k["consumed"].as_u64().expect("consumed"),
+            k["dropped"].as_u64().expect("dropped"),
+        )
+    }
+}
+
 /// A scratch directory removed on drop.
 pub struct TempDir(pub PathBuf);
 

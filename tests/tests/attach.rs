@@ -265,15 +265,7 @@ fn overload_counts_every_lost_event() {
     go(&mut stdin);
     out.wait_for("renames", Duration::from_secs(30));
     let done = rec.finish(Duration::from_secs(60));
-    let kind = done.stats["per_kind"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["kind"] == "task_rename")
-        .cloned()
-        .unwrap();
-    let consumed = kind["consumed"].as_u64().unwrap();
-    let dropped = kind["dropped"].as_u64().unwrap();
+    let (consumed, dropped) = done.per_kind("task_rename");
     assert!(dropped > 0, "the tiny ring overflowed");
     assert_eq!(
         consumed + dropped,

@@ -1136,18 +1136,7 @@ fn device_ring_overflow_counts_every_lost_record() {
     go(&mut stdin);
 
     let stats = &done.stats;
-    let kind = |name: &str| {
-        let k = stats["per_kind"]
-            .as_array()
-            .expect("per_kind")
-            .iter()
-            .find(|k| k["kind"] == name)
-            .unwrap_or_else(|| panic!("no {name} in {stats}"));
-        (
-            k["consumed"].as_u64().unwrap(),
-            k["dropped"].as_u64().unwrap(),
-        )
-    };
+    let kind = |name: &str| done.per_kind(name);
     let device = &stats["device"];
     let sync: Vec<&Value> = device["functions"]
         .as_array()
