@@ -67,6 +67,10 @@ pub struct TableUpdate {
     /// Read while the process certainly exists (the trace stage may see
     /// this after it exited).
     pub identity: RankIdentity,
+    /// Its memory map, read then too: stacks of a process that exits before
+    /// the trace stage symbolizes them (a rank right after its OOM) are
+    /// symbolized through it.
+    pub maps: ProcessMaps,
 }
 
 /// Counters for the summary.
@@ -253,6 +257,7 @@ impl DeviceProbes {
                         .map(|(p, slot)| (p.key.probe_ip, *slot, p.target))
                         .collect(),
                     identity: RankIdentity::read(pid),
+                    maps: maps.clone(),
                 });
                 plan.add.push(PlannedLibrary {
                     pid,

@@ -152,6 +152,18 @@ impl StackSymbolizer {
         self.maps.get(&tgid).map(|c| &c.maps)
     }
 
+    /// Maps of process `tgid` read elsewhere while it was alive (newer than
+    /// any cached).
+    pub fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps) {
+        self.maps.insert(
+            tgid,
+            ProcessMapsCache {
+                maps,
+                read_at: Instant::now(),
+            },
+        );
+    }
+
     /// User frames of process `tgid`, leaf first.
     pub fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
         let missing: Vec<u64> = addrs
@@ -328,6 +340,20 @@ mod tests {
             s.symbol_in_file(&replaced, replaced.file_offset_of(addr)),
             None
         );
+    }
+
+    #[test]
+    fn frames_of_a_gone_process_come_through_maps_remembered_while_it_lived() {
+        let mut s = StackSymbolizer::new();
+        let addr = xpuscope_symbolize_probe_target as *const () as u64;
+        let maps = ProcessMaps::read(std::process::id()).expect("own maps");
+        // No process has this id: only the remembered maps know its code.
+        let gone = u32::MAX - 7;
+        s.remember_maps(gone, maps);
+        // A return address points just past the call: look up addr + 1.
+        let frames = s.user_frames(gone, &[addr + 1]);
+        assert_eq!(frames.len(), 1);
+        assert_eq!(&*frames[0].function, "xpuscope_symbolize_probe_target");
     }
 
     #[test]

@@ -303,6 +303,7 @@ impl<W: Write> TraceBuilder<W> {
     /// Probes of a process about to be attached: learn what they mean and
     /// label the process with its rank.
     pub fn probes_added(&mut self, update: TableUpdate) -> Result<()> {
+        self.symbolizer.remember_maps(update.tgid, update.maps);
         let table = self.device.decoder.probes_mut();
         for (ip, slot, target) in update.probes {
             table.insert(update.tgid, ip, target);

@@ -64,6 +64,7 @@ fn device_calls_become_slices_and_counters() {
             (0x2000, 2, target(Library::Cudart, "cudaMalloc")),
         ],
         identity: RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0"),
+        maps: Default::default(),
     })
     .unwrap();
     let events = vec![
