@@ -43,7 +43,7 @@ use xpuscope_probes::discover::{self, LoadedLibrary};
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve::{self, ResolvedLibrary};
 
-use crate::trace::device::RankIdentity;
+use crate::model::RankIdentity;
 
 pub const ENTRY_PROGRAM: &str = "device_call_entry";
 pub const RETURN_PROGRAM: &str = "device_call_return";

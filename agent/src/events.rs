@@ -106,6 +106,14 @@ pub struct Exit {
     pub comm: Comm,
 }
 
+impl Exit {
+    /// Whether this is the last thread of its process to exit (the process
+    /// is gone: what is kept about it can go, its pid may be reused).
+    pub fn ends_process(&self) -> bool {
+        self.tid == self.tgid
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rename {
     pub cpu: u32,

@@ -1,53 +1,42 @@
-//! One recording, from checks to the finished trace: the supervisor that
-//! starts the stages in order (load and attach -> reader -> trace writer),
-//! stops them on the duration, Ctrl-C/SIGTERM or the target's exit, and
-//! always finishes the trace file.
+//! One recording (`agent attach`), from checks to the finished trace: the
+//! supervisor that starts the stages in order (load and attach -> collect
+//! -> pipeline -> sinks), stops them on the duration, Ctrl-C/SIGTERM, the
+//! target's exit or a failed stage, and always finishes the trace file.
 
 use std::fs::File;
-use std::io::BufWriter;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
+use tracing::Instrument;
 use xpuscope_common::{Config, DROP_SLOTS};
-use xpuscope_perfetto::TraceWriter;
 
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
-use crate::device_probes::{self, DeviceProbes, TableUpdate};
-use crate::events::Event;
+use crate::device_probes::{self, DeviceProbes};
 use crate::load::{self, EBPF_OBJECT, LoadOptions, Probes};
-use crate::reader::{Reader, ReaderCounters};
+use crate::pipeline::collect::{Reader, ReaderCounters};
+use crate::pipeline::enrich::LiveEnricher;
+use crate::pipeline::interpret::InterpretCounters;
+use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::sinks::perfetto::{PerfettoSink, Written};
+use crate::sinks::summary::{RecordTotals, SummarySink};
+use crate::sinks::{FanOut, SinkHandle, SinkReport};
 use crate::summary::{RunSummary, StopReason};
-use crate::trace::{TraceBuilder, TraceStats};
 use crate::{host, preflight, procfs};
 
-/// Messages to the trace stage.
-pub enum Msg {
-    Events(Vec<Event>),
-    /// Per-CPU drop totals changed: the CPUs with new drops, and the total.
-    Drops {
-        ts: u64,
-        cpus: Vec<u32>,
-        total: u64,
-    },
-    /// Device-library probes about to be attached (sent before they can
-    /// fire, so every hit finds its meaning).
-    Probes(TableUpdate),
-}
-
-/// Channel depth between reader and trace stage, in batches.
-/// The kernel ring buffer is the real buffer; this only smooths hand-offs
-/// (each batch holds up to 4096 decoded events, about 400 KiB).
-const CHANNEL_BATCHES: usize = 16;
 const POLL: Duration = Duration::from_millis(100);
 const STATUS_EVERY: u32 = 10;
-const CLOCK_SNAPSHOT_EVERY: Duration = Duration::from_secs(10);
 /// Polls between re-scans of the traced processes' libraries (dlopen).
 const DEVICE_SCAN_EVERY: u32 = 5;
+/// Queue depth of each sink, in batches (a batch is up to 4096 records):
+/// about as much as the scheduler ring holds, so a sink falls behind only
+/// where the kernel ring would have overflowed too.
+const SINK_BATCHES: usize = 64;
 
 pub fn run(cfg: AttachConfig) -> Result<RunSummary> {
     preflight::check_object(EBPF_OBJECT)?;
@@ -65,12 +54,13 @@ pub fn run(cfg: AttachConfig) -> Result<RunSummary> {
     runtime.block_on(record(cfg, target, offsets, file))
 }
 
-async fn record(
-    cfg: AttachConfig,
+/// The kernel side: programs loaded and attached, the target and its
+/// descendants in the traced set.
+fn start_kernel(
+    cfg: &AttachConfig,
     target: Option<u32>,
     offsets: xpuscope_common::TaskOffsets,
-    file: File,
-) -> Result<RunSummary> {
+) -> Result<Probes> {
     let kernel_config = Config {
         system_wide: cfg.system_wide as u32,
         stack_mode: cfg.stacks.kernel_mode(),
@@ -95,33 +85,103 @@ async fn record(
             probes.add_target(pid)?;
         }
     }
-    let start_ts = host::boottime_ns();
-    let pids: Vec<u32> = if cfg.system_wide {
-        procfs::all_pids()
-    } else {
-        probes.targets()
-    };
-    let processes: Vec<procfs::ProcessEntry> =
-        pids.into_iter().filter_map(procfs::process).collect();
-    let initial_threads: usize = processes.iter().map(|p| p.threads.len()).sum();
+    Ok(probes)
+}
 
-    let counters = Arc::new(ReaderCounters::default());
-    let (tx, rx) = mpsc::channel::<Msg>(CHANNEL_BATCHES);
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let (sched_ring, device_ring) = probes.take_rings()?;
-    let reader = Reader {
-        sched: sched_ring,
-        device: device_ring,
-        out: tx.clone(),
-        counters: counters.clone(),
-        drain_interval: cfg.drain_interval,
-        delay: cfg.reader_delay,
-    };
-    let reader_task = tokio::spawn(reader.run(stop_rx));
-    let writer_thread = std::thread::Builder::new()
-        .name("xpuscope-trace".into())
-        .spawn(move || write_trace(file, rx, start_ts, processes))
-        .context("starting the trace writer")?;
+/// The running stages of a recording.
+struct Stages {
+    /// Into the pipeline (collect's and the supervisor's messages).
+    tx: mpsc::Sender<PipelineMsg>,
+    stop_collect: watch::Sender<bool>,
+    collect: tokio::task::JoinHandle<Result<()>>,
+    collect_counters: Arc<ReaderCounters>,
+    pipeline: JoinHandle<Result<InterpretCounters>>,
+    trace: SinkHandle<Written<std::io::BufWriter<File>>>,
+    summary: SinkHandle<RecordTotals>,
+}
+
+impl Stages {
+    /// Starts the sinks, the pipeline thread and the collect task.
+    fn start(cfg: &AttachConfig, probes: &mut Probes, file: File) -> Result<(Self, usize)> {
+        let start_ts = host::boottime_ns();
+        let pids: Vec<u32> = if cfg.system_wide {
+            procfs::all_pids()
+        } else {
+            probes.targets()
+        };
+        let processes: Vec<procfs::ProcessEntry> =
+            pids.into_iter().filter_map(procfs::process).collect();
+        let initial_threads: usize = processes.iter().map(|p| p.threads.len()).sum();
+
+        let mut fanout = FanOut::default();
+        let trace = fanout.add("trace", PerfettoSink::to_file(file)?, SINK_BATCHES)?;
+        let summary = fanout.add("summary", SummarySink::default(), SINK_BATCHES)?;
+        let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
+        // Built on its own thread: the symbolizer is not `Send`.
+        let pipeline = std::thread::Builder::new()
+            .name("xpuscope-pipeline".into())
+            .spawn(move || {
+                let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout);
+                pipeline.start(start_ts, processes);
+                pipeline.run(rx, host::boottime_ns)
+            })
+            .context("starting the pipeline")?;
+
+        let collect_counters = Arc::new(ReaderCounters::default());
+        let (stop_collect, stop_rx) = watch::channel(false);
+        let (sched_ring, device_ring) = probes.take_rings()?;
+        let reader = Reader {
+            sched: sched_ring,
+            device: device_ring,
+            out: tx.clone(),
+            counters: collect_counters.clone(),
+            drain_interval: cfg.drain_interval,
+            delay: cfg.reader_delay,
+        };
+        let collect = tokio::spawn(
+            reader
+                .run(stop_rx)
+                .instrument(tracing::info_span!("collect")),
+        );
+        let stages = Self {
+            tx,
+            stop_collect,
+            collect,
+            collect_counters,
+            pipeline,
+            trace,
+            summary,
+        };
+        Ok((stages, initial_threads))
+    }
+
+    /// A stage that ended on its own (an error or a panic).
+    fn failed(&self) -> bool {
+        self.collect.is_finished()
+            || self.pipeline.is_finished()
+            || self.trace.is_finished()
+            || self.summary.is_finished()
+    }
+}
+
+/// What the stages handed back at the end.
+struct Finished {
+    consumed: Vec<u64>,
+    decode_errors: u64,
+    interpret: InterpretCounters,
+    totals: RecordTotals,
+    sinks: Vec<SinkReport>,
+    bytes: u64,
+}
+
+async fn record(
+    cfg: AttachConfig,
+    target: Option<u32>,
+    offsets: xpuscope_common::TaskOffsets,
+    file: File,
+) -> Result<RunSummary> {
+    let mut probes = start_kernel(&cfg, target, offsets)?;
+    let (stages, initial_threads) = Stages::start(&cfg, &mut probes, file)?;
 
     // Device libraries already mapped are probed before the start line, so
     // a caller waiting for it sees their calls from then on.
@@ -130,11 +190,57 @@ async fn record(
         cfg.stacks != StackPolicy::Off,
     );
     if target.is_some()
-        && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
+        && let Err(e) = scan_devices(&mut device, &mut probes, &stages.tx).await
     {
         tracing::warn!("device probes: {e:#}");
     }
+    announce(&cfg, target, initial_threads);
 
+    let started = Instant::now();
+    let mut drops_seen = vec![0u64; host::possible_cpus()];
+    let reason = supervise(
+        &cfg,
+        target,
+        &stages,
+        &mut probes,
+        &mut device,
+        &mut drops_seen,
+    )
+    .await?;
+
+    // Detach first, then drain: everything produced is then either consumed
+    // or counted as dropped.
+    let kernel_skips = probes.kernel_skips();
+    let device_hits = device.hits(&probes.bpf);
+    device.detach_all(&mut probes.bpf);
+    probes.detach_all();
+    send_drops(&probes, &mut drops_seen, &stages.tx).await;
+    let mut drops_by_kind = probes.drops_by_kind();
+    for (slot, skipped) in kernel_skips.iter().enumerate() {
+        drops_by_kind[slot] += skipped;
+    }
+    drop(probes);
+    let finished = stop(stages, &cfg).await?;
+
+    let mut summary = RunSummary::new(
+        &cfg,
+        reason,
+        started.elapsed(),
+        &finished.consumed,
+        &drops_by_kind,
+        finished.decode_errors,
+        finished.bytes,
+        finished.interpret,
+        finished.totals,
+        finished.sinks,
+    );
+    summary.set_device_probes(device.stats);
+    summary.set_device_hits(&device_hits);
+    summary.kernel_skipped = kernel_skips.iter().sum();
+    Ok(summary)
+}
+
+fn announce(cfg: &AttachConfig, target: Option<u32>, initial_threads: usize) {
     match target {
         Some(t) => eprintln!(
             "xpuscope: recording pid {t} ({}), {initial_threads} threads{} -> {}; Ctrl-C to stop",
@@ -151,14 +257,24 @@ async fn record(
             cfg.output.display()
         ),
     }
+}
 
+/// Runs until a reason to stop: polls the target, rescans device
+/// libraries, forwards drops and ticks, prints the status line.
+async fn supervise(
+    cfg: &AttachConfig,
+    target: Option<u32>,
+    stages: &Stages,
+    probes: &mut Probes,
+    device: &mut DeviceProbes,
+    drops_seen: &mut [u64],
+) -> Result<StopReason> {
     let started = Instant::now();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let deadline = cfg.duration.map(|d| tokio::time::Instant::now() + d);
     let mut poll = tokio::time::interval(POLL);
     let mut polls = 0u32;
-    let mut drops_seen = vec![0u64; host::possible_cpus()];
     let mut last_consumed = 0u64;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let reason = loop {
@@ -172,25 +288,28 @@ async fn record(
                 if let Some(t) = target && !procfs::is_alive(t) {
                     break StopReason::TargetExited;
                 }
-                if writer_thread.is_finished() || reader_task.is_finished() {
+                if stages.failed() {
                     break StopReason::Failed;
                 }
                 probes.flush_log();
                 if target.is_some()
                     && polls.is_multiple_of(DEVICE_SCAN_EVERY)
-                    && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
+                    && let Err(e) = scan_devices(device, probes, &stages.tx).await
                 {
                     tracing::warn!("device probes: {e:#}");
                 }
-                send_drops(&probes, &mut drops_seen, &tx).await;
+                send_drops(probes, drops_seen, &stages.tx).await;
+                let _ = stages.tx.try_send(PipelineMsg::Tick(host::boottime_ns()));
                 if polls.is_multiple_of(STATUS_EVERY) {
-                    let consumed = counters.total_consumed();
+                    let consumed = stages.collect_counters.total_consumed();
                     let drops: u64 = drops_seen.iter().sum();
+                    let lagged = stages.trace.counters.dropped() + stages.summary.counters.dropped();
                     let line = format!(
-                        "xpuscope: {:>6.1}s  {:>8.1}k events/s  drops {}  processes {}",
+                        "xpuscope: {:>6.1}s  {:>8.1}k events/s  drops {}{}  processes {}",
                         started.elapsed().as_secs_f64(),
                         (consumed - last_consumed) as f64 / 1e3 / (POLL * STATUS_EVERY).as_secs_f64(),
                         drops,
+                        if lagged > 0 { format!(" (+{lagged} records behind sinks)") } else { String::new() },
                         probes.targets().len(),
                     );
                     last_consumed = consumed;
@@ -202,91 +321,102 @@ async fn record(
     if tty {
         eprintln!();
     }
+    Ok(reason)
+}
 
-    // Detach first, then drain: everything produced is then either consumed
-    // or counted as dropped.
-    let kernel_skips = probes.kernel_skips();
-    let device_hits = device.hits(&probes.bpf);
-    device.detach_all(&mut probes.bpf);
-    probes.detach_all();
-    send_drops(&probes, &mut drops_seen, &tx).await;
-    let mut drops_by_kind = probes.drops_by_kind();
-    for (slot, skipped) in kernel_skips.iter().enumerate() {
-        drops_by_kind[slot] += skipped;
-    }
-    let _ = stop_tx.send(true);
-    let reader_result = reader_task
+/// Stops collect (after it drained the rings), lets the pipeline end every
+/// sink, and collects what each stage hands back. A trace whose writing
+/// failed is cut back to its last complete packet: still a valid file.
+async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
+    let Stages {
+        tx,
+        stop_collect,
+        collect,
+        collect_counters,
+        pipeline,
+        trace,
+        summary,
+    } = stages;
+    let _ = stop_collect.send(true);
+    let collect_result = collect
         .await
-        .map_err(|e| anyhow!("reader task panicked: {e}"))?;
+        .map_err(|e| anyhow!("the collect stage panicked: {e}"));
     drop(tx);
-    drop(probes);
-    let writer_result = tokio::task::spawn_blocking(move || writer_thread.join())
+    let pipeline_result = tokio::task::spawn_blocking(move || pipeline.join())
         .await?
-        .map_err(|_| anyhow!("the trace writer panicked"))?;
-    let (stats, bytes) = match writer_result {
-        Ok(done) => done,
-        Err(e) => {
-            // A full disk or a quota: keep what was written, as a valid file.
-            let kept = crate::trace_file::cut_to_complete_packets(&cfg.output);
-            return Err(match kept {
-                Ok(n) => e.context(format!(
-                    "writing the trace failed; {} was cut back to its last complete packet \
-                     ({n} bytes) and is still a valid trace; free space or choose another \
-                     path with -o",
-                    cfg.output.display()
-                )),
-                Err(cut) => e.context(format!(
-                    "writing the trace failed, and {} could not be repaired ({cut})",
-                    cfg.output.display()
-                )),
-            });
-        }
+        .map_err(|p| anyhow!("the pipeline panicked: {}", crate::sinks::panic_message(&p)))
+        .and_then(|r| r);
+    let sinks = vec![trace.report(), summary.report()];
+    let (trace_result, summary_result) =
+        tokio::task::spawn_blocking(move || (trace.join(), summary.join())).await?;
+    let written = match trace_result {
+        Ok(w) => w,
+        Err(e) => return Err(cut_trace(e, cfg)),
     };
-    reader_result?;
+    let file = written
+        .out
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .context("flushing the trace");
+    let file = match file {
+        Ok(f) => f,
+        Err(e) => return Err(cut_trace(e, cfg)),
+    };
+    file.sync_all().context("syncing the trace file")?;
+    collect_result??;
+    let interpret = pipeline_result?;
+    let totals = summary_result?;
+    Ok(Finished {
+        consumed: collect_counters
+            .consumed
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect(),
+        decode_errors: collect_counters.decode_errors.load(Ordering::Relaxed),
+        interpret,
+        totals,
+        sinks,
+        bytes: written.bytes,
+    })
+}
 
-    let consumed: Vec<u64> = counters
-        .consumed
-        .iter()
-        .map(|c| c.load(Ordering::Relaxed))
-        .collect();
-    let mut summary = RunSummary::new(
-        &cfg,
-        reason,
-        started.elapsed(),
-        &consumed,
-        &drops_by_kind,
-        counters.decode_errors.load(Ordering::Relaxed),
-        bytes,
-        stats,
-    );
-    summary.set_device_probes(device.stats);
-    summary.set_device_hits(&device_hits);
-    summary.kernel_skipped = kernel_skips.iter().sum();
-    Ok(summary)
+/// A full disk or a quota: keep what was written, as a valid file.
+fn cut_trace(e: anyhow::Error, cfg: &AttachConfig) -> anyhow::Error {
+    match crate::trace_file::cut_to_complete_packets(&cfg.output) {
+        Ok(n) => e.context(format!(
+            "writing the trace failed; {} was cut back to its last complete packet \
+             ({n} bytes) and is still a valid trace; free space or choose another \
+             path with -o",
+            cfg.output.display()
+        )),
+        Err(cut) => e.context(format!(
+            "writing the trace failed, and {} could not be repaired ({cut})",
+            cfg.output.display()
+        )),
+    }
 }
 
 /// Re-reads the traced processes' libraries; announces new probes to the
-/// trace stage, then attaches them.
+/// pipeline, then attaches them.
 async fn scan_devices(
     device: &mut DeviceProbes,
     probes: &mut Probes,
-    tx: &mpsc::Sender<Msg>,
+    tx: &mpsc::Sender<PipelineMsg>,
 ) -> Result<()> {
-    let plan = device.plan(&probes.targets());
+    let mut plan = device.plan(&probes.targets());
     if plan.is_empty() {
         return Ok(());
     }
-    let mut plan = plan;
     for update in std::mem::take(&mut plan.updates) {
-        tx.send(Msg::Probes(update))
+        tx.send(PipelineMsg::Probes(update))
             .await
-            .map_err(|_| anyhow!("the trace stage stopped"))?;
+            .map_err(|_| anyhow!("the pipeline stopped"))?;
     }
     device.apply(&mut probes.bpf, plan)
 }
 
-/// Sends new per-CPU drops to the trace stage.
-async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<Msg>) {
+/// Sends new per-CPU drops to the pipeline.
+async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<PipelineMsg>) {
     let per_kind = probes.drops();
     let mut per_cpu = vec![0u64; seen.len()];
     for (slot, cpus) in per_kind.iter().enumerate() {
@@ -309,52 +439,12 @@ async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<Msg>) {
     seen.copy_from_slice(&per_cpu);
     let total = per_cpu.iter().sum();
     let _ = tx
-        .send(Msg::Drops {
+        .send(PipelineMsg::Drops {
             ts: host::boottime_ns(),
             cpus: changed,
             total,
         })
         .await;
-}
-
-/// The trace stage's thread: writes the header, then every event, then
-/// finishes the file.
-fn write_trace(
-    file: File,
-    mut rx: mpsc::Receiver<Msg>,
-    start_ts: u64,
-    processes: Vec<procfs::ProcessEntry>,
-) -> Result<(TraceStats, u64)> {
-    let out = BufWriter::with_capacity(1 << 20, file);
-    let mut builder = TraceBuilder::new(TraceWriter::new(out));
-    builder.writer().system_info(&host::system_info())?;
-    builder.writer().clock_snapshot(&host::clock_snapshot())?;
-    builder.initial_processes(start_ts, &processes)?;
-    let mut last_snapshot = Instant::now();
-    while let Some(msg) = rx.blocking_recv() {
-        match msg {
-            Msg::Events(events) => {
-                for event in events {
-                    builder.handle(event)?;
-                }
-            }
-            Msg::Drops { ts, cpus, total } => builder.drops(ts, &cpus, total)?,
-            Msg::Probes(update) => builder.probes_added(update)?,
-        }
-        if last_snapshot.elapsed() >= CLOCK_SNAPSHOT_EVERY {
-            builder.writer().clock_snapshot(&host::clock_snapshot())?;
-            last_snapshot = Instant::now();
-        }
-    }
-    let end = host::boottime_ns();
-    builder.writer().clock_snapshot(&host::clock_snapshot())?;
-    let (out, stats, bytes) = builder.finish(end)?;
-    let file = out
-        .into_inner()
-        .map_err(|e| e.into_error())
-        .context("flushing the trace")?;
-    file.sync_all().context("syncing the trace file")?;
-    Ok((stats, bytes))
 }
 
 impl Probes {

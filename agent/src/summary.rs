@@ -8,8 +8,10 @@ use serde::Serialize;
 use xpuscope_common::EventKind;
 
 use crate::config::AttachConfig;
-use crate::offcpu::OffCpuSummary;
-use crate::trace::TraceStats;
+use crate::pipeline::interpret::InterpretCounters;
+use crate::sinks::SinkReport;
+use crate::sinks::summary::offcpu::OffCpuSummary;
+use crate::sinks::summary::{DeviceRecordCounts, FunctionCalls, RecordTotals, SiteReport};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -77,6 +79,8 @@ pub struct RunSummary {
     /// The agent's peak resident memory.
     pub agent_peak_rss_bytes: u64,
     pub device: DeviceSummary,
+    /// Per sink: records delivered, and those it lost while it lagged.
+    pub sinks: Vec<SinkReport>,
 }
 
 /// Most allocation sites listed in the summary.
@@ -91,14 +95,48 @@ pub struct DeviceSummary {
     pub attached_probes: u64,
     /// Functions or libraries that could not be attached.
     pub attach_failures: u64,
-    /// What the decoding saw (calls, losses, device slices, allocations).
+    /// What the device records show (calls, device slices, allocations).
     #[serde(flatten)]
-    pub counts: crate::trace::device::DeviceStats,
+    pub counts: DeviceRecordCounts,
+    /// What the decoding saw that no record carries (losses, stacks).
+    #[serde(flatten)]
+    pub decoding: DeviceDecoding,
     /// Largest live allocation sites (at each process's exit or at the
     /// end), largest first.
-    pub largest_live_sites: Vec<crate::trace::device::SiteReport>,
+    pub largest_live_sites: Vec<SiteReport>,
     /// Calls per probed function, most called first (the probes' hits).
-    pub functions: Vec<crate::trace::device::FunctionCalls>,
+    pub functions: Vec<FunctionCalls>,
+}
+
+/// The device part of [`InterpretCounters`], under its summary names.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct DeviceDecoding {
+    pub activity_records: u64,
+    /// Activity records the application read that the probe could not
+    /// copy, and those that did not decode: their device work is missing.
+    pub activity_unread: u64,
+    pub activity_errors: u64,
+    /// Returns whose entry was not seen (attached mid-call, or lost).
+    pub returns_without_entry: u64,
+    /// Records at an address no probe is known at.
+    pub unknown_probes: u64,
+    /// Allocating stacks taken, and those the kernel could not take.
+    pub alloc_stacks: u64,
+    pub alloc_stack_errors: u64,
+}
+
+impl From<&InterpretCounters> for DeviceDecoding {
+    fn from(c: &InterpretCounters) -> Self {
+        Self {
+            activity_records: c.activities,
+            activity_unread: c.activity_unread,
+            activity_errors: c.activity_errors,
+            returns_without_entry: c.returns_without_entry,
+            unknown_probes: c.unknown_probes,
+            alloc_stacks: c.alloc_stacks,
+            alloc_stack_errors: c.alloc_stack_errors,
+        }
+    }
 }
 
 /// The agent's own CPU seconds and peak RSS so far.
@@ -152,7 +190,9 @@ impl RunSummary {
         dropped: &[u64],
         decode_errors: u64,
         bytes: u64,
-        stats: TraceStats,
+        interpret: InterpretCounters,
+        totals: RecordTotals,
+        sinks: Vec<SinkReport>,
     ) -> Self {
         let per_kind: Vec<KindCount> = EventKind::ALL
             .iter()
@@ -175,15 +215,15 @@ impl RunSummary {
             decode_errors,
             per_kind,
             bytes,
-            threads: stats.threads_seen,
-            stacks: stats.stacks,
-            stack_errors: stats.stack_errors,
-            stacks_unmatched: stats.stacks_unmatched,
-            preemptions: stats.preemptions,
-            offcpu_ns: stats.offcpu.total_ns,
-            offcpu_with_stack_ns: stats.offcpu.with_stack_ns,
-            top_offcpu: ranked(&stats.offcpu.by_reason),
-            top_preemptors: stats
+            threads: interpret.threads_seen as usize,
+            stacks: interpret.stacks,
+            stack_errors: interpret.stack_errors,
+            stacks_unmatched: interpret.stacks_unmatched,
+            preemptions: totals.preemptions,
+            offcpu_ns: totals.offcpu.total_ns,
+            offcpu_with_stack_ns: totals.offcpu.with_stack_ns,
+            top_offcpu: ranked(&totals.offcpu.by_reason),
+            top_preemptors: totals
                 .offcpu
                 .top_preemptors(5)
                 .into_iter()
@@ -194,16 +234,13 @@ impl RunSummary {
                 })
                 .collect(),
             device: DeviceSummary {
-                counts: stats.device,
-                largest_live_sites: stats
-                    .alloc_sites
-                    .iter()
-                    .take(SUMMARY_SITES)
-                    .cloned()
-                    .collect(),
-                functions: stats.device_functions.clone(),
+                counts: totals.device,
+                decoding: DeviceDecoding::from(&interpret),
+                largest_live_sites: totals.sites.into_iter().take(SUMMARY_SITES).collect(),
+                functions: totals.functions,
                 ..DeviceSummary::default()
             },
+            sinks,
         }
     }
 
@@ -217,7 +254,7 @@ impl RunSummary {
                 .find(|f| f.library == library && f.function == function)
             {
                 Some(f) => f.hits += n,
-                None => functions.push(crate::trace::device::FunctionCalls {
+                None => functions.push(FunctionCalls {
                     library,
                     function,
                     hits: n,
@@ -269,6 +306,12 @@ impl RunSummary {
         } else {
             eprintln!("  dropped: {} ({})", self.dropped, why.join("; "));
         }
+        for s in self.sinks.iter().filter(|s| s.dropped_records > 0) {
+            eprintln!(
+                "  the {} sink fell behind and lost {} records in {} batches (counted, not in its output)",
+                s.name, s.dropped_records, s.dropped_batches
+            );
+        }
         eprintln!(
             "  threads: {}   preemptions of traced threads: {}",
             self.threads, self.preemptions
@@ -303,6 +346,7 @@ impl RunSummary {
         }
         let d = &self.device;
         let c = &d.counts;
+        let dc = &d.decoding;
         if d.attached_probes + d.attach_failures + c.calls > 0 {
             eprintln!(
                 "  device:  {} calls ({} errors), {} probes on {} libraries, {} attach failures, \
@@ -313,13 +357,13 @@ impl RunSummary {
                 d.libraries,
                 d.attach_failures,
                 c.entries_without_return,
-                c.returns_without_entry,
+                dc.returns_without_entry,
                 c.in_flight_at_end
             );
-            if c.activity_unread + c.activity_errors > 0 {
+            if dc.activity_unread + dc.activity_errors > 0 {
                 eprintln!(
                     "           activity records lost: {} could not be copied, {} did not decode",
-                    c.activity_unread, c.activity_errors
+                    dc.activity_unread, dc.activity_errors
                 );
             }
             if c.device_slices + c.estimated_slices > 0 {

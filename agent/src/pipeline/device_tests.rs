@@ -1,13 +1,19 @@
-//! Tests of the device-call trace stage, decoded back independently.
+//! Tests of device-call interpretation and rendering, decoded back
+//! independently.
 
-use super::*;
 use xpuscope_common::EventHeader;
-use xpuscope_perfetto::TraceWriter;
-use xpuscope_probes::catalog::Library;
+use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
+use xpuscope_probes::activity::{ActivityDetail, ActivityKind};
+use xpuscope_probes::catalog::{CallKind, LaunchKind, Library, SyncKind};
+use xpuscope_probes::decode::args::CallArgs;
 use xpuscope_probes::decode::table::ProbeTarget;
+use xpuscope_probes::decode::{ActivityEvent, Decoded, DeviceCall};
 use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
 
+use super::testing::TestPipeline;
+use crate::device_probes::TableUpdate;
 use crate::events::Event;
+use crate::model::RankIdentity;
 
 fn entry(ts: u64, ip: u64, args: [u64; 6]) -> Event {
     Event::ProbeEntry(Box::new(UprobeEntry {
@@ -65,8 +71,7 @@ fn device_calls_become_slices_and_counters() {
         ],
         identity: RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0"),
         maps: Default::default(),
-    })
-    .unwrap();
+    });
     let events = vec![
         entry(1_000, 0x1000, [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0]),
         ret(9_000, 0x1000, 0, &[]),
@@ -77,9 +82,9 @@ fn device_calls_become_slices_and_counters() {
         ret(14_000, 0x1000, 0, &[]),
     ];
     for e in events {
-        b.handle(e).unwrap();
+        b.handle(e);
     }
-    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    let (bytes, stats) = b.finish(20_000);
     let trace = decode(&bytes).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
@@ -123,15 +128,8 @@ fn device_calls_become_slices_and_counters() {
     assert_eq!(stats.device.returns_without_entry, 1);
 }
 
-fn builder() -> TraceBuilder<Vec<u8>> {
-    let mut b = TraceBuilder::new(TraceWriter::new(Vec::new()));
-    b.writer()
-        .system_info(&xpuscope_perfetto::SystemInfo {
-            release: "6.18.0".into(),
-            ..Default::default()
-        })
-        .unwrap();
-    b
+fn builder() -> TestPipeline {
+    TestPipeline::new()
 }
 
 fn record(
@@ -241,8 +239,8 @@ fn activity_records_become_device_stream_slices_with_flows() {
             },
         ),
     ];
-    b.emit(&mut out).unwrap();
-    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    b.emit(&mut out);
+    let (bytes, stats) = b.finish(20_000);
     let trace = decode(&bytes).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
@@ -360,8 +358,8 @@ fn launches_and_syncs_become_estimated_device_slices() {
         launch(0x10, 5_000),
         sync(None, SyncKind::Device, 6_000),
     ];
-    b.emit(&mut out).unwrap();
-    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    b.emit(&mut out);
+    let (bytes, stats) = b.finish(20_000);
     let trace = decode(&bytes).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
@@ -419,8 +417,8 @@ fn flow_starts_on_the_launch_slice() {
             ActivityDetail::None,
         ),
     ];
-    b.emit(&mut out).unwrap();
-    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    b.emit(&mut out);
+    let (bytes, stats) = b.finish(20_000);
     let trace = decode(&bytes).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
@@ -460,8 +458,8 @@ fn copies_without_copy_records_carry_no_flow() {
             ActivityDetail::None,
         ),
     ];
-    b.emit(&mut out).unwrap();
-    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    b.emit(&mut out);
+    let (bytes, stats) = b.finish(20_000);
     let trace = decode(&bytes).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
@@ -502,8 +500,8 @@ fn no_estimates_with_activity_records() {
             (2_000, 3_000),
         ),
     ];
-    b.emit(&mut out).unwrap();
-    let (bytes, stats, _) = b.finish(20_000).unwrap();
+    b.emit(&mut out);
+    let (bytes, stats) = b.finish(20_000);
     let tl = Timeline::new(&decode(&bytes).unwrap());
     assert!(
         tl.tracks
@@ -512,18 +510,4 @@ fn no_estimates_with_activity_records() {
     );
     assert_eq!(stats.device.estimated_slices, 0);
     assert_eq!(stats.device.device_slices, 1);
-}
-
-#[test]
-fn rank_identity_from_environ() {
-    let env = b"PATH=/bin\0RANK=3\0WORLD_SIZE=8\0LOCAL_RANK=1\0JOB_NAME=j\0XPUSCOPE_JOB=sim-a\0";
-    let id = RankIdentity::from_environ(env);
-    assert_eq!(id.name().as_deref(), Some("rank 3/8 job sim-a"));
-    assert_eq!(
-        id.labels(),
-        vec!["rank=3", "local_rank=1", "world_size=8", "job=sim-a"]
-    );
-    let id = RankIdentity::from_environ(b"JOB_NAME=j\0");
-    assert_eq!(id.name(), None);
-    assert_eq!(id.job.as_deref(), Some("j"));
 }

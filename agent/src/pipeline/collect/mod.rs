@@ -1,6 +1,9 @@
-//! The ring-buffer reader stage: drains the kernel's two ring buffers
-//! (scheduling, device calls) on wakeups and on a short timer, decodes
-//! every record and hands batches on, merged in time order.
+//! The collect stage: drains the kernel's two ring buffers (scheduling,
+//! device calls) on wakeups and on a short timer, turns every record into a
+//! typed raw event (`crate::events`, the one place that knows each record's
+//! byte layout) and hands batches to the pipeline, merged in time order.
+//! It waits when the pipeline is behind (the kernel rings are the buffer and
+//! count what they cannot hold); sinks never hold it up (see `sinks`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,8 +15,8 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
 use xpuscope_common::DROP_SLOTS;
 
+use super::PipelineMsg as Msg;
 use crate::events::{self, Event};
-use crate::session::Msg;
 
 /// Records per batch sent downstream.
 const BATCH: usize = 4096;

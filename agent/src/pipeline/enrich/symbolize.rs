@@ -17,25 +17,7 @@ use blazesym::symbolize::{Input, Symbolized, Symbolizer};
 use rustc_hash::FxHashMap;
 use xpuscope_probes::maps::ProcessMaps;
 
-/// One symbolized frame.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SymFrame {
-    pub function: Arc<str>,
-    /// The backing file, `"kernel"`, or a pseudo name (`[vdso]`, `[anon]`).
-    pub module: Arc<str>,
-    pub module_start: u64,
-    pub module_end: u64,
-    /// File offset at which the module's mapping starts.
-    pub module_offset: u64,
-    /// Offset in the module's file (kernel: the address itself).
-    pub rel_pc: u64,
-}
-
-impl SymFrame {
-    pub fn is_kernel(&self) -> bool {
-        &*self.module == "kernel"
-    }
-}
+use crate::model::SymFrame;
 
 /// Leading kernel frames that belong to the tracing machinery, not to the
 /// task: the BPF program, the tracepoint trampoline.

@@ -1,4 +1,5 @@
-//! Device work on per-stream tracks.
+//! Device work on per-stream tracks: which work goes on which stream, its
+//! flow from the host call, and estimates where no activity records come.
 //!
 //! - Activity records (CUPTI/MSPTI, `--probe-level 2`): one slice per
 //!   kernel / copy / HCCL task from its true device start to end, on a track
@@ -13,13 +14,14 @@
 //! Records arrive late and out of order, so work is buffered per track and
 //! written in start order when a track has more than [`MAX_BUFFERED`]
 //! pending and at the end. Work that overlaps earlier work of its stream
-//! goes to an extra lane track ("GPU 0 stream 7 #2") so slices nest.
+//! goes to an extra lane track ("GPU 0 stream 7 #2") so slices nest (the
+//! trace sink picks lanes).
 
 use std::collections::{HashMap, HashSet};
 
 use std::collections::VecDeque;
 
-use xpuscope_perfetto::{Arg, ArgValue, TrackUuid};
+use crate::model::{Field, FieldValue, StreamTrack};
 use xpuscope_probes::activity::ActivityKind;
 use xpuscope_probes::catalog::CallKind;
 use xpuscope_probes::decode::DeviceCall;
@@ -36,13 +38,7 @@ pub const MAX_HELD: usize = 1024;
 const FLOW_BASE: u64 = 0x5850_0000_0000_0000;
 
 /// Where a piece of device work goes.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamKey {
-    pub tgid: u32,
-    /// The track name ("GPU 0 stream 7").
-    pub name: String,
-    pub estimated: bool,
-}
+pub type StreamKey = StreamTrack;
 
 /// One pending slice.
 #[derive(Clone, Debug)]
@@ -50,7 +46,7 @@ pub struct Work {
     pub start: u64,
     pub end: u64,
     pub name: String,
-    pub args: Vec<Arg>,
+    pub args: Vec<Field>,
     /// The correlation id, to find the host call.
     pub correlation: Option<u64>,
     /// Which view of a collective this is, if one: MSPTI describes each
@@ -117,22 +113,9 @@ pub struct OpenWindow {
     pub launches: u64,
 }
 
-/// Lane tracks of one stream and where each lane's last slice ends.
-#[derive(Debug, Default)]
-pub struct Lanes {
-    pub tracks: Vec<(TrackUuid, u64)>,
-}
-
-/// The lane for work starting at `start` given each lane's last end: the
-/// first lane free by then, or a new one (`ends.len()`).
-pub fn pick_lane(ends: &[u64], start: u64) -> usize {
-    ends.iter().position(|&e| e <= start).unwrap_or(ends.len())
-}
-
 #[derive(Debug, Default)]
 pub struct DeviceStreams {
     pub pending: HashMap<StreamKey, Vec<Work>>,
-    pub lanes: HashMap<StreamKey, Lanes>,
     /// (tgid, correlation id) -> the host API call.
     pub api: HashMap<(u32, u64), HostCall>,
     /// (tgid, correlation id) -> the flow already on the host call's slice.
@@ -239,24 +222,16 @@ pub fn bounded_name(name: Option<&str>, fallback: &str) -> String {
     }
 }
 
-pub fn estimated_args(launches: u64) -> Vec<Arg> {
+pub fn estimated_args(launches: u64) -> Vec<Field> {
     vec![
-        Arg::new("estimated", ArgValue::Bool(true)),
-        Arg::new("kernels", ArgValue::Uint(launches)),
+        Field::new("estimated", FieldValue::Bool(true)),
+        Field::new("kernels", FieldValue::Uint(launches)),
     ]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lanes_keep_slices_nested() {
-        assert_eq!(pick_lane(&[], 5), 0);
-        assert_eq!(pick_lane(&[10], 10), 0);
-        assert_eq!(pick_lane(&[10], 9), 1);
-        assert_eq!(pick_lane(&[10, 4], 9), 1);
-    }
 
     #[test]
     fn copies_await_api_records_only_once_copy_records_show() {
@@ -286,7 +261,7 @@ mod tests {
             name: "HcclAllReduce".into(),
             args: args
                 .iter()
-                .map(|(k, x)| Arg::new(*k, ArgValue::Uint(*x)))
+                .map(|(k, x)| Field::new(*k, FieldValue::Uint(*x)))
                 .collect(),
             correlation: (v == CollectiveView::Communication).then_some(9),
             collective_view: Some(v),

@@ -1,16 +1,16 @@
 //! Allocation sites: the distinct user stacks device memory is allocated
 //! from, per process, interned to the ids the decoder's memory ledger
-//! charges live bytes to. A site keeps its symbolized frames (for the
-//! trace's callstacks) and a short label (for annotations and the summary).
+//! charges live bytes to. A site keeps its symbolized frames and a short
+//! label; records carry it shared (`Arc<Site>`).
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use serde::Serialize;
-use xpuscope_perfetto::{Arg, ArgValue, Frame};
+use std::sync::Arc;
+
 use xpuscope_probes::decode::memory::LiveSite;
 
-use crate::symbolize::SymFrame;
+use crate::model::{LiveSiteRow, Site, SymFrame};
 
 /// Most distinct sites remembered (all processes); stacks past it are not
 /// given a site (counted).
@@ -20,32 +20,10 @@ const LABEL_FRAMES: usize = 4;
 /// Largest sites named on an OOM marker and at the end.
 pub const TOP_SITES: usize = 5;
 
-/// One allocation site.
-#[derive(Clone, Debug)]
-pub struct Site {
-    pub tgid: u32,
-    /// Leaf (the allocating call's caller) first.
-    pub frames: Vec<Frame>,
-    /// "cache_activations < forward < train_step < main".
-    pub label: String,
-}
-
-/// A site's live bytes, for the summary.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct SiteReport {
-    pub pid: u32,
-    pub device: String,
-    pub bytes: u64,
-    pub allocations: u64,
-    /// The allocating stack, innermost caller first ("(unknown)" when no
-    /// stack was taken).
-    pub stack: String,
-}
-
 #[derive(Default)]
 pub struct AllocSites {
     ids: HashMap<(u32, Vec<u64>), u64>,
-    sites: HashMap<u64, Site>,
+    sites: HashMap<u64, Arc<Site>>,
     next: u64,
     /// Stacks not given a site because of [`MAX_SITES`].
     pub over_limit: u64,
@@ -59,7 +37,7 @@ impl AllocSites {
         &mut self,
         tgid: u32,
         addrs: &[u64],
-        symbolize: impl FnOnce() -> (Vec<SymFrame>, Vec<Frame>),
+        symbolize: impl FnOnce() -> Vec<SymFrame>,
     ) -> Option<u64> {
         if addrs.is_empty() {
             return None;
@@ -71,30 +49,30 @@ impl AllocSites {
             self.over_limit += 1;
             return None;
         }
-        let (sym, frames) = symbolize();
+        let frames = symbolize();
         self.next += 1;
         let id = self.next;
         self.ids.insert((tgid, addrs.to_vec()), id);
+        let label = label(&frames);
         self.sites.insert(
             id,
-            Site {
+            Arc::new(Site {
+                id,
                 tgid,
                 frames,
-                label: label(&sym),
-            },
+                label,
+            }),
         );
         Some(id)
     }
 
-    pub fn get(&self, id: u64) -> Option<&Site> {
+    pub fn get(&self, id: u64) -> Option<&Arc<Site>> {
         self.sites.get(&id)
     }
 
-    /// The label of `site` ("(unknown)" for allocations without a stack).
-    pub fn label(&self, site: Option<u64>) -> String {
-        site.and_then(|id| self.sites.get(&id))
-            .map(|s| s.label.clone())
-            .unwrap_or_else(|| "(unknown)".into())
+    /// The site of an optional id, shared.
+    pub fn site(&self, id: Option<u64>) -> Option<Arc<Site>> {
+        id.and_then(|id| self.sites.get(&id)).cloned()
     }
 
     /// Process `tgid` exited: its sites go (its addresses may be reused).
@@ -103,38 +81,14 @@ impl AllocSites {
         self.sites.retain(|_, s| s.tgid != tgid);
     }
 
-    /// Annotations naming `rows` (largest first) under `prefix`:
-    /// `prefix.1.bytes`, `prefix.1.allocations`, `prefix.1.stack`, ...
-    /// (dotted names nest in the UI's argument view).
-    pub fn annotations(&self, prefix: &str, rows: &[LiveSite]) -> Vec<Arg> {
-        let mut args = Vec::with_capacity(rows.len() * 3);
-        for (i, r) in rows.iter().enumerate() {
-            let n = i + 1;
-            args.push(Arg::new(
-                format!("{prefix}.{n}.bytes"),
-                ArgValue::Uint(r.usage.bytes),
-            ));
-            args.push(Arg::new(
-                format!("{prefix}.{n}.allocations"),
-                ArgValue::Uint(r.usage.allocations),
-            ));
-            args.push(Arg::new(
-                format!("{prefix}.{n}.stack"),
-                ArgValue::Str(self.label(r.site)),
-            ));
-        }
-        args
-    }
-
-    /// Summary rows for process `tgid`'s `rows`.
-    pub fn reports(&self, tgid: u32, rows: &[LiveSite]) -> Vec<SiteReport> {
+    /// Rows with their sites, for records.
+    pub fn rows(&self, rows: &[LiveSite]) -> Vec<LiveSiteRow> {
         rows.iter()
-            .map(|r| SiteReport {
-                pid: tgid,
-                device: format!("{:?} {}", r.device.vendor, r.device.index),
+            .map(|r| LiveSiteRow {
+                device: r.device,
                 bytes: r.usage.bytes,
                 allocations: r.usage.allocations,
-                stack: self.label(r.site),
+                site: self.site(r.site),
             })
             .collect()
     }
@@ -186,7 +140,7 @@ mod tests {
         let calls = std::cell::Cell::new(0);
         let symbolize = || {
             calls.set(calls.get() + 1);
-            (names.iter().map(|n| sym(n)).collect(), Vec::new())
+            names.iter().map(|n| sym(n)).collect()
         };
         let a = s.intern(1, &[10, 20], symbolize).unwrap();
         assert_eq!(s.intern(1, &[10, 20], symbolize), Some(a));
@@ -194,10 +148,10 @@ mod tests {
         assert_ne!(a, b, "per process");
         assert_eq!(calls.get(), 2, "symbolized once per site");
         assert_eq!(
-            s.label(Some(a)),
+            s.get(a).unwrap().label,
             "alloc_cache < forward < step < loop < ..."
         );
-        assert_eq!(s.label(None), "(unknown)");
+        assert_eq!(crate::model::stack::site_label(None), "(unknown)");
         assert_eq!(s.intern(1, &[], symbolize), None);
         s.forget_process(1);
         assert!(s.get(a).is_none());
@@ -214,17 +168,8 @@ mod tests {
                 allocations: 2,
             },
         }];
-        let args = s.annotations("live_sites", &rows);
-        let names: Vec<&str> = args.iter().map(|a| a.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "live_sites.1.bytes",
-                "live_sites.1.allocations",
-                "live_sites.1.stack"
-            ]
-        );
-        let r = s.reports(2, &rows);
-        assert_eq!((r[0].bytes, r[0].device.as_str()), (4096, "Nvidia 1"));
+        let r = s.rows(&rows);
+        assert_eq!((r[0].bytes, r[0].allocations), (4096, 2));
+        assert_eq!(r[0].site.as_ref().map(|s| s.id), Some(b));
     }
 }

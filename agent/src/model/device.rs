@@ -1,0 +1,127 @@
+//! Device-library records: calls with their meaning, device work on device
+//! streams, device memory by allocation site.
+
+use std::sync::Arc;
+
+use xpuscope_probes::decode::memory::Device;
+use xpuscope_probes::decode::{DeviceCall, OpenReason};
+
+use super::{Field, Site};
+
+/// Ties a host call (or an enqueue marker) to the device work it caused;
+/// unique in a recording.
+pub type FlowId = u64;
+
+/// A device-library call as decoded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceCallRecord {
+    pub call: DeviceCall,
+    /// The allocating stack (device-memory allocations).
+    pub site: Option<Arc<Site>>,
+    /// Flows to the device work this call enqueued.
+    pub flows: Vec<FlowId>,
+    /// Set when the return never came, and why.
+    pub unmatched: Option<OpenReason>,
+    /// A failed allocation: the largest live sites on its device.
+    pub oom: Option<Vec<LiveSiteRow>>,
+}
+
+impl DeviceCallRecord {
+    pub fn new(call: DeviceCall) -> Self {
+        Self {
+            call,
+            site: None,
+            flows: Vec::new(),
+            unmatched: None,
+            oom: None,
+        }
+    }
+
+    /// When the call ended (its start when no return was seen).
+    pub fn end_ts(&self) -> u64 {
+        self.call
+            .end_ts
+            .unwrap_or(self.call.start_ts)
+            .max(self.call.start_ts)
+    }
+}
+
+/// Live device memory charged to one allocation site.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveSiteRow {
+    pub device: Device,
+    pub bytes: u64,
+    pub allocations: u64,
+    pub site: Option<Arc<Site>>,
+}
+
+/// When device memory still held is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeldAt {
+    Exit,
+    EndOfTrace,
+}
+
+impl HeldAt {
+    pub fn describe(self) -> &'static str {
+        match self {
+            HeldAt::Exit => "at exit",
+            HeldAt::EndOfTrace => "at end of trace",
+        }
+    }
+}
+
+/// A process's device memory still held, largest sites first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryHeld {
+    pub tgid: u32,
+    pub ts: u64,
+    pub at: HeldAt,
+    /// Bytes held over all devices.
+    pub held: u64,
+    pub rows: Vec<LiveSiteRow>,
+}
+
+/// A host thread enqueued device work (known from an API record only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnqueueMarker {
+    pub tgid: u32,
+    pub tid: u32,
+    pub ts: u64,
+    pub correlation: u64,
+    pub flow: FlowId,
+}
+
+/// A device stream of a process, as a track.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamTrack {
+    pub tgid: u32,
+    /// "GPU 0 stream 7", "NPU 1 stream 3", "GPU 0 stream 0x10 (estimated)".
+    pub name: String,
+    /// Estimated from launches and syncs (no activity records).
+    pub estimated: bool,
+}
+
+/// One piece of device work (a kernel, a copy, a collective, an estimate),
+/// in start order per stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceWork {
+    pub track: StreamTrack,
+    pub start: u64,
+    pub end: u64,
+    pub name: String,
+    pub fields: Vec<Field>,
+    /// Flows from the host call that enqueued it.
+    pub flows: Vec<FlowId>,
+}
+
+/// A call still open when the recording ended (where a hang shows).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InFlightCall {
+    pub tgid: u32,
+    pub tid: u32,
+    pub function: &'static str,
+    pub start_ts: u64,
+    pub seq: Option<u64>,
+    pub end: u64,
+}

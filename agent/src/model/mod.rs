@@ -1,0 +1,187 @@
+//! The decoded record stream: what the interpret stage makes of the kernel's
+//! raw events, enriched with names, identities and symbolized stacks, and
+//! what every sink consumes. Plain data: no Perfetto types, no byte
+//! layouts, no reads of `/proc`.
+//!
+//! A sink sees every record of a process before that process's
+//! [`Record::Exit`] with `process_ended`, so it may drop what it keeps about
+//! the process there (pids are reused).
+
+pub mod device;
+pub mod identity;
+pub mod stack;
+
+use std::sync::Arc;
+
+pub use device::{
+    DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow, MemoryHeld, StreamTrack,
+};
+pub use identity::RankIdentity;
+pub use stack::{Site, Stack, SymFrame, site_label};
+
+use crate::events::{Comm, Exec, Exit, Fork, Rename, Switch, Waking};
+use crate::procfs::ProcessEntry;
+
+/// A named value attached to a record (rendered as a trace argument, a
+/// metric label, a finding's evidence).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Field {
+    pub name: String,
+    pub value: FieldValue,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum FieldValue {
+    Uint(u64),
+    Double(f64),
+    Str(String),
+    Bool(bool),
+}
+
+impl Field {
+    pub fn new(name: impl Into<String>, value: FieldValue) -> Self {
+        Self {
+            name: name.into(),
+            value,
+        }
+    }
+}
+
+/// Who took the CPU from a thread that was still runnable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Preemptor {
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: Comm,
+}
+
+/// A traced thread preempted by a task outside the traced job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Preemption {
+    pub ts: u64,
+    pub cpu: u32,
+    pub tid: u32,
+    pub tgid: u32,
+    pub by: Preemptor,
+}
+
+/// A finished off-CPU interval of a traced thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffCpuInterval {
+    pub tid: u32,
+    pub tgid: u32,
+    pub cpu: u32,
+    pub start: u64,
+    pub end: u64,
+    /// Report-format state at switch-out (see `state`).
+    pub state: i64,
+    /// The stack taken as it left, when the sampling policy took one.
+    pub stack: Option<Arc<Stack>>,
+    pub preempted_by: Option<Preemptor>,
+    /// The trace ended before the thread ran again.
+    pub truncated: bool,
+}
+
+impl OffCpuInterval {
+    pub fn duration(&self) -> u64 {
+        self.end.saturating_sub(self.start)
+    }
+}
+
+/// A process that came to be: forked from a traced one, or exec'd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessStart {
+    pub ts: u64,
+    pub pid: u32,
+    pub ppid: u32,
+    pub name: String,
+    /// argv, read from `/proc` when the record was enriched (empty when the
+    /// process had gone).
+    pub cmdline: Vec<String>,
+}
+
+/// One decoded, enriched record.
+// Records are moved in batches shared by all sinks; the large variants are
+// the common ones (switches, calls), so boxing would only add allocations.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    /// The processes and threads present when the recording started.
+    InitialProcesses {
+        ts: u64,
+        processes: Vec<ProcessEntry>,
+    },
+    /// A context switch; `prev_state` in report format (see `state`).
+    Switch {
+        switch: Switch,
+        prev_state: i64,
+    },
+    Waking(Waking),
+    /// A thread or process was created (`process` for a new process).
+    NewTask {
+        fork: Fork,
+        process: Option<ProcessStart>,
+    },
+    /// A thread exec'd a new program (`old_name`: its name before).
+    Exec {
+        exec: Exec,
+        old_name: String,
+        process: ProcessStart,
+    },
+    Rename(Rename),
+    /// A thread exited; `process_ended`: the last of its process.
+    Exit {
+        exit: Exit,
+        process_ended: bool,
+    },
+    /// A traced thread preempted by a task outside the job.
+    Preempted(Preemption),
+    /// A traced thread's time off CPU, ended.
+    OffCpu(OffCpuInterval),
+    /// A process's rank identity (from its environment).
+    Identity {
+        tgid: u32,
+        identity: RankIdentity,
+    },
+    /// A device-library call (possibly without its return).
+    DeviceCall(DeviceCallRecord),
+    /// A host thread enqueued device work (an API record with no probed
+    /// call around it): the flow to the work starts here.
+    Enqueued(EnqueueMarker),
+    /// Device work on a device stream (activity records or estimated).
+    DeviceWork(DeviceWork),
+    /// Device memory a process holds, by allocation site.
+    MemoryHeld(MemoryHeld),
+    /// A call still running when the recording ended.
+    InFlightAtEnd(InFlightCall),
+    /// Events were lost on these CPUs; `total` lost so far.
+    Drops {
+        ts: u64,
+        cpus: Vec<u32>,
+        total: u64,
+    },
+}
+
+impl Record {
+    /// A short name per kind (counts per kind, metrics labels).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Record::InitialProcesses { .. } => "initial_processes",
+            Record::Switch { .. } => "switch",
+            Record::Waking(_) => "waking",
+            Record::NewTask { .. } => "new_task",
+            Record::Exec { .. } => "exec",
+            Record::Rename(_) => "rename",
+            Record::Exit { .. } => "exit",
+            Record::Preempted(_) => "preempted",
+            Record::OffCpu(_) => "off_cpu",
+            Record::Identity { .. } => "identity",
+            Record::DeviceCall(_) => "device_call",
+            Record::Enqueued(_) => "enqueued",
+            Record::DeviceWork(_) => "device_work",
+            Record::MemoryHeld(_) => "memory_held",
+            Record::InFlightAtEnd(_) => "in_flight_at_end",
+            Record::Drops { .. } => "drops",
+        }
+    }
+}

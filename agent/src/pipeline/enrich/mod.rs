@@ -1,0 +1,149 @@
+//! Enrichment: what the record stream needs from the live system, read on
+//! the pipeline thread the moment a record needs it, before any sink sees
+//! the record: symbolized stacks (blazesym), process command lines, kernel
+//! names in the applications' memory. (Rank identity is read earlier still,
+//! when device probes are planned: see `TableUpdate`.)
+//!
+//! The interpret stage asks through the [`Enrich`] trait, so it stays pure
+//! and testable with [`fake::FakeEnricher`]; [`LiveEnricher`] is the real
+//! one. Caches are per process and dropped when the interpret stage says a
+//! process ended (every earlier record of it has been enriched by then:
+//! records arrive in order), so a reused pid starts clean.
+
+pub mod symbolize;
+
+use xpuscope_probes::activity::names::RemoteStrings;
+use xpuscope_probes::maps::ProcessMaps;
+
+use crate::model::SymFrame;
+use crate::procfs;
+use symbolize::StackSymbolizer;
+
+/// What interpretation may ask of the live system.
+pub trait Enrich {
+    fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame>;
+    /// Frames of `addrs` (leaf first) in process `tgid`.
+    fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame>;
+    /// A NUL-terminated string at `ptr` in process `tgid` (kernel names).
+    fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String>;
+    /// argv of process `pid` (empty when gone).
+    fn cmdline(&mut self, pid: u32) -> Vec<String>;
+    /// The parent of process `pid` (0 when gone).
+    fn ppid(&mut self, pid: u32) -> u32;
+    /// `child` was forked from `parent` (same address space until exec).
+    fn process_forked(&mut self, child: u32, parent: u32);
+    /// `tgid` exec'd: addresses cached for the old program mean nothing now.
+    fn process_exec(&mut self, tgid: u32);
+    /// `tgid` ended and its records are out: forget it.
+    fn process_ended(&mut self, tgid: u32);
+    /// `tgid`'s memory map, read while it certainly lived (at probe
+    /// planning), for stacks that arrive after it exited.
+    fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps);
+}
+
+/// The real enricher: blazesym, `/proc`, `/proc/PID/mem`.
+#[derive(Default)]
+pub struct LiveEnricher {
+    symbolizer: StackSymbolizer,
+    strings: RemoteStrings,
+}
+
+impl Enrich for LiveEnricher {
+    fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame> {
+        self.symbolizer.kernel_frames(addrs)
+    }
+
+    fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
+        self.symbolizer.user_frames(tgid, addrs)
+    }
+
+    fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
+        self.strings
+            .get(tgid, ptr)
+            .map(|s| s.to_string())
+            .map_err(|e| e.to_string())
+    }
+
+    fn cmdline(&mut self, pid: u32) -> Vec<String> {
+        procfs::cmdline(pid)
+    }
+
+    fn ppid(&mut self, pid: u32) -> u32 {
+        procfs::stat(pid).map(|s| s.ppid).unwrap_or(0)
+    }
+
+    fn process_forked(&mut self, child: u32, parent: u32) {
+        self.symbolizer.process_forked(child, parent);
+    }
+
+    fn process_exec(&mut self, tgid: u32) {
+        self.symbolizer.forget_process(tgid);
+        self.strings.forget_process(tgid);
+    }
+
+    fn process_ended(&mut self, tgid: u32) {
+        self.symbolizer.forget_process(tgid);
+        self.strings.forget_process(tgid);
+    }
+
+    fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps) {
+        self.symbolizer.remember_maps(tgid, maps);
+    }
+}
+
+#[cfg(test)]
+pub mod fake {
+    //! A deterministic enricher for unit tests: frames named after their
+    //! addresses, strings and identities from tables.
+
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[derive(Default)]
+    pub struct FakeEnricher {
+        pub strings: HashMap<(u32, u64), String>,
+        pub cmdlines: HashMap<u32, Vec<String>>,
+        /// Processes told to be forgotten.
+        pub ended: Vec<u32>,
+    }
+
+    fn frame(module: &str, addr: u64) -> SymFrame {
+        SymFrame {
+            function: Arc::from(format!("fn_{addr:x}")),
+            module: Arc::from(module),
+            module_start: 0,
+            module_end: 0,
+            module_offset: 0,
+            rel_pc: addr,
+        }
+    }
+
+    impl Enrich for FakeEnricher {
+        fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame> {
+            addrs.iter().map(|a| frame("kernel", *a)).collect()
+        }
+        fn user_frames(&mut self, _tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
+            addrs.iter().map(|a| frame("/bin/app", *a)).collect()
+        }
+        fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
+            self.strings
+                .get(&(tgid, ptr))
+                .cloned()
+                .ok_or_else(|| format!("no string at {ptr:#x}"))
+        }
+        fn cmdline(&mut self, pid: u32) -> Vec<String> {
+            self.cmdlines.get(&pid).cloned().unwrap_or_default()
+        }
+        fn ppid(&mut self, _pid: u32) -> u32 {
+            1
+        }
+        fn process_forked(&mut self, _child: u32, _parent: u32) {}
+        fn process_exec(&mut self, _tgid: u32) {}
+        fn process_ended(&mut self, tgid: u32) {
+            self.ended.push(tgid);
+        }
+        fn remember_maps(&mut self, _tgid: u32, _maps: ProcessMaps) {}
+    }
+}

@@ -1,0 +1,285 @@
+//! Interpretation: the collect stage's raw events -> [`Record`]s with
+//! meaning. Scheduler records become switches with report states,
+//! off-CPU intervals (with the stack taken as the thread left and who
+//! preempted it), preemptions by outsiders and process lifetimes;
+//! device-library records become decoded calls, device work and memory
+//! (see [`device`]). What needs the live system (symbols, names, command
+//! lines) is asked of an [`Enrich`] at the moment a record needs it.
+//!
+//! State is per thread and per process and dropped at exit, so a long
+//! recording stays bounded and a reused pid starts clean.
+
+pub mod device;
+pub mod offcpu;
+
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::device_probes::TableUpdate;
+use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch};
+use crate::model::{Preemption, Preemptor, ProcessStart, Record, Stack};
+use crate::pipeline::enrich::Enrich;
+use crate::procfs::ProcessEntry;
+use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
+use device::DeviceInterpreter;
+use offcpu::OffCpuTracker;
+
+/// What interpretation counted that no record carries (the rest of the
+/// summary is counted from the records themselves).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct InterpretCounters {
+    /// Off-CPU stacks taken, those the kernel could not take (in part), and
+    /// those whose switch-out was not found.
+    pub stacks: u64,
+    pub stack_errors: u64,
+    pub stacks_unmatched: u64,
+    /// Distinct threads seen.
+    pub threads_seen: u64,
+    /// Allocating stacks taken, and those the kernel could not take.
+    pub alloc_stacks: u64,
+    pub alloc_stack_errors: u64,
+    /// Allocating stacks not given a site (too many distinct sites).
+    pub alloc_sites_over_limit: u64,
+    /// Returns whose entry was not seen (attached mid-call, or lost).
+    pub returns_without_entry: u64,
+    /// Activity records decoded, not copied, not decodable.
+    pub activities: u64,
+    pub activity_unread: u64,
+    pub activity_errors: u64,
+    /// Records at an address no probe is known at.
+    pub unknown_probes: u64,
+}
+
+/// Raw events in, records out.
+#[derive(Default)]
+pub struct Interpreter {
+    /// tid -> (tgid, latest name) of traced threads alive.
+    threads: FxHashMap<u32, (u32, String)>,
+    offcpu: OffCpuTracker,
+    device: DeviceInterpreter,
+    pub counters: InterpretCounters,
+}
+
+impl Interpreter {
+    /// The processes (and their threads) present at attach.
+    pub fn initial_processes(
+        &mut self,
+        ts: u64,
+        processes: Vec<ProcessEntry>,
+        out: &mut Vec<Record>,
+    ) {
+        for p in &processes {
+            for t in &p.threads {
+                self.note_thread(t.tid, p.pid, &t.comm);
+            }
+        }
+        out.push(Record::InitialProcesses { ts, processes });
+    }
+
+    /// Device probes of a process about to be attached.
+    pub fn probes_added(
+        &mut self,
+        update: TableUpdate,
+        en: &mut dyn Enrich,
+        out: &mut Vec<Record>,
+    ) {
+        self.device.probes_added(update, en, out);
+    }
+
+    pub fn drops(&mut self, ts: u64, cpus: Vec<u32>, total: u64, out: &mut Vec<Record>) {
+        out.push(Record::Drops { ts, cpus, total });
+    }
+
+    pub fn event(&mut self, event: Event, en: &mut dyn Enrich, out: &mut Vec<Record>) {
+        match event {
+            Event::Switch(s) => self.switch(s, out),
+            Event::Waking(w) => out.push(Record::Waking(w)),
+            Event::Fork(f) => self.fork(f, en, out),
+            Event::Exec(e) => self.exec(e, en, out),
+            Event::Exit(e) => self.exit(e, en, out),
+            Event::Rename(r) => self.rename(r, out),
+            Event::Stack(s) => self.stack(&s, en),
+            Event::ProbeEntry(e) => self.device.entry(&e, en, &mut self.counters, out),
+            Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
+            Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
+        }
+    }
+
+    /// Ends what is still open at `end`: off-CPU intervals, calls in
+    /// flight, memory held, buffered device work.
+    pub fn finish(&mut self, end: u64, out: &mut Vec<Record>) {
+        for interval in self.offcpu.finish_all(end) {
+            out.push(Record::OffCpu(interval));
+        }
+        self.device.finish(end, &mut self.counters, out);
+    }
+
+    fn note_thread(&mut self, tid: u32, tgid: u32, name: &str) {
+        if let Some(t) = self.threads.get_mut(&tid) {
+            t.0 = tgid;
+            t.1.clear();
+            t.1.push_str(name);
+        } else {
+            self.counters.threads_seen += 1;
+            self.threads.insert(tid, (tgid, name.to_string()));
+        }
+    }
+
+    fn note_running(&mut self, tid: u32, tgid: u32, comm: &Comm) {
+        if !self.threads.contains_key(&tid) {
+            self.note_thread(tid, tgid, &comm.as_str());
+        }
+    }
+
+    fn switch(&mut self, s: Switch, out: &mut Vec<Record>) {
+        let state = report_state(s.prev_state, s.preempt);
+        out.push(Record::Switch {
+            switch: s,
+            prev_state: state,
+        });
+        if s.prev_target && s.prev_tid != 0 {
+            self.note_running(s.prev_tid, s.prev_tgid, &s.prev_comm);
+            let preemptor = (state == 0 || state == REPORT_PREEMPTED).then_some(Preemptor {
+                tid: s.next_tid,
+                tgid: s.next_tgid,
+                comm: s.next_comm,
+            });
+            // Preemption by another thread of the traced job is the job's own
+            // business (and happens at every wakeup); an outsider taking the
+            // CPU is interference worth a marker on the thread's track.
+            if let Some(p) = &preemptor
+                && !s.next_target
+            {
+                out.push(Record::Preempted(Preemption {
+                    ts: s.ts,
+                    cpu: s.cpu,
+                    tid: s.prev_tid,
+                    tgid: s.prev_tgid,
+                    by: p.clone(),
+                }));
+            }
+            // A dying thread's last switch-out is not a wait: it never returns.
+            if state != REPORT_DEAD && state != REPORT_ZOMBIE {
+                self.offcpu
+                    .switched_out(s.prev_tid, s.prev_tgid, s.cpu, s.ts, state, preemptor);
+            }
+        }
+        if s.next_target && s.next_tid != 0 {
+            self.note_running(s.next_tid, s.next_tgid, &s.next_comm);
+            if let Some(interval) = self.offcpu.switched_in(s.next_tid, s.ts) {
+                out.push(Record::OffCpu(interval));
+            }
+        }
+    }
+
+    fn fork(&mut self, f: Fork, en: &mut dyn Enrich, out: &mut Vec<Record>) {
+        let name = f.child_comm.as_str().into_owned();
+        self.note_thread(f.child_tid, f.child_tgid, &name);
+        let process = (!f.is_thread()).then(|| {
+            en.process_forked(f.child_tgid, f.parent_tgid);
+            ProcessStart {
+                ts: f.ts,
+                pid: f.child_tgid,
+                ppid: f.parent_tgid,
+                cmdline: en.cmdline(f.child_tgid),
+                name,
+            }
+        });
+        out.push(Record::NewTask { fork: f, process });
+    }
+
+    fn exec(&mut self, e: Exec, en: &mut dyn Enrich, out: &mut Vec<Record>) {
+        let new = e.comm.as_str().into_owned();
+        let old_name = self
+            .threads
+            .get(&e.tid)
+            .map(|t| t.1.clone())
+            .unwrap_or_default();
+        self.note_thread(e.tid, e.tgid, &new);
+        // A new program: addresses cached for the old one mean nothing now.
+        en.process_exec(e.tgid);
+        let process = ProcessStart {
+            ts: e.ts,
+            pid: e.tgid,
+            ppid: en.ppid(e.tgid),
+            cmdline: en.cmdline(e.tgid),
+            name: new,
+        };
+        out.push(Record::Exec {
+            exec: e,
+            old_name,
+            process,
+        });
+    }
+
+    fn exit(&mut self, e: Exit, en: &mut dyn Enrich, out: &mut Vec<Record>) {
+        let process_ended = e.ends_process();
+        if let Some(interval) = self.offcpu.exited(e.tid, e.ts) {
+            out.push(Record::OffCpu(interval));
+        }
+        self.device.exited(
+            e.tgid,
+            e.tid,
+            e.ts,
+            process_ended,
+            en,
+            &mut self.counters,
+            out,
+        );
+        self.threads.remove(&e.tid);
+        if process_ended {
+            // Every earlier record of the process is out: what is cached
+            // about it goes (its pid may come back as another process).
+            en.process_ended(e.tgid);
+        }
+        out.push(Record::Exit {
+            exit: e,
+            process_ended,
+        });
+    }
+
+    fn rename(&mut self, r: Rename, out: &mut Vec<Record>) {
+        self.note_thread(r.tid, r.tgid, &r.new_comm.as_str());
+        out.push(Record::Rename(r));
+    }
+
+    fn stack(&mut self, s: &StackCapture, en: &mut dyn Enrich) {
+        self.counters.stacks += 1;
+        if s.kernel.is_err() || s.user.is_err() {
+            self.counters.stack_errors += 1;
+        }
+        let kernel = match &s.kernel {
+            Ok(addrs) => en.kernel_frames(addrs),
+            Err(_) => Vec::new(),
+        };
+        let user = match &s.user {
+            Ok(addrs) => en.user_frames(s.tgid, addrs),
+            Err(_) => Vec::new(),
+        };
+        if !self
+            .offcpu
+            .stack_taken(s.tid, s.ts, Arc::new(Stack { kernel, user }))
+        {
+            self.counters.stacks_unmatched += 1;
+        }
+    }
+
+    /// Decoder output straight into the device interpretation (tests).
+    #[cfg(test)]
+    pub fn device_emit(
+        &mut self,
+        decoded: &mut Vec<xpuscope_probes::decode::Decoded>,
+        en: &mut dyn Enrich,
+        out: &mut Vec<Record>,
+    ) {
+        self.device.emit(decoded, en, &mut self.counters, out);
+    }
+
+    /// Threads alive that interpretation keeps state for (tests).
+    #[cfg(test)]
+    pub fn threads_alive(&self) -> usize {
+        self.threads.len()
+    }
+}

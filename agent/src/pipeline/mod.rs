@@ -1,0 +1,151 @@
+//! The event pipeline: collect -> interpret (+ enrich) -> fan-out to sinks.
+//!
+//! ```text
+//!  kernel rings --collect--> PipelineMsg --interpret/enrich--> Records --fan-out--> sinks
+//!  (tokio task)              (bounded)    (pipeline thread)              (a thread and a
+//!                                                                         bounded queue each)
+//! ```
+//! - [`collect`]: ring records -> typed raw events (`crate::events`).
+//! - [`interpret`]: raw events -> [`Record`]s with meaning; asks [`enrich`]
+//!   for what needs the live system, on this thread, before any sink.
+//! - fan-out ([`crate::sinks::FanOut`]): every batch to every sink, never
+//!   waiting for one.
+//!
+//! Adding an event kind: the record in `ebpf/common`, the kernel program in
+//! `ebpf/programs` (and the program table in the kernel loader), its decoding
+//! in `crate::events` (collect), its meaning in [`interpret`] as a
+//! [`Record`] variant in `crate::model`, and the sinks that care. Nothing
+//! else.
+
+pub mod collect;
+#[cfg(test)]
+mod device_tests;
+pub mod enrich;
+pub mod interpret;
+#[cfg(test)]
+mod sched_tests;
+#[cfg(test)]
+pub mod testing;
+
+use std::panic::AssertUnwindSafe;
+
+use anyhow::{Result, anyhow};
+use tokio::sync::mpsc;
+
+use crate::device_probes::TableUpdate;
+use crate::events::Event;
+use crate::procfs::ProcessEntry;
+use crate::sinks::{FanOut, panic_message};
+use enrich::Enrich;
+use interpret::{InterpretCounters, Interpreter};
+
+/// Messages into the pipeline, in stream order.
+pub enum PipelineMsg {
+    Events(Vec<Event>),
+    /// Per-CPU drop totals changed: the CPUs with new drops, and the total.
+    Drops {
+        ts: u64,
+        cpus: Vec<u32>,
+        total: u64,
+    },
+    /// Device-library probes about to be attached (sent before they can
+    /// fire, so every hit finds its meaning).
+    Probes(TableUpdate),
+    /// Time passes (sinks flush, write clock snapshots).
+    Tick(u64),
+}
+
+/// Channel depth from collect (and the supervisor) into the pipeline, in
+/// batches. The kernel ring buffer is the real buffer; this only smooths
+/// hand-offs (each batch holds up to 4096 events, about 400 KiB).
+pub const PIPELINE_BATCHES: usize = 16;
+
+/// Ticks forwarded to sinks at most this often (ns).
+const SINK_TICK_NS: u64 = 1_000_000_000;
+
+/// The interpret stage with its enricher, feeding the fan-out.
+pub struct Pipeline<E: Enrich> {
+    pub interpreter: Interpreter,
+    pub enricher: E,
+    pub fanout: FanOut,
+    last_tick: u64,
+}
+
+impl<E: Enrich> Pipeline<E> {
+    pub fn new(enricher: E, fanout: FanOut) -> Self {
+        Self {
+            interpreter: Interpreter::default(),
+            enricher,
+            fanout,
+            last_tick: 0,
+        }
+    }
+
+    /// The processes present at attach.
+    pub fn start(&mut self, ts: u64, processes: Vec<ProcessEntry>) {
+        let mut out = Vec::new();
+        self.interpreter.initial_processes(ts, processes, &mut out);
+        self.fanout.send(out);
+    }
+
+    pub fn handle(&mut self, msg: PipelineMsg) {
+        let mut out = Vec::new();
+        let en = &mut self.enricher;
+        match msg {
+            PipelineMsg::Events(events) => {
+                out.reserve(events.len());
+                for e in events {
+                    self.interpreter.event(e, en, &mut out);
+                }
+            }
+            PipelineMsg::Drops { ts, cpus, total } => {
+                self.interpreter.drops(ts, cpus, total, &mut out)
+            }
+            PipelineMsg::Probes(update) => self.interpreter.probes_added(update, en, &mut out),
+            PipelineMsg::Tick(now) => {
+                if now.saturating_sub(self.last_tick) >= SINK_TICK_NS {
+                    self.last_tick = now;
+                    self.fanout.tick(now);
+                }
+            }
+        }
+        self.fanout.send(out);
+    }
+
+    /// Ends what is open at `end` and tells every sink the recording ended.
+    pub fn finish(&mut self, end: u64) -> InterpretCounters {
+        let mut out = Vec::new();
+        self.interpreter.finish(end, &mut out);
+        self.fanout.send(out);
+        self.fanout.finish(end);
+        self.interpreter.counters
+    }
+
+    /// The pipeline thread's body: every message until the channel closes,
+    /// then the end. A panic in interpretation still ends every sink (a
+    /// finished, valid trace) and comes back as an error.
+    pub fn run(
+        mut self,
+        mut rx: mpsc::Receiver<PipelineMsg>,
+        end: impl FnOnce() -> u64,
+    ) -> Result<InterpretCounters> {
+        let span = tracing::info_span!("interpret");
+        let _entered = span.enter();
+        let body = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            while let Some(msg) = rx.blocking_recv() {
+                self.handle(msg);
+            }
+        }));
+        let end = end();
+        match body {
+            Ok(()) => Ok(self.finish(end)),
+            Err(panic) => {
+                self.fanout.finish(end);
+                Err(anyhow!(
+                    "the interpret stage panicked: {}",
+                    panic_message(&panic)
+                ))
+            }
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! Tests of scheduler interpretation and rendering: a small known story fed
+//! through the pipeline and read back with the independent decoder.
+
+use xpuscope_tests::trace_check::{State, Timeline, check_importer_rules, decode};
+
+use super::testing::TestPipeline;
+use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, Waking};
+use crate::procfs;
+
+fn comm(s: &str) -> Comm {
+    Comm::from_str_lossy(s)
+}
+
+fn switch(
+    cpu: u32,
+    ts: u64,
+    prev: (u32, &str, u32),
+    next: (u32, &str, u32),
+    flags: (bool, bool, bool),
+) -> Event {
+    Event::Switch(Switch {
+        cpu,
+        ts,
+        prev_tid: prev.0,
+        prev_tgid: prev.2,
+        prev_comm: comm(prev.1),
+        prev_state: if flags.2 { 0 } else { 1 },
+        prev_prio: 120,
+        next_tid: next.0,
+        next_tgid: next.2,
+        next_comm: comm(next.1),
+        next_prio: 120,
+        preempt: flags.2,
+        prev_target: flags.0,
+        next_target: flags.1,
+        stack_follows: false,
+    })
+}
+
+/// Feeds a small, known story through the trace stage and reads it
+/// back with the independent decoder.
+#[test]
+fn events_become_what_the_ui_shows() {
+    let mut b = TestPipeline::new();
+    let app = procfs::ProcessEntry {
+        pid: 100,
+        ppid: 1,
+        comm: "trainer".into(),
+        cmdline: vec!["python3".into(), "train.py".into()],
+        uid: Some(0),
+        threads: vec![procfs::ThreadEntry {
+            tid: 100,
+            comm: "trainer".into(),
+        }],
+    };
+    b.initial_processes(1_000, &[app]);
+    let worker = (101, "worker", 100);
+    let main = (100, "trainer", 100);
+    let hog = (900, "hog", 900);
+    let idle = (0, "swapper/0", 0);
+    let events = vec![
+        Event::Fork(Fork {
+            cpu: 0,
+            ts: 2_000,
+            parent_tid: 100,
+            parent_tgid: 100,
+            child_tid: 101,
+            child_tgid: 100,
+            child_comm: comm("trainer"),
+        }),
+        Event::Rename(Rename {
+            cpu: 0,
+            ts: 2_100,
+            tid: 101,
+            tgid: 100,
+            old_comm: comm("trainer"),
+            new_comm: comm("worker"),
+        }),
+        switch(0, 3_000, idle, worker, (false, true, false)),
+        // The worker blocks (sleeping) with a stack, for 7 us.
+        switch(0, 4_000, worker, main, (true, true, false)),
+        Event::Stack(Box::new(StackCapture {
+            cpu: 0,
+            ts: 4_000,
+            tid: 101,
+            tgid: 100,
+            kernel: Ok(vec![0xffff_ffff_8100_0010]),
+            user: Ok(vec![0x1000]),
+        })),
+        Event::Waking(Waking {
+            cpu: 0,
+            ts: 10_500,
+            tid: 101,
+            tgid: 100,
+            comm: comm("worker"),
+            prio: 120,
+            target_cpu: 0,
+            waker_tid: 100,
+            waker_tgid: 100,
+            new_task: false,
+        }),
+        switch(0, 11_000, main, worker, (true, true, false)),
+        // An outsider preempts the worker.
+        switch(0, 12_000, worker, hog, (true, false, true)),
+        switch(0, 15_000, hog, worker, (false, true, false)),
+        Event::Exec(Exec {
+            cpu: 0,
+            ts: 16_000,
+            tid: 100,
+            tgid: 100,
+            old_tid: 100,
+            comm: comm("trainer2"),
+        }),
+        Event::Exit(Exit {
+            cpu: 0,
+            ts: 17_000,
+            tid: 101,
+            tgid: 100,
+            prio: 120,
+            comm: comm("worker"),
+        }),
+    ];
+    for e in events {
+        b.handle(e);
+    }
+    b.drops(18_000, &[1], 5);
+    let (bytes, stats) = b.finish(20_000);
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+
+    assert_eq!(tl.thread_name(101).as_deref(), Some("worker"));
+    assert_eq!(tl.process_of(101), Some(100));
+    assert_eq!(
+        tl.thread_name(100).as_deref(),
+        Some("trainer2"),
+        "exec renames a tree-named thread"
+    );
+    let states = tl.thread_state_intervals(101);
+    assert!(
+        states.contains(&(4_000, 10_500, State::Sleeping)),
+        "{states:?}"
+    );
+    assert!(
+        states
+            .iter()
+            .any(|s| s.0 == 12_000 && s.2 == State::RunnablePreempted),
+        "{states:?}"
+    );
+    let woken = tl.wakings.iter().find(|w| w.pid == 101).unwrap();
+    assert_eq!(woken.waker_pid, Some(100));
+    assert_eq!(tl.stack_samples.len(), 1);
+    assert_eq!(
+        tl.stack_samples[0].weight, 7_000,
+        "weighted by the time off CPU"
+    );
+    assert_eq!(tl.stack_samples[0].tid, 101);
+    let marks = tl.instants_on_thread(101);
+    assert!(
+        marks.iter().any(|(n, _)| n == "preempted by hog"),
+        "{marks:?}"
+    );
+    assert!(tl.frees.iter().any(|f| f.pid == 101));
+    assert_eq!(
+        tl.lost_event_cpus.iter().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert_eq!(tl.counter_values("xpuscope dropped events"), vec![5.0]);
+    assert_eq!(stats.preemptions, 1);
+    // worker: 7 us asleep, 3 us preempted; main: off from 11 us to the end.
+    assert_eq!(stats.offcpu.total_ns, 7_000 + 3_000 + 9_000);
+}

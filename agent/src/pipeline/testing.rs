@@ -1,0 +1,131 @@
+//! A synchronous pipeline for unit tests: interpretation with the live
+//! enricher, the Perfetto sink over a `Vec<u8>` and the summary sink, fed
+//! in order on the calling thread (no queues, nothing lost), so a test can
+//! feed a small known story and decode the trace back.
+
+use xpuscope_perfetto::TraceWriter;
+use xpuscope_probes::decode::Decoded;
+
+use super::enrich::LiveEnricher;
+use super::interpret::{InterpretCounters, Interpreter};
+use crate::device_probes::TableUpdate;
+use crate::events::Event;
+use crate::model::Record;
+use crate::procfs::ProcessEntry;
+use crate::sinks::perfetto::PerfettoSink;
+use crate::sinks::summary::offcpu::OffCpuSummary;
+use crate::sinks::summary::{RecordTotals, SummarySink};
+use crate::sinks::{Sink, SinkCounters};
+
+pub struct TestPipeline {
+    pub interpreter: Interpreter,
+    enricher: LiveEnricher,
+    trace: PerfettoSink<Vec<u8>>,
+    summary: SummarySink,
+    lost: SinkCounters,
+}
+
+/// The device counters tests check, from both stages.
+#[derive(Debug, Default)]
+pub struct DeviceCounts {
+    pub calls: u64,
+    pub errors: u64,
+    pub returns_without_entry: u64,
+    pub entries_without_return: u64,
+    pub device_slices: u64,
+    pub estimated_slices: u64,
+    pub device_flows: u64,
+    pub failed_allocations: u64,
+}
+
+pub struct TestStats {
+    pub preemptions: u64,
+    pub offcpu: OffCpuSummary,
+    pub device: DeviceCounts,
+    pub counters: InterpretCounters,
+}
+
+impl TestPipeline {
+    pub fn new() -> Self {
+        let mut trace = PerfettoSink::new(TraceWriter::new(Vec::new()));
+        trace
+            .writer()
+            .system_info(&xpuscope_perfetto::SystemInfo {
+                release: "6.18.0".into(),
+                ..Default::default()
+            })
+            .expect("writing to a Vec cannot fail");
+        Self {
+            interpreter: Interpreter::default(),
+            enricher: LiveEnricher::default(),
+            trace,
+            summary: SummarySink::default(),
+            lost: SinkCounters::default(),
+        }
+    }
+
+    fn deliver(&mut self, out: Vec<Record>) {
+        self.trace.on_batch(&out, &self.lost).unwrap();
+        self.summary.on_batch(&out, &self.lost).unwrap();
+    }
+
+    pub fn initial_processes(&mut self, ts: u64, processes: &[ProcessEntry]) {
+        let mut out = Vec::new();
+        self.interpreter
+            .initial_processes(ts, processes.to_vec(), &mut out);
+        self.deliver(out);
+    }
+
+    pub fn handle(&mut self, e: Event) {
+        let mut out = Vec::new();
+        self.interpreter.event(e, &mut self.enricher, &mut out);
+        self.deliver(out);
+    }
+
+    pub fn drops(&mut self, ts: u64, cpus: &[u32], total: u64) {
+        let mut out = Vec::new();
+        self.interpreter.drops(ts, cpus.to_vec(), total, &mut out);
+        self.deliver(out);
+    }
+
+    pub fn probes_added(&mut self, update: TableUpdate) {
+        let mut out = Vec::new();
+        self.interpreter
+            .probes_added(update, &mut self.enricher, &mut out);
+        self.deliver(out);
+    }
+
+    /// Decoder output straight into the device interpretation.
+    pub fn emit(&mut self, decoded: &mut Vec<Decoded>) {
+        let mut out = Vec::new();
+        self.interpreter
+            .device_emit(decoded, &mut self.enricher, &mut out);
+        self.deliver(out);
+    }
+
+    pub fn finish(mut self, end: u64) -> (Vec<u8>, TestStats) {
+        let mut out = Vec::new();
+        self.interpreter.finish(end, &mut out);
+        self.deliver(out);
+        let counters = self.interpreter.counters;
+        let written = self.trace.finish(end, &self.lost).unwrap();
+        let t: RecordTotals = self.summary.finish(end, &self.lost).unwrap();
+        let device = DeviceCounts {
+            calls: t.device.calls,
+            errors: t.device.errors,
+            returns_without_entry: counters.returns_without_entry,
+            entries_without_return: t.device.entries_without_return,
+            device_slices: t.device.device_slices,
+            estimated_slices: t.device.estimated_slices,
+            device_flows: t.device.device_flows,
+            failed_allocations: t.device.failed_allocations,
+        };
+        let stats = TestStats {
+            preemptions: t.preemptions,
+            offcpu: t.offcpu,
+            device,
+            counters,
+        };
+        (written.out, stats)
+    }
+}

@@ -1,0 +1,243 @@
+//! Sinks: the consumers of the decoded record stream (the Perfetto writer,
+//! the end-of-run summary; next a flight recorder, metrics, detectors).
+//!
+//! Each sink runs on its own thread behind its own bounded queue, fed by the
+//! fan-out with batches shared between sinks (`Arc`, never copied). A sink
+//! that lags loses its own batches, counted as drops under its name: it
+//! never stalls the kernel rings or the other sinks. A new capability is a
+//! new [`Sink`]; it never decodes raw bytes itself.
+
+#[cfg(test)]
+pub mod counting;
+pub mod perfetto;
+pub mod summary;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+
+use anyhow::{Context, Result, anyhow};
+use serde::Serialize;
+
+use crate::model::Record;
+
+/// Records handed to every sink at once.
+pub type Batch = Arc<Vec<Record>>;
+
+/// A consumer of the record stream.
+pub trait Sink: Send + 'static {
+    /// What the sink hands back when the recording ends.
+    type Output: Send + 'static;
+    /// The records in stream order (a batch's records, then the next
+    /// batch's; batches the sink lost are counted in `lost`).
+    fn on_batch(&mut self, batch: &[Record], lost: &SinkCounters) -> Result<()>;
+    /// Called about once a second, also when no records came.
+    fn on_tick(&mut self, _now: u64, _lost: &SinkCounters) -> Result<()> {
+        Ok(())
+    }
+    /// The recording ended at `end` (CLOCK_BOOTTIME ns).
+    fn finish(self, end: u64, lost: &SinkCounters) -> Result<Self::Output>;
+}
+
+/// A sink's own accounting, read by the summary and by the sink itself.
+#[derive(Debug, Default)]
+pub struct SinkCounters {
+    pub delivered_records: AtomicU64,
+    pub dropped_records: AtomicU64,
+    pub dropped_batches: AtomicU64,
+    /// The sink's thread ended before the recording did (an error).
+    pub stopped: AtomicBool,
+}
+
+impl SinkCounters {
+    pub fn dropped(&self) -> u64 {
+        self.dropped_records.load(Ordering::Relaxed)
+    }
+}
+
+/// A sink's counters for the summary.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct SinkReport {
+    pub name: &'static str,
+    pub delivered_records: u64,
+    pub dropped_records: u64,
+    pub dropped_batches: u64,
+}
+
+enum SinkMsg {
+    Batch(Batch),
+    Tick(u64),
+    Finish(u64),
+}
+
+/// The fan-out's end of one sink.
+struct SinkQueue {
+    name: &'static str,
+    tx: Option<SyncSender<SinkMsg>>,
+    counters: Arc<SinkCounters>,
+}
+
+/// A running sink: its queue's counters and its thread.
+pub struct SinkHandle<T> {
+    pub name: &'static str,
+    pub counters: Arc<SinkCounters>,
+    thread: JoinHandle<Result<T>>,
+}
+
+impl<T> SinkHandle<T> {
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Waits for the sink's output (after [`FanOut::finish`]).
+    pub fn join(self) -> Result<T> {
+        match self.thread.join() {
+            Ok(r) => r.with_context(|| format!("the {} sink failed", self.name)),
+            Err(panic) => Err(anyhow!(
+                "the {} sink panicked: {}",
+                self.name,
+                panic_message(&panic)
+            )),
+        }
+    }
+
+    pub fn report(&self) -> SinkReport {
+        let c = &self.counters;
+        SinkReport {
+            name: self.name,
+            delivered_records: c.delivered_records.load(Ordering::Relaxed),
+            dropped_records: c.dropped_records.load(Ordering::Relaxed),
+            dropped_batches: c.dropped_batches.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The text of a panic payload.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// Hands every batch to every sink without waiting for any.
+#[derive(Default)]
+pub struct FanOut {
+    queues: Vec<SinkQueue>,
+}
+
+impl FanOut {
+    /// Starts `sink` on its own thread behind a queue of `depth` batches.
+    pub fn add<S: Sink>(
+        &mut self,
+        name: &'static str,
+        sink: S,
+        depth: usize,
+    ) -> Result<SinkHandle<S::Output>> {
+        let (tx, rx) = sync_channel(depth.max(1));
+        let counters = Arc::new(SinkCounters::default());
+        let thread = {
+            let counters = counters.clone();
+            std::thread::Builder::new()
+                .name(format!("xpuscope-{name}"))
+                .spawn(move || run_sink(name, sink, rx, counters))
+                .with_context(|| format!("starting the {name} sink"))?
+        };
+        self.queues.push(SinkQueue {
+            name,
+            tx: Some(tx),
+            counters: counters.clone(),
+        });
+        Ok(SinkHandle {
+            name,
+            counters,
+            thread,
+        })
+    }
+
+    /// Offers `batch` to every sink; a sink whose queue is full loses it
+    /// (counted under its name).
+    pub fn send(&mut self, batch: Vec<Record>) {
+        if batch.is_empty() {
+            return;
+        }
+        let n = batch.len() as u64;
+        let batch: Batch = Arc::new(batch);
+        for q in &mut self.queues {
+            let Some(tx) = &q.tx else {
+                q.counters.dropped_records.fetch_add(n, Ordering::Relaxed);
+                q.counters.dropped_batches.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            match tx.try_send(SinkMsg::Batch(batch.clone())) {
+                Ok(()) => {
+                    q.counters.delivered_records.fetch_add(n, Ordering::Relaxed);
+                }
+                Err(TrySendError::Full(_)) => {
+                    q.counters.dropped_records.fetch_add(n, Ordering::Relaxed);
+                    q.counters.dropped_batches.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    tracing::warn!(
+                        "the {} sink stopped; its records are counted as dropped",
+                        q.name
+                    );
+                    q.counters.dropped_records.fetch_add(n, Ordering::Relaxed);
+                    q.counters.dropped_batches.fetch_add(1, Ordering::Relaxed);
+                    q.tx = None;
+                }
+            }
+        }
+    }
+
+    /// A tick to every sink that has room for it (ticks are not counted).
+    pub fn tick(&mut self, now: u64) {
+        for q in &self.queues {
+            if let Some(tx) = &q.tx {
+                let _ = tx.try_send(SinkMsg::Tick(now));
+            }
+        }
+    }
+
+    /// Tells every sink the recording ended at `end` (waiting for room:
+    /// the end is never lost), then closes the queues.
+    pub fn finish(&mut self, end: u64) {
+        for q in &mut self.queues {
+            if let Some(tx) = q.tx.take() {
+                let _ = tx.send(SinkMsg::Finish(end));
+            }
+        }
+    }
+}
+
+fn run_sink<S: Sink>(
+    name: &'static str,
+    mut sink: S,
+    rx: Receiver<SinkMsg>,
+    counters: Arc<SinkCounters>,
+) -> Result<S::Output> {
+    let span = tracing::info_span!("sink", name);
+    let _entered = span.enter();
+    let mut last_ts = 0;
+    let result = (|| {
+        while let Ok(msg) = rx.recv() {
+            match msg {
+                SinkMsg::Batch(batch) => sink.on_batch(&batch, &counters)?,
+                SinkMsg::Tick(now) => {
+                    last_ts = now;
+                    sink.on_tick(now, &counters)?;
+                }
+                SinkMsg::Finish(end) => return sink.finish(end, &counters),
+            }
+        }
+        // The fan-out went away without an end (its stage failed): finish
+        // anyway, so what was written is a valid file.
+        sink.finish(last_ts.max(crate::host::boottime_ns()), &counters)
+    })();
+    if result.is_err() {
+        counters.stopped.store(true, Ordering::Relaxed);
+    }
+    result
+}

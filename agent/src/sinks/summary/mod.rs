@@ -1,0 +1,162 @@
+//! The summary sink: totals over the record stream for the end-of-run
+//! summary (off-CPU time and its reasons, preemptors, device calls per
+//! function, device work, failed allocations, memory still held).
+
+pub mod offcpu;
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::{Sink, SinkCounters};
+use crate::model::{Record, site_label};
+use offcpu::OffCpuSummary;
+
+/// Device records counted (the decoding's own counters are in
+/// `InterpretCounters`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DeviceRecordCounts {
+    /// Calls recorded (entry and return paired).
+    pub calls: u64,
+    /// Calls that returned an error status.
+    pub errors: u64,
+    /// Entries whose return never came (lost, or the thread exited).
+    pub entries_without_return: u64,
+    /// Calls still open when the recording ended.
+    pub in_flight_at_end: u64,
+    /// Slices on device-stream tracks from activity records.
+    pub device_slices: u64,
+    /// Estimated device slices (streams without activity records).
+    pub estimated_slices: u64,
+    /// Flows from host launches to their device work.
+    pub device_flows: u64,
+    /// Device-memory allocations that failed (an OOM), each marked in the
+    /// trace with its stack and the largest live allocation sites.
+    pub failed_allocations: u64,
+}
+
+/// Calls of one probed function, for the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FunctionCalls {
+    pub library: &'static str,
+    pub function: &'static str,
+    /// Entries the kernel counted (its probe's hits).
+    pub hits: u64,
+    /// Calls decoded into the trace (entry and return paired).
+    pub calls: u64,
+    pub errors: u64,
+}
+
+/// A site's live bytes, for the summary.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SiteReport {
+    pub pid: u32,
+    pub device: String,
+    pub bytes: u64,
+    pub allocations: u64,
+    /// The allocating stack, innermost caller first ("(unknown)" when no
+    /// stack was taken).
+    pub stack: String,
+}
+
+/// What the summary sink counted.
+#[derive(Default)]
+pub struct RecordTotals {
+    pub offcpu: OffCpuSummary,
+    /// Preemptions of traced threads (by anyone).
+    pub preemptions: u64,
+    pub device: DeviceRecordCounts,
+    /// Calls per function, most called first.
+    pub functions: Vec<FunctionCalls>,
+    /// Largest live allocation sites (at each process's exit or the end),
+    /// largest first.
+    pub sites: Vec<SiteReport>,
+}
+
+#[derive(Default)]
+pub struct SummarySink {
+    totals: RecordTotals,
+    /// (library, function) -> (calls, errors).
+    by_function: HashMap<(&'static str, &'static str), (u64, u64)>,
+}
+
+impl SummarySink {
+    fn record(&mut self, r: &Record) {
+        let t = &mut self.totals;
+        match r {
+            Record::OffCpu(i) => {
+                if i.preempted_by.is_some() {
+                    t.preemptions += 1;
+                }
+                t.offcpu.add(i);
+            }
+            Record::DeviceCall(c) if c.unmatched.is_some() => t.device.entries_without_return += 1,
+            Record::DeviceCall(c) => {
+                t.device.calls += 1;
+                let e = self
+                    .by_function
+                    .entry((c.call.library.name(), c.call.function))
+                    .or_default();
+                e.0 += 1;
+                if c.call.error {
+                    t.device.errors += 1;
+                    e.1 += 1;
+                }
+                if c.oom.is_some() {
+                    t.device.failed_allocations += 1;
+                }
+            }
+            Record::DeviceWork(w) => {
+                if w.track.estimated {
+                    t.device.estimated_slices += 1;
+                } else {
+                    t.device.device_slices += 1;
+                }
+                t.device.device_flows += w.flows.len() as u64;
+            }
+            Record::InFlightAtEnd(_) => t.device.in_flight_at_end += 1,
+            Record::MemoryHeld(m) => t.sites.extend(m.rows.iter().map(|r| SiteReport {
+                pid: m.tgid,
+                device: format!("{:?} {}", r.device.vendor, r.device.index),
+                bytes: r.bytes,
+                allocations: r.allocations,
+                stack: site_label(r.site.as_ref()),
+            })),
+            _ => {}
+        }
+    }
+}
+
+impl Sink for SummarySink {
+    type Output = RecordTotals;
+
+    fn on_batch(&mut self, batch: &[Record], _lost: &SinkCounters) -> Result<()> {
+        for r in batch {
+            self.record(r);
+        }
+        Ok(())
+    }
+
+    fn finish(mut self, _end: u64, _lost: &SinkCounters) -> Result<RecordTotals> {
+        let mut functions: Vec<FunctionCalls> = self
+            .by_function
+            .iter()
+            .map(|(&(library, function), &(calls, errors))| FunctionCalls {
+                library,
+                function,
+                hits: 0,
+                calls,
+                errors,
+            })
+            .collect();
+        functions.sort_by(|a, b| {
+            (b.calls, a.library, a.function).cmp(&(a.calls, b.library, b.function))
+        });
+        self.totals.functions = functions;
+        self.totals
+            .sites
+            .sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+        Ok(self.totals)
+    }
+}

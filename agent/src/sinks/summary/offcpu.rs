@@ -1,0 +1,111 @@
+//! Off-CPU time for the summary: totals, the top reasons a traced thread
+//! waited, and who preempted it.
+
+use std::collections::HashMap;
+
+use rustc_hash::FxHashMap;
+
+use crate::events::Comm;
+use crate::model::OffCpuInterval;
+
+/// Kernel frames of the scheduler itself, skipped when naming a wait.
+fn is_scheduler_frame(name: &str) -> bool {
+    matches!(
+        name,
+        "__schedule" | "schedule" | "__switch_to" | "__switch_to_asm" | "preempt_schedule_common"
+    ) || name.starts_with("schedule_")
+        || name.starts_with("preempt_schedule")
+        || name.starts_with("__cond_resched")
+        || name.starts_with("entry_SYSCALL")
+        || name.starts_with("do_syscall")
+}
+
+/// The C library and the dynamic loader: wrappers, not the reason for a wait.
+fn is_system_library(module: &str) -> bool {
+    let file = module.rsplit('/').next().unwrap_or(module);
+    [
+        "libc.so",
+        "libc-",
+        "libpthread",
+        "ld-linux",
+        "libm.so",
+        "librt",
+    ]
+    .iter()
+    .any(|p| file.starts_with(p))
+}
+
+/// A short human reason for an off-CPU interval: its state, the kernel
+/// function it waited in, and the innermost user function.
+pub fn reason(interval: &OffCpuInterval) -> String {
+    let state = crate::state::label(interval.state);
+    let Some(stack) = &interval.stack else {
+        return format!("{state} (no stack sampled)");
+    };
+    let kernel = stack
+        .kernel
+        .iter()
+        .find(|f| !is_scheduler_frame(&f.function));
+    // The innermost frame of the program itself says more than the C
+    // library's syscall wrapper it went through.
+    let user = stack
+        .user
+        .iter()
+        .find(|f| !is_system_library(&f.module))
+        .or(stack.user.first());
+    match (kernel, user) {
+        (Some(k), Some(u)) => format!("{state} in {} <- {}", k.function, u.function),
+        (Some(k), None) => format!("{state} in {}", k.function),
+        (None, Some(u)) => format!("{state} <- {}", u.function),
+        (None, None) => state.to_string(),
+    }
+}
+
+/// Totals for the summary.
+#[derive(Default)]
+pub struct OffCpuSummary {
+    /// reason -> (total ns, count)
+    pub by_reason: HashMap<String, (u64, u64)>,
+    /// (preemptor tid, comm) -> (total ns, count); named only when reported,
+    /// since this is updated at every preemption.
+    pub by_preemptor: FxHashMap<(u32, Comm), (u64, u64)>,
+    pub total_ns: u64,
+    pub with_stack_ns: u64,
+}
+
+impl OffCpuSummary {
+    pub fn add(&mut self, interval: &OffCpuInterval) {
+        let d = interval.duration();
+        self.total_ns += d;
+        if interval.stack.is_some() {
+            self.with_stack_ns += d;
+            let e = self.by_reason.entry(reason(interval)).or_default();
+            e.0 += d;
+            e.1 += 1;
+        }
+        if let Some(p) = &interval.preempted_by {
+            let e = self.by_preemptor.entry((p.tid, p.comm)).or_default();
+            e.0 += d;
+            e.1 += 1;
+        }
+    }
+
+    /// The `n` preemptors that took the most time, as "comm (tid)".
+    pub fn top_preemptors(&self, n: usize) -> Vec<(String, u64, u64)> {
+        let named: HashMap<String, (u64, u64)> = self
+            .by_preemptor
+            .iter()
+            .map(|((tid, comm), v)| (format!("{} ({tid})", comm.as_str()), *v))
+            .collect();
+        Self::top(&named, n)
+    }
+
+    /// The `n` largest entries of `map` by total time.
+    pub fn top(map: &HashMap<String, (u64, u64)>, n: usize) -> Vec<(String, u64, u64)> {
+        let mut v: Vec<(String, u64, u64)> =
+            map.iter().map(|(k, (t, c))| (k.clone(), *t, *c)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        v.truncate(n);
+        v
+    }
+}
