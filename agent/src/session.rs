@@ -344,7 +344,12 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
     drop(tx);
     let pipeline_result = tokio::task::spawn_blocking(move || pipeline.join())
         .await?
-        .map_err(|p| anyhow!("the pipeline panicked: {}", crate::sinks::panic_message(&p)))
+        .map_err(|p| {
+            anyhow!(
+                "the pipeline panicked: {}",
+                crate::sinks::panic_message(&*p)
+            )
+        })
         .and_then(|r| r);
     let sinks = vec![trace.report(), summary.report()];
     let (trace_result, summary_result) =

@@ -23,6 +23,8 @@ mod device_tests;
 pub mod enrich;
 pub mod interpret;
 #[cfg(test)]
+mod pipeline_tests;
+#[cfg(test)]
 mod sched_tests;
 #[cfg(test)]
 pub mod testing;
@@ -143,7 +145,7 @@ impl<E: Enrich> Pipeline<E> {
                 self.fanout.finish(end);
                 Err(anyhow!(
                     "the interpret stage panicked: {}",
-                    panic_message(&panic)
+                    panic_message(&*panic)
                 ))
             }
         }

@@ -97,7 +97,7 @@ impl<T> SinkHandle<T> {
             Err(panic) => Err(anyhow!(
                 "the {} sink panicked: {}",
                 self.name,
-                panic_message(&panic)
+                panic_message(&*panic)
             )),
         }
     }
