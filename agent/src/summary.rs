@@ -81,6 +81,8 @@ pub struct RunSummary {
     pub device: DeviceSummary,
     /// Per sink: records delivered, and those it lost while it lagged.
     pub sinks: Vec<SinkReport>,
+    /// Decoded records per kind, as the summary sink counted them.
+    pub records: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Most allocation sites listed in the summary.
@@ -236,11 +238,12 @@ impl RunSummary {
             device: DeviceSummary {
                 counts: totals.device,
                 decoding: DeviceDecoding::from(&interpret),
-                largest_live_sites: totals.sites.into_iter().take(SUMMARY_SITES).collect(),
-                functions: totals.functions,
+                largest_live_sites: totals.sites.iter().take(SUMMARY_SITES).cloned().collect(),
+                functions: totals.functions.clone(),
                 ..DeviceSummary::default()
             },
             sinks,
+            records: totals.records,
         }
     }
 

@@ -7,7 +7,7 @@ use xpuscope_perfetto::TraceWriter;
 use xpuscope_probes::decode::Decoded;
 
 use super::enrich::LiveEnricher;
-use super::interpret::{InterpretCounters, Interpreter};
+use super::interpret::Interpreter;
 use crate::device_probes::TableUpdate;
 use crate::events::Event;
 use crate::model::Record;
@@ -31,18 +31,15 @@ pub struct DeviceCounts {
     pub calls: u64,
     pub errors: u64,
     pub returns_without_entry: u64,
-    pub entries_without_return: u64,
     pub device_slices: u64,
     pub estimated_slices: u64,
     pub device_flows: u64,
-    pub failed_allocations: u64,
 }
 
 pub struct TestStats {
     pub preemptions: u64,
     pub offcpu: OffCpuSummary,
     pub device: DeviceCounts,
-    pub counters: InterpretCounters,
 }
 
 impl TestPipeline {
@@ -114,17 +111,14 @@ impl TestPipeline {
             calls: t.device.calls,
             errors: t.device.errors,
             returns_without_entry: counters.returns_without_entry,
-            entries_without_return: t.device.entries_without_return,
             device_slices: t.device.device_slices,
             estimated_slices: t.device.estimated_slices,
             device_flows: t.device.device_flows,
-            failed_allocations: t.device.failed_allocations,
         };
         let stats = TestStats {
             preemptions: t.preemptions,
             offcpu: t.offcpu,
             device,
-            counters,
         };
         (written.out, stats)
     }

@@ -219,15 +219,8 @@ impl Interpreter {
         if let Some(interval) = self.offcpu.exited(e.tid, e.ts) {
             out.push(Record::OffCpu(interval));
         }
-        self.device.exited(
-            e.tgid,
-            e.tid,
-            e.ts,
-            process_ended,
-            en,
-            &mut self.counters,
-            out,
-        );
+        self.device
+            .exited(&e, process_ended, en, &mut self.counters, out);
         self.threads.remove(&e.tid);
         if process_ended {
             // Every earlier record of the process is out: what is cached

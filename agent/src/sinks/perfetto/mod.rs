@@ -95,6 +95,7 @@ impl<W: Write> PerfettoSink<W> {
         }
     }
 
+    #[cfg(test)]
     pub fn writer(&mut self) -> &mut TraceWriter<W> {
         &mut self.writer
     }

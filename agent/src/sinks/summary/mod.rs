@@ -4,7 +4,7 @@
 
 pub mod offcpu;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Result;
 use serde::Serialize;
@@ -72,6 +72,8 @@ pub struct RecordTotals {
     /// Largest live allocation sites (at each process's exit or the end),
     /// largest first.
     pub sites: Vec<SiteReport>,
+    /// Records per kind (`Record::kind`).
+    pub records: BTreeMap<&'static str, u64>,
 }
 
 #[derive(Default)]
@@ -84,6 +86,7 @@ pub struct SummarySink {
 impl SummarySink {
     fn record(&mut self, r: &Record) {
         let t = &mut self.totals;
+        *t.records.entry(r.kind()).or_default() += 1;
         match r {
             Record::OffCpu(i) => {
                 if i.preempted_by.is_some() {

@@ -20,7 +20,7 @@ use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, Unmat
 
 use super::InterpretCounters;
 use crate::device_probes::TableUpdate;
-use crate::events::CallStack;
+use crate::events::{CallStack, Exit};
 use crate::model::{
     DeviceCallRecord, DeviceWork, EnqueueMarker, Field, FieldValue, InFlightCall, MemoryHeld,
     Record, device::HeldAt,
@@ -141,14 +141,13 @@ impl DeviceInterpreter {
     /// A thread (or, with `process_ended`, its whole process) exited.
     pub fn exited(
         &mut self,
-        tgid: u32,
-        tid: u32,
-        ts: u64,
+        exit: &Exit,
         process_ended: bool,
         en: &mut dyn Enrich,
         c: &mut InterpretCounters,
         out: &mut Vec<Record>,
     ) {
+        let (tgid, tid, ts) = (exit.tgid, exit.tid, exit.ts);
         let mut decoded = std::mem::take(&mut self.out);
         if process_ended {
             self.live_sites(tgid, ts, HeldAt::Exit, out);

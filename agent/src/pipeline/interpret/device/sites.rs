@@ -66,6 +66,7 @@ impl AllocSites {
         Some(id)
     }
 
+    #[cfg(test)]
     pub fn get(&self, id: u64) -> Option<&Arc<Site>> {
         self.sites.get(&id)
     }
