@@ -36,6 +36,9 @@ enum Variant {
     NoStacks,
     Sampled,
     AllStacks,
+    /// The default policy under the `--compare-agent` binary (e.g. a build
+    /// of the previous version), interleaved with the others.
+    CompareSampled,
 }
 
 impl Variant {
@@ -45,6 +48,7 @@ impl Variant {
             Variant::NoStacks => "agent, no stacks",
             Variant::Sampled => "agent, sampled stacks (default)",
             Variant::AllStacks => "agent, stack at every switch",
+            Variant::CompareSampled => "compare build, sampled stacks",
         }
     }
     fn stacks_arg(self) -> Option<&'static str> {
@@ -53,6 +57,7 @@ impl Variant {
             Variant::NoStacks => Some("off"),
             Variant::Sampled => Some("sampled"),
             Variant::AllStacks => Some("all"),
+            Variant::CompareSampled => Some("sampled"),
         }
     }
 }
@@ -64,7 +69,12 @@ struct PingPongRun {
 }
 
 /// One ping-pong run of `iters` round trips, optionally under the agent.
-fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
+fn pingpong(
+    iters: u64,
+    variant: Variant,
+    dir: &Path,
+    compare: Option<&Path>,
+) -> Result<PingPongRun> {
     let mut wl = Command::new(workload())
         .args(["pingpong", &iters.to_string(), "0"])
         .stdin(Stdio::piped())
@@ -77,7 +87,11 @@ fn pingpong(iters: u64, variant: Variant, dir: &Path) -> Result<PingPongRun> {
     let stats_path = dir.join("bench-stats.json");
     let mut agent = None;
     if let Some(stacks) = variant.stacks_arg() {
-        let mut child = Command::new(build::agent_binary())
+        let binary = match (variant, compare) {
+            (Variant::CompareSampled, Some(c)) => c.to_path_buf(),
+            _ => build::agent_binary(),
+        };
+        let mut child = Command::new(binary)
             .args([
                 "attach",
                 "--pid",
@@ -141,11 +155,11 @@ fn endless_pingpong(cpu: usize) -> Result<ChildGuard> {
     Ok(ChildGuard(child))
 }
 
-/// `agent attach --system` for `secs`; returns its stats.
-fn record_system(dir: &Path, name: &str, secs: u64, ring: &str) -> Result<Value> {
+/// `agent attach --system` for `secs` with `agent`; returns its stats.
+fn record_system(agent: &Path, dir: &Path, name: &str, secs: u64, ring: &str) -> Result<Value> {
     let stats_path = dir.join(format!("{name}-stats.json"));
     run_checked(
-        Command::new(build::agent_binary())
+        Command::new(agent)
             .args(["attach", "--system", "--ring-size", ring, "--duration"])
             .arg(format!("{secs}s"))
             .arg("-o")
@@ -179,8 +193,13 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
+pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>) -> Result<()> {
     build::all()?;
+    if let Some(c) = compare
+        && !c.is_file()
+    {
+        bail!("--compare-agent {}: no such file", c.display());
+    }
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
     match only {
@@ -201,21 +220,24 @@ pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
     }
 
     // Calibrate the iteration count to about `seconds` per run.
-    let probe = pingpong(20_000, Variant::Baseline, &dir)?;
+    let probe = pingpong(20_000, Variant::Baseline, &dir, compare)?;
     let iters = ((seconds as f64 * 1e9) / probe.ns_per_round_trip).max(10_000.0) as u64;
-    let variants = [
+    let mut variants = vec![
         Variant::Baseline,
         Variant::NoStacks,
         Variant::Sampled,
         Variant::AllStacks,
     ];
+    if compare.is_some() {
+        variants.push(Variant::CompareSampled);
+    }
     let rounds = 3;
     let mut per_variant: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut drops = vec![0u64; variants.len()];
     for round in 0..rounds {
         for (i, v) in variants.iter().enumerate() {
-            let r = pingpong(iters, *v, &dir)?;
+            let r = pingpong(iters, *v, &dir, compare)?;
             eprintln!(
                 "bench: round {round} {:<34} {:>8.2} us/round trip",
                 v.name(),
@@ -294,7 +316,18 @@ pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
     let pairs: Vec<ChildGuard> = (0..host_cpus())
         .map(endless_pingpong)
         .collect::<Result<_>>()?;
-    let tput = record_system(&dir, "throughput", tput_secs, "256M")?;
+    let agent = build::agent_binary();
+    let tput = record_system(&agent, &dir, "throughput", tput_secs, "256M")?;
+    let tput_compare = match compare {
+        Some(c) => Some(record_system(
+            c,
+            &dir,
+            "throughput-compare",
+            tput_secs,
+            "256M",
+        )?),
+        None => None,
+    };
     drop(pairs);
     let tput_rate =
         tput["events"].as_f64().unwrap_or(0.0) / tput["seconds"].as_f64().unwrap_or(1.0);
@@ -304,6 +337,13 @@ pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
         tput_rate / 1e6,
         tput["dropped"]
     );
+    if let Some(t) = &tput_compare {
+        println!(
+            "compare build: {:.2} M scheduler events/s consumed, {} dropped",
+            t["events"].as_f64().unwrap_or(0.0) / t["seconds"].as_f64().unwrap_or(1.0) / 1e6,
+            t["dropped"]
+        );
+    }
 
     // A long system-wide recording under load: the agent's own cost.
     let secs = seconds.max(1) * 20;
@@ -314,7 +354,11 @@ pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
             .spawn()?,
     );
     let pair = endless_pingpong(0)?;
-    let sys = record_system(&dir, "system", secs, "32M")?;
+    let sys = record_system(&agent, &dir, "system", secs, "32M")?;
+    let sys_compare = match compare {
+        Some(c) => Some(record_system(c, &dir, "system-compare", secs, "32M")?),
+        None => None,
+    };
     drop(pair);
     drop(load);
     let events = sys["events"].as_f64().unwrap_or(0.0).max(1.0);
@@ -329,8 +373,20 @@ pub fn run(seconds: u64, only: Option<&str>) -> Result<()> {
         sys["agent_peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         sys["bytes"].as_f64().unwrap_or(0.0) / 1e6
     );
+    if let Some(c) = &sys_compare {
+        let events = c["events"].as_f64().unwrap_or(0.0).max(1.0);
+        let cpu = c["agent_cpu_seconds"].as_f64().unwrap_or(0.0);
+        println!(
+            "compare build: {} events, {} dropped; agent CPU {:.2} s = {:.0} ns per event; peak RSS {:.0} MB",
+            events as u64,
+            c["dropped"],
+            cpu,
+            cpu * 1e9 / events,
+            c["agent_peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+        );
+    }
     let probes = crate::bench_probes::run(&dir)?;
-    let results = json!({"sched_overhead": sched, "writer": writer, "throughput": tput, "system_wide": sys, "device_probes": probes, "iters": iters});
+    let results = json!({"sched_overhead": sched, "writer": writer, "throughput": tput, "system_wide": sys, "throughput_compare": tput_compare, "system_wide_compare": sys_compare, "device_probes": probes, "iters": iters});
     std::fs::write(
         dir.join("results.json"),
         serde_json::to_string_pretty(&results)?,

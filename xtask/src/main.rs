@@ -57,6 +57,11 @@ enum Task {
         seconds: u64,
         /// Only this part: `probes` (device-library probe costs).
         only: Option<String>,
+        /// Another agent binary (e.g. a build of the previous version) to
+        /// measure in the same run: interleaved in the ping-pong rounds,
+        /// back to back in the system-wide recordings.
+        #[arg(long)]
+        compare_agent: Option<PathBuf>,
     },
 }
 
@@ -68,7 +73,11 @@ fn main() -> Result<()> {
         Task::Build => build::all(),
         Task::Demo { output, duration } => build::demo(&output, &duration),
         Task::Test { args } => build::test(&args),
-        Task::Bench { seconds, only } => bench::run(seconds, only.as_deref()),
+        Task::Bench {
+            seconds,
+            only,
+            compare_agent,
+        } => bench::run(seconds, only.as_deref(), compare_agent.as_deref()),
     }
 }
 
