@@ -511,3 +511,56 @@ fn no_estimates_with_activity_records() {
     assert_eq!(stats.device.estimated_slices, 0);
     assert_eq!(stats.device.device_slices, 1);
 }
+
+/// A thread's track is described once however many calls it makes, and
+/// call arguments are named fields, not debug text.
+#[test]
+fn a_calling_thread_is_described_once_and_arguments_are_named() {
+    let mut b = builder();
+    let function = Library::Cudart.function("cudaStreamSynchronize").unwrap();
+    b.probes_added(TableUpdate {
+        tgid: 42,
+        probes: vec![(
+            0x3000,
+            3,
+            ProbeTarget {
+                library: Library::Cudart,
+                function,
+                sp_delta: 0,
+            },
+        )],
+        identity: RankIdentity::default(),
+        maps: Default::default(),
+    });
+    for i in 0..100u64 {
+        b.handle(entry(1_000 + i * 100, 0x3000, [0x5000, 0, 0, 0, 0, 0]));
+        b.handle(ret(1_050 + i * 100, 0x3000, 0, &[]));
+    }
+    let (bytes, stats) = b.finish(20_000);
+    assert_eq!(stats.device.calls, 100);
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let descriptors = trace
+        .packet
+        .iter()
+        .filter(|p| {
+            p.has_track_descriptor()
+                && p.track_descriptor()
+                    .thread
+                    .as_ref()
+                    .is_some_and(|t| t.tid() == 43)
+        })
+        .count();
+    assert_eq!(descriptors, 1, "one descriptor for thread 43's track");
+    let tl = Timeline::new(&trace);
+    let sync = tl.slices_on_thread(43)[0];
+    let names: Vec<&str> = sync.args.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(names.contains(&"stream"), "{names:?}");
+    assert!(
+        sync.args
+            .iter()
+            .all(|(k, v)| k != "args" && !v.to_string().contains('{')),
+        "{:?}",
+        sync.args
+    );
+}

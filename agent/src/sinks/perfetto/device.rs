@@ -31,7 +31,10 @@ pub struct DeviceTracks {
     /// ends.
     lanes: HashMap<StreamTrack, Vec<(TrackUuid, u64)>>,
     /// Callstack frames of allocation sites, converted once.
-    site_frames: HashMap<u64, Arc<[Frame]>>,
+    site_frames: HashMap<u64, (u32, Arc<[Frame]>)>,
+    /// Thread tracks of calling threads, described once (a descriptor per
+    /// call was a third of a device-heavy trace's packets).
+    threads: HashMap<u32, TrackUuid>,
 }
 
 impl DeviceTracks {
@@ -40,7 +43,12 @@ impl DeviceTracks {
         self.memory.retain(|k, _| k.0 != tgid);
         self.processes.remove(&tgid);
         self.lanes.retain(|k, _| k.tgid != tgid);
-        self.site_frames.clear();
+        self.site_frames.retain(|_, (t, _)| *t != tgid);
+    }
+
+    /// A thread exited: its tid may come back in another process.
+    pub fn thread_ended(&mut self, tid: u32) {
+        self.threads.remove(&tid);
     }
 }
 
@@ -122,8 +130,93 @@ fn call_args(call: &DeviceCall) -> Vec<Arg> {
                 push("stream", ArgValue::Pointer(s));
             }
         }
+        CallArgs::Memset {
+            ptr,
+            value,
+            bytes,
+            stream,
+        } => {
+            push("ptr", ArgValue::Pointer(*ptr));
+            push("value", ArgValue::Int((*value).into()));
+            push("bytes", ArgValue::Uint(*bytes));
+            if let Some(s) = stream {
+                push("stream", ArgValue::Pointer(*s));
+            }
+        }
+        CallArgs::Launch(l) => {
+            push("func", ArgValue::Pointer(l.func));
+            let dims = |d: [u32; 3]| format!("({},{},{})", d[0], d[1], d[2]);
+            if let Some(g) = l.grid {
+                push("grid", ArgValue::Str(dims(g)));
+            }
+            if let Some(b) = l.block {
+                push("block", ArgValue::Str(dims(b)));
+            }
+            if let Some(n) = l.blocks {
+                push("blocks", ArgValue::Uint(n.into()));
+            }
+            if let Some(m) = l.shared_mem {
+                push("shared_mem", ArgValue::Uint(m));
+            }
+            if let Some(s) = l.stream {
+                push("stream", ArgValue::Pointer(s));
+            }
+        }
+        CallArgs::Graph { exec, stream } => {
+            push("graph_exec", ArgValue::Pointer(*exec));
+            if let Some(s) = stream {
+                push("stream", ArgValue::Pointer(*s));
+            }
+        }
+        CallArgs::Sync { stream, event } => {
+            if let Some(s) = stream {
+                push("stream", ArgValue::Pointer(*s));
+            }
+            if let Some(e) = event {
+                push("event", ArgValue::Pointer(*e));
+            }
+        }
+        CallArgs::EventRecord { event, stream } => {
+            push("event", ArgValue::Pointer(*event));
+            if let Some(s) = stream {
+                push("stream", ArgValue::Pointer(*s));
+            }
+        }
+        CallArgs::StreamWaitEvent { stream, event } => {
+            push("stream", ArgValue::Pointer(*stream));
+            push("event", ArgValue::Pointer(*event));
+        }
+        CallArgs::HostFunc { stream, func } => {
+            push("stream", ArgValue::Pointer(*stream));
+            push("func", ArgValue::Pointer(*func));
+        }
+        CallArgs::CommEnd { comm } => push("comm", ArgValue::Pointer(*comm)),
+        CallArgs::CommQuery { comm, value } => {
+            push("comm", ArgValue::Pointer(*comm));
+            if let Some(v) = value {
+                push("value", ArgValue::Uint((*v).into()));
+            }
+        }
+        CallArgs::UniqueId { id_hash } => {
+            if let Some(h) = id_hash {
+                push("id_hash", ArgValue::Str(format!("{h:016x}")));
+            }
+        }
+        CallArgs::ActivityEnable { kind } => push("activity_kind", ArgValue::Uint((*kind).into())),
+        CallArgs::ClockSample { timestamp } => {
+            if let Some(t) = timestamp {
+                push("timestamp", ArgValue::Uint(*t));
+            }
+        }
+        CallArgs::Marker { message, range_id } => {
+            if let Some(m) = message {
+                push("message", ArgValue::Str(m.clone()));
+            }
+            if let Some(r) = range_id {
+                push("range_id", ArgValue::Uint(*r));
+            }
+        }
         CallArgs::None => {}
-        other => push("args", ArgValue::Str(format!("{other:?}"))),
     }
     if let Some(c) = &call.comm {
         push("comm", ArgValue::Pointer(c.handle));
@@ -208,26 +301,36 @@ impl<W: Write> PerfettoSink<W> {
         Ok(self.device.processes[&tgid])
     }
 
+    /// The track of a thread calling device libraries, described once. An
+    /// empty name: track names outrank scheduler names in the importer.
+    fn calling_thread(&mut self, tgid: u32, tid: u32) -> Result<TrackUuid> {
+        if let Some(t) = self.device.threads.get(&tid) {
+            return Ok(*t);
+        }
+        let t = self.writer.thread_track(tgid as i32, tid as i32, "")?;
+        self.device.threads.insert(tid, t);
+        Ok(t)
+    }
+
     /// The callstack frames of an allocation site.
     fn site_frames(&mut self, site: Option<&Arc<Site>>) -> Option<Arc<[Frame]>> {
         let site = site?;
         if site.frames.is_empty() {
             return None;
         }
-        if let Some(f) = self.device.site_frames.get(&site.id) {
+        if let Some((_, f)) = self.device.site_frames.get(&site.id) {
             return Some(f.clone());
         }
         let frames: Arc<[Frame]> = site.frames.iter().map(|f| self.frames.frame(f)).collect();
-        self.device.site_frames.insert(site.id, frames.clone());
+        self.device
+            .site_frames
+            .insert(site.id, (site.tgid, frames.clone()));
         Some(frames)
     }
 
     pub(super) fn device_call(&mut self, r: &DeviceCallRecord) -> Result<()> {
         let call = &r.call;
-        // An empty name: track names outrank scheduler names in the importer.
-        let track = self
-            .writer
-            .thread_track(call.tgid as i32, call.tid as i32, "")?;
+        let track = self.calling_thread(call.tgid, call.tid)?;
         if let Some(reason) = r.unmatched {
             let mut args = call_args(call);
             args.push(Arg::new("unmatched", ArgValue::Str(format!("{reason:?}"))));

@@ -253,6 +253,7 @@ impl<W: Write> PerfettoSink<W> {
         }
         self.tree_named.remove(&tid);
         self.thread_tracks.remove(&tid);
+        self.device.thread_ended(tid);
         Ok(())
     }
 
