@@ -41,7 +41,8 @@ struct ProcessMapsCache {
 pub struct StackSymbolizer {
     symbolizer: Symbolizer,
     kernel: FxHashMap<u64, SymFrame>,
-    user: FxHashMap<(u32, u64), SymFrame>,
+    /// Per process: address -> frame (forgotten with the process).
+    user: FxHashMap<u32, FxHashMap<u64, SymFrame>>,
     maps: HashMap<u32, ProcessMapsCache>,
     /// Processes forked (not exec'd) from another: same address space at
     /// fork, so the parent can stand in once the child is gone.
@@ -151,7 +152,7 @@ impl StackSymbolizer {
         let missing: Vec<u64> = addrs
             .iter()
             .copied()
-            .filter(|a| !self.user.contains_key(&(tgid, *a)))
+            .filter(|a| !self.user.get(&tgid).is_some_and(|m| m.contains_key(a)))
             .collect();
         self.lookups += addrs.len() as u64;
         self.cache_hits += (addrs.len() - missing.len()) as u64;
@@ -199,8 +200,8 @@ impl StackSymbolizer {
                         short_module(module.trim_start_matches('[').trim_end_matches(']'))
                     )),
                 };
-                self.user.insert(
-                    (tgid, *addr),
+                self.user.entry(tgid).or_default().insert(
+                    *addr,
                     SymFrame {
                         function,
                         module,
@@ -214,7 +215,7 @@ impl StackSymbolizer {
         }
         addrs
             .iter()
-            .filter_map(|a| self.user.get(&(tgid, *a)).cloned())
+            .filter_map(|a| self.user.get(&tgid).and_then(|m| m.get(a)).cloned())
             .collect()
     }
 }
@@ -249,7 +250,7 @@ impl StackSymbolizer {
     pub fn forget_process(&mut self, tgid: u32) {
         self.maps.remove(&tgid);
         self.forked_from.remove(&tgid);
-        self.user.retain(|(pid, _), _| *pid != tgid);
+        self.user.remove(&tgid);
     }
 
     /// `child` was forked from `parent` (without exec, so far).
