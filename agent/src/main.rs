@@ -21,6 +21,7 @@ mod procfs;
 mod session;
 mod sinks;
 mod state;
+mod stop;
 mod summary;
 mod trace_file;
 
@@ -45,6 +46,8 @@ fn init_logging(verbose: u8) {
 }
 
 fn main() -> ExitCode {
+    // First: a stop during start-up must still leave a valid trace.
+    stop::install();
     let cli = Cli::parse();
     init_logging(cli.verbose);
     // A panicking stage must not leave a half-written trace behind silently.

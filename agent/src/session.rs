@@ -277,6 +277,17 @@ async fn supervise(
     let mut polls = 0u32;
     let mut last_consumed = 0u64;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let early = |sig| {
+        if sig == libc::SIGINT {
+            StopReason::Interrupted
+        } else {
+            StopReason::Terminated
+        }
+    };
+    if let Some(sig) = crate::stop::requested() {
+        eprintln!("xpuscope: stop requested during start-up; the trace ends here");
+        return Ok(early(sig));
+    }
     let reason = loop {
         tokio::select! {
             _ = sigint.recv() => break StopReason::Interrupted,
@@ -285,6 +296,9 @@ async fn supervise(
                 if deadline.is_some() => break StopReason::Duration,
             _ = poll.tick() => {
                 polls += 1;
+                if let Some(sig) = crate::stop::requested() {
+                    break early(sig);
+                }
                 if let Some(t) = target && !procfs::is_alive(t) {
                     break StopReason::TargetExited;
                 }

@@ -291,11 +291,26 @@ impl RunSummary {
             .collect();
         eprintln!("  events:  {} ({})", self.events, kinds.join(", "));
         let ring_full = self.dropped - self.kernel_skipped.min(self.dropped);
+        // Which ring overflowed decides which option helps.
+        let device_full: u64 = self
+            .per_kind
+            .iter()
+            .filter(|k| k.kind.starts_with("uprobe_"))
+            .map(|k| k.dropped)
+            .sum::<u64>()
+            .min(ring_full);
+        let sched_full = ring_full - device_full;
         let mut why = Vec::new();
-        if ring_full > 0 {
+        if sched_full > 0 {
             why.push(format!(
-                "{ring_full} with the ring buffer full: try a larger --ring-size; those CPUs are \
-                 marked lost_events in the trace"
+                "{sched_full} with the scheduler ring full: try a larger --ring-size; those CPUs \
+                 are marked lost_events in the trace"
+            ));
+        }
+        if device_full > 0 {
+            why.push(format!(
+                "{device_full} device-call records with the device ring full: try a larger \
+                 --device-ring-size"
             ));
         }
         if self.kernel_skipped > 0 {
@@ -363,6 +378,12 @@ impl RunSummary {
                 dc.returns_without_entry,
                 c.in_flight_at_end
             );
+            if c.died_in_call > 0 {
+                eprintln!(
+                    "           {} calls still running when their process died (marked in the trace)",
+                    c.died_in_call
+                );
+            }
             if dc.activity_unread + dc.activity_errors > 0 {
                 eprintln!(
                     "           activity records lost: {} could not be copied, {} did not decode",

@@ -1178,6 +1178,13 @@ fn device_ring_overflow_counts_every_lost_record() {
         "{}",
         done.stderr
     );
+    // The hint names the ring that overflowed.
+    assert!(
+        done.stderr.contains("try a larger --device-ring-size")
+            && !done.stderr.contains("try a larger --ring-size"),
+        "{}",
+        done.stderr
+    );
 
     let trace = decode(&done.trace).expect("decodes");
     check_importer_rules(&trace).expect("importer rules hold");

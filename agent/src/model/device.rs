@@ -37,6 +37,15 @@ impl DeviceCallRecord {
         }
     }
 
+    /// Whether the call never returned because its thread or process died
+    /// in it (killed: a hung job ended by its launcher).
+    pub fn died_in_call(&self) -> bool {
+        matches!(
+            self.unmatched,
+            Some(OpenReason::ThreadExited | OpenReason::ProcessExited)
+        )
+    }
+
     /// When the call ended (its start when no return was seen).
     pub fn end_ts(&self) -> u64 {
         self.call

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use anyhow::Result;
 use xpuscope_perfetto::{Arg, ArgValue, CounterUnit, Frame, TrackUuid};
 use xpuscope_probes::catalog::Vendor;
-use xpuscope_probes::decode::DeviceCall;
 use xpuscope_probes::decode::args::CallArgs;
+use xpuscope_probes::decode::{DeviceCall, OpenReason};
 
 use super::{PerfettoSink, args};
 use crate::model::{
@@ -334,10 +334,15 @@ impl<W: Write> PerfettoSink<W> {
         if let Some(reason) = r.unmatched {
             let mut args = call_args(call);
             args.push(Arg::new("unmatched", ArgValue::Str(format!("{reason:?}"))));
+            let why = match reason {
+                OpenReason::ProcessExited => "running when its process died",
+                OpenReason::ThreadExited => "running when its thread died",
+                _ => "no return",
+            };
             self.writer.instant(
                 track,
                 call.start_ts,
-                &format!("{} (no return)", call.name),
+                &format!("{} ({why})", call.name),
                 &args,
                 None,
             )?;

@@ -23,6 +23,9 @@ pub struct DeviceRecordCounts {
     pub errors: u64,
     /// Entries whose return never came (lost, or the thread exited).
     pub entries_without_return: u64,
+    /// Of those: calls still running when their thread or process died
+    /// (killed in the call, as a launcher ends a hung job).
+    pub died_in_call: u64,
     /// Calls still open when the recording ended.
     pub in_flight_at_end: u64,
     /// Slices on device-stream tracks from activity records.
@@ -94,7 +97,12 @@ impl SummarySink {
                 }
                 t.offcpu.add(i);
             }
-            Record::DeviceCall(c) if c.unmatched.is_some() => t.device.entries_without_return += 1,
+            Record::DeviceCall(c) if c.unmatched.is_some() => {
+                t.device.entries_without_return += 1;
+                if c.died_in_call() {
+                    t.device.died_in_call += 1;
+                }
+            }
             Record::DeviceCall(c) => {
                 t.device.calls += 1;
                 let e = self

@@ -1,0 +1,94 @@
+//! End-to-end: the agent under faults of the job and of its own life — a
+//! hang ended by the launcher killing the ranks (calls still running when
+//! their process died are reported as such), and a stop signal arriving
+//! before recording even started (a valid, empty trace and exit 0).
+//! Root and eBPF; these never skip.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use xpuscope_tests::agent::{Proc, TempDir, agent_bin, exclusive, workload_bin};
+use xpuscope_tests::device::*;
+use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
+
+/// Rank 1 never joins the all-reduce of step 2; rank 0 blocks in it until
+/// the launcher's timeout kills both. The call rank 0 was in is marked as
+/// running when its process died, and counted so in the summary.
+#[test]
+fn a_hang_ended_by_the_launcher_shows_the_call_its_rank_died_in() {
+    let _serial = exclusive();
+    let run = run_sim_job_any_outcome(
+        "hangkill",
+        "0",
+        6,
+        &["--fault", "hang:rank=1,step=2", "--timeout", "4"],
+    );
+    assert!(!run.status.success(), "the launcher reports the hang");
+    let device = &run.stats["device"];
+    let died = device["died_in_call"].as_u64().expect("died_in_call");
+    assert!(died >= 1, "{device}");
+    assert!(
+        run.stderr
+            .contains("calls still running when their process died"),
+        "{}",
+        run.stderr
+    );
+    let rank0 = run.rank_pids[&0];
+    let marks: Vec<String> =
+        run.tl
+            .instants
+            .iter()
+            .filter(|i| i.name.contains("(running when its"))
+            .filter(|i| {
+                run.tl.tracks.get(&i.track).is_some_and(
+                    |t| matches!(t.kind, TrackKind::Thread { pid, .. } if pid == rank0),
+                )
+            })
+            .map(|i| i.name.clone())
+            .collect();
+    assert!(
+        marks.iter().any(|n| n.starts_with("ncclAllReduce")),
+        "rank 0 died inside its all-reduce: {marks:?}"
+    );
+}
+
+/// SIGTERM at once after start, before the agent could record anything:
+/// still a valid trace and a clean exit, never a 0-byte file.
+#[test]
+fn a_stop_before_recording_starts_leaves_a_valid_trace() {
+    let _serial = exclusive();
+    let dir = TempDir::new("early-stop");
+    let mut target = Proc::spawn(
+        "workload",
+        Command::new(workload_bin())
+            .args(["loop", "30"])
+            .stdout(Stdio::null()),
+    );
+    for delay_ms in [2u64, 5, 20, 60] {
+        let out = dir.path().join(format!("early-{delay_ms}.pftrace"));
+        let agent = Proc::spawn(
+            "agent",
+            Command::new(agent_bin())
+                .args(["attach", "--pid", &target.pid().to_string(), "-o"])
+                .arg(&out)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped()),
+        );
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        agent.signal(libc::SIGTERM);
+        let mut agent = agent;
+        let status = agent
+            .wait_timeout(Duration::from_secs(30))
+            .expect("the agent stops");
+        assert!(
+            status.success(),
+            "SIGTERM after {delay_ms} ms: exit {status}"
+        );
+        let bytes = std::fs::read(&out).expect("the trace exists");
+        assert!(!bytes.is_empty(), "SIGTERM after {delay_ms} ms: empty file");
+        let trace = decode(&bytes).expect("a valid trace");
+        check_importer_rules(&trace).expect("importer rules hold");
+        let _ = Timeline::new(&trace);
+    }
+    target.signal(libc::SIGKILL);
+}
