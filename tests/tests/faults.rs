@@ -58,7 +58,7 @@ fn a_hang_ended_by_the_launcher_shows_the_call_its_rank_died_in() {
 fn a_stop_before_recording_starts_leaves_a_valid_trace() {
     let _serial = exclusive();
     let dir = TempDir::new("early-stop");
-    let mut target = Proc::spawn(
+    let target = Proc::spawn(
         "workload",
         Command::new(workload_bin())
             .args(["loop", "30"])
