@@ -7,11 +7,13 @@
 //! - `build`: kernel programs, the agent (release) and the test fixtures;
 //! - `demo`: build, start the bundled workload, attach to it, write a trace;
 //! - `test`: build everything and run every test;
-//! - `bench`: the overhead and throughput benchmarks.
+//! - `bench`: the overhead and throughput benchmarks;
+//! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`).
 
 mod bench;
 mod bench_probes;
 mod build;
+mod fuzz;
 mod setup;
 
 use std::path::PathBuf;
@@ -58,6 +60,19 @@ enum Task {
         /// Only this part: `probes` (device-library probe costs).
         only: Option<String>,
     },
+    /// Fuzz the parsers of untrusted input with libFuzzer (nightly,
+    /// cargo-fuzz, installed on first use).
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Fold new inputs that add coverage into the kept corpus
+        /// (tests/fuzz/corpus).
+        #[arg(long)]
+        merge: bool,
+        /// Only this target (default: all).
+        target: Option<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -69,6 +84,11 @@ fn main() -> Result<()> {
         Task::Demo { output, duration } => build::demo(&output, &duration),
         Task::Test { args } => build::test(&args),
         Task::Bench { seconds, only } => bench::run(seconds, only.as_deref()),
+        Task::Fuzz {
+            seconds,
+            merge,
+            target,
+        } => fuzz::run(seconds, target.as_deref(), merge),
     }
 }
 
