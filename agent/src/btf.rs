@@ -102,6 +102,11 @@ const HEADER_LEN: usize = 24;
 /// How deep anonymous structs/unions may nest inside each other (the
 /// kernel's own types nest a few levels; a loop must not recurse forever).
 const MAX_NESTING: u32 = 32;
+/// Members one lookup may visit: anonymous members that point at each
+/// other fan out exponentially within [`MAX_NESTING`] (found by fuzzing:
+/// a 246-byte file took minutes); the kernel's `task_struct` needs a few
+/// hundred.
+const MAX_VISITS: u32 = 100_000;
 
 impl Btf {
     pub fn from_file(path: &Path) -> Result<Self, BtfError> {
@@ -271,11 +276,12 @@ impl Btf {
     /// Byte offset of member `name` in the struct/union `ty`, looking
     /// through anonymous nested structs and unions (at most
     /// [`MAX_NESTING`] deep, so a type that contains itself ends).
-    fn member_offset(&self, ty: &Type, name: &str, depth: u32) -> Option<u32> {
+    fn member_offset(&self, ty: &Type, name: &str, depth: u32, budget: &mut u32) -> Option<u32> {
         if depth > MAX_NESTING {
             return None;
         }
         for m in &ty.members {
+            *budget = budget.checked_sub(1)?;
             let member_name = self.name(m.name_off);
             if member_name == name {
                 return Some(m.bit_offset / 8);
@@ -283,7 +289,7 @@ impl Btf {
             if member_name.is_empty()
                 && let Some(inner) = self.resolve(m.type_id)
                 && matches!(inner.kind, KIND_STRUCT | KIND_UNION)
-                && let Some(off) = self.member_offset(inner, name, depth + 1)
+                && let Some(off) = self.member_offset(inner, name, depth + 1, budget)
             {
                 return (m.bit_offset / 8).checked_add(off);
             }
@@ -291,11 +297,12 @@ impl Btf {
         None
     }
 
-    fn member_type(&self, ty: &Type, name: &str, depth: u32) -> Option<&Type> {
+    fn member_type(&self, ty: &Type, name: &str, depth: u32, budget: &mut u32) -> Option<&Type> {
         if depth > MAX_NESTING {
             return None;
         }
         for m in &ty.members {
+            *budget = budget.checked_sub(1)?;
             let member_name = self.name(m.name_off);
             if member_name == name {
                 return self.resolve(m.type_id);
@@ -303,7 +310,7 @@ impl Btf {
             if member_name.is_empty()
                 && let Some(inner) = self.resolve(m.type_id)
                 && matches!(inner.kind, KIND_STRUCT | KIND_UNION)
-                && let Some(t) = self.member_type(inner, name, depth + 1)
+                && let Some(t) = self.member_type(inner, name, depth + 1, budget)
             {
                 return Some(t);
             }
@@ -316,10 +323,11 @@ impl Btf {
         let mut ty = self.types.get(self.struct_id(strukt)? as usize)?;
         let mut total: u32 = 0;
         let parts: Vec<&str> = path.split('.').collect();
+        let mut budget = MAX_VISITS;
         for (i, part) in parts.iter().enumerate() {
-            total = total.checked_add(self.member_offset(ty, part, 0)?)?;
+            total = total.checked_add(self.member_offset(ty, part, 0, &mut budget)?)?;
             if i + 1 < parts.len() {
-                ty = self.member_type(ty, part, 0)?;
+                ty = self.member_type(ty, part, 0, &mut budget)?;
             }
         }
         Some(total)
@@ -489,6 +497,20 @@ mod tests {
             path: PathBuf::from(VMLINUX_BTF),
         };
         assert!(err.to_string().contains("CONFIG_DEBUG_INFO_BTF"));
+    }
+
+    #[test]
+    fn anonymous_members_fanning_out_end_quickly() {
+        // Found by `cargo xtask fuzz btf` (a libFuzzer timeout): structs
+        // whose anonymous members point at each other, 32 levels deep.
+        let blob = include_bytes!("../../tests/fuzz/corpus/btf/timeout-anonymous-fanout");
+        let btf = Btf::parse(blob).unwrap();
+        // Before the visit budget this call did not return for minutes.
+        let result = task_offsets(&btf);
+        assert!(
+            matches!(result, Err(BtfError::MissingField(_))),
+            "{result:?}"
+        );
     }
 
     #[test]
