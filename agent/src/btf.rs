@@ -3,6 +3,15 @@
 //! Rust eBPF programs get no CO-RE relocations, so the agent reads the
 //! offsets of the fields its programs need from the running kernel's BTF
 //! (`/sys/kernel/btf/vmlinux`) and hands them over as load-time globals.
+//!
+//! Why not a library's BTF reader: `aya-obj` 0.3 (already a dependency)
+//! parses BTF but keeps its types, members and strings crate-private (its
+//! public API finds a type id by name and nothing more), so it cannot give a
+//! member's offset; `btf-rs` 2.0 can, but is LGPL-2.1-or-later, which the
+//! Apache-2.0 agent would link statically. This reader stays, bounded
+//! against hostile input (`--kernel-btf` is a user-given file): every read
+//! is bounds-checked, offsets are checked sums, and nesting of anonymous
+//! members is depth-limited. It is fuzzed (`tests/fuzz`, target `btf`).
 
 use std::path::{Path, PathBuf};
 
@@ -14,15 +23,26 @@ pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
     #[error(
-        "this kernel exposes no BTF at {path} ({source}); xpuscope needs a kernel built with \
-         CONFIG_DEBUG_INFO_BTF=y (most distribution kernels since 5.4 are)"
+        "this kernel exposes no BTF at {path}; xpuscope needs a kernel built with \
+         CONFIG_DEBUG_INFO_BTF=y (most distribution kernels since 5.4 are), or a BTF file for \
+         this kernel given with --kernel-btf (e.g. from BTFHub)"
     )]
-    Missing {
+    NoKernelBtf { path: PathBuf },
+    #[error(
+        "the BTF file {path} does not exist; give --kernel-btf the path of a BTF file for this \
+         kernel (e.g. from BTFHub), or leave it out to use {VMLINUX_BTF}"
+    )]
+    FileMissing { path: PathBuf },
+    /// The OS error is the source (printed once, after this message).
+    #[error("cannot read the BTF file {path}")]
+    Unreadable {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("{path} is not valid BTF: {what}")]
+    #[error("{path} is not a BTF file: {what}")]
+    NotBtf { path: PathBuf, what: String },
+    #[error("{path} is not a valid BTF file: {what}")]
     Malformed { path: PathBuf, what: String },
     #[error("the kernel's BTF has no `{0}`: this kernel is not supported")]
     MissingField(String),
@@ -67,33 +87,108 @@ fn u32_at(d: &[u8], o: usize) -> Option<u32> {
     Some(u32::from_le_bytes(d.get(o..o + 4)?.try_into().ok()?))
 }
 
+/// Why bytes are not BTF we can read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParseError {
+    /// Not BTF at all (wrong magic, too short).
+    NotBtf(String),
+    /// BTF whose header or type section is inconsistent.
+    Malformed(String),
+}
+
+/// The BTF header's fixed part: magic, version, flags, hdr_len and four
+/// section offsets/lengths.
+const HEADER_LEN: usize = 24;
+/// How deep anonymous structs/unions may nest inside each other (the
+/// kernel's own types nest a few levels; a loop must not recurse forever).
+const MAX_NESTING: u32 = 32;
+/// Members one lookup may visit: anonymous members that point at each
+/// other fan out exponentially within [`MAX_NESTING`] (found by fuzzing:
+/// a 246-byte file took minutes); the kernel's `task_struct` needs a few
+/// hundred.
+const MAX_VISITS: u32 = 100_000;
+
 impl Btf {
     pub fn from_file(path: &Path) -> Result<Self, BtfError> {
-        let data = std::fs::read(path).map_err(|source| BtfError::Missing {
-            path: path.to_path_buf(),
-            source,
+        let data = std::fs::read(path).map_err(|source| {
+            let path = path.to_path_buf();
+            match source.kind() {
+                std::io::ErrorKind::NotFound if path == Path::new(VMLINUX_BTF) => {
+                    BtfError::NoKernelBtf { path }
+                }
+                std::io::ErrorKind::NotFound => BtfError::FileMissing { path },
+                _ => BtfError::Unreadable { path, source },
+            }
         })?;
-        Self::parse(&data).map_err(|what| BtfError::Malformed {
-            path: path.to_path_buf(),
-            what,
+        Self::parse(&data).map_err(|e| match e {
+            ParseError::NotBtf(what) => BtfError::NotBtf {
+                path: path.to_path_buf(),
+                what,
+            },
+            ParseError::Malformed(what) => BtfError::Malformed {
+                path: path.to_path_buf(),
+                what,
+            },
         })
     }
 
-    pub fn parse(d: &[u8]) -> Result<Self, String> {
-        let bad = |what: &str| what.to_string();
-        if u16_at(d, 0) != Some(BTF_MAGIC) {
-            return Err(bad("bad magic (big-endian BTF is not supported)"));
+    pub fn parse(d: &[u8]) -> Result<Self, ParseError> {
+        Self::check_magic(d)?;
+        Self::parse_inner(d).map_err(ParseError::Malformed)
+    }
+
+    /// Checks the magic; everything after it is [`ParseError::Malformed`].
+    fn check_magic(d: &[u8]) -> Result<(), ParseError> {
+        let first: Vec<String> = d.iter().take(4).map(|b| format!("{b:02x}")).collect();
+        let first = first.join(" ");
+        match u16_at(d, 0) {
+            Some(BTF_MAGIC) if d.len() >= HEADER_LEN => Ok(()),
+            Some(BTF_MAGIC) => Err(ParseError::NotBtf(format!(
+                "it is {} bytes long, shorter than a BTF header ({HEADER_LEN} bytes)",
+                d.len()
+            ))),
+            Some(m) if m == BTF_MAGIC.swap_bytes() => Err(ParseError::NotBtf(
+                "it is big-endian BTF (from a big-endian machine); xpuscope reads little-endian \
+                 BTF of the kernel it runs on"
+                    .to_string(),
+            )),
+            _ if d.starts_with(b"\x7fELF") => Err(ParseError::NotBtf(
+                "it is an ELF file; give the raw BTF (e.g. `objcopy -O binary --only-section=.BTF \
+                 vmlinux vmlinux.btf`)"
+                    .to_string(),
+            )),
+            _ if d.is_empty() => Err(ParseError::NotBtf("it is empty".to_string())),
+            _ => Err(ParseError::NotBtf(format!(
+                "it starts with bytes {first}, not the BTF magic 9f eb"
+            ))),
         }
-        let hdr_len = u32_at(d, 4).ok_or("short header")? as usize;
-        let type_off = u32_at(d, 8).ok_or("short header")? as usize;
-        let type_len = u32_at(d, 12).ok_or("short header")? as usize;
-        let str_off = u32_at(d, 16).ok_or("short header")? as usize;
-        let str_len = u32_at(d, 20).ok_or("short header")? as usize;
+    }
+
+    fn parse_inner(d: &[u8]) -> Result<Self, String> {
+        // check_magic made sure the fixed header is there.
+        let field = |o: usize| u32_at(d, o).map(|v| v as usize).ok_or("short header");
+        let (hdr_len, type_off, type_len) = (field(4)?, field(8)?, field(12)?);
+        let (str_off, str_len) = (field(16)?, field(20)?);
         let types_start = hdr_len + type_off;
         let types_end = types_start + type_len;
+        if types_end > d.len() {
+            return Err(format!(
+                "its type section (bytes {types_start}..{types_end}) runs past the end of the \
+                 file ({} bytes): truncated?",
+                d.len()
+            ));
+        }
         let strings = d
             .get(hdr_len + str_off..hdr_len + str_off + str_len)
-            .ok_or("string section out of bounds")?
+            .ok_or_else(|| {
+                format!(
+                    "its string section (bytes {}..{}) runs past the end of the file ({} bytes): \
+                     truncated?",
+                    hdr_len + str_off,
+                    hdr_len + str_off + str_len,
+                    d.len()
+                )
+            })?
             .to_vec();
         let mut types = vec![Type {
             name_off: 0,
@@ -179,9 +274,14 @@ impl Btf {
     }
 
     /// Byte offset of member `name` in the struct/union `ty`, looking
-    /// through anonymous nested structs and unions.
-    fn member_offset(&self, ty: &Type, name: &str) -> Option<u32> {
+    /// through anonymous nested structs and unions (at most
+    /// [`MAX_NESTING`] deep, so a type that contains itself ends).
+    fn member_offset(&self, ty: &Type, name: &str, depth: u32, budget: &mut u32) -> Option<u32> {
+        if depth > MAX_NESTING {
+            return None;
+        }
         for m in &ty.members {
+            *budget = budget.checked_sub(1)?;
             let member_name = self.name(m.name_off);
             if member_name == name {
                 return Some(m.bit_offset / 8);
@@ -189,16 +289,20 @@ impl Btf {
             if member_name.is_empty()
                 && let Some(inner) = self.resolve(m.type_id)
                 && matches!(inner.kind, KIND_STRUCT | KIND_UNION)
-                && let Some(off) = self.member_offset(inner, name)
+                && let Some(off) = self.member_offset(inner, name, depth + 1, budget)
             {
-                return Some(m.bit_offset / 8 + off);
+                return (m.bit_offset / 8).checked_add(off);
             }
         }
         None
     }
 
-    fn member_type(&self, ty: &Type, name: &str) -> Option<&Type> {
+    fn member_type(&self, ty: &Type, name: &str, depth: u32, budget: &mut u32) -> Option<&Type> {
+        if depth > MAX_NESTING {
+            return None;
+        }
         for m in &ty.members {
+            *budget = budget.checked_sub(1)?;
             let member_name = self.name(m.name_off);
             if member_name == name {
                 return self.resolve(m.type_id);
@@ -206,7 +310,7 @@ impl Btf {
             if member_name.is_empty()
                 && let Some(inner) = self.resolve(m.type_id)
                 && matches!(inner.kind, KIND_STRUCT | KIND_UNION)
-                && let Some(t) = self.member_type(inner, name)
+                && let Some(t) = self.member_type(inner, name, depth + 1, budget)
             {
                 return Some(t);
             }
@@ -217,12 +321,13 @@ impl Btf {
     /// Offset of a dotted member path (`"thread_info.cpu"`) in struct `strukt`.
     pub fn offset_of(&self, strukt: &str, path: &str) -> Option<u32> {
         let mut ty = self.types.get(self.struct_id(strukt)? as usize)?;
-        let mut total = 0;
+        let mut total: u32 = 0;
         let parts: Vec<&str> = path.split('.').collect();
+        let mut budget = MAX_VISITS;
         for (i, part) in parts.iter().enumerate() {
-            total += self.member_offset(ty, part)?;
+            total = total.checked_add(self.member_offset(ty, part, 0, &mut budget)?)?;
             if i + 1 < parts.len() {
-                ty = self.member_type(ty, part)?;
+                ty = self.member_type(ty, part, 0, &mut budget)?;
             }
         }
         Some(total)
@@ -330,9 +435,108 @@ mod tests {
         );
     }
 
+    fn not_btf(d: &[u8]) -> String {
+        match Btf::parse(d) {
+            Err(ParseError::NotBtf(what)) => what,
+            Err(e) => panic!("{d:02x?}: {e:?}"),
+            Ok(_) => panic!("{d:02x?} parsed"),
+        }
+    }
+
     #[test]
-    fn rejects_garbage() {
-        assert!(Btf::parse(b"not btf at all, not even close").is_err());
+    fn garbage_is_named_as_not_btf() {
+        assert_eq!(
+            not_btf(b"not btf at all, not even close"),
+            "it starts with bytes 6e 6f 74 20, not the BTF magic 9f eb"
+        );
+        assert_eq!(not_btf(b""), "it is empty");
+        assert!(not_btf(b"\x7fELF\x02\x01").contains("ELF file"));
+        assert!(not_btf(&[0xeb, 0x9f, 1, 0]).contains("big-endian"));
+        assert!(not_btf(&[0x9f, 0xeb, 1, 0]).contains("shorter than a BTF header"));
+        // Sections past the end: valid magic, damaged file.
+        let mut cut = sample();
+        cut.truncate(cut.len() - 10);
+        assert!(
+            matches!(Btf::parse(&cut), Err(ParseError::Malformed(w)) if w.contains("string section")),
+        );
+    }
+
+    #[test]
+    fn file_errors_name_the_file_and_the_problem() {
+        let dir = std::env::temp_dir().join(format!("xpuscope-btf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = dir.join("no-such.btf");
+        let msg = Btf::from_file(&missing).err().unwrap().to_string();
+        assert!(
+            msg.contains(&format!(
+                "the BTF file {} does not exist",
+                missing.display()
+            )) && !msg.contains("this kernel exposes no BTF"),
+            "{msg}"
+        );
+        let garbage = dir.join("garbage.btf");
+        std::fs::write(&garbage, b"hello, world").unwrap();
+        let msg = Btf::from_file(&garbage).err().unwrap().to_string();
+        assert_eq!(
+            msg,
+            format!(
+                "{} is not a BTF file: it starts with bytes 68 65 6c 6c, not the BTF magic 9f eb",
+                garbage.display()
+            )
+        );
+        // A directory: the OS error is the source, not repeated in the message.
+        let err = Btf::from_file(&dir).err().unwrap();
+        assert_eq!(
+            err.to_string(),
+            format!("cannot read the BTF file {}", dir.display())
+        );
+        assert!(std::error::Error::source(&err).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+        // The kernel's own path keeps the kernel-level explanation.
+        let err = BtfError::NoKernelBtf {
+            path: PathBuf::from(VMLINUX_BTF),
+        };
+        assert!(err.to_string().contains("CONFIG_DEBUG_INFO_BTF"));
+    }
+
+    #[test]
+    fn anonymous_members_fanning_out_end_quickly() {
+        // Found by `cargo xtask fuzz btf` (a libFuzzer timeout): structs
+        // whose anonymous members point at each other, 32 levels deep.
+        let blob = include_bytes!("../../tests/fuzz/corpus/btf/timeout-anonymous-fanout");
+        let btf = Btf::parse(blob).unwrap();
+        // Before the visit budget this call did not return for minutes.
+        let result = task_offsets(&btf);
+        assert!(
+            matches!(result, Err(BtfError::MissingField(_))),
+            "{result:?}"
+        );
+    }
+
+    #[test]
+    fn a_struct_containing_itself_anonymously_ends() {
+        // struct task_struct { <anonymous> struct task_struct; } (type 1).
+        let strings = b"\0task_struct\0".to_vec();
+        let mut types = Vec::new();
+        for w in [1u32, (KIND_STRUCT << 24) | 1, 8, 0, 1, 0] {
+            types.extend_from_slice(&w.to_le_bytes());
+        }
+        let mut blob = BTF_MAGIC.to_le_bytes().to_vec();
+        blob.extend_from_slice(&[1, 0]);
+        for w in [
+            24u32,
+            0,
+            types.len() as u32,
+            types.len() as u32,
+            strings.len() as u32,
+        ] {
+            blob.extend_from_slice(&w.to_le_bytes());
+        }
+        blob.extend_from_slice(&types);
+        blob.extend_from_slice(&strings);
+        let btf = Btf::parse(&blob).unwrap();
+        assert_eq!(btf.offset_of("task_struct", "pid"), None);
+        assert_eq!(btf.offset_of("task_struct", "a.b"), None);
     }
 
     #[test]

@@ -71,11 +71,15 @@ pub struct AttachArgs {
     #[arg(long, default_value_t = config::DEFAULT_STACK_BURST)]
     pub stack_burst: u32,
     /// Kernel ring buffer size for scheduling records (power of two, e.g. 32M).
+    /// It is mapped into the agent twice (so records can wrap) and costs
+    /// about twice its size in resident memory: 32M about 64 MB, 1G about
+    /// 2 GB.
     #[arg(long, value_parser = config::parse_ring_size, default_value = "32M")]
     pub ring_size: u32,
     /// Kernel ring buffer size for device-library calls (power of two).
     /// Larger absorbs longer reader stalls at bursts of calls; past the CPU
-    /// caches each traced call costs more.
+    /// caches each traced call costs more. Like --ring-size it costs about
+    /// twice its size in memory.
     #[arg(long, value_parser = config::parse_ring_size, default_value = "256K")]
     pub device_ring_size: u32,
     /// Read kernel struct layouts from this BTF file instead of /sys/kernel/btf/vmlinux.
@@ -156,6 +160,22 @@ mod tests {
         };
         assert_eq!(args.duration, Some(std::time::Duration::from_secs(2)));
         assert!(Cli::try_parse_from(["agent", "probes", "-p", "1", "-d", "soon"]).is_err());
+    }
+
+    #[test]
+    fn ring_sizes_state_their_memory_cost() {
+        let help = Cli::command()
+            .find_subcommand_mut("attach")
+            .expect("attach")
+            .render_long_help()
+            .to_string();
+        for needle in [
+            "twice its size in resident memory",
+            "1G about 2 GB",
+            "Like --ring-size it costs about twice its size in memory",
+        ] {
+            assert!(help.contains(needle), "{needle:?} in\n{help}");
+        }
     }
 
     #[test]

@@ -19,12 +19,10 @@ pub enum PreflightError {
     NoSuchProcess(u32),
     #[error("pid {0} is a zombie (it has exited); nothing left to trace")]
     Zombie(u32),
-    #[error("cannot write the trace to {path}: {source}; choose a writable path with -o")]
-    Output {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The OS error is part of the message and deliberately not a
+    /// `#[source]`: printed as a chain (`{:#}`) it would appear twice.
+    #[error("cannot write the trace to {path}: {error}; choose a writable path with -o")]
+    Output { path: String, error: std::io::Error },
     #[error(
         "the eBPF programs are not built into this agent: run `cargo xtask build-ebpf`, then rebuild the agent"
     )]
@@ -74,9 +72,9 @@ pub fn check_target(pid: u32) -> Result<u32, PreflightError> {
 /// Creates (truncates) the output file now, so a bad path fails before
 /// anything is attached.
 pub fn open_output(path: &Path) -> Result<File, PreflightError> {
-    File::create(path).map_err(|source| PreflightError::Output {
+    File::create(path).map_err(|error| PreflightError::Output {
         path: path.display().to_string(),
-        source,
+        error,
     })
 }
 
@@ -113,6 +111,41 @@ mod tests {
         assert!(
             msg.contains("/nonexistent-dir/x.pftrace") && msg.contains("-o"),
             "{msg}"
+        );
+        // Printed as main prints it (the whole chain), the OS error shows once.
+        let chain = format!("{:#}", anyhow::Error::from(err));
+        assert_eq!(
+            chain.matches("No such file or directory").count(),
+            1,
+            "{chain}"
+        );
+    }
+
+    #[test]
+    fn a_process_whose_main_thread_exited_is_traceable() {
+        let bin = xpuscope_tests::fixtures::build_all()
+            .join("workloads")
+            .join("xpuscope-main-exits");
+        let mut child = std::process::Command::new(&bin)
+            .arg("5")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().expect("piped")),
+            &mut line,
+        )
+        .expect("the survivor reports");
+        let pid = child.id();
+        let result = check_target(pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(line.contains("\"leader_state\":\"Z\""), "{line}");
+        assert_eq!(
+            result.ok(),
+            Some(pid),
+            "the leader is a zombie, the process lives"
         );
     }
 

@@ -48,24 +48,58 @@ pub fn stat(pid: u32) -> Option<Stat> {
     parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
-/// Whether `pid` is a live process (not gone, not a zombie).
+fn is_dead(state: char) -> bool {
+    state == 'Z' || state == 'X'
+}
+
+/// Whether `pid` is a live process: not gone, and not a zombie. A process
+/// whose main thread has exited (`pthread_exit` in `main`) shows its
+/// leader as a zombie in `/proc/PID/stat` while its other threads run on:
+/// it is alive if any thread is.
 pub fn is_alive(pid: u32) -> bool {
-    matches!(stat(pid), Some(s) if s.state != 'Z' && s.state != 'X')
+    match stat(pid) {
+        None => false,
+        Some(s) if !is_dead(s.state) => true,
+        Some(_) => threads_alive(pid),
+    }
+}
+
+/// Whether any thread of `pid` other than its leader is alive.
+fn threads_alive(pid: u32) -> bool {
+    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|tid| *tid != pid)
+        .any(|tid| {
+            fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
+                .ok()
+                .and_then(|t| parse_stat(&t))
+                .is_some_and(|s| !is_dead(s.state))
+        })
 }
 
 pub fn cmdline(pid: u32) -> Vec<String> {
     fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|raw| {
-            raw.split(|b| *b == 0)
-                .filter(|s| !s.is_empty())
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect()
-        })
+        .map(|raw| parse_cmdline(&raw))
         .unwrap_or_default()
 }
 
+/// `/proc/PID/cmdline`: NUL-separated arguments (any bytes; a process may
+/// rewrite its own).
+pub fn parse_cmdline(raw: &[u8]) -> Vec<String> {
+    raw.split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
+
 fn uid(pid: u32) -> Option<u32> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_status_uid(&fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+/// The real uid from the `Uid:` line of `/proc/PID/status`.
+pub fn parse_status_uid(status: &str) -> Option<u32> {
     let line = status.lines().find(|l| l.starts_with("Uid:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }
@@ -150,6 +184,21 @@ mod tests {
         assert_eq!((s.state, s.ppid), ('S', 77));
         assert!(parse_stat("garbage").is_none());
         assert!(parse_stat("1 (x) S notanumber").is_none());
+    }
+
+    #[test]
+    fn status_and_cmdline_from_hostile_bytes() {
+        assert_eq!(
+            parse_status_uid("Name:\tx\nUid:\t1000\t1000\t0\t0\n"),
+            Some(1000)
+        );
+        assert_eq!(parse_status_uid("Uid:\n"), None);
+        assert_eq!(parse_status_uid("Uid: -1 0 0 0"), None);
+        assert_eq!(
+            parse_cmdline(b"python\0train.py\0\0--x\xff\0"),
+            ["python", "train.py", "--x\u{fffd}"]
+        );
+        assert!(parse_cmdline(b"").is_empty());
     }
 
     #[test]

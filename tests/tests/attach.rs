@@ -343,7 +343,10 @@ fn bad_input_gets_a_clear_error() {
         "{err}"
     );
 
-    // A kernel without BTF (pointed at a BTF file that does not exist).
+    // The OS error of an unwritable output is printed once, not twice.
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+
+    // A --kernel-btf file that does not exist is named as such.
     let out = run_agent(&[
         "attach",
         "--pid",
@@ -358,7 +361,34 @@ fn bad_input_gets_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("no BTF at /nonexistent/vmlinux") && err.contains("CONFIG_DEBUG_INFO_BTF"),
+        err.contains("the BTF file /nonexistent/vmlinux does not exist")
+            && err.contains("--kernel-btf")
+            && !err.contains("this kernel exposes no BTF"),
+        "{err}"
+    );
+
+    // A garbage --kernel-btf file: not a BTF file, and what is wrong.
+    let dir = TempDir::new("garbage-btf");
+    let garbage = dir.path().join("vmlinux.btf");
+    std::fs::write(&garbage, b"GARBAGE, not BTF").unwrap();
+    let out = run_agent(&[
+        "attach",
+        "--pid",
+        &me,
+        "-d",
+        "1s",
+        "--kernel-btf",
+        garbage.to_str().unwrap(),
+        "-o",
+        "/tmp/xpuscope-never.pftrace",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{} is not a BTF file: it starts with bytes 47 41 52 42, not the BTF magic 9f eb",
+            garbage.display()
+        )) && !err.contains("big-endian"),
         "{err}"
     );
 
@@ -385,6 +415,58 @@ fn bad_input_gets_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("needs root") && err.contains("sudo"), "{err}");
+}
+
+/// A process whose main thread called `pthread_exit` lives on in its other
+/// threads (its leader reads as a zombie in /proc): it is traced.
+#[test]
+fn a_process_whose_main_thread_exited_is_traced() {
+    let _serial = exclusive();
+    let dir = TempDir::new("main-exits");
+    let bin = xpuscope_tests::fixtures::build_all()
+        .join("workloads")
+        .join("xpuscope-main-exits");
+    let mut wl = Proc::spawn(
+        "main-exits",
+        Command::new(&bin).arg("20").stdout(Stdio::piped()),
+    );
+    let mut out = Lines::new(wl.stdout());
+    let truth: Value =
+        serde_json::from_str(&out.wait_for("survivor_tid", Duration::from_secs(10))).unwrap();
+    assert_eq!(truth["leader_state"], "Z", "the leader has exited: {truth}");
+    let survivor = tid(&truth, "survivor_tid");
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &wl.pid().to_string(), "--duration", "1s"],
+    );
+    let done = rec.finish(Duration::from_secs(30));
+    assert!(
+        done.stderr.contains("stopped (duration reached)"),
+        "{}",
+        done.stderr
+    );
+    let trace = decode(&done.trace).expect("decodes with the official schema");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    // It sleeps 5 ms and spins 1 ms in a loop: ~160 wakeups a second.
+    let ran = tl
+        .switches
+        .iter()
+        .filter(|s| s.next_pid == survivor)
+        .count();
+    assert!(ran > 50, "the survivor ran {ran} times in the trace");
+    let slept: u64 = tl
+        .thread_state_intervals(survivor)
+        .iter()
+        .filter(|(_, _, st)| *st == State::Sleeping)
+        .map(|(a, b, _)| b - a)
+        .sum();
+    assert!(
+        slept > 300_000_000,
+        "the survivor's sleeps are in its thread states ({slept} ns)"
+    );
+    assert_eq!(tl.thread_name(survivor).as_deref(), Some("survivor"));
+    drop(wl);
 }
 
 /// A tmpfs mount removed (and unmounted) on drop.

@@ -627,3 +627,26 @@ fn activity_parsers_match_the_c_layouts() {
         }
     );
 }
+
+/// A mapped file whose name is not UTF-8 (any bytes are allowed) must not
+/// hide the process's libraries: maps are read as bytes, lossily.
+#[test]
+fn a_non_utf8_mapping_name_does_not_hide_the_libraries() {
+    use std::os::unix::ffi::OsStrExt;
+    let mut name = format!("xpuscope-odd-{}-", std::process::id()).into_bytes();
+    name.extend([0xff, 0xfe]);
+    let dir = std::env::temp_dir().join(std::ffi::OsStr::from_bytes(&name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lib = dir.join("libcudart.so.12");
+    std::fs::copy(standins().join("lib/libcudart.so.12"), &lib).unwrap();
+    let _handle = Loaded::open(&lib);
+    let maps = ProcessMaps::read(std::process::id()).expect("maps read despite the odd name");
+    let found = discover(&maps);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        found
+            .iter()
+            .any(|l| l.library == Library::Cudart && l.path.contains("xpuscope-odd-")),
+        "{found:#?}"
+    );
+}

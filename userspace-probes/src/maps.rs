@@ -55,9 +55,10 @@ impl ProcessMaps {
     /// Reads `/proc/<pid>/maps`.
     pub fn read(pid: u32) -> Result<Self, MapsError> {
         let path = PathBuf::from(format!("/proc/{pid}/maps"));
-        let text =
-            std::fs::read_to_string(&path).map_err(|source| MapsError::Read { path, source })?;
-        Ok(Self::parse(&text))
+        // Not read_to_string: a mapped file's name may be any bytes, and one
+        // odd name must not hide every library of the process.
+        let raw = std::fs::read(&path).map_err(|source| MapsError::Read { path, source })?;
+        Ok(Self::parse(&String::from_utf8_lossy(&raw)))
     }
 
     /// Parses the text of a maps file, skipping lines that do not parse.

@@ -7,11 +7,13 @@
 //! - `build`: kernel programs, the agent (release) and the test fixtures;
 //! - `demo`: build, start the bundled workload, attach to it, write a trace;
 //! - `test`: build everything and run every test;
-//! - `bench`: the overhead and throughput benchmarks.
+//! - `bench`: the overhead and throughput benchmarks;
+//! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`).
 
 mod bench;
 mod bench_probes;
 mod build;
+mod fuzz;
 mod setup;
 
 use std::path::PathBuf;
@@ -63,6 +65,19 @@ enum Task {
         #[arg(long)]
         compare_agent: Option<PathBuf>,
     },
+    /// Fuzz the parsers of untrusted input with libFuzzer (nightly,
+    /// cargo-fuzz, installed on first use).
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Fold new inputs that add coverage into the kept corpus
+        /// (tests/fuzz/corpus).
+        #[arg(long)]
+        merge: bool,
+        /// Only this target (default: all).
+        target: Option<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -78,6 +93,11 @@ fn main() -> Result<()> {
             only,
             compare_agent,
         } => bench::run(seconds, only.as_deref(), compare_agent.as_deref()),
+        Task::Fuzz {
+            seconds,
+            merge,
+            target,
+        } => fuzz::run(seconds, target.as_deref(), merge),
     }
 }
 

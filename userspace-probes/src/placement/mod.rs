@@ -5,9 +5,14 @@
 //! costs about 0.5 us when the kernel emulates the probed instruction
 //! (`push %reg`, `nop`, `jmp`/`call`/`jcc` rel), about 0.2 us on a 5-byte
 //! nop (the optimized path), and 16-18 us when it must single-step it out
-//! of line (`endbr64`, `sub`, `mov`, `lea`, ...). Functions built with
-//! `-fcf-protection` start with `endbr64`, which changes nothing: the probe
-//! goes after it, onto the `push %rbp`.
+//! of line (`endbr64`, `sub`, `mov`, `lea`, ...); a few it refuses outright
+//! (segment-prefixed or `notrack` branches, `int3`, ...). Functions built
+//! with `-fcf-protection` start with `endbr64`, which changes nothing: the
+//! probe goes after it, onto the `push %rbp`.
+//!
+//! Instructions are decoded by iced-x86 ([`x86`]); the kernel's rules on
+//! top of it are in [`uprobe_rules`] (restated from
+//! `arch/x86/kernel/uprobes.c`).
 //!
 //! [`place`] walks at most [`MAX_SKIP`] instructions from the entry and
 //! stops at the first emulated one, skipping only instructions that
@@ -31,6 +36,7 @@
 //! assert_eq!(p.cost, ProbeCost::Emulated);
 //! ```
 
+mod uprobe_rules;
 mod x86;
 
 use std::fmt;
@@ -54,6 +60,15 @@ pub enum ProbeCost {
     Emulated,
     /// Single-stepped out of line (~16 us).
     SingleStepped,
+    /// The kernel refuses a uprobe here (attaching fails).
+    Refused,
+}
+
+impl ProbeCost {
+    /// Whether the kernel handles a hit without single-stepping.
+    pub fn is_emulated(self) -> bool {
+        matches!(self, ProbeCost::Optimized | ProbeCost::Emulated)
+    }
 }
 
 /// Where the probe of one function goes.
@@ -81,6 +96,7 @@ impl fmt::Display for Placement {
             ProbeCost::Optimized => "optimized",
             ProbeCost::Emulated => "emulated",
             ProbeCost::SingleStepped => "single-step",
+            ProbeCost::Refused => "refused",
         };
         write!(f, "+{} {} ({cost})", self.offset, self.probed_insn)?;
         if self.sp_delta != 0 {
@@ -99,7 +115,7 @@ pub fn place(code: &[u8], addr: u64, reads: RegSet) -> Placement {
         offset: 0,
         first_insn: first.text.clone(),
         probed_insn: first.text.clone(),
-        emulated: first.cost != ProbeCost::SingleStepped,
+        emulated: first.cost.is_emulated(),
         cost: first.cost,
         sp_delta: 0,
         skipped: Vec::new(),
@@ -108,7 +124,7 @@ pub fn place(code: &[u8], addr: u64, reads: RegSet) -> Placement {
     let mut offset = 0usize;
     let mut skipped = Vec::new();
     loop {
-        if insn.cost != ProbeCost::SingleStepped {
+        if insn.cost.is_emulated() {
             return Placement {
                 offset: offset as u64,
                 probed_insn: insn.text,
@@ -220,9 +236,10 @@ mod tests {
             reads_args(0),
         );
         assert_eq!(p.offset, 0);
-        // Unknown bytes.
-        let p = place(&[0xd9, 0xee, 0x55], 0, reads_args(0));
-        assert_eq!((p.offset, p.first_insn.as_str()), (0, "(bytes d9 ee 55)"));
+        // Bytes invalid in 64-bit mode: refused, and never moved past.
+        let p = place(&[0x06, 0x55], 0, reads_args(0));
+        assert_eq!((p.offset, p.first_insn.as_str()), (0, "(bytes 06 55)"));
+        assert_eq!((p.cost, p.emulated), (ProbeCost::Refused, false));
         // Truncated input.
         let p = place(&[0xf3, 0x0f, 0x1e, 0xfa], 0, reads_args(0));
         assert_eq!((p.offset, p.cost), (0, ProbeCost::SingleStepped));

@@ -1,0 +1,150 @@
+//! Fuzz targets: each takes arbitrary bytes and feeds them to one parser of
+//! input that a traced process or a file controls. A target passes when it
+//! returns; a panic (or, under libFuzzer, a crash or timeout) is a bug.
+//!
+//! | target | what it parses |
+//! |---|---|
+//! | `activity` | CUPTI/MSPTI activity records read from target memory |
+//! | `device_calls` | raw `UprobeEntry`/`UprobeReturn` records against a probe table of the whole catalog |
+//! | `elf` | a library file: `.dynsym`, program headers, probe placement |
+//! | `placement` | a function's first bytes: x86-64 decoding, placement, thunks |
+//! | `maps` | `/proc/PID/maps` and library discovery |
+//! | `procfs` | `/proc/PID/stat`, `status`, `cmdline` |
+//! | `btf` | a `--kernel-btf` file |
+//!
+//! Run them with `cargo xtask fuzz [--seconds N] [TARGET]` (libFuzzer,
+//! nightly) or replay the kept corpus with `cargo test -p xpuscope-fuzz`.
+
+pub mod agent;
+mod device_calls;
+pub mod mutate;
+
+use std::io::Write;
+
+use xpuscope_probes::activity::{self, ActivityApi};
+use xpuscope_probes::catalog::Library;
+use xpuscope_probes::placement::{self, Reg, RegSet};
+use xpuscope_probes::{discover, maps::ProcessMaps, resolve};
+
+pub use device_calls::device_calls;
+
+/// A fuzz target: returns, or panics on a bug.
+pub type Target = fn(&[u8]);
+
+/// Every target by name.
+pub const TARGETS: &[(&str, Target)] = &[
+    ("activity", activity),
+    ("device_calls", device_calls),
+    ("elf", elf),
+    ("placement", placement),
+    ("maps", maps),
+    ("procfs", procfs),
+    ("btf", btf),
+];
+
+/// The target called `name`.
+pub fn target(name: &str) -> Option<Target> {
+    TARGETS.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
+}
+
+/// An activity record of either API (the first byte picks it).
+pub fn activity(data: &[u8]) {
+    let Some((&which, record)) = data.split_first() else {
+        return;
+    };
+    let api = if which & 1 == 0 {
+        ActivityApi::Cupti
+    } else {
+        ActivityApi::Mspti
+    };
+    if let Ok(a) = activity::parse(api, record) {
+        // What the trace stage reads of a parsed record.
+        let _ = (a.kind, a.start, a.end, a.device, a.stream, format!("{a:?}"));
+    }
+}
+
+/// A library file: written to a scratch file (resolution reads a path),
+/// then resolved against every catalog library.
+pub fn elf(data: &[u8]) {
+    thread_local! {
+        static SCRATCH: std::path::PathBuf = std::env::temp_dir().join(format!(
+            "xpuscope-fuzz-elf-{}-{:?}.so",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+    }
+    SCRATCH.with(|path| {
+        let written = std::fs::File::create(path).and_then(|mut f| f.write_all(data));
+        if written.is_err() {
+            return;
+        }
+        let _ = resolve::exported_functions(path);
+        for lib in Library::ALL {
+            if let Ok(r) = resolve::resolve(path, lib) {
+                let _ = (r.report(), r.to_string());
+            }
+        }
+    });
+}
+
+/// A function's first bytes: decoded, placed for every read set the
+/// catalog uses, and checked for a tail call. The first 8 bytes are the
+/// address (branch targets wrap around it).
+pub fn placement(data: &[u8]) {
+    let (addr, code) = match data.split_first_chunk::<8>() {
+        Some((a, code)) => (u64::from_le_bytes(*a), code),
+        None => (0x1000, data),
+    };
+    for n in 0..=6u8 {
+        let reads = (0..n).fold(RegSet::EMPTY.with(Reg::Rsp), |s, i| s.with(Reg::arg(i)));
+        let p = placement::place(code, addr, reads);
+        assert!(
+            p.offset as usize <= code.len().min(placement::MAX_WINDOW),
+            "{p:?}"
+        );
+        assert!(
+            p.offset == 0 || p.emulated,
+            "moved onto a non-emulated instruction: {p:?}"
+        );
+        let _ = p.to_string();
+    }
+    let _ = placement::tail_call_target(code, addr);
+    let _ = placement::decode(code, addr);
+}
+
+/// `/proc/PID/maps` text (any bytes: file names are), then discovery and
+/// address lookups.
+pub fn maps(data: &[u8]) {
+    let maps = ProcessMaps::parse(&String::from_utf8_lossy(data));
+    let libs = discover::discover(&maps);
+    let _ = discover::diff(&libs, &[]);
+    for m in maps.mappings() {
+        let _ = maps.find(m.start);
+        let _ = maps.find(m.end.wrapping_sub(1));
+        let _ = m.file_offset_of(m.start);
+        let _ = maps.base_of(&m.path);
+    }
+    for l in &libs {
+        let _ = l.address_of(0);
+        let _ = l.address_of(u64::MAX);
+    }
+}
+
+/// `/proc/PID/stat`, `status` and `cmdline` text.
+pub fn procfs(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    if let Some(s) = agent::procfs::parse_stat(&text) {
+        assert!(text.contains(&s.comm));
+    }
+    let _ = agent::procfs::parse_status_uid(&text);
+    let _ = agent::procfs::parse_cmdline(data);
+}
+
+/// A BTF file, and the lookups the agent makes in it.
+pub fn btf(data: &[u8]) {
+    if let Ok(b) = agent::btf::Btf::parse(data) {
+        let _ = agent::btf::task_offsets(&b);
+        let _ = b.offset_of("task_struct", "thread_info.cpu");
+        let _ = b.offset_of("task_struct", "a.b.c.d");
+    }
+}

@@ -1,0 +1,142 @@
+//! The stable, bounded run of every fuzz target inside `cargo test`: the
+//! kept corpus (`tests/fuzz/corpus/<target>/`, including every crash found
+//! so far) replayed, then a fixed number of seeded mutations of it. A panic
+//! fails the test with the input in hex and saved under
+//! `target/fuzz-failures/`, ready to become a unit test.
+//!
+//! `XPUSCOPE_FUZZ_CASES` changes the number of mutated inputs per target
+//! (default 4,000; `elf` runs a tenth: each case writes and parses a file).
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+
+use xpuscope_fuzz::mutate::{Rng, mutate};
+
+fn fuzz_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn corpus(target: &str) -> Vec<Vec<u8>> {
+    let dir = fuzz_dir().join("corpus").join(target);
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("the kept corpus {} ({e})", dir.display()))
+        .map(|e| e.expect("corpus entry").path())
+        .collect();
+    entries.sort();
+    entries
+        .iter()
+        .map(|p| std::fs::read(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display())))
+        .collect()
+}
+
+fn save_failure(target: &str, input: &[u8]) -> PathBuf {
+    let dir = fuzz_dir().join("../../target/fuzz-failures");
+    let _ = std::fs::create_dir_all(&dir);
+    let hash = input.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let path = dir.join(format!("{target}-{hash:016x}"));
+    let _ = std::fs::write(&path, input);
+    path
+}
+
+fn run_one(target: &str, f: xpuscope_fuzz::Target, input: &[u8], what: &str) {
+    if catch_unwind(AssertUnwindSafe(|| f(input))).is_err() {
+        let saved = save_failure(target, input);
+        let hex: Vec<String> = input.iter().map(|b| format!("{b:02x}")).collect();
+        panic!(
+            "fuzz target {target} panicked on {what} ({} bytes, saved as {}): {}",
+            input.len(),
+            saved.display(),
+            hex.join("")
+        );
+    }
+}
+
+fn replay(target: &str) {
+    let f = xpuscope_fuzz::target(target).expect("a known target");
+    let kept = corpus(target);
+    assert!(!kept.is_empty(), "{target}: the kept corpus is empty");
+    for (i, input) in kept.iter().enumerate() {
+        run_one(target, f, input, &format!("corpus entry {i}"));
+    }
+    let cases: usize = std::env::var("XPUSCOPE_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4_000);
+    let cases = if target == "elf" { cases / 10 } else { cases };
+    // One seed per target, so a failure reproduces with the same run.
+    let seed = target
+        .bytes()
+        .fold(17u64, |h, b| h.wrapping_mul(131) + u64::from(b));
+    let mut rng = Rng::new(seed);
+    let max_len = kept.iter().map(Vec::len).max().unwrap_or(0).max(256) * 2;
+    for case in 0..cases {
+        let input = mutate(&mut rng, &kept, max_len);
+        run_one(target, f, &input, &format!("mutation {case} (seed {seed})"));
+    }
+}
+
+#[test]
+fn every_target_has_a_test_and_a_corpus() {
+    let names: Vec<&str> = xpuscope_fuzz::TARGETS.iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        names,
+        [
+            "activity",
+            "device_calls",
+            "elf",
+            "placement",
+            "maps",
+            "procfs",
+            "btf"
+        ]
+    );
+    for n in names {
+        assert!(
+            Path::new(&fuzz_dir().join("corpus").join(n)).is_dir(),
+            "{n}"
+        );
+        assert!(
+            fuzz_dir()
+                .join(format!("libfuzzer/fuzz_targets/{n}.rs"))
+                .is_file(),
+            "{n} has a libFuzzer entry point"
+        );
+    }
+}
+
+#[test]
+fn activity() {
+    replay("activity");
+}
+
+#[test]
+fn device_calls() {
+    replay("device_calls");
+}
+
+#[test]
+fn elf() {
+    replay("elf");
+}
+
+#[test]
+fn placement() {
+    replay("placement");
+}
+
+#[test]
+fn maps() {
+    replay("maps");
+}
+
+#[test]
+fn procfs() {
+    replay("procfs");
+}
+
+#[test]
+fn btf() {
+    replay("btf");
+}
