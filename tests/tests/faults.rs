@@ -7,7 +7,7 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use xpuscope_tests::agent::{Proc, TempDir, agent_bin, exclusive, workload_bin};
+use xpuscope_tests::agent::{Proc, Recording, TempDir, agent_bin, exclusive, go, workload_bin};
 use xpuscope_tests::device::*;
 use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
 
@@ -91,4 +91,31 @@ fn a_stop_before_recording_starts_leaves_a_valid_trace() {
         let _ = Timeline::new(&trace);
     }
     target.signal(libc::SIGKILL);
+}
+
+/// Thread churn with a stack at every switch-out: a dying thread's last
+/// switch-out takes no stack (it would never be used: the defect counted
+/// one unmatched stack per thread).
+#[test]
+fn dying_threads_take_no_stack() {
+    let _serial = exclusive();
+    let dir = TempDir::new("churn-stacks");
+    let mut wl = Proc::spawn(
+        "workload",
+        Command::new(workload_bin())
+            .args(["threads", "2000"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &wl.pid().to_string(), "--stacks", "all"],
+    );
+    go(&mut wl.stdin());
+    let done = rec.finish(Duration::from_secs(60));
+    let stats = &done.stats;
+    assert_eq!(stats["dropped"], 0, "{stats}");
+    assert!(stats["threads"].as_u64().unwrap() > 2000, "{stats}");
+    assert!(stats["stacks"].as_u64().unwrap() >= 2000, "{stats}");
+    assert_eq!(stats["stacks_unmatched"], 0, "{stats}");
 }

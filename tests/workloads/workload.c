@@ -13,6 +13,8 @@
  *                  times after "go"; prints round trips per second.
  *   hog CPU SECS   a busy loop pinned to CPU, named "cpu-hog".
  *   renamer N      after "go", renames its thread N times, then exits.
+ *   threads N      after "go", starts and joins N short-lived threads one
+ *                  after another (each sleeps 100 us once, then exits).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -243,6 +245,24 @@ static int pingpong(long iters, int cpu) {
     return 0;
 }
 
+static void *short_lived(void *arg) {
+    (void)arg;
+    struct timespec ts = {0, 100000};
+    nanosleep(&ts, NULL);
+    return NULL;
+}
+
+static int thread_churn(long n) {
+    wait_for_go();
+    for (long i = 0; i < n; i++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, short_lived, NULL) != 0) return 1;
+        pthread_join(t, NULL);
+    }
+    printf("{\"threads\":%ld}\n", n);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *mode = argc > 1 ? argv[1] : "pattern";
@@ -282,6 +302,9 @@ int main(int argc, char **argv) {
         }
         printf("{\"renames\":%ld}\n", n);
         return 0;
+    }
+    if (!strcmp(mode, "threads")) {
+        return thread_churn(argc > 2 ? atol(argv[2]) : 1000);
     }
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;

@@ -19,6 +19,9 @@ pub fn sched_switch(ctx: BtfTracePointContext) -> u32 {
     try_sched_switch(&ctx).unwrap_or(0)
 }
 
+/// `TASK_DEAD` in `task_struct::__state`.
+const TASK_DEAD: u32 = 0x80;
+
 fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
     let preempt: u64 = ctx.arg(0);
     let prev: *const u8 = ctx.arg(1);
@@ -55,7 +58,11 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
         flags |= switch_flags::NEXT_TARGET;
     }
     let ts = now();
+    // A dying thread's last switch-out never ends: its stack would never be
+    // used (TASK_DEAD in `__state`).
+    let dying = prev_state as u32 & TASK_DEAD != 0;
     let take_stack = prev_target
+        && !dying
         && prev_task.tid != 0
         && prev_task.tgid != agent_tgid()
         && stacks::should_capture(&cfg, prev_task.tid, ts);
