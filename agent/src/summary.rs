@@ -73,7 +73,12 @@ pub struct RunSummary {
     pub offcpu_ns: u64,
     pub offcpu_with_stack_ns: u64,
     pub top_offcpu: Vec<Ranked>,
+    /// Tasks outside the traced job that took a traced thread's CPU.
     pub top_preemptors: Vec<Ranked>,
+    /// Time traced threads waited, runnable, while another thread of the
+    /// job ran in their place (not interference), and how often.
+    pub preempted_by_own_threads_ns: u64,
+    pub preempted_by_own_threads: u64,
     /// The agent's own CPU time (user + system) for the whole run.
     pub agent_cpu_seconds: f64,
     /// The agent's peak resident memory.
@@ -225,6 +230,8 @@ impl RunSummary {
             offcpu_ns: totals.offcpu.total_ns,
             offcpu_with_stack_ns: totals.offcpu.with_stack_ns,
             top_offcpu: ranked(&totals.offcpu.by_reason),
+            preempted_by_own_threads_ns: totals.offcpu.by_own_threads.0,
+            preempted_by_own_threads: totals.offcpu.by_own_threads.1,
             top_preemptors: totals
                 .offcpu
                 .top_preemptors(5)
@@ -351,8 +358,15 @@ impl RunSummary {
                 );
             }
         }
+        if self.preempted_by_own_threads > 0 {
+            eprintln!(
+                "  runnable behind the job's own threads: {:.3} s ({}x; not interference)",
+                secs(self.preempted_by_own_threads_ns),
+                self.preempted_by_own_threads
+            );
+        }
         if !self.top_preemptors.is_empty() {
-            eprintln!("  top preemptors of traced threads:");
+            eprintln!("  top preemptors of traced threads from outside the job:");
             for r in &self.top_preemptors {
                 eprintln!(
                     "    {:>9.3} s {:>7}x  {}",

@@ -178,6 +178,19 @@ fn attach_records_the_known_pattern() {
         top.iter().any(|w| w.starts_with("cpu-hog")),
         "summary names the hog: {top:?}"
     );
+    // The job's own threads taking turns are not interference: they are
+    // counted apart, never listed as preemptors.
+    let own = |w: &&str| {
+        w.rsplit_once('(')
+            .and_then(|(_, t)| t.trim_end_matches(')').parse::<i32>().ok())
+            .is_some_and(|tid| tl.process_of(tid) == Some(wl.pid() as i32))
+    };
+    assert!(!top.iter().any(own), "no thread of the job in {top:?}");
+    assert!(
+        done.stats["preempted_by_own_threads"].as_u64().is_some(),
+        "{}",
+        done.stats
+    );
 }
 
 #[test]

@@ -53,6 +53,8 @@ pub struct Preemptor {
     pub tid: u32,
     pub tgid: u32,
     pub comm: Comm,
+    /// A thread of the traced job itself (not interference from outside).
+    pub in_job: bool,
 }
 
 /// A traced thread preempted by a task outside the traced job.

@@ -145,6 +145,7 @@ impl Interpreter {
                 tid: s.next_tid,
                 tgid: s.next_tgid,
                 comm: s.next_comm,
+                in_job: s.next_target,
             });
             // Preemption by another thread of the traced job is the job's own
             // business (and happens at every wakeup); an outsider taking the

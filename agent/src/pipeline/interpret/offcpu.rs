@@ -163,16 +163,29 @@ mod tests {
             tid: 77,
             tgid: 77,
             comm: Comm::from_str_lossy("hog"),
+            in_job: false,
+        };
+        let sibling = Preemptor {
+            tid: 11,
+            tgid: 9,
+            comm: Comm::from_str_lossy("loader"),
+            in_job: true,
         };
         t.switched_out(10, 9, 1, 100, 0x100, Some(hog));
+        t.switched_out(13, 9, 1, 200, 0x100, Some(sibling));
         t.switched_out(12, 9, 0, 50, 0x1, None);
         let rest = t.finish_all(1000);
-        assert_eq!(rest.len(), 2);
+        assert_eq!(rest.len(), 3);
         assert!(rest.iter().all(|i| i.truncated && i.end == 1000));
         let mut s = OffCpuSummary::default();
         rest.iter().for_each(|i| s.add(i));
-        assert_eq!(s.top_preemptors(5), vec![("hog (77)".to_string(), 900, 1)]);
-        assert_eq!(s.total_ns, 900 + 950);
+        assert_eq!(
+            s.top_preemptors(5),
+            vec![("hog (77)".to_string(), 900, 1)],
+            "outsiders only"
+        );
+        assert_eq!(s.by_own_threads, (800, 1), "a sibling thread, apart");
+        assert_eq!(s.total_ns, 900 + 950 + 800);
         assert_eq!(s.with_stack_ns, 0);
         assert_eq!(t.open_count(), 0);
     }

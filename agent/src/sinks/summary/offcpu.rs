@@ -69,6 +69,9 @@ pub struct OffCpuSummary {
     /// (preemptor tid, comm) -> (total ns, count); named only when reported,
     /// since this is updated at every preemption.
     pub by_preemptor: FxHashMap<(u32, Comm), (u64, u64)>,
+    /// Time runnable while another thread of the job held the CPU (the
+    /// job's own business, not interference): (total ns, count).
+    pub by_own_threads: (u64, u64),
     pub total_ns: u64,
     pub with_stack_ns: u64,
 }
@@ -84,13 +87,18 @@ impl OffCpuSummary {
             e.1 += 1;
         }
         if let Some(p) = &interval.preempted_by {
-            let e = self.by_preemptor.entry((p.tid, p.comm)).or_default();
+            let e = if p.in_job {
+                &mut self.by_own_threads
+            } else {
+                self.by_preemptor.entry((p.tid, p.comm)).or_default()
+            };
             e.0 += d;
             e.1 += 1;
         }
     }
 
-    /// The `n` preemptors that took the most time, as "comm (tid)".
+    /// The `n` preemptors from outside the job that took the most time, as
+    /// "comm (tid)".
     pub fn top_preemptors(&self, n: usize) -> Vec<(String, u64, u64)> {
         let named: HashMap<String, (u64, u64)> = self
             .by_preemptor
