@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
-use xpuscope_common::{Config, DROP_SLOTS};
+use xpuscope_common::Config;
 use xpuscope_perfetto::TraceWriter;
 
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
-use crate::device_probes::{self, DeviceProbes, TableUpdate};
 use crate::events::Event;
-use crate::load::{self, EBPF_OBJECT, LoadOptions, Probes};
+use crate::kernel::probes::{DeviceProbes, LiveProcesses, Plan, TableUpdate};
+use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
 use crate::reader::{Reader, ReaderCounters};
 use crate::summary::{RunSummary, StopReason};
 use crate::trace::{TraceBuilder, TraceStats};
@@ -71,6 +71,9 @@ async fn record(
     offsets: xpuscope_common::TaskOffsets,
     file: File,
 ) -> Result<RunSummary> {
+    let levels = CaptureLevels {
+        device: DeviceLevel::new(cfg.probe_level)?,
+    };
     let kernel_config = Config {
         system_wide: cfg.system_wide as u32,
         stack_mode: cfg.stacks.kernel_mode(),
@@ -78,10 +81,10 @@ async fn record(
         stack_burst: cfg.stack_burst,
         wakeup_bytes: (cfg.ring_bytes / 4) as u64,
         device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
-        probe_levels: device_probes::level_mask(cfg.probe_level),
+        probe_levels: levels.device.mask(),
         _pad: 0,
     };
-    let mut probes = load::load_and_attach(&LoadOptions {
+    let mut probes = Kernel::load_and_attach(&LoadOptions {
         offsets,
         ring_bytes: cfg.ring_bytes,
         device_ring_bytes: cfg.device_ring_bytes,
@@ -125,10 +128,8 @@ async fn record(
 
     // Device libraries already mapped are probed before the start line, so
     // a caller waiting for it sees their calls from then on.
-    let mut device = DeviceProbes::new(
-        device_probes::level_mask(cfg.probe_level),
-        cfg.stacks != StackPolicy::Off,
-    );
+    let mut device = DeviceProbes::new(levels, cfg.stacks != StackPolicy::Off);
+    let mut level_schedule = cfg.level_schedule.clone();
     if target.is_some()
         && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
     {
@@ -176,6 +177,11 @@ async fn record(
                     break StopReason::Failed;
                 }
                 probes.flush_log();
+                if let Some(level) = level_schedule.take_due(started.elapsed())
+                    && let Err(e) = change_device_level(&mut device, &mut probes, &tx, level).await
+                {
+                    tracing::warn!("device probes: switching to level {level}: {e:#}");
+                }
                 if target.is_some()
                     && polls.is_multiple_of(DEVICE_SCAN_EVERY)
                     && let Err(e) = scan_devices(&mut device, &mut probes, &tx).await
@@ -206,8 +212,8 @@ async fn record(
     // Detach first, then drain: everything produced is then either consumed
     // or counted as dropped.
     let kernel_skips = probes.kernel_skips();
-    let device_hits = device.hits(&probes.bpf);
-    device.detach_all(&mut probes.bpf);
+    let device_hits = device.hits(&probes.attacher());
+    device.detach_all(&mut probes.attacher());
     probes.detach_all();
     send_drops(&probes, &mut drops_seen, &tx).await;
     let mut drops_by_kind = probes.drops_by_kind();
@@ -259,34 +265,60 @@ async fn record(
         bytes,
         stats,
     );
-    summary.set_device_probes(device.stats);
+    summary.set_device_probes(device.stats());
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
     Ok(summary)
 }
 
+type AyaDeviceProbes = DeviceProbes<aya::programs::uprobe::UProbeLink>;
+
 /// Re-reads the traced processes' libraries; announces new probes to the
 /// trace stage, then attaches them.
 async fn scan_devices(
-    device: &mut DeviceProbes,
-    probes: &mut Probes,
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
     tx: &mpsc::Sender<Msg>,
 ) -> Result<()> {
-    let plan = device.plan(&probes.targets());
+    let plan = device.plan(&probes.targets(), &mut LiveProcesses);
+    announce_and_apply(device, probes, tx, plan).await
+}
+
+/// Switches the device capture level of the running recording.
+async fn change_device_level(
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
+    tx: &mpsc::Sender<Msg>,
+    level: DeviceLevel,
+) -> Result<()> {
+    tracing::info!(
+        "device probes: capture level {} -> {level}",
+        device.levels().device
+    );
+    let plan = device.set_device_level(level, &mut LiveProcesses);
+    announce_and_apply(device, probes, tx, plan).await
+}
+
+/// Sends a plan's table updates to the trace stage, then applies it.
+async fn announce_and_apply(
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
+    tx: &mpsc::Sender<Msg>,
+    mut plan: Plan,
+) -> Result<()> {
     if plan.is_empty() {
         return Ok(());
     }
-    let mut plan = plan;
     for update in std::mem::take(&mut plan.updates) {
         tx.send(Msg::Probes(update))
             .await
             .map_err(|_| anyhow!("the trace stage stopped"))?;
     }
-    device.apply(&mut probes.bpf, plan)
+    Ok(device.apply(&mut probes.attacher(), plan)?)
 }
 
 /// Sends new per-CPU drops to the trace stage.
-async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<Msg>) {
+async fn send_drops(probes: &impl KernelControl, seen: &mut [u64], tx: &mpsc::Sender<Msg>) {
     let per_kind = probes.drops();
     let mut per_cpu = vec![0u64; seen.len()];
     for (slot, cpus) in per_kind.iter().enumerate() {
@@ -355,15 +387,4 @@ fn write_trace(
         .context("flushing the trace")?;
     file.sync_all().context("syncing the trace file")?;
     Ok((stats, bytes))
-}
-
-impl Probes {
-    /// Drops per `EventKind`, summed over CPUs.
-    pub fn drops_by_kind(&self) -> Vec<u64> {
-        let mut out = vec![0; DROP_SLOTS as usize];
-        for (slot, cpus) in self.drops().iter().enumerate() {
-            out[slot] = cpus.iter().sum();
-        }
-        out
-    }
 }

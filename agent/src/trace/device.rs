@@ -24,8 +24,8 @@ use xpuscope_probes::decode::memory::{LiveSite, MemoryEffect};
 use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, Unmatched};
 
 use super::TraceBuilder;
-use crate::device_probes::TableUpdate;
 use crate::events::CallStack;
+use crate::kernel::probes::TableUpdate;
 
 /// What the device decoding saw; the summary (and its JSON) shows it as is.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
