@@ -93,6 +93,9 @@ pub struct AttachArgs {
     /// `0,1@1s` (level 0 from the start, 1 after 1 s).
     #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
     pub probe_level_schedule: Option<config::LevelSchedule>,
+    /// Testing aid: print the kernel's traced set (TARGETS) when stopping.
+    #[arg(long, hide = true)]
+    pub report_targets: bool,
     /// Testing aid: pause the reader this long (e.g. 5ms) after each batch.
     #[arg(long, hide = true, value_parser = config::parse_duration)]
     pub reader_delay: Option<Duration>,
@@ -124,6 +127,7 @@ impl AttachArgs {
                 .initial
                 .map_or(self.probe_level, |level| level.get()),
             level_schedule: schedule,
+            report_targets: self.report_targets,
         }
     }
 }

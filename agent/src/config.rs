@@ -62,6 +62,8 @@ pub struct AttachConfig {
     pub probe_level: u8,
     /// Testing aid: device-level changes during the recording.
     pub level_schedule: LevelSchedule,
+    /// Testing aid: print the kernel's traced set (`TARGETS`) at the stop.
+    pub report_targets: bool,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -90,6 +92,7 @@ impl Default for AttachConfig {
             drain_interval: Duration::from_millis(10),
             probe_level: 0,
             level_schedule: LevelSchedule::default(),
+            report_targets: false,
         }
     }
 }

@@ -209,6 +209,9 @@ async fn record(
         eprintln!();
     }
 
+    if cfg.report_targets {
+        report_targets(&probes);
+    }
     // Detach first, then drain: everything produced is then either consumed
     // or counted as dropped.
     let kernel_skips = probes.kernel_skips();
@@ -315,6 +318,20 @@ async fn announce_and_apply(
             .map_err(|_| anyhow!("the trace stage stopped"))?;
     }
     Ok(device.apply(&mut probes.attacher(), plan)?)
+}
+
+/// Testing aid: the traced set now, on stderr (a long run must leave only
+/// the live processes there).
+fn report_targets(kernel: &impl KernelControl) {
+    let mut pids = kernel.targets();
+    pids.sort_unstable();
+    let shown: Vec<String> = pids.iter().take(16).map(u32::to_string).collect();
+    eprintln!(
+        "xpuscope: traced set at stop: {} processes: {}{}",
+        pids.len(),
+        shown.join(" "),
+        if pids.len() > shown.len() { " ..." } else { "" }
+    );
 }
 
 /// Sends new per-CPU drops to the trace stage.

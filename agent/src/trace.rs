@@ -605,6 +605,7 @@ mod tests {
                 tgid: 100,
                 prio: 120,
                 comm: comm("worker"),
+                group_dead: false,
             }),
         ];
         for e in events {

@@ -28,6 +28,16 @@ pub struct TracepointProgram {
     pub tracepoint: &'static str,
     /// The record it pushes: its skipped runs are counted as drops of it.
     pub kind: EventKind,
+    /// A program loaded instead when this one does not verify on the
+    /// running kernel (an older tracepoint signature).
+    pub fallback: Option<&'static str>,
+}
+
+impl TracepointProgram {
+    /// This program's names in the object: itself and its fallback.
+    fn names(&self) -> impl Iterator<Item = &'static str> {
+        std::iter::once(self.name).chain(self.fallback)
+    }
 }
 
 /// Every tracepoint program, once. (The device-call uprobes are attached
@@ -37,36 +47,45 @@ pub const PROGRAMS: &[TracepointProgram] = &[
         name: "sched_process_fork",
         tracepoint: "sched_process_fork",
         kind: EventKind::ProcessFork,
+        fallback: None,
     },
     TracepointProgram {
         name: "sched_process_exec",
         tracepoint: "sched_process_exec",
         kind: EventKind::ProcessExec,
+        fallback: None,
     },
     TracepointProgram {
         name: "sched_process_exit",
         tracepoint: "sched_process_exit",
         kind: EventKind::ProcessExit,
+        // Before Linux 6.16 the tracepoint has no `group_dead`: exits are
+        // recorded, but processes stay in TARGETS.
+        fallback: Some("sched_process_exit_compat"),
     },
     TracepointProgram {
         name: "task_rename",
         tracepoint: "task_rename",
         kind: EventKind::TaskRename,
+        fallback: None,
     },
     TracepointProgram {
         name: "sched_waking",
         tracepoint: "sched_waking",
         kind: EventKind::SchedWaking,
+        fallback: None,
     },
     TracepointProgram {
         name: "sched_wakeup_new",
         tracepoint: "sched_wakeup_new",
         kind: EventKind::SchedWakeupNew,
+        fallback: None,
     },
     TracepointProgram {
         name: "sched_switch",
         tracepoint: "sched_switch",
         kind: EventKind::SchedSwitch,
+        fallback: None,
     },
 ];
 
@@ -111,16 +130,28 @@ impl Kernel {
         let btf = Btf::parse_file(opts.kernel_btf, aya::Endianness::default())
             .with_context(|| format!("reading kernel BTF from {}", opts.kernel_btf.display()))?;
         for p in PROGRAMS {
+            let name = match (
+                load_tracepoint(&mut bpf, p.name, p.tracepoint, &btf),
+                p.fallback,
+            ) {
+                (Ok(()), _) => p.name,
+                (Err(e), Some(fallback)) => {
+                    tracing::warn!(
+                        "{} does not load on this kernel ({e:#}); using {fallback}",
+                        p.name
+                    );
+                    load_tracepoint(&mut bpf, fallback, p.tracepoint, &btf)?;
+                    fallback
+                }
+                (Err(e), None) => return Err(e),
+            };
             let program: &mut BtfTracePoint = bpf
-                .program_mut(p.name)
-                .ok_or_else(|| KernelError::Missing(format!("program {}", p.name)))?
+                .program_mut(name)
+                .ok_or_else(|| KernelError::Missing(format!("program {name}")))?
                 .try_into()?;
             program
-                .load(p.tracepoint, &btf)
-                .with_context(|| format!("verifying/loading {}", p.name))?;
-            program
                 .attach()
-                .with_context(|| format!("attaching {} to tracepoint {}", p.name, p.tracepoint))?;
+                .with_context(|| format!("attaching {name} to tracepoint {}", p.tracepoint))?;
         }
         Ok(Kernel { bpf, logger })
     }
@@ -132,12 +163,13 @@ impl Kernel {
 
     /// Detaches and unloads every tracepoint program (maps stay readable).
     pub fn detach_all(&mut self) {
-        for p in PROGRAMS {
-            if let Some(program) = self.bpf.program_mut(p.name)
+        for name in PROGRAMS.iter().flat_map(|p| p.names()) {
+            if let Some(program) = self.bpf.program_mut(name)
+                && program.fd().is_ok()
                 && let Ok(tp) = <&mut BtfTracePoint>::try_from(program)
                 && let Err(e) = tp.unload()
             {
-                tracing::warn!("detaching {}: {e}", p.name);
+                tracing::warn!("detaching {name}: {e}");
             }
         }
     }
@@ -197,8 +229,8 @@ impl KernelControl for Kernel {
     fn kernel_skips(&self) -> Vec<u64> {
         use std::os::fd::{AsFd, AsRawFd};
         let mut out = vec![0; DROP_SLOTS as usize];
-        for p in PROGRAMS {
-            let Some(program) = self.bpf.program(p.name) else {
+        for (p, name) in PROGRAMS.iter().flat_map(|p| p.names().map(move |n| (p, n))) {
+            let Some(program) = self.bpf.program(name) else {
                 continue;
             };
             if let Ok(fd) = program.fd()
@@ -209,6 +241,17 @@ impl KernelControl for Kernel {
         }
         out
     }
+}
+
+/// Verifies and loads one tracepoint program.
+fn load_tracepoint(bpf: &mut Ebpf, name: &str, tracepoint: &str, btf: &Btf) -> Result<()> {
+    let program: &mut BtfTracePoint = bpf
+        .program_mut(name)
+        .ok_or_else(|| KernelError::Missing(format!("program {name}")))?
+        .try_into()?;
+    program
+        .load(tracepoint, btf)
+        .with_context(|| format!("verifying/loading {name}"))
 }
 
 fn config_array(bpf: &Ebpf) -> Result<Array<&MapData, Config>, KernelError> {
@@ -267,10 +310,11 @@ mod tests {
 
     #[test]
     fn every_tracepoint_program_is_listed_once_with_its_own_kind() {
-        let mut names: Vec<&str> = PROGRAMS.iter().map(|p| p.name).collect();
+        let mut names: Vec<&str> = PROGRAMS.iter().flat_map(|p| p.names()).collect();
+        let listed = names.len();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), PROGRAMS.len(), "a program listed twice");
+        assert_eq!(names.len(), listed, "a program listed twice");
         let mut kinds: Vec<u32> = PROGRAMS.iter().map(|p| p.kind as u32).collect();
         kinds.sort_unstable();
         kinds.dedup();
