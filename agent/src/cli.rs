@@ -178,6 +178,7 @@ mod tests {
             .render_long_help()
             .to_string();
         assert!(!help.contains("probe-level-schedule"), "{help}");
+        assert!(!help.contains("report-targets"), "{help}");
         let cli = Cli::try_parse_from([
             "agent",
             "attach",

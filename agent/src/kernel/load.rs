@@ -321,4 +321,27 @@ mod tests {
         assert_eq!(kinds.len(), PROGRAMS.len(), "two programs push one kind");
         assert!(kinds.iter().all(|&k| k < DROP_SLOTS));
     }
+
+    /// Every program of the table, fallbacks included, verifies on the
+    /// running kernel (needs root and BPF, like the end-to-end tests: it
+    /// fails without them). The exit program's fallback is the one an
+    /// older kernel loads, so it is checked here, where the primary loads.
+    #[test]
+    fn every_program_and_fallback_verifies_on_this_kernel() {
+        crate::preflight::check_object(EBPF_OBJECT).expect("the eBPF object is built");
+        let vmlinux = Path::new(crate::btf::VMLINUX_BTF);
+        let offsets = crate::btf::task_offsets(&crate::btf::Btf::from_file(vmlinux).unwrap())
+            .expect("task_struct offsets");
+        let mut bpf = EbpfLoader::new()
+            .override_global(globals::TASK_OFFSETS, &offsets, true)
+            .load(EBPF_OBJECT)
+            .expect("loading the object (root and BPF are required)");
+        let btf = Btf::parse_file(vmlinux, aya::Endianness::default()).unwrap();
+        for p in PROGRAMS {
+            for name in p.names() {
+                load_tracepoint(&mut bpf, name, p.tracepoint, &btf)
+                    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            }
+        }
+    }
 }
