@@ -18,7 +18,7 @@ use xpuscope_perfetto::TraceWriter;
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
 use crate::events::Event;
-use crate::kernel::probes::{DeviceProbes, LiveProcesses, Plan, TableUpdate};
+use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses, Plan, TableUpdate};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
 use crate::reader::{Reader, ReaderCounters};
 use crate::summary::{RunSummary, StopReason};
@@ -273,8 +273,6 @@ async fn record(
     summary.kernel_skipped = kernel_skips.iter().sum();
     Ok(summary)
 }
-
-type AyaDeviceProbes = DeviceProbes<aya::programs::uprobe::UProbeLink>;
 
 /// Re-reads the traced processes' libraries; announces new probes to the
 /// trace stage, then attaches them.

@@ -1,5 +1,13 @@
 //! Process and thread lifetimes: fork (following traced processes into
 //! their children), exec, exit and rename.
+//!
+//! The traced set (`TARGETS`) follows the process tree both ways: a traced
+//! process's child joins it at fork, and a process leaves it when its last
+//! thread exits ([`sched_process_exit`]). Leaving at exit keeps the set
+//! bounded in a long run, and it is what keeps a reused pid from being
+//! mistaken for the old process: the kernel hands pids out again, and an
+//! entry left behind would make an unrelated process that got the pid
+//! traced as if it were the old one.
 
 use aya_ebpf::{
     helpers::{bpf_get_smp_processor_id, bpf_probe_read_kernel_str_bytes},

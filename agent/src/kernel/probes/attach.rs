@@ -76,7 +76,8 @@ pub trait Attacher {
 /// Counters for the summary.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceProbeStats {
-    /// Functions attached (entry and return), over all processes.
+    /// Functions made live (entry and return) for a process, over all
+    /// processes (a function re-enabled by a raised level counts again).
     pub attached: u64,
     /// Single functions (or whole libraries) that could not be attached.
     pub attach_failures: u64,

@@ -43,6 +43,9 @@ pub use plan::{LiveProcesses, Plan, Planner, ProcessSource, TableUpdate};
 use super::error::KernelError;
 use super::levels::{CaptureLevels, DeviceLevel};
 
+/// The device probes over a loaded object ([`AyaAttacher`]).
+pub type AyaDeviceProbes = DeviceProbes<aya::programs::uprobe::UProbeLink>;
+
 /// The device probes of one recording: the plan and the attached links.
 /// `L` is the [`Attacher`]'s link type.
 pub struct DeviceProbes<L> {
