@@ -78,7 +78,9 @@ impl<L> DeviceProbes<L> {
     /// returned plan attaches the probes the new level adds in every traced
     /// process (their table updates first), silences those it drops, and
     /// writes the level mask to `CONFIG`. Nothing restarts; a probe
-    /// silenced before is re-enabled, never attached twice.
+    /// silenced before is re-enabled, never attached twice. A call in
+    /// flight when its probe is silenced keeps its entry record without a
+    /// return (the summary counts such entries).
     pub fn set_device_level(
         &mut self,
         level: DeviceLevel,
