@@ -93,6 +93,13 @@ pub struct AttachArgs {
     /// activity records (CUPTI/MSPTI).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub probe_level: u8,
+    /// Testing aid: switch the device level while recording, e.g.
+    /// `0,1@1s` (level 0 from the start, 1 after 1 s).
+    #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
+    pub probe_level_schedule: Option<config::LevelSchedule>,
+    /// Testing aid: print the kernel's traced set (TARGETS) when stopping.
+    #[arg(long, hide = true)]
+    pub report_targets: bool,
     /// Testing aid: pause the reader this long (e.g. 5ms) after each batch.
     #[arg(long, hide = true, value_parser = config::parse_duration)]
     pub reader_delay: Option<Duration>,
@@ -101,6 +108,7 @@ pub struct AttachArgs {
 impl AttachArgs {
     pub fn into_config(self) -> AttachConfig {
         let defaults = AttachConfig::default();
+        let schedule = self.probe_level_schedule.unwrap_or_default();
         let output = self.output.unwrap_or_else(|| match self.pid {
             Some(pid) => PathBuf::from(format!("xpuscope-{pid}.pftrace")),
             None => PathBuf::from("xpuscope-system.pftrace"),
@@ -119,7 +127,11 @@ impl AttachArgs {
             stats_json: self.stats_json,
             reader_delay: self.reader_delay.unwrap_or(defaults.reader_delay),
             drain_interval: defaults.drain_interval,
-            probe_level: self.probe_level,
+            probe_level: schedule
+                .initial
+                .map_or(self.probe_level, |level| level.get()),
+            level_schedule: schedule,
+            report_targets: self.report_targets,
         }
     }
 }
@@ -182,5 +194,44 @@ mod tests {
     fn pid_or_system_required() {
         assert!(Cli::try_parse_from(["agent", "attach"]).is_err());
         assert!(Cli::try_parse_from(["agent", "attach", "--system", "-d", "1s"]).is_ok());
+    }
+
+    #[test]
+    fn level_schedule_is_hidden_and_sets_the_start_level() {
+        let help = Cli::command()
+            .find_subcommand_mut("attach")
+            .expect("attach")
+            .render_long_help()
+            .to_string();
+        assert!(!help.contains("probe-level-schedule"), "{help}");
+        assert!(!help.contains("report-targets"), "{help}");
+        let cli = Cli::try_parse_from([
+            "agent",
+            "attach",
+            "-p",
+            "1",
+            "--probe-level",
+            "2",
+            "--probe-level-schedule",
+            "0,1@1s",
+        ])
+        .unwrap();
+        let Command::Attach(args) = cli.command else {
+            panic!("not attach")
+        };
+        let cfg = args.into_config();
+        assert_eq!(cfg.probe_level, 0, "the schedule's first level wins");
+        assert_eq!(cfg.level_schedule.initial.map(|l| l.get()), Some(0));
+        assert!(
+            Cli::try_parse_from([
+                "agent",
+                "attach",
+                "-p",
+                "1",
+                "--probe-level-schedule",
+                "0,1"
+            ])
+            .is_err()
+        );
     }
 }

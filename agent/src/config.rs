@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use xpuscope_common::stack_mode;
 
+use crate::kernel::DeviceLevel;
+
 /// How off-CPU stacks are taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum StackPolicy {
@@ -58,6 +60,10 @@ pub struct AttachConfig {
     /// Device-library capture level: 0 collectives, syncs, memory, comm
     /// init; 1 adds launches and copies; 2 adds activity records.
     pub probe_level: u8,
+    /// Testing aid: device-level changes during the recording.
+    pub level_schedule: LevelSchedule,
+    /// Testing aid: print the kernel's traced set (`TARGETS`) at the stop.
+    pub report_targets: bool,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -85,6 +91,8 @@ impl Default for AttachConfig {
             reader_delay: Duration::ZERO,
             drain_interval: Duration::from_millis(10),
             probe_level: 0,
+            level_schedule: LevelSchedule::default(),
+            report_targets: false,
         }
     }
 }
@@ -117,6 +125,55 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         ));
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// Device capture levels to switch to while recording, each after a time
+/// since the start (`--probe-level-schedule 0,1@1s,0@3s`: level 0 from the
+/// start, 1 after 1 s, 0 again after 3 s). The supervisor applies them
+/// through the same call the control API will use.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LevelSchedule {
+    /// The level at the start, if the schedule names one.
+    pub initial: Option<DeviceLevel>,
+    /// Changes not applied yet, earliest first.
+    changes: Vec<(Duration, DeviceLevel)>,
+}
+
+impl LevelSchedule {
+    /// The level due by `elapsed`, once: the latest change whose time has
+    /// come (earlier ones it passed over are skipped).
+    pub fn take_due(&mut self, elapsed: Duration) -> Option<DeviceLevel> {
+        let due = self
+            .changes
+            .iter()
+            .take_while(|(at, _)| *at <= elapsed)
+            .count();
+        self.changes.drain(..due).next_back().map(|(_, l)| l)
+    }
+}
+
+/// Parses a [`LevelSchedule`]: comma-separated `LEVEL@TIME`, the first may
+/// be a bare `LEVEL` (the level at the start); times increase.
+pub fn parse_level_schedule(text: &str) -> Result<LevelSchedule, String> {
+    let mut schedule = LevelSchedule::default();
+    for (i, step) in text.split(',').map(str::trim).enumerate() {
+        match step.split_once('@') {
+            None if i == 0 => schedule.initial = Some(step.parse()?),
+            None => {
+                return Err(format!(
+                    "`{step}` in `{text}` needs a time (e.g. 1@2s); only the first level may                      omit it"
+                ));
+            }
+            Some((level, at)) => {
+                let at = parse_duration(at)?;
+                if schedule.changes.last().is_some_and(|(prev, _)| *prev >= at) {
+                    return Err(format!("times in `{text}` must increase"));
+                }
+                schedule.changes.push((at, level.parse()?));
+            }
+        }
+    }
+    Ok(schedule)
 }
 
 /// Parses a byte size such as `32M`, `4096`, `1G`, `256k`.
@@ -163,6 +220,40 @@ mod tests {
         );
         assert!(parse_duration("5y").unwrap_err().contains("unknown unit"));
         assert!(parse_duration("0s").is_err());
+    }
+
+    #[test]
+    fn level_schedules() {
+        let lvl = |n| DeviceLevel::new(n).unwrap();
+        let mut s = parse_level_schedule("0,1@1s,2@3s,0@4s").unwrap();
+        assert_eq!(s.initial, Some(lvl(0)));
+        assert_eq!(s.take_due(Duration::from_millis(500)), None);
+        assert_eq!(s.take_due(Duration::from_millis(1100)), Some(lvl(1)));
+        assert_eq!(s.take_due(Duration::from_millis(1200)), None, "once");
+        // A slow tick passes over 2@3s: the latest due wins.
+        assert_eq!(s.take_due(Duration::from_secs(5)), Some(lvl(0)));
+        assert_eq!(s.take_due(Duration::from_secs(9)), None);
+        assert_eq!(parse_level_schedule("1@2s").unwrap().initial, None);
+        assert!(
+            parse_level_schedule("0,1")
+                .unwrap_err()
+                .contains("needs a time")
+        );
+        assert!(
+            parse_level_schedule("1@2s,0@1s")
+                .unwrap_err()
+                .contains("increase")
+        );
+        assert!(
+            parse_level_schedule("5")
+                .unwrap_err()
+                .contains("use 0, 1 or 2")
+        );
+        assert!(
+            parse_level_schedule("1@soon")
+                .unwrap_err()
+                .contains("not a duration")
+        );
     }
 
     #[test]

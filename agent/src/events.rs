@@ -3,8 +3,9 @@
 
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
-    COMM_LEN, EventHeader, EventKind, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit,
-    ProcessFork, SchedSwitch, SchedWaking, TaskRename, switch_flags,
+    COMM_LEN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind, MAX_STACK_DEPTH,
+    OffCpuStack, ProcessExec, ProcessExit, ProcessFork, SchedSwitch, SchedWaking, TaskRename,
+    switch_flags,
 };
 
 /// A task name as the kernel stores it (NUL-padded, not always UTF-8).
@@ -104,13 +105,26 @@ pub struct Exit {
     pub tgid: u32,
     pub prio: i32,
     pub comm: Comm,
+    /// The process's last thread: the process is gone, it left the
+    /// kernel's traced set, and its pid may come back as another process.
+    /// (Always false on kernels before 6.16, which do not say.)
+    pub group_dead: bool,
+    /// Whether the kernel said (`group_dead` is meaningful).
+    pub group_known: bool,
 }
 
 impl Exit {
     /// Whether this is the last thread of its process to exit (the process
     /// is gone: what is kept about it can go, its pid may be reused).
+    /// Kernels before 6.16 do not say: there the main thread's exit is
+    /// taken as the process's (wrong only for a main thread that exits
+    /// before the others).
     pub fn ends_process(&self) -> bool {
-        self.tid == self.tgid
+        if self.group_known {
+            self.group_dead
+        } else {
+            self.tid == self.tgid
+        }
     }
 }
 
@@ -313,6 +327,8 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 tgid: r.tgid,
                 prio: r.prio,
                 comm: Comm(r.comm),
+                group_dead: r.flags & EXIT_GROUP_DEAD != 0,
+                group_known: r.flags & EXIT_GROUP_KNOWN != 0,
             })
         }
         EventKind::TaskRename => {
@@ -394,6 +410,44 @@ mod tests {
         assert_eq!(s.prev_comm.as_str(), "worker");
         assert_eq!(s.next_comm.as_str(), "swapper/3");
         assert!(s.preempt && s.prev_target && s.stack_follows && !s.next_target);
+    }
+
+    #[test]
+    fn decodes_an_exit_and_whether_its_process_died() {
+        let mut rec = ProcessExit {
+            header: EventHeader {
+                kind: EventKind::ProcessExit as u32,
+                cpu: 2,
+                ts: 99,
+            },
+            tid: 41,
+            tgid: 40,
+            prio: 120,
+            flags: EXIT_GROUP_KNOWN | EXIT_GROUP_DEAD,
+            comm: *b"child\0\0\0\0\0\0\0\0\0\0\0",
+        };
+        let Event::Exit(e) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert_eq!((e.cpu, e.ts, e.tid, e.tgid, e.prio), (2, 99, 41, 40, 120));
+        assert_eq!(e.comm.as_str(), "child");
+        assert!(e.group_dead && e.ends_process());
+        rec.flags = EXIT_GROUP_KNOWN;
+        let Event::Exit(e) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert!(!e.group_dead, "another thread of a live process");
+        assert!(!e.ends_process());
+        // An older kernel does not say: the main thread's exit ends it.
+        rec.flags = 0;
+        rec.tid = rec.tgid;
+        let Event::Exit(e) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert!(e.ends_process());
+        // The flag sits where the padding was: the ABI's size is unchanged.
+        assert_eq!(std::mem::offset_of!(ProcessExit, flags), 28);
+        assert_eq!(size_of::<ProcessExit>(), 48);
     }
 
     #[test]

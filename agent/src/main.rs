@@ -8,11 +8,9 @@
 mod btf;
 mod cli;
 mod config;
-mod device_probes;
 mod events;
 mod host;
-mod kernel_misses;
-mod load;
+mod kernel;
 mod model;
 mod pipeline;
 mod preflight;

@@ -17,8 +17,9 @@ use xpuscope_probes::discover;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve;
 
-use crate::device_probes::{self, DeviceProbes};
-use crate::load::{self, EBPF_OBJECT};
+use crate::kernel::load::{self, EBPF_OBJECT};
+use crate::kernel::probes::{AyaAttacher, DeviceProbes, LiveProcesses};
+use crate::kernel::{CaptureLevels, DeviceLevel};
 use crate::preflight;
 
 pub fn run(pid: u32, count_for: Option<Duration>) -> Result<()> {
@@ -44,7 +45,7 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
         .load(EBPF_OBJECT)
         .context("loading the eBPF programs failed (is BPF enabled in this kernel?)")?;
     // Levels off: the programs count hits and push no records.
-    load::set_config(
+    load::write_config(
         &mut bpf,
         Config {
             probe_levels: 0,
@@ -53,20 +54,25 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
     )?;
     // Only traced processes are counted (the probes sit on the files).
     load::add_target(&mut bpf, pid)?;
-    let mut device = DeviceProbes::new(device_probes::level_mask(2), false);
-    let plan = device.plan(&[pid]);
-    device.apply(&mut bpf, plan)?;
+    // Every level's probes, recording nothing (CONFIG.probe_levels is 0).
+    let levels = CaptureLevels {
+        device: DeviceLevel::MAX,
+    };
+    let mut device = DeviceProbes::new(levels, false);
+    let plan = device.plan(&[pid], &mut LiveProcesses);
+    device.apply(&mut AyaAttacher::new(&mut bpf), plan)?;
     eprintln!(
         "xpuscope: counting calls of {} probed functions in pid {pid} for {:.1} s",
-        device.stats.attached,
+        device.stats().attached,
         duration.as_secs_f64()
     );
     let end = Instant::now() + duration;
     while Instant::now() < end && Path::new(&format!("/proc/{pid}")).exists() {
         std::thread::sleep(Duration::from_millis(100).min(end - Instant::now()));
     }
-    let hits = device.hits_by_address(&bpf, pid);
-    device.detach_all(&mut bpf);
+    let mut attacher = AyaAttacher::new(&mut bpf);
+    let hits = device.hits_by_address(&attacher, pid);
+    device.detach_all(&mut attacher);
     Ok(hits)
 }
 

@@ -13,12 +13,12 @@ use anyhow::{Context, Result, anyhow};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
-use xpuscope_common::{Config, DROP_SLOTS};
+use xpuscope_common::Config;
 
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
-use crate::device_probes::{self, DeviceProbes};
-use crate::load::{self, EBPF_OBJECT, LoadOptions, Probes};
+use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses, Plan};
+use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
 use crate::pipeline::collect::{Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::interpret::InterpretCounters;
@@ -60,7 +60,8 @@ fn start_kernel(
     cfg: &AttachConfig,
     target: Option<u32>,
     offsets: xpuscope_common::TaskOffsets,
-) -> Result<Probes> {
+    levels: CaptureLevels,
+) -> Result<Kernel> {
     let kernel_config = Config {
         system_wide: cfg.system_wide as u32,
         stack_mode: cfg.stacks.kernel_mode(),
@@ -68,10 +69,10 @@ fn start_kernel(
         stack_burst: cfg.stack_burst,
         wakeup_bytes: (cfg.ring_bytes / 4) as u64,
         device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
-        probe_levels: device_probes::level_mask(cfg.probe_level),
+        probe_levels: levels.device.mask(),
         _pad: 0,
     };
-    let mut probes = load::load_and_attach(&LoadOptions {
+    let mut probes = Kernel::load_and_attach(&LoadOptions {
         offsets,
         ring_bytes: cfg.ring_bytes,
         device_ring_bytes: cfg.device_ring_bytes,
@@ -102,7 +103,7 @@ struct Stages {
 
 impl Stages {
     /// Starts the sinks, the pipeline thread and the collect task.
-    fn start(cfg: &AttachConfig, probes: &mut Probes, file: File) -> Result<(Self, usize)> {
+    fn start(cfg: &AttachConfig, probes: &mut Kernel, file: File) -> Result<(Self, usize)> {
         let start_ts = host::boottime_ns();
         let pids: Vec<u32> = if cfg.system_wide {
             procfs::all_pids()
@@ -180,15 +181,15 @@ async fn record(
     offsets: xpuscope_common::TaskOffsets,
     file: File,
 ) -> Result<RunSummary> {
-    let mut probes = start_kernel(&cfg, target, offsets)?;
+    let levels = CaptureLevels {
+        device: DeviceLevel::new(cfg.probe_level)?,
+    };
+    let mut probes = start_kernel(&cfg, target, offsets, levels)?;
     let (stages, initial_threads) = Stages::start(&cfg, &mut probes, file)?;
 
     // Device libraries already mapped are probed before the start line, so
     // a caller waiting for it sees their calls from then on.
-    let mut device = DeviceProbes::new(
-        device_probes::level_mask(cfg.probe_level),
-        cfg.stacks != StackPolicy::Off,
-    );
+    let mut device = DeviceProbes::new(levels, cfg.stacks != StackPolicy::Off);
     if target.is_some()
         && let Err(e) = scan_devices(&mut device, &mut probes, &stages.tx).await
     {
@@ -208,11 +209,14 @@ async fn record(
     )
     .await?;
 
+    if cfg.report_targets {
+        report_targets(&probes);
+    }
     // Detach first, then drain: everything produced is then either consumed
     // or counted as dropped.
     let kernel_skips = probes.kernel_skips();
-    let device_hits = device.hits(&probes.bpf);
-    device.detach_all(&mut probes.bpf);
+    let device_hits = device.hits(&probes.attacher());
+    device.detach_all(&mut probes.attacher());
     probes.detach_all();
     send_drops(&probes, &mut drops_seen, &stages.tx).await;
     let mut drops_by_kind = probes.drops_by_kind();
@@ -234,7 +238,7 @@ async fn record(
         finished.totals,
         finished.sinks,
     );
-    summary.set_device_probes(device.stats);
+    summary.set_device_probes(device.stats());
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
     Ok(summary)
@@ -265,10 +269,11 @@ async fn supervise(
     cfg: &AttachConfig,
     target: Option<u32>,
     stages: &Stages,
-    probes: &mut Probes,
-    device: &mut DeviceProbes,
+    probes: &mut Kernel,
+    device: &mut AyaDeviceProbes,
     drops_seen: &mut [u64],
 ) -> Result<StopReason> {
+    let mut level_schedule = cfg.level_schedule.clone();
     let started = Instant::now();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -306,6 +311,11 @@ async fn supervise(
                     break StopReason::Failed;
                 }
                 probes.flush_log();
+                if let Some(level) = level_schedule.take_due(started.elapsed())
+                    && let Err(e) = change_device_level(device, probes, &stages.tx, level).await
+                {
+                    tracing::warn!("device probes: switching to level {level}: {e:#}");
+                }
                 if target.is_some()
                     && polls.is_multiple_of(DEVICE_SCAN_EVERY)
                     && let Err(e) = scan_devices(device, probes, &stages.tx).await
@@ -418,11 +428,38 @@ fn cut_trace(e: anyhow::Error, cfg: &AttachConfig) -> anyhow::Error {
 /// Re-reads the traced processes' libraries; announces new probes to the
 /// pipeline, then attaches them.
 async fn scan_devices(
-    device: &mut DeviceProbes,
-    probes: &mut Probes,
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
     tx: &mpsc::Sender<PipelineMsg>,
 ) -> Result<()> {
-    let mut plan = device.plan(&probes.targets());
+    let plan = device.plan(&probes.targets(), &mut LiveProcesses);
+    announce_and_apply(device, probes, tx, plan).await
+}
+
+/// Switches the device capture level of the running recording (the
+/// service's control API will call this too).
+async fn change_device_level(
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
+    tx: &mpsc::Sender<PipelineMsg>,
+    level: DeviceLevel,
+) -> Result<()> {
+    tracing::info!(
+        "device probes: capture level {} -> {level}",
+        device.levels().device
+    );
+    let plan = device.set_device_level(level, &mut LiveProcesses);
+    announce_and_apply(device, probes, tx, plan).await
+}
+
+/// Sends a plan's table updates to the pipeline (a probe's meaning must be
+/// known before it can fire), then applies it.
+async fn announce_and_apply(
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
+    tx: &mpsc::Sender<PipelineMsg>,
+    mut plan: Plan,
+) -> Result<()> {
     if plan.is_empty() {
         return Ok(());
     }
@@ -431,11 +468,25 @@ async fn scan_devices(
             .await
             .map_err(|_| anyhow!("the pipeline stopped"))?;
     }
-    device.apply(&mut probes.bpf, plan)
+    Ok(device.apply(&mut probes.attacher(), plan)?)
+}
+
+/// Testing aid: the traced set now, on stderr (a long run must leave only
+/// the live processes there).
+fn report_targets(kernel: &impl KernelControl) {
+    let mut pids = kernel.targets();
+    pids.sort_unstable();
+    let shown: Vec<String> = pids.iter().take(16).map(u32::to_string).collect();
+    eprintln!(
+        "xpuscope: traced set at stop: {} processes: {}{}",
+        pids.len(),
+        shown.join(" "),
+        if pids.len() > shown.len() { " ..." } else { "" }
+    );
 }
 
 /// Sends new per-CPU drops to the pipeline.
-async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<PipelineMsg>) {
+async fn send_drops(probes: &impl KernelControl, seen: &mut [u64], tx: &mpsc::Sender<PipelineMsg>) {
     let per_kind = probes.drops();
     let mut per_cpu = vec![0u64; seen.len()];
     for (slot, cpus) in per_kind.iter().enumerate() {
@@ -464,15 +515,4 @@ async fn send_drops(probes: &Probes, seen: &mut [u64], tx: &mpsc::Sender<Pipelin
             total,
         })
         .await;
-}
-
-impl Probes {
-    /// Drops per `EventKind`, summed over CPUs.
-    pub fn drops_by_kind(&self) -> Vec<u64> {
-        let mut out = vec![0; DROP_SLOTS as usize];
-        for (slot, cpus) in self.drops().iter().enumerate() {
-            out[slot] = cpus.iter().sum();
-        }
-        out
-    }
 }

@@ -277,7 +277,7 @@ impl RunSummary {
         });
     }
 
-    pub fn set_device_probes(&mut self, stats: crate::device_probes::DeviceProbeStats) {
+    pub fn set_device_probes(&mut self, stats: crate::kernel::probes::DeviceProbeStats) {
         self.device.libraries = stats.libraries;
         self.device.attached_probes = stats.attached;
         self.device.attach_failures = stats.attach_failures;

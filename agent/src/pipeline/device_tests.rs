@@ -11,8 +11,8 @@ use xpuscope_probes::decode::{ActivityEvent, Decoded, DeviceCall};
 use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
 
 use super::testing::TestPipeline;
-use crate::device_probes::TableUpdate;
 use crate::events::Event;
+use crate::kernel::probes::TableUpdate;
 use crate::model::RankIdentity;
 
 fn entry(ts: u64, ip: u64, args: [u64; 6]) -> Event {

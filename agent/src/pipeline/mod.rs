@@ -34,8 +34,8 @@ use std::panic::AssertUnwindSafe;
 use anyhow::{Result, anyhow};
 use tokio::sync::mpsc;
 
-use crate::device_probes::TableUpdate;
 use crate::events::Event;
+use crate::kernel::probes::TableUpdate;
 use crate::procfs::ProcessEntry;
 use crate::sinks::{FanOut, panic_message};
 use enrich::Enrich;

@@ -17,8 +17,8 @@ use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
 use super::enrich::fake::FakeEnricher;
 use super::{Pipeline, PipelineMsg};
-use crate::device_probes::TableUpdate;
 use crate::events::{Comm, Event, Exit, Fork, StackCapture, Switch};
+use crate::kernel::probes::TableUpdate;
 use crate::model::{RankIdentity, Record};
 use crate::sinks::counting::CountingSink;
 use crate::sinks::perfetto::PerfettoSink;
@@ -410,6 +410,8 @@ fn state_per_process_goes_when_it_exits() {
                 tgid: child,
                 prio: 120,
                 comm: Comm::from_str_lossy("child"),
+                group_dead: true,
+                group_known: true,
             }),
         ]));
     }

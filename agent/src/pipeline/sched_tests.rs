@@ -118,6 +118,8 @@ fn events_become_what_the_ui_shows() {
             tgid: 100,
             prio: 120,
             comm: comm("worker"),
+            group_dead: false,
+            group_known: false,
         }),
     ];
     for e in events {

@@ -8,8 +8,8 @@ use xpuscope_probes::decode::Decoded;
 
 use super::enrich::LiveEnricher;
 use super::interpret::Interpreter;
-use crate::device_probes::TableUpdate;
 use crate::events::Event;
+use crate::kernel::probes::TableUpdate;
 use crate::model::Record;
 use crate::procfs::ProcessEntry;
 use crate::sinks::perfetto::PerfettoSink;

@@ -194,9 +194,18 @@ pub struct ProcessExit {
     pub tid: u32,
     pub tgid: u32,
     pub prio: i32,
-    pub _pad: u32,
+    /// [`EXIT_GROUP_DEAD`] and future bits; unknown bits are zero.
+    pub flags: u32,
     pub comm: [u8; COMM_LEN],
 }
+
+/// [`ProcessExit::flags`]: the last thread of its process exited: the
+/// process is gone (and left `TARGETS`), so its pid may be reused.
+pub const EXIT_GROUP_DEAD: u32 = 1;
+/// [`ProcessExit::flags`]: the kernel says whether this was the process's
+/// last thread ([`EXIT_GROUP_DEAD`] is meaningful; Linux 6.16+). Without it
+/// the agent takes the main thread's exit as the process's.
+pub const EXIT_GROUP_KNOWN: u32 = 2;
 
 /// A thread renamed (`prctl(PR_SET_NAME)`, `pthread_setname_np`).
 #[repr(C)]

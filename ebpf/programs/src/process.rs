@@ -1,5 +1,13 @@
 //! Process and thread lifetimes: fork (following traced processes into
 //! their children), exec, exit and rename.
+//!
+//! The traced set (`TARGETS`) follows the process tree both ways: a traced
+//! process's child joins it at fork, and a process leaves it when its last
+//! thread exits ([`sched_process_exit`]). Leaving at exit keeps the set
+//! bounded in a long run, and it is what keeps a reused pid from being
+//! mistaken for the old process: the kernel hands pids out again, and an
+//! entry left behind would make an unrelated process that got the pid
+//! traced as if it were the old one.
 
 use aya_ebpf::{
     helpers::{bpf_get_smp_processor_id, bpf_probe_read_kernel_str_bytes},
@@ -7,7 +15,9 @@ use aya_ebpf::{
     programs::BtfTracePointContext,
 };
 use aya_log_ebpf::warn;
-use xpuscope_common::{EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRename};
+use xpuscope_common::{
+    EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRename,
+};
 
 use crate::{
     maps::{TARGETS, config, is_target, offsets, targets_changed},
@@ -90,20 +100,65 @@ fn try_exec(ctx: &BtfTracePointContext) -> Option<u32> {
     Some(0)
 }
 
-/// `sched_process_exit(struct task_struct *p, ...)`: every exiting thread.
+/// `sched_process_exit(struct task_struct *p, bool group_dead)`: every
+/// exiting thread; `group_dead` on the last one of its process.
+///
+/// `group_dead` is a tracepoint argument from Linux 6.16 on (commit
+/// 3e816361e94a, "sched/tracepoints: Move and extend the
+/// sched_process_exit() tracepoint"); before, the tracepoint has only the
+/// task, and the verifier rejects this program's read of a second
+/// argument. The agent then loads [`sched_process_exit_compat`] instead:
+/// exits are recorded without the flag and nothing leaves `TARGETS` (as
+/// before pruning existed). A fallback that prunes on older kernels would
+/// read `task->signal->live` (zero once the last thread is exiting) through
+/// BTF offsets.
+///
+/// Pruning is what keeps `TARGETS` bounded in a long run (16,384 entries,
+/// however many short-lived children come and go) and what makes a reused
+/// pid safe: the kernel may hand a dead target's pid to an unrelated
+/// process, which would be traced as if it were the target had the entry
+/// stayed. A child of a traced process is still added on fork, so only
+/// the pid's old meaning is lost.
 #[btf_tracepoint(function = "sched_process_exit")]
 pub fn sched_process_exit(ctx: BtfTracePointContext) -> u32 {
-    try_exit(&ctx).unwrap_or(0)
+    // A bool argument is widened to a u64 slot of the context.
+    let group_dead: u64 = ctx.arg(1);
+    try_exit(&ctx, Some(group_dead as u8 != 0)).unwrap_or(0)
 }
 
-fn try_exit(ctx: &BtfTracePointContext) -> Option<u32> {
+/// [`sched_process_exit`] for kernels before 6.16 (no `group_dead`).
+#[btf_tracepoint(function = "sched_process_exit")]
+pub fn sched_process_exit_compat(ctx: BtfTracePointContext) -> u32 {
+    try_exit(&ctx, None).unwrap_or(0)
+}
+
+fn try_exit(ctx: &BtfTracePointContext, group_dead: Option<bool>) -> Option<u32> {
     let p: *const u8 = ctx.arg(0);
     let off = offsets();
     let cfg = config();
     let t = task::fields(p, &off);
-    if cfg.system_wide == 0 && !is_target(t.tgid) {
-        return Some(0);
+    let traced = is_target(t.tgid);
+    if traced || cfg.system_wide != 0 {
+        push_exit(p, &t, group_dead, &off, &cfg);
     }
+    // After the record (the process's last record while traced), and
+    // whether or not the ring had room for it.
+    if traced && group_dead == Some(true) {
+        // Nothing to do if the agent removed it meanwhile.
+        let _ = TARGETS.remove(&t.tgid);
+        targets_changed();
+    }
+    Some(0)
+}
+
+#[inline(always)]
+fn push_exit(
+    p: *const u8,
+    t: &task::TaskFields,
+    group_dead: Option<bool>,
+    off: &xpuscope_common::TaskOffsets,
+    cfg: &xpuscope_common::Config,
+) -> Option<()> {
     let mut entry = reserve::<ProcessExit>(Ring::Sched, EventKind::ProcessExit, this_cpu(), now())?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
@@ -111,11 +166,15 @@ fn try_exit(ctx: &BtfTracePointContext) -> Option<u32> {
         (*rec).tid = t.tid;
         (*rec).tgid = t.tgid;
         (*rec).prio = t.prio;
-        (*rec)._pad = 0;
-        task::comm(p, &off, &mut (*rec).comm);
+        (*rec).flags = match group_dead {
+            Some(true) => EXIT_GROUP_KNOWN | EXIT_GROUP_DEAD,
+            Some(false) => EXIT_GROUP_KNOWN,
+            None => 0,
+        };
+        task::comm(p, off, &mut (*rec).comm);
     }
-    submit(Ring::Sched, entry, &cfg);
-    Some(0)
+    submit(Ring::Sched, entry, cfg);
+    Some(())
 }
 
 /// `task_rename(struct task_struct *task, const char *comm)`

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::device_probes::TableUpdate;
 use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch};
+use crate::kernel::probes::TableUpdate;
 use crate::model::{Preemption, Preemptor, ProcessStart, Record, Stack};
 use crate::pipeline::enrich::Enrich;
 use crate::procfs::ProcessEntry;

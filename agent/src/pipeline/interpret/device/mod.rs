@@ -19,8 +19,8 @@ use xpuscope_probes::decode::memory::LiveSite;
 use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, Unmatched};
 
 use super::InterpretCounters;
-use crate::device_probes::TableUpdate;
 use crate::events::{CallStack, Exit};
+use crate::kernel::probes::TableUpdate;
 use crate::model::{
     DeviceCallRecord, DeviceWork, EnqueueMarker, Field, FieldValue, InFlightCall, MemoryHeld,
     Record, device::HeldAt,

@@ -1,0 +1,347 @@
+//! Loading the kernel programs with aya and attaching the tracepoint ones;
+//! [`Kernel`] is the loaded object, and the [`KernelControl`] the supervisor
+//! uses over it.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::BtfTracePoint;
+use aya::{Btf, Ebpf, EbpfLoader};
+use xpuscope_common::{
+    Config, DROP_SLOTS, EventKind, TARGET_GEN_AGENT, TaskOffsets, globals, maps,
+};
+
+use super::control::KernelControl;
+use super::error::KernelError;
+use super::probes::AyaAttacher;
+
+/// The kernel programs, embedded at build time (empty if not built).
+pub static EBPF_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xpuscope-ebpf.o"));
+
+/// A tracepoint program of the object: attached at load, for the whole run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TracepointProgram {
+    /// Its name in the object (the kernel function's name).
+    pub name: &'static str,
+    /// The BTF tracepoint it attaches to.
+    pub tracepoint: &'static str,
+    /// The record it pushes: its skipped runs are counted as drops of it.
+    pub kind: EventKind,
+    /// A program loaded instead when this one does not verify on the
+    /// running kernel (an older tracepoint signature).
+    pub fallback: Option<&'static str>,
+}
+
+impl TracepointProgram {
+    /// This program's names in the object: itself and its fallback.
+    fn names(&self) -> impl Iterator<Item = &'static str> {
+        std::iter::once(self.name).chain(self.fallback)
+    }
+}
+
+/// Every tracepoint program, once. (The device-call uprobes are attached
+/// per library by [`super::probes`].)
+pub const PROGRAMS: &[TracepointProgram] = &[
+    TracepointProgram {
+        name: "sched_process_fork",
+        tracepoint: "sched_process_fork",
+        kind: EventKind::ProcessFork,
+        fallback: None,
+    },
+    TracepointProgram {
+        name: "sched_process_exec",
+        tracepoint: "sched_process_exec",
+        kind: EventKind::ProcessExec,
+        fallback: None,
+    },
+    TracepointProgram {
+        name: "sched_process_exit",
+        tracepoint: "sched_process_exit",
+        kind: EventKind::ProcessExit,
+        // Before Linux 6.16 the tracepoint has no `group_dead`: exits are
+        // recorded, but processes stay in TARGETS.
+        fallback: Some("sched_process_exit_compat"),
+    },
+    TracepointProgram {
+        name: "task_rename",
+        tracepoint: "task_rename",
+        kind: EventKind::TaskRename,
+        fallback: None,
+    },
+    TracepointProgram {
+        name: "sched_waking",
+        tracepoint: "sched_waking",
+        kind: EventKind::SchedWaking,
+        fallback: None,
+    },
+    TracepointProgram {
+        name: "sched_wakeup_new",
+        tracepoint: "sched_wakeup_new",
+        kind: EventKind::SchedWakeupNew,
+        fallback: None,
+    },
+    TracepointProgram {
+        name: "sched_switch",
+        tracepoint: "sched_switch",
+        kind: EventKind::SchedSwitch,
+        fallback: None,
+    },
+];
+
+/// The loaded object with its tracepoint programs attached; dropping it
+/// detaches everything.
+pub struct Kernel {
+    bpf: Ebpf,
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+}
+
+pub struct LoadOptions<'a> {
+    pub offsets: TaskOffsets,
+    pub ring_bytes: u32,
+    pub device_ring_bytes: u32,
+    pub config: Config,
+    pub kernel_btf: &'a Path,
+}
+
+impl Kernel {
+    /// Loads the object and attaches every [`PROGRAMS`] entry.
+    pub fn load_and_attach(opts: &LoadOptions) -> Result<Kernel> {
+        let agent_tgid = std::process::id();
+        let mut bpf = EbpfLoader::new()
+            .override_global(globals::AGENT_TGID, &agent_tgid, true)
+            .override_global(globals::TASK_OFFSETS, &opts.offsets, true)
+            .map_max_entries(maps::EVENTS, opts.ring_bytes)
+            .map_max_entries(maps::DEVICE_EVENTS, opts.device_ring_bytes)
+            .load(EBPF_OBJECT)
+            .context(
+                "loading the eBPF programs failed (is BPF enabled in this kernel, and not blocked \
+                 by lockdown or a seccomp/LSM policy?)",
+            )?;
+        // Kernel-side warnings (e.g. the target map filling up) go to our log.
+        let logger = match aya_log::EbpfLogger::init(&mut bpf) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::debug!("no eBPF logger: {e}");
+                None
+            }
+        };
+        write_config(&mut bpf, opts.config)?;
+        let btf = Btf::parse_file(opts.kernel_btf, aya::Endianness::default())
+            .with_context(|| format!("reading kernel BTF from {}", opts.kernel_btf.display()))?;
+        for p in PROGRAMS {
+            let name = match (
+                load_tracepoint(&mut bpf, p.name, p.tracepoint, &btf),
+                p.fallback,
+            ) {
+                (Ok(()), _) => p.name,
+                (Err(e), Some(fallback)) => {
+                    tracing::warn!(
+                        "{} does not load on this kernel ({e:#}); using {fallback}",
+                        p.name
+                    );
+                    load_tracepoint(&mut bpf, fallback, p.tracepoint, &btf)?;
+                    fallback
+                }
+                (Err(e), None) => return Err(e),
+            };
+            let program: &mut BtfTracePoint = bpf
+                .program_mut(name)
+                .ok_or_else(|| KernelError::Missing(format!("program {name}")))?
+                .try_into()?;
+            program
+                .attach()
+                .with_context(|| format!("attaching {name} to tracepoint {}", p.tracepoint))?;
+        }
+        Ok(Kernel { bpf, logger })
+    }
+
+    /// The device-call probes' kernel effects over this object.
+    pub fn attacher(&mut self) -> AyaAttacher<'_> {
+        AyaAttacher::new(&mut self.bpf)
+    }
+
+    /// Detaches and unloads every tracepoint program (maps stay readable).
+    pub fn detach_all(&mut self) {
+        for name in PROGRAMS.iter().flat_map(|p| p.names()) {
+            if let Some(program) = self.bpf.program_mut(name)
+                && program.fd().is_ok()
+                && let Ok(tp) = <&mut BtfTracePoint>::try_from(program)
+                && let Err(e) = tp.unload()
+            {
+                tracing::warn!("detaching {name}: {e}");
+            }
+        }
+    }
+
+    /// Forwards kernel-side log records to the agent's log.
+    pub fn flush_log(&mut self) {
+        if let Some(logger) = &mut self.logger {
+            logger.flush();
+        }
+    }
+
+    /// The scheduler ring and the device-call ring.
+    pub fn take_rings(&mut self) -> Result<(RingBuf<MapData>, RingBuf<MapData>)> {
+        let mut take = |name: &str| -> Result<RingBuf<MapData>> {
+            let map = self
+                .bpf
+                .take_map(name)
+                .ok_or_else(|| KernelError::Missing(format!("map {name}")))?;
+            Ok(RingBuf::try_from(map)?)
+        };
+        Ok((take(maps::EVENTS)?, take(maps::DEVICE_EVENTS)?))
+    }
+}
+
+impl KernelControl for Kernel {
+    fn add_target(&mut self, tgid: u32) -> Result<(), KernelError> {
+        add_target(&mut self.bpf, tgid)
+    }
+
+    fn targets(&self) -> Vec<u32> {
+        let Some(map) = self.bpf.map(maps::TARGETS) else {
+            return Vec::new();
+        };
+        let Ok(targets) = HashMap::<&MapData, u32, u32>::try_from(map) else {
+            return Vec::new();
+        };
+        targets.keys().filter_map(|k| k.ok()).collect()
+    }
+
+    fn drops(&self) -> Vec<Vec<u64>> {
+        let Some(map) = self.bpf.map(maps::DROPS) else {
+            return Vec::new();
+        };
+        let Ok(array) = PerCpuArray::<&MapData, u64>::try_from(map) else {
+            return Vec::new();
+        };
+        (0..DROP_SLOTS)
+            .map(|slot| {
+                array
+                    .get(&slot, 0)
+                    .map(|v| v.iter().copied().collect())
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+
+    fn kernel_skips(&self) -> Vec<u64> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let mut out = vec![0; DROP_SLOTS as usize];
+        for (p, name) in PROGRAMS.iter().flat_map(|p| p.names().map(move |n| (p, n))) {
+            let Some(program) = self.bpf.program(name) else {
+                continue;
+            };
+            if let Ok(fd) = program.fd()
+                && let Some(n) = super::misses::recursion_misses(fd.as_fd().as_raw_fd())
+            {
+                out[p.kind as usize] += n;
+            }
+        }
+        out
+    }
+}
+
+/// Verifies and loads one tracepoint program.
+fn load_tracepoint(bpf: &mut Ebpf, name: &str, tracepoint: &str, btf: &Btf) -> Result<()> {
+    let program: &mut BtfTracePoint = bpf
+        .program_mut(name)
+        .ok_or_else(|| KernelError::Missing(format!("program {name}")))?
+        .try_into()?;
+    program
+        .load(tracepoint, btf)
+        .with_context(|| format!("verifying/loading {name}"))
+}
+
+fn config_array(bpf: &Ebpf) -> Result<Array<&MapData, Config>, KernelError> {
+    let map = bpf
+        .map(maps::CONFIG)
+        .ok_or_else(|| KernelError::Missing(format!("map {}", maps::CONFIG)))?;
+    Array::try_from(map).map_err(KernelError::map("opening CONFIG"))
+}
+
+pub(crate) fn read_config(bpf: &Ebpf) -> Result<Config, KernelError> {
+    config_array(bpf)?
+        .get(&0, 0)
+        .map_err(KernelError::map("reading CONFIG"))
+}
+
+/// Writes the runtime configuration (`CONFIG[0]`); the programs read it at
+/// every run, so a change applies at once.
+pub fn write_config(bpf: &mut Ebpf, config: Config) -> Result<(), KernelError> {
+    let map = bpf
+        .map_mut(maps::CONFIG)
+        .ok_or_else(|| KernelError::Missing(format!("map {}", maps::CONFIG)))?;
+    let mut array: Array<&mut MapData, Config> =
+        Array::try_from(map).map_err(KernelError::map("opening CONFIG"))?;
+    array
+        .set(0, config, 0)
+        .map_err(KernelError::map("writing CONFIG"))
+}
+
+/// Adds `tgid` to the traced set (`TARGETS`) and tells every CPU's cache.
+pub fn add_target(bpf: &mut Ebpf, tgid: u32) -> Result<(), KernelError> {
+    let map = bpf
+        .map_mut(maps::TARGETS)
+        .ok_or_else(|| KernelError::Missing(format!("map {}", maps::TARGETS)))?;
+    let mut targets: HashMap<&mut MapData, u32, u32> =
+        HashMap::try_from(map).map_err(KernelError::map("opening TARGETS"))?;
+    targets
+        .insert(tgid, 1, 0)
+        .map_err(KernelError::map(format!(
+            "adding pid {tgid} to the traced set"
+        )))?;
+    // Invalidate the kernel's per-CPU answers about who is traced.
+    let map = bpf
+        .map_mut(maps::TARGET_GEN)
+        .ok_or_else(|| KernelError::Missing(format!("map {}", maps::TARGET_GEN)))?;
+    let mut generation: Array<&mut MapData, u64> =
+        Array::try_from(map).map_err(KernelError::map("opening TARGET_GEN"))?;
+    let next = generation.get(&TARGET_GEN_AGENT, 0).unwrap_or(0) + 1;
+    generation
+        .set(TARGET_GEN_AGENT, next, 0)
+        .map_err(KernelError::map("bumping the target generation"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tracepoint_program_is_listed_once_with_its_own_kind() {
+        let mut names: Vec<&str> = PROGRAMS.iter().flat_map(|p| p.names()).collect();
+        let listed = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), listed, "a program listed twice");
+        let mut kinds: Vec<u32> = PROGRAMS.iter().map(|p| p.kind as u32).collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        assert_eq!(kinds.len(), PROGRAMS.len(), "two programs push one kind");
+        assert!(kinds.iter().all(|&k| k < DROP_SLOTS));
+    }
+
+    /// Every program of the table, fallbacks included, verifies on the
+    /// running kernel (needs root and BPF, like the end-to-end tests: it
+    /// fails without them). The exit program's fallback is the one an
+    /// older kernel loads, so it is checked here, where the primary loads.
+    #[test]
+    fn every_program_and_fallback_verifies_on_this_kernel() {
+        crate::preflight::check_object(EBPF_OBJECT).expect("the eBPF object is built");
+        let vmlinux = Path::new(crate::btf::VMLINUX_BTF);
+        let offsets = crate::btf::task_offsets(&crate::btf::Btf::from_file(vmlinux).unwrap())
+            .expect("task_struct offsets");
+        let mut bpf = EbpfLoader::new()
+            .override_global(globals::TASK_OFFSETS, &offsets, true)
+            .load(EBPF_OBJECT)
+            .expect("loading the object (root and BPF are required)");
+        let btf = Btf::parse_file(vmlinux, aya::Endianness::default()).unwrap();
+        for p in PROGRAMS {
+            for name in p.names() {
+                load_tracepoint(&mut bpf, name, p.tracepoint, &btf)
+                    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            }
+        }
+    }
+}

@@ -1,0 +1,491 @@
+//! Applying a [`Plan`] through an [`Attacher`]: the uprobe pairs attached
+//! per [`ProbeSite`], their specs written or silenced, their hits read.
+//! [`AyaAttacher`] does it over an `aya::Ebpf`; [`FakeAttacher`] (tests)
+//! records every call, fails when told to, and keeps hit counts, so the
+//! bookkeeping is tested without root (as aya's own `sys` fake does for
+//! its loaders).
+
+use std::collections::HashMap;
+
+use aya::Ebpf;
+use aya::maps::{Array, MapData, PerCpuArray};
+use aya::programs::UProbe;
+use aya::programs::uprobe::{UProbeAttachPoint, UProbeLink, UProbeScope};
+use xpuscope_common::maps;
+use xpuscope_common::uprobe::ProbeSpec;
+
+use super::closer;
+use super::plan::{Plan, ProbeSite, SiteWork};
+use crate::kernel::error::KernelError;
+use crate::kernel::load;
+
+pub const ENTRY_PROGRAM: &str = "device_call_entry";
+pub const RETURN_PROGRAM: &str = "device_call_return";
+
+/// Which half of a probed call a program sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProbeEnd {
+    Entry,
+    Return,
+}
+
+impl ProbeEnd {
+    pub fn program(self) -> &'static str {
+        match self {
+            ProbeEnd::Entry => ENTRY_PROGRAM,
+            ProbeEnd::Return => RETURN_PROGRAM,
+        }
+    }
+}
+
+/// The kernel effects of the device probes.
+pub trait Attacher {
+    /// An attached program; dropping it (or [`Attacher::detach`]) detaches.
+    type Link;
+
+    /// Verifies and loads the entry and return programs (once, when the
+    /// first library is found: no device library, no cost).
+    fn load_programs(&mut self) -> Result<(), KernelError>;
+
+    /// Attaches `end`'s program at `path` + `offset` for every process,
+    /// with `cookie` (the probe's slot) as its attach cookie.
+    fn attach(
+        &mut self,
+        end: ProbeEnd,
+        path: &str,
+        offset: u64,
+        cookie: u32,
+    ) -> Result<Self::Link, KernelError>;
+
+    /// Detaches now (slow: see [`closer`]).
+    fn detach(&mut self, link: Self::Link);
+
+    /// Writes what the probe at `slot` copies; an all-zero spec silences it.
+    fn write_spec(&mut self, slot: u32, spec: ProbeSpec) -> Result<(), KernelError>;
+
+    /// Calls the kernel counted at `slot` (entries by traced processes).
+    fn read_hits(&self, slot: u32) -> u64;
+
+    /// Writes `CONFIG.probe_levels`.
+    fn set_probe_levels(&mut self, mask: u32) -> Result<(), KernelError>;
+
+    /// Hands `links` over to be closed after the agent exits.
+    fn release(&mut self, links: Vec<Self::Link>);
+}
+
+/// Counters for the summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceProbeStats {
+    /// Functions made live (entry and return) for a process, over all
+    /// processes (a function re-enabled by a raised level counts again).
+    pub attached: u64,
+    /// Single functions (or whole libraries) that could not be attached.
+    pub attach_failures: u64,
+    pub libraries: u64,
+}
+
+/// A uprobe pair on one site, shared by the traced processes mapping it.
+struct LinkedSite<L> {
+    entry: L,
+    ret: L,
+    slot: u32,
+    /// Its spec is written (not silenced).
+    live: bool,
+    name: (&'static str, &'static str),
+}
+
+/// The attached uprobe pairs. A pair stays attached until the recording
+/// ends: a lowered level silences it, a raised one re-enables it.
+pub struct ProbeLinks<L> {
+    loaded: bool,
+    /// Loading the programs failed: no further attempts.
+    disabled: bool,
+    sites: HashMap<ProbeSite, LinkedSite<L>>,
+    pub stats: DeviceProbeStats,
+}
+
+impl<L> Default for ProbeLinks<L> {
+    fn default() -> Self {
+        Self {
+            loaded: false,
+            disabled: false,
+            sites: HashMap::new(),
+            stats: DeviceProbeStats::default(),
+        }
+    }
+}
+
+impl<L> ProbeLinks<L> {
+    /// Attaches, re-enables and silences what `plan` says (send
+    /// `plan.updates` to the trace stage first).
+    pub fn apply<A: Attacher<Link = L>>(
+        &mut self,
+        attacher: &mut A,
+        plan: Plan,
+    ) -> Result<(), KernelError> {
+        if let Some(mask) = plan.probe_levels {
+            attacher.set_probe_levels(mask)?;
+        }
+        for (site, slot) in &plan.silence {
+            if let Some(s) = self.sites.get_mut(site)
+                && s.live
+            {
+                silence(attacher, *slot);
+                s.live = false;
+            }
+        }
+        if !plan.live.is_empty() && !self.disabled && !self.loaded {
+            if let Err(e) = attacher.load_programs() {
+                // The scheduler recording goes on without device calls.
+                self.disabled = true;
+                self.stats.attach_failures += 1;
+                return Err(e);
+            }
+            self.loaded = true;
+        }
+        if !self.disabled {
+            for work in &plan.live {
+                self.make_live(attacher, work);
+            }
+        }
+        for (_, site) in &plan.uses {
+            if self.sites.get(site).is_some_and(|s| s.live) {
+                self.stats.attached += 1;
+            }
+        }
+        for (pid, path, functions) in &plan.libraries {
+            let live = plan
+                .uses
+                .iter()
+                .filter(|(p, s)| p == pid && self.sites.get(s).is_some_and(|s| s.live))
+                .count();
+            tracing::info!(
+                "device probes: pid {pid}: {path} ({live} of {functions} functions live)"
+            );
+            self.stats.libraries += 1;
+        }
+        Ok(())
+    }
+
+    fn make_live<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
+        if let Some(s) = self.sites.get_mut(&work.site) {
+            // Attached before: re-enable, never a second pair on one place.
+            if !s.live {
+                match attacher.write_spec(s.slot, work.spec) {
+                    Ok(()) => s.live = true,
+                    Err(e) => {
+                        tracing::warn!("device probes: {}: {e:#}", work.name.1);
+                        self.stats.attach_failures += 1;
+                    }
+                }
+            }
+            return;
+        }
+        // The spec first: the probe may fire as soon as it is attached.
+        if let Err(e) = attacher.write_spec(work.slot, work.spec) {
+            tracing::warn!("device probes: {}: {e:#}", work.name.1);
+            self.stats.attach_failures += 1;
+            return;
+        }
+        let entry = attacher.attach(ProbeEnd::Entry, &work.path, work.site.offset, work.slot);
+        let ret = attacher.attach(ProbeEnd::Return, &work.path, work.site.offset, work.slot);
+        match (entry, ret) {
+            (Ok(entry), Ok(ret)) => {
+                self.sites.insert(
+                    work.site,
+                    LinkedSite {
+                        entry,
+                        ret,
+                        slot: work.slot,
+                        live: true,
+                        name: work.name,
+                    },
+                );
+            }
+            (entry, ret) => {
+                let err = entry.as_ref().err().or(ret.as_ref().err());
+                tracing::warn!(
+                    "device probes: attaching {} at {}+{:#x}: {}",
+                    work.name.1,
+                    work.path,
+                    work.site.offset,
+                    err.map(|e| format!("{e:#}")).unwrap_or_default()
+                );
+                self.stats.attach_failures += 1;
+                // Half a pair would push entries without returns (or the
+                // reverse): roll back, and silence the slot.
+                if let Ok(link) = entry {
+                    attacher.detach(link);
+                }
+                if let Ok(link) = ret {
+                    attacher.detach(link);
+                }
+                silence(attacher, work.slot);
+            }
+        }
+    }
+
+    /// The slot of the live probe at `site`.
+    pub fn live_slot(&self, site: &ProbeSite) -> Option<u32> {
+        self.sites.get(site).filter(|s| s.live).map(|s| s.slot)
+    }
+
+    /// Calls of every attached probe by traced processes so far (exited
+    /// ones included), by (library, function), as the kernel counted them:
+    /// records dropped on the way are still counted here.
+    pub fn hits<A: Attacher<Link = L>>(
+        &self,
+        attacher: &A,
+    ) -> HashMap<(&'static str, &'static str), u64> {
+        let mut out = HashMap::new();
+        for s in self.sites.values() {
+            *out.entry(s.name).or_default() += attacher.read_hits(s.slot);
+        }
+        out
+    }
+
+    /// Silences every probe, then hands the links over to be closed after
+    /// the agent exits (see [`closer`] for why not now).
+    pub fn detach_all<A: Attacher<Link = L>>(&mut self, attacher: &mut A) {
+        let mut links = Vec::with_capacity(self.sites.len() * 2);
+        for (_, s) in self.sites.drain() {
+            silence(attacher, s.slot);
+            links.push(s.entry);
+            links.push(s.ret);
+        }
+        if !links.is_empty() {
+            attacher.release(links);
+        }
+    }
+}
+
+/// Makes the probe at `slot` record nothing: `level_bit` 0 (the default
+/// spec is level 0's, which records).
+fn silence<A: Attacher>(attacher: &mut A, slot: u32) {
+    let off = ProbeSpec {
+        level_bit: 0,
+        ..ProbeSpec::default()
+    };
+    if let Err(e) = attacher.write_spec(slot, off) {
+        tracing::debug!("silencing probe slot {slot}: {e:#}");
+    }
+}
+
+/// [`Attacher`] over a loaded object.
+pub struct AyaAttacher<'a> {
+    bpf: &'a mut Ebpf,
+}
+
+impl<'a> AyaAttacher<'a> {
+    pub fn new(bpf: &'a mut Ebpf) -> Self {
+        Self { bpf }
+    }
+
+    fn uprobe(&mut self, name: &str) -> Result<&mut UProbe, KernelError> {
+        self.bpf
+            .program_mut(name)
+            .ok_or_else(|| KernelError::Missing(format!("program {name}")))?
+            .try_into()
+            .map_err(KernelError::program(format!("{name} is not a uprobe")))
+    }
+}
+
+impl Attacher for AyaAttacher<'_> {
+    type Link = UProbeLink;
+
+    fn load_programs(&mut self) -> Result<(), KernelError> {
+        for name in [ENTRY_PROGRAM, RETURN_PROGRAM] {
+            self.uprobe(name)?
+                .load()
+                .map_err(KernelError::program(format!("verifying/loading {name}")))?;
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &mut self,
+        end: ProbeEnd,
+        path: &str,
+        offset: u64,
+        cookie: u32,
+    ) -> Result<UProbeLink, KernelError> {
+        let point = UProbeAttachPoint {
+            location: offset.into(),
+            cookie: Some(u64::from(cookie)),
+        };
+        let what = || format!("attaching {} at {path}+{offset:#x}", end.program());
+        // Every process: a probe scoped to one process is a perf event on
+        // its main thread, rescheduled at each of that thread's switches
+        // (microseconds per switch with 100 probes); the programs filter
+        // traced processes instead.
+        let program = self.uprobe(end.program())?;
+        let id = program
+            .attach(point, path, UProbeScope::AllProcesses)
+            .map_err(KernelError::program(what()))?;
+        program.take_link(id).map_err(KernelError::program(what()))
+    }
+
+    fn detach(&mut self, link: UProbeLink) {
+        drop(link);
+    }
+
+    fn write_spec(&mut self, slot: u32, spec: ProbeSpec) -> Result<(), KernelError> {
+        let map = self
+            .bpf
+            .map_mut(maps::UPROBE_SPECS)
+            .ok_or_else(|| KernelError::Missing(format!("map {}", maps::UPROBE_SPECS)))?;
+        let mut specs: Array<&mut MapData, ProbeSpec> =
+            Array::try_from(map).map_err(KernelError::map("opening UPROBE_SPECS"))?;
+        specs
+            .set(slot, spec, 0)
+            .map_err(KernelError::map(format!("writing UPROBE_SPECS[{slot}]")))
+    }
+
+    fn read_hits(&self, slot: u32) -> u64 {
+        let Some(map) = self.bpf.map(maps::UPROBE_HITS) else {
+            return 0;
+        };
+        let Ok(hits) = PerCpuArray::<&MapData, u64>::try_from(map) else {
+            return 0;
+        };
+        hits.get(&slot, 0)
+            .map(|per_cpu| per_cpu.iter().sum())
+            .unwrap_or(0)
+    }
+
+    fn set_probe_levels(&mut self, mask: u32) -> Result<(), KernelError> {
+        let mut config = load::read_config(self.bpf)?;
+        config.probe_levels = mask;
+        load::write_config(self.bpf, config)
+    }
+
+    fn release(&mut self, links: Vec<UProbeLink>) {
+        closer::close_after_exit(links);
+    }
+}
+
+/// A call [`FakeAttacher`] saw.
+#[cfg(test)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FakeCall {
+    Load,
+    Attach {
+        end: ProbeEnd,
+        path: String,
+        offset: u64,
+        cookie: u32,
+    },
+    Detach(u64),
+    /// A spec written; `level_bit` 0 is a silenced slot.
+    WriteSpec {
+        slot: u32,
+        level_bit: u32,
+    },
+    SetProbeLevels(u32),
+    Release(Vec<u64>),
+}
+
+/// [`Attacher`] in memory: links are numbers, specs and hits a map.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub struct FakeAttacher {
+    pub calls: Vec<FakeCall>,
+    next_link: u64,
+    /// Links attached and not detached or released.
+    pub open_links: std::collections::BTreeSet<u64>,
+    pub specs: HashMap<u32, ProbeSpec>,
+    pub hits: HashMap<u32, u64>,
+    pub probe_levels: u32,
+    pub fail_load: bool,
+    /// Attaches that fail, by (end, file offset).
+    pub fail_attach: Vec<(ProbeEnd, u64)>,
+}
+
+#[cfg(test)]
+impl FakeAttacher {
+    /// (end, offset, cookie) of every attach tried, in order.
+    pub fn attaches(&self) -> Vec<(ProbeEnd, u64, u32)> {
+        self.calls
+            .iter()
+            .filter_map(|c| match c {
+                FakeCall::Attach {
+                    end,
+                    offset,
+                    cookie,
+                    ..
+                } => Some((*end, *offset, *cookie)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether the probe at `slot` records (its spec is written, not zero).
+    pub fn is_live(&self, slot: u32) -> bool {
+        self.specs.get(&slot).is_some_and(|s| s.level_bit != 0)
+    }
+}
+
+#[cfg(test)]
+impl Attacher for FakeAttacher {
+    type Link = u64;
+
+    fn load_programs(&mut self) -> Result<(), KernelError> {
+        self.calls.push(FakeCall::Load);
+        if self.fail_load {
+            return Err(KernelError::Injected("load".into()));
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &mut self,
+        end: ProbeEnd,
+        path: &str,
+        offset: u64,
+        cookie: u32,
+    ) -> Result<u64, KernelError> {
+        self.calls.push(FakeCall::Attach {
+            end,
+            path: path.to_string(),
+            offset,
+            cookie,
+        });
+        if self.fail_attach.contains(&(end, offset)) {
+            return Err(KernelError::Injected(format!("{end:?} at {offset:#x}")));
+        }
+        self.next_link += 1;
+        self.open_links.insert(self.next_link);
+        Ok(self.next_link)
+    }
+
+    fn detach(&mut self, link: u64) {
+        self.calls.push(FakeCall::Detach(link));
+        self.open_links.remove(&link);
+    }
+
+    fn write_spec(&mut self, slot: u32, spec: ProbeSpec) -> Result<(), KernelError> {
+        self.calls.push(FakeCall::WriteSpec {
+            slot,
+            level_bit: spec.level_bit,
+        });
+        self.specs.insert(slot, spec);
+        Ok(())
+    }
+
+    fn read_hits(&self, slot: u32) -> u64 {
+        self.hits.get(&slot).copied().unwrap_or(0)
+    }
+
+    fn set_probe_levels(&mut self, mask: u32) -> Result<(), KernelError> {
+        self.calls.push(FakeCall::SetProbeLevels(mask));
+        self.probe_levels = mask;
+        Ok(())
+    }
+
+    fn release(&mut self, links: Vec<u64>) {
+        for l in &links {
+            self.open_links.remove(l);
+        }
+        self.calls.push(FakeCall::Release(links));
+    }
+}

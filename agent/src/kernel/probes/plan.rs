@@ -1,0 +1,465 @@
+//! Probe planning, pure: which device libraries each traced process maps,
+//! which of their functions the current capture level records, the slot of
+//! each probe, and what the trace stage must learn before the probes fire
+//! ([`TableUpdate`]). What the planner reads about processes and files comes
+//! through [`ProcessSource`] ([`LiveProcesses`] reads `/proc` and the ELF
+//! files), so it is tested with made-up maps and resolved libraries.
+//!
+//! A probe sits on a library FILE: (device, inode, file offset), a
+//! [`ProbeSite`]. Every traced process mapping that file shares the site,
+//! its slot (the attach cookie naming the probe's spec and hit counter in
+//! the kernel arrays) and its uprobe pair.
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use xpuscope_common::MAX_PROBE_SLOTS;
+use xpuscope_common::uprobe::{ProbeSpec, RETURN_USER_STACK};
+use xpuscope_probes::catalog::{CallKind, Library};
+use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget};
+use xpuscope_probes::discover::{self, LoadedLibrary};
+use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::resolve::{self, ResolvedLibrary};
+
+use crate::kernel::levels::{CaptureLevels, DeviceLevel};
+use crate::model::RankIdentity;
+
+/// (device, inode) of a file.
+pub type FileId = (u64, u64);
+
+/// Where a uprobe pair sits: a file offset of one library file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProbeSite {
+    pub dev: u64,
+    pub ino: u64,
+    pub offset: u64,
+}
+
+/// What the planner reads about processes and library files.
+pub trait ProcessSource {
+    /// `pid`'s memory map; `None` if it exited (or is a kernel thread).
+    fn maps(&mut self, pid: u32) -> Option<ProcessMaps>;
+    /// Rank identity from `pid`'s environment (default if unreadable).
+    fn identity(&mut self, pid: u32) -> RankIdentity;
+    /// The path to open `lib` by as `pid` maps it; `None` if it cannot be.
+    fn open_path(&mut self, pid: u32, lib: &LoadedLibrary) -> Option<String>;
+    /// The (device, inode) of the file at `path`.
+    fn file_id(&mut self, path: &str) -> std::io::Result<FileId>;
+    /// The catalog of `library` resolved against the file at `path`.
+    fn resolve(&mut self, path: &str, library: Library) -> Result<ResolvedLibrary, String>;
+}
+
+/// The real [`ProcessSource`]: `/proc` and the library files.
+pub struct LiveProcesses;
+
+impl ProcessSource for LiveProcesses {
+    fn maps(&mut self, pid: u32) -> Option<ProcessMaps> {
+        ProcessMaps::read(pid).ok()
+    }
+
+    fn identity(&mut self, pid: u32) -> RankIdentity {
+        RankIdentity::read(pid)
+    }
+
+    /// The library's path when that is still the mapped file, else the
+    /// process's `map_files` link (deleted, replaced, or in another mount
+    /// namespace).
+    fn open_path(&mut self, pid: u32, lib: &LoadedLibrary) -> Option<String> {
+        if !lib.deleted
+            && std::fs::metadata(&lib.path)
+                .map(|m| m.ino() == lib.inode)
+                .unwrap_or(false)
+        {
+            return Some(lib.path.clone());
+        }
+        lib.map_files_path(pid)
+    }
+
+    fn file_id(&mut self, path: &str) -> std::io::Result<FileId> {
+        std::fs::metadata(path).map(|m| (m.dev(), m.ino()))
+    }
+
+    fn resolve(&mut self, path: &str, library: Library) -> Result<ResolvedLibrary, String> {
+        resolve::resolve(Path::new(path), library).map_err(|e| e.to_string())
+    }
+}
+
+/// Probes of one process, to tell the trace stage before they fire.
+#[derive(Debug)]
+pub struct TableUpdate {
+    pub tgid: u32,
+    /// (address in the process, probe slot, what it is).
+    pub probes: Vec<(u64, u32, ProbeTarget)>,
+    /// Read while the process certainly exists (the trace stage may see
+    /// this after it exited).
+    pub identity: RankIdentity,
+    /// Its memory map, read then too: stacks of a process that exits before
+    /// the trace stage symbolizes them (a rank right after its OOM) are
+    /// symbolized through it.
+    pub maps: ProcessMaps,
+}
+
+/// A probe to make live: attached at `path` + `site.offset` if it never
+/// was, else its silenced spec written back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SiteWork {
+    pub site: ProbeSite,
+    pub path: String,
+    pub slot: u32,
+    pub spec: ProbeSpec,
+    /// (library, function): what its hits are counted under.
+    pub name: (&'static str, &'static str),
+}
+
+/// Work found by [`Planner::plan`] or [`Planner::set_device_level`]: send
+/// `updates` to the trace stage first, then apply the rest.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub updates: Vec<TableUpdate>,
+    /// The new `CONFIG.probe_levels` (a level change), written first.
+    pub probe_levels: Option<u32>,
+    /// Probes to make live, one per site.
+    pub live: Vec<SiteWork>,
+    /// Sites to silence (a lowered level): (site, slot).
+    pub silence: Vec<(ProbeSite, u32)>,
+    /// Each process's use of a site at the current level (counted as an
+    /// attached function once the site is live).
+    pub uses: Vec<(u32, ProbeSite)>,
+    /// Libraries newly found: (pid, path, functions planned at the level).
+    pub libraries: Vec<(u32, String, usize)>,
+    /// Processes no longer traced, forgotten.
+    pub gone: Vec<u32>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.updates.is_empty()
+            && self.probe_levels.is_none()
+            && self.live.is_empty()
+            && self.silence.is_empty()
+            && self.uses.is_empty()
+            && self.libraries.is_empty()
+            && self.gone.is_empty()
+    }
+
+    fn add_live(&mut self, work: SiteWork) {
+        if !self.live.iter().any(|w| w.site == work.site) {
+            self.live.push(work);
+        }
+    }
+}
+
+/// Failures found while planning (they count as attach failures).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanStats {
+    /// Libraries that could not be resolved or opened.
+    pub library_failures: u64,
+    /// Functions left without a probe: every slot was in use.
+    pub slots_exhausted: u64,
+}
+
+/// One probe of a traced library, at every level.
+#[derive(Clone, Copy, Debug)]
+struct SiteProbe {
+    probe: AttachedProbe,
+    site: ProbeSite,
+}
+
+struct TracedLibrary {
+    lib: LoadedLibrary,
+    path: String,
+    probes: Vec<SiteProbe>,
+}
+
+/// A site's slot and the level bit of its function.
+#[derive(Clone, Copy, Debug)]
+struct SiteSlot {
+    slot: u32,
+    level_bit: u32,
+}
+
+pub struct Planner {
+    levels: CaptureLevels,
+    /// Take the caller's stack at every device-memory allocation.
+    alloc_stacks: bool,
+    /// Slots 1..slot_limit are handed out (0 means none).
+    slot_limit: u32,
+    /// (path, inode) -> the resolved library (None: resolution failed).
+    cache: HashMap<(String, u64), Option<Arc<ResolvedLibrary>>>,
+    procs: HashMap<u32, Vec<TracedLibrary>>,
+    slots: HashMap<ProbeSite, SiteSlot>,
+    pub stats: PlanStats,
+}
+
+impl Planner {
+    /// Plans the device functions of `levels`; with `alloc_stacks`,
+    /// allocations carry the caller's stack (allocation sites, an OOM's).
+    pub fn new(levels: CaptureLevels, alloc_stacks: bool) -> Self {
+        Self {
+            levels,
+            alloc_stacks,
+            slot_limit: MAX_PROBE_SLOTS,
+            cache: HashMap::new(),
+            procs: HashMap::new(),
+            slots: HashMap::new(),
+            stats: PlanStats::default(),
+        }
+    }
+
+    /// At most `limit - 1` slots (tests of exhaustion).
+    #[cfg(test)]
+    pub fn with_slot_limit(mut self, limit: u32) -> Self {
+        self.slot_limit = limit.min(MAX_PROBE_SLOTS);
+        self
+    }
+
+    pub fn levels(&self) -> CaptureLevels {
+        self.levels
+    }
+
+    /// Reads the maps of `pids` (the traced processes now), resolves new
+    /// libraries, and returns what changed. Processes not in `pids`
+    /// (exited) are forgotten.
+    pub fn plan(&mut self, pids: &[u32], source: &mut impl ProcessSource) -> Plan {
+        let mut plan = Plan::default();
+        let wanted: HashSet<u32> = pids.iter().copied().collect();
+        let mut gone: Vec<u32> = self
+            .procs
+            .keys()
+            .copied()
+            .filter(|p| !wanted.contains(p))
+            .collect();
+        gone.sort_unstable();
+        for pid in &gone {
+            self.procs.remove(pid);
+        }
+        plan.gone = gone;
+        let mask = self.levels.device.mask();
+        for &pid in pids {
+            let Some(maps) = source.maps(pid) else {
+                continue; // exited, or a kernel thread
+            };
+            let now = discover::discover(&maps);
+            let libs = self.procs.entry(pid).or_default();
+            let old: Vec<LoadedLibrary> = libs.iter().map(|l| l.lib.clone()).collect();
+            let diff = discover::diff(&old, &now);
+            // A library gone or replaced: its probes stay attached (another
+            // process, or this one again, may map the file; a second probe
+            // on one place would record every call twice).
+            let mut added = diff.added;
+            let dropped = diff
+                .removed
+                .iter()
+                .chain(diff.replaced.iter().map(|(b, _)| b));
+            for lib in dropped {
+                libs.retain(|l| &l.lib != lib);
+            }
+            added.extend(diff.replaced.into_iter().map(|(_, after)| after));
+            if self.procs.get(&pid).is_some_and(|l| l.is_empty()) && added.is_empty() {
+                self.procs.remove(&pid);
+            }
+            for lib in added {
+                let Some(traced) = self.trace_library(pid, lib, source) else {
+                    continue;
+                };
+                let mut probes = Vec::new();
+                for sp in traced
+                    .probes
+                    .iter()
+                    .filter(|p| p.probe.spec.level_bit & mask != 0)
+                {
+                    if let Some(slot) = self.slot_for(sp) {
+                        probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
+                        plan.uses.push((pid, sp.site));
+                        plan.add_live(site_work(sp, &traced.path, slot));
+                    }
+                }
+                plan.libraries
+                    .push((pid, traced.lib.path.clone(), probes.len()));
+                plan.updates.push(TableUpdate {
+                    tgid: pid,
+                    probes,
+                    identity: source.identity(pid),
+                    maps: maps.clone(),
+                });
+                self.procs.entry(pid).or_default().push(traced);
+            }
+        }
+        plan
+    }
+
+    /// Switches the device capture level: the probes the new level adds
+    /// (in every traced process with their libraries) are to be made live,
+    /// with their table updates; those it drops are to be silenced. The
+    /// links stay: raising the level again re-enables them.
+    pub fn set_device_level(
+        &mut self,
+        level: DeviceLevel,
+        source: &mut impl ProcessSource,
+    ) -> Plan {
+        let mut plan = Plan::default();
+        let (old, new) = (self.levels.device.mask(), level.mask());
+        if old == new {
+            return plan;
+        }
+        self.levels.device = level;
+        plan.probe_levels = Some(new);
+        let (raised, lowered) = (new & !old, old & !new);
+        let mut pids: Vec<u32> = self.procs.keys().copied().collect();
+        pids.sort_unstable();
+        for pid in pids {
+            let newly: Vec<(SiteProbe, String)> = self.procs[&pid]
+                .iter()
+                .flat_map(|l| l.probes.iter().map(move |p| (*p, l.path.clone())))
+                .filter(|(p, _)| p.probe.spec.level_bit & raised != 0)
+                .collect();
+            if newly.is_empty() {
+                continue;
+            }
+            let Some(maps) = source.maps(pid) else {
+                continue; // exiting: the next plan forgets it
+            };
+            let mut probes = Vec::new();
+            for (sp, path) in &newly {
+                if let Some(slot) = self.slot_for(sp) {
+                    probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
+                    plan.uses.push((pid, sp.site));
+                    plan.add_live(site_work(sp, path, slot));
+                }
+            }
+            plan.updates.push(TableUpdate {
+                tgid: pid,
+                probes,
+                identity: source.identity(pid),
+                maps,
+            });
+        }
+        let mut silence: Vec<(ProbeSite, u32)> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.level_bit & lowered != 0)
+            .map(|(site, s)| (*site, s.slot))
+            .collect();
+        silence.sort_unstable();
+        plan.silence = silence;
+        plan
+    }
+
+    /// Probe addresses of `pid` at the current level, with their sites.
+    pub fn probes_of(&self, pid: u32) -> impl Iterator<Item = (u64, ProbeSite)> + '_ {
+        let mask = self.levels.device.mask();
+        self.procs
+            .get(&pid)
+            .into_iter()
+            .flatten()
+            .flat_map(|l| &l.probes)
+            .filter(move |p| p.probe.spec.level_bit & mask != 0)
+            .map(|p| (p.probe.key.probe_ip, p.site))
+    }
+
+    /// Resolves `lib` as `pid` maps it, with every probe at every level.
+    fn trace_library(
+        &mut self,
+        pid: u32,
+        lib: LoadedLibrary,
+        source: &mut impl ProcessSource,
+    ) -> Option<TracedLibrary> {
+        let path = source.open_path(pid, &lib)?;
+        let resolved = self.resolved(&path, &lib, source)?;
+        let (dev, ino) = match source.file_id(&path) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!("device probes: pid {pid}: {path}: {e}");
+                self.stats.library_failures += 1;
+                return None;
+            }
+        };
+        let alloc_stacks = self.alloc_stacks;
+        let probes = ProbeTable::new()
+            .add_library(pid, &lib, &resolved)
+            .into_iter()
+            .map(|mut probe| {
+                // Allocations are rare next to launches (caching
+                // allocators), so a stack for each costs little.
+                if alloc_stacks && probe.target.function.kind == CallKind::Malloc {
+                    probe.spec.flags |= RETURN_USER_STACK;
+                }
+                let site = ProbeSite {
+                    dev,
+                    ino,
+                    offset: probe.file_offset,
+                };
+                SiteProbe { probe, site }
+            })
+            .collect();
+        Some(TracedLibrary { lib, path, probes })
+    }
+
+    /// The slot of the probe's site, handed out at its first use.
+    fn slot_for(&mut self, p: &SiteProbe) -> Option<u32> {
+        if let Some(s) = self.slots.get(&p.site) {
+            return Some(s.slot);
+        }
+        let next = self.slots.len() as u32 + 1;
+        if next >= self.slot_limit {
+            tracing::warn!(
+                "device probes: {}: all {} probe slots in use",
+                p.probe.target.function.name,
+                self.slot_limit - 1
+            );
+            self.stats.slots_exhausted += 1;
+            return None;
+        }
+        self.slots.insert(
+            p.site,
+            SiteSlot {
+                slot: next,
+                level_bit: p.probe.spec.level_bit,
+            },
+        );
+        Some(next)
+    }
+
+    fn resolved(
+        &mut self,
+        path: &str,
+        lib: &LoadedLibrary,
+        source: &mut impl ProcessSource,
+    ) -> Option<Arc<ResolvedLibrary>> {
+        let key = (lib.path.clone(), lib.inode);
+        if let Some(r) = self.cache.get(&key) {
+            return r.clone();
+        }
+        let r = match source.resolve(path, lib.library) {
+            Ok(r) => {
+                for f in r.missing_required() {
+                    tracing::warn!("{}: {} not exported", lib.path, f.name);
+                }
+                Some(Arc::new(r))
+            }
+            Err(e) => {
+                tracing::warn!("device probes: resolving {}: {e}", lib.path);
+                self.stats.library_failures += 1;
+                None
+            }
+        };
+        self.cache.insert(key, r.clone());
+        r
+    }
+}
+
+fn site_work(p: &SiteProbe, path: &str, slot: u32) -> SiteWork {
+    SiteWork {
+        site: p.site,
+        path: path.to_string(),
+        slot,
+        spec: p.probe.spec,
+        name: (p.probe.target.library.name(), p.probe.target.function.name),
+    }
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

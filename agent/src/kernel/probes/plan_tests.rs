@@ -1,0 +1,252 @@
+//! Planning with made-up maps and resolved libraries.
+
+use xpuscope_probes::catalog::Library;
+
+use super::*;
+use crate::kernel::probes::fake_source::{CUDART, CUPTI, FakeSource, PAST_ENDBR, level_bit};
+
+const BASE: u64 = 0x7f10_0000_0000;
+const OTHER_BASE: u64 = 0x7f20_0000_0000;
+
+fn level(n: u8) -> CaptureLevels {
+    CaptureLevels {
+        device: DeviceLevel::new(n).unwrap(),
+    }
+}
+
+fn site(ino: u64, function_start: u64) -> ProbeSite {
+    ProbeSite {
+        dev: 1,
+        ino,
+        offset: function_start + PAST_ENDBR,
+    }
+}
+
+/// (address, slot, function) of each probe announced.
+type Announced = Vec<(u64, u32, &'static str)>;
+
+fn functions(update: &TableUpdate) -> Announced {
+    update
+        .probes
+        .iter()
+        .map(|(ip, slot, t)| (*ip, *slot, t.function.name))
+        .collect()
+}
+
+#[test]
+fn a_new_library_gets_the_probes_of_the_level_with_slots_and_a_table_update() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let mut planner = Planner::new(level(0), false);
+    let plan = planner.plan(&[10], &mut src);
+
+    // Level 0: cudaMalloc only (cudaLaunchKernel is level 1).
+    assert_eq!(plan.live.len(), 1, "{plan:?}");
+    let work = &plan.live[0];
+    assert_eq!(work.site, site(11, 0x1100));
+    assert_eq!((work.path.as_str(), work.slot), (CUDART, 1));
+    assert_eq!(work.name, ("cudart", "cudaMalloc"));
+    assert_eq!(
+        work.spec.level_bit,
+        level_bit(Library::Cudart, "cudaMalloc")
+    );
+    assert_eq!(plan.uses, vec![(10, site(11, 0x1100))]);
+    assert_eq!(plan.libraries, vec![(10, CUDART.to_string(), 1)]);
+    assert_eq!(plan.updates.len(), 1);
+    let update = &plan.updates[0];
+    assert_eq!(update.tgid, 10);
+    assert_eq!(
+        update.identity.rank.as_deref(),
+        Some("10"),
+        "read at plan time"
+    );
+    assert_eq!(
+        functions(update),
+        vec![(
+            src.probe_address(CUDART, "cudaMalloc", BASE),
+            1,
+            "cudaMalloc"
+        )]
+    );
+    assert!(
+        update.maps.find(BASE + 0x1100).is_some(),
+        "the maps travel with it"
+    );
+    assert_eq!(planner.probes_of(10).count(), 1);
+
+    // Nothing changed: nothing to do.
+    assert!(planner.plan(&[10], &mut src).is_empty());
+}
+
+#[test]
+fn allocation_stacks_are_asked_for_only_with_stacks_on() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let with = Planner::new(level(0), true).plan(&[10], &mut src);
+    let without = Planner::new(level(0), false).plan(&[10], &mut src);
+    assert_ne!(with.live[0].spec.flags & RETURN_USER_STACK, 0);
+    assert_eq!(without.live[0].spec.flags & RETURN_USER_STACK, 0);
+}
+
+#[test]
+fn a_library_gone_leaves_its_site_and_slot_for_the_next_mapping() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let mut planner = Planner::new(level(0), false);
+    planner.plan(&[10], &mut src);
+
+    src.map(10, &[]);
+    let plan = planner.plan(&[10], &mut src);
+    assert!(plan.live.is_empty() && plan.updates.is_empty(), "{plan:?}");
+    assert_eq!(planner.probes_of(10).count(), 0);
+
+    // Mapped again (elsewhere): the same site, the same slot.
+    src.map(10, &[(CUDART, 11, OTHER_BASE)]);
+    let plan = planner.plan(&[10], &mut src);
+    assert_eq!(plan.live.len(), 1);
+    assert_eq!(
+        (plan.live[0].site, plan.live[0].slot),
+        (site(11, 0x1100), 1)
+    );
+    assert_eq!(
+        functions(&plan.updates[0]),
+        vec![(
+            src.probe_address(CUDART, "cudaMalloc", OTHER_BASE),
+            1,
+            "cudaMalloc"
+        )]
+    );
+    assert_eq!(src.resolved.len(), 1, "resolved once per (path, inode)");
+}
+
+#[test]
+fn a_library_replaced_at_a_new_inode_gets_a_new_site_and_slot() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let mut planner = Planner::new(level(0), false);
+    planner.plan(&[10], &mut src);
+
+    // A package upgrade: the same path, a new file.
+    src.files.insert(CUDART.into(), (1, 12));
+    src.map(10, &[(CUDART, 12, BASE)]);
+    let plan = planner.plan(&[10], &mut src);
+    assert_eq!(plan.live.len(), 1, "{plan:?}");
+    assert_eq!(
+        (plan.live[0].site, plan.live[0].slot),
+        (site(12, 0x1100), 2)
+    );
+    assert_eq!(functions(&plan.updates[0])[0].1, 2);
+    assert_eq!(src.resolved, vec![CUDART.to_string(), CUDART.to_string()]);
+    let sites: Vec<ProbeSite> = planner.probes_of(10).map(|(_, s)| s).collect();
+    assert_eq!(
+        sites,
+        vec![site(12, 0x1100)],
+        "the old file's probes are gone"
+    );
+}
+
+#[test]
+fn two_processes_mapping_one_file_share_its_site_and_slot() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    let mut planner = Planner::new(level(1), false);
+    let plan = planner.plan(&[10, 11], &mut src);
+    assert_eq!(plan.live.len(), 2, "one per site: {:?}", plan.live);
+    assert_eq!(plan.uses.len(), 4, "two functions in two processes");
+    assert_eq!(plan.updates.len(), 2);
+    let slots = |u: &TableUpdate| -> Vec<u32> { u.probes.iter().map(|p| p.1).collect() };
+    assert_eq!(slots(&plan.updates[0]), slots(&plan.updates[1]));
+    assert_ne!(
+        plan.updates[0].probes[0].0, plan.updates[1].probes[0].0,
+        "own addresses"
+    );
+    assert_eq!(src.resolved.len(), 1);
+}
+
+#[test]
+fn slot_exhaustion_is_counted_and_the_probe_left_out() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    // Slots 1..2: one slot for two functions.
+    let mut planner = Planner::new(level(1), false).with_slot_limit(2);
+    let plan = planner.plan(&[10], &mut src);
+    assert_eq!(plan.live.len(), 1);
+    assert_eq!(planner.stats.slots_exhausted, 1);
+    assert_eq!(
+        plan.updates[0].probes.len(),
+        1,
+        "no meaning for a probe without a slot"
+    );
+    assert_eq!(plan.libraries, vec![(10, CUDART.to_string(), 1)]);
+}
+
+#[test]
+fn processes_no_longer_traced_are_forgotten() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    let mut planner = Planner::new(level(0), false);
+    planner.plan(&[10, 11], &mut src);
+    let plan = planner.plan(&[11], &mut src);
+    assert_eq!(plan.gone, vec![10]);
+    assert_eq!(planner.probes_of(10).count(), 0);
+    assert_eq!(planner.probes_of(11).count(), 1);
+    // A process whose maps cannot be read (exited since) is skipped.
+    src.maps.remove(&12);
+    assert!(planner.plan(&[11, 12], &mut src).is_empty());
+}
+
+#[test]
+fn unresolvable_or_unopenable_libraries_count_as_failures() {
+    let mut src = FakeSource::nvidia();
+    src.exports.remove(CUPTI);
+    src.files.remove(CUDART);
+    src.map(10, &[(CUDART, 11, BASE), (CUPTI, 21, OTHER_BASE)]);
+    let mut planner = Planner::new(level(2), false);
+    let plan = planner.plan(&[10], &mut src);
+    assert!(plan.live.is_empty() && plan.updates.is_empty(), "{plan:?}");
+    assert_eq!(planner.stats.library_failures, 2);
+}
+
+#[test]
+fn raising_the_level_plans_the_added_probes_of_every_process() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE), (CUPTI, 21, BASE)]);
+    let mut planner = Planner::new(level(0), false);
+    planner.plan(&[10, 11], &mut src);
+
+    let plan = planner.set_device_level(DeviceLevel::new(1).unwrap(), &mut src);
+    assert_eq!(plan.probe_levels, Some(0b11));
+    assert_eq!(planner.levels(), level(1));
+    let live: Vec<(ProbeSite, &str)> = plan.live.iter().map(|w| (w.site, w.name.1)).collect();
+    assert_eq!(live, vec![(site(11, 0x1200), "cudaLaunchKernel")]);
+    assert!(plan.silence.is_empty());
+    let updates: Vec<(u32, Announced)> = plan
+        .updates
+        .iter()
+        .map(|u| (u.tgid, functions(u)))
+        .collect();
+    let launch = |base| src.probe_address(CUDART, "cudaLaunchKernel", base);
+    assert_eq!(
+        updates,
+        vec![
+            (10, vec![(launch(BASE), 2, "cudaLaunchKernel")]),
+            (11, vec![(launch(OTHER_BASE), 2, "cudaLaunchKernel")]),
+        ]
+    );
+    assert_eq!(planner.probes_of(11).count(), 2, "level 0 and 1 probes");
+
+    // Lowering: the level-1 site is silenced, by its slot.
+    let plan = planner.set_device_level(DeviceLevel::new(0).unwrap(), &mut src);
+    assert_eq!(plan.probe_levels, Some(0b1));
+    assert_eq!(plan.silence, vec![(site(11, 0x1200), 2)]);
+    assert!(plan.live.is_empty() && plan.updates.is_empty());
+    // The same level again: nothing.
+    assert!(
+        planner
+            .set_device_level(DeviceLevel::new(0).unwrap(), &mut src)
+            .is_empty()
+    );
+}

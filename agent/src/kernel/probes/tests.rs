@@ -1,0 +1,310 @@
+//! The device probes end to end over the fakes: planning with made-up
+//! processes, applying through [`FakeAttacher`].
+
+use xpuscope_probes::catalog::Library;
+
+use super::attach::{FakeAttacher, FakeCall, ProbeEnd};
+use super::fake_source::{CUDART, CUPTI, FakeSource, PAST_ENDBR, level_bit};
+use super::*;
+
+const BASE: u64 = 0x7f10_0000_0000;
+const OTHER_BASE: u64 = 0x7f20_0000_0000;
+const MALLOC: u64 = 0x1100 + PAST_ENDBR;
+const LAUNCH: u64 = 0x1200 + PAST_ENDBR;
+const NEXT_RECORD: u64 = 0x2100 + PAST_ENDBR;
+
+type Probes = DeviceProbes<u64>;
+
+fn probes(level: u8) -> Probes {
+    DeviceProbes::new(
+        CaptureLevels {
+            device: DeviceLevel::new(level).unwrap(),
+        },
+        false,
+    )
+}
+
+/// One scan: plan, then apply.
+fn scan(p: &mut Probes, pids: &[u32], src: &mut FakeSource, k: &mut FakeAttacher) -> Plan {
+    let mut plan = p.plan(pids, src);
+    let updates = std::mem::take(&mut plan.updates);
+    p.apply(k, plan).expect("applied");
+    Plan {
+        updates,
+        ..Plan::default()
+    }
+}
+
+fn set_level(p: &mut Probes, n: u8, src: &mut FakeSource, k: &mut FakeAttacher) -> Plan {
+    let mut plan = p.set_device_level(DeviceLevel::new(n).unwrap(), src);
+    let updates = std::mem::take(&mut plan.updates);
+    p.apply(k, plan).expect("applied");
+    Plan {
+        updates,
+        ..Plan::default()
+    }
+}
+
+fn offsets(k: &FakeAttacher) -> Vec<(ProbeEnd, u64)> {
+    k.attaches().into_iter().map(|(e, o, _)| (e, o)).collect()
+}
+
+#[test]
+fn a_shared_file_gets_one_probe_pair_with_its_slot_as_cookie_spec_first() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(0));
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    scan(&mut p, &[10, 11], &mut src, &mut k);
+    let malloc_bit = level_bit(Library::Cudart, "cudaMalloc");
+    assert_eq!(
+        k.calls,
+        vec![
+            FakeCall::Load,
+            FakeCall::WriteSpec {
+                slot: 1,
+                level_bit: malloc_bit
+            },
+            FakeCall::Attach {
+                end: ProbeEnd::Entry,
+                path: CUDART.into(),
+                offset: MALLOC,
+                cookie: 1
+            },
+            FakeCall::Attach {
+                end: ProbeEnd::Return,
+                path: CUDART.into(),
+                offset: MALLOC,
+                cookie: 1
+            },
+        ]
+    );
+    let stats = p.stats();
+    assert_eq!(
+        (stats.attached, stats.attach_failures, stats.libraries),
+        (2, 0, 2)
+    );
+    // A later process mapping the file: no attach, no load.
+    src.map(12, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10, 11, 12], &mut src, &mut k);
+    assert_eq!(k.calls.len(), 4);
+    assert_eq!(p.stats().attached, 3);
+}
+
+#[test]
+fn a_failed_entry_or_return_attach_rolls_back_and_silences_the_slot() {
+    for failing in [ProbeEnd::Entry, ProbeEnd::Return] {
+        let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(0));
+        k.fail_attach = vec![(failing, MALLOC)];
+        src.map(10, &[(CUDART, 11, BASE)]);
+        scan(&mut p, &[10], &mut src, &mut k);
+        assert!(
+            k.open_links.is_empty(),
+            "{failing:?}: no half pair left: {:?}",
+            k.calls
+        );
+        assert_eq!(
+            k.calls.last(),
+            Some(&FakeCall::WriteSpec {
+                slot: 1,
+                level_bit: 0
+            })
+        );
+        assert!(!k.is_live(1));
+        let stats = p.stats();
+        assert_eq!(
+            (stats.attached, stats.attach_failures),
+            (0, 1),
+            "{failing:?}"
+        );
+        assert!(p.hits(&k).is_empty(), "no probe to count");
+
+        // The next process mapping the file tries again, and succeeds.
+        k.fail_attach.clear();
+        src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+        scan(&mut p, &[10, 11], &mut src, &mut k);
+        assert_eq!(k.open_links.len(), 2, "{failing:?}");
+        assert!(k.is_live(1));
+        assert_eq!(p.stats().attached, 1);
+    }
+}
+
+#[test]
+fn a_remapped_file_reuses_its_probe_and_a_replaced_file_gets_a_new_one() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(0));
+    src.map(10, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    src.map(10, &[]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    src.map(10, &[(CUDART, 11, OTHER_BASE)]);
+    let plan = scan(&mut p, &[10], &mut src, &mut k);
+    assert_eq!(plan.updates.len(), 1, "the new addresses are announced");
+    assert_eq!(
+        offsets(&k),
+        vec![(ProbeEnd::Entry, MALLOC), (ProbeEnd::Return, MALLOC)],
+        "never a second probe at one place"
+    );
+    assert_eq!(k.open_links.len(), 2);
+
+    // The file replaced by a copy at a new inode: old probes get no hits
+    // from it, so it gets its own pair and slot.
+    src.files.insert(CUDART.into(), (1, 12));
+    src.map(10, &[(CUDART, 12, OTHER_BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    let attaches = k.attaches();
+    assert_eq!(attaches.len(), 4);
+    assert_eq!(attaches[2], (ProbeEnd::Entry, MALLOC, 2));
+    assert_eq!(k.open_links.len(), 4);
+}
+
+#[test]
+fn hits_are_read_by_function_and_by_address() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(1));
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    scan(&mut p, &[10, 11], &mut src, &mut k);
+    let slot_of = |offset| {
+        k.attaches()
+            .into_iter()
+            .find(|(_, o, _)| *o == offset)
+            .map(|(_, _, c)| c)
+            .unwrap()
+    };
+    let (malloc_slot, launch_slot) = (slot_of(MALLOC), slot_of(LAUNCH));
+    k.hits.insert(malloc_slot, 7);
+    k.hits.insert(launch_slot, 3);
+    let by_fn = p.hits(&k);
+    assert_eq!(by_fn.len(), 2);
+    assert_eq!(by_fn[&("cudart", "cudaMalloc")], 7);
+    assert_eq!(by_fn[&("cudart", "cudaLaunchKernel")], 3);
+    let by_addr = p.hits_by_address(&k, 11);
+    assert_eq!(by_addr.len(), 2);
+    assert_eq!(by_addr[&(OTHER_BASE + MALLOC)], 7);
+    assert_eq!(by_addr[&(OTHER_BASE + LAUNCH)], 3);
+    assert!(p.hits_by_address(&k, 99).is_empty());
+}
+
+#[test]
+fn levels_change_at_runtime_attaching_once_and_silencing_what_is_dropped() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(0));
+    src.map(10, &[(CUDART, 11, BASE), (CUPTI, 21, OTHER_BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    assert_eq!(offsets(&k).len(), 2, "level 0: cudaMalloc only");
+
+    // 0 -> 2: launches (level 1) and activity records (level 2) attached,
+    // announced first, the mask written to CONFIG.
+    let plan = set_level(&mut p, 2, &mut src, &mut k);
+    assert_eq!(k.probe_levels, 0b111);
+    assert_eq!(plan.updates.len(), 1);
+    let mut announced: Vec<&str> = plan.updates[0]
+        .probes
+        .iter()
+        .map(|(_, _, t)| t.function.name)
+        .collect();
+    announced.sort_unstable();
+    assert_eq!(
+        announced,
+        vec!["cudaLaunchKernel", "cuptiActivityGetNextRecord"]
+    );
+    let attached = offsets(&k);
+    assert_eq!(attached.len(), 6);
+    for off in [LAUNCH, NEXT_RECORD] {
+        assert!(attached.contains(&(ProbeEnd::Entry, off)), "{off:#x}");
+        assert!(attached.contains(&(ProbeEnd::Return, off)), "{off:#x}");
+    }
+    let slot_of = |k: &FakeAttacher, offset| {
+        k.attaches()
+            .into_iter()
+            .find(|(_, o, _)| *o == offset)
+            .map(|(_, _, c)| c)
+            .unwrap()
+    };
+    let (malloc, launch, record) = (
+        slot_of(&k, MALLOC),
+        slot_of(&k, LAUNCH),
+        slot_of(&k, NEXT_RECORD),
+    );
+    assert!(k.is_live(malloc) && k.is_live(launch) && k.is_live(record));
+
+    // 2 -> 1: the activity probe silenced, its link kept.
+    set_level(&mut p, 1, &mut src, &mut k);
+    assert_eq!(k.probe_levels, 0b11);
+    assert!(k.is_live(malloc) && k.is_live(launch) && !k.is_live(record));
+    assert_eq!(k.open_links.len(), 6, "nothing detached");
+
+    // 1 -> 2 again: re-enabled without a second attach.
+    let plan = set_level(&mut p, 2, &mut src, &mut k);
+    assert_eq!(offsets(&k).len(), 6, "no attach: {:?}", k.calls);
+    assert!(k.is_live(record));
+    assert_eq!(
+        plan.updates.len(),
+        1,
+        "the trace stage is told again (harmless)"
+    );
+    assert_eq!(
+        k.specs[&record].level_bit,
+        level_bit(Library::Cupti, "cuptiActivityGetNextRecord")
+    );
+
+    // 2 -> 0 -> 1: launches silenced, then back, still one pair each.
+    set_level(&mut p, 0, &mut src, &mut k);
+    assert!(k.is_live(malloc) && !k.is_live(launch) && !k.is_live(record));
+    assert_eq!(p.hits_by_address(&k, 10).len(), 1, "level-0 probes only");
+    set_level(&mut p, 1, &mut src, &mut k);
+    assert!(k.is_live(launch) && !k.is_live(record));
+    assert_eq!(offsets(&k).len(), 6);
+    assert_eq!(
+        k.calls
+            .iter()
+            .filter(|c| matches!(c, FakeCall::Load))
+            .count(),
+        1
+    );
+
+    // A process that maps the libraries after the change gets the level
+    // now in force.
+    src.map(11, &[(CUDART, 11, BASE), (CUPTI, 21, OTHER_BASE)]);
+    let plan = scan(&mut p, &[10, 11], &mut src, &mut k);
+    let mut announced: Vec<&str> = plan
+        .updates
+        .iter()
+        .flat_map(|u| &u.probes)
+        .map(|(_, _, t)| t.function.name)
+        .collect();
+    announced.sort_unstable();
+    assert_eq!(announced, vec!["cudaLaunchKernel", "cudaMalloc"]);
+    assert_eq!(offsets(&k).len(), 6);
+}
+
+#[test]
+fn detach_all_silences_every_probe_and_releases_every_link() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(1));
+    src.map(10, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    assert_eq!(k.open_links.len(), 4);
+    p.detach_all(&mut k);
+    assert!(k.open_links.is_empty());
+    assert!(!k.is_live(1) && !k.is_live(2));
+    let Some(FakeCall::Release(links)) = k.calls.last() else {
+        panic!("{:?}", k.calls)
+    };
+    assert_eq!(links.len(), 4);
+}
+
+#[test]
+fn programs_that_do_not_load_disable_device_probes_once() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(0));
+    k.fail_load = true;
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let plan = p.plan(&[10], &mut src);
+    assert!(
+        p.apply(&mut k, plan)
+            .unwrap_err()
+            .to_string()
+            .contains("load")
+    );
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    let plan = p.plan(&[10, 11], &mut src);
+    assert!(p.apply(&mut k, plan).is_ok(), "the recording goes on");
+    assert_eq!(k.calls, vec![FakeCall::Load], "no second try");
+    assert_eq!(p.stats().attach_failures, 1);
+}
