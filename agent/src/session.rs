@@ -328,13 +328,16 @@ async fn supervise(
                     let consumed = stages.collect_counters.total_consumed();
                     let drops: u64 = drops_seen.iter().sum();
                     let lagged = stages.trace.counters.dropped() + stages.summary.counters.dropped();
+                    let traced = match (target, cfg.system_wide) {
+                        (None, true) => "all processes".to_string(),
+                        _ => format!("processes {}", probes.targets().len()),
+                    };
                     let line = format!(
-                        "xpuscope: {:>6.1}s  {:>8.1}k events/s  drops {}{}  processes {}",
+                        "xpuscope: {:>6.1}s  {:>8.1}k events/s  drops {}{}  {traced}",
                         started.elapsed().as_secs_f64(),
                         (consumed - last_consumed) as f64 / 1e3 / (POLL * STATUS_EVERY).as_secs_f64(),
                         drops,
                         if lagged > 0 { format!(" (+{lagged} records behind sinks)") } else { String::new() },
-                        probes.targets().len(),
                     );
                     last_consumed = consumed;
                     if tty { eprint!("\r{line}   ") } else { eprintln!("{line}") }

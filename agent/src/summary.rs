@@ -7,6 +7,8 @@ use std::time::Duration;
 use serde::Serialize;
 use xpuscope_common::EventKind;
 
+use xpuscope_probes::catalog::Library;
+
 use crate::config::AttachConfig;
 use crate::pipeline::interpret::InterpretCounters;
 use crate::sinks::SinkReport;
@@ -86,8 +88,19 @@ pub struct RunSummary {
     pub device: DeviceSummary,
     /// Per sink: records delivered, and those it lost while it lagged.
     pub sinks: Vec<SinkReport>,
+    /// `--system`: distinct tasks that ran and CPUs seen (what that mode
+    /// measures; the per-thread figures above need `--pid`).
+    pub system_wide: Option<SystemWide>,
     /// Decoded records per kind, as the summary sink counted them.
     pub records: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// What a `--system` recording measured.
+#[derive(Debug, Serialize)]
+pub struct SystemWide {
+    pub tasks_ran: u64,
+    pub cpus: u64,
+    pub switches: u64,
 }
 
 /// Most allocation sites listed in the summary.
@@ -210,6 +223,34 @@ impl RunSummary {
             })
             .collect();
         let (agent_cpu_seconds, agent_peak_rss_bytes) = own_usage();
+        // The activity iterators' calls are calls too (they make no slice
+        // of their own): counted per function and in the total, so the
+        // total agrees with the per-function rows and the probes' hits.
+        let mut device_counts = totals.device;
+        let mut functions = totals.functions.clone();
+        for (library, function, n) in [
+            (
+                Library::Cupti.name(),
+                "cuptiActivityGetNextRecord",
+                interpret.cupti_reads,
+            ),
+            (
+                Library::Mspti.name(),
+                "msptiActivityGetNextRecord",
+                interpret.mspti_reads,
+            ),
+        ] {
+            if n > 0 {
+                device_counts.calls += n;
+                functions.push(FunctionCalls {
+                    library,
+                    function,
+                    hits: 0,
+                    calls: n,
+                    errors: 0,
+                });
+            }
+        }
         Self {
             agent_cpu_seconds,
             agent_peak_rss_bytes,
@@ -243,13 +284,18 @@ impl RunSummary {
                 })
                 .collect(),
             device: DeviceSummary {
-                counts: totals.device,
+                counts: device_counts,
                 decoding: DeviceDecoding::from(&interpret),
                 largest_live_sites: totals.sites.iter().take(SUMMARY_SITES).cloned().collect(),
-                functions: totals.functions.clone(),
+                functions,
                 ..DeviceSummary::default()
             },
             sinks,
+            system_wide: cfg.system_wide.then(|| SystemWide {
+                tasks_ran: totals.tasks_ran,
+                cpus: totals.cpus_seen,
+                switches: totals.records.get("switch").copied().unwrap_or(0),
+            }),
             records: totals.records,
         }
     }
@@ -335,6 +381,13 @@ impl RunSummary {
             eprintln!(
                 "  the {} sink fell behind and lost {} records in {} batches (counted, not in its output)",
                 s.name, s.dropped_records, s.dropped_batches
+            );
+        }
+        if let Some(sys) = &self.system_wide {
+            eprintln!(
+                "  system-wide: {} switches on {} CPUs, {} distinct tasks ran (per-thread off-CPU \
+                 time, preemptions and stacks are for the threads of --pid)",
+                sys.switches, sys.cpus, sys.tasks_ran
             );
         }
         eprintln!(

@@ -251,6 +251,17 @@ fn system_mode_records_every_process() {
     );
     let pids: std::collections::BTreeSet<i32> = tl.switches.iter().map(|s| s.next_pid).collect();
     assert!(pids.len() > 3, "many tasks: {pids:?}");
+    // The summary says what this mode measured (not "processes 0").
+    let sys = &done.stats["system_wide"];
+    assert_eq!(sys["cpus"].as_u64(), Some(cpus.len() as u64), "{sys}");
+    let ran = pids.iter().filter(|&&p| p != 0).count() as u64;
+    assert_eq!(sys["tasks_ran"].as_u64(), Some(ran), "{sys}");
+    assert_eq!(
+        sys["switches"].as_u64(),
+        Some(tl.switches.len() as u64),
+        "{sys}"
+    );
+    assert!(done.stderr.contains("system-wide:"), "{}", done.stderr);
 }
 
 #[test]

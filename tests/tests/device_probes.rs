@@ -517,6 +517,18 @@ fn sim_job_device_streams_from_activity_records() {
             .sum();
         assert_eq!(slices.len() as u64, drained, "rank {rank}");
     }
+    // The activity iterator's calls are calls: its row has them (as many as
+    // the probe's hits), and the total agrees with the rows.
+    let device = &run.stats["device"];
+    let functions = device["functions"].as_array().expect("functions");
+    let next = functions
+        .iter()
+        .find(|f| f["function"] == "cuptiActivityGetNextRecord")
+        .unwrap_or_else(|| panic!("{device}"));
+    assert!(next["calls"].as_u64().unwrap() > 0, "{next}");
+    assert_eq!(next["calls"], next["hits"], "{next}");
+    let per_function: u64 = functions.iter().map(|f| f["calls"].as_u64().unwrap()).sum();
+    assert_eq!(device["calls"].as_u64().unwrap(), per_function, "{device}");
 }
 
 /// `--probe-level 1` (no activity records): device work per stream is

@@ -191,6 +191,10 @@ pub struct DecoderStats {
     pub activity_errors: u64,
     /// Process state not kept because of [`MAX_PROCESSES`].
     pub process_limit: u64,
+    /// Calls of `cuptiActivityGetNextRecord` / `msptiActivityGetNextRecord`
+    /// (each a call whatever it returned; a record read is in `activities`).
+    pub cupti_reads: u64,
+    pub mspti_reads: u64,
 }
 
 struct Pending {
@@ -424,6 +428,11 @@ impl Decoder {
     }
 
     fn activity(&mut self, p: &Pending, r: Option<&UprobeReturn>, out: &mut Vec<Decoded>) {
+        match p.target.library {
+            Library::Cupti => self.stats.cupti_reads += 1,
+            Library::Mspti => self.stats.mspti_reads += 1,
+            _ => {}
+        }
         let raw = p.raw(r);
         // A nonzero status ends the iteration (CUPTI_ERROR_MAX_LIMIT_REACHED
         // 12, MSPTI_ERROR_MAX_LIMIT_REACHED 3): no record.

@@ -50,6 +50,10 @@ pub struct InterpretCounters {
     pub activity_errors: u64,
     /// Records at an address no probe is known at.
     pub unknown_probes: u64,
+    /// Calls of the activity iterators (no slice each: their records are
+    /// the device work).
+    pub cupti_reads: u64,
+    pub mspti_reads: u64,
 }
 
 /// Raw events in, records out.

@@ -77,11 +77,17 @@ pub struct RecordTotals {
     pub sites: Vec<SiteReport>,
     /// Records per kind (`Record::kind`).
     pub records: BTreeMap<&'static str, u64>,
+    /// What ran: distinct tasks switched in, CPUs switches were seen on
+    /// (the measure of a `--system` recording, which has no traced threads).
+    pub tasks_ran: u64,
+    pub cpus_seen: u64,
 }
 
 #[derive(Default)]
 pub struct SummarySink {
     totals: RecordTotals,
+    tasks: std::collections::HashSet<u32>,
+    cpus: std::collections::BTreeSet<u32>,
     /// (library, function) -> (calls, errors).
     by_function: HashMap<(&'static str, &'static str), (u64, u64)>,
 }
@@ -91,6 +97,12 @@ impl SummarySink {
         let t = &mut self.totals;
         *t.records.entry(r.kind()).or_default() += 1;
         match r {
+            Record::Switch { switch, .. } => {
+                if switch.next_tid != 0 {
+                    self.tasks.insert(switch.next_tid);
+                }
+                self.cpus.insert(switch.cpu);
+            }
             Record::OffCpu(i) => {
                 if i.preempted_by.is_some() {
                     t.preemptions += 1;
@@ -165,6 +177,8 @@ impl Sink for SummarySink {
             (b.calls, a.library, a.function).cmp(&(a.calls, b.library, b.function))
         });
         self.totals.functions = functions;
+        self.totals.tasks_ran = self.tasks.len() as u64;
+        self.totals.cpus_seen = self.cpus.len() as u64;
         self.totals
             .sites
             .sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));

@@ -203,6 +203,8 @@ impl DeviceInterpreter {
         c.unknown_probes = s.unknown_probes;
         c.activity_unread = s.activity_unread;
         c.activity_errors = s.activity_errors;
+        c.cupti_reads = s.cupti_reads;
+        c.mspti_reads = s.mspti_reads;
     }
 
     /// Turns what the decoder produced into records.
