@@ -93,6 +93,14 @@ pub struct AttachArgs {
     /// activity records (CUPTI/MSPTI).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub probe_level: u8,
+    /// Device calls recorded one by one per second, per process and
+    /// function; past it a thread's calls of that function are summarized
+    /// per 100 ms (a count and the time in them), so a pathological loop
+    /// cannot blow up memory or the trace. Collectives, communicator
+    /// set-up, device memory and failed calls are always recorded. 0: no
+    /// limit.
+    #[arg(long, default_value_t = config::DEFAULT_DEVICE_CALL_RATE)]
+    pub device_call_rate: u32,
     /// Testing aid: switch the device level while recording, e.g.
     /// `0,1@1s` (level 0 from the start, 1 after 1 s).
     #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
@@ -132,6 +140,7 @@ impl AttachArgs {
                 .map_or(self.probe_level, |level| level.get()),
             level_schedule: schedule,
             report_targets: self.report_targets,
+            device_call_rate: self.device_call_rate,
         }
     }
 }

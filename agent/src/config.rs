@@ -64,6 +64,9 @@ pub struct AttachConfig {
     pub level_schedule: LevelSchedule,
     /// Testing aid: print the kernel's traced set (`TARGETS`) at the stop.
     pub report_targets: bool,
+    /// Device-call records per second per (process, function) before calls
+    /// are summarized (0: no limit).
+    pub device_call_rate: u32,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -71,6 +74,11 @@ pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
 /// writing a line and the agent reading it (a 32 MiB ring made each traced
 /// call ~100-180 ns dearer: `cargo xtask bench probes`); ~570 calls of room.
 pub const DEFAULT_DEVICE_RING_BYTES: u32 = 256 << 10;
+/// Device-call records per second per (process, function) before calls are
+/// summarized per 100 ms: far above what a training step makes (a few
+/// thousand launches a second), far below a pathological loop (860k calls a
+/// second wrote 1.19 GB in 20 s).
+pub const DEFAULT_DEVICE_CALL_RATE: u32 = 50_000;
 pub const DEFAULT_STACK_RATE: u32 = 100;
 pub const DEFAULT_STACK_BURST: u32 = 20;
 
@@ -91,6 +99,7 @@ impl Default for AttachConfig {
             reader_delay: Duration::ZERO,
             drain_interval: Duration::from_millis(10),
             probe_level: 0,
+            device_call_rate: DEFAULT_DEVICE_CALL_RATE,
             level_schedule: LevelSchedule::default(),
             report_targets: false,
         }

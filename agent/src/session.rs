@@ -118,11 +118,13 @@ impl Stages {
         let trace = fanout.add("trace", PerfettoSink::to_file(file)?, SINK_BATCHES)?;
         let summary = fanout.add("summary", SummarySink::default(), SINK_BATCHES)?;
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
+        let device_call_rate = cfg.device_call_rate;
         // Built on its own thread: the symbolizer is not `Send`.
         let pipeline = std::thread::Builder::new()
             .name("xpuscope-pipeline".into())
             .spawn(move || {
-                let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout);
+                let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
+                    .with_device_call_rate(device_call_rate);
                 pipeline.start(start_ts, processes);
                 pipeline.run(rx, host::boottime_ns)
             })

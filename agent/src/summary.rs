@@ -445,6 +445,13 @@ impl RunSummary {
                 dc.returns_without_entry,
                 c.in_flight_at_end
             );
+            if c.rate_limited_calls > 0 {
+                eprintln!(
+                    "           {} calls past --device-call-rate were summarized per 100 ms \
+                     (slices `... xN (rate-limited)`)",
+                    c.rate_limited_calls
+                );
+            }
             if c.died_in_call > 0 {
                 eprintln!(
                     "           {} calls still running when their process died (marked in the trace)",

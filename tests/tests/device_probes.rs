@@ -1217,3 +1217,92 @@ fn device_ring_overflow_counts_every_lost_record() {
         "drop counter track"
     );
 }
+
+/// A flood of one function (a tight `cudaStreamSynchronize` loop) past
+/// `--device-call-rate`: calls beyond the rate are summarized per 100 ms on
+/// the thread's track (`... xN (rate-limited)`), counted in the summary, and
+/// every decoded call is in exactly one slice or one summary.
+#[test]
+fn a_device_call_flood_is_summarized() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("devflood");
+    let lib = fixtures.join("standins/lib/libcudart.so.12");
+    let calls = 100_000u64;
+    let rate = 2_000u64;
+    let mut wl = python_program(
+        "flood",
+        SYNC_STORM_PROGRAM,
+        &[lib.as_os_str(), calls.to_string().as_ref()],
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    out.wait_for("loaded", Duration::from_secs(20));
+    let rec = Recording::start(
+        dir.path(),
+        &[
+            "--pid",
+            &wl.pid().to_string(),
+            "--device-call-rate",
+            &rate.to_string(),
+            "--device-ring-size",
+            "8M",
+            "--stacks",
+            "off",
+        ],
+    );
+    let started = std::time::Instant::now();
+    go(&mut stdin);
+    out.wait_for("calls", Duration::from_secs(120));
+    let secs = started.elapsed().as_secs_f64();
+    rec.agent.signal(libc::SIGINT);
+    let done = rec.finish(Duration::from_secs(60));
+    go(&mut stdin);
+
+    let device = &done.stats["device"];
+    let limited = device["rate_limited_calls"]
+        .as_u64()
+        .expect("rate_limited_calls");
+    assert!(limited > 0, "{device}");
+    let sync = device["functions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["function"] == "cudaStreamSynchronize")
+        .cloned()
+        .unwrap_or_else(|| panic!("{device}"));
+    let decoded = sync["calls"].as_u64().unwrap();
+    assert!(
+        done.stderr.contains("summarized per 100 ms"),
+        "{}",
+        done.stderr
+    );
+
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = wl.pid() as i32;
+    let mine: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaStreamSynchronize"))
+        .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+        .collect();
+    let (summaries, single): (Vec<&Slice>, Vec<&Slice>) = mine
+        .iter()
+        .partition(|s| s.name.ends_with("(rate-limited)"));
+    let summarized: u64 = summaries
+        .iter()
+        .map(|s| arg_text(s, "calls").parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(summarized, limited, "{device}");
+    assert_eq!(single.len() as u64 + summarized, decoded, "{device}");
+    // One burst (a second's worth) plus the rate over the run, at most.
+    let bound = rate + (rate as f64 * (secs + 1.0)) as u64;
+    assert!(
+        (single.len() as u64) <= bound,
+        "{} single slices in {secs:.1} s at {rate}/s",
+        single.len()
+    );
+}

@@ -124,6 +124,23 @@ pub struct DeviceWork {
     pub flows: Vec<FlowId>,
 }
 
+/// Calls of one thread summarized over a window because their functions
+/// were called faster than `--device-call-rate` (a flood). One window per
+/// thread at a time, so its slices nest with the thread's other calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallSummary {
+    pub tgid: u32,
+    pub tid: u32,
+    /// (library, function, calls), in first-seen order.
+    pub functions: Vec<(&'static str, &'static str, u64)>,
+    /// The first call's start and the last one's end.
+    pub start: u64,
+    pub end: u64,
+    pub calls: u64,
+    /// Time spent in those calls.
+    pub busy_ns: u64,
+}
+
 /// A call still open when the recording ended (where a hang shows).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InFlightCall {

@@ -14,7 +14,8 @@ pub mod stack;
 use std::sync::Arc;
 
 pub use device::{
-    DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow, MemoryHeld, StreamTrack,
+    CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow,
+    MemoryHeld, StreamTrack,
 };
 pub use identity::RankIdentity;
 pub use stack::{Site, Stack, SymFrame, site_label};
@@ -147,6 +148,8 @@ pub enum Record {
     },
     /// A device-library call (possibly without its return).
     DeviceCall(DeviceCallRecord),
+    /// Calls past the flood rate, counted over a window.
+    CallsSummarized(CallSummary),
     /// A host thread enqueued device work (an API record with no probed
     /// call around it): the flow to the work starts here.
     Enqueued(EnqueueMarker),
@@ -179,6 +182,7 @@ impl Record {
             Record::OffCpu(_) => "off_cpu",
             Record::Identity { .. } => "identity",
             Record::DeviceCall(_) => "device_call",
+            Record::CallsSummarized(_) => "calls_summarized",
             Record::Enqueued(_) => "enqueued",
             Record::DeviceWork(_) => "device_work",
             Record::MemoryHeld(_) => "memory_held",

@@ -83,6 +83,13 @@ impl<E: Enrich> Pipeline<E> {
         }
     }
 
+    /// Device calls past `rate` per second per (process, function) are
+    /// summarized (0: never).
+    pub fn with_device_call_rate(mut self, rate: u32) -> Self {
+        self.interpreter = Interpreter::with_device_call_rate(rate);
+        self
+    }
+
     /// The processes present at attach.
     pub fn start(&mut self, ts: u64, processes: Vec<ProcessEntry>) {
         let mut out = Vec::new();

@@ -67,6 +67,15 @@ pub struct Interpreter {
 }
 
 impl Interpreter {
+    /// Device calls past `rate` per second per (process, function) are
+    /// summarized (0: never).
+    pub fn with_device_call_rate(rate: u32) -> Self {
+        Self {
+            device: DeviceInterpreter::with_call_rate(rate),
+            ..Self::default()
+        }
+    }
+
     /// The processes (and their threads) present at attach.
     pub fn initial_processes(
         &mut self,

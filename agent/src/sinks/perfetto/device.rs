@@ -17,8 +17,8 @@ use xpuscope_probes::decode::{DeviceCall, OpenReason};
 
 use super::{PerfettoSink, args};
 use crate::model::{
-    DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow, MemoryHeld,
-    RankIdentity, Site, StreamTrack, site_label,
+    CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow,
+    MemoryHeld, RankIdentity, Site, StreamTrack, site_label,
 };
 
 /// Tracks written for device records, per process.
@@ -421,6 +421,28 @@ impl<W: Write> PerfettoSink<W> {
             &args,
             stack.as_deref(),
         )?;
+        Ok(())
+    }
+
+    /// Calls past the flood rate: one slice over their window, named with
+    /// their count.
+    pub(super) fn calls_summarized(&mut self, s: &CallSummary) -> Result<()> {
+        let track = self.calling_thread(s.tgid, s.tid)?;
+        let mut args = vec![
+            Arg::new("calls", ArgValue::Uint(s.calls)),
+            Arg::new("busy_ns", ArgValue::Uint(s.busy_ns)),
+            Arg::new("rate_limited", ArgValue::Bool(true)),
+        ];
+        for (_, function, n) in &s.functions {
+            args.push(Arg::new(format!("calls.{function}"), ArgValue::Uint(*n)));
+        }
+        let name = match s.functions.as_slice() {
+            [(_, function, _)] => format!("{function} x{} (rate-limited)", s.calls),
+            _ => format!("{} device calls (rate-limited)", s.calls),
+        };
+        self.writer
+            .slice_begin(track, s.start, &name, Some("device"), &args, &[], None)?;
+        self.writer.slice_end(track, s.end, &[])?;
         Ok(())
     }
 

@@ -134,6 +134,7 @@ impl<W: Write> PerfettoSink<W> {
             Record::Drops { ts, cpus, total } => self.drops(*ts, cpus, *total)?,
             Record::Identity { tgid, identity } => self.identity(*tgid, identity)?,
             Record::DeviceCall(c) => self.device_call(c)?,
+            Record::CallsSummarized(s) => self.calls_summarized(s)?,
             Record::Enqueued(m) => self.enqueued(m)?,
             Record::DeviceWork(w) => self.device_work(w)?,
             Record::MemoryHeld(m) => self.memory_held(m)?,

@@ -37,6 +37,9 @@ pub struct DeviceRecordCounts {
     /// Device-memory allocations that failed (an OOM), each marked in the
     /// trace with its stack and the largest live allocation sites.
     pub failed_allocations: u64,
+    /// Calls past `--device-call-rate`, summarized per thread and window
+    /// instead of a slice each (included in `calls`).
+    pub rate_limited_calls: u64,
 }
 
 /// Calls of one probed function, for the summary.
@@ -128,6 +131,13 @@ impl SummarySink {
                 }
                 if c.oom.is_some() {
                     t.device.failed_allocations += 1;
+                }
+            }
+            Record::CallsSummarized(s) => {
+                t.device.calls += s.calls;
+                t.device.rate_limited_calls += s.calls;
+                for &(library, function, n) in &s.functions {
+                    self.by_function.entry((library, function)).or_default().0 += n;
                 }
             }
             Record::DeviceWork(w) => {

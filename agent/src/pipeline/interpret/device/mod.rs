@@ -4,6 +4,7 @@
 //! device work on device streams with flows from the host calls that
 //! enqueued it, and estimated device work where no activity records come.
 
+mod flood;
 mod sites;
 mod streams;
 
@@ -36,6 +37,8 @@ pub struct DeviceInterpreter {
     streams: DeviceStreams,
     /// Allocating stacks, interned.
     sites: AllocSites,
+    /// Calls past the flood rate are summarized.
+    flood: flood::FloodLimiter,
 }
 
 impl Default for DeviceInterpreter {
@@ -46,11 +49,21 @@ impl Default for DeviceInterpreter {
             out: Vec::new(),
             streams: DeviceStreams::default(),
             sites: AllocSites::default(),
+            flood: flood::FloodLimiter::new(crate::config::DEFAULT_DEVICE_CALL_RATE),
         }
     }
 }
 
 impl DeviceInterpreter {
+    /// Calls per second per (process, function) past which calls are
+    /// summarized (0: never).
+    pub fn with_call_rate(rate: u32) -> Self {
+        Self {
+            flood: flood::FloodLimiter::new(rate),
+            ..Self::default()
+        }
+    }
+
     /// Probes of a process about to be attached: learn what they mean, and
     /// the process's rank identity.
     pub fn probes_added(
@@ -163,12 +176,14 @@ impl DeviceInterpreter {
             self.streams.forget_process(tgid);
             self.decoder.process_exited(tgid, &mut decoded);
             self.emit(&mut decoded, en, c, out);
+            self.flood.process_ended(tgid, out);
             self.sites.forget_process(tgid);
             self.identified.remove(&tgid);
         } else {
             self.streams.current_device.remove(&(tgid, tid));
             self.decoder.thread_exited(tgid, tid, &mut decoded);
             self.emit(&mut decoded, en, c, out);
+            self.flood.thread_exited(tgid, tid, out);
         }
         self.out = decoded;
     }
@@ -193,6 +208,7 @@ impl DeviceInterpreter {
             self.live_sites(tgid, end, HeldAt::EndOfTrace, out);
         }
         self.release_held(None, out);
+        self.flood.finish(out);
         let mut keys: Vec<StreamKey> = self.streams.pending.keys().cloned().collect();
         keys.sort();
         for key in keys {
@@ -253,6 +269,9 @@ impl DeviceInterpreter {
     fn device_call(&mut self, call: DeviceCall, out: &mut Vec<Record>) {
         let end = call.end_ts.unwrap_or(call.start_ts).max(call.start_ts);
         self.estimate(&call, end, out);
+        if !self.flood.admit(&call, out) {
+            return;
+        }
         // Calls that enqueue device work wait (bounded) for their API
         // record in processes that produce them: it gives the flow id.
         if call.memory.is_none()
