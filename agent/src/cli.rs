@@ -34,6 +34,59 @@ pub enum Command {
     /// probed function's probe goes; with --duration, also count each
     /// probe's hits for that long (attached, recording nothing else).
     Probes(ProbesArgs),
+    /// Run as the node's always-on agent (what the systemd unit runs):
+    /// discovers training processes, keeps a flight recorder, serves
+    /// metrics and the control API.
+    Service(ServiceArgs),
+    /// Talk to a running `agent service` over its control socket.
+    Ctl(CtlArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServiceArgs {
+    /// The configuration file.
+    #[arg(long, default_value = crate::service::config::DEFAULT_CONFIG_PATH)]
+    pub config: PathBuf,
+    /// Check the configuration and exit (nothing is started).
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The service's control socket.
+    #[arg(long, default_value = crate::service::control::DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlCommand {
+    /// The service's state: level, processes, records, drops, flight recorder.
+    Status,
+    /// The traced processes with their job and rank.
+    Processes,
+    /// Change the capture level (0-3) without restarting.
+    Level { level: u8 },
+    /// Write a trace of the flight recorder's window to the dump directory.
+    Dump {
+        /// Only this job's processes (its job label).
+        #[arg(long)]
+        job: Option<String>,
+        /// The window's length (default: all the recorder holds).
+        #[arg(long, value_parser = config::parse_duration)]
+        seconds: Option<Duration>,
+        /// End the window this long from now (record that much more first).
+        #[arg(long, value_parser = config::parse_duration)]
+        after: Option<Duration>,
+        /// End the window at this wall-clock time (RFC 3339, UTC), the same
+        /// on every node it is sent to.
+        #[arg(long, conflicts_with = "after")]
+        at: Option<String>,
+    },
+    /// Re-read the configuration file.
+    Reload,
 }
 
 #[derive(Args, Debug)]
