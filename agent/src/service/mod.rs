@@ -12,6 +12,7 @@
 pub mod config;
 pub mod control;
 pub mod http;
+pub mod metrics_endpoint;
 pub mod wallclock;
 
 use anyhow::Result;

@@ -10,7 +10,7 @@
 #[cfg(test)]
 pub mod counting;
 pub mod flight_recorder;
-// pub mod metrics;
+pub mod metrics;
 pub mod perfetto;
 pub mod summary;
 
