@@ -6,6 +6,11 @@
 //! - [`http`]: the small HTTP/1.1 responder both the control API and
 //!   `/metrics` use.
 //!
+//! - [`supervisor`]: `agent service` itself: the pipeline with the flight
+//!   recorder and metrics sinks, the endpoints, systemd notification,
+//!   SIGHUP reload;
+//! - [`notify`] tells systemd (sd_notify).
+//!
 //! The flight recorder and the metrics are sinks of the record stream
 //! (`crate::sinks::flight_recorder`, `crate::sinks::metrics`).
 
@@ -13,6 +18,8 @@ pub mod config;
 pub mod control;
 pub mod http;
 pub mod metrics_endpoint;
+pub mod notify;
+pub mod supervisor;
 pub mod wallclock;
 
 use anyhow::Result;
@@ -26,6 +33,5 @@ pub fn run(args: &ServiceArgs) -> Result<()> {
         println!("{}: the configuration is valid", args.config.display());
         return Ok(());
     }
-    let _ = cfg;
-    anyhow::bail!("`agent service` is not implemented yet; --check-config works")
+    supervisor::run(args.config.clone(), cfg)
 }

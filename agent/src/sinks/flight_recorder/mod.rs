@@ -26,7 +26,7 @@ pub mod state;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -97,6 +97,8 @@ pub struct DumpSpec {
 }
 
 impl DumpSpec {
+    /// The whole window, ending now (the automatic triggers' dump).
+    #[cfg(test)]
     pub fn now(trigger: Trigger) -> Self {
         Self {
             trigger,
@@ -287,20 +289,15 @@ impl FlightRecorder {
 
     /// Takes new requests; starts those whose window has ended.
     fn serve_requests(&mut self) {
-        loop {
-            match self.requests.try_recv() {
-                Ok(req) => {
-                    // The recorder's clock is the latest time its records
-                    // and ticks told it.
-                    let end = match req.spec.end {
-                        WindowEnd::Now => self.now,
-                        WindowEnd::After(d) => self.now + d.as_nanos() as u64,
-                        WindowEnd::At(t) => t,
-                    };
-                    self.pending.push((end, req));
-                }
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-            }
+        while let Ok(req) = self.requests.try_recv() {
+            // The recorder's clock is the latest time its records and
+            // ticks told it.
+            let end = match req.spec.end {
+                WindowEnd::Now => self.now,
+                WindowEnd::After(d) => self.now + d.as_nanos() as u64,
+                WindowEnd::At(t) => t,
+            };
+            self.pending.push((end, req));
         }
         let now = self.now;
         let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)

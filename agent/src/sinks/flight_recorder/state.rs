@@ -88,7 +88,7 @@ fn site_bytes(s: &Arc<Site>) -> usize {
 }
 
 fn fields_bytes(v: &[Field]) -> usize {
-    size_of::<Field>() * v.len()
+    std::mem::size_of_val(v)
         + v.iter()
             .map(|f| {
                 f.name.capacity()
