@@ -35,8 +35,9 @@ pub enum Command {
     /// probe's hits for that long (attached, recording nothing else).
     Probes(ProbesArgs),
     /// Run as the node's always-on agent (what the systemd unit runs):
-    /// discovers training processes, keeps a flight recorder, serves
-    /// metrics and the control API.
+    /// keeps a flight recorder, serves metrics and the control API
+    /// (discovering and attaching to training processes is not wired in
+    /// this build yet).
     Service(ServiceArgs),
     /// Talk to a running `agent service` over its control socket.
     Ctl(CtlArgs),
@@ -209,6 +210,50 @@ mod tests {
         };
         assert_eq!(args.duration, Some(std::time::Duration::from_secs(2)));
         assert!(Cli::try_parse_from(["agent", "probes", "-p", "1", "-d", "soon"]).is_err());
+    }
+
+    #[test]
+    fn service_and_ctl() {
+        let cli = Cli::try_parse_from(["agent", "service", "--check-config"]).unwrap();
+        let Command::Service(args) = cli.command else {
+            panic!("not service")
+        };
+        assert!(args.check_config);
+        assert_eq!(args.config, PathBuf::from("/etc/xpuscope/agent.toml"));
+        let cli = Cli::try_parse_from([
+            "agent",
+            "ctl",
+            "dump",
+            "--job",
+            "j",
+            "--seconds",
+            "30s",
+            "--after",
+            "5s",
+        ])
+        .unwrap();
+        let Command::Ctl(args) = cli.command else {
+            panic!("not ctl")
+        };
+        let (method, path, body) = crate::service::control::client::command_request(&args.command);
+        assert_eq!((method, path), ("POST", "/dump"));
+        assert_eq!(
+            body.unwrap(),
+            serde_json::json!({ "job": "j", "seconds": 30.0, "after": 5.0 })
+        );
+        assert!(Cli::try_parse_from(["agent", "ctl", "level", "x"]).is_err());
+        assert!(
+            Cli::try_parse_from([
+                "agent",
+                "ctl",
+                "dump",
+                "--after",
+                "1s",
+                "--at",
+                "2026-01-01T00:00:00Z"
+            ])
+            .is_err()
+        );
     }
 
     #[test]

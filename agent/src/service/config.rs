@@ -194,11 +194,12 @@ impl Default for ServiceConfig {
 /// A configuration that cannot be used, with where and why.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{path}: cannot read the configuration: {source}")]
+    // The cause is in the message (not a `#[source]`): the control API
+    // answers with this text alone.
+    #[error("{path}: cannot read the configuration: {error}")]
     Read {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}:{line}: not valid TOML: {message}")]
     Syntax {
@@ -236,9 +237,9 @@ impl ServiceConfig {
             {
                 Ok(Self::default())
             }
-            Err(source) => Err(ConfigError::Read {
+            Err(error) => Err(ConfigError::Read {
                 path: path.to_path_buf(),
-                source,
+                error,
             }),
         }
     }
