@@ -34,6 +34,60 @@ pub enum Command {
     /// probed function's probe goes; with --duration, also count each
     /// probe's hits for that long (attached, recording nothing else).
     Probes(ProbesArgs),
+    /// Run as the node's always-on agent (what the systemd unit runs):
+    /// keeps a flight recorder, serves metrics and the control API
+    /// (discovering and attaching to training processes is not wired in
+    /// this build yet).
+    Service(ServiceArgs),
+    /// Talk to a running `agent service` over its control socket.
+    Ctl(CtlArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServiceArgs {
+    /// The configuration file.
+    #[arg(long, default_value = crate::service::config::DEFAULT_CONFIG_PATH)]
+    pub config: PathBuf,
+    /// Check the configuration and exit (nothing is started).
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The service's control socket.
+    #[arg(long, default_value = crate::service::control::DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlCommand {
+    /// The service's state: level, processes, records, drops, flight recorder.
+    Status,
+    /// The traced processes with their job and rank.
+    Processes,
+    /// Change the capture level (0-3) without restarting.
+    Level { level: u8 },
+    /// Write a trace of the flight recorder's window to the dump directory.
+    Dump {
+        /// Only this job's processes (its job label).
+        #[arg(long)]
+        job: Option<String>,
+        /// The window's length (default: all the recorder holds).
+        #[arg(long, value_parser = config::parse_duration)]
+        seconds: Option<Duration>,
+        /// End the window this long from now (record that much more first).
+        #[arg(long, value_parser = config::parse_duration)]
+        after: Option<Duration>,
+        /// End the window at this wall-clock time (RFC 3339, UTC), the same
+        /// on every node it is sent to.
+        #[arg(long, conflicts_with = "after")]
+        at: Option<String>,
+    },
+    /// Re-read the configuration file.
+    Reload,
 }
 
 #[derive(Args, Debug)]
@@ -197,6 +251,50 @@ mod tests {
         ] {
             assert!(help.contains(needle), "{needle:?} in\n{help}");
         }
+    }
+
+    #[test]
+    fn service_and_ctl() {
+        let cli = Cli::try_parse_from(["agent", "service", "--check-config"]).unwrap();
+        let Command::Service(args) = cli.command else {
+            panic!("not service")
+        };
+        assert!(args.check_config);
+        assert_eq!(args.config, PathBuf::from("/etc/xpuscope/agent.toml"));
+        let cli = Cli::try_parse_from([
+            "agent",
+            "ctl",
+            "dump",
+            "--job",
+            "j",
+            "--seconds",
+            "30s",
+            "--after",
+            "5s",
+        ])
+        .unwrap();
+        let Command::Ctl(args) = cli.command else {
+            panic!("not ctl")
+        };
+        let (method, path, body) = crate::service::control::client::command_request(&args.command);
+        assert_eq!((method, path), ("POST", "/dump"));
+        assert_eq!(
+            body.unwrap(),
+            serde_json::json!({ "job": "j", "seconds": 30.0, "after": 5.0 })
+        );
+        assert!(Cli::try_parse_from(["agent", "ctl", "level", "x"]).is_err());
+        assert!(
+            Cli::try_parse_from([
+                "agent",
+                "ctl",
+                "dump",
+                "--after",
+                "1s",
+                "--at",
+                "2026-01-01T00:00:00Z"
+            ])
+            .is_err()
+        );
     }
 
     #[test]

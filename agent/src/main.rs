@@ -16,6 +16,7 @@ mod pipeline;
 mod preflight;
 mod probes_cmd;
 mod procfs;
+mod service;
 mod session;
 mod sinks;
 mod state;
@@ -62,6 +63,14 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Service(args) => match service::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xpuscope: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Ctl(args) => service::control::client::run(&args),
         Command::Attach(args) => {
             let cfg = args.into_config();
             let stats_path = cfg.stats_json.clone();

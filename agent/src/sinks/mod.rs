@@ -9,6 +9,8 @@
 
 #[cfg(test)]
 pub mod counting;
+pub mod flight_recorder;
+pub mod metrics;
 pub mod perfetto;
 pub mod summary;
 
@@ -32,6 +34,11 @@ pub trait Sink: Send + 'static {
     /// The records in stream order (a batch's records, then the next
     /// batch's; batches the sink lost are counted in `lost`).
     fn on_batch(&mut self, batch: &[Record], lost: &SinkCounters) -> Result<()>;
+    /// The same, for a sink that keeps batches (the flight recorder): the
+    /// shared batch itself, so keeping it copies nothing.
+    fn on_shared_batch(&mut self, batch: &Batch, lost: &SinkCounters) -> Result<()> {
+        self.on_batch(batch, lost)
+    }
     /// Called about once a second, also when no records came.
     fn on_tick(&mut self, _now: u64, _lost: &SinkCounters) -> Result<()> {
         Ok(())
@@ -224,7 +231,7 @@ fn run_sink<S: Sink>(
     let result = (|| {
         while let Ok(msg) = rx.recv() {
             match msg {
-                SinkMsg::Batch(batch) => sink.on_batch(&batch, &counters)?,
+                SinkMsg::Batch(batch) => sink.on_shared_batch(&batch, &counters)?,
                 SinkMsg::Tick(now) => {
                     last_ts = now;
                     sink.on_tick(now, &counters)?;

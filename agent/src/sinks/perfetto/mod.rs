@@ -71,7 +71,15 @@ impl PerfettoSink<BufWriter<File>> {
     /// clock snapshot.
     pub fn to_file(file: File) -> Result<Self> {
         let out = BufWriter::with_capacity(1 << 20, file);
-        let mut sink = Self::new(TraceWriter::new(out));
+        Self::with_host_header(TraceWriter::new(out))
+    }
+}
+
+impl<W: Write> PerfettoSink<W> {
+    /// A sink over `writer` that starts with this machine's description and
+    /// a clock snapshot (a recording, a flight-recorder dump).
+    pub fn with_host_header(writer: TraceWriter<W>) -> Result<Self> {
+        let mut sink = Self::new(writer);
         sink.writer.system_info(&crate::host::system_info())?;
         sink.writer.clock_snapshot(&crate::host::clock_snapshot())?;
         sink.snapshots = Some(Instant::now());

@@ -1,0 +1,758 @@
+//! `agent service`'s configuration: `/etc/xpuscope/agent.toml`.
+//!
+//! Every key is optional; a missing key takes the default below. A key
+//! this file does not know, or a value that does not parse, is an error
+//! naming the file, the line and the key (`agent service --check-config`
+//! reports it without starting anything).
+//!
+//! ```toml
+//! # Capture level, changeable at runtime (`agent ctl level N`):
+//! # 0 device calls for metrics and hang detection (collectives, syncs,
+//! #   memory, communicator set-up); 1 adds scheduling and off-CPU of the
+//! #   training processes; 2 adds launches and copies; 3 adds activity
+//! #   records and a stack at every switch-out.
+//! level = 1
+//! # Where dumps go, how much they may take, how often they may happen.
+//! dump_dir = "/var/lib/xpuscope/dumps"
+//! dump_dir_max_bytes = "4G"       # oldest dumps removed past this
+//! max_dumps_per_hour = 12
+//! # A collective or sync in flight longer than this dumps automatically.
+//! hang_timeout = "300s"
+//!
+//! [flight_recorder]
+//! seconds = 120                   # the window kept in memory
+//! max_bytes = "256M"              # oldest records evicted past this
+//!
+//! [metrics]
+//! listen = "127.0.0.1:9464"       # "off" disables /metrics and /healthz
+//!
+//! [control]
+//! socket = "/run/xpuscope/agent.sock"
+//! # group = "xpuscope"            # members may use the socket too
+//! # tcp_listen = "10.0.0.5:9465"  # off unless set; needs token_file
+//! # token_file = "/etc/xpuscope/control.token"
+//!
+//! [discovery]
+//! # A process is traced when it maps a device library (libcudart,
+//! # libnccl, ...) or matches any of these:
+//! # comm = "^(python|torchrun)"   # regex on the process name
+//! # cgroup_prefix = ["/kubepods.slice"]
+//! # env = ["RANK"]                # an environment variable it has
+//!
+//! [labels]
+//! # Environment variables naming a process's job, first found wins.
+//! job_env = ["XPUSCOPE_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"]
+//! ```
+//!
+//! Sizes are bytes as an integer or a string with a suffix (`256k`, `32M`,
+//! `4G`); durations are seconds as an integer or a string with a unit
+//! (`500ms`, `30s`, `5m`).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use toml::Spanned;
+use toml::de::{DeTable, DeValue};
+
+use crate::config::{parse_duration, parse_size};
+
+/// Where `agent service` reads its configuration by default.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/xpuscope/agent.toml";
+
+/// A capture level (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub struct CaptureLevel(u8);
+
+impl CaptureLevel {
+    pub const MAX: u8 = 3;
+
+    pub fn new(level: u8) -> Result<Self, String> {
+        if level > Self::MAX {
+            return Err(format!(
+                "level {level} does not exist; levels are 0 (device calls for metrics), \
+                 1 (+ scheduling), 2 (+ launches and copies), 3 (+ activity records and stacks)"
+            ));
+        }
+        Ok(Self(level))
+    }
+
+    pub fn get(self) -> u8 {
+        self.0
+    }
+}
+
+impl Default for CaptureLevel {
+    fn default() -> Self {
+        Self(1)
+    }
+}
+
+impl fmt::Display for CaptureLevel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlightRecorderConfig {
+    /// The window kept: the last this many seconds of records.
+    pub seconds: Duration,
+    /// Bound on the records kept (estimated bytes in memory).
+    pub max_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetricsConfig {
+    /// `/metrics` and `/healthz`; None: not served.
+    pub listen: Option<SocketAddr>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ControlConfig {
+    /// The Unix socket of the control API (mode 0600, or 0660 with `group`).
+    pub socket: PathBuf,
+    /// A group whose members may use the socket besides root.
+    pub group: Option<String>,
+    /// A TCP listener for the control API; only with `token_file`.
+    pub tcp_listen: Option<SocketAddr>,
+    /// The bearer token TCP clients must send.
+    pub token_file: Option<PathBuf>,
+}
+
+/// A regex over process names, kept with its source text.
+#[derive(Clone, Debug)]
+pub struct CommPattern(pub regex::Regex);
+
+impl PartialEq for CommPattern {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+/// Which processes are traced besides those mapping a device library.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DiscoveryConfig {
+    pub comm: Option<CommPattern>,
+    pub cgroup_prefix: Vec<String>,
+    pub env: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LabelsConfig {
+    /// Environment variables naming the job, in order of preference.
+    pub job_env: Vec<String>,
+}
+
+/// The validated service configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceConfig {
+    pub level: CaptureLevel,
+    pub flight_recorder: FlightRecorderConfig,
+    pub dump_dir: PathBuf,
+    pub dump_dir_max_bytes: u64,
+    pub max_dumps_per_hour: u32,
+    pub hang_timeout: Duration,
+    pub metrics: MetricsConfig,
+    pub control: ControlConfig,
+    pub discovery: DiscoveryConfig,
+    pub labels: LabelsConfig,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        Self {
+            level: CaptureLevel::default(),
+            flight_recorder: FlightRecorderConfig {
+                seconds: Duration::from_secs(120),
+                max_bytes: 256 << 20,
+            },
+            dump_dir: PathBuf::from("/var/lib/xpuscope/dumps"),
+            dump_dir_max_bytes: 4 << 30,
+            max_dumps_per_hour: 12,
+            hang_timeout: Duration::from_secs(300),
+            metrics: MetricsConfig {
+                listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            },
+            control: ControlConfig {
+                socket: PathBuf::from("/run/xpuscope/agent.sock"),
+                group: None,
+                tcp_listen: None,
+                token_file: None,
+            },
+            discovery: DiscoveryConfig::default(),
+            labels: LabelsConfig {
+                job_env: ["XPUSCOPE_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"]
+                    .map(String::from)
+                    .to_vec(),
+            },
+        }
+    }
+}
+
+/// A configuration that cannot be used, with where and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    // The cause is in the message (not a `#[source]`): the control API
+    // answers with this text alone.
+    #[error("{path}: cannot read the configuration: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{path}:{line}: not valid TOML: {message}")]
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
+    #[error(
+        "{path}:{line}: unknown key `{key}`; known keys here: {known} (fix the spelling or remove it)"
+    )]
+    UnknownKey {
+        path: PathBuf,
+        line: usize,
+        key: String,
+        known: String,
+    },
+    #[error("{path}:{line}: `{key}`: {message}")]
+    Value {
+        path: PathBuf,
+        line: usize,
+        key: String,
+        message: String,
+    },
+}
+
+impl ServiceConfig {
+    /// Reads and validates `path`. A missing file at the default path is
+    /// the default configuration; anywhere else it is an error.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Self::parse(&text, path),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    && path == Path::new(DEFAULT_CONFIG_PATH) =>
+            {
+                Ok(Self::default())
+            }
+            Err(error) => Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                error,
+            }),
+        }
+    }
+
+    /// Parses `text` (read from `path`, which errors name).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let doc = DeTable::parse(text).map_err(|e| ConfigError::Syntax {
+            path: path.to_path_buf(),
+            line: e.span().map(|s| line_of(text, s.start)).unwrap_or(1),
+            message: e.message().to_string(),
+        })?;
+        let mut cfg = Self::default();
+        let ctx = Ctx { text, path };
+        let mut root = Section::new(&ctx, "", doc.get_ref());
+        if let Some(v) = root.take("level") {
+            let n = ctx.integer(&v, "level")?;
+            cfg.level = u8::try_from(n)
+                .map_err(|_| format!("{n} is out of range"))
+                .and_then(CaptureLevel::new)
+                .map_err(|m| ctx.value_error(&v, "level", m))?;
+        }
+        if let Some(v) = root.take("dump_dir") {
+            cfg.dump_dir = ctx.absolute_path(&v, "dump_dir")?;
+        }
+        if let Some(v) = root.take("dump_dir_max_bytes") {
+            cfg.dump_dir_max_bytes = ctx.size(&v, "dump_dir_max_bytes")?;
+        }
+        if let Some(v) = root.take("max_dumps_per_hour") {
+            let n = ctx.integer(&v, "max_dumps_per_hour")?;
+            cfg.max_dumps_per_hour = u32::try_from(n)
+                .ok()
+                .filter(|n| (1..=3600).contains(n))
+                .ok_or_else(|| {
+                    ctx.value_error(
+                        &v,
+                        "max_dumps_per_hour",
+                        format!("{n} must be between 1 and 3600"),
+                    )
+                })?;
+        }
+        if let Some(v) = root.take("hang_timeout") {
+            cfg.hang_timeout = ctx.duration(&v, "hang_timeout")?;
+        }
+        if let Some(t) = root.take_table("flight_recorder")? {
+            let mut s = Section::new(&ctx, "flight_recorder", &t);
+            if let Some(v) = s.take("seconds") {
+                cfg.flight_recorder.seconds = ctx.duration(&v, "flight_recorder.seconds")?;
+            }
+            if let Some(v) = s.take("max_bytes") {
+                let n = ctx.size(&v, "flight_recorder.max_bytes")?;
+                if n < 1 << 20 {
+                    return Err(ctx.value_error(
+                        &v,
+                        "flight_recorder.max_bytes",
+                        format!("{n} bytes cannot hold a useful window; use at least 1M"),
+                    ));
+                }
+                cfg.flight_recorder.max_bytes = n;
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("metrics")? {
+            let mut s = Section::new(&ctx, "metrics", &t);
+            if let Some(v) = s.take("listen") {
+                cfg.metrics.listen = ctx.listen(&v, "metrics.listen", true)?;
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("control")? {
+            let mut s = Section::new(&ctx, "control", &t);
+            if let Some(v) = s.take("socket") {
+                cfg.control.socket = ctx.absolute_path(&v, "control.socket")?;
+            }
+            if let Some(v) = s.take("group") {
+                let g = ctx.string(&v, "control.group")?;
+                if g.is_empty()
+                    || !g
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+                {
+                    return Err(ctx.value_error(
+                        &v,
+                        "control.group",
+                        format!("`{g}` is not a group name"),
+                    ));
+                }
+                cfg.control.group = Some(g);
+            }
+            let tcp = s.take("tcp_listen");
+            if let Some(v) = &tcp {
+                cfg.control.tcp_listen = ctx.listen(v, "control.tcp_listen", false)?;
+            }
+            if let Some(v) = s.take("token_file") {
+                cfg.control.token_file = Some(ctx.absolute_path(&v, "control.token_file")?);
+            }
+            if let Some(v) = &tcp
+                && cfg.control.tcp_listen.is_some()
+                && cfg.control.token_file.is_none()
+            {
+                return Err(ctx.value_error(
+                    v,
+                    "control.tcp_listen",
+                    "a TCP control listener needs `control.token_file` (a file holding the token \
+                     clients must send); add one or remove tcp_listen"
+                        .into(),
+                ));
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("discovery")? {
+            let mut s = Section::new(&ctx, "discovery", &t);
+            if let Some(v) = s.take("comm") {
+                let pattern = ctx.string(&v, "discovery.comm")?;
+                let re = regex::Regex::new(&pattern).map_err(|e| {
+                    ctx.value_error(&v, "discovery.comm", format!("not a valid regex: {e}"))
+                })?;
+                cfg.discovery.comm = Some(CommPattern(re));
+            }
+            if let Some(v) = s.take("cgroup_prefix") {
+                cfg.discovery.cgroup_prefix = ctx.strings(&v, "discovery.cgroup_prefix")?;
+                if let Some(bad) = cfg
+                    .discovery
+                    .cgroup_prefix
+                    .iter()
+                    .find(|p| !p.starts_with('/'))
+                {
+                    return Err(ctx.value_error(
+                        &v,
+                        "discovery.cgroup_prefix",
+                        format!("`{bad}` must start with `/` (a path in the cgroup hierarchy, as in /proc/PID/cgroup)"),
+                    ));
+                }
+            }
+            if let Some(v) = s.take("env") {
+                cfg.discovery.env = ctx.env_names(&v, "discovery.env")?;
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("labels")? {
+            let mut s = Section::new(&ctx, "labels", &t);
+            if let Some(v) = s.take("job_env") {
+                cfg.labels.job_env = ctx.env_names(&v, "labels.job_env")?;
+            }
+            s.finish()?;
+        }
+        root.finish()?;
+        Ok(cfg)
+    }
+}
+
+/// 1-based line of byte offset `at`.
+fn line_of(text: &str, at: usize) -> usize {
+    text.as_bytes()[..at.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+type Value<'i> = Spanned<DeValue<'i>>;
+
+struct Ctx<'a> {
+    text: &'a str,
+    path: &'a Path,
+}
+
+impl Ctx<'_> {
+    fn line(&self, v: &Value) -> usize {
+        line_of(self.text, v.span().start)
+    }
+
+    fn value_error(&self, v: &Value, key: &str, message: String) -> ConfigError {
+        ConfigError::Value {
+            path: self.path.to_path_buf(),
+            line: self.line(v),
+            key: key.into(),
+            message,
+        }
+    }
+
+    fn integer(&self, v: &Value, key: &str) -> Result<i64, ConfigError> {
+        match v.get_ref() {
+            DeValue::Integer(i) => {
+                let digits = i.as_str().replace('_', "");
+                let digits = digits.trim_start_matches('+');
+                let digits = match i.radix() {
+                    10 => digits,
+                    _ => digits.get(2..).unwrap_or(""),
+                };
+                i64::from_str_radix(digits, i.radix())
+                    .map_err(|e| self.value_error(v, key, format!("not an integer: {e}")))
+            }
+            other => Err(self.value_error(
+                v,
+                key,
+                format!("expected an integer, found a {}", other.type_str()),
+            )),
+        }
+    }
+
+    fn string(&self, v: &Value, key: &str) -> Result<String, ConfigError> {
+        v.get_ref().as_str().map(String::from).ok_or_else(|| {
+            self.value_error(
+                v,
+                key,
+                format!("expected a string, found a {}", v.get_ref().type_str()),
+            )
+        })
+    }
+
+    fn strings(&self, v: &Value, key: &str) -> Result<Vec<String>, ConfigError> {
+        let Some(items) = v.get_ref().as_array() else {
+            return Err(self.value_error(
+                v,
+                key,
+                format!(
+                    "expected a list of strings, found a {}",
+                    v.get_ref().type_str()
+                ),
+            ));
+        };
+        items.iter().map(|item| self.string(item, key)).collect()
+    }
+
+    fn env_names(&self, v: &Value, key: &str) -> Result<Vec<String>, ConfigError> {
+        let names = self.strings(v, key)?;
+        for n in &names {
+            let valid = !n.is_empty()
+                && !n.starts_with(|c: char| c.is_ascii_digit())
+                && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(self.value_error(
+                    v,
+                    key,
+                    format!("`{n}` is not an environment variable name (letters, digits, `_`)"),
+                ));
+            }
+        }
+        Ok(names)
+    }
+
+    fn size(&self, v: &Value, key: &str) -> Result<u64, ConfigError> {
+        match v.get_ref() {
+            DeValue::Integer(_) => {
+                let n = self.integer(v, key)?;
+                u64::try_from(n).map_err(|_| self.value_error(v, key, format!("{n} is negative")))
+            }
+            DeValue::String(s) => parse_size(s).map_err(|m| self.value_error(v, key, m)),
+            other => Err(self.value_error(
+                v,
+                key,
+                format!(
+                    "expected a size (4096, \"256k\", \"32M\"), found a {}",
+                    other.type_str()
+                ),
+            )),
+        }
+    }
+
+    fn duration(&self, v: &Value, key: &str) -> Result<Duration, ConfigError> {
+        let text = match v.get_ref() {
+            DeValue::Integer(_) => format!("{}s", self.integer(v, key)?),
+            DeValue::String(s) => s.to_string(),
+            other => {
+                return Err(self.value_error(
+                    v,
+                    key,
+                    format!(
+                        "expected a duration (120, \"30s\", \"5m\"), found a {}",
+                        other.type_str()
+                    ),
+                ));
+            }
+        };
+        parse_duration(&text).map_err(|m| self.value_error(v, key, m))
+    }
+
+    fn absolute_path(&self, v: &Value, key: &str) -> Result<PathBuf, ConfigError> {
+        let p = PathBuf::from(self.string(v, key)?);
+        if !p.is_absolute() {
+            return Err(self.value_error(
+                v,
+                key,
+                format!("`{}` must be an absolute path", p.display()),
+            ));
+        }
+        Ok(p)
+    }
+
+    /// `host:port`, or (where `may_disable`) "off".
+    fn listen(
+        &self,
+        v: &Value,
+        key: &str,
+        may_disable: bool,
+    ) -> Result<Option<SocketAddr>, ConfigError> {
+        let s = self.string(v, key)?;
+        if may_disable && s == "off" {
+            return Ok(None);
+        }
+        s.parse::<SocketAddr>().map(Some).map_err(|_| {
+            self.value_error(
+                v,
+                key,
+                format!(
+                    "`{s}` is not an address:port such as 127.0.0.1:9464{}",
+                    if may_disable { " (or \"off\")" } else { "" }
+                ),
+            )
+        })
+    }
+}
+
+/// The keys of one table, taken one by one; what is left is unknown.
+struct Section<'a, 'i> {
+    ctx: &'a Ctx<'a>,
+    prefix: &'static str,
+    entries: Vec<(&'a Spanned<toml::de::DeString<'i>>, &'a Value<'i>)>,
+    known: Vec<&'static str>,
+    /// Where the last taken value started.
+    last_span: usize,
+}
+
+impl<'a, 'i> Section<'a, 'i> {
+    fn new(ctx: &'a Ctx<'a>, prefix: &'static str, table: &'a DeTable<'i>) -> Self {
+        Self {
+            ctx,
+            prefix,
+            entries: table.iter().collect(),
+            known: Vec::new(),
+            last_span: 0,
+        }
+    }
+
+    fn take(&mut self, key: &'static str) -> Option<Value<'i>> {
+        self.known.push(key);
+        let i = self
+            .entries
+            .iter()
+            .position(|(k, _)| k.get_ref().as_ref() == key)?;
+        let v = self.entries.remove(i).1.clone();
+        self.last_span = v.span().start;
+        Some(v)
+    }
+
+    fn take_table(&mut self, key: &'static str) -> Result<Option<DeTable<'i>>, ConfigError> {
+        let Some(v) = self.take(key) else {
+            return Ok(None);
+        };
+        match v.into_inner() {
+            DeValue::Table(t) => Ok(Some(t)),
+            other => Err(ConfigError::Value {
+                path: self.ctx.path.to_path_buf(),
+                line: line_of(self.ctx.text, self.last_span),
+                key: key.into(),
+                message: format!("expected a table ([{key}]), found a {}", other.type_str()),
+            }),
+        }
+    }
+
+    fn finish(self) -> Result<(), ConfigError> {
+        let Some((key, _)) = self.entries.first() else {
+            return Ok(());
+        };
+        let name = key.get_ref().to_string();
+        Err(ConfigError::UnknownKey {
+            path: self.ctx.path.to_path_buf(),
+            line: line_of(self.ctx.text, key.span().start),
+            key: if self.prefix.is_empty() {
+                name
+            } else {
+                format!("{}.{name}", self.prefix)
+            },
+            known: self.known.join(", "),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ServiceConfig, String> {
+        ServiceConfig::parse(text, Path::new("/etc/xpuscope/agent.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_documented_example_is_the_default() {
+        // The module docs' example, uncommented lines only.
+        let doc = include_str!("config.rs")
+            .lines()
+            .skip_while(|l| !l.starts_with("//! ```toml"))
+            .skip(1)
+            .take_while(|l| !l.starts_with("//! ```"))
+            .map(|l| l.trim_start_matches("//!").trim_start())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let cfg = parse(&doc).unwrap();
+        assert_eq!(cfg, ServiceConfig::default());
+        assert_eq!(parse("").unwrap(), ServiceConfig::default());
+    }
+
+    #[test]
+    fn every_key_parses() {
+        let cfg = parse(
+            r#"
+level = 3
+dump_dir = "/srv/dumps"
+dump_dir_max_bytes = 1073741824
+max_dumps_per_hour = 2
+hang_timeout = "90s"
+[flight_recorder]
+seconds = "10m"
+max_bytes = "64M"
+[metrics]
+listen = "off"
+[control]
+socket = "/tmp/x.sock"
+group = "xpuscope"
+tcp_listen = "127.0.0.1:9465"
+token_file = "/etc/xpuscope/token"
+[discovery]
+comm = "^python"
+cgroup_prefix = ["/kubepods.slice"]
+env = ["RANK"]
+[labels]
+job_env = ["MY_JOB"]
+"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.level.get(), 3);
+        assert_eq!(cfg.dump_dir, PathBuf::from("/srv/dumps"));
+        assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);
+        assert_eq!(cfg.max_dumps_per_hour, 2);
+        assert_eq!(cfg.hang_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.flight_recorder.seconds, Duration::from_secs(600));
+        assert_eq!(cfg.flight_recorder.max_bytes, 64 << 20);
+        assert_eq!(cfg.metrics.listen, None);
+        assert_eq!(cfg.control.group.as_deref(), Some("xpuscope"));
+        assert_eq!(
+            cfg.control.tcp_listen,
+            Some("127.0.0.1:9465".parse().unwrap())
+        );
+        assert!(cfg.discovery.comm.as_ref().unwrap().0.is_match("python3"));
+        assert_eq!(cfg.discovery.cgroup_prefix, vec!["/kubepods.slice"]);
+        assert_eq!(cfg.discovery.env, vec!["RANK"]);
+        assert_eq!(cfg.labels.job_env, vec!["MY_JOB"]);
+    }
+
+    #[test]
+    fn errors_name_file_line_and_key() {
+        let e = parse("level = 1\n[flight_recorder]\nsecond = 5\n").unwrap_err();
+        assert_eq!(
+            e,
+            "/etc/xpuscope/agent.toml:3: unknown key `flight_recorder.second`; known keys here: \
+             seconds, max_bytes (fix the spelling or remove it)"
+        );
+        let e = parse("\nlevel = 7\n").unwrap_err();
+        assert!(
+            e.starts_with("/etc/xpuscope/agent.toml:2: `level`: level 7 does not exist"),
+            "{e}"
+        );
+        let e = parse("[flight_recorder]\nmax_bytes = \"lots\"\n").unwrap_err();
+        assert!(
+            e.starts_with(
+                "/etc/xpuscope/agent.toml:2: `flight_recorder.max_bytes`: `lots` is not a size"
+            ),
+            "{e}"
+        );
+        let e = parse("hang_timeout = true\n").unwrap_err();
+        assert!(e.contains(":1: `hang_timeout`: expected a duration"), "{e}");
+        let e = parse("dump_dir = \"dumps\"\n").unwrap_err();
+        assert!(
+            e.contains("`dump_dir`: `dumps` must be an absolute path"),
+            "{e}"
+        );
+        let e = parse("[metrics]\nlisten = \"localhost\"\n").unwrap_err();
+        assert!(
+            e.contains(":2: `metrics.listen`: `localhost` is not an address:port"),
+            "{e}"
+        );
+        let e = parse("[control]\ntcp_listen = \"0.0.0.0:9465\"\n").unwrap_err();
+        assert!(
+            e.contains(
+                ":2: `control.tcp_listen`: a TCP control listener needs `control.token_file`"
+            ),
+            "{e}"
+        );
+        let e = parse("[discovery]\ncomm = \"(python\"\n").unwrap_err();
+        assert!(e.contains(":2: `discovery.comm`: not a valid regex"), "{e}");
+        let e = parse("[discovery]\nenv = [\"RANK=1\"]\n").unwrap_err();
+        assert!(
+            e.contains("`RANK=1` is not an environment variable name"),
+            "{e}"
+        );
+        let e = parse("metrics = 5\n").unwrap_err();
+        assert!(e.contains(":1: `metrics`: expected a table"), "{e}");
+        let e = parse("level = \n").unwrap_err();
+        assert!(
+            e.starts_with("/etc/xpuscope/agent.toml:1: not valid TOML"),
+            "{e}"
+        );
+        let e = parse("[flight_recorder]\nmax_bytes = 1000\n").unwrap_err();
+        assert!(e.contains("use at least 1M"), "{e}");
+    }
+
+    #[test]
+    fn missing_files() {
+        let e = ServiceConfig::load(Path::new("/nonexistent/agent.toml")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/agent.toml: cannot read"),
+            "{e}"
+        );
+    }
+}

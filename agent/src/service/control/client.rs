@@ -1,0 +1,108 @@
+//! `agent ctl`: the control API's client over the Unix socket.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::cli::{CtlArgs, CtlCommand};
+use crate::service::http::{ClientResponse, parse_response};
+
+/// A dump may take this long to be written before the service answers.
+const TIMEOUT: Duration = Duration::from_secs(150);
+
+/// Sends one request and reads the whole answer.
+pub fn request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<ClientResponse, String> {
+    let mut stream = UnixStream::connect(socket).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => format!(
+            "no agent service is listening on {} ({e}); is it running? (systemctl status xpuscope-agent)",
+            socket.display()
+        ),
+        std::io::ErrorKind::PermissionDenied => format!(
+            "{}: permission denied; the control API is for root and the configured control.group",
+            socket.display()
+        ),
+        _ => format!("connecting to {}: {e}", socket.display()),
+    })?;
+    let _ = stream.set_read_timeout(Some(TIMEOUT));
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: xpuscope\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream
+        .write_all(head.as_bytes())
+        .and_then(|_| stream.write_all(body.as_bytes()))
+        .map_err(|e| format!("sending the request: {e}"))?;
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .map_err(|e| format!("reading the answer: {e}"))?;
+    parse_response(&answer)
+}
+
+fn seconds(d: Option<Duration>) -> Option<f64> {
+    d.map(|d| d.as_secs_f64())
+}
+
+/// The request an `agent ctl` command makes.
+pub fn command_request(cmd: &CtlCommand) -> (&'static str, &'static str, Option<Value>) {
+    match cmd {
+        CtlCommand::Status => ("GET", "/status", None),
+        CtlCommand::Processes => ("GET", "/processes", None),
+        CtlCommand::Level { level } => ("POST", "/level", Some(json!({ "level": level }))),
+        CtlCommand::Dump {
+            job,
+            seconds: s,
+            after,
+            at,
+        } => {
+            let mut body = serde_json::Map::new();
+            if let Some(j) = job {
+                body.insert("job".into(), json!(j));
+            }
+            if let Some(s) = seconds(*s) {
+                body.insert("seconds".into(), json!(s));
+            }
+            if let Some(a) = seconds(*after) {
+                body.insert("after".into(), json!(a));
+            }
+            if let Some(t) = at {
+                body.insert("at".into(), json!(t));
+            }
+            ("POST", "/dump", Some(Value::Object(body)))
+        }
+        CtlCommand::Reload => ("POST", "/reload", None),
+    }
+}
+
+/// `agent ctl ...`: prints the answer; fails on an error status.
+pub fn run(args: &CtlArgs) -> ExitCode {
+    let (method, path, body) = command_request(&args.command);
+    match request(&args.socket, method, path, body.as_ref()) {
+        Ok(resp) if (200..300).contains(&resp.status) => {
+            print!("{}", resp.body);
+            ExitCode::SUCCESS
+        }
+        Ok(resp) => {
+            let reason = serde_json::from_str::<Value>(&resp.body)
+                .ok()
+                .and_then(|v| v["error"].as_str().map(String::from))
+                .unwrap_or(resp.body);
+            eprintln!("xpuscope: error: {reason} (HTTP {})", resp.status);
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("xpuscope: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! `agent service`: the always-on agent of a training node. Its parts:
+//! - [`config`]: `/etc/xpuscope/agent.toml`, validated with file, line and
+//!   key in every error;
+//! - [`control`]: the local control API (HTTP/JSON over a Unix socket) and
+//!   its `agent ctl` client;
+//! - [`http`]: the small HTTP/1.1 responder both the control API and
+//!   `/metrics` use.
+//!
+//! - [`supervisor`]: `agent service` itself: the pipeline with the flight
+//!   recorder and metrics sinks, the endpoints, systemd notification,
+//!   SIGHUP reload;
+//! - [`notify`] tells systemd (sd_notify).
+//!
+//! The flight recorder and the metrics are sinks of the record stream
+//! (`crate::sinks::flight_recorder`, `crate::sinks::metrics`).
+
+pub mod config;
+pub mod control;
+pub mod http;
+pub mod metrics_endpoint;
+pub mod notify;
+pub mod supervisor;
+pub mod wallclock;
+
+use anyhow::Result;
+
+use crate::cli::ServiceArgs;
+
+/// `agent service`.
+pub fn run(args: &ServiceArgs) -> Result<()> {
+    let cfg = config::ServiceConfig::load(&args.config)?;
+    if args.check_config {
+        println!("{}: the configuration is valid", args.config.display());
+        return Ok(());
+    }
+    supervisor::run(args.config.clone(), cfg)
+}

@@ -1,0 +1,459 @@
+//! `agent service`: starts the pipeline with the flight recorder and the
+//! metrics sinks, the metrics endpoint and the control API, tells systemd
+//! it is ready, pings the watchdog while the pipeline is alive (the metrics
+//! sink heard from it within its liveness bound: a stuck pipeline stops
+//! the pings and systemd restarts the agent), reloads on SIGHUP, and stops
+//! on SIGTERM/SIGINT with every sink finished.
+//!
+//! Not wired yet (the kernel side is being reworked): loading the programs
+//! in system-wide discovery mode and feeding collect's events into
+//! [`Running::pipeline`]; the runtime level change through a
+//! [`LevelSwitch`]; filling [`Running::traced`] from discovery. Until
+//! then the service runs its sinks and interfaces over an empty stream, and
+//! `level` answers that the kernel side is not attached.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow};
+use serde_json::{Value, json};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{mpsc, watch};
+
+use super::config::{CaptureLevel, ServiceConfig};
+use super::control::{self, Control, PeerPolicy};
+use super::notify::Notifier;
+use crate::host;
+use crate::pipeline::enrich::LiveEnricher;
+use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::sinks::flight_recorder::{
+    DumpError, DumpRequest, DumpSpec, FlightRecorder, RecorderSettings, RecorderStats, Trigger,
+};
+use crate::sinks::metrics::MetricsSink;
+use crate::sinks::{FanOut, SinkCounters};
+
+/// Sink queue depth in batches (as `agent attach`).
+const SINK_BATCHES: usize = 64;
+const STATUS_EVERY: u32 = 10;
+
+/// Changes the kernel side's capture level at runtime (the lead wires
+/// this to the kernel loader's `set_device_level`).
+pub trait LevelSwitch: Send + Sync + 'static {
+    fn set_level(&self, level: CaptureLevel) -> Result<(), String>;
+}
+
+/// The level switch while the kernel side is not attached in service mode.
+pub struct KernelNotAttached;
+
+impl LevelSwitch for KernelNotAttached {
+    fn set_level(&self, _level: CaptureLevel) -> Result<(), String> {
+        Err("the kernel side is not attached in service mode yet".into())
+    }
+}
+
+/// What the rest of the service plugs into.
+pub struct Running {
+    /// Into the pipeline: collect's events, probe tables, drops.
+    // Read by the kernel side's wiring (not in this build).
+    #[allow(dead_code)]
+    pub pipeline: mpsc::Sender<PipelineMsg>,
+    /// Traced processes by pid, as `GET /processes` lists them.
+    pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
+}
+
+/// The service as the control API sees it.
+struct ServiceControl {
+    config_path: PathBuf,
+    config: Mutex<ServiceConfig>,
+    level: Mutex<CaptureLevel>,
+    levels: Arc<dyn LevelSwitch>,
+    recorder: Sender<DumpRequest>,
+    stats: Arc<RecorderStats>,
+    sinks: Vec<(&'static str, Arc<SinkCounters>)>,
+    traced: Arc<Mutex<BTreeMap<u32, Value>>>,
+    started: Instant,
+}
+
+impl ServiceControl {
+    fn current_level(&self) -> CaptureLevel {
+        self.level.lock().map(|l| *l).unwrap_or_default()
+    }
+}
+
+impl Control for ServiceControl {
+    fn status(&self) -> Value {
+        let s = &self.stats;
+        let dumps: serde_json::Map<String, Value> = Trigger::ALL
+            .iter()
+            .map(|t| {
+                let c = s.trigger(*t);
+                (
+                    t.as_str().to_string(),
+                    json!({
+                        "written": c.written.load(Ordering::Relaxed),
+                        "truncated": c.truncated.load(Ordering::Relaxed),
+                        "failed": c.failed.load(Ordering::Relaxed),
+                        "rate_limited": c.rate_limited.load(Ordering::Relaxed),
+                    }),
+                )
+            })
+            .collect();
+        let last = s.last_dump.lock().ok().and_then(|d| d.clone());
+        json!({
+            "level": self.current_level().get(),
+            "uptime_seconds": self.started.elapsed().as_secs(),
+            "processes": self.traced.lock().map(|t| t.len()).unwrap_or(0),
+            "flight_recorder": {
+                "bytes": s.bytes.load(Ordering::Relaxed),
+                "records": s.records.load(Ordering::Relaxed),
+                "evicted_records": s.evicted_records.load(Ordering::Relaxed),
+                "expired_records": s.expired_records.load(Ordering::Relaxed),
+                "dumps": dumps,
+                "last_dump": last,
+            },
+            "sinks": self.sinks.iter().map(|(name, c)| json!({
+                "name": name,
+                "delivered_records": c.delivered_records.load(Ordering::Relaxed),
+                "dropped_records": c.dropped(),
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    fn processes(&self) -> Value {
+        let traced = self.traced.lock().map(|t| t.clone()).unwrap_or_default();
+        Value::Array(traced.into_values().collect())
+    }
+
+    fn set_level(&self, level: CaptureLevel) -> Result<Value, String> {
+        self.levels.set_level(level)?;
+        if let Ok(mut l) = self.level.lock() {
+            *l = level;
+        }
+        Ok(json!({ "level": level.get() }))
+    }
+
+    fn dump(&self, spec: DumpSpec) -> Result<Value, DumpError> {
+        control::request_dump(&self.recorder, spec)
+    }
+
+    fn reload(&self) -> Result<Value, String> {
+        let new = ServiceConfig::load(&self.config_path).map_err(|e| e.to_string())?;
+        if new.level != self.current_level() {
+            self.set_level(new.level)?;
+        }
+        let mut restart = Vec::new();
+        if let Ok(mut old) = self.config.lock() {
+            let differs = [
+                ("metrics.listen", old.metrics != new.metrics),
+                ("control", old.control != new.control),
+                (
+                    "flight_recorder",
+                    old.flight_recorder != new.flight_recorder,
+                ),
+                ("dump_dir", old.dump_dir != new.dump_dir),
+                ("discovery", old.discovery != new.discovery),
+            ];
+            restart = differs.iter().filter(|d| d.1).map(|d| d.0).collect();
+            *old = new;
+        }
+        Ok(
+            json!({ "reloaded": self.config_path, "level": self.current_level().get(), "restart_needed_for": restart }),
+        )
+    }
+}
+
+/// `agent service` until SIGTERM or SIGINT.
+pub fn run(config_path: PathBuf, cfg: ServiceConfig) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("xpuscope-io")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sighup = signal(SignalKind::hangup())?;
+        let (reload_tx, reload_rx) = mpsc::channel(4);
+        let stop = async move {
+            loop {
+                tokio::select! {
+                    _ = sigterm.recv() => return,
+                    _ = sigint.recv() => return,
+                    _ = sighup.recv() => { let _ = reload_tx.send(()).await; }
+                }
+            }
+        };
+        serve(
+            config_path,
+            cfg,
+            Arc::new(KernelNotAttached),
+            stop,
+            reload_rx,
+            |running| {
+                let traced = running.traced.lock().map(|t| t.len()).unwrap_or(0);
+                tracing::warn!(
+                    "service started without the kernel side ({traced} processes traced): \
+                 the sinks and interfaces run over an empty stream"
+                );
+            },
+        )
+        .await
+    })
+}
+
+/// The service until `stop` completes; `reload` asks for a configuration
+/// reload (SIGHUP); `started` gets what the kernel side plugs into.
+pub async fn serve(
+    config_path: PathBuf,
+    cfg: ServiceConfig,
+    levels: Arc<dyn LevelSwitch>,
+    stop: impl Future<Output = ()>,
+    mut reload: mpsc::Receiver<()>,
+    started: impl FnOnce(Running),
+) -> Result<()> {
+    let notifier = Notifier::from_env();
+    let node = host::system_info().machine_name.unwrap_or_default();
+    let (recorder, dump_tx, stats) = FlightRecorder::new(RecorderSettings {
+        window: cfg.flight_recorder.seconds,
+        max_bytes: cfg.flight_recorder.max_bytes,
+        dump_dir: cfg.dump_dir.clone(),
+        dump_dir_max_bytes: cfg.dump_dir_max_bytes,
+        max_dumps_per_hour: cfg.max_dumps_per_hour,
+        host: node.clone(),
+        write_limit: None,
+    });
+    let (metrics, metrics_handle, sources) = MetricsSink::new(&node);
+    let mut fanout = FanOut::default();
+    let recorder = fanout.add("flight_recorder", recorder, SINK_BATCHES)?;
+    let metrics = fanout.add("metrics", metrics, SINK_BATCHES)?;
+    if let Ok(mut s) = sources.sinks.lock() {
+        s.push((recorder.name, recorder.counters.clone()));
+    }
+    if let Ok(mut r) = sources.recorder.lock() {
+        *r = Some(stats.clone());
+    }
+    let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
+    let pipeline = std::thread::Builder::new()
+        .name("xpuscope-pipeline".into())
+        .spawn(move || {
+            let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout);
+            pipeline.start(host::boottime_ns(), Vec::new());
+            pipeline.run(rx, host::boottime_ns)
+        })
+        .context("starting the pipeline")?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    if let Some(addr) = cfg.metrics.listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("metrics.listen {addr}"))?;
+        tokio::spawn(super::metrics_endpoint::serve(
+            listener,
+            metrics_handle.clone(),
+            stop_rx.clone(),
+        ));
+    }
+    let traced = Arc::new(Mutex::new(BTreeMap::new()));
+    let control: Arc<dyn Control> = Arc::new(ServiceControl {
+        config_path,
+        config: Mutex::new(cfg.clone()),
+        level: Mutex::new(cfg.level),
+        levels,
+        recorder: dump_tx,
+        stats: stats.clone(),
+        sinks: vec![
+            (recorder.name, recorder.counters.clone()),
+            (metrics.name, metrics.counters.clone()),
+        ],
+        traced: traced.clone(),
+        started: Instant::now(),
+    });
+    let group = cfg
+        .control
+        .group
+        .as_deref()
+        .map(control::group_id)
+        .transpose()
+        .map_err(|e| anyhow!(e))?;
+    let (listener, socket_file) = control::bind_socket(&cfg.control.socket, group)
+        .map_err(|e| anyhow!("control.socket: {e}"))?;
+    let policy = PeerPolicy {
+        // SAFETY: geteuid has no preconditions.
+        own_uid: unsafe { libc::geteuid() },
+        group,
+    };
+    tokio::spawn(control::serve_unix(
+        listener,
+        policy,
+        control.clone(),
+        stop_rx.clone(),
+    ));
+    if let (Some(addr), Some(token_file)) = (cfg.control.tcp_listen, &cfg.control.token_file) {
+        let token = control::read_token(token_file).map_err(|e| anyhow!(e))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("control.tcp_listen {addr}"))?;
+        tokio::spawn(control::serve_tcp(
+            listener,
+            token,
+            control.clone(),
+            stop_rx.clone(),
+        ));
+    }
+    started(Running {
+        pipeline: tx.clone(),
+        traced: traced.clone(),
+    });
+    notifier.send(&format!(
+        "READY=1\nSTATUS=level {}, flight recorder {:?}",
+        cfg.level, cfg.flight_recorder.seconds
+    ));
+
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut ticks = 0u32;
+    tokio::pin!(stop);
+    let failure = loop {
+        tokio::select! {
+            _ = &mut stop => break None,
+            Some(()) = reload.recv() => {
+                let c = control.clone();
+                match tokio::task::spawn_blocking(move || c.reload()).await {
+                    Ok(Ok(v)) => tracing::info!("configuration reloaded: {v}"),
+                    Ok(Err(e)) => tracing::error!("reload refused, the old configuration stays: {e}"),
+                    Err(e) => tracing::error!("reload failed: {e}"),
+                }
+            }
+            _ = tick.tick() => {
+                ticks += 1;
+                if pipeline.is_finished() || recorder.is_finished() || metrics.is_finished() {
+                    break Some(anyhow!("a pipeline stage stopped"));
+                }
+                let _ = tx.try_send(PipelineMsg::Tick(host::boottime_ns()));
+                // The watchdog is fed only while the pipeline feeds the sinks.
+                if metrics_handle.alive(host::boottime_ns()) {
+                    notifier.send("WATCHDOG=1");
+                }
+                if ticks.is_multiple_of(STATUS_EVERY) {
+                    notifier.send(&format!(
+                        "STATUS=level {}, {} processes, flight recorder {} MiB, {} records evicted",
+                        control.status()["level"],
+                        traced.lock().map(|t| t.len()).unwrap_or(0),
+                        stats.bytes.load(Ordering::Relaxed) >> 20,
+                        stats.evicted_records.load(Ordering::Relaxed),
+                    ));
+                }
+            }
+        }
+    };
+    notifier.send("STOPPING=1");
+    let _ = stop_tx.send(true);
+    drop(tx);
+    drop(control);
+    drop(socket_file);
+    let joined = tokio::task::spawn_blocking(move || {
+        let p = pipeline
+            .join()
+            .map_err(|p| {
+                anyhow!(
+                    "the pipeline panicked: {}",
+                    crate::sinks::panic_message(&*p)
+                )
+            })
+            .and_then(|r| r.map(|_| ()));
+        let r = recorder.join().map(|_| ());
+        let m = metrics.join();
+        p.and(r).and(m)
+    })
+    .await?;
+    match failure {
+        Some(e) => Err(joined
+            .err()
+            .map_or(e, |j| j.context("a pipeline stage stopped"))),
+        None => joined,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::control::client::request;
+    use xpuscope_tests::trace_check::{check_importer_rules, decode};
+
+    #[test]
+    fn the_service_serves_its_interfaces_and_dumps_valid_traces() {
+        let dir = std::env::temp_dir().join(format!("xpuscope-svc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config_path = dir.join("agent.toml");
+        let socket = dir.join("run/agent.sock");
+        let text = format!(
+            "level = 1\ndump_dir = \"{}\"\n[metrics]\nlisten = \"off\"\n[control]\nsocket = \"{}\"\n",
+            dir.join("dumps").display(),
+            socket.display()
+        );
+        std::fs::write(&config_path, &text).unwrap();
+        let cfg = ServiceConfig::load(&config_path).unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (_reload_tx, reload_rx) = mpsc::channel(1);
+        let path = config_path.clone();
+        let service = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(serve(
+                path,
+                cfg,
+                Arc::new(KernelNotAttached),
+                async {
+                    let _ = stop_rx.await;
+                },
+                reload_rx,
+                |_| {},
+            ))
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !socket.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "the control socket never appeared"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let status = request(&socket, "GET", "/status", None).unwrap();
+        assert_eq!(status.status, 200, "{}", status.body);
+        let v: Value = serde_json::from_str(&status.body).unwrap();
+        assert_eq!(v["level"], 1);
+
+        let r = request(&socket, "POST", "/dump", Some(&json!({}))).unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let out: Value = serde_json::from_str(&r.body).unwrap();
+        let trace = std::fs::read(out["trace"].as_str().unwrap()).unwrap();
+        check_importer_rules(&decode(&trace).unwrap()).unwrap();
+
+        let r = request(&socket, "POST", "/level", Some(&json!({ "level": 2 }))).unwrap();
+        assert_eq!(r.status, 409);
+        assert!(r.body.contains("not attached"), "{}", r.body);
+
+        std::fs::write(&config_path, format!("{text}levle = 2\n")).unwrap();
+        let r = request(&socket, "POST", "/reload", None).unwrap();
+        assert_eq!(r.status, 400);
+        assert!(
+            r.body.contains("agent.toml:7: unknown key `control.levle`"),
+            "{}",
+            r.body
+        );
+        // The old configuration stays.
+        let v: Value =
+            serde_json::from_str(&request(&socket, "GET", "/status", None).unwrap().body).unwrap();
+        assert_eq!(v["level"], 1);
+
+        stop_tx.send(()).unwrap();
+        service.join().unwrap().unwrap();
+        assert!(!socket.exists(), "the socket goes with the service");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,477 @@
+//! Writing a dump: the window's records replayed through the Perfetto sink
+//! into `<job>-<host>-<UTC time>-<trigger>.pftrace` in the dump directory,
+//! with its summary JSON next to it. Names are built from sanitized labels
+//! and checked to stay inside the directory; files are created new (never
+//! through a symlink); the directory is kept under its byte bound by
+//! removing the oldest dumps; a write that fails (a full disk) leaves the
+//! trace cut back to its last complete packet.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufWriter, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use xpuscope_perfetto::TraceWriter;
+
+use super::state::{ProcessTable, owner, span};
+use super::{Batch, Trigger};
+use crate::model::Record;
+use crate::sinks::perfetto::PerfettoSink;
+use crate::sinks::summary::{DeviceRecordCounts, FunctionCalls, SummarySink};
+use crate::sinks::{Sink, SinkCounters};
+
+pub const TRACE_SUFFIX: &str = ".pftrace";
+pub const SUMMARY_SUFFIX: &str = ".summary.json";
+/// Longest label (job, host) in a dump name.
+const MAX_LABEL: usize = 64;
+
+/// A label made safe for a file name: ASCII letters, digits, `.`, `_` and
+/// `-` kept, anything else `_`, no leading dot, at most 64 characters.
+pub fn file_label(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .take(MAX_LABEL)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    while out.starts_with('.') {
+        out.replace_range(..1, "_");
+    }
+    if out.is_empty() {
+        "unknown".into()
+    } else {
+        out
+    }
+}
+
+/// Whether a job label given over the API may name a dump (it is also a
+/// filter: it must be a label a process could carry, not a path).
+pub fn check_job_label(job: &str) -> Result<(), String> {
+    if job.is_empty() || job.len() > MAX_LABEL {
+        return Err(format!("job label must be 1 to {MAX_LABEL} characters"));
+    }
+    if job.contains('/') || job.contains('\0') || job.starts_with('.') {
+        return Err(format!(
+            "job label `{job}` may not contain `/` or start with `.`: it names a file in the dump \
+             directory, never a path"
+        ));
+    }
+    Ok(())
+}
+
+/// `dir/name`, refused unless `name` is one plain file name.
+pub fn path_in(dir: &Path, name: &str) -> Result<PathBuf, String> {
+    let plain = !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains('/')
+        && !name.contains('\0');
+    let path = dir.join(name);
+    if !plain || path.parent() != Some(dir) {
+        return Err(format!("`{name}` would leave the dump directory"));
+    }
+    Ok(path)
+}
+
+/// At most `per_hour` dumps in any hour.
+#[derive(Debug)]
+pub struct RateLimiter {
+    per_hour: u32,
+    starts: VecDeque<Instant>,
+}
+
+impl RateLimiter {
+    pub fn new(per_hour: u32) -> Self {
+        Self {
+            per_hour,
+            starts: VecDeque::new(),
+        }
+    }
+
+    /// Takes a slot at `now`, or says how long until one frees.
+    pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        const HOUR: Duration = Duration::from_secs(3600);
+        while self
+            .starts
+            .front()
+            .is_some_and(|t| now.duration_since(*t) >= HOUR)
+        {
+            self.starts.pop_front();
+        }
+        if self.starts.len() >= self.per_hour as usize {
+            let oldest = self.starts.front().copied().unwrap_or(now);
+            return Err(HOUR.saturating_sub(now.duration_since(oldest)));
+        }
+        self.starts.push_back(now);
+        Ok(())
+    }
+}
+
+/// Removes the oldest dumps (trace and summary files only, by mtime) until
+/// the directory's dumps take at most `max_bytes`; `keep` is never
+/// removed. Returns the files removed.
+pub fn enforce_dir_bound(dir: &Path, max_bytes: u64, keep: &[&Path]) -> io::Result<u64> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.ends_with(TRACE_SUFFIX) || name.ends_with(SUMMARY_SUFFIX)) {
+            continue;
+        }
+        let meta = entry.path().symlink_metadata()?;
+        if !meta.is_file() {
+            continue;
+        }
+        files.push((meta.modified()?, entry.path(), meta.len()));
+    }
+    let mut total: u64 = files.iter().map(|f| f.2).sum();
+    files.sort();
+    let mut removed = 0;
+    for (_, path, len) in files {
+        if total <= max_bytes {
+            break;
+        }
+        if keep.contains(&path.as_path()) {
+            continue;
+        }
+        std::fs::remove_file(&path)?;
+        total -= len;
+        removed += 1;
+    }
+    Ok(removed)
+}
+
+/// A file that refuses writes past a quota with ENOSPC: a full disk, for
+/// tests (`None` in the agent).
+pub struct QuotaFile {
+    file: File,
+    left: Option<u64>,
+}
+
+impl Write for QuotaFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = match self.left {
+            Some(0) => return Err(io::Error::from_raw_os_error(libc::ENOSPC)),
+            Some(left) => buf.len().min(left as usize),
+            None => buf.len(),
+        };
+        let n = self.file.write(&buf[..n])?;
+        if let Some(left) = &mut self.left {
+            *left -= n as u64;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
+/// Everything a dump needs, taken from the recorder without copying
+/// records (the batches are shared).
+pub struct DumpJob {
+    pub trigger: Trigger,
+    pub job: Option<String>,
+    /// The window, CLOCK_BOOTTIME ns, inclusive.
+    pub start: u64,
+    pub end: u64,
+    /// The state before the oldest kept record.
+    pub table: ProcessTable,
+    /// Kept batches and the index of the first kept record in each.
+    pub batches: Vec<(Batch, usize)>,
+    /// Records were evicted by the memory bound after this time: a window
+    /// starting earlier misses them.
+    pub evicted_until: Option<u64>,
+    pub dir: PathBuf,
+    pub dir_max_bytes: u64,
+    pub host: String,
+    /// Testing aid: the disk is full after this many bytes.
+    pub write_limit: Option<u64>,
+}
+
+/// What a dump wrote.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct DumpOutcome {
+    pub trace: PathBuf,
+    pub summary: PathBuf,
+    pub trigger: &'static str,
+    pub window_start_ns: u64,
+    pub window_end_ns: u64,
+    pub records: u64,
+    pub trace_bytes: u64,
+    /// Writing failed part-way (a full disk): the trace was cut back to its
+    /// last complete packet and is still valid.
+    pub truncated: Option<String>,
+    /// Records of the window were evicted by the memory bound before the
+    /// dump: the trace is complete only from this time.
+    pub complete_from_ns: Option<u64>,
+    /// Old dumps removed to keep the directory under its bound.
+    pub removed_old_dumps: u64,
+}
+
+/// Why a dump was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum DumpError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error(
+        "rate limit: at most {per_hour} dumps per hour; the next is possible in {retry_after:?}"
+    )]
+    RateLimited {
+        per_hour: u32,
+        retry_after: Duration,
+    },
+    #[error("writing the dump in {dir}: {source}")]
+    Io {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the flight recorder stopped")]
+    Stopped,
+}
+
+#[derive(Serialize)]
+struct ProcessRow {
+    pid: u32,
+    name: String,
+    job: Option<String>,
+    rank: Option<String>,
+    local_rank: Option<String>,
+}
+
+#[derive(Serialize)]
+struct DumpSummary<'a> {
+    outcome: &'a DumpOutcome,
+    job: Option<&'a str>,
+    host: &'a str,
+    window_end_utc: String,
+    records_per_kind: BTreeMap<&'static str, u64>,
+    processes: Vec<ProcessRow>,
+    device: DeviceRecordCounts,
+    functions: Vec<FunctionCalls>,
+}
+
+impl DumpJob {
+    /// The window's records in stream order, with the process table as of
+    /// the window's start (records before it applied).
+    fn select(&self) -> (ProcessTable, Vec<&Record>) {
+        let mut table = self.table.clone();
+        let mut window = Vec::new();
+        for (batch, first) in &self.batches {
+            for r in &batch[*first..] {
+                match span(r) {
+                    // The processes present at the start are the prelude's.
+                    _ if matches!(r, Record::InitialProcesses { .. }) => table.apply(r),
+                    Some((_, end)) if end < self.start => table.apply(r),
+                    None if window.is_empty() => table.apply(r),
+                    Some((start, _)) if start > self.end => {}
+                    _ => window.push(r),
+                }
+            }
+        }
+        if let Some(job) = &self.job {
+            // The job's processes: by identity as of the start or in the window.
+            let mut members: BTreeSet<u32> = table
+                .identities
+                .iter()
+                .filter(|(_, id)| id.job.as_deref() == Some(job))
+                .map(|(tgid, _)| *tgid)
+                .collect();
+            for r in &window {
+                if let Record::Identity { tgid, identity } = r
+                    && identity.job.as_deref() == Some(job)
+                {
+                    members.insert(*tgid);
+                }
+            }
+            window.retain(|r| owner(r).is_none_or(|o| members.contains(&o)));
+            table.processes.retain(|pid, _| members.contains(pid));
+            table.identities.retain(|pid, _| members.contains(pid));
+        }
+        (table, window)
+    }
+
+    /// The dump's base name and the UTC stamp of its window's end.
+    fn name(&self, table: &ProcessTable) -> (String, String) {
+        let job = self.job.clone().unwrap_or_else(|| {
+            let jobs: BTreeSet<&str> = table
+                .identities
+                .values()
+                .filter_map(|id| id.job.as_deref())
+                .collect();
+            match jobs.len() {
+                1 => jobs.into_iter().next().unwrap_or_default().to_string(),
+                0 => "nojob".into(),
+                _ => "alljobs".into(),
+            }
+        });
+        let realtime = crate::service::wallclock::realtime_ns();
+        let now_boot = crate::host::boottime_ns();
+        let end_real = realtime.saturating_sub(now_boot.saturating_sub(self.end));
+        let utc = crate::service::wallclock::compact_utc(end_real);
+        let name = format!(
+            "{}-{}-{utc}-{}",
+            file_label(&job),
+            file_label(&self.host),
+            self.trigger.as_str()
+        );
+        (name, utc)
+    }
+
+    /// Creates `base{suffix}` (or `base-N{suffix}` if taken) new, never
+    /// through a symlink.
+    fn create(&self, base: &str, suffix: &str) -> Result<(PathBuf, File), DumpError> {
+        let io_err = |source| DumpError::Io {
+            dir: self.dir.clone(),
+            source,
+        };
+        for n in 0..100 {
+            let name = if n == 0 {
+                format!("{base}{suffix}")
+            } else {
+                format!("{base}-{n}{suffix}")
+            };
+            let path = path_in(&self.dir, &name).map_err(DumpError::BadRequest)?;
+            match OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o640)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+            {
+                Ok(f) => return Ok((path, f)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io_err(e)),
+            }
+        }
+        Err(io_err(io::Error::other("100 dumps with the same name")))
+    }
+
+    /// Renders the window; the trace is always left a valid file.
+    pub fn write(self) -> Result<DumpOutcome, DumpError> {
+        let io_err = |dir: &Path| {
+            let dir = dir.to_path_buf();
+            move |source| DumpError::Io { dir, source }
+        };
+        std::fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        let (table, window) = self.select();
+        let (base, utc) = self.name(&table);
+        let (trace_path, file) = self.create(&base, TRACE_SUFFIX)?;
+        let out = BufWriter::with_capacity(
+            1 << 20,
+            QuotaFile {
+                file,
+                left: self.write_limit,
+            },
+        );
+        let mut summary = SummarySink::default();
+        let lost = SinkCounters::default();
+        let prelude = table.as_records(self.start);
+        let records = (prelude.len() + window.len()) as u64;
+        let rendered = (|| -> anyhow::Result<u64> {
+            let mut sink = PerfettoSink::with_host_header(TraceWriter::new(out))?;
+            for r in prelude.iter().chain(window.iter().copied()) {
+                sink.record(r)?;
+            }
+            let written = sink.finish_trace(self.end, &lost)?;
+            let file = written.out.into_inner().map_err(|e| e.into_error())?;
+            file.file.sync_all()?;
+            Ok(written.bytes)
+        })();
+        let (trace_bytes, truncated) = match rendered {
+            Ok(bytes) => (bytes, None),
+            Err(e) => {
+                let kept = crate::trace_file::cut_to_complete_packets(&trace_path)
+                    .map_err(io_err(&self.dir))?;
+                (kept, Some(format!("{e:#}")))
+            }
+        };
+        // The summary sink counts what was rendered (the whole window).
+        for r in &window {
+            let _ = summary.on_batch(std::slice::from_ref(*r), &lost);
+        }
+        let totals = summary.finish(self.end, &lost).unwrap_or_default();
+        let mut outcome = DumpOutcome {
+            summary: trace_path.with_file_name(format!(
+                "{}{SUMMARY_SUFFIX}",
+                trace_path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_suffix(TRACE_SUFFIX))
+                    .unwrap_or(&base)
+            )),
+            trace: trace_path.clone(),
+            trigger: self.trigger.as_str(),
+            window_start_ns: self.start,
+            window_end_ns: self.end,
+            records,
+            trace_bytes,
+            truncated,
+            complete_from_ns: self.evicted_until.filter(|t| *t >= self.start),
+            removed_old_dumps: 0,
+        };
+        let processes = table
+            .processes
+            .values()
+            .map(|p| {
+                let id = table.identities.get(&p.pid);
+                ProcessRow {
+                    pid: p.pid,
+                    name: p.comm.clone(),
+                    job: id.and_then(|i| i.job.clone()),
+                    rank: id.and_then(|i| i.rank.clone()),
+                    local_rank: id.and_then(|i| i.local_rank.clone()),
+                }
+            })
+            .collect();
+        let summary_name = outcome
+            .summary
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let summary_path = path_in(&self.dir, &summary_name).map_err(DumpError::BadRequest)?;
+        let json = DumpSummary {
+            outcome: &outcome,
+            job: self.job.as_deref(),
+            host: &self.host,
+            window_end_utc: utc,
+            records_per_kind: totals.records.clone(),
+            processes,
+            device: totals.device,
+            functions: totals.functions.clone(),
+        };
+        let text = serde_json::to_vec_pretty(&json).unwrap_or_default();
+        let written = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o640)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&summary_path)
+            .and_then(|mut f| f.write_all(&text));
+        if let Err(e) = written {
+            // The trace stands on its own; a missing summary is reported.
+            let _ = std::fs::remove_file(&summary_path);
+            outcome
+                .truncated
+                .get_or_insert(format!("writing the summary: {e}"));
+        }
+        outcome.removed_old_dumps = enforce_dir_bound(
+            &self.dir,
+            self.dir_max_bytes,
+            &[&outcome.trace, &outcome.summary],
+        )
+        .map_err(io_err(&self.dir))?;
+        Ok(outcome)
+    }
+}

@@ -1,0 +1,302 @@
+//! What the flight recorder needs to know about each record: the time it
+//! covers, its cost in memory, its owner process, and what it changes in
+//! the state a window needs to be rendered on its own (processes, threads,
+//! names, rank identities) once the records before that window are gone.
+
+use std::collections::BTreeMap;
+use std::mem::size_of;
+use std::sync::Arc;
+
+use crate::model::{Field, FieldValue, RankIdentity, Record, Site, Stack, SymFrame};
+use crate::procfs::{ProcessEntry, ThreadEntry};
+
+/// The time a record covers, CLOCK_BOOTTIME ns (`start <= end`), or None
+/// for records that carry state and no time (rank identities).
+pub fn span(r: &Record) -> Option<(u64, u64)> {
+    let at = |t: u64| Some((t, t));
+    match r {
+        Record::InitialProcesses { ts, .. } => at(*ts),
+        Record::Switch { switch, .. } => at(switch.ts),
+        Record::Waking(w) => at(w.ts),
+        Record::NewTask { fork, .. } => at(fork.ts),
+        Record::Exec { exec, .. } => at(exec.ts),
+        Record::Rename(r) => at(r.ts),
+        Record::Exit { exit, .. } => at(exit.ts),
+        Record::Preempted(p) => at(p.ts),
+        Record::OffCpu(i) => Some((i.start, i.end.max(i.start))),
+        Record::Identity { .. } => None,
+        Record::DeviceCall(c) => Some((c.call.start_ts, c.end_ts())),
+        Record::CallsSummarized(s) => Some((s.start, s.end.max(s.start))),
+        Record::Enqueued(m) => at(m.ts),
+        Record::DeviceWork(w) => Some((w.start, w.end.max(w.start))),
+        Record::MemoryHeld(m) => at(m.ts),
+        Record::InFlightAtEnd(c) => Some((c.start_ts, c.end.max(c.start_ts))),
+        Record::Drops { ts, .. } => at(*ts),
+    }
+}
+
+/// The process a record belongs to, where it belongs to exactly one
+/// (scheduler records of a CPU, drops and the process table do not).
+pub fn owner(r: &Record) -> Option<u32> {
+    match r {
+        Record::NewTask { fork, .. } => Some(fork.child_tgid),
+        Record::Exec { exec, .. } => Some(exec.tgid),
+        Record::Rename(r) => Some(r.tgid),
+        Record::Exit { exit, .. } => Some(exit.tgid),
+        Record::Preempted(p) => Some(p.tgid),
+        Record::OffCpu(i) => Some(i.tgid),
+        Record::Identity { tgid, .. } => Some(*tgid),
+        Record::DeviceCall(c) => Some(c.call.tgid),
+        Record::CallsSummarized(s) => Some(s.tgid),
+        Record::Enqueued(m) => Some(m.tgid),
+        Record::DeviceWork(w) => Some(w.track.tgid),
+        Record::MemoryHeld(m) => Some(m.tgid),
+        Record::InFlightAtEnd(c) => Some(c.tgid),
+        Record::InitialProcesses { .. }
+        | Record::Switch { .. }
+        | Record::Waking(_)
+        | Record::Drops { .. } => None,
+    }
+}
+
+fn string_bytes(s: &str) -> usize {
+    s.len()
+}
+
+// A `Vec` (not a slice): its capacity is what it holds.
+#[allow(clippy::ptr_arg)]
+fn strings_bytes(v: &Vec<String>) -> usize {
+    v.capacity() * size_of::<String>() + v.iter().map(|s| s.capacity()).sum::<usize>()
+}
+
+fn frames_bytes(v: &[SymFrame]) -> usize {
+    // Function and module names are `Arc<str>` shared through the
+    // symbolizer's caches: only the frames themselves are counted.
+    std::mem::size_of_val(v)
+}
+
+/// This record's share of a shared allocation (an `Arc` held by several
+/// records counts once in total).
+fn share<T>(a: &Arc<T>, payload: usize) -> usize {
+    (size_of::<T>() + payload) / Arc::strong_count(a).max(1)
+}
+
+fn stack_bytes(s: &Arc<Stack>) -> usize {
+    share(s, frames_bytes(&s.kernel) + frames_bytes(&s.user))
+}
+
+fn site_bytes(s: &Arc<Site>) -> usize {
+    share(s, frames_bytes(&s.frames) + string_bytes(&s.label))
+}
+
+fn fields_bytes(v: &[Field]) -> usize {
+    std::mem::size_of_val(v)
+        + v.iter()
+            .map(|f| {
+                f.name.capacity()
+                    + match &f.value {
+                        FieldValue::Str(s) => s.capacity(),
+                        _ => 0,
+                    }
+            })
+            .sum::<usize>()
+}
+
+fn process_bytes(p: &ProcessEntry) -> usize {
+    size_of::<ProcessEntry>()
+        + p.comm.capacity()
+        + strings_bytes(&p.cmdline)
+        + p.threads.capacity() * size_of::<ThreadEntry>()
+        + p.threads.iter().map(|t| t.comm.capacity()).sum::<usize>()
+}
+
+fn identity_bytes(id: &RankIdentity) -> usize {
+    [&id.rank, &id.local_rank, &id.world_size, &id.job]
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.capacity()))
+        .sum()
+}
+
+/// Heap bytes a record owns beyond its own `size_of::<Record>()` slot.
+pub fn heap_bytes(r: &Record) -> usize {
+    match r {
+        Record::InitialProcesses { processes, .. } => {
+            processes.iter().map(process_bytes).sum::<usize>()
+        }
+        Record::NewTask { process, .. } => process
+            .as_ref()
+            .map_or(0, |p| p.name.capacity() + strings_bytes(&p.cmdline)),
+        Record::Exec {
+            old_name, process, ..
+        } => old_name.capacity() + process.name.capacity() + strings_bytes(&process.cmdline),
+        Record::OffCpu(i) => i.stack.as_ref().map_or(0, stack_bytes),
+        Record::Identity { identity, .. } => identity_bytes(identity),
+        Record::DeviceCall(c) => {
+            c.call.name.capacity()
+                + match &c.call.args {
+                    xpuscope_probes::decode::args::CallArgs::Marker {
+                        message: Some(m), ..
+                    } => m.capacity(),
+                    xpuscope_probes::decode::args::CallArgs::CommInit(init) => {
+                        init.comms.capacity() * 8
+                    }
+                    _ => 0,
+                }
+                + c.site.as_ref().map_or(0, site_bytes)
+                + c.flows.capacity() * 8
+                + c.oom.as_ref().map_or(0, |rows| {
+                    rows.capacity() * size_of::<crate::model::LiveSiteRow>()
+                        + rows
+                            .iter()
+                            .filter_map(|r| r.site.as_ref())
+                            .map(site_bytes)
+                            .sum::<usize>()
+                })
+        }
+        Record::CallsSummarized(s) => {
+            s.functions.capacity() * size_of::<(&'static str, &'static str, u64)>()
+        }
+        Record::DeviceWork(w) => {
+            w.track.name.capacity()
+                + w.name.capacity()
+                + fields_bytes(&w.fields)
+                + w.flows.capacity() * 8
+        }
+        Record::MemoryHeld(m) => {
+            m.rows.capacity() * size_of::<crate::model::LiveSiteRow>()
+                + m.rows
+                    .iter()
+                    .filter_map(|r| r.site.as_ref())
+                    .map(site_bytes)
+                    .sum::<usize>()
+        }
+        Record::Drops { cpus, .. } => cpus.capacity() * 4,
+        Record::Switch { .. }
+        | Record::Waking(_)
+        | Record::Rename(_)
+        | Record::Exit { .. }
+        | Record::Preempted(_)
+        | Record::Enqueued(_)
+        | Record::InFlightAtEnd(_) => 0,
+    }
+}
+
+/// Bytes a batch holds in memory: its vector's slots (used or not) and
+/// what each record owns.
+pub fn batch_bytes(batch: &[Record], capacity: usize) -> u64 {
+    (capacity.max(batch.len()) * size_of::<Record>()
+        + batch.iter().map(heap_bytes).sum::<usize>()
+        + size_of::<Vec<Record>>()) as u64
+}
+
+/// The processes, threads, names and rank identities as of some point in
+/// the stream: what a window starting there needs to render its tracks.
+#[derive(Clone, Debug, Default)]
+pub struct ProcessTable {
+    pub processes: BTreeMap<u32, ProcessEntry>,
+    pub identities: BTreeMap<u32, RankIdentity>,
+}
+
+impl ProcessTable {
+    /// Applies one record's effect on the table.
+    pub fn apply(&mut self, r: &Record) {
+        match r {
+            Record::InitialProcesses { processes, .. } => {
+                for p in processes {
+                    self.processes.insert(p.pid, p.clone());
+                }
+            }
+            Record::NewTask { fork, process } => {
+                let comm = fork.child_comm.as_str().into_owned();
+                match process {
+                    Some(p) if !fork.is_thread() => {
+                        self.processes.insert(
+                            p.pid,
+                            ProcessEntry {
+                                pid: p.pid,
+                                ppid: p.ppid,
+                                comm: p.name.clone(),
+                                cmdline: p.cmdline.clone(),
+                                uid: None,
+                                threads: vec![ThreadEntry {
+                                    tid: fork.child_tid,
+                                    comm,
+                                }],
+                            },
+                        );
+                    }
+                    _ => {
+                        if let Some(p) = self.processes.get_mut(&fork.child_tgid) {
+                            p.threads.retain(|t| t.tid != fork.child_tid);
+                            p.threads.push(ThreadEntry {
+                                tid: fork.child_tid,
+                                comm,
+                            });
+                        }
+                    }
+                }
+            }
+            Record::Exec { exec, process, .. } => {
+                let entry = self
+                    .processes
+                    .entry(exec.tgid)
+                    .or_insert_with(|| ProcessEntry {
+                        pid: process.pid,
+                        ppid: process.ppid,
+                        comm: String::new(),
+                        cmdline: Vec::new(),
+                        uid: None,
+                        threads: Vec::new(),
+                    });
+                entry.comm = process.name.clone();
+                entry.cmdline = process.cmdline.clone();
+                // exec leaves one thread, the exec'ing one, as the leader.
+                entry.threads = vec![ThreadEntry {
+                    tid: exec.tid,
+                    comm: process.name.clone(),
+                }];
+            }
+            Record::Rename(r) => {
+                if let Some(t) = self
+                    .processes
+                    .get_mut(&r.tgid)
+                    .and_then(|p| p.threads.iter_mut().find(|t| t.tid == r.tid))
+                {
+                    t.comm = r.new_comm.as_str().into_owned();
+                }
+            }
+            Record::Exit {
+                exit,
+                process_ended,
+            } => {
+                if *process_ended {
+                    self.processes.remove(&exit.tgid);
+                    self.identities.remove(&exit.tgid);
+                } else if let Some(p) = self.processes.get_mut(&exit.tgid) {
+                    p.threads.retain(|t| t.tid != exit.tid);
+                }
+            }
+            Record::Identity { tgid, identity } => {
+                self.identities.insert(*tgid, identity.clone());
+            }
+            _ => {}
+        }
+    }
+
+    /// The records that put a renderer in this state at `ts`.
+    pub fn as_records(&self, ts: u64) -> Vec<Record> {
+        let mut out = vec![Record::InitialProcesses {
+            ts,
+            processes: self.processes.values().cloned().collect(),
+        }];
+        out.extend(
+            self.identities
+                .iter()
+                .map(|(tgid, identity)| Record::Identity {
+                    tgid: *tgid,
+                    identity: identity.clone(),
+                }),
+        );
+        out
+    }
+}

@@ -1,0 +1,490 @@
+//! The flight recorder with synthetic records: the window is exactly the
+//! last N seconds, the byte bound holds under a storm with evictions
+//! counted, dumps decode with the independent decoder, and the dump
+//! directory's rules (rate, size, names, a full disk) hold.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+
+use super::dump::{check_job_label, file_label, path_in};
+use super::*;
+use crate::events::{Comm, Exit, Fork, Switch, Waking};
+use crate::model::{ProcessStart, RankIdentity};
+use crate::procfs::{ProcessEntry, ThreadEntry};
+
+const S: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+const APP: u32 = 100;
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("xpuscope-fr-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        Self(p)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn settings(dir: &Path) -> RecorderSettings {
+    RecorderSettings {
+        window: Duration::from_secs(10),
+        max_bytes: 64 << 20,
+        dump_dir: dir.to_path_buf(),
+        dump_dir_max_bytes: 1 << 30,
+        max_dumps_per_hour: 100,
+        host: "node-a".into(),
+        write_limit: None,
+    }
+}
+
+fn waking(ts: u64, tid: u32) -> Record {
+    Record::Waking(Waking {
+        cpu: 0,
+        ts,
+        tid,
+        tgid: APP,
+        comm: Comm::from_str_lossy("worker"),
+        prio: 120,
+        target_cpu: 0,
+        waker_tid: 0,
+        waker_tgid: 0,
+        new_task: false,
+    })
+}
+
+fn switch(ts: u64, next: u32) -> Record {
+    Record::Switch {
+        switch: Switch {
+            cpu: 1,
+            ts,
+            prev_tid: 0,
+            prev_tgid: 0,
+            prev_comm: Comm::from_str_lossy("swapper"),
+            prev_state: 0,
+            prev_prio: 120,
+            next_tid: next,
+            next_tgid: APP,
+            next_comm: Comm::from_str_lossy("worker"),
+            next_prio: 120,
+            preempt: false,
+            prev_target: false,
+            next_target: true,
+            stack_follows: false,
+        },
+        prev_state: 0,
+    }
+}
+
+fn initial() -> Record {
+    Record::InitialProcesses {
+        ts: S / 2,
+        processes: vec![ProcessEntry {
+            pid: APP,
+            ppid: 1,
+            comm: "trainer".into(),
+            cmdline: vec!["python".into(), "train.py".into()],
+            uid: Some(0),
+            threads: vec![
+                ThreadEntry {
+                    tid: APP,
+                    comm: "trainer".into(),
+                },
+                ThreadEntry {
+                    tid: APP + 1,
+                    comm: "worker".into(),
+                },
+            ],
+        }],
+    }
+}
+
+fn identity(tgid: u32, rank: &str, job: &str) -> Record {
+    Record::Identity {
+        tgid,
+        identity: RankIdentity::from_environ(
+            format!("RANK={rank}\0WORLD_SIZE=2\0XPUSCOPE_JOB={job}\0").as_bytes(),
+        ),
+    }
+}
+
+fn child_process(ts: u64, pid: u32) -> Record {
+    Record::NewTask {
+        fork: Fork {
+            cpu: 0,
+            ts,
+            parent_tid: APP,
+            parent_tgid: APP,
+            child_tid: pid,
+            child_tgid: pid,
+            child_comm: Comm::from_str_lossy("loader"),
+        },
+        process: Some(ProcessStart {
+            ts,
+            pid,
+            ppid: APP,
+            name: "loader".into(),
+            cmdline: vec!["loader".into()],
+        }),
+    }
+}
+
+fn feed(rec: &mut FlightRecorder, batch: Vec<Record>) {
+    rec.on_shared_batch(&Arc::new(batch), &SinkCounters::default())
+        .unwrap();
+}
+
+fn dump(
+    rec: &mut FlightRecorder,
+    tx: &Sender<DumpRequest>,
+    spec: DumpSpec,
+) -> Result<DumpOutcome, DumpError> {
+    let (reply, rx) = std::sync::mpsc::channel();
+    tx.send(DumpRequest {
+        spec,
+        reply: Some(reply),
+    })
+    .unwrap();
+    rec.on_tick(0, &SinkCounters::default()).unwrap();
+    rx.recv_timeout(Duration::from_secs(30)).unwrap()
+}
+
+fn timeline(path: &Path) -> Timeline {
+    let bytes = std::fs::read(path).unwrap();
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    Timeline::new(&trace)
+}
+
+/// 30 s of wakings every 10 ms, a process started at 2 s, rank identities
+/// at 1 s: the story of most tests.
+fn story(rec: &mut FlightRecorder) -> Vec<u64> {
+    let mut all = Vec::new();
+    feed(rec, vec![initial(), identity(APP, "0", "job-a")]);
+    for second in 1..30u64 {
+        let mut batch = Vec::new();
+        if second == 2 {
+            batch.push(child_process(2 * S, 200));
+        }
+        for i in 0..100 {
+            let ts = second * S + i * 10 * MS;
+            batch.push(waking(ts, APP + 1));
+            all.push(ts);
+        }
+        feed(rec, batch);
+    }
+    all
+}
+
+#[test]
+fn a_dump_holds_exactly_the_last_window() {
+    let dir = Dir::new("window");
+    let (mut rec, tx, stats) = FlightRecorder::new(settings(&dir.0));
+    let all = story(&mut rec);
+    let end = *all.last().unwrap();
+
+    // The whole window (10 s), then a shorter one (2.5 s).
+    for (seconds, len) in [
+        (None, 10 * S),
+        (Some(Duration::from_millis(2500)), 2_500 * MS),
+    ] {
+        let out = dump(
+            &mut rec,
+            &tx,
+            DumpSpec {
+                seconds,
+                ..DumpSpec::now(Trigger::Manual)
+            },
+        )
+        .unwrap();
+        assert_eq!((out.window_start_ns, out.window_end_ns), (end - len, end));
+        assert_eq!(out.truncated, None);
+        let tl = timeline(&out.trace);
+        let got: Vec<u64> = tl.wakings.iter().map(|w| w.ts).collect();
+        let want: Vec<u64> = all.iter().copied().filter(|&t| t >= end - len).collect();
+        assert_eq!(got, want, "nothing older, nothing missing");
+        // State from before the window: the process tree, the rank name,
+        // the child process started at 2 s.
+        assert_eq!(
+            tl.processes[&(APP as i32)].name.as_deref(),
+            Some("rank 0/2 job job-a")
+        );
+        assert!(tl.processes.contains_key(&200));
+        assert_eq!(tl.thread_name((APP + 1) as i32).as_deref(), Some("worker"));
+        let name = out.trace.file_name().unwrap().to_str().unwrap();
+        assert!(
+            name.starts_with("job-a-node-a-") && name.contains("Z-manual"),
+            "{name}"
+        );
+        let summary: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&out.summary).unwrap()).unwrap();
+        assert_eq!(summary["records_per_kind"]["waking"], want.len() as u64);
+        assert_eq!(summary["processes"][0]["rank"], "0");
+        assert_eq!(summary["outcome"]["trigger"], "manual");
+    }
+    assert_eq!(
+        stats
+            .trigger(Trigger::Manual)
+            .written
+            .load(Ordering::Relaxed),
+        2
+    );
+    // Older records expired, nothing was evicted.
+    assert!(stats.expired_records.load(Ordering::Relaxed) > 1_500);
+    assert_eq!(stats.evicted_records.load(Ordering::Relaxed), 0);
+
+    // A window larger than the recorder keeps is refused.
+    let e = dump(
+        &mut rec,
+        &tx,
+        DumpSpec {
+            seconds: Some(Duration::from_secs(11)),
+            ..DumpSpec::now(Trigger::Manual)
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("keeps the last 10s"), "{e}");
+}
+
+#[test]
+fn the_byte_bound_holds_under_a_storm_and_evictions_are_counted() {
+    let dir = Dir::new("storm");
+    let mut s = settings(&dir.0);
+    s.max_bytes = 4 << 20;
+    s.window = Duration::from_secs(3600); // only the byte bound applies
+    let (mut rec, tx, stats) = FlightRecorder::new(s);
+    feed(&mut rec, vec![initial()]);
+    let mut offered = 1u64;
+    let mut ts = S;
+    // About 1 M records, each batch 1 ms of a 1 M/s storm.
+    for _ in 0..1_000 {
+        let batch: Vec<Record> = (0..1_000)
+            .map(|i| {
+                ts += 1_000;
+                if i % 2 == 0 {
+                    switch(ts, APP + 1)
+                } else {
+                    waking(ts, APP + 1)
+                }
+            })
+            .collect();
+        offered += batch.len() as u64;
+        feed(&mut rec, batch);
+        let bytes = stats.bytes.load(Ordering::Relaxed);
+        assert!(bytes <= 4 << 20, "{bytes} bytes held");
+    }
+    let held = stats.records.load(Ordering::Relaxed);
+    let evicted = stats.evicted_records.load(Ordering::Relaxed);
+    assert!(evicted > 900_000, "{evicted}");
+    assert_eq!(
+        held + evicted + stats.expired_records.load(Ordering::Relaxed),
+        offered
+    );
+    // The estimate is honest: at least the records' own slots.
+    assert!(stats.bytes.load(Ordering::Relaxed) >= held * std::mem::size_of::<Record>() as u64);
+    // A dump after the storm still renders on its own, and says where the
+    // evictions cut its window.
+    let out = dump(&mut rec, &tx, DumpSpec::now(Trigger::Manual)).unwrap();
+    let tl = timeline(&out.trace);
+    assert_eq!(tl.wakings.len() as u64 + tl.switches.len() as u64, held);
+    assert!(out.complete_from_ns.is_some());
+    assert_eq!(tl.thread_name((APP + 1) as i32).as_deref(), Some("worker"));
+}
+
+#[test]
+fn a_full_disk_cuts_the_dump_to_a_valid_trace_and_counts_it() {
+    let dir = Dir::new("full");
+    let mut s = settings(&dir.0);
+    s.write_limit = Some(4_000);
+    let (mut rec, tx, stats) = FlightRecorder::new(s);
+    story(&mut rec);
+    let out = dump(&mut rec, &tx, DumpSpec::now(Trigger::Oom)).unwrap();
+    let error = out.truncated.clone().expect("cut short");
+    assert!(error.contains("No space left"), "{error}");
+    let len = std::fs::metadata(&out.trace).unwrap().len();
+    assert!(len <= 4_000 && len == out.trace_bytes, "{len}");
+    let tl = timeline(&out.trace);
+    // What came before the cut is there (the process tree is written
+    // first); the bundles after it are not.
+    assert!(tl.processes.contains_key(&(APP as i32)));
+    assert!(tl.wakings.len() < 1_000);
+    let counts = stats.trigger(Trigger::Oom);
+    assert_eq!(counts.written.load(Ordering::Relaxed), 1);
+    assert_eq!(counts.truncated.load(Ordering::Relaxed), 1);
+    // Recording goes on.
+    feed(&mut rec, vec![waking(31 * S, APP + 1)]);
+    assert!(stats.records.load(Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn dumps_are_rate_limited_and_the_directory_bounded() {
+    let dir = Dir::new("bounds");
+    let mut s = settings(&dir.0);
+    s.max_dumps_per_hour = 3;
+    s.dump_dir_max_bytes = 1;
+    let (mut rec, tx, stats) = FlightRecorder::new(s);
+    story(&mut rec);
+    std::fs::create_dir_all(&dir.0).unwrap();
+    std::fs::write(dir.0.join("notes.txt"), "not a dump").unwrap();
+    let mut outs = Vec::new();
+    for _ in 0..3 {
+        outs.push(dump(&mut rec, &tx, DumpSpec::now(Trigger::Hang)).unwrap());
+    }
+    let e = dump(&mut rec, &tx, DumpSpec::now(Trigger::Hang)).unwrap_err();
+    assert!(
+        matches!(e, DumpError::RateLimited { per_hour: 3, .. }),
+        "{e}"
+    );
+    assert_eq!(
+        stats
+            .trigger(Trigger::Hang)
+            .rate_limited
+            .load(Ordering::Relaxed),
+        1
+    );
+    // Same second, same name: a suffix keeps them apart.
+    assert_ne!(outs[0].trace, outs[1].trace);
+    // Each dump removed the older ones (the bound is 1 byte) and kept
+    // itself; other files are never touched.
+    assert_eq!(outs[1].removed_old_dumps, 2);
+    let mut left: Vec<String> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    let last = outs[2]
+        .trace
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let last_summary = outs[2]
+        .summary
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut want = vec!["notes.txt".to_string(), last, last_summary];
+    want.sort();
+    assert_eq!(left, want);
+}
+
+#[test]
+fn a_window_ending_later_waits_for_its_records() {
+    let dir = Dir::new("after");
+    let (mut rec, tx, _stats) = FlightRecorder::new(settings(&dir.0));
+    feed(&mut rec, vec![initial(), waking(5 * S, APP + 1)]);
+    let (reply, rx) = std::sync::mpsc::channel();
+    tx.send(DumpRequest {
+        spec: DumpSpec {
+            end: WindowEnd::At(7 * S),
+            ..DumpSpec::now(Trigger::Manual)
+        },
+        reply: Some(reply),
+    })
+    .unwrap();
+    feed(&mut rec, vec![waking(6 * S, APP + 1)]);
+    assert!(
+        rx.recv_timeout(Duration::from_millis(200)).is_err(),
+        "not yet"
+    );
+    feed(
+        &mut rec,
+        vec![waking(7 * S, APP + 1), waking(8 * S, APP + 1)],
+    );
+    let out = rx.recv_timeout(Duration::from_secs(30)).unwrap().unwrap();
+    assert_eq!(out.window_end_ns, 7 * S);
+    let got: Vec<u64> = timeline(&out.trace).wakings.iter().map(|w| w.ts).collect();
+    assert_eq!(got, vec![5 * S, 6 * S, 7 * S]);
+}
+
+#[test]
+fn a_job_filter_keeps_that_jobs_processes() {
+    let dir = Dir::new("job");
+    let (mut rec, tx, _stats) = FlightRecorder::new(settings(&dir.0));
+    feed(
+        &mut rec,
+        vec![
+            initial(),
+            identity(APP, "0", "job-a"),
+            child_process(S, 300),
+            identity(300, "1", "job-b"),
+            Record::Exit {
+                exit: Exit {
+                    cpu: 0,
+                    ts: 2 * S,
+                    tid: APP + 1,
+                    tgid: APP,
+                    prio: 120,
+                    comm: Comm::from_str_lossy("worker"),
+                    group_dead: false,
+                    group_known: true,
+                },
+                process_ended: false,
+            },
+        ],
+    );
+    let out = dump(
+        &mut rec,
+        &tx,
+        DumpSpec {
+            job: Some("job-b".into()),
+            ..DumpSpec::now(Trigger::Manual)
+        },
+    )
+    .unwrap();
+    let tl = timeline(&out.trace);
+    assert!(tl.processes.contains_key(&300));
+    assert!(!tl.processes.contains_key(&(APP as i32)));
+    assert!(
+        tl.frees.is_empty(),
+        "job-a's thread exit is not in job-b's dump"
+    );
+    assert!(
+        out.trace
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("job-b-")
+    );
+    let e = dump(
+        &mut rec,
+        &tx,
+        DumpSpec {
+            job: Some("../../etc".into()),
+            ..DumpSpec::now(Trigger::Manual)
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("never a path"), "{e}");
+}
+
+#[test]
+fn names_never_leave_the_dump_directory() {
+    let dir = Path::new("/var/lib/xpuscope/dumps");
+    for bad in ["..", ".", "", "a/b", "../x.pftrace", "x\0y"] {
+        assert!(path_in(dir, bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(
+        path_in(dir, "j-h-20260101T000000Z-manual.pftrace").unwrap(),
+        dir.join("j-h-20260101T000000Z-manual.pftrace")
+    );
+    assert_eq!(file_label("../../etc/passwd"), "_._.._etc_passwd");
+    assert_eq!(file_label("job a/b"), "job_a_b");
+    assert_eq!(file_label(""), "unknown");
+    assert!(!file_label(&"x".repeat(500)).contains('/'));
+    assert!(check_job_label("..").is_err());
+    assert!(check_job_label("a/b").is_err());
+    assert!(check_job_label("llama-70b.run3").is_ok());
+}

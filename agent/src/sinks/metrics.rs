@@ -1,0 +1,720 @@
+//! The metrics sink: Prometheus families from the record stream, served as
+//! OpenMetrics text on `/metrics` (see `crate::service::metrics_endpoint`).
+//!
+//! Families (label sets in brackets; `R` = job, rank, local_rank, node):
+//! - `xpuscope_collective_duration_seconds` histogram [R, comm, op, dtype]:
+//!   collectives and point-to-point calls from entry to return;
+//! - `xpuscope_collective_bytes_total` [R, comm, op, dtype];
+//! - `xpuscope_collective_last_seq` [R, comm]: the last collective number
+//!   on each communicator (one query across nodes shows the rank that lags);
+//! - `xpuscope_sync_duration_seconds` histogram [R];
+//! - `xpuscope_device_memory_bytes` [R, device], `xpuscope_device_ooms_total`
+//!   [R, device];
+//! - `xpuscope_launches_total` [R] (level >= 2);
+//! - `xpuscope_off_cpu_seconds_total` [R], `xpuscope_runqueue_delay_seconds`
+//!   histogram [R] (time preempted threads waited for a CPU; level >= 1);
+//! - the agent's own: `xpuscope_agent_records_total` [kind],
+//!   `xpuscope_agent_kernel_dropped_events_total`,
+//!   `xpuscope_agent_sink_records_total` [sink, outcome],
+//!   `xpuscope_agent_cpu_seconds_total`, `xpuscope_agent_resident_bytes`,
+//!   `xpuscope_flight_recorder_bytes`,
+//!   `xpuscope_flight_recorder_evicted_records_total`,
+//!   `xpuscope_flight_recorder_dumps_total` [trigger, outcome],
+//!   `xpuscope_metrics_series_folded_total` [family].
+//!
+//! `comm` is the communicator's kind and identity (`nccl:1a2b3c4d`); `op`
+//! `allreduce`, `send`, ...; `dtype` `bf16`, ...
+//!
+//! Cardinality is bounded: each family keeps at most [`MAX_SERIES`] label
+//! sets. Past that, a new label set is folded into one with `rank`,
+//! `local_rank`, `comm`, `op`, `dtype` and `device` set to `other` (its
+//! values still count), and `xpuscope_metrics_series_folded_total` counts
+//! the observations folded. Label values are at most 128 characters (the
+//! environment's values are cut there when read).
+//!
+//! Not yet here (the records do not carry it): the age of the oldest
+//! in-flight collective or sync per rank (needs an in-flight snapshot from
+//! the interpret stage on ticks), and algorithm bandwidth.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::Result;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use xpuscope_probes::catalog::{CallKind, Collective, Direction};
+use xpuscope_probes::decode::args::CallArgs;
+
+use super::flight_recorder::{RecorderStats, Trigger};
+use super::{Sink, SinkCounters};
+use crate::model::{DeviceCallRecord, OffCpuInterval, RankIdentity, Record};
+
+/// Most label sets per family.
+pub const MAX_SERIES: usize = 2_000;
+/// The pipeline is alive while the sink heard from it this recently.
+pub const LIVENESS_NS: u64 = 10_000_000_000;
+const FOLDED: &str = "other";
+
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankLabels {
+    pub job: String,
+    pub rank: String,
+    pub local_rank: String,
+    pub node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CollectiveLabels {
+    pub job: String,
+    pub rank: String,
+    pub local_rank: String,
+    pub node: String,
+    pub comm: String,
+    pub op: String,
+    pub dtype: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CommLabels {
+    pub job: String,
+    pub rank: String,
+    pub local_rank: String,
+    pub node: String,
+    pub comm: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeviceLabels {
+    pub job: String,
+    pub rank: String,
+    pub local_rank: String,
+    pub node: String,
+    pub device: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SinkLabels {
+    sink: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TriggerLabels {
+    trigger: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FamilyLabels {
+    family: String,
+}
+
+type Hist<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn seconds_histogram() -> Histogram {
+    // 10 us to ~168 s, x4 per bucket.
+    Histogram::new(exponential_buckets(1e-5, 4.0, 13))
+}
+
+/// The families, registered once.
+#[derive(Clone)]
+struct Families {
+    collective_seconds: Hist<CollectiveLabels>,
+    collective_bytes: Family<CollectiveLabels, Counter>,
+    last_seq: Family<CommLabels, Gauge>,
+    sync_seconds: Hist<RankLabels>,
+    memory: Family<DeviceLabels, Gauge>,
+    ooms: Family<DeviceLabels, Counter>,
+    launches: Family<RankLabels, Counter>,
+    off_cpu: Family<RankLabels, Counter<f64, AtomicU64>>,
+    runqueue: Hist<RankLabels>,
+    records: Family<KindLabels, Counter>,
+    kernel_drops: Counter,
+    sink_records: Family<SinkLabels, Counter>,
+    cpu: Counter<f64, AtomicU64>,
+    rss: Gauge,
+    recorder_bytes: Gauge,
+    recorder_evicted: Counter,
+    dumps: Family<TriggerLabels, Counter>,
+    folded: Family<FamilyLabels, Counter>,
+}
+
+impl Families {
+    fn register(registry: &mut Registry) -> Self {
+        let f = Self {
+            collective_seconds: Family::new_with_constructor(seconds_histogram),
+            collective_bytes: Family::default(),
+            last_seq: Family::default(),
+            sync_seconds: Family::new_with_constructor(seconds_histogram),
+            memory: Family::default(),
+            ooms: Family::default(),
+            launches: Family::default(),
+            off_cpu: Family::default(),
+            runqueue: Family::new_with_constructor(seconds_histogram),
+            records: Family::default(),
+            kernel_drops: Counter::default(),
+            sink_records: Family::default(),
+            cpu: Counter::default(),
+            rss: Gauge::default(),
+            recorder_bytes: Gauge::default(),
+            recorder_evicted: Counter::default(),
+            dumps: Family::default(),
+            folded: Family::default(),
+        };
+        let r = registry;
+        r.register(
+            "xpuscope_collective_duration_seconds",
+            "Collective and point-to-point calls, entry to return",
+            f.collective_seconds.clone(),
+        );
+        r.register(
+            "xpuscope_collective_bytes",
+            "Bytes of collective and point-to-point calls",
+            f.collective_bytes.clone(),
+        );
+        r.register(
+            "xpuscope_collective_last_seq",
+            "Last collective number seen on each communicator",
+            f.last_seq.clone(),
+        );
+        r.register(
+            "xpuscope_sync_duration_seconds",
+            "Stream, event and device synchronizations, entry to return",
+            f.sync_seconds.clone(),
+        );
+        r.register(
+            "xpuscope_device_memory_bytes",
+            "Device memory held, as allocated and freed since attach",
+            f.memory.clone(),
+        );
+        r.register(
+            "xpuscope_device_ooms",
+            "Failed device-memory allocations",
+            f.ooms.clone(),
+        );
+        r.register(
+            "xpuscope_launches",
+            "Kernel and graph launches",
+            f.launches.clone(),
+        );
+        r.register(
+            "xpuscope_off_cpu_seconds",
+            "Time the training threads spent off CPU",
+            f.off_cpu.clone(),
+        );
+        r.register(
+            "xpuscope_runqueue_delay_seconds",
+            "Time preempted training threads waited for a CPU",
+            f.runqueue.clone(),
+        );
+        r.register(
+            "xpuscope_agent_records",
+            "Records the pipeline produced, per kind",
+            f.records.clone(),
+        );
+        r.register(
+            "xpuscope_agent_kernel_dropped_events",
+            "Events the kernel rings could not hold",
+            f.kernel_drops.clone(),
+        );
+        r.register(
+            "xpuscope_agent_sink_records",
+            "Records offered to each sink: delivered, or dropped because it lagged",
+            f.sink_records.clone(),
+        );
+        r.register(
+            "xpuscope_agent_cpu_seconds",
+            "CPU time of the agent",
+            f.cpu.clone(),
+        );
+        r.register(
+            "xpuscope_agent_resident_bytes",
+            "Resident memory of the agent",
+            f.rss.clone(),
+        );
+        r.register(
+            "xpuscope_flight_recorder_bytes",
+            "Estimated bytes the flight recorder holds",
+            f.recorder_bytes.clone(),
+        );
+        r.register(
+            "xpuscope_flight_recorder_evicted_records",
+            "Records evicted from the flight recorder by its byte bound",
+            f.recorder_evicted.clone(),
+        );
+        r.register(
+            "xpuscope_flight_recorder_dumps",
+            "Flight recorder dumps by trigger and outcome",
+            f.dumps.clone(),
+        );
+        r.register(
+            "xpuscope_metrics_series_folded",
+            "Observations folded into `other` label values by the cardinality bound",
+            f.folded.clone(),
+        );
+        f
+    }
+}
+
+/// Where the agent-level figures come from (filled by the service as it
+/// starts the other sinks).
+#[derive(Default)]
+pub struct AgentSources {
+    pub sinks: Mutex<Vec<(&'static str, Arc<SinkCounters>)>>,
+    pub recorder: Mutex<Option<Arc<RecorderStats>>>,
+}
+
+/// What `/metrics` and `/healthz` read.
+#[derive(Clone)]
+pub struct MetricsHandle {
+    registry: Arc<Registry>,
+    /// CLOCK_BOOTTIME ns of the last batch or tick the sink saw.
+    last_heard: Arc<AtomicU64>,
+}
+
+impl MetricsHandle {
+    /// The OpenMetrics text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Whether the pipeline fed this sink within [`LIVENESS_NS`] of `now`.
+    pub fn alive(&self, now: u64) -> bool {
+        now.saturating_sub(self.last_heard.load(Ordering::Relaxed)) < LIVENESS_NS
+    }
+}
+
+/// Label sets admitted per family, bounded.
+#[derive(Default)]
+struct SeriesBound {
+    seen: HashMap<&'static str, HashSet<u64>>,
+}
+
+impl SeriesBound {
+    /// `labels` if the family has room for them (or has them), else the
+    /// folded set `fold(labels)`, counted.
+    fn admit<L: Hash>(
+        &mut self,
+        family: &'static str,
+        labels: L,
+        fold: impl FnOnce(L) -> L,
+        folded: &Family<FamilyLabels, Counter>,
+    ) -> L {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        labels.hash(&mut h);
+        let key = h.finish();
+        let seen = self.seen.entry(family).or_default();
+        if seen.contains(&key) || seen.len() < MAX_SERIES {
+            seen.insert(key);
+            return labels;
+        }
+        folded
+            .get_or_create(&FamilyLabels {
+                family: family.into(),
+            })
+            .inc();
+        fold(labels)
+    }
+}
+
+/// Running totals turned into counter increments.
+#[derive(Default)]
+struct Deltas {
+    last: HashMap<String, f64>,
+}
+
+impl Deltas {
+    fn delta(&mut self, key: &str, total: f64) -> f64 {
+        let last = self.last.insert(key.to_string(), total).unwrap_or(0.0);
+        (total - last).max(0.0)
+    }
+}
+
+pub struct MetricsSink {
+    f: Families,
+    node: String,
+    ranks: HashMap<u32, RankLabels>,
+    /// Device-memory series per process (removed at its exit: a gauge of a
+    /// gone process would read as memory still held).
+    memory_series: HashMap<u32, HashSet<DeviceLabels>>,
+    bound: SeriesBound,
+    deltas: Deltas,
+    sources: Arc<AgentSources>,
+    last_heard: Arc<AtomicU64>,
+}
+
+impl MetricsSink {
+    /// The sink, what serves it, and where the service plugs in the
+    /// agent's other counters.
+    pub fn new(node: &str) -> (Self, MetricsHandle, Arc<AgentSources>) {
+        let mut registry = Registry::default();
+        let f = Families::register(&mut registry);
+        let last_heard = Arc::new(AtomicU64::new(crate::host::boottime_ns()));
+        let sources = Arc::new(AgentSources::default());
+        let sink = Self {
+            f,
+            node: node.chars().take(128).collect(),
+            ranks: HashMap::new(),
+            memory_series: HashMap::new(),
+            bound: SeriesBound::default(),
+            deltas: Deltas::default(),
+            sources: sources.clone(),
+            last_heard: last_heard.clone(),
+        };
+        let handle = MetricsHandle {
+            registry: Arc::new(registry),
+            last_heard,
+        };
+        (sink, handle, sources)
+    }
+
+    fn rank(&self, tgid: u32) -> RankLabels {
+        self.ranks
+            .get(&tgid)
+            .cloned()
+            .unwrap_or_else(|| RankLabels {
+                node: self.node.clone(),
+                ..Default::default()
+            })
+    }
+
+    fn identity(&mut self, tgid: u32, id: &RankIdentity) {
+        let v = |s: &Option<String>| s.clone().unwrap_or_default();
+        self.ranks.insert(
+            tgid,
+            RankLabels {
+                job: v(&id.job),
+                rank: v(&id.rank),
+                local_rank: v(&id.local_rank),
+                node: self.node.clone(),
+            },
+        );
+    }
+
+    fn admit_rank(&mut self, family: &'static str, r: RankLabels) -> RankLabels {
+        self.bound.admit(
+            family,
+            r,
+            |r| RankLabels {
+                rank: FOLDED.into(),
+                local_rank: FOLDED.into(),
+                ..r
+            },
+            &self.f.folded,
+        )
+    }
+
+    fn record(&mut self, r: &Record) {
+        self.f
+            .records
+            .get_or_create(&KindLabels {
+                kind: r.kind().into(),
+            })
+            .inc();
+        match r {
+            Record::Identity { tgid, identity } => self.identity(*tgid, identity),
+            Record::DeviceCall(c) if c.unmatched.is_none() => self.device_call(c),
+            Record::OffCpu(i) => self.off_cpu(i),
+            Record::Drops { total, .. } => {
+                let d = self.deltas.delta("kernel_drops", *total as f64);
+                self.f.kernel_drops.inc_by(d as u64);
+            }
+            Record::Exit {
+                exit,
+                process_ended: true,
+            } => {
+                self.ranks.remove(&exit.tgid);
+                for labels in self.memory_series.remove(&exit.tgid).unwrap_or_default() {
+                    self.f.memory.remove(&labels);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn device_call(&mut self, c: &DeviceCallRecord) {
+        let call = &c.call;
+        let seconds = c.end_ts().saturating_sub(call.start_ts) as f64 / 1e9;
+        let rank = self.rank(call.tgid);
+        let (op, dtype, bytes) = match (&call.kind, &call.args) {
+            (CallKind::Collective(op), CallArgs::Collective(a)) => (
+                op_label(*op),
+                a.dtype.map(|d| d.name()).unwrap_or(""),
+                a.bytes,
+            ),
+            (CallKind::SendRecv(dir), CallArgs::SendRecv(a)) => (
+                match dir {
+                    Direction::Send => "send",
+                    Direction::Recv => "recv",
+                },
+                a.dtype.name(),
+                a.bytes,
+            ),
+            (CallKind::Sync(_), _) => {
+                let labels = self.admit_rank("sync_duration", rank);
+                self.f.sync_seconds.get_or_create(&labels).observe(seconds);
+                return;
+            }
+            (CallKind::Launch(_), _) => {
+                let labels = self.admit_rank("launches", rank);
+                self.f.launches.get_or_create(&labels).inc();
+                return;
+            }
+            (CallKind::Malloc | CallKind::Free, _) => {
+                self.memory(call.tgid, rank, c);
+                return;
+            }
+            _ => return,
+        };
+        let comm = call.comm.as_ref().map_or_else(
+            || format!("{}:unknown", call.library.name()),
+            |cc| match cc.id_hash {
+                Some(h) => format!("{}:{:08x}", call.library.name(), h as u32),
+                None => format!("{}:handle-{:x}", call.library.name(), cc.handle),
+            },
+        );
+        let labels = CollectiveLabels {
+            job: rank.job.clone(),
+            rank: rank.rank.clone(),
+            local_rank: rank.local_rank.clone(),
+            node: rank.node.clone(),
+            comm: comm.clone(),
+            op: op.into(),
+            dtype: dtype.into(),
+        };
+        let labels = self.bound.admit(
+            "collective",
+            labels,
+            |l| CollectiveLabels {
+                rank: FOLDED.into(),
+                local_rank: FOLDED.into(),
+                comm: FOLDED.into(),
+                op: FOLDED.into(),
+                dtype: FOLDED.into(),
+                ..l
+            },
+            &self.f.folded,
+        );
+        self.f
+            .collective_seconds
+            .get_or_create(&labels)
+            .observe(seconds);
+        if let Some(b) = bytes {
+            self.f.collective_bytes.get_or_create(&labels).inc_by(b);
+        }
+        if let Some(seq) = call.comm.as_ref().and_then(|cc| cc.seq) {
+            let labels = CommLabels {
+                job: rank.job,
+                rank: rank.rank,
+                local_rank: rank.local_rank,
+                node: rank.node,
+                comm,
+            };
+            let labels = self.bound.admit(
+                "last_seq",
+                labels,
+                |l| CommLabels {
+                    rank: FOLDED.into(),
+                    local_rank: FOLDED.into(),
+                    comm: FOLDED.into(),
+                    ..l
+                },
+                &self.f.folded,
+            );
+            let g = self.f.last_seq.get_or_create(&labels);
+            g.set(g.get().max(seq as i64));
+        }
+    }
+
+    fn memory(&mut self, tgid: u32, rank: RankLabels, c: &DeviceCallRecord) {
+        let Some(m) = &c.call.memory else {
+            return;
+        };
+        let vendor = match m.device.vendor {
+            xpuscope_probes::catalog::Vendor::Nvidia => "gpu",
+            xpuscope_probes::catalog::Vendor::Ascend => "npu",
+        };
+        let labels = DeviceLabels {
+            job: rank.job,
+            rank: rank.rank,
+            local_rank: rank.local_rank,
+            node: rank.node,
+            device: format!("{vendor}{}", m.device.index),
+        };
+        let labels = self.bound.admit(
+            "device_memory",
+            labels,
+            |l| DeviceLabels {
+                rank: FOLDED.into(),
+                local_rank: FOLDED.into(),
+                device: FOLDED.into(),
+                ..l
+            },
+            &self.f.folded,
+        );
+        if m.failed_request.is_some() {
+            self.f.ooms.get_or_create(&labels).inc();
+        }
+        self.f
+            .memory
+            .get_or_create(&labels)
+            .set(m.held_after as i64);
+        self.memory_series.entry(tgid).or_default().insert(labels);
+    }
+
+    fn off_cpu(&mut self, i: &OffCpuInterval) {
+        let seconds = i.duration() as f64 / 1e9;
+        let rank = self.admit_rank("off_cpu", self.rank(i.tgid));
+        self.f.off_cpu.get_or_create(&rank).inc_by(seconds);
+        if i.preempted_by.is_some() && !i.truncated {
+            self.f.runqueue.get_or_create(&rank).observe(seconds);
+        }
+    }
+
+    /// The agent's own figures, as of now.
+    fn agent(&mut self, lost: &SinkCounters) {
+        if let Some((cpu, rss)) = own_usage() {
+            let d = self.deltas.delta("cpu", cpu);
+            self.f.cpu.inc_by(d);
+            self.f.rss.set(rss as i64);
+        }
+        let mut sinks: Vec<(String, u64, u64)> = vec![(
+            "metrics".into(),
+            lost.delivered_records.load(Ordering::Relaxed),
+            lost.dropped(),
+        )];
+        if let Ok(list) = self.sources.sinks.lock() {
+            sinks.extend(list.iter().map(|(name, c)| {
+                (
+                    name.to_string(),
+                    c.delivered_records.load(Ordering::Relaxed),
+                    c.dropped(),
+                )
+            }));
+        }
+        for (sink, delivered, dropped) in sinks {
+            for (outcome, total) in [("delivered", delivered), ("dropped", dropped)] {
+                let d = self
+                    .deltas
+                    .delta(&format!("sink/{sink}/{outcome}"), total as f64);
+                self.f
+                    .sink_records
+                    .get_or_create(&SinkLabels {
+                        sink: sink.clone(),
+                        outcome: outcome.into(),
+                    })
+                    .inc_by(d as u64);
+            }
+        }
+        let recorder = self.sources.recorder.lock().ok().and_then(|r| r.clone());
+        if let Some(stats) = recorder {
+            self.f
+                .recorder_bytes
+                .set(stats.bytes.load(Ordering::Relaxed) as i64);
+            let d = self.deltas.delta(
+                "evicted",
+                stats.evicted_records.load(Ordering::Relaxed) as f64,
+            );
+            self.f.recorder_evicted.inc_by(d as u64);
+            for t in Trigger::ALL {
+                let c = stats.trigger(t);
+                for (outcome, n) in [
+                    ("written", &c.written),
+                    ("truncated", &c.truncated),
+                    ("failed", &c.failed),
+                    ("rate_limited", &c.rate_limited),
+                ] {
+                    let d = self.deltas.delta(
+                        &format!("dump/{}/{outcome}", t.as_str()),
+                        n.load(Ordering::Relaxed) as f64,
+                    );
+                    self.f
+                        .dumps
+                        .get_or_create(&TriggerLabels {
+                            trigger: t.as_str().into(),
+                            outcome: outcome.into(),
+                        })
+                        .inc_by(d as u64);
+                }
+            }
+        }
+    }
+}
+
+fn op_label(op: Collective) -> &'static str {
+    match op {
+        Collective::AllReduce => "allreduce",
+        Collective::Broadcast => "broadcast",
+        Collective::Reduce => "reduce",
+        Collective::AllGather => "allgather",
+        Collective::ReduceScatter => "reducescatter",
+        Collective::Barrier => "barrier",
+    }
+}
+
+/// The agent's CPU seconds (user + system) and resident bytes.
+fn own_usage() -> Option<(f64, u64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the comm's closing parenthesis: state is field 3, utime
+    // and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (hz, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_CLK_TCK),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let resident: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some((
+        (utime + stime) / hz.max(1) as f64,
+        resident * page.max(0) as u64,
+    ))
+}
+
+impl Sink for MetricsSink {
+    type Output = ();
+
+    fn on_batch(&mut self, batch: &[Record], lost: &SinkCounters) -> Result<()> {
+        for r in batch {
+            self.record(r);
+        }
+        let _ = lost;
+        self.last_heard
+            .store(crate::host::boottime_ns(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn on_tick(&mut self, _now: u64, lost: &SinkCounters) -> Result<()> {
+        self.agent(lost);
+        self.last_heard
+            .store(crate::host::boottime_ns(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn finish(mut self, _end: u64, lost: &SinkCounters) -> Result<()> {
+        self.agent(lost);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

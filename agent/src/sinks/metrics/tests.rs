@@ -1,0 +1,332 @@
+//! The metrics sink over synthetic records, checked on the rendered text.
+
+use std::sync::Arc;
+
+use xpuscope_probes::catalog::{CallKind, Collective, Library, SyncKind, Vendor};
+use xpuscope_probes::decode::DeviceCall;
+use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
+use xpuscope_probes::decode::comm::CommContext;
+use xpuscope_probes::decode::enums::{DataType, RedOp};
+use xpuscope_probes::decode::memory::{Device, MemoryEffect};
+
+use super::*;
+use crate::events::{Comm, Exit};
+use crate::model::Preemptor;
+
+const MS: u64 = 1_000_000;
+
+fn call(tgid: u32, start: u64, dur: u64, kind: CallKind, args: CallArgs) -> DeviceCall {
+    DeviceCall {
+        library: Library::Nccl,
+        function: "f",
+        kind,
+        tgid,
+        tid: tgid,
+        start_ts: start,
+        end_ts: Some(start + dur),
+        args,
+        ret: Some(0),
+        error: false,
+        name: String::new(),
+        comm: None,
+        memory: None,
+        site: None,
+    }
+}
+
+fn allreduce(tgid: u32, start: u64, dur: u64, seq: u64, comm_hash: u64) -> Record {
+    let mut c = call(
+        tgid,
+        start,
+        dur,
+        CallKind::Collective(Collective::AllReduce),
+        CallArgs::Collective(CollectiveArgs {
+            op: Collective::AllReduce,
+            count: Some(1 << 20),
+            dtype: Some(DataType::Bf16),
+            bytes: Some(2 << 20),
+            red_op: Some(RedOp::Sum),
+            root: None,
+            send: None,
+            recv: None,
+            comm: 0xc0c0,
+            stream: None,
+        }),
+    );
+    c.comm = Some(CommContext {
+        handle: 0xc0c0,
+        id_hash: Some(comm_hash),
+        rank: Some(0),
+        size: Some(2),
+        seq: Some(seq),
+        seq_exact: true,
+    });
+    Record::DeviceCall(DeviceCallRecord::new(c))
+}
+
+fn sync(tgid: u32, start: u64, dur: u64) -> Record {
+    let mut c = call(
+        tgid,
+        start,
+        dur,
+        CallKind::Sync(SyncKind::Stream),
+        CallArgs::Sync {
+            stream: Some(7),
+            event: None,
+        },
+    );
+    c.library = Library::Cudart;
+    Record::DeviceCall(DeviceCallRecord::new(c))
+}
+
+fn malloc(tgid: u32, held_after: u64, failed: bool) -> Record {
+    let mut c = call(tgid, 0, 1_000, CallKind::Malloc, CallArgs::None);
+    c.library = Library::Cudart;
+    c.memory = Some(MemoryEffect {
+        device: Device {
+            vendor: Vendor::Nvidia,
+            index: 1,
+        },
+        delta: if failed { 0 } else { 1 << 20 },
+        held_after,
+        failed_request: failed.then_some(1 << 40),
+        untracked: false,
+        site: None,
+    });
+    Record::DeviceCall(DeviceCallRecord::new(c))
+}
+
+fn identity(tgid: u32, rank: u32) -> Record {
+    Record::Identity {
+        tgid,
+        identity: RankIdentity::from_environ(
+            format!("RANK={rank}\0LOCAL_RANK={rank}\0WORLD_SIZE=2\0XPUSCOPE_JOB=llama\0")
+                .as_bytes(),
+        ),
+    }
+}
+
+fn lines_with<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+    text.lines().filter(|l| l.starts_with(prefix)).collect()
+}
+
+fn value(text: &str, series: &str) -> f64 {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .unwrap_or_else(|| panic!("no series {series} in:\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn families_render_from_records() {
+    let (mut sink, handle, sources) = MetricsSink::new("node-a");
+    let lost = SinkCounters::default();
+    let mut batch = vec![identity(10, 0), identity(11, 1)];
+    for seq in 0..5u64 {
+        batch.push(allreduce(10, seq * 100 * MS, 2 * MS, seq, 0x1a2b_3c4d));
+        if seq < 3 {
+            // Rank 1 is behind.
+            batch.push(allreduce(11, seq * 100 * MS, 50 * MS, seq, 0x1a2b_3c4d));
+        }
+    }
+    batch.push(sync(10, 0, 3 * MS));
+    batch.push(malloc(10, 3 << 20, false));
+    batch.push(malloc(10, 3 << 20, true));
+    batch.push(Record::OffCpu(OffCpuInterval {
+        tid: 10,
+        tgid: 10,
+        cpu: 0,
+        start: 0,
+        end: 250 * MS,
+        state: 0,
+        stack: None,
+        preempted_by: Some(Preemptor {
+            tid: 99,
+            tgid: 99,
+            comm: Comm::from_str_lossy("noisy"),
+            in_job: false,
+        }),
+        truncated: false,
+    }));
+    batch.push(Record::Drops {
+        ts: 1,
+        cpus: vec![0],
+        total: 7,
+    });
+    sink.on_batch(&batch, &lost).unwrap();
+    // The agent's own figures come from the sources the service plugs in.
+    let other = Arc::new(SinkCounters::default());
+    other
+        .delivered_records
+        .store(40, std::sync::atomic::Ordering::Relaxed);
+    other
+        .dropped_records
+        .store(3, std::sync::atomic::Ordering::Relaxed);
+    sources
+        .sinks
+        .lock()
+        .unwrap()
+        .push(("flight_recorder", other));
+    let stats = Arc::new(RecorderStats::default());
+    stats
+        .bytes
+        .store(12345, std::sync::atomic::Ordering::Relaxed);
+    stats
+        .trigger(Trigger::Hang)
+        .written
+        .store(2, std::sync::atomic::Ordering::Relaxed);
+    *sources.recorder.lock().unwrap() = Some(stats);
+    sink.on_tick(0, &lost).unwrap();
+
+    let text = handle.render();
+    let r0 = r#"job="llama",rank="0",local_rank="0",node="node-a""#;
+    let r1 = r#"job="llama",rank="1",local_rank="1",node="node-a""#;
+    let coll = r#"comm="nccl:1a2b3c4d",op="allreduce",dtype="bf16""#;
+    assert_eq!(
+        value(
+            &text,
+            &format!("xpuscope_collective_duration_seconds_count{{{r0},{coll}}}")
+        ),
+        5.0
+    );
+    assert!(
+        (value(
+            &text,
+            &format!("xpuscope_collective_duration_seconds_sum{{{r1},{coll}}}")
+        ) - 0.15)
+            .abs()
+            < 1e-9
+    );
+    assert_eq!(
+        value(
+            &text,
+            &format!("xpuscope_collective_bytes_total{{{r0},{coll}}}")
+        ),
+        (5 * (2 << 20)) as f64
+    );
+    // The lagging rank shows in last_seq.
+    let comm = r#"comm="nccl:1a2b3c4d""#;
+    assert_eq!(
+        value(
+            &text,
+            &format!("xpuscope_collective_last_seq{{{r0},{comm}}}")
+        ),
+        4.0
+    );
+    assert_eq!(
+        value(
+            &text,
+            &format!("xpuscope_collective_last_seq{{{r1},{comm}}}")
+        ),
+        2.0
+    );
+    assert_eq!(
+        value(
+            &text,
+            &format!("xpuscope_sync_duration_seconds_count{{{r0}}}")
+        ),
+        1.0
+    );
+    let dev = format!("{r0},device=\"gpu1\"");
+    assert_eq!(
+        value(&text, &format!("xpuscope_device_memory_bytes{{{dev}}}")),
+        (3 << 20) as f64
+    );
+    assert_eq!(
+        value(&text, &format!("xpuscope_device_ooms_total{{{dev}}}")),
+        1.0
+    );
+    assert_eq!(
+        value(&text, &format!("xpuscope_off_cpu_seconds_total{{{r0}}}")),
+        0.25
+    );
+    assert_eq!(
+        value(
+            &text,
+            &format!("xpuscope_runqueue_delay_seconds_count{{{r0}}}")
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(&text, r#"xpuscope_agent_records_total{kind="device_call"}"#),
+        11.0
+    );
+    assert_eq!(
+        value(&text, "xpuscope_agent_kernel_dropped_events_total"),
+        7.0
+    );
+    assert_eq!(
+        value(
+            &text,
+            r#"xpuscope_agent_sink_records_total{sink="flight_recorder",outcome="dropped"}"#
+        ),
+        3.0
+    );
+    assert_eq!(value(&text, "xpuscope_flight_recorder_bytes"), 12345.0);
+    assert_eq!(
+        value(
+            &text,
+            r#"xpuscope_flight_recorder_dumps_total{trigger="hang",outcome="written"}"#
+        ),
+        2.0
+    );
+    assert!(value(&text, "xpuscope_agent_resident_bytes") > 1e6);
+    assert!(text.ends_with("# EOF\n"));
+
+    // A process that ends takes its memory gauge with it.
+    sink.on_batch(
+        &[Record::Exit {
+            exit: Exit {
+                cpu: 0,
+                ts: 1,
+                tid: 10,
+                tgid: 10,
+                prio: 120,
+                comm: Comm::from_str_lossy("python"),
+                group_dead: true,
+                group_known: true,
+            },
+            process_ended: true,
+        }],
+        &lost,
+    )
+    .unwrap();
+    assert!(lines_with(&handle.render(), "xpuscope_device_memory_bytes{").is_empty());
+    assert!(handle.alive(crate::host::boottime_ns()));
+    assert!(!handle.alive(crate::host::boottime_ns() + 2 * LIVENESS_NS));
+}
+
+#[test]
+fn cardinality_is_bounded_and_folds_are_counted() {
+    let (mut sink, handle, _) = MetricsSink::new("node-a");
+    let lost = SinkCounters::default();
+    // 3,000 distinct communicators on one rank: past MAX_SERIES they fold.
+    let batch: Vec<Record> = (0..3_000u64)
+        .map(|i| allreduce(10, i * MS, MS, i, 0x1000_0000 + i))
+        .collect();
+    sink.on_batch(&batch, &lost).unwrap();
+    let text = handle.render();
+    let series = lines_with(&text, "xpuscope_collective_duration_seconds_count{");
+    assert_eq!(
+        series.len(),
+        MAX_SERIES + 1,
+        "the bound and one folded series"
+    );
+    let folded = series
+        .iter()
+        .find(|l| l.contains(r#"comm="other""#))
+        .expect("a folded series");
+    assert!(folded.ends_with(" 1000"), "{folded}");
+    assert_eq!(
+        value(
+            &text,
+            r#"xpuscope_metrics_series_folded_total{family="collective"}"#
+        ),
+        1000.0
+    );
+    assert_eq!(
+        lines_with(&text, "xpuscope_collective_last_seq{").len(),
+        MAX_SERIES + 1
+    );
+}
