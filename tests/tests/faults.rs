@@ -119,3 +119,132 @@ fn dying_threads_take_no_stack() {
     assert!(stats["stacks"].as_u64().unwrap() >= 2000, "{stats}");
     assert_eq!(stats["stacks_unmatched"], 0, "{stats}");
 }
+
+/// The ids of the BPF programs and links process `pid` holds, from its
+/// file descriptors' `fdinfo` (`prog_id:` / `link_id:`).
+fn bpf_objects_of(pid: u32) -> (Vec<u64>, Vec<u64>) {
+    let (mut progs, mut links) = (Vec::new(), Vec::new());
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .expect("fdinfo")
+        .flatten()
+    {
+        let Ok(text) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        for line in text.lines() {
+            let id = |l: &str| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|v| v.parse::<u64>().ok())
+            };
+            if line.starts_with("prog_id:") {
+                progs.extend(id(line));
+            } else if line.starts_with("link_id:") {
+                links.extend(id(line));
+            }
+        }
+    }
+    progs.sort_unstable();
+    progs.dedup();
+    links.sort_unstable();
+    links.dedup();
+    (progs, links)
+}
+
+/// Every BPF program and link id present now, from Debian's `bpftool`
+/// (installed if missing).
+fn bpf_ids() -> (Vec<u64>, Vec<u64>) {
+    ensure_bpftool();
+    let ids = |what: &str| -> Vec<u64> {
+        let out = Command::new("bpftool")
+            .args([what, "show", "-j"])
+            .output()
+            .expect("run bpftool");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v.as_array()
+            .map(|a| a.iter().filter_map(|o| o["id"].as_u64()).collect())
+            .unwrap_or_default()
+    };
+    (ids("prog"), ids("link"))
+}
+
+fn ensure_bpftool() {
+    if Command::new("bpftool")
+        .arg("version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return;
+    }
+    let ok = Command::new("apt-get")
+        .args(["install", "-y", "-q", "bpftool"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "installing bpftool (apt-get install bpftool) failed");
+}
+
+/// SIGKILL of the agent while it records device calls: the kernel frees
+/// every program and link it held (nothing is pinned, nothing left behind).
+#[test]
+fn sigkill_leaves_no_program_or_link_behind() {
+    let _serial = exclusive();
+    let dir = TempDir::new("sigkill");
+    let wl = Proc::spawn(
+        "workload",
+        Command::new(workload_bin())
+            .args(["loop", "120"])
+            .stdout(Stdio::null()),
+    );
+    let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
+    let (progs, links) = bpf_objects_of(rec.agent.pid());
+    assert!(progs.len() >= 7, "the agent's programs: {progs:?}");
+    assert!(!links.is_empty(), "the agent's links: {links:?}");
+    rec.agent.signal(libc::SIGKILL);
+    let mut agent = rec.agent;
+    agent.wait_timeout(Duration::from_secs(10)).expect("killed");
+    wait_until(Duration::from_secs(20), "programs and links freed", || {
+        let (now_progs, now_links) = bpf_ids();
+        !progs.iter().any(|p| now_progs.contains(p)) && !links.iter().any(|l| now_links.contains(l))
+    });
+}
+
+/// Two agents on one target at once: each has its own maps and rings, and
+/// both traces hold the target's scheduling.
+#[test]
+fn two_agents_on_one_target_both_record() {
+    let _serial = exclusive();
+    let dir_a = TempDir::new("two-a");
+    let dir_b = TempDir::new("two-b");
+    let wl = Proc::spawn(
+        "workload",
+        Command::new(workload_bin())
+            .args(["loop", "3"])
+            .stdout(Stdio::null()),
+    );
+    let pid = wl.pid().to_string();
+    let a = Recording::start(dir_a.path(), &["--pid", &pid]);
+    let b = Recording::start(dir_b.path(), &["--pid", &pid]);
+    let done_a = a.finish(Duration::from_secs(30));
+    let done_b = b.finish(Duration::from_secs(30));
+    for done in [&done_a, &done_b] {
+        assert!(
+            done.stderr.contains("stopped (target exited)"),
+            "{}",
+            done.stderr
+        );
+        assert_eq!(done.stats["dropped"], 0, "{}", done.stats);
+        let trace = decode(&done.trace).expect("decodes");
+        check_importer_rules(&trace).expect("importer rules hold");
+        let tl = Timeline::new(&trace);
+        let ran = tl
+            .switches
+            .iter()
+            .filter(|s| tl.process_of(s.next_pid) == Some(wl.pid() as i32))
+            .count();
+        assert!(
+            ran > 50,
+            "the target's threads ran {ran} times in this trace"
+        );
+    }
+}
