@@ -25,6 +25,7 @@ pub const TARGETS: &[&str] = &[
     "maps",
     "procfs",
     "btf",
+    "environ",
 ];
 
 fn fuzz_dir() -> PathBuf {

@@ -9,3 +9,7 @@ pub mod btf;
 #[path = "../../../agent/src/procfs.rs"]
 #[allow(dead_code)]
 pub mod procfs;
+
+#[path = "../../../agent/src/model/identity.rs"]
+#[allow(dead_code)]
+pub mod identity;

@@ -11,6 +11,7 @@
 //! | `maps` | `/proc/PID/maps` and library discovery |
 //! | `procfs` | `/proc/PID/stat`, `status`, `cmdline` |
 //! | `btf` | a `--kernel-btf` file |
+//! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //!
 //! Run them with `cargo xtask fuzz [--seconds N] [TARGET]` (libFuzzer,
 //! nightly) or replay the kept corpus with `cargo test -p xpuscope-fuzz`.
@@ -40,6 +41,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("maps", maps),
     ("procfs", procfs),
     ("btf", btf),
+    ("environ", environ),
 ];
 
 /// The target called `name`.
@@ -138,6 +140,20 @@ pub fn procfs(data: &[u8]) {
     }
     let _ = agent::procfs::parse_status_uid(&text);
     let _ = agent::procfs::parse_cmdline(data);
+}
+
+/// `/proc/PID/environ`: the rank identity the agent labels processes with
+/// (values bounded, names and labels well formed).
+pub fn environ(data: &[u8]) {
+    let id = agent::identity::RankIdentity::from_environ(data);
+    for v in [&id.rank, &id.local_rank, &id.world_size, &id.job]
+        .into_iter()
+        .flatten()
+    {
+        assert!(v.chars().count() <= 128, "{v:?}");
+    }
+    let _ = id.name();
+    assert!(id.labels().len() <= 4);
 }
 
 /// A BTF file, and the lookups the agent makes in it.

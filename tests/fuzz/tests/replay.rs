@@ -89,7 +89,8 @@ fn every_target_has_a_test_and_a_corpus() {
             "placement",
             "maps",
             "procfs",
-            "btf"
+            "btf",
+            "environ"
         ]
     );
     for n in names {
@@ -134,6 +135,11 @@ fn maps() {
 #[test]
 fn procfs() {
     replay("procfs");
+}
+
+#[test]
+fn environ() {
+    replay("environ");
 }
 
 #[test]
