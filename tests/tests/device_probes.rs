@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
+use xpuscope_tests::agent::{Finished, Lines, Proc, Recording, TempDir, exclusive, go};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures::{self, SIM_KERNELS};
 use xpuscope_tests::trace_check::{
@@ -1106,6 +1106,48 @@ print("calls", n, flush=True)
 sys.stdin.readline()
 "#;
 
+/// A finished recording of [`SYNC_STORM_PROGRAM`].
+struct Storm {
+    done: Finished,
+    pid: i32,
+    /// Seconds the calls took.
+    seconds: f64,
+}
+
+/// Runs [`SYNC_STORM_PROGRAM`] (`calls` stand-in `cudaStreamSynchronize`
+/// calls) under `agent attach --pid ... <args>`, stopped with SIGINT once the
+/// calls are done.
+fn sync_storm(tag: &str, calls: u64, args: &[&str]) -> Storm {
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new(tag);
+    let lib = fixtures.join("standins/lib/libcudart.so.12");
+    let mut wl = python_program(
+        "storm",
+        SYNC_STORM_PROGRAM,
+        &[lib.as_os_str(), calls.to_string().as_ref()],
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    out.wait_for("loaded", Duration::from_secs(20));
+    let pid = wl.pid().to_string();
+    let mut all = vec!["--pid", pid.as_str()];
+    all.extend_from_slice(args);
+    let rec = Recording::start(dir.path(), &all);
+    let started = std::time::Instant::now();
+    go(&mut stdin);
+    out.wait_for("calls", Duration::from_secs(120));
+    let seconds = started.elapsed().as_secs_f64();
+    rec.agent.signal(libc::SIGINT);
+    let done = rec.finish(Duration::from_secs(60));
+    go(&mut stdin);
+    Storm {
+        done,
+        pid: wl.pid() as i32,
+        seconds,
+    }
+}
+
 /// The device-call ring overflowing (one page, a reader that naps) loses
 /// records but never silently: for entries and returns alike, what the
 /// agent read plus what the kernel counted as dropped is exactly the
@@ -1115,24 +1157,11 @@ sys.stdin.readline()
 #[test]
 fn device_ring_overflow_counts_every_lost_record() {
     let _serial = exclusive();
-    wait_for_closers();
-    let fixtures = fixtures::build_all();
-    let dir = TempDir::new("devoverflow");
-    let lib = fixtures.join("standins/lib/libcudart.so.12");
     let calls = 20_000u64;
-    let mut wl = python_program(
-        "storm",
-        SYNC_STORM_PROGRAM,
-        &[lib.as_os_str(), calls.to_string().as_ref()],
-    );
-    let mut stdin = wl.stdin();
-    let mut out = Lines::new(wl.stdout());
-    out.wait_for("loaded", Duration::from_secs(20));
-    let rec = Recording::start(
-        dir.path(),
+    let storm = sync_storm(
+        "devoverflow",
+        calls,
         &[
-            "--pid",
-            &wl.pid().to_string(),
             "--device-ring-size",
             "4k",
             "--reader-delay",
@@ -1141,11 +1170,7 @@ fn device_ring_overflow_counts_every_lost_record() {
             "off",
         ],
     );
-    go(&mut stdin);
-    out.wait_for("calls", Duration::from_secs(60));
-    rec.agent.signal(libc::SIGINT);
-    let done = rec.finish(Duration::from_secs(60));
-    go(&mut stdin);
+    let (done, pid) = (&storm.done, storm.pid);
 
     let stats = &done.stats;
     let kind = |name: &str| done.per_kind(name);
@@ -1201,7 +1226,6 @@ fn device_ring_overflow_counts_every_lost_record() {
     let trace = decode(&done.trace).expect("decodes");
     check_importer_rules(&trace).expect("importer rules hold");
     let tl = Timeline::new(&trace);
-    let pid = wl.pid() as i32;
     let slices = tl
         .slices
         .iter()
@@ -1225,25 +1249,11 @@ fn device_ring_overflow_counts_every_lost_record() {
 #[test]
 fn a_device_call_flood_is_summarized() {
     let _serial = exclusive();
-    wait_for_closers();
-    let fixtures = fixtures::build_all();
-    let dir = TempDir::new("devflood");
-    let lib = fixtures.join("standins/lib/libcudart.so.12");
-    let calls = 100_000u64;
     let rate = 2_000u64;
-    let mut wl = python_program(
-        "flood",
-        SYNC_STORM_PROGRAM,
-        &[lib.as_os_str(), calls.to_string().as_ref()],
-    );
-    let mut stdin = wl.stdin();
-    let mut out = Lines::new(wl.stdout());
-    out.wait_for("loaded", Duration::from_secs(20));
-    let rec = Recording::start(
-        dir.path(),
+    let storm = sync_storm(
+        "devflood",
+        100_000,
         &[
-            "--pid",
-            &wl.pid().to_string(),
             "--device-call-rate",
             &rate.to_string(),
             "--device-ring-size",
@@ -1252,13 +1262,7 @@ fn a_device_call_flood_is_summarized() {
             "off",
         ],
     );
-    let started = std::time::Instant::now();
-    go(&mut stdin);
-    out.wait_for("calls", Duration::from_secs(120));
-    let secs = started.elapsed().as_secs_f64();
-    rec.agent.signal(libc::SIGINT);
-    let done = rec.finish(Duration::from_secs(60));
-    go(&mut stdin);
+    let (done, pid, secs) = (&storm.done, storm.pid, storm.seconds);
 
     let device = &done.stats["device"];
     let limited = device["rate_limited_calls"]
@@ -1282,7 +1286,6 @@ fn a_device_call_flood_is_summarized() {
     let trace = decode(&done.trace).expect("decodes");
     check_importer_rules(&trace).expect("importer rules hold");
     let tl = Timeline::new(&trace);
-    let pid = wl.pid() as i32;
     let mine: Vec<&Slice> = tl
         .slices
         .iter()
