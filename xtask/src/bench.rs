@@ -24,6 +24,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 use crate::build::{self, ChildGuard};
+use crate::measure::{median, wait_until_recording};
 use crate::{clean_command, root, run_checked};
 
 fn workload() -> std::path::PathBuf {
@@ -170,27 +171,6 @@ fn record_system(agent: &Path, dir: &Path, name: &str, secs: u64, ring: &str) ->
         "system-wide recording",
     )?;
     Ok(serde_json::from_slice(&std::fs::read(&stats_path)?)?)
-}
-
-/// Waits for the agent's "recording" line on its (piped) stderr, then keeps
-/// draining stderr so the agent never blocks on a full pipe.
-pub(crate) fn wait_until_recording(agent: &mut std::process::Child) -> Result<()> {
-    let stderr = agent.stderr.take().context("agent stderr")?;
-    let mut lines = BufReader::new(stderr).lines();
-    loop {
-        match lines.next() {
-            Some(Ok(l)) if l.contains("xpuscope: recording") => break,
-            Some(Ok(_)) => continue,
-            _ => bail!("the agent stopped before recording"),
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
-    Ok(())
-}
-
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>) -> Result<()> {

@@ -32,8 +32,8 @@ use aya::programs::{ProgramError, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use serde_json::{Value, json};
 
-use crate::bench::{median, wait_until_recording};
 use crate::build::{self, ChildGuard};
+use crate::measure::{median, wait_until_recording};
 use crate::root;
 
 /// The function measured: probed at the agent's default level, cheap in

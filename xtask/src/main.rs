@@ -14,6 +14,7 @@ mod bench;
 mod bench_probes;
 mod build;
 mod fuzz;
+mod measure;
 mod setup;
 
 use std::path::PathBuf;
