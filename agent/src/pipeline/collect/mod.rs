@@ -171,11 +171,17 @@ fn merge_by_time(sequences: Vec<Vec<Event>>) -> Vec<Event> {
 /// thread's device records all come before its exit record, and a CPU's
 /// bystander switches fall between the target's switches on it. The device
 /// and bystander rings are read before and after the scheduler ring; the
-/// second read goes on (unbounded by the batch size) until the ring is
-/// empty or past the last scheduler record read, so a record written
-/// before a scheduler record of this batch (each ring keeps write order) is
-/// in this batch too. Returns the batch and whether any ring had more than
-/// a batch.
+/// second read goes on until the ring is empty or past the last scheduler
+/// record read, so a record written before a scheduler record of this
+/// batch (each ring keeps write order) is in this batch too. For the
+/// device ring that read is unbounded (a thread's calls must precede its
+/// exit); for the bystander ring it stops at another batch: a storm's
+/// backlog would otherwise make one batch of up to a whole ring (~95k
+/// records at the default size), and every queue downstream is sized in
+/// batches. A bystander switch that waits for the next batch is only out of order
+/// against another CPU's records or the target's, which the trace's
+/// importer sorts and nothing in the pipeline keeps state about. Returns
+/// the batch and whether any ring had more than a batch.
 fn read_batch(rings: &mut Rings, counters: &ReaderCounters) -> (Vec<Event>, bool) {
     let mut device = Vec::new();
     read_ring(rings.device, &mut device, BATCH, None, counters);
@@ -186,13 +192,7 @@ fn read_batch(rings: &mut Rings, counters: &ReaderCounters) -> (Vec<Event>, bool
     let full = device.len() == BATCH || sched.len() == BATCH || bystander.len() == BATCH;
     if let Some(last) = sched.iter().map(Event::ts).max() {
         read_ring(rings.device, &mut device, usize::MAX, Some(last), counters);
-        read_ring(
-            rings.bystander,
-            &mut bystander,
-            usize::MAX,
-            Some(last),
-            counters,
-        );
+        read_ring(rings.bystander, &mut bystander, BATCH, Some(last), counters);
     }
     (merge_by_time(vec![device, sched, bystander]), full)
 }
