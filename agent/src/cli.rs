@@ -136,6 +136,14 @@ pub struct AttachArgs {
     /// twice its size in memory.
     #[arg(long, value_parser = config::parse_ring_size, default_value = "256K")]
     pub device_ring_size: u32,
+    /// Kernel ring buffer size for switches between two untraced tasks
+    /// (power of two): what ran between the traced threads on their CPUs
+    /// (with --system and no --pid, every switch). Kept apart so that a
+    /// neighbour's switch storm can only lose these records, never the
+    /// traced job's; what does not fit is counted as bystander_switch
+    /// drops. Like --ring-size it costs about twice its size in memory.
+    #[arg(long, value_parser = config::parse_ring_size, default_value = "8M")]
+    pub bystander_ring_size: u32,
     /// Read kernel struct layouts from this BTF file instead of /sys/kernel/btf/vmlinux.
     #[arg(long, default_value = crate::btf::VMLINUX_BTF)]
     pub kernel_btf: PathBuf,
@@ -185,6 +193,7 @@ impl AttachArgs {
             stack_burst: self.stack_burst,
             ring_bytes: self.ring_size,
             device_ring_bytes: self.device_ring_size,
+            bystander_ring_bytes: self.bystander_ring_size,
             kernel_btf: self.kernel_btf,
             stats_json: self.stats_json,
             reader_delay: self.reader_delay.unwrap_or(defaults.reader_delay),
@@ -221,6 +230,10 @@ mod tests {
         assert_eq!(cfg.stacks, StackPolicy::Sampled);
         assert_eq!(cfg.ring_bytes, config::DEFAULT_RING_BYTES);
         assert_eq!(cfg.device_ring_bytes, config::DEFAULT_DEVICE_RING_BYTES);
+        assert_eq!(
+            cfg.bystander_ring_bytes,
+            config::DEFAULT_BYSTANDER_RING_BYTES
+        );
         assert_eq!(cfg.probe_level, 0);
     }
 

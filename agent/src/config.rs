@@ -48,6 +48,9 @@ pub struct AttachConfig {
     pub ring_bytes: u32,
     /// Device-call ring buffer size in bytes (likewise).
     pub device_ring_bytes: u32,
+    /// Bystander ring buffer size in bytes (likewise): switches where
+    /// neither task is traced.
+    pub bystander_ring_bytes: u32,
     /// BTF to read kernel struct layouts from.
     pub kernel_btf: PathBuf,
     /// Write a JSON summary here at the end.
@@ -74,6 +77,14 @@ pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
 /// writing a line and the agent reading it (a 32 MiB ring made each traced
 /// call ~100-180 ns dearer: `cargo xtask bench probes`); ~570 calls of room.
 pub const DEFAULT_DEVICE_RING_BYTES: u32 = 256 << 10;
+/// Room for the switches between untraced tasks on the traced threads'
+/// CPUs. A pinned pipe ping-pong makes ~500k of them a second (88 bytes
+/// each, ~44 MB/s); the reader drains every 10 ms or at a quarter full, so
+/// 8 MiB (~95k records, ~190 ms of such a storm) rides out a reader stall
+/// of that length, and costs ~16 MB resident. What does not fit is counted
+/// apart from the target's records, which have the scheduler ring to
+/// themselves.
+pub const DEFAULT_BYSTANDER_RING_BYTES: u32 = 8 << 20;
 /// Device-call records per second per (process, function) before calls are
 /// summarized per 100 ms: far above what a training step makes (a few
 /// thousand launches a second), far below a pathological loop (860k calls a
@@ -94,6 +105,7 @@ impl Default for AttachConfig {
             stack_burst: DEFAULT_STACK_BURST,
             ring_bytes: DEFAULT_RING_BYTES,
             device_ring_bytes: DEFAULT_DEVICE_RING_BYTES,
+            bystander_ring_bytes: DEFAULT_BYSTANDER_RING_BYTES,
             kernel_btf: PathBuf::from(crate::btf::VMLINUX_BTF),
             stats_json: None,
             reader_delay: Duration::ZERO,

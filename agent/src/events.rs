@@ -54,6 +54,14 @@ pub struct Switch {
     pub stack_follows: bool,
 }
 
+impl Switch {
+    /// Neither task is traced: the kernel pushed it to the bystander ring
+    /// (its flags decide that, so this agrees with the record's kind).
+    pub fn is_bystander(&self) -> bool {
+        !self.prev_target && !self.next_target
+    }
+}
+
 /// A wakeup (`new_task`: the first wakeup of a new task).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Waking {
@@ -183,6 +191,7 @@ pub struct CallStack {
 impl Event {
     pub fn kind(&self) -> EventKind {
         match self {
+            Event::Switch(s) if s.is_bystander() => EventKind::BystanderSwitch,
             Event::Switch(_) => EventKind::SchedSwitch,
             Event::Waking(w) if w.new_task => EventKind::SchedWakeupNew,
             Event::Waking(_) => EventKind::SchedWaking,
@@ -260,7 +269,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     let kind = EventKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
     let (cpu, ts) = (header.cpu, header.ts);
     Ok(match kind {
-        EventKind::SchedSwitch => {
+        EventKind::SchedSwitch | EventKind::BystanderSwitch => {
             let r: SchedSwitch = read(bytes, kind)?;
             Event::Switch(Switch {
                 cpu,
@@ -410,6 +419,41 @@ mod tests {
         assert_eq!(s.prev_comm.as_str(), "worker");
         assert_eq!(s.next_comm.as_str(), "swapper/3");
         assert!(s.preempt && s.prev_target && s.stack_follows && !s.next_target);
+    }
+
+    #[test]
+    fn a_switch_between_untraced_tasks_is_a_bystander_switch() {
+        let mut rec = SchedSwitch {
+            header: EventHeader {
+                kind: EventKind::BystanderSwitch as u32,
+                cpu: 1,
+                ts: 7,
+            },
+            prev_tid: 20,
+            prev_tgid: 20,
+            next_tid: 21,
+            next_tgid: 20,
+            prev_state: 1,
+            prev_prio: 120,
+            next_prio: 120,
+            flags: 0,
+            prev_comm: comm("ping"),
+            next_comm: comm("pong"),
+        };
+        let event = decode(&as_bytes(&rec)).unwrap();
+        assert_eq!(event.kind(), EventKind::BystanderSwitch);
+        let Event::Switch(s) = event else { panic!() };
+        assert_eq!(
+            (s.prev_tid, s.next_tid, s.next_comm.as_str().as_ref()),
+            (20, 21, "pong")
+        );
+        // A traced side makes it the target's own switch.
+        rec.header.kind = EventKind::SchedSwitch as u32;
+        rec.flags = switch_flags::NEXT_TARGET;
+        assert_eq!(
+            decode(&as_bytes(&rec)).unwrap().kind(),
+            EventKind::SchedSwitch
+        );
     }
 
     #[test]

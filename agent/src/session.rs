@@ -71,11 +71,13 @@ fn start_kernel(
         device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
         probe_levels: levels.device.mask(),
         _pad: 0,
+        bystander_wakeup_bytes: (cfg.bystander_ring_bytes / 4) as u64,
     };
     let mut probes = Kernel::load_and_attach(&LoadOptions {
         offsets,
         ring_bytes: cfg.ring_bytes,
         device_ring_bytes: cfg.device_ring_bytes,
+        bystander_ring_bytes: cfg.bystander_ring_bytes,
         config: kernel_config,
         kernel_btf: &cfg.kernel_btf,
     })?;
@@ -132,10 +134,8 @@ impl Stages {
 
         let collect_counters = Arc::new(ReaderCounters::default());
         let (stop_collect, stop_rx) = watch::channel(false);
-        let (sched_ring, device_ring) = probes.take_rings()?;
         let reader = Reader {
-            sched: sched_ring,
-            device: device_ring,
+            rings: probes.take_rings()?,
             out: tx.clone(),
             counters: collect_counters.clone(),
             drain_interval: cfg.drain_interval,

@@ -185,6 +185,7 @@ fn kind_name(kind: EventKind) -> String {
         EventKind::UprobeEntry => "uprobe_entry",
         EventKind::UprobeReturn => "uprobe_return",
         EventKind::UprobeStack => "uprobe_stack",
+        EventKind::BystanderSwitch => "bystander_switch",
     }
     .to_string()
 }
@@ -329,6 +330,46 @@ impl RunSummary {
         self.device.attach_failures = stats.attach_failures;
     }
 
+    /// Why records were lost to a full ring, per ring: each names the
+    /// option that sizes that ring (which ring overflowed decides which
+    /// option helps).
+    fn ring_drops(&self) -> Vec<String> {
+        let ring_full = self.dropped - self.kernel_skipped.min(self.dropped);
+        let dropped = |matches: &dyn Fn(&str) -> bool| -> u64 {
+            self.per_kind
+                .iter()
+                .filter(|k| matches(&k.kind))
+                .map(|k| k.dropped)
+                .sum()
+        };
+        // Kernel skips are counted under their kind too: a ring's share is
+        // bounded by what the rings lost altogether.
+        let device_full = dropped(&|k| k.starts_with("uprobe_")).min(ring_full);
+        let bystander_full = dropped(&|k| k == "bystander_switch").min(ring_full - device_full);
+        let sched_full = ring_full - device_full - bystander_full;
+        let mut why = Vec::new();
+        if sched_full > 0 {
+            why.push(format!(
+                "{sched_full} with the scheduler ring full: try a larger --ring-size; those CPUs \
+                 are marked lost_events in the trace"
+            ));
+        }
+        if device_full > 0 {
+            why.push(format!(
+                "{device_full} device-call records with the device ring full: try a larger \
+                 --device-ring-size"
+            ));
+        }
+        if bystander_full > 0 {
+            why.push(format!(
+                "{bystander_full} bystander switches (between untraced tasks) with the bystander \
+                 ring full: the traced job's own records are not among them; try a larger \
+                 --bystander-ring-size; those CPUs are marked lost_events in the trace"
+            ));
+        }
+        why
+    }
+
     pub fn print(&self) {
         let secs = |ns: u64| ns as f64 / 1e9;
         eprintln!(
@@ -343,29 +384,7 @@ impl RunSummary {
             .map(|k| format!("{} {}", k.kind, k.consumed))
             .collect();
         eprintln!("  events:  {} ({})", self.events, kinds.join(", "));
-        let ring_full = self.dropped - self.kernel_skipped.min(self.dropped);
-        // Which ring overflowed decides which option helps.
-        let device_full: u64 = self
-            .per_kind
-            .iter()
-            .filter(|k| k.kind.starts_with("uprobe_"))
-            .map(|k| k.dropped)
-            .sum::<u64>()
-            .min(ring_full);
-        let sched_full = ring_full - device_full;
-        let mut why = Vec::new();
-        if sched_full > 0 {
-            why.push(format!(
-                "{sched_full} with the scheduler ring full: try a larger --ring-size; those CPUs \
-                 are marked lost_events in the trace"
-            ));
-        }
-        if device_full > 0 {
-            why.push(format!(
-                "{device_full} device-call records with the device ring full: try a larger \
-                 --device-ring-size"
-            ));
-        }
+        let mut why = self.ring_drops();
         if self.kernel_skipped > 0 {
             why.push(format!(
                 "{} skipped by the kernel: a tracepoint fired from an interrupt while its program ran",
@@ -511,5 +530,72 @@ impl RunSummary {
             self.output,
             self.bytes as f64 / 1e6
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary_with_drops(dropped: &[(EventKind, u64)]) -> RunSummary {
+        let mut slots = vec![0u64; xpuscope_common::DROP_SLOTS as usize];
+        for (kind, n) in dropped {
+            slots[*kind as usize] = *n;
+        }
+        RunSummary::new(
+            &AttachConfig::default(),
+            StopReason::Duration,
+            Duration::from_secs(1),
+            &[],
+            &slots,
+            0,
+            0,
+            InterpretCounters::default(),
+            RecordTotals::default(),
+            Vec::new(),
+        )
+    }
+
+    #[test]
+    fn each_full_ring_names_its_own_option() {
+        let s = summary_with_drops(&[(EventKind::BystanderSwitch, 500)]);
+        assert_eq!(s.dropped, 500);
+        let why = s.ring_drops();
+        assert_eq!(why.len(), 1, "{why:?}");
+        assert!(why[0].starts_with("500 bystander switches"), "{why:?}");
+        assert!(why[0].contains("--bystander-ring-size"), "{why:?}");
+        assert!(why[0].contains("traced job's own records are not among them"));
+
+        let s = summary_with_drops(&[
+            (EventKind::ProcessFork, 3),
+            (EventKind::SchedSwitch, 4),
+            (EventKind::UprobeEntry, 5),
+            (EventKind::BystanderSwitch, 6),
+        ]);
+        let why = s.ring_drops();
+        assert_eq!(why.len(), 3, "{why:?}");
+        assert!(why[0].starts_with("7 with the scheduler ring full: try a larger --ring-size"));
+        assert!(
+            why[1].starts_with("5 device-call records") && why[1].contains("--device-ring-size")
+        );
+        assert!(why[2].starts_with("6 bystander switches"));
+        assert!(summary_with_drops(&[]).ring_drops().is_empty());
+    }
+
+    #[test]
+    fn bystander_switches_have_their_own_row() {
+        let s = summary_with_drops(&[(EventKind::BystanderSwitch, 2)]);
+        let row = s
+            .per_kind
+            .iter()
+            .find(|k| k.kind == "bystander_switch")
+            .expect("a bystander_switch row");
+        assert_eq!(row.dropped, 2);
+        let sched = s
+            .per_kind
+            .iter()
+            .find(|k| k.kind == "sched_switch")
+            .unwrap();
+        assert_eq!(sched.dropped, 0, "counted apart from the target's switches");
     }
 }

@@ -633,7 +633,8 @@ fn step_overhead(
             .as_array()
             .into_iter()
             .flatten()
-            .filter(|k| k["kind"] == "sched_switch")
+            // The target's switches and the bystanders' (their own ring).
+            .filter(|k| k["kind"] == "sched_switch" || k["kind"] == "bystander_switch")
             .filter_map(|k| k["consumed"].as_u64())
             .sum::<u64>();
         let (w, c) = target.round()?;

@@ -89,6 +89,17 @@ pub const PROGRAMS: &[TracepointProgram] = &[
     },
 ];
 
+/// The kernel's ring buffers, taken once by the collect stage.
+pub struct KernelRings {
+    /// The traced job's switches and wakings, process lifetimes, renames
+    /// and off-CPU stacks.
+    pub sched: RingBuf<MapData>,
+    /// Device-library call records.
+    pub device: RingBuf<MapData>,
+    /// Switches where neither task is traced.
+    pub bystander: RingBuf<MapData>,
+}
+
 /// The loaded object with its tracepoint programs attached; dropping it
 /// detaches everything.
 pub struct Kernel {
@@ -100,6 +111,7 @@ pub struct LoadOptions<'a> {
     pub offsets: TaskOffsets,
     pub ring_bytes: u32,
     pub device_ring_bytes: u32,
+    pub bystander_ring_bytes: u32,
     pub config: Config,
     pub kernel_btf: &'a Path,
 }
@@ -113,6 +125,7 @@ impl Kernel {
             .override_global(globals::TASK_OFFSETS, &opts.offsets, true)
             .map_max_entries(maps::EVENTS, opts.ring_bytes)
             .map_max_entries(maps::DEVICE_EVENTS, opts.device_ring_bytes)
+            .map_max_entries(maps::BYSTANDER_EVENTS, opts.bystander_ring_bytes)
             .load(EBPF_OBJECT)
             .context(
                 "loading the eBPF programs failed (is BPF enabled in this kernel, and not blocked \
@@ -181,8 +194,8 @@ impl Kernel {
         }
     }
 
-    /// The scheduler ring and the device-call ring.
-    pub fn take_rings(&mut self) -> Result<(RingBuf<MapData>, RingBuf<MapData>)> {
+    /// The scheduler, device-call and bystander rings.
+    pub fn take_rings(&mut self) -> Result<KernelRings> {
         let mut take = |name: &str| -> Result<RingBuf<MapData>> {
             let map = self
                 .bpf
@@ -190,7 +203,11 @@ impl Kernel {
                 .ok_or_else(|| KernelError::Missing(format!("map {name}")))?;
             Ok(RingBuf::try_from(map)?)
         };
-        Ok((take(maps::EVENTS)?, take(maps::DEVICE_EVENTS)?))
+        Ok(KernelRings {
+            sched: take(maps::EVENTS)?,
+            device: take(maps::DEVICE_EVENTS)?,
+            bystander: take(maps::BYSTANDER_EVENTS)?,
+        })
     }
 }
 

@@ -45,4 +45,4 @@ pub mod probes;
 
 pub use control::KernelControl;
 pub use levels::{CaptureLevels, DeviceLevel};
-pub use load::{EBPF_OBJECT, Kernel, LoadOptions};
+pub use load::{EBPF_OBJECT, Kernel, KernelRings, LoadOptions};

@@ -35,6 +35,7 @@ pub const MAX_STACK_BUDGETS: u32 = 65536;
 pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     pub const DEVICE_EVENTS: &str = "DEVICE_EVENTS";
+    pub const BYSTANDER_EVENTS: &str = "BYSTANDER_EVENTS";
     pub const TARGETS: &str = "TARGETS";
     pub const TARGET_GEN: &str = "TARGET_GEN";
     pub const TRACKED_CPUS: &str = "TRACKED_CPUS";
@@ -73,10 +74,15 @@ pub enum EventKind {
     /// The caller's user stack as a probed function returns
     /// ([`uprobe::UprobeStack`]); precedes that call's return record.
     UprobeStack = 11,
+    /// A context switch where neither task is traced ([`SchedSwitch`]
+    /// layout, flags without `PREV_TARGET`/`NEXT_TARGET`): pushed to the
+    /// bystander ring, so a neighbour's switch storm can only lose records
+    /// of its own kind, never the traced job's.
+    BystanderSwitch = 12,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 11] = [
+    pub const ALL: [EventKind; 12] = [
         EventKind::SchedSwitch,
         EventKind::SchedWaking,
         EventKind::SchedWakeupNew,
@@ -88,6 +94,7 @@ impl EventKind {
         EventKind::UprobeEntry,
         EventKind::UprobeReturn,
         EventKind::UprobeStack,
+        EventKind::BystanderSwitch,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -286,6 +293,8 @@ pub struct Config {
     /// Device-library probe levels enabled (bits of `uprobe::ProbeSpec::level_bit`).
     pub probe_levels: u32,
     pub _pad: u32,
+    /// `wakeup_bytes` for the bystander ring.
+    pub bystander_wakeup_bytes: u64,
 }
 
 /// Per-thread token bucket state for [`stack_mode::SAMPLED`].
@@ -306,7 +315,7 @@ const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExit>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
-const _: () = assert!(core::mem::size_of::<Config>() == 40);
+const _: () = assert!(core::mem::size_of::<Config>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);
 
 #[cfg(feature = "user")]

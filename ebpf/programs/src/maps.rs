@@ -23,9 +23,17 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
 #[map]
 pub static DEVICE_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 18, 0);
 
+/// Switches where neither task is traced ("bystanders": what ran between
+/// the traced threads on their CPUs, or everything in `--system` without a
+/// target), apart from the scheduler ring: a neighbour's switch storm fills
+/// this ring only, never the one holding the target's own switches, forks,
+/// exits and stacks. The agent sets the real size at load time.
+#[map]
+pub static BYSTANDER_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
+
 /// When this CPU last forced a reader wakeup, per ring (see `ring::submit`).
 #[map]
-pub static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+pub static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(3, 0);
 
 /// Traced processes: tgid -> 1. Children are added on fork.
 #[map]

@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use xpuscope_common::{Config, EventHeader, EventKind};
 
-use crate::maps::{DEVICE_EVENTS, EVENTS, LAST_WAKEUP, count_drop};
+use crate::maps::{BYSTANDER_EVENTS, DEVICE_EVENTS, EVENTS, LAST_WAKEUP, count_drop};
 
 /// Which ring a record goes to.
 #[derive(Clone, Copy)]
@@ -17,6 +17,8 @@ pub enum Ring {
     Sched = 0,
     /// Device-library call records.
     Device = 1,
+    /// Switches where neither task is traced.
+    Bystander = 2,
 }
 
 impl Ring {
@@ -25,6 +27,7 @@ impl Ring {
         match self {
             Ring::Sched => &EVENTS,
             Ring::Device => &DEVICE_EVENTS,
+            Ring::Bystander => &BYSTANDER_EVENTS,
         }
     }
 
@@ -33,6 +36,7 @@ impl Ring {
         match self {
             Ring::Sched => config.wakeup_bytes,
             Ring::Device => config.device_wakeup_bytes,
+            Ring::Bystander => config.bystander_wakeup_bytes,
         }
     }
 }

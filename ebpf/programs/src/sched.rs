@@ -70,7 +70,14 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
         flags |= switch_flags::STACK_FOLLOWS;
     }
 
-    let mut entry = reserve::<SchedSwitch>(Ring::Sched, EventKind::SchedSwitch, cpu, ts)?;
+    // A switch between two untraced tasks goes to a ring of its own, so
+    // that only such records can be lost to a neighbour's switch storm.
+    let (ring, kind) = if prev_target || next_target {
+        (Ring::Sched, EventKind::SchedSwitch)
+    } else {
+        (Ring::Bystander, EventKind::BystanderSwitch)
+    };
+    let mut entry = reserve::<SchedSwitch>(ring, kind, cpu, ts)?;
     let rec = entry.as_mut_ptr();
     // SAFETY: `rec` points into the reserved ring-buffer record.
     unsafe {
@@ -85,7 +92,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
         task::comm(prev, &off, &mut (*rec).prev_comm);
         task::comm(next, &off, &mut (*rec).next_comm);
     }
-    submit(Ring::Sched, entry, &cfg);
+    submit(ring, entry, &cfg);
 
     if take_stack {
         stacks::capture_off_cpu(ctx, &cfg, cpu, ts, prev_task.tid, prev_task.tgid);
