@@ -85,7 +85,7 @@ mod tests {
         sink.on_batch(
             &[Record::Identity {
                 tgid: 5,
-                identity: RankIdentity::from_environ(b"RANK=3\0"),
+                identity: Box::new(RankIdentity::from_environ(b"RANK=3\0")),
             }],
             &SinkCounters::default(),
         )

@@ -193,13 +193,13 @@ impl Interpreter {
         self.note_thread(f.child_tid, f.child_tgid, &name);
         let process = (!f.is_thread()).then(|| {
             en.process_forked(f.child_tgid, f.parent_tgid);
-            ProcessStart {
+            Box::new(ProcessStart {
                 ts: f.ts,
                 pid: f.child_tgid,
                 ppid: f.parent_tgid,
                 cmdline: en.cmdline(f.child_tgid),
                 name,
-            }
+            })
         });
         out.push(Record::NewTask { fork: f, process });
     }
@@ -214,13 +214,13 @@ impl Interpreter {
         self.note_thread(e.tid, e.tgid, &new);
         // A new program: addresses cached for the old one mean nothing now.
         en.process_exec(e.tgid);
-        let process = ProcessStart {
+        let process = Box::new(ProcessStart {
             ts: e.ts,
             pid: e.tgid,
             ppid: en.ppid(e.tgid),
             cmdline: en.cmdline(e.tgid),
             name: new,
-        };
+        });
         out.push(Record::Exec {
             exec: e,
             old_name,

@@ -277,7 +277,7 @@ impl ProcessTable {
                 }
             }
             Record::Identity { tgid, identity } => {
-                self.identities.insert(*tgid, identity.clone());
+                self.identities.insert(*tgid, (**identity).clone());
             }
             _ => {}
         }
@@ -294,7 +294,7 @@ impl ProcessTable {
                 .iter()
                 .map(|(tgid, identity)| Record::Identity {
                     tgid: *tgid,
-                    identity: identity.clone(),
+                    identity: Box::new(identity.clone()),
                 }),
         );
         out

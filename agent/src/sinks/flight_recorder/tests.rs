@@ -112,9 +112,9 @@ fn initial() -> Record {
 fn identity(tgid: u32, rank: &str, job: &str) -> Record {
     Record::Identity {
         tgid,
-        identity: RankIdentity::from_environ(
+        identity: Box::new(RankIdentity::from_environ(
             format!("RANK={rank}\0WORLD_SIZE=2\0XPUSCOPE_JOB={job}\0").as_bytes(),
-        ),
+        )),
     }
 }
 
@@ -129,13 +129,13 @@ fn child_process(ts: u64, pid: u32) -> Record {
             child_tgid: pid,
             child_comm: Comm::from_str_lossy("loader"),
         },
-        process: Some(ProcessStart {
+        process: Some(Box::new(ProcessStart {
             ts,
             pid,
             ppid: APP,
             name: "loader".into(),
             cmdline: vec!["loader".into()],
-        }),
+        })),
     }
 }
 

@@ -61,7 +61,7 @@ fn allreduce(tgid: u32, start: u64, dur: u64, seq: u64, comm_hash: u64) -> Recor
         seq: Some(seq),
         seq_exact: true,
     });
-    Record::DeviceCall(DeviceCallRecord::new(c))
+    Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
 }
 
 fn sync(tgid: u32, start: u64, dur: u64) -> Record {
@@ -76,7 +76,7 @@ fn sync(tgid: u32, start: u64, dur: u64) -> Record {
         },
     );
     c.library = Library::Cudart;
-    Record::DeviceCall(DeviceCallRecord::new(c))
+    Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
 }
 
 fn malloc(tgid: u32, held_after: u64, failed: bool) -> Record {
@@ -93,16 +93,16 @@ fn malloc(tgid: u32, held_after: u64, failed: bool) -> Record {
         untracked: false,
         site: None,
     });
-    Record::DeviceCall(DeviceCallRecord::new(c))
+    Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
 }
 
 fn identity(tgid: u32, rank: u32) -> Record {
     Record::Identity {
         tgid,
-        identity: RankIdentity::from_environ(
+        identity: Box::new(RankIdentity::from_environ(
             format!("RANK={rank}\0LOCAL_RANK={rank}\0WORLD_SIZE=2\0XPUSCOPE_JOB=llama\0")
                 .as_bytes(),
-        ),
+        )),
     }
 }
 

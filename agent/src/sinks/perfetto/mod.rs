@@ -113,7 +113,7 @@ impl<W: Write> PerfettoSink<W> {
             Record::InitialProcesses { ts, processes } => self.initial_processes(*ts, processes)?,
             Record::Switch { switch, prev_state } => self.switch(switch, *prev_state)?,
             Record::Waking(w) => self.waking(w)?,
-            Record::NewTask { fork, process } => self.new_task(fork, process.as_ref())?,
+            Record::NewTask { fork, process } => self.new_task(fork, process.as_deref())?,
             Record::Exec {
                 exec,
                 old_name,

@@ -89,8 +89,12 @@ pub struct RecordTotals {
 #[derive(Default)]
 pub struct SummarySink {
     totals: RecordTotals,
-    tasks: std::collections::HashSet<u32>,
-    cpus: std::collections::BTreeSet<u32>,
+    /// Records per kind, by `Record::kind_index` (a map lookup per record
+    /// showed in the agent's cost per event).
+    per_kind: [u64; Record::KINDS],
+    tasks: rustc_hash::FxHashSet<u32>,
+    /// CPUs seen, by number.
+    cpus: Vec<bool>,
     /// (library, function) -> (calls, errors).
     by_function: HashMap<(&'static str, &'static str), (u64, u64)>,
 }
@@ -98,13 +102,19 @@ pub struct SummarySink {
 impl SummarySink {
     fn record(&mut self, r: &Record) {
         let t = &mut self.totals;
-        *t.records.entry(r.kind()).or_default() += 1;
+        self.per_kind[r.kind_index()] += 1;
         match r {
             Record::Switch { switch, .. } => {
                 if switch.next_tid != 0 {
                     self.tasks.insert(switch.next_tid);
                 }
-                self.cpus.insert(switch.cpu);
+                let cpu = switch.cpu as usize;
+                if cpu < xpuscope_common::MAX_CPUS as usize {
+                    if cpu >= self.cpus.len() {
+                        self.cpus.resize(cpu + 1, false);
+                    }
+                    self.cpus[cpu] = true;
+                }
             }
             Record::OffCpu(i) => {
                 if i.preempted_by.is_some() {
@@ -188,7 +198,13 @@ impl Sink for SummarySink {
         });
         self.totals.functions = functions;
         self.totals.tasks_ran = self.tasks.len() as u64;
-        self.totals.cpus_seen = self.cpus.len() as u64;
+        self.totals.cpus_seen = self.cpus.iter().filter(|c| **c).count() as u64;
+        self.totals.records = Record::KIND_NAMES
+            .iter()
+            .zip(self.per_kind)
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, n)| (*k, n))
+            .collect();
         self.totals
             .sites
             .sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));

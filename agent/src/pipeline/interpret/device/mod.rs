@@ -81,7 +81,7 @@ impl DeviceInterpreter {
         if self.identified.insert(update.tgid, ()).is_none() {
             out.push(Record::Identity {
                 tgid: update.tgid,
-                identity: update.identity,
+                identity: Box::new(update.identity),
             });
         }
     }
@@ -238,7 +238,7 @@ impl DeviceInterpreter {
                 Decoded::Unmatched(Unmatched::EntryWithoutReturn { call, reason }) => {
                     let mut r = self.record(*call);
                     r.unmatched = Some(reason);
-                    out.push(Record::DeviceCall(r));
+                    out.push(Record::DeviceCall(Box::new(r)));
                 }
                 Decoded::Unmatched(Unmatched::ReturnWithoutEntry { .. }) => {
                     c.returns_without_entry += 1;
@@ -284,12 +284,12 @@ impl DeviceInterpreter {
                 && let Some(h) = held.pop_front()
             {
                 let r = self.record(h.call);
-                out.push(Record::DeviceCall(r));
+                out.push(Record::DeviceCall(Box::new(r)));
             }
             return;
         }
         let r = self.record(call);
-        out.push(Record::DeviceCall(r));
+        out.push(Record::DeviceCall(Box::new(r)));
     }
 
     /// An API record of process `tgid`: the held call of that thread it
@@ -330,7 +330,7 @@ impl DeviceInterpreter {
             if matched {
                 r.flows.push(self.streams.launch_flow(tgid, corr));
             }
-            out.push(Record::DeviceCall(r));
+            out.push(Record::DeviceCall(Box::new(r)));
         }
         true
     }
@@ -346,7 +346,7 @@ impl DeviceInterpreter {
             if let Some(held) = self.streams.held.remove(&t) {
                 for h in held {
                     let r = self.record(h.call);
-                    out.push(Record::DeviceCall(r));
+                    out.push(Record::DeviceCall(Box::new(r)));
                 }
             }
         }
@@ -561,14 +561,14 @@ impl DeviceInterpreter {
                 }));
                 flows.push(flow);
             }
-            out.push(Record::DeviceWork(DeviceWork {
+            out.push(Record::DeviceWork(Box::new(DeviceWork {
                 track: key.clone(),
                 start: w.start,
                 end: w.end,
                 name: w.name,
                 fields: w.args,
                 flows,
-            }));
+            })));
         }
     }
 }
