@@ -174,6 +174,14 @@ impl Kernel {
         }
     }
 
+    /// Changes how off-CPU stacks are taken (a `stack_mode` value); the
+    /// programs read `CONFIG` at every run, so it applies at once.
+    pub fn set_stack_mode(&mut self, mode: u32) -> Result<(), KernelError> {
+        let mut config = read_config(&self.bpf)?;
+        config.stack_mode = mode;
+        write_config(&mut self.bpf, config)
+    }
+
     /// Forwards kernel-side log records to the agent's log.
     pub fn flush_log(&mut self) {
         if let Some(logger) = &mut self.logger {
