@@ -307,20 +307,23 @@ impl KernelSide {
     }
 
     fn trace(&mut self, f: &Found, reasons: &mut HashMap<u32, String>) {
-        // Its children present now: they were forked before the kernel
-        // followed it.
-        for pid in procfs::with_descendants(f.pid) {
+        if let Err(e) = self.kernel.add_target(f.pid) {
+            tracing::warn!("tracing pid {} ({}): {e}", f.pid, f.comm);
+            return;
+        }
+        tracing::info!("tracing pid {} ({}): {}", f.pid, f.comm, f.reason);
+        reasons.insert(f.pid, f.reason.to_string());
+        // Children forked before the kernel followed it; the tree is read
+        // after adding it, so none can slip between the two.
+        for pid in procfs::with_descendants(f.pid)
+            .into_iter()
+            .filter(|&p| p != f.pid)
+        {
             match self.kernel.add_target(pid) {
                 Ok(()) => {
-                    let why = if pid == f.pid {
-                        f.reason.to_string()
-                    } else {
-                        format!("child of {} ({})", f.pid, f.comm)
-                    };
-                    tracing::info!("tracing pid {pid}: {why}");
-                    reasons.insert(pid, why);
+                    reasons.insert(pid, format!("child of {} ({})", f.pid, f.comm));
                 }
-                Err(e) => tracing::warn!("tracing pid {pid} ({}): {e}", f.comm),
+                Err(e) => tracing::warn!("tracing pid {pid}, child of {}: {e}", f.pid),
             }
         }
     }
