@@ -35,9 +35,9 @@ pub enum Command {
     /// probe's hits for that long (attached, recording nothing else).
     Probes(ProbesArgs),
     /// Run as the node's always-on agent (what the systemd unit runs):
-    /// keeps a flight recorder, serves metrics and the control API
-    /// (discovering and attaching to training processes is not wired in
-    /// this build yet).
+    /// finds training processes by itself (device libraries they map, or
+    /// the configured selectors), keeps a flight recorder, serves metrics
+    /// and the control API.
     Service(ServiceArgs),
     /// Talk to a running `agent service` over its control socket.
     Ctl(CtlArgs),

@@ -22,6 +22,7 @@ mod sinks;
 mod state;
 mod stop;
 mod summary;
+mod supervise;
 mod trace_file;
 
 use std::process::ExitCode;

@@ -13,11 +13,10 @@ use anyhow::{Context, Result, anyhow};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
-use xpuscope_common::Config;
 
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
-use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses, Plan};
+use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
 use crate::pipeline::collect::{Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
@@ -27,6 +26,7 @@ use crate::sinks::perfetto::{PerfettoSink, Written};
 use crate::sinks::summary::{RecordTotals, SummarySink};
 use crate::sinks::{FanOut, SinkHandle, SinkReport};
 use crate::summary::{RunSummary, StopReason};
+use crate::supervise::{announce_and_apply, send_drops};
 use crate::{host, preflight, procfs};
 
 const POLL: Duration = Duration::from_millis(100);
@@ -62,25 +62,12 @@ fn start_kernel(
     offsets: xpuscope_common::TaskOffsets,
     levels: CaptureLevels,
 ) -> Result<Kernel> {
-    let kernel_config = Config {
-        system_wide: cfg.system_wide as u32,
-        stack_mode: cfg.stacks.kernel_mode(),
-        stack_rate: cfg.stack_rate,
-        stack_burst: cfg.stack_burst,
-        wakeup_bytes: (cfg.ring_bytes / 4) as u64,
-        device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
-        probe_levels: levels.device.mask(),
-        _pad: 0,
-        bystander_wakeup_bytes: (cfg.bystander_ring_bytes / 4) as u64,
-    };
-    let mut probes = Kernel::load_and_attach(&LoadOptions {
+    let mut probes = Kernel::load_and_attach(&LoadOptions::for_recording(
+        cfg,
         offsets,
-        ring_bytes: cfg.ring_bytes,
-        device_ring_bytes: cfg.device_ring_bytes,
-        bystander_ring_bytes: cfg.bystander_ring_bytes,
-        config: kernel_config,
-        kernel_btf: &cfg.kernel_btf,
-    })?;
+        cfg.stacks.kernel_mode(),
+        levels.device.mask(),
+    ))?;
     // Programs are attached (forks are followed) before the process tree is
     // read, so no child can slip between the two.
     if let Some(t) = target {
@@ -457,25 +444,6 @@ async fn change_device_level(
     announce_and_apply(device, probes, tx, plan).await
 }
 
-/// Sends a plan's table updates to the pipeline (a probe's meaning must be
-/// known before it can fire), then applies it.
-async fn announce_and_apply(
-    device: &mut AyaDeviceProbes,
-    probes: &mut Kernel,
-    tx: &mpsc::Sender<PipelineMsg>,
-    mut plan: Plan,
-) -> Result<()> {
-    if plan.is_empty() {
-        return Ok(());
-    }
-    for update in std::mem::take(&mut plan.updates) {
-        tx.send(PipelineMsg::Probes(update))
-            .await
-            .map_err(|_| anyhow!("the pipeline stopped"))?;
-    }
-    Ok(device.apply(&mut probes.attacher(), plan)?)
-}
-
 /// Testing aid: the traced set now, on stderr (a long run must leave only
 /// the live processes there).
 fn report_targets(kernel: &impl KernelControl) {
@@ -488,36 +456,4 @@ fn report_targets(kernel: &impl KernelControl) {
         shown.join(" "),
         if pids.len() > shown.len() { " ..." } else { "" }
     );
-}
-
-/// Sends new per-CPU drops to the pipeline.
-async fn send_drops(probes: &impl KernelControl, seen: &mut [u64], tx: &mpsc::Sender<PipelineMsg>) {
-    let per_kind = probes.drops();
-    let mut per_cpu = vec![0u64; seen.len()];
-    for (slot, cpus) in per_kind.iter().enumerate() {
-        if slot as u32 == xpuscope_common::DROP_SLOT_STACK_ERRORS {
-            continue; // stacks that failed inside a written record: not lost records
-        }
-        for (cpu, n) in cpus.iter().enumerate() {
-            if let Some(c) = per_cpu.get_mut(cpu) {
-                *c += n;
-            }
-        }
-    }
-    let changed: Vec<u32> = (0..seen.len())
-        .filter(|&c| per_cpu[c] > seen[c])
-        .map(|c| c as u32)
-        .collect();
-    if changed.is_empty() {
-        return;
-    }
-    seen.copy_from_slice(&per_cpu);
-    let total = per_cpu.iter().sum();
-    let _ = tx
-        .send(PipelineMsg::Drops {
-            ts: host::boottime_ns(),
-            cpus: changed,
-            total,
-        })
-        .await;
 }

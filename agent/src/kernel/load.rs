@@ -116,6 +116,38 @@ pub struct LoadOptions<'a> {
     pub kernel_btf: &'a Path,
 }
 
+impl<'a> LoadOptions<'a> {
+    /// The options for a recording configured by `cfg` (rings, stack
+    /// sampling, BTF), with this stack mode and device probe mask (the
+    /// attach and service supervisors decide those).
+    pub fn for_recording(
+        cfg: &'a crate::config::AttachConfig,
+        offsets: TaskOffsets,
+        stack_mode: u32,
+        probe_levels: u32,
+    ) -> Self {
+        Self {
+            offsets,
+            ring_bytes: cfg.ring_bytes,
+            device_ring_bytes: cfg.device_ring_bytes,
+            bystander_ring_bytes: cfg.bystander_ring_bytes,
+            config: Config {
+                system_wide: cfg.system_wide as u32,
+                stack_mode,
+                stack_rate: cfg.stack_rate,
+                stack_burst: cfg.stack_burst,
+                // A reader wakeup when a ring is a quarter full.
+                wakeup_bytes: (cfg.ring_bytes / 4) as u64,
+                device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
+                probe_levels,
+                _pad: 0,
+                bystander_wakeup_bytes: (cfg.bystander_ring_bytes / 4) as u64,
+            },
+            kernel_btf: &cfg.kernel_btf,
+        }
+    }
+}
+
 impl Kernel {
     /// Loads the object and attaches every [`PROGRAMS`] entry.
     pub fn load_and_attach(opts: &LoadOptions) -> Result<Kernel> {
@@ -185,6 +217,14 @@ impl Kernel {
                 tracing::warn!("detaching {name}: {e}");
             }
         }
+    }
+
+    /// Changes how off-CPU stacks are taken (a `stack_mode` value); the
+    /// programs read `CONFIG` at every run, so it applies at once.
+    pub fn set_stack_mode(&mut self, mode: u32) -> Result<(), KernelError> {
+        let mut config = read_config(&self.bpf)?;
+        config.stack_mode = mode;
+        write_config(&mut self.bpf, config)
     }
 
     /// Forwards kernel-side log records to the agent's log.

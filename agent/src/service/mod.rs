@@ -9,6 +9,8 @@
 //! - [`supervisor`]: `agent service` itself: the pipeline with the flight
 //!   recorder and metrics sinks, the endpoints, systemd notification,
 //!   SIGHUP reload;
+//! - [`kernel_side`]: the programs, collect, the runtime levels and
+//!   [`discovery`] of training processes (no pid given);
 //! - [`notify`] tells systemd (sd_notify).
 //!
 //! The flight recorder and the metrics are sinks of the record stream
@@ -16,7 +18,9 @@
 
 pub mod config;
 pub mod control;
+pub mod discovery;
 pub mod http;
+pub mod kernel_side;
 pub mod metrics_endpoint;
 pub mod notify;
 pub mod supervisor;

@@ -1,16 +1,12 @@
-//! `agent service`: starts the pipeline with the flight recorder and the
-//! metrics sinks, the metrics endpoint and the control API, tells systemd
-//! it is ready, pings the watchdog while the pipeline is alive (the metrics
-//! sink heard from it within its liveness bound: a stuck pipeline stops
-//! the pings and systemd restarts the agent), reloads on SIGHUP, and stops
-//! on SIGTERM/SIGINT with every sink finished.
-//!
-//! Not wired yet (the kernel side is being reworked): loading the programs
-//! in system-wide discovery mode and feeding collect's events into
-//! [`Running::pipeline`]; the runtime level change through a
-//! [`LevelSwitch`]; filling [`Running::traced`] from discovery. Until
-//! then the service runs its sinks and interfaces over an empty stream, and
-//! `level` answers that the kernel side is not attached.
+//! `agent service`: loads the kernel programs, starts the pipeline with
+//! the flight recorder and the metrics sinks, the kernel side (collect,
+//! discovery, device probes, runtime levels: [`super::kernel_side`]), the
+//! metrics endpoint and the control API, tells systemd it is ready, pings
+//! the watchdog while the pipeline is alive (the metrics sink heard from
+//! it within its liveness bound: a stuck pipeline stops the pings and
+//! systemd restarts the agent), reloads on SIGHUP, and stops on
+//! SIGTERM/SIGINT: the kernel side detaches and drains first, then every
+//! sink is finished.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -27,6 +23,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::config::{CaptureLevel, ServiceConfig};
 use super::control::{self, Control, PeerPolicy};
+use super::kernel_side::{self, KernelHandle, KernelLevels};
 use super::notify::Notifier;
 use crate::host;
 use crate::pipeline::enrich::LiveEnricher;
@@ -41,15 +38,18 @@ use crate::sinks::{FanOut, SinkCounters};
 const SINK_BATCHES: usize = 64;
 const STATUS_EVERY: u32 = 10;
 
-/// Changes the kernel side's capture level at runtime (the lead wires
-/// this to the kernel loader's `set_device_level`).
+/// Changes the kernel side's capture level at runtime
+/// ([`super::kernel_side::KernelLevels`] over the real kernel).
 pub trait LevelSwitch: Send + Sync + 'static {
     fn set_level(&self, level: CaptureLevel) -> Result<(), String>;
 }
 
-/// The level switch while the kernel side is not attached in service mode.
+/// The level switch of a service run without a kernel side (tests of the
+/// interfaces).
+#[cfg(test)]
 pub struct KernelNotAttached;
 
+#[cfg(test)]
 impl LevelSwitch for KernelNotAttached {
     fn set_level(&self, _level: CaptureLevel) -> Result<(), String> {
         Err("the kernel side is not attached in service mode yet".into())
@@ -59,8 +59,6 @@ impl LevelSwitch for KernelNotAttached {
 /// What the rest of the service plugs into.
 pub struct Running {
     /// Into the pipeline: collect's events, probe tables, drops.
-    // Read by the kernel side's wiring (not in this build).
-    #[allow(dead_code)]
     pub pipeline: mpsc::Sender<PipelineMsg>,
     /// Traced processes by pid, as `GET /processes` lists them.
     pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
@@ -179,6 +177,8 @@ pub fn run(config_path: PathBuf, cfg: ServiceConfig) -> Result<()> {
         let mut sigterm = signal(SignalKind::terminate())?;
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sighup = signal(SignalKind::hangup())?;
+        let kernel = kernel_side::load(&cfg)?;
+        let (levels, level_requests) = KernelLevels::channel();
         let (reload_tx, reload_rx) = mpsc::channel(4);
         let stop = async move {
             loop {
@@ -189,18 +189,17 @@ pub fn run(config_path: PathBuf, cfg: ServiceConfig) -> Result<()> {
                 }
             }
         };
+        let kernel_cfg = cfg.clone();
         serve(
             config_path,
             cfg,
-            Arc::new(KernelNotAttached),
+            Arc::new(levels),
             stop,
             reload_rx,
-            |running| {
-                let traced = running.traced.lock().map(|t| t.len()).unwrap_or(0);
-                tracing::warn!(
-                    "service started without the kernel side ({traced} processes traced): \
-                 the sinks and interfaces run over an empty stream"
-                );
+            |running| async move {
+                kernel_side::start(kernel, &kernel_cfg, running, level_requests)
+                    .await
+                    .map(Some)
             },
         )
         .await
@@ -208,15 +207,20 @@ pub fn run(config_path: PathBuf, cfg: ServiceConfig) -> Result<()> {
 }
 
 /// The service until `stop` completes; `reload` asks for a configuration
-/// reload (SIGHUP); `started` gets what the kernel side plugs into.
-pub async fn serve(
+/// reload (SIGHUP); `started` gets what the kernel side plugs into and
+/// starts it (its handle, stopped before the sinks finish), before the
+/// service says it is ready.
+pub async fn serve<K>(
     config_path: PathBuf,
     cfg: ServiceConfig,
     levels: Arc<dyn LevelSwitch>,
     stop: impl Future<Output = ()>,
     mut reload: mpsc::Receiver<()>,
-    started: impl FnOnce(Running),
-) -> Result<()> {
+    started: impl FnOnce(Running) -> K,
+) -> Result<()>
+where
+    K: Future<Output = Result<Option<KernelHandle>>>,
+{
     let notifier = Notifier::from_env();
     let node = host::system_info().machine_name.unwrap_or_default();
     let (recorder, dump_tx, stats) = FlightRecorder::new(RecorderSettings {
@@ -306,10 +310,28 @@ pub async fn serve(
             stop_rx.clone(),
         ));
     }
-    started(Running {
+    let mut kernel = match started(Running {
         pipeline: tx.clone(),
         traced: traced.clone(),
-    });
+    })
+    .await
+    {
+        Ok(k) => k,
+        Err(e) => {
+            // Still finish the sinks (and remove the socket) on the way out.
+            let _ = stop_tx.send(true);
+            drop(tx);
+            drop(control);
+            drop(socket_file);
+            let _ = tokio::task::spawn_blocking(move || {
+                let _ = pipeline.join();
+                let _ = recorder.join();
+                let _ = metrics.join();
+            })
+            .await;
+            return Err(e.context("starting the kernel side"));
+        }
+    };
     notifier.send(&format!(
         "READY=1\nSTATUS=level {}, flight recorder {:?}",
         cfg.level, cfg.flight_recorder.seconds
@@ -334,6 +356,9 @@ pub async fn serve(
                 if pipeline.is_finished() || recorder.is_finished() || metrics.is_finished() {
                     break Some(anyhow!("a pipeline stage stopped"));
                 }
+                if kernel.as_ref().is_some_and(KernelHandle::is_finished) {
+                    break Some(anyhow!("the kernel side stopped"));
+                }
                 let _ = tx.try_send(PipelineMsg::Tick(host::boottime_ns()));
                 // The watchdog is fed only while the pipeline feeds the sinks.
                 if metrics_handle.alive(host::boottime_ns()) {
@@ -353,6 +378,11 @@ pub async fn serve(
     };
     notifier.send("STOPPING=1");
     let _ = stop_tx.send(true);
+    // Detached and drained before the pipeline's input ends.
+    let kernel_result = match kernel.take() {
+        Some(k) => k.stop().await,
+        None => Ok(()),
+    };
     drop(tx);
     drop(control);
     drop(socket_file);
@@ -372,10 +402,16 @@ pub async fn serve(
     })
     .await?;
     match failure {
-        Some(e) => Err(joined
-            .err()
-            .map_or(e, |j| j.context("a pipeline stage stopped"))),
-        None => joined,
+        Some(e) => {
+            let e = match kernel_result {
+                Err(k) => k.context(e),
+                Ok(()) => e,
+            };
+            Err(joined
+                .err()
+                .map_or(e, |j| j.context("a pipeline stage stopped")))
+        }
+        None => kernel_result.and(joined),
     }
 }
 
@@ -412,7 +448,7 @@ mod tests {
                     let _ = stop_rx.await;
                 },
                 reload_rx,
-                |_| {},
+                |_| async { Ok(None) },
             ))
         });
         let deadline = Instant::now() + Duration::from_secs(20);

@@ -1,0 +1,411 @@
+//! The service's kernel side: the programs loaded (not system-wide: only
+//! the traced set is recorded), collect feeding the pipeline, and one task
+//! owning the kernel that every [`ROUND`] discovers training processes
+//! ([`super::discovery`]), adds them to the traced set, plans and applies
+//! the device probes of the traced set (table updates sent to the pipeline
+//! before the probes are attached), forwards drops, and keeps
+//! [`Running::traced`] equal to the traced set. Level changes from the
+//! control API reach that task as requests ([`KernelLevels`]).
+//!
+//! # Levels
+//! | service level | device calls (`DeviceLevel`) | off-CPU stacks |
+//! |---|---|---|
+//! | 0 | 0: collectives, syncs, memory, communicator set-up | sampled |
+//! | 1 (default) | 0 | sampled |
+//! | 2 | 1: + launches and copies | sampled |
+//! | 3 | 2: + activity records | at every switch-out |
+//!
+//! Levels 0 and 1 both record the scheduling of the traced processes: the
+//! scheduler programs have no switch for it yet (it would be a flag in
+//! `CONFIG` they check), so level 0 costs what level 1 does.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::Instrument;
+use xpuscope_common::stack_mode;
+
+use super::config::{CaptureLevel, ServiceConfig};
+use super::discovery::{Discovery, Found, LiveProcTable, first_variable};
+use super::supervisor::{LevelSwitch, Running};
+use crate::btf::{self, Btf};
+use crate::config::AttachConfig;
+use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
+use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
+use crate::model::RankIdentity;
+use crate::pipeline::PipelineMsg;
+use crate::pipeline::collect::{Reader, ReaderCounters};
+use crate::supervise::{announce_and_apply, send_drops};
+use crate::{host, preflight, procfs};
+
+/// How often discovery runs (and drops are forwarded).
+pub const ROUND: Duration = Duration::from_millis(250);
+/// How long the control API waits for the kernel task to switch levels.
+const LEVEL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a service level asks of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelLevel {
+    pub device: DeviceLevel,
+    pub stack_mode: u32,
+}
+
+impl KernelLevel {
+    pub fn of(level: CaptureLevel) -> KernelLevel {
+        // DeviceLevel::new cannot fail for 0..=2 (its MAX is 2).
+        let device = |n| DeviceLevel::new(n).unwrap_or_default();
+        match level.get() {
+            0 | 1 => KernelLevel {
+                device: device(0),
+                stack_mode: stack_mode::SAMPLED,
+            },
+            2 => KernelLevel {
+                device: device(1),
+                stack_mode: stack_mode::SAMPLED,
+            },
+            _ => KernelLevel {
+                device: device(2),
+                stack_mode: stack_mode::ALL,
+            },
+        }
+    }
+}
+
+/// A level change for the kernel task, with where to answer.
+pub struct LevelRequest {
+    level: CaptureLevel,
+    reply: std::sync::mpsc::SyncSender<Result<(), String>>,
+}
+
+/// The [`LevelSwitch`] of the running service: asks the kernel task and
+/// waits for its answer (called from a blocking context).
+pub struct KernelLevels {
+    tx: mpsc::Sender<LevelRequest>,
+}
+
+impl KernelLevels {
+    pub fn channel() -> (KernelLevels, mpsc::Receiver<LevelRequest>) {
+        let (tx, rx) = mpsc::channel(4);
+        (KernelLevels { tx }, rx)
+    }
+}
+
+impl LevelSwitch for KernelLevels {
+    fn set_level(&self, level: CaptureLevel) -> Result<(), String> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.tx
+            .try_send(LevelRequest { level, reply })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    "other level changes are in progress; try again".to_string()
+                }
+                mpsc::error::TrySendError::Closed(_) => "the kernel side has stopped".to_string(),
+            })?;
+        answer.recv_timeout(LEVEL_TIMEOUT).map_err(|_| {
+            format!(
+                "the kernel side did not answer within {LEVEL_TIMEOUT:?}; \
+                 the level may change later, see `agent ctl status`"
+            )
+        })?
+    }
+}
+
+/// Checks, then loads and attaches the programs at `cfg.level`.
+pub fn load(cfg: &ServiceConfig) -> Result<Kernel> {
+    preflight::check_object(EBPF_OBJECT)?;
+    preflight::check_privileges()?;
+    let tuning = AttachConfig::default();
+    let btf = Btf::from_file(&tuning.kernel_btf)?;
+    let offsets = btf::task_offsets(&btf)?;
+    let level = KernelLevel::of(cfg.level);
+    Kernel::load_and_attach(&LoadOptions::for_recording(
+        &tuning,
+        offsets,
+        level.stack_mode,
+        level.device.mask(),
+    ))
+}
+
+/// The running kernel side, as the supervisor holds it.
+pub struct KernelHandle {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<()>>,
+}
+
+impl KernelHandle {
+    /// The kernel task or collect ended on its own (an error, a panic).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Detaches everything, drains the rings into the pipeline and stops
+    /// collect; the pipeline's input then ends with the supervisor's.
+    pub async fn stop(self) -> Result<()> {
+        let _ = self.stop.send(());
+        self.task
+            .await
+            .map_err(|e| anyhow!("the kernel side panicked: {e}"))?
+    }
+}
+
+/// Starts collect and the kernel task; returns after a first discovery
+/// round, so the processes running now are traced when the service says
+/// it is ready.
+pub async fn start(
+    mut kernel: Kernel,
+    cfg: &ServiceConfig,
+    running: Running,
+    levels: mpsc::Receiver<LevelRequest>,
+) -> Result<KernelHandle> {
+    let tuning = AttachConfig::default();
+    let rings = kernel.take_rings()?;
+    let (stop_collect, stop_rx) = watch::channel(false);
+    let reader = Reader {
+        rings,
+        out: running.pipeline.clone(),
+        counters: Arc::new(ReaderCounters::default()),
+        drain_interval: tuning.drain_interval,
+        delay: tuning.reader_delay,
+    };
+    let collect = tokio::spawn(
+        reader
+            .run(stop_rx)
+            .instrument(tracing::info_span!("collect")),
+    );
+    let level = KernelLevel::of(cfg.level);
+    let mut side = KernelSide {
+        device: DeviceProbes::new(
+            CaptureLevels {
+                device: level.device,
+            },
+            true,
+        ),
+        kernel,
+        discovery: Discovery::new(cfg.discovery.clone()),
+        job_env: cfg.labels.job_env.clone(),
+        tx: running.pipeline,
+        traced: running.traced,
+        known: HashMap::new(),
+        drops_seen: vec![0; host::possible_cpus()],
+    };
+    side.round().await?;
+    let (stop, stop_rx) = oneshot::channel();
+    let task = tokio::spawn(
+        side.run(levels, stop_rx, stop_collect, collect)
+            .instrument(tracing::info_span!("kernel")),
+    );
+    Ok(KernelHandle { stop, task })
+}
+
+struct KernelSide {
+    kernel: Kernel,
+    device: AyaDeviceProbes,
+    discovery: Discovery,
+    job_env: Vec<String>,
+    tx: mpsc::Sender<PipelineMsg>,
+    traced: Arc<Mutex<BTreeMap<u32, Value>>>,
+    /// What `GET /processes` says about each traced process, read once
+    /// (dropped when it leaves the set).
+    known: HashMap<u32, Value>,
+    drops_seen: Vec<u64>,
+}
+
+impl KernelSide {
+    async fn run(
+        mut self,
+        mut levels: mpsc::Receiver<LevelRequest>,
+        mut stop: oneshot::Receiver<()>,
+        stop_collect: watch::Sender<bool>,
+        mut collect: tokio::task::JoinHandle<Result<()>>,
+    ) -> Result<()> {
+        let mut tick = tokio::time::interval(ROUND);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut collect_ended = false;
+        let failure = loop {
+            tokio::select! {
+                _ = &mut stop => break None,
+                r = &mut collect => {
+                    collect_ended = true;
+                    break Some(match r {
+                        Ok(Ok(())) => anyhow!("the collect stage ended"),
+                        Ok(Err(e)) => e.context("the collect stage failed"),
+                        Err(e) => anyhow!("the collect stage panicked: {e}"),
+                    });
+                }
+                Some(req) = levels.recv() => {
+                    let answer = self.set_level(req.level).await.map_err(|e| format!("{e:#}"));
+                    let _ = req.reply.send(answer);
+                }
+                _ = tick.tick() => {
+                    if let Err(e) = self.round().await {
+                        break Some(e);
+                    }
+                }
+            }
+        };
+        // Detach first, then drain: everything produced is then either
+        // consumed or counted as dropped.
+        self.device.detach_all(&mut self.kernel.attacher());
+        self.kernel.detach_all();
+        send_drops(&self.kernel, &mut self.drops_seen, &self.tx).await;
+        let _ = stop_collect.send(true);
+        let collected = if collect_ended {
+            Ok(())
+        } else {
+            collect
+                .await
+                .map_err(|e| anyhow!("the collect stage panicked: {e}"))
+                .and_then(|r| r)
+        };
+        if let Ok(mut t) = self.traced.lock() {
+            t.clear();
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => collected,
+        }
+    }
+
+    /// One round: new processes into the traced set, their probes, drops,
+    /// and the traced list.
+    async fn round(&mut self) -> Result<()> {
+        self.kernel.flush_log();
+        let traced: HashSet<u32> = self.kernel.targets().into_iter().collect();
+        let found = self.discovery.scan(&mut LiveProcTable, &traced);
+        let mut reasons = HashMap::new();
+        for f in found {
+            self.trace(&f, &mut reasons);
+        }
+        let targets = self.kernel.targets();
+        let plan = self.device.plan(&targets, &mut LiveProcesses);
+        if let Err(e) = announce_and_apply(&mut self.device, &mut self.kernel, &self.tx, plan).await
+        {
+            if self.tx.is_closed() {
+                return Err(e.context("device probes"));
+            }
+            tracing::warn!("device probes: {e:#}");
+        }
+        send_drops(&self.kernel, &mut self.drops_seen, &self.tx).await;
+        self.describe(&targets, &reasons);
+        Ok(())
+    }
+
+    fn trace(&mut self, f: &Found, reasons: &mut HashMap<u32, String>) {
+        if let Err(e) = self.kernel.add_target(f.pid) {
+            tracing::warn!("tracing pid {} ({}): {e}", f.pid, f.comm);
+            return;
+        }
+        tracing::info!("tracing pid {} ({}): {}", f.pid, f.comm, f.reason);
+        reasons.insert(f.pid, f.reason.to_string());
+        // Children forked before the kernel followed it; the tree is read
+        // after adding it, so none can slip between the two.
+        for pid in procfs::with_descendants(f.pid)
+            .into_iter()
+            .filter(|&p| p != f.pid)
+        {
+            match self.kernel.add_target(pid) {
+                Ok(()) => {
+                    reasons.insert(pid, format!("child of {} ({})", f.pid, f.comm));
+                }
+                Err(e) => tracing::warn!("tracing pid {pid}, child of {}: {e}", f.pid),
+            }
+        }
+    }
+
+    /// Keeps [`Running::traced`] equal to the kernel's traced set.
+    fn describe(&mut self, targets: &[u32], reasons: &HashMap<u32, String>) {
+        let now: HashSet<u32> = targets.iter().copied().collect();
+        self.known.retain(|pid, _| now.contains(pid));
+        for &pid in targets {
+            if self.known.contains_key(&pid) {
+                continue;
+            }
+            let Some(stat) = procfs::stat(pid) else {
+                continue; // gone: the kernel prunes it at its exit
+            };
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let id = RankIdentity::from_environ(&environ);
+            let reason = reasons
+                .get(&pid)
+                .cloned()
+                .unwrap_or_else(|| format!("child of {}", stat.ppid));
+            let json = json!({
+                "pid": pid,
+                "comm": stat.comm,
+                "rank": id.rank,
+                "local_rank": id.local_rank,
+                "world_size": id.world_size,
+                "job": first_variable(&environ, &self.job_env),
+                "traced_because": reason,
+            });
+            self.known.insert(pid, json);
+        }
+        if let Ok(mut t) = self.traced.lock() {
+            *t = self
+                .known
+                .iter()
+                .map(|(pid, d)| (*pid, d.clone()))
+                .collect();
+        }
+    }
+
+    async fn set_level(&mut self, level: CaptureLevel) -> Result<()> {
+        let want = KernelLevel::of(level);
+        self.kernel
+            .set_stack_mode(want.stack_mode)
+            .context("writing the stack mode")?;
+        tracing::info!(
+            "level {level}: device capture level {} -> {}",
+            self.device.levels().device,
+            want.device
+        );
+        let plan = self
+            .device
+            .set_device_level(want.device, &mut LiveProcesses);
+        announce_and_apply(&mut self.device, &mut self.kernel, &self.tx, plan).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_levels_map_to_device_levels_and_stacks() {
+        let of = |n| KernelLevel::of(CaptureLevel::new(n).unwrap());
+        let device: Vec<u8> = (0..=3).map(|n| of(n).device.get()).collect();
+        assert_eq!(device, vec![0, 0, 1, 2]);
+        let stacks: Vec<u32> = (0..=3).map(|n| of(n).stack_mode).collect();
+        assert_eq!(
+            stacks,
+            vec![
+                stack_mode::SAMPLED,
+                stack_mode::SAMPLED,
+                stack_mode::SAMPLED,
+                stack_mode::ALL
+            ]
+        );
+    }
+
+    #[test]
+    fn a_level_switch_waits_for_the_kernel_task_and_reports_its_answer() {
+        let (levels, mut rx) = KernelLevels::channel();
+        let answering = std::thread::spawn(move || {
+            let req = rx.blocking_recv().unwrap();
+            assert_eq!(req.level.get(), 2);
+            req.reply.send(Err("no probes".into())).unwrap();
+            drop(rx);
+        });
+        assert_eq!(
+            levels.set_level(CaptureLevel::new(2).unwrap()),
+            Err("no probes".to_string())
+        );
+        answering.join().unwrap();
+        let e = levels.set_level(CaptureLevel::new(1).unwrap()).unwrap_err();
+        assert!(e.contains("stopped"), "{e}");
+    }
+}

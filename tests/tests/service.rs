@@ -1,0 +1,443 @@
+//! End-to-end: `agent service` finds a simulated training job by itself
+//! (no pid given: its ranks map the stand-in libcudart/libnccl), lists its
+//! ranks over the control API, dumps a flight-recorder trace holding every
+//! rank's all-reduces, serves their counts on `/metrics`, changes its level
+//! at runtime (launches appear at level 2, same agent, no restart), and
+//! stops on SIGTERM leaving no program behind. Root and eBPF; never skipped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use xpuscope_tests::agent::{Lines, Proc, TempDir, agent_bin, exclusive};
+use xpuscope_tests::device::{
+    GroupGuard, arg_text, read_json, thread_of, wait_for_closers, wait_until,
+};
+use xpuscope_tests::fixtures;
+use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode};
+
+const STEPS: u64 = 5;
+
+/// BPF programs loaded now, from Debian's `bpftool` (installed if
+/// missing): (id, name, pids of the processes holding it).
+fn bpf_programs() -> Vec<(u64, String, Vec<u64>)> {
+    if Command::new("bpftool").arg("version").output().is_err() {
+        let status = Command::new("apt-get")
+            .args(["install", "-y", "-q", "bpftool"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .expect("run apt-get");
+        assert!(status.success(), "installing Debian's bpftool failed");
+    }
+    let out = Command::new("bpftool")
+        .args(["-j", "prog", "show"])
+        .output()
+        .expect("run bpftool");
+    assert!(out.status.success(), "bpftool prog show failed: {out:?}");
+    let progs: Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    progs
+        .as_array()
+        .expect("a list of programs")
+        .iter()
+        .map(|p| {
+            let pids = p["pids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|h| h["pid"].as_u64()).collect())
+                .unwrap_or_default();
+            (
+                p["id"].as_u64().expect("id"),
+                p["name"].as_str().unwrap_or_default().to_string(),
+                pids,
+            )
+        })
+        .collect()
+}
+
+/// Whether a program name is one of ours (the kernel keeps 15 characters).
+fn is_ours(name: &str) -> bool {
+    const PREFIXES: &[&str] = &[
+        "sched_process_f",
+        "sched_process_e",
+        "task_rename",
+        "sched_waking",
+        "sched_wakeup_ne",
+        "sched_switch",
+        "device_call_",
+    ];
+    PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// Ids of our programs loaded now.
+fn our_program_ids() -> BTreeSet<u64> {
+    bpf_programs()
+        .into_iter()
+        .filter(|(_, name, _)| is_ours(name))
+        .map(|(id, _, _)| id)
+        .collect()
+}
+
+fn ctl(socket: &Path, args: &[&str]) -> Value {
+    let out = Command::new(agent_bin())
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run agent ctl");
+    assert!(
+        out.status.success(),
+        "agent ctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("agent ctl {args:?}: not JSON ({e}): {:?}", out.stdout))
+}
+
+fn http_get(port: u16, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to /metrics");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("read the answer");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    text
+}
+
+/// A simulated 2-rank job started with no agent told about it; it waits
+/// at its start gate after init.
+struct Job {
+    launcher: GroupGuard,
+    gate: PathBuf,
+    job_dir: PathBuf,
+    /// rank -> pid
+    ranks: BTreeMap<u64, u32>,
+}
+
+impl Job {
+    fn start(dir: &Path, name: &str) -> Job {
+        let fixtures = fixtures::build_all();
+        let job_dir = dir.join(name);
+        let gate = dir.join(format!("{name}.go"));
+        let launcher = Command::new("python3")
+            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+            .arg("--out-dir")
+            .arg(&job_dir)
+            .arg("--build-dir")
+            .arg(fixtures.join("sim"))
+            .args(["--job-name", name, "--quiet", "--timeout", "60"])
+            .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+            .args(["--steps", &STEPS.to_string()])
+            .arg("--start-gate")
+            .arg(&gate)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("spawn the simulated job");
+        let launcher = GroupGuard(launcher);
+        wait_until(Duration::from_secs(30), "ranks ready", || {
+            (0..2).all(|r| {
+                std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
+                    .is_ok_and(|t| t.contains("\"ready\""))
+            })
+        });
+        let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+        let ranks = gt["ranks"]
+            .as_array()
+            .expect("ranks")
+            .iter()
+            .map(|r| {
+                (
+                    r["rank"].as_u64().unwrap(),
+                    r["pid"].as_u64().unwrap() as u32,
+                )
+            })
+            .collect();
+        Job {
+            launcher,
+            gate,
+            job_dir,
+            ranks,
+        }
+    }
+
+    /// Opens the gate and waits for the job to finish.
+    fn run(mut self) -> BTreeMap<u64, u32> {
+        std::fs::write(&self.gate, b"").expect("open the gate");
+        let end = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.launcher.0.try_wait().expect("try_wait") {
+                break s;
+            }
+            assert!(Instant::now() < end, "the job did not finish");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            status.success(),
+            "the job failed: {status} (logs in {})",
+            self.job_dir.display()
+        );
+        self.ranks.clone()
+    }
+}
+
+/// Polls `agent ctl processes` until every rank of `job` is listed;
+/// returns how long that took and the entries.
+fn wait_listed(socket: &Path, job: &Job, name: &str) -> (Duration, Vec<Value>) {
+    let started = Instant::now();
+    loop {
+        let list = ctl(socket, &["processes"]);
+        let entries: Vec<Value> = list.as_array().expect("a list").clone();
+        let listed: BTreeSet<u32> = entries
+            .iter()
+            .filter_map(|e| e["pid"].as_u64())
+            .map(|p| p as u32)
+            .collect();
+        if job.ranks.values().all(|p| listed.contains(p)) {
+            let ranks: Vec<Value> = entries
+                .into_iter()
+                .filter(|e| {
+                    e["pid"]
+                        .as_u64()
+                        .is_some_and(|p| job.ranks.values().any(|&r| r as u64 == p))
+                })
+                .collect();
+            return (started.elapsed(), ranks);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{name}: ranks {:?} not all listed within 5 s: {list}",
+            job.ranks
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `agent ctl dump --seconds 30`: the trace it wrote, decoded and checked.
+fn dump(socket: &Path, dump_dir: &Path) -> Timeline {
+    let out = ctl(socket, &["dump", "--seconds", "30"]);
+    let path = PathBuf::from(out["trace"].as_str().unwrap_or_else(|| panic!("{out}")));
+    assert_eq!(
+        path.parent(),
+        Some(dump_dir),
+        "the dump is in the dump dir: {out}"
+    );
+    let bytes = std::fs::read(&path).expect("the dump exists");
+    let trace = decode(&bytes).expect("the dump decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    Timeline::new(&trace)
+}
+
+fn slices_of<'a>(tl: &'a Timeline, pid: u32, prefix: &str) -> Vec<&'a Slice> {
+    let mut v: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with(prefix))
+        .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid as i32))
+        .collect();
+    v.sort_by_key(|s| s.ts);
+    v
+}
+
+#[test]
+fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let before = our_program_ids();
+    let dir = TempDir::new("service");
+    let socket = dir.path().join("run/agent.sock");
+    let dump_dir = dir.path().join("dumps");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "level = 1\ndump_dir = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+             [control]\nsocket = \"{}\"\n",
+            dump_dir.display(),
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let mut agent = Proc::spawn(
+        "agent service",
+        Command::new(agent_bin())
+            .arg("service")
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let mut stderr = Lines::new(agent.stderr());
+    let up = Instant::now();
+    while !socket.exists() {
+        if let Some(status) = agent.child.try_wait().unwrap() {
+            panic!(
+                "agent service exited ({status}):\n{}",
+                stderr.rest(Duration::from_secs(1))
+            );
+        }
+        assert!(
+            up.elapsed() < Duration::from_secs(30),
+            "no control socket:\n{}",
+            stderr.rest(Duration::from_millis(100))
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(ctl(&socket, &["status"])["level"], 1);
+
+    // A job the agent is not told about.
+    let job = Job::start(dir.path(), "svcjob");
+    let (took, listed) = wait_listed(&socket, &job, "svcjob");
+    eprintln!("ranks listed {took:?} after they were ready");
+    for e in &listed {
+        let pid = e["pid"].as_u64().unwrap() as u32;
+        let rank = job.ranks.iter().find(|(_, p)| **p == pid).unwrap().0;
+        assert_eq!(e["rank"], rank.to_string(), "{e}");
+        assert_eq!(e["job"], "svcjob", "{e}");
+        assert_eq!(e["world_size"], "2", "{e}");
+        assert!(e["comm"].as_str().is_some_and(|c| !c.is_empty()), "{e}");
+    }
+    let ranks = job.run();
+
+    let tl = dump(&socket, &dump_dir);
+    for (&rank, &pid) in &ranks {
+        let reduces = slices_of(&tl, pid, "ncclAllReduce");
+        let seqs: Vec<String> = reduces.iter().map(|s| arg_text(s, "seq")).collect();
+        // The ranks were found after they mapped the libraries and before
+        // the gate opened: every training all-reduce is there. Numbers
+        // count from the first collective the agent saw on the
+        // communicator: the start-up broadcast (seq 0) when the rank was
+        // found before it, else the first all-reduce; with the
+        // communicator's init seen too they are exact across ranks.
+        let broadcasts = slices_of(&tl, pid, "ncclBroadcast").len() as u64;
+        assert!(broadcasts <= 1, "rank {rank}: one start-up broadcast");
+        let expect: Vec<String> = (broadcasts..broadcasts + STEPS)
+            .map(|s| s.to_string())
+            .collect();
+        let all: Vec<String> = tl
+            .slices
+            .iter()
+            .filter(|s| s.name.starts_with("nccl"))
+            .map(|s| {
+                format!(
+                    "{} {} seq {} exact {} on {:?}",
+                    s.ts,
+                    s.name,
+                    arg_text(s, "seq"),
+                    arg_text(s, "seq_exact"),
+                    thread_of(&tl, s)
+                )
+            })
+            .collect();
+        assert_eq!(
+            seqs,
+            expect,
+            "rank {rank} (pid {pid}); NCCL calls:\n{}",
+            all.join("\n")
+        );
+        for s in &reduces {
+            if arg_text(s, "seq_exact") == "true" {
+                assert_eq!(
+                    broadcasts, 1,
+                    "rank {rank}: an init seen implies its broadcast"
+                );
+            }
+        }
+        for s in &reduces {
+            assert!(s.end.is_some_and(|e| e >= s.ts), "{s:?}");
+            assert_eq!(arg_text(s, "return"), "0", "{s:?}");
+        }
+        assert!(
+            slices_of(&tl, pid, "cudaLaunchKernel").is_empty(),
+            "rank {rank}: launches at level 1"
+        );
+    }
+
+    let metrics = http_get(port, "/metrics");
+    for rank in ranks.keys() {
+        let count: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("xpuscope_collective_duration_seconds_count{"))
+            .filter(|l| l.contains(&format!("rank=\"{rank}\"")) && l.contains("op=\"allreduce\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(count, STEPS as f64, "rank {rank}:\n{metrics}");
+    }
+
+    // Level 2 on the running service: launches appear in a later job.
+    let agent_pid = agent.pid();
+    assert_eq!(ctl(&socket, &["level", "2"])["level"], 2);
+    assert_eq!(ctl(&socket, &["status"])["level"], 2);
+    let job = Job::start(dir.path(), "svcjob2");
+    wait_listed(&socket, &job, "svcjob2");
+    let ranks2 = job.run();
+    let tl = dump(&socket, &dump_dir);
+    for (&rank, &pid) in &ranks2 {
+        assert!(
+            !slices_of(&tl, pid, "cudaLaunchKernel").is_empty(),
+            "rank {rank} (pid {pid}): no launches at level 2"
+        );
+        assert_eq!(slices_of(&tl, pid, "ncclAllReduce").len() as u64, STEPS);
+    }
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "the agent still runs"
+    );
+    assert_eq!(agent.pid(), agent_pid);
+
+    // The agent's programs: held by its pid where bpftool can tell (other
+    // agents may run on this machine), else every one of ours loaded since.
+    let programs = bpf_programs();
+    let mut held: BTreeSet<u64> = programs
+        .iter()
+        .filter(|(_, name, pids)| is_ours(name) && pids.contains(&(agent_pid as u64)))
+        .map(|(id, _, _)| *id)
+        .collect();
+    if programs.iter().all(|(_, _, pids)| pids.is_empty()) {
+        held = our_program_ids().difference(&before).copied().collect();
+    }
+    let names: BTreeSet<&str> = programs
+        .iter()
+        .filter(|(id, _, _)| held.contains(id))
+        .map(|(_, n, _)| n.as_str())
+        .collect();
+    assert!(
+        names.contains("sched_switch") && names.iter().any(|n| n.starts_with("device_call_")),
+        "the running service's programs: {names:?}"
+    );
+
+    agent.signal(libc::SIGTERM);
+    let status = agent
+        .wait_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|| {
+            panic!(
+                "the service did not stop on SIGTERM:\n{}",
+                stderr.rest(Duration::from_millis(100))
+            )
+        });
+    let log = stderr.rest(Duration::from_secs(2));
+    assert!(status.success(), "exit {status}:\n{log}");
+    assert!(!socket.exists(), "the socket goes with the service");
+    // The uprobe links are closed by the agent's closer after it exits.
+    wait_for_closers();
+    let left: Vec<u64> = our_program_ids().intersection(&held).copied().collect();
+    assert!(
+        left.is_empty(),
+        "programs {left:?} of the service left behind:\n{log}"
+    );
+}
