@@ -13,6 +13,7 @@ mod events;
 mod host;
 mod kernel_misses;
 mod load;
+mod merge;
 mod offcpu;
 mod preflight;
 mod probes_cmd;
@@ -62,6 +63,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Merge(args) => run_merge(args),
         Command::Attach(args) => {
             let cfg = args.into_config();
             let stats_path = cfg.stats_json.clone();
@@ -85,6 +87,31 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+fn run_merge(args: cli::MergeArgs) -> ExitCode {
+    let opts = merge::MergeOptions {
+        inputs: args.traces,
+        output: args.output,
+        force: args.force,
+        no_sched: args.no_sched,
+    };
+    let result = merge::run(&opts).and_then(|report| {
+        report.print();
+        if let Some(path) = &args.stats_json {
+            let json = serde_json::to_string_pretty(&report)?;
+            std::fs::write(path, json)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        }
+        Ok(())
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xpuscope: error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -375,6 +375,33 @@ impl Packet {
         }
     }
 
+    /// A process track descriptor on sequence `seq`.
+    pub fn new_process_track(
+        seq: u32,
+        uuid: u64,
+        pid: i32,
+        name: &str,
+        labels: Vec<String>,
+        order: Option<i32>,
+    ) -> Packet {
+        Packet {
+            p: TracePacket {
+                trusted_packet_sequence_id: Some(seq),
+                track_descriptor: Some(proto::TrackDescriptor {
+                    uuid: Some(uuid),
+                    process: Some(proto::ProcessDescriptor {
+                        pid: Some(pid),
+                        process_name: Some(name.to_owned()),
+                        process_labels: labels,
+                    }),
+                    sibling_order_rank: order,
+                    ..proto::TrackDescriptor::default()
+                }),
+                ..TracePacket::default()
+            },
+        }
+    }
+
     /// A slice BEGIN (`Some(name)`) or END (`None`) on `track`. `first`:
     /// the sequence's first packet (it clears the incremental state).
     pub fn new_slice_event(
@@ -409,7 +436,7 @@ impl Packet {
 
 fn inline_annotation(a: &Arg) -> proto::DebugAnnotation {
     let mut d = proto::DebugAnnotation {
-        name: Some(a.name.to_string()),
+        name: Some(a.name.clone()),
         ..proto::DebugAnnotation::default()
     };
     match &a.value {
@@ -417,7 +444,7 @@ fn inline_annotation(a: &Arg) -> proto::DebugAnnotation {
         ArgValue::Uint(v) => d.uint_value = Some(*v),
         ArgValue::Double(v) => d.double_value = Some(*v),
         ArgValue::Bool(v) => d.bool_value = Some(*v),
-        ArgValue::Str(v) => d.string_value = Some(v.to_string()),
+        ArgValue::Str(v) => d.string_value = Some(v.clone()),
         ArgValue::Pointer(v) => d.pointer_value = Some(*v),
     }
     d

@@ -1,0 +1,234 @@
+//! The first pass over one node's trace: what the merge must know before
+//! it rewrites anything (hostname, clocks, ranks and their pids, every pid
+//! and CPU, sequences, communicators, and a bounded sample of collective
+//! end times for clock alignment). Memory is bounded by the number of
+//! processes, tracks and communicators, never by the trace's length.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use xpuscope_perfetto::ClockSnapshot;
+use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView, Truncated};
+
+use super::collectives::{CollectiveTracker, EndSample};
+
+/// A traced process's identity as its process track labels say.
+#[derive(Clone, Debug, Default)]
+pub struct ProcessInfo {
+    /// The process track's uuid in the node's trace.
+    pub track: Option<u64>,
+    pub rank: Option<u32>,
+    pub local_rank: Option<u32>,
+    pub world_size: Option<u32>,
+    pub job: Option<String>,
+    pub name: Option<String>,
+    pub labels: Vec<String>,
+}
+
+/// A communicator as one node saw it.
+#[derive(Clone, Debug, Default)]
+pub struct CommSeen {
+    pub size: u32,
+    /// Comm rank -> pid (on this node).
+    pub members: BTreeMap<u32, i32>,
+    /// Operation kinds ("all_reduce", "send", ...).
+    pub ops: BTreeSet<&'static str>,
+    pub operations: u64,
+}
+
+/// Everything the first pass learns about one node's trace.
+pub struct NodeScan {
+    pub path: PathBuf,
+    pub bytes: u64,
+    pub packets: u64,
+    pub truncated: Option<Truncated>,
+    pub hostname: Option<String>,
+    pub release: Option<String>,
+    pub num_cpus: u32,
+    pub max_cpu: Option<u32>,
+    pub first_clock: Option<ClockSnapshot>,
+    pub sequences: BTreeSet<u32>,
+    pub pids: HashSet<i32>,
+    /// By pid.
+    pub processes: HashMap<i32, ProcessInfo>,
+    /// Thread track uuid -> pid.
+    pub thread_tracks: HashMap<u64, i32>,
+    /// By communicator hash.
+    pub comms: HashMap<u64, CommSeen>,
+    pub ends: EndSample,
+    pub collectives: u64,
+    pub collectives_inexact: u64,
+    pub first_ts: Option<u64>,
+    pub last_ts: Option<u64>,
+}
+
+/// Identity map that records the pids and CPUs it sees.
+struct Census<'a> {
+    pids: &'a mut HashSet<i32>,
+    max_cpu: &'a mut Option<u32>,
+    sequences: &'a mut BTreeSet<u32>,
+}
+
+impl IdMap for Census<'_> {
+    fn time(&mut self, ts: u64) -> u64 {
+        ts
+    }
+    fn sequence(&mut self, id: u32) -> u32 {
+        self.sequences.insert(id);
+        id
+    }
+    fn track(&mut self, uuid: u64) -> u64 {
+        uuid
+    }
+    fn pid(&mut self, pid: i32) -> i32 {
+        self.pids.insert(pid);
+        pid
+    }
+    fn cpu(&mut self, cpu: u32) -> u32 {
+        *self.max_cpu = Some(self.max_cpu.map_or(cpu, |m| m.max(cpu)));
+        cpu
+    }
+    fn flow(&mut self, id: u64) -> u64 {
+        id
+    }
+}
+
+fn label<'a>(labels: &'a [String], key: &str) -> Option<&'a str> {
+    labels
+        .iter()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+}
+
+pub fn scan(path: &Path) -> Result<NodeScan> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut reader = PacketReader::new(file);
+    let mut s = NodeScan {
+        path: path.to_owned(),
+        bytes: 0,
+        packets: 0,
+        truncated: None,
+        hostname: None,
+        release: None,
+        num_cpus: 0,
+        max_cpu: None,
+        first_clock: None,
+        sequences: BTreeSet::new(),
+        pids: HashSet::new(),
+        processes: HashMap::new(),
+        thread_tracks: HashMap::new(),
+        comms: HashMap::new(),
+        ends: EndSample::default(),
+        collectives: 0,
+        collectives_inexact: 0,
+        first_ts: None,
+        last_ts: None,
+    };
+    let mut names = Interning::default();
+    let mut tracker = CollectiveTracker::default();
+    loop {
+        let index = reader.packets();
+        let Some(bytes) = reader
+            .next_packet()
+            .with_context(|| format!("reading {}", path.display()))?
+        else {
+            break;
+        };
+        let mut packet =
+            Packet::decode(bytes, index).with_context(|| format!("reading {}", path.display()))?;
+        names.observe(&packet);
+        if let Some(info) = packet.system_info() {
+            s.hostname = s.hostname.or(info.machine_name);
+            s.release = s.release.or(info.release);
+            s.num_cpus = s.num_cpus.max(info.num_cpus.unwrap_or(0));
+        }
+        if s.first_clock.is_none() {
+            s.first_clock = packet.clock_snapshot().filter(|c| c.realtime_ns != 0);
+        }
+        if let Some(ts) = packet.timestamp().filter(|&t| t > 0) {
+            s.first_ts = Some(s.first_ts.map_or(ts, |f| f.min(ts)));
+            s.last_ts = Some(s.last_ts.map_or(ts, |l| l.max(ts)));
+        }
+        match packet.track() {
+            Some(TrackView::Process { pid, name, labels }) => {
+                let p = s.processes.entry(pid).or_default();
+                p.track = packet.track_uuid();
+                // A later descriptor without the rank labels would replace
+                // them in the importer; keep the richest seen.
+                if label(&labels, "rank").is_some() || p.rank.is_none() {
+                    p.rank = label(&labels, "rank").and_then(|v| v.parse().ok());
+                    p.local_rank = label(&labels, "local_rank").and_then(|v| v.parse().ok());
+                    p.world_size = label(&labels, "world_size").and_then(|v| v.parse().ok());
+                    p.job = label(&labels, "job").map(str::to_owned);
+                    p.name = name;
+                    p.labels = labels;
+                }
+            }
+            Some(TrackView::Thread { pid, .. }) => {
+                if let Some(uuid) = packet.track_uuid() {
+                    s.thread_tracks.insert(uuid, pid);
+                }
+            }
+            _ => {}
+        }
+        if let Some(event) = names.event(&packet) {
+            let pid = s.thread_tracks.get(&event.track).copied();
+            if let Some(c) = tracker.observe(&event, &mut s.ends) {
+                s.collectives += 1;
+                match (c.comm_hash, c.seq_exact) {
+                    (Some(hash), true) => {
+                        let comm = s.comms.entry(hash).or_default();
+                        comm.size = comm.size.max(c.size.unwrap_or(0));
+                        if let (Some(r), Some(pid)) = (c.comm_rank, pid) {
+                            comm.members.insert(r, pid);
+                        }
+                        comm.ops.insert(c.op);
+                        comm.operations += 1;
+                    }
+                    _ => s.collectives_inexact += 1,
+                }
+            }
+        }
+        packet.remap(&mut Census {
+            pids: &mut s.pids,
+            max_cpu: &mut s.max_cpu,
+            sequences: &mut s.sequences,
+        });
+    }
+    s.bytes = reader.offset();
+    s.packets = reader.packets();
+    s.truncated = reader.truncated();
+    s.pids.remove(&0);
+    Ok(s)
+}
+
+impl NodeScan {
+    /// CPUs this node's CPU numbers span.
+    pub fn cpu_span(&self) -> u32 {
+        self.num_cpus.max(self.max_cpu.map_or(0, |m| m + 1))
+    }
+
+    /// The job labels of its ranks.
+    pub fn jobs(&self) -> BTreeSet<String> {
+        self.processes
+            .values()
+            .filter_map(|p| p.job.clone())
+            .collect()
+    }
+
+    /// Ranked processes: pid -> global rank.
+    pub fn ranks(&self) -> BTreeMap<i32, u32> {
+        self.processes
+            .iter()
+            .filter_map(|(pid, p)| Some((*pid, p.rank?)))
+            .collect()
+    }
+
+    pub fn host_label(&self, index: usize) -> String {
+        self.hostname
+            .clone()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| format!("node{index}"))
+    }
+}
