@@ -167,7 +167,7 @@ pub fn run_cluster(tag: &str, nnodes: usize, launch_args: &[&str]) -> ClusterRun
             // The agents find a new rank's libraries by rescanning maps
             // (500 ms): communicator set-up waits for their probes.
             "--init-delay-ms".into(),
-            "1500".into(),
+            "3000".into(),
         ];
         args.extend(launch_args.iter().map(|s| s.to_string()));
         script.push_str(&format!("python3 {} &\n", args.join(" ")));

@@ -5,7 +5,11 @@
 //! of them). The host sees that instant as the end of the next
 //! synchronisation of the collective's stream on the same thread: that end
 //! is the evidence for clock alignment. Collectives followed by another
-//! collective before any such sync, or synced on another stream, give none.
+//! collective on the same stream before any such sync give none.
+//!
+//! Send/receive calls carry no sequence number: the n-th send from comm
+//! rank a to b pairs with the n-th receive of b from a (counted from the
+//! communicator's set-up, which every node saw when the hash is known).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -26,6 +30,32 @@ pub struct Collective {
     pub size: Option<u32>,
     pub stream: Option<u64>,
     pub op: &'static str,
+    /// Point to point: (sending comm rank, receiving comm rank).
+    pub p2p: Option<(u32, u32)>,
+}
+
+/// What matches a collective across its members: (communicator hash,
+/// seq) for collectives, (hash mixed with the direction, n-th) for
+/// send/receive.
+pub type CollectiveKey = (u64, u64);
+
+/// A collective call and, when it can be matched across members, its key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observed {
+    pub call: Collective,
+    pub key: Option<CollectiveKey>,
+}
+
+impl Observed {
+    /// The id every member's slice of this operation carries.
+    pub fn id(&self) -> Option<String> {
+        let hash = self.call.comm_hash?;
+        match (self.call.p2p, self.key) {
+            (Some((src, dst)), Some((_, n))) => Some(format!("{hash:016x}:p2p{src}>{dst}:{n}")),
+            (None, Some((_, seq))) => Some(format!("{hash:016x}:{seq}")),
+            _ => None,
+        }
+    }
 }
 
 /// The operation kind of a collective's function name.
@@ -58,14 +88,26 @@ pub fn collective(event: &EventView<'_>) -> Option<Collective> {
         return None;
     }
     let op = op_kind(event.name?)?;
+    let comm_rank = event.arg("rank").and_then(|v| v.as_u64()).map(|v| v as u32);
+    let peer = match event.arg("peer") {
+        Some(ArgRef::Int(p)) => u32::try_from(p).ok(),
+        Some(v) => v.as_u64().map(|p| p as u32),
+        None => None,
+    };
+    let p2p = match (op, comm_rank, peer) {
+        ("send", Some(r), Some(p)) => Some((r, p)),
+        ("recv", Some(r), Some(p)) => Some((p, r)),
+        _ => None,
+    };
     Some(Collective {
         comm_hash: hash,
         seq,
         seq_exact: matches!(event.arg("seq_exact"), Some(ArgRef::Bool(true))),
-        comm_rank: event.arg("rank").and_then(|v| v.as_u64()).map(|v| v as u32),
+        comm_rank,
         size: event.arg("size").and_then(|v| v.as_u64()).map(|v| v as u32),
         stream: event.arg("stream").and_then(|v| v.as_u64()),
         op,
+        p2p,
     })
 }
 
@@ -131,49 +173,67 @@ impl EndSample {
 }
 
 enum Open {
-    Collective(Collective),
+    Collective(Option<CollectiveKey>, Option<u64>),
     Sync(Option<u64>),
     Other,
 }
 
-/// Follows thread tracks: pairs each exact collective with the end of the
-/// next sync of its stream on the same thread.
+/// Follows thread tracks: gives each collective its key and pairs it with
+/// the end of the next sync of its stream on the same thread.
 #[derive(Default)]
 pub struct CollectiveTracker {
     open: HashMap<u64, Vec<Open>>,
-    /// Per track: the last collective awaiting its sync.
-    pending: HashMap<u64, Collective>,
+    /// Per (track, stream): the last collective awaiting its sync.
+    pending: HashMap<(u64, u64), CollectiveKey>,
+    /// Send/receive operations so far per (communicator, from, to).
+    p2p: HashMap<(u64, u32, u32), u64>,
 }
 
 impl CollectiveTracker {
+    fn key(&mut self, c: &Collective) -> Option<CollectiveKey> {
+        let hash = c.comm_hash?;
+        if let Some((src, dst)) = c.p2p {
+            let n = self.p2p.entry((hash, src, dst)).or_default();
+            let key = (
+                hash ^ mix(((u64::from(src) << 32) | u64::from(dst)) ^ 0x0070_3270),
+                *n,
+            );
+            *n += 1;
+            return Some(key);
+        }
+        c.seq_exact.then_some((hash, c.seq?))
+    }
+
     /// Takes one track event; returns the collective it begins, if any.
-    pub fn observe(&mut self, event: &EventView<'_>, ends: &mut EndSample) -> Option<Collective> {
+    pub fn observe(&mut self, event: &EventView<'_>, ends: &mut EndSample) -> Option<Observed> {
         match event.kind {
             EventKind::Begin => {
                 let c = collective(event);
-                let open = match (&c, sync_stream(event)) {
-                    (Some(c), _) => Open::Collective(c.clone()),
+                let observed = c.map(|call| Observed {
+                    key: self.key(&call),
+                    call,
+                });
+                let open = match (&observed, sync_stream(event)) {
+                    (Some(o), _) => Open::Collective(o.key, o.call.stream),
                     (None, Some(stream)) => Open::Sync(stream),
                     (None, None) => Open::Other,
                 };
                 self.open.entry(event.track).or_default().push(open);
-                c
+                observed
             }
             EventKind::End => {
                 match self.open.get_mut(&event.track).and_then(Vec::pop) {
-                    Some(Open::Collective(c)) => {
-                        if c.seq_exact && c.comm_hash.is_some() && c.seq.is_some() {
-                            self.pending.insert(event.track, c);
+                    Some(Open::Collective(key, Some(stream))) => match key {
+                        Some(k) => {
+                            self.pending.insert((event.track, stream), k);
                         }
-                    }
-                    Some(Open::Sync(stream)) => {
-                        if let Some(c) = self.pending.get(&event.track)
-                            && stream.is_some()
-                            && stream == c.stream
-                            && let (Some(h), Some(s)) = (c.comm_hash, c.seq)
-                        {
-                            ends.insert((h, s), event.ts);
-                            self.pending.remove(&event.track);
+                        None => {
+                            self.pending.remove(&(event.track, stream));
+                        }
+                    },
+                    Some(Open::Sync(Some(stream))) => {
+                        if let Some(k) = self.pending.remove(&(event.track, stream)) {
+                            ends.insert(k, event.ts);
                         }
                     }
                     _ => {}
@@ -238,11 +298,13 @@ mod tests {
     fn a_collective_ends_with_the_next_sync_of_its_stream() {
         let mut t = CollectiveTracker::default();
         let mut ends = EndSample::default();
-        let c = t.observe(&coll(100, 4, 9), &mut ends).unwrap();
+        let o = t.observe(&coll(100, 4, 9), &mut ends).unwrap();
+        let c = &o.call;
         assert_eq!(
             (c.comm_hash, c.seq, c.op),
             (Some(0xab), Some(4), "all_reduce")
         );
+        assert_eq!(o.id().as_deref(), Some("00000000000000ab:4"));
         t.observe(&end(110), &mut ends);
         // A sync of another stream says nothing about it.
         t.observe(
@@ -264,6 +326,52 @@ mod tests {
         );
         t.observe(&end(950), &mut ends);
         assert_eq!(ends.ends().get(&(0xab, 4)), Some(&900));
+    }
+
+    fn p2p<'a>(ts: u64, name: &'a str, rank: u64, peer: i64) -> EventView<'a> {
+        ev(
+            EventKind::Begin,
+            ts,
+            Some(name),
+            vec![
+                ("peer", ArgRef::Int(peer)),
+                ("stream", ArgRef::Pointer(9)),
+                ("comm", ArgRef::Pointer(0x56)),
+                ("comm_hash", ArgRef::Str("00000000000000cd")),
+                ("rank", ArgRef::Uint(rank)),
+                ("size", ArgRef::Uint(2)),
+            ],
+        )
+    }
+
+    #[test]
+    fn sends_match_receives_by_count_and_direction() {
+        let (mut a, mut b) = (CollectiveTracker::default(), CollectiveTracker::default());
+        let mut ends = EndSample::default();
+        let s0 = a
+            .observe(&p2p(1, "ncclSend 1 MiB to 1", 0, 1), &mut ends)
+            .unwrap();
+        let s1 = a
+            .observe(&p2p(2, "ncclSend 1 MiB to 1", 0, 1), &mut ends)
+            .unwrap();
+        let back = a
+            .observe(&p2p(3, "ncclRecv 1 MiB from 1", 0, 1), &mut ends)
+            .unwrap();
+        let r0 = b
+            .observe(&p2p(1, "HcclRecv 1 MiB from 0", 1, 0), &mut ends)
+            .unwrap();
+        let r1 = b
+            .observe(&p2p(2, "HcclRecv 1 MiB from 0", 1, 0), &mut ends)
+            .unwrap();
+        assert_eq!(s0.key, r0.key);
+        assert_eq!(s1.key, r1.key);
+        assert_ne!(s0.key, s1.key);
+        assert_ne!(
+            back.key.map(|k| k.0),
+            s0.key.map(|k| k.0),
+            "the other direction"
+        );
+        assert_eq!(s1.id().as_deref(), Some("00000000000000cd:p2p0>1:1"));
     }
 
     #[test]

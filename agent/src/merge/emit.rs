@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView};
 use xpuscope_perfetto::{Arg, ArgValue};
 
-use super::collectives::collective;
+use super::collectives::{CollectiveTracker, EndSample};
 use super::groups::Groups;
 use super::scan::NodeScan;
 
@@ -208,6 +208,9 @@ pub fn emit_node(
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut reader = PacketReader::new(file);
     let mut names = Interning::default();
+    // The same keys as the scan gave (send/receive are counted again).
+    let mut tracker = CollectiveTracker::default();
+    let mut ends = EndSample::default();
     let labels: HashMap<i32, ProcessLabel> = scan
         .processes
         .keys()
@@ -232,22 +235,18 @@ pub fn emit_node(
         if opts.no_sched && packet.has_ftrace_events() {
             continue;
         }
-        let extra: Vec<Arg> = names
+        let observed = names
             .event(&packet)
-            .and_then(|e| collective(&e))
-            .filter(|c| c.seq_exact)
-            .and_then(|c| Some((c.comm_hash?, c.seq?)))
-            .map(|(hash, seq)| {
-                let mut a = vec![Arg::new(
-                    "collective_id",
-                    ArgValue::Str(format!("{hash:016x}:{seq}")),
-                )];
-                if let Some(kind) = groups.kind_of(hash) {
-                    a.push(Arg::new("group", ArgValue::Str(kind.to_owned())));
-                }
-                a
-            })
-            .unwrap_or_default();
+            .and_then(|e| tracker.observe(&e, &mut ends));
+        let mut extra = Vec::new();
+        if let Some(o) = observed {
+            if let Some(id) = o.id() {
+                extra.push(Arg::new("collective_id", ArgValue::Str(id)));
+            }
+            if let Some(kind) = o.call.comm_hash.and_then(|h| groups.kind_of(h)) {
+                extra.push(Arg::new("group", ArgValue::Str(kind.to_owned())));
+            }
+        }
         let process = match packet.track() {
             Some(TrackView::Process { pid, .. }) => labels.get(&pid),
             _ => None,

@@ -174,19 +174,22 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
         }
         if let Some(event) = names.event(&packet) {
             let pid = s.thread_tracks.get(&event.track).copied();
-            if let Some(c) = tracker.observe(&event, &mut s.ends) {
+            if let Some(o) = tracker.observe(&event, &mut s.ends) {
                 s.collectives += 1;
-                match (c.comm_hash, c.seq_exact) {
-                    (Some(hash), true) => {
-                        let comm = s.comms.entry(hash).or_default();
-                        comm.size = comm.size.max(c.size.unwrap_or(0));
-                        if let (Some(r), Some(pid)) = (c.comm_rank, pid) {
-                            comm.members.insert(r, pid);
-                        }
-                        comm.ops.insert(c.op);
-                        comm.operations += 1;
+                if o.key.is_none() {
+                    s.collectives_inexact += 1;
+                }
+                // The hash is known only when set-up was recorded: then the
+                // membership is too.
+                if let Some(hash) = o.call.comm_hash {
+                    let c = &o.call;
+                    let comm = s.comms.entry(hash).or_default();
+                    comm.size = comm.size.max(c.size.unwrap_or(0));
+                    if let (Some(r), Some(pid)) = (c.comm_rank, pid) {
+                        comm.members.insert(r, pid);
                     }
-                    _ => s.collectives_inexact += 1,
+                    comm.ops.insert(c.op);
+                    comm.operations += 1;
                 }
             }
         }
