@@ -52,6 +52,9 @@ pub struct MergeArgs {
     /// Also write the summary (offsets, groups, warnings) as JSON.
     #[arg(long)]
     pub stats_json: Option<PathBuf>,
+    /// Also write each rank's step breakdown as CSV.
+    #[arg(long)]
+    pub steps_csv: Option<PathBuf>,
     /// Merge even if the traces' job labels differ.
     #[arg(long)]
     pub force: bool,

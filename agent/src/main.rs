@@ -97,6 +97,7 @@ fn run_merge(args: cli::MergeArgs) -> ExitCode {
         output: args.output,
         force: args.force,
         no_sched: args.no_sched,
+        steps_csv: args.steps_csv,
     };
     let result = merge::run(&opts).and_then(|report| {
         report.print();

@@ -203,6 +203,25 @@ impl Packet {
         self.p.ftrace_events = None;
     }
 
+    /// Calls `f(cpu, ts, prev_state, next_pid)` for each switch of the
+    /// packet's scheduler bundle, in order (delta chains decoded).
+    pub fn for_each_switch(&self, mut f: impl FnMut(u32, u64, i64, i32)) {
+        let Some(b) = &self.p.ftrace_events else {
+            return;
+        };
+        let Some(c) = &b.compact_sched else {
+            return;
+        };
+        let cpu = b.cpu.unwrap_or(0);
+        let mut ts = 0u64;
+        for (i, dt) in c.switch_timestamp.iter().enumerate() {
+            ts = ts.wrapping_add(*dt);
+            let state = c.switch_prev_state.get(i).copied().unwrap_or(0);
+            let pid = c.switch_next_pid.get(i).copied().unwrap_or(0);
+            f(cpu, ts, state, pid);
+        }
+    }
+
     pub fn track_uuid(&self) -> Option<u64> {
         self.p.track_descriptor.as_ref()?.uuid
     }
@@ -512,6 +531,23 @@ pub struct Interning {
 struct Names {
     events: HashMap<u64, String>,
     annotations: HashMap<u64, String>,
+    functions: HashMap<u64, String>,
+    /// Frame iid -> function name iid.
+    frames: HashMap<u64, u64>,
+    /// Callstack iid -> frame iids, root first.
+    callstacks: HashMap<u64, Vec<u64>>,
+}
+
+/// A callstack sample with its function names resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SampleView<'a> {
+    pub ts: u64,
+    pub pid: i32,
+    pub tid: i32,
+    /// The time it stands for (off-CPU samples: time off CPU), if given.
+    pub weight: Option<u64>,
+    /// Function names, root first (unknown frames left out).
+    pub functions: Vec<&'a str>,
 }
 
 impl Interning {
@@ -534,7 +570,66 @@ impl Interning {
                     names.annotations.insert(iid, name.clone());
                 }
             }
+            for f in &d.function_names {
+                if let (Some(iid), Some(text)) = (f.iid, &f.str) {
+                    names
+                        .functions
+                        .insert(iid, String::from_utf8_lossy(text).into_owned());
+                }
+            }
+            for f in &d.frames {
+                if let (Some(iid), Some(name)) = (f.iid, f.function_name_id) {
+                    names.frames.insert(iid, name);
+                }
+            }
+            for c in &d.callstacks {
+                if let Some(iid) = c.iid {
+                    names.callstacks.insert(iid, c.frame_ids.clone());
+                }
+            }
         }
+    }
+
+    /// The packet's callstack sample (`StackSample` or `PerfSample`),
+    /// frames resolved on its sequence.
+    pub fn sample<'a>(&'a self, packet: &'a Packet) -> Option<SampleView<'a>> {
+        let p = &packet.p;
+        let (pid, tid, iid, weight) = if let Some(s) = &p.stack_sample {
+            let t = s.task_context.as_ref();
+            (
+                t.and_then(|t| t.pid),
+                t.and_then(|t| t.tid),
+                s.callstack_iid,
+                s.primary_weight,
+            )
+        } else if let Some(s) = &p.perf_sample {
+            (s.pid, s.tid, s.callstack_iid, None)
+        } else {
+            return None;
+        };
+        let names = self
+            .sequences
+            .get(&p.trusted_packet_sequence_id.unwrap_or(0));
+        let functions = names
+            .zip(iid)
+            .and_then(|(n, iid)| {
+                let frames = n.callstacks.get(&iid)?;
+                Some(
+                    frames
+                        .iter()
+                        .filter_map(|f| n.functions.get(n.frames.get(f)?))
+                        .map(String::as_str)
+                        .collect(),
+                )
+            })
+            .unwrap_or_default();
+        Some(SampleView {
+            ts: p.timestamp.unwrap_or(0),
+            pid: pid.unwrap_or(0) as i32,
+            tid: tid.unwrap_or(0) as i32,
+            weight,
+            functions,
+        })
     }
 
     /// The packet's track event, names resolved on its sequence.
@@ -657,6 +752,11 @@ mod tests {
         )
         .unwrap();
         w.slice_end(t, 3_500, &[]).unwrap();
+        let stack = [
+            crate::Frame::kernel("schedule", 0x40),
+            crate::Frame::kernel("futex_wait", 0x80),
+        ];
+        w.stack_sample(3_600, 1, 42, 43, &stack, 1_000).unwrap();
         w.finish().unwrap()
     }
 
@@ -750,6 +850,23 @@ mod tests {
         assert!(tl.processes.contains_key(&5042));
         let s = &tl.slices[0];
         assert_eq!((s.ts, s.end), (1_003_000, Some(1_003_500)));
+        let mut seen = Vec::new();
+        for p in packets(&bytes) {
+            p.for_each_switch(|cpu, ts, state, pid| seen.push((cpu, ts, state, pid)));
+        }
+        assert_eq!(seen, vec![(1, 2_000, 0, 42), (1, 2_500, 1, 43)]);
+        let mut names = Interning::default();
+        let mut samples = Vec::new();
+        for p in packets(&bytes) {
+            names.observe(&p);
+            if let Some(s) = names.sample(&p) {
+                samples.push((s.ts, s.tid, s.weight, s.functions.join("<")));
+            }
+        }
+        assert_eq!(
+            samples,
+            vec![(3_600, 43, Some(1_000), "futex_wait<schedule".to_string())]
+        );
         assert_eq!(s.flow_ids, vec![100]);
         for p in &trace.packet {
             if p.has_clock_snapshot() {

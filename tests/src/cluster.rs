@@ -118,6 +118,9 @@ fn start_agent(pid: u32, uts_of: Option<u32>, out: &Path, probe_level: &str) -> 
     };
     cmd.arg("attach")
         .args(["--pid", &pid.to_string(), "--probe-level", probe_level])
+        // Every off-CPU interval with its stack: the step breakdown tells
+        // a data-loader wait from host work by it.
+        .args(["--stacks", "all"])
         .arg("-o")
         .arg(out)
         .arg("--stats-json")

@@ -102,8 +102,10 @@ fn check_merge(run: &ClusterRun) {
     inputs[1] = shifted;
     let out = dir.join("job.pftrace");
     let stats_path = dir.join("merge.json");
+    let csv = dir.join("steps.csv");
     let mut args: Vec<&OsStr> = vec![OsStr::new("-o"), out.as_os_str()];
     args.extend([OsStr::new("--stats-json"), stats_path.as_os_str()]);
+    args.extend([OsStr::new("--steps-csv"), csv.as_os_str()]);
     args.extend(inputs.iter().map(|p| p.as_os_str()));
     let (status, stdout, stderr) = merge(&args);
     assert!(status.success(), "merge failed:\n{stdout}\n{stderr}");
@@ -130,7 +132,7 @@ fn check_merge(run: &ClusterRun) {
             format!("node-{k}"),
             "hostname from the trace"
         );
-        assert!(n["matched_collectives"].as_u64().unwrap() >= 20, "{n:#}");
+        assert!(n["matched_collectives"].as_u64().unwrap() >= 15, "{n:#}");
         assert!(n["residual_median_ns"].as_u64().unwrap() < 100_000, "{n:#}");
         let want: Vec<u64> = run.nodes[k]["node"]["ranks"]
             .as_array()
@@ -242,6 +244,82 @@ fn check_merge(run: &ClusterRun) {
         order(&a),
         "each rank's collectives in the same order"
     );
+    check_steps(run, &csv, &merged, &st);
+}
+
+/// Step breakdown (CSV, stats JSON, slices) against what each rank logged
+/// (`rank<R>.steps.jsonl`), within 5% or 200 us; every step but the first
+/// (it has no start marker) of every rank.
+fn check_steps(run: &ClusterRun, csv: &Path, merged: &Timeline, st: &Value) {
+    let text = std::fs::read_to_string(csv).expect("steps CSV written");
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    assert_eq!(header[..3], ["rank", "node", "step"]);
+    let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
+    let rows: Vec<Vec<String>> = lines
+        .map(|l| l.split(',').map(str::to_owned).collect())
+        .collect();
+    assert_eq!(rows.len(), st["steps"].as_array().unwrap().len());
+    let mut logged: BTreeMap<(u64, u64), Value> = BTreeMap::new();
+    for (k, node) in run.nodes.iter().enumerate() {
+        for r in node["ranks"].as_array().unwrap() {
+            let path = run
+                .rdv
+                .join(format!("node{k}"))
+                .join(r["step_log"].as_str().unwrap());
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                let e: Value = serde_json::from_str(line).unwrap();
+                if e["event"] == "step" {
+                    logged.insert(
+                        (r["rank"].as_u64().unwrap(), e["step"].as_u64().unwrap()),
+                        e,
+                    );
+                }
+            }
+        }
+    }
+    let steps = run.job["steps"].as_u64().unwrap();
+    let ranks = run.job["ranks"].as_array().unwrap().len() as u64;
+    assert_eq!(
+        rows.len() as u64,
+        ranks * (steps - 1),
+        "steps 1.. of every rank"
+    );
+    let mut worst: BTreeMap<&str, i64> = BTreeMap::new();
+    for row in &rows {
+        let rank: u64 = row[0].parse().unwrap();
+        let step: u64 = row[2].parse().unwrap();
+        let log = &logged[&(rank, step)];
+        for field in ["dur_ns", "data_wait_ns", "grad_sync_ns"] {
+            let ours: i64 = row[col(field)].parse().unwrap();
+            let theirs = log[field].as_i64().unwrap();
+            let tolerance = 200_000f64.max(0.05 * theirs as f64) as i64;
+            let mut diff = (ours - theirs).abs();
+            if field == "data_wait_ns" && theirs > ours {
+                // The rank's clock brackets its whole dataloader_next call:
+                // a preemption inside it (the queue hand-off wakes the
+                // loader thread, on the same CPU) is CPU contention, which
+                // the breakdown reports as `preempted` when the lost frame
+                // of the libc call hides the loader from the stack.
+                let preempted: i64 = row[col("preempted_ns")].parse().unwrap();
+                diff = (theirs - ours - preempted).max(0);
+            }
+            assert!(
+                diff <= tolerance,
+                "rank {rank} step {step} {field}: {ours} ns, the rank logged {theirs} ns"
+            );
+            let w = worst.entry(field).or_default();
+            *w = (*w).max(diff);
+        }
+    }
+    eprintln!("step breakdown: worst differences from the ranks' own logs (ns): {worst:?}");
+    // A slice per step on each rank's "steps" track.
+    let step_slices = merged
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("step "))
+        .count();
+    assert_eq!(step_slices, rows.len());
 }
 
 #[test]
@@ -265,6 +343,36 @@ fn two_nvidia_nodes_merge_into_one_aligned_timeline() {
     );
     check_merge(&run);
     bad_inputs(&run);
+}
+
+#[test]
+fn faults_on_one_node_show_in_the_merged_step_breakdown() {
+    // A late arrival, a data-loader stall and a slow rank, all on node 1:
+    // the breakdown follows each rank's own log through all of them.
+    let _x = exclusive();
+    let run = run_cluster(
+        "merge-faults",
+        2,
+        &[
+            "--world-size",
+            "4",
+            "--tp",
+            "1",
+            "--dp",
+            "4",
+            "--pp",
+            "1",
+            "--steps",
+            "16",
+            "--fault",
+            "delay:rank=2,step=5,ms=150",
+            "--fault",
+            "dataloader_stall:rank=3,step=9,ms=120",
+            "--fault",
+            "slow:rank=3,factor=2,from_step=12",
+        ],
+    );
+    check_merge(&run);
 }
 
 #[test]
@@ -357,7 +465,13 @@ fn bad_inputs(run: &ClusterRun) {
         "processes kept apart"
     );
     assert_eq!(tl.switches.len(), 2 * once.switches.len());
-    assert_eq!(tl.slices.len(), 2 * once.slices.len());
+    let device = |tl: &Timeline| {
+        tl.slices
+            .iter()
+            .filter(|s| !s.name.starts_with("step "))
+            .count()
+    };
+    assert_eq!(device(&tl), 2 * device(&once));
 
     // Cut in the middle of a packet.
     let cut = dir.join("cut.pftrace");

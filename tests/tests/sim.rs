@@ -1020,7 +1020,10 @@ fn run_nodes(name: &str, nnodes: usize, args: &[&str], limit: Duration) -> Nodes
         .enumerate()
         .map(|(k, g)| {
             let status = g.wait_timeout(limit);
-            assert!(status.is_some(), "node {k} of {name} still running after {limit:?}");
+            assert!(
+                status.is_some(),
+                "node {k} of {name} still running after {limit:?}"
+            );
             status.and_then(|s| s.code().or(s.signal().map(|sig| 128 + sig)))
         })
         .collect();
@@ -1081,7 +1084,11 @@ fn launchers_of_two_nodes_start_their_own_ranks_and_meet_in_collectives() {
         .iter()
         .map(|r| r["rank"].as_u64().unwrap())
         .collect();
-    assert_eq!(ranks, (0..8).collect::<Vec<_>>(), "every rank once, in order");
+    assert_eq!(
+        ranks,
+        (0..8).collect::<Vec<_>>(),
+        "every rank once, in order"
+    );
     for (k, node) in run.nodes.iter().enumerate() {
         assert_eq!(node["status"], "completed");
         assert_eq!(node["job"], job["job"], "one job name on every node");
@@ -1109,7 +1116,10 @@ fn launchers_of_two_nodes_start_their_own_ranks_and_meet_in_collectives() {
     // The fault lives in node 1's ground truth (and the job's), not node 0's.
     assert_eq!(run.nodes[0]["faults"].as_array().map(Vec::len), Some(0));
     assert_eq!(run.nodes[1]["faults"][0]["kind"], "delay");
-    assert_eq!(job["faults"][0]["expected"]["waiting_ranks"], serde_json::json!([1, 3, 7]));
+    assert_eq!(
+        job["faults"][0]["expected"]["waiting_ranks"],
+        serde_json::json!([1, 3, 7])
+    );
     // Rank 1 (node 0) and rank 5 (node 1) share dp communicator dp1: the
     // late arrival on node 1 holds node 0's rank inside the all-reduce.
     let r1 = step_events(&run.nodes[0], &run.nodes[0]["ranks"][1]);
@@ -1148,7 +1158,11 @@ fn a_crash_on_one_node_stops_the_ranks_of_every_node() {
         ],
         Duration::from_secs(90),
     );
-    assert_eq!(run.exits, vec![Some(1), Some(1)], "both launchers report failure");
+    assert_eq!(
+        run.exits,
+        vec![Some(1), Some(1)],
+        "both launchers report failure"
+    );
     assert_eq!(run.job["status"], "failed");
     let crashed = &run.nodes[1]["ranks"][1];
     assert_eq!(crashed["status"], "crashed");

@@ -114,7 +114,7 @@ pub fn collective(event: &EventView<'_>) -> Option<Collective> {
 /// The stream a synchronisation call waits on, if the event is one. The
 /// trace carries a sync's arguments as their debug text
 /// (`Sync { stream: Some(N), event: .. }`).
-fn sync_stream(event: &EventView<'_>) -> Option<Option<u64>> {
+pub fn sync_stream(event: &EventView<'_>) -> Option<Option<u64>> {
     let Some(ArgRef::Str(text)) = event.arg("args") else {
         return None;
     };

@@ -298,3 +298,67 @@ pub fn rank_tracks(
     }
     Ok(())
 }
+
+/// A "steps" track under each rank's process track, a slice per step with
+/// its breakdown as arguments; on the merger's own sequence, after every
+/// node's packets (the importer sorts by time).
+pub fn step_slices(
+    scans: &[NodeScan],
+    maps: &mut [NodeMap],
+    steps: &[super::StepRow],
+    out: &mut Output,
+) -> Result<()> {
+    let mut tracks: HashMap<u32, u64> = HashMap::new();
+    for (k, s) in scans.iter().enumerate() {
+        for p in s.processes.values() {
+            if let (Some(rank), Some(track)) = (p.rank, p.track) {
+                let parent = maps[k].track(track);
+                let uuid = mix(parent ^ 0x0073_7465_7073).max(1);
+                out.write(&Packet::new_track(
+                    MERGE_TRACK_SEQUENCE,
+                    uuid,
+                    Some(parent),
+                    "steps",
+                    -1,
+                ))?;
+                tracks.insert(rank, uuid);
+            }
+        }
+    }
+    let mut first = true;
+    for r in steps {
+        let Some(&track) = tracks.get(&r.rank) else {
+            continue;
+        };
+        let s = &r.step;
+        let args = [
+            Arg::new("step", ArgValue::Uint(s.step)),
+            Arg::new("dur_ns", ArgValue::Uint(s.dur_ns)),
+            Arg::new("data_wait_ns", ArgValue::Uint(s.data_wait_ns)),
+            Arg::new("preempted_ns", ArgValue::Uint(s.preempted_ns)),
+            Arg::new("grad_sync_ns", ArgValue::Uint(s.grad_sync_ns)),
+            Arg::new("comm_wait_ns", ArgValue::Uint(s.comm_wait_ns)),
+            Arg::new("compute_wait_ns", ArgValue::Uint(s.compute_wait_ns)),
+            Arg::new("host_ns", ArgValue::Uint(s.host_ns)),
+        ];
+        let name = format!("step {}", s.step);
+        out.write(&Packet::new_slice_event(
+            MERGE_TRACK_SEQUENCE,
+            first,
+            s.start_ns,
+            track,
+            Some(&name),
+            &args,
+        ))?;
+        first = false;
+        out.write(&Packet::new_slice_event(
+            MERGE_TRACK_SEQUENCE,
+            false,
+            s.end_ns,
+            track,
+            None,
+            &[],
+        ))?;
+    }
+    Ok(())
+}

@@ -19,12 +19,13 @@ mod collectives;
 mod emit;
 mod groups;
 mod scan;
+mod steps;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use xpuscope_perfetto::SystemInfo;
 use xpuscope_perfetto::rewrite::Packet;
 
@@ -44,6 +45,81 @@ pub struct MergeOptions {
     pub force: bool,
     /// Leave the scheduler data out (many nodes' CPUs exceed Perfetto's 1024).
     pub no_sched: bool,
+    /// Write the step breakdown here as CSV.
+    pub steps_csv: Option<PathBuf>,
+}
+
+/// One step of one rank, in the merged trace's time base.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepRow {
+    pub rank: u32,
+    pub node: String,
+    #[serde(flatten)]
+    pub step: steps::Step,
+}
+
+const STEP_CSV_HEADER: &str = "rank,node,step,start_ns,end_ns,dur_ns,data_wait_ns,preempted_ns,grad_sync_ns,comm_wait_ns,compute_wait_ns,host_ns";
+
+fn write_steps_csv(path: &std::path::Path, rows: &[StepRow]) -> Result<()> {
+    use std::fmt::Write as _;
+    let mut text = String::from(STEP_CSV_HEADER);
+    text.push('\n');
+    for r in rows {
+        let s = &r.step;
+        let _ = writeln!(
+            text,
+            "{},{},{},{},{},{},{},{},{},{},{},{}",
+            r.rank,
+            r.node,
+            s.step,
+            s.start_ns,
+            s.end_ns,
+            s.dur_ns,
+            s.data_wait_ns,
+            s.preempted_ns,
+            s.grad_sync_ns,
+            s.comm_wait_ns,
+            s.compute_wait_ns,
+            s.host_ns
+        );
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Each node's steps per rank, times moved into the merged time base.
+fn step_rows(scans: &[NodeScan], groups: &Groups, offsets: &[i64]) -> Vec<StepRow> {
+    let mut rows = Vec::new();
+    for (k, s) in scans.iter().enumerate() {
+        let ranks = s.ranks();
+        let mut dp: HashMap<i32, u64> = HashMap::new();
+        for c in groups.communicators.iter().filter(|c| c.kind == "dp") {
+            let Ok(hash) = u64::from_str_radix(&c.comm_hash, 16) else {
+                continue;
+            };
+            for (&pid, r) in &ranks {
+                if c.members.contains(&Some(*r)) {
+                    dp.insert(pid, hash);
+                }
+            }
+        }
+        let shift = |t: u64| (t as i64).saturating_add(offsets[k]).max(0) as u64;
+        for (pid, steps) in s.steps.steps(&dp) {
+            let Some(&rank) = ranks.get(&pid) else {
+                continue;
+            };
+            for mut step in steps {
+                step.start_ns = shift(step.start_ns);
+                step.end_ns = shift(step.end_ns);
+                rows.push(StepRow {
+                    rank,
+                    node: s.host_label(k),
+                    step,
+                });
+            }
+        }
+    }
+    rows.sort_by_key(|r| (r.rank, r.step.step));
+    rows
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -79,6 +155,9 @@ pub struct MergeReport {
     pub nodes: Vec<NodeReport>,
     pub groups: Groups,
     pub warnings: Vec<String>,
+    /// Per rank and step (the first step of each rank has no start marker
+    /// and is left out).
+    pub steps: Vec<StepRow>,
     pub bytes_in: u64,
     pub bytes_out: u64,
     pub seconds: f64,
@@ -268,6 +347,11 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
     for (k, s) in scans.iter().enumerate() {
         emit::emit_node(s, k, &mut maps[k], &groups, &emit_opts, &mut out)?;
     }
+    let steps = step_rows(&scans, &groups, &offsets);
+    emit::step_slices(&scans, &mut maps, &steps, &mut out)?;
+    if let Some(path) = &opts.steps_csv {
+        write_steps_csv(path, &steps)?;
+    }
     let bytes_out = out.bytes;
     out.finish()?;
 
@@ -308,6 +392,7 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
         nodes,
         groups,
         warnings,
+        steps,
         bytes_in,
         bytes_out,
         seconds,
@@ -369,6 +454,34 @@ impl MergeReport {
                 c.operations,
                 c.ops.join(", ")
             );
+        }
+        if !self.steps.is_empty() {
+            let mut slowest: Vec<&StepRow> = self.steps.iter().collect();
+            slowest.sort_by_key(|r| std::cmp::Reverse(r.step.dur_ns));
+            println!("  slowest steps (of {}):", self.steps.len());
+            for r in slowest.iter().take(5) {
+                let s = &r.step;
+                let parts = [
+                    ("data wait", s.data_wait_ns),
+                    ("preemption", s.preempted_ns),
+                    ("communication wait", s.comm_wait_ns),
+                    ("compute wait", s.compute_wait_ns),
+                    ("host", s.host_ns),
+                ];
+                let (what, ns) = parts
+                    .iter()
+                    .max_by_key(|p| p.1)
+                    .copied()
+                    .unwrap_or(("host", 0));
+                println!(
+                    "    rank {:<4} step {:<5} {:>9.2} ms  mostly {what} ({:.2} ms); grad sync {:.2} ms",
+                    r.rank,
+                    s.step,
+                    s.dur_ns as f64 / 1e6,
+                    ns as f64 / 1e6,
+                    s.grad_sync_ns as f64 / 1e6
+                );
+            }
         }
         for w in &self.warnings {
             println!("  warning: {w}");

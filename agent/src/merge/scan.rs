@@ -13,6 +13,7 @@ use xpuscope_perfetto::ClockSnapshot;
 use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView, Truncated};
 
 use super::collectives::{CollectiveTracker, EndSample};
+use super::steps::StepTracker;
 
 /// A traced process's identity as its process track labels say.
 #[derive(Clone, Debug, Default)]
@@ -53,13 +54,14 @@ pub struct NodeScan {
     pub pids: HashSet<i32>,
     /// By pid.
     pub processes: HashMap<i32, ProcessInfo>,
-    /// Thread track uuid -> pid.
-    pub thread_tracks: HashMap<u64, i32>,
+    /// Thread track uuid -> (pid, tid).
+    pub thread_tracks: HashMap<u64, (i32, i32)>,
     /// By communicator hash.
     pub comms: HashMap<u64, CommSeen>,
     pub ends: EndSample,
     pub collectives: u64,
     pub collectives_inexact: u64,
+    pub steps: StepTracker,
     pub first_ts: Option<u64>,
     pub last_ts: Option<u64>,
 }
@@ -122,6 +124,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
         ends: EndSample::default(),
         collectives: 0,
         collectives_inexact: 0,
+        steps: StepTracker::default(),
         first_ts: None,
         last_ts: None,
     };
@@ -156,6 +159,9 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                 p.track = packet.track_uuid();
                 // A later descriptor without the rank labels would replace
                 // them in the importer; keep the richest seen.
+                if label(&labels, "rank").is_some() {
+                    s.steps.follow(pid);
+                }
                 if label(&labels, "rank").is_some() || p.rank.is_none() {
                     p.rank = label(&labels, "rank").and_then(|v| v.parse().ok());
                     p.local_rank = label(&labels, "local_rank").and_then(|v| v.parse().ok());
@@ -165,16 +171,21 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                     p.labels = labels;
                 }
             }
-            Some(TrackView::Thread { pid, .. }) => {
+            Some(TrackView::Thread { pid, tid }) => {
                 if let Some(uuid) = packet.track_uuid() {
-                    s.thread_tracks.insert(uuid, pid);
+                    s.thread_tracks.insert(uuid, (pid, tid));
                 }
             }
             _ => {}
         }
         if let Some(event) = names.event(&packet) {
-            let pid = s.thread_tracks.get(&event.track).copied();
-            if let Some(o) = tracker.observe(&event, &mut s.ends) {
+            let thread = s.thread_tracks.get(&event.track).copied();
+            let pid = thread.map(|t| t.0);
+            let observed = tracker.observe(&event, &mut s.ends);
+            if let Some((pid, tid)) = thread {
+                s.steps.event(pid, tid, &event, observed.as_ref());
+            }
+            if let Some(o) = observed {
                 s.collectives += 1;
                 if o.key.is_none() {
                     s.collectives_inexact += 1;
@@ -193,6 +204,12 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                 }
             }
         }
+        if let Some(sample) = names.sample(&packet) {
+            s.steps
+                .stack(sample.pid, sample.tid, sample.ts, &sample.functions);
+        }
+        let steps = &mut s.steps;
+        packet.for_each_switch(|cpu, ts, state, next| steps.switch(cpu, ts, state, next));
         packet.remap(&mut Census {
             pids: &mut s.pids,
             max_cpu: &mut s.max_cpu,
