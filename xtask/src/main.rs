@@ -10,6 +10,7 @@
 //! - `bench`: the overhead and throughput benchmarks.
 
 mod bench;
+mod bench_merge;
 mod bench_probes;
 mod build;
 mod setup;
@@ -55,7 +56,8 @@ enum Task {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 3)]
         seconds: u64,
-        /// Only this part: `probes` (device-library probe costs).
+        /// Only this part: `probes` (device-library probe costs), `merge`
+        /// (agent merge on 16 node traces; --seconds is the job's length).
         only: Option<String>,
     },
 }
