@@ -13,12 +13,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use rustc_hash::FxHashMap;
+
 use xpuscope_perfetto::rewrite::{ArgRef, EventKind, EventView};
 
 /// Collective-end samples kept per node: the same keys are kept on every
 /// node (the smallest hashes of (communicator, sequence)), so samples
 /// still match across nodes while memory stays bounded.
-pub const MAX_END_SAMPLES: usize = 50_000;
+pub const MAX_END_SAMPLES: usize = 8_192;
 
 /// One collective call on a thread track.
 #[derive(Clone, Debug, PartialEq)]
@@ -182,11 +184,11 @@ enum Open {
 /// the end of the next sync of its stream on the same thread.
 #[derive(Default)]
 pub struct CollectiveTracker {
-    open: HashMap<u64, Vec<Open>>,
+    open: FxHashMap<u64, Vec<Open>>,
     /// Per (track, stream): the last collective awaiting its sync.
-    pending: HashMap<(u64, u64), CollectiveKey>,
+    pending: FxHashMap<(u64, u64), CollectiveKey>,
     /// Send/receive operations so far per (communicator, from, to).
-    p2p: HashMap<(u64, u32, u32), u64>,
+    p2p: FxHashMap<(u64, u32, u32), u64>,
 }
 
 impl CollectiveTracker {

@@ -10,7 +10,7 @@
 //! groups, and ordered by global rank; every collective gets the id it
 //! shares with the same collective on its other members.
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 
@@ -76,7 +76,7 @@ impl IdMap for NodeMap {
 /// other.
 pub fn node_maps(scans: &[NodeScan], offsets: &[i64]) -> Vec<NodeMap> {
     let mut next_sequence = MERGE_TRACK_SEQUENCE;
-    let mut taken: std::collections::HashSet<i32> = std::collections::HashSet::new();
+    let mut taken: HashSet<i32> = HashSet::default();
     let mut next_pid = REMAPPED_PID_BASE;
     let mut cpu_base = 0;
     scans
@@ -84,14 +84,14 @@ pub fn node_maps(scans: &[NodeScan], offsets: &[i64]) -> Vec<NodeMap> {
         .zip(offsets)
         .enumerate()
         .map(|(k, (s, &offset_ns))| {
-            let mut sequences = HashMap::new();
+            let mut sequences = HashMap::default();
             for &id in &s.sequences {
                 next_sequence += 1;
                 sequences.insert(id, next_sequence);
             }
             let mut mine: Vec<i32> = s.pids.iter().copied().collect();
             mine.sort_unstable();
-            let mut pids = HashMap::new();
+            let mut pids = HashMap::default();
             for pid in mine {
                 if taken.contains(&pid) {
                     pids.insert(pid, next_pid);
@@ -308,7 +308,7 @@ pub fn step_slices(
     steps: &[super::StepRow],
     out: &mut Output,
 ) -> Result<()> {
-    let mut tracks: HashMap<u32, u64> = HashMap::new();
+    let mut tracks: HashMap<u32, u64> = HashMap::default();
     for (k, s) in scans.iter().enumerate() {
         for p in s.processes.values() {
             if let (Some(rank), Some(track)) = (p.rank, p.track) {

@@ -103,11 +103,11 @@ fn step_rows(scans: &[NodeScan], groups: &Groups, offsets: &[i64]) -> Vec<StepRo
             }
         }
         let shift = |t: u64| (t as i64).saturating_add(offsets[k]).max(0) as u64;
-        for (pid, steps) in s.steps.steps(&dp) {
-            let Some(&rank) = ranks.get(&pid) else {
+        for (pid, per_comm) in &s.steps {
+            let (Some(&rank), Some(comm)) = (ranks.get(pid), dp.get(pid)) else {
                 continue;
             };
-            for mut step in steps {
+            for mut step in per_comm.get(comm).cloned().unwrap_or_default() {
                 step.start_ns = shift(step.start_ns);
                 step.end_ns = shift(step.end_ns);
                 rows.push(StepRow {

@@ -4,7 +4,9 @@
 //! end times for clock alignment). Memory is bounded by the number of
 //! processes, tracks and communicators, never by the trace's length.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -13,7 +15,7 @@ use xpuscope_perfetto::ClockSnapshot;
 use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView, Truncated};
 
 use super::collectives::{CollectiveTracker, EndSample};
-use super::steps::StepTracker;
+use super::steps::{StepCandidates, StepTracker};
 
 /// A traced process's identity as its process track labels say.
 #[derive(Clone, Debug, Default)]
@@ -61,7 +63,8 @@ pub struct NodeScan {
     pub ends: EndSample,
     pub collectives: u64,
     pub collectives_inexact: u64,
-    pub steps: StepTracker,
+    /// Steps per rank and all-reduce communicator (see `steps`).
+    pub steps: StepCandidates,
     pub first_ts: Option<u64>,
     pub last_ts: Option<u64>,
 }
@@ -117,19 +120,20 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
         max_cpu: None,
         first_clock: None,
         sequences: BTreeSet::new(),
-        pids: HashSet::new(),
-        processes: HashMap::new(),
-        thread_tracks: HashMap::new(),
-        comms: HashMap::new(),
+        pids: HashSet::default(),
+        processes: HashMap::default(),
+        thread_tracks: HashMap::default(),
+        comms: HashMap::default(),
         ends: EndSample::default(),
         collectives: 0,
         collectives_inexact: 0,
-        steps: StepTracker::default(),
+        steps: StepCandidates::new(),
         first_ts: None,
         last_ts: None,
     };
     let mut names = Interning::default();
     let mut tracker = CollectiveTracker::default();
+    let mut steps = StepTracker::default();
     loop {
         let index = reader.packets();
         let Some(bytes) = reader
@@ -160,7 +164,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                 // A later descriptor without the rank labels would replace
                 // them in the importer; keep the richest seen.
                 if label(&labels, "rank").is_some() {
-                    s.steps.follow(pid);
+                    steps.follow(pid);
                 }
                 if label(&labels, "rank").is_some() || p.rank.is_none() {
                     p.rank = label(&labels, "rank").and_then(|v| v.parse().ok());
@@ -183,7 +187,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
             let pid = thread.map(|t| t.0);
             let observed = tracker.observe(&event, &mut s.ends);
             if let Some((pid, tid)) = thread {
-                s.steps.event(pid, tid, &event, observed.as_ref());
+                steps.event(pid, tid, &event, observed.as_ref());
             }
             if let Some(o) = observed {
                 s.collectives += 1;
@@ -205,10 +209,8 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
             }
         }
         if let Some(sample) = names.sample(&packet) {
-            s.steps
-                .stack(sample.pid, sample.tid, sample.ts, &sample.functions);
+            steps.stack(sample.pid, sample.tid, sample.ts, &sample.functions);
         }
-        let steps = &mut s.steps;
         packet.for_each_switch(|cpu, ts, state, next| steps.switch(cpu, ts, state, next));
         packet.remap(&mut Census {
             pids: &mut s.pids,
@@ -219,6 +221,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
     s.bytes = reader.offset();
     s.packets = reader.packets();
     s.truncated = reader.truncated();
+    s.steps = steps.finish();
     s.pids.remove(&0);
     Ok(s)
 }

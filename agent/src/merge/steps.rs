@@ -27,7 +27,12 @@
 //! Memory: a few words per device call and per sleep of each rank's main
 //! thread (the steps are only known once the communicators are).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap as HashMap;
+
+/// pid -> all-reduce communicator -> the steps it anchors.
+pub type StepCandidates = BTreeMap<i32, BTreeMap<u64, Vec<Step>>>;
 
 use xpuscope_perfetto::rewrite::{EventKind, EventView};
 
@@ -186,19 +191,31 @@ impl StepTracker {
         }
     }
 
-    /// Steps of every followed rank, given each rank's data-parallel
-    /// communicator (pid -> comm hash).
-    pub fn steps(&self, dp_comm: &HashMap<i32, u64>) -> BTreeMap<i32, Vec<Step>> {
-        let mut out = BTreeMap::new();
-        for (&pid, t) in &self.threads {
-            let Some(&dp) = dp_comm.get(&pid) else {
-                continue;
-            };
+    /// The steps of every followed rank for each communicator it
+    /// all-reduced on (which one is data-parallel is known only once every
+    /// node is scanned): pid -> comm hash -> steps. Consumes the marks, so
+    /// a node's per-call state is freed once its scan ends.
+    pub fn finish(self) -> StepCandidates {
+        let mut out = StepCandidates::new();
+        for (pid, t) in self.threads {
             let mut marks = t.marks.clone();
             marks.sort_by_key(|m| m.start);
             let mut stacks = t.stacks.clone();
             stacks.sort_unstable();
-            out.insert(pid, breakdown(&marks, &t.sleeps(), &stacks, dp));
+            let sleeps = t.sleeps();
+            let comms: BTreeSet<u64> = marks
+                .iter()
+                .filter_map(|m| match m.kind {
+                    Kind::Collective(c, _, "all_reduce") => Some(c),
+                    _ => None,
+                })
+                .collect();
+            let per: BTreeMap<u64, Vec<Step>> = comms
+                .into_iter()
+                .map(|c| (c, breakdown(&marks, &sleeps, &stacks, c)))
+                .filter(|(_, steps)| !steps.is_empty())
+                .collect();
+            out.insert(pid, per);
         }
         out
     }
@@ -264,7 +281,12 @@ fn breakdown(
     let mut steps = Vec::new();
     for (n, w) in ends.windows(2).enumerate() {
         let (start, (anchor, grad_end, end)) = (w[0].2, w[1]);
-        let inside = marks.iter().filter(|m| m.start >= start && m.end <= end);
+        // Marks and sleeps are sorted by start: look only at this step's.
+        let from = marks.partition_point(|m| m.start < start);
+        let inside = marks[from..]
+            .iter()
+            .take_while(|m| m.start <= end)
+            .filter(|m| m.end <= end);
         let (mut comm_wait, mut compute_wait) = (0, 0);
         for m in inside.clone() {
             match m.kind {
@@ -281,9 +303,10 @@ fn breakdown(
             .min()
             .unwrap_or(end);
         let (mut data_wait, mut preempted) = (0, 0);
-        for (s, e, asleep) in sleeps
+        let from = sleeps.partition_point(|(s, _, _)| *s < start);
+        for (s, e, asleep) in sleeps[from..]
             .iter()
-            .filter(|(s, _, _)| *s >= start && *s < first_call)
+            .take_while(|(s, _, _)| *s < first_call)
         {
             let off = (*e).min(first_call) - s;
             if *asleep || loader_stack(stacks, *s) == Some(true) {
