@@ -14,9 +14,8 @@
 //! Only the schema subset this crate writes is known: other fields are
 //! dropped on decode. That is every field of a trace from this writer.
 
-use std::collections::HashMap;
-
 use prost::Message;
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::proto::{self, TracePacket};
 use crate::types::{Arg, ArgValue, ClockSnapshot};

@@ -61,6 +61,10 @@ impl IdMap for NodeMap {
         mix(uuid ^ self.salt).max(1)
     }
     fn pid(&mut self, pid: i32) -> i32 {
+        // Most nodes keep their pids: no lookup per scheduler event then.
+        if self.pids.is_empty() {
+            return pid;
+        }
         self.pids.get(&pid).copied().unwrap_or(pid)
     }
     fn cpu(&mut self, cpu: u32) -> u32 {

@@ -69,9 +69,50 @@ pub struct NodeScan {
     pub last_ts: Option<u64>,
 }
 
+/// Pids below this are kept in a bitmap (`PID_MAX_LIMIT`): one bit test
+/// per scheduler event instead of a hash insert.
+const PID_BITMAP: usize = 1 << 22;
+
+/// The set of pids a trace uses.
+struct PidSet {
+    bits: Vec<u64>,
+    other: HashSet<i32>,
+}
+
+impl PidSet {
+    fn new() -> Self {
+        PidSet {
+            bits: vec![0; PID_BITMAP / 64],
+            other: HashSet::default(),
+        }
+    }
+
+    fn insert(&mut self, pid: i32) {
+        match usize::try_from(pid) {
+            Ok(p) if p < PID_BITMAP => self.bits[p / 64] |= 1 << (p % 64),
+            _ => {
+                self.other.insert(pid);
+            }
+        }
+    }
+
+    fn into_set(self) -> HashSet<i32> {
+        let mut out = self.other;
+        for (i, word) in self.bits.iter().enumerate() {
+            let mut w = *word;
+            while w != 0 {
+                let b = w.trailing_zeros() as usize;
+                out.insert((i * 64 + b) as i32);
+                w &= w - 1;
+            }
+        }
+        out
+    }
+}
+
 /// Identity map that records the pids and CPUs it sees.
 struct Census<'a> {
-    pids: &'a mut HashSet<i32>,
+    pids: &'a mut PidSet,
     max_cpu: &'a mut Option<u32>,
     sequences: &'a mut BTreeSet<u32>,
 }
@@ -134,6 +175,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
     let mut names = Interning::default();
     let mut tracker = CollectiveTracker::default();
     let mut steps = StepTracker::default();
+    let mut pids = PidSet::new();
     loop {
         let index = reader.packets();
         let Some(bytes) = reader
@@ -213,7 +255,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
         }
         packet.for_each_switch(|cpu, ts, state, next| steps.switch(cpu, ts, state, next));
         packet.remap(&mut Census {
-            pids: &mut s.pids,
+            pids: &mut pids,
             max_cpu: &mut s.max_cpu,
             sequences: &mut s.sequences,
         });
@@ -222,6 +264,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
     s.packets = reader.packets();
     s.truncated = reader.truncated();
     s.steps = steps.finish();
+    s.pids = pids.into_set();
     s.pids.remove(&0);
     Ok(s)
 }

@@ -111,7 +111,7 @@ pub struct StepTracker {
     /// By pid (the main thread is tid == pid).
     threads: HashMap<i32, MainThread>,
     /// Per CPU: the task running.
-    running: HashMap<u32, i32>,
+    running: Vec<Option<i32>>,
 }
 
 impl StepTracker {
@@ -177,7 +177,11 @@ impl StepTracker {
     /// A context switch on `cpu` at `ts` to `next`; the task leaving was
     /// in `prev_state`.
     pub fn switch(&mut self, cpu: u32, ts: u64, prev_state: i64, next: i32) {
-        let prev = self.running.insert(cpu, next);
+        let slot = cpu as usize;
+        if slot >= self.running.len() {
+            self.running.resize(slot + 1, None);
+        }
+        let prev = self.running[slot].replace(next);
         if prev == Some(next) {
             return;
         }
