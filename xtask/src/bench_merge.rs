@@ -159,9 +159,20 @@ fn copy(inputs: &[PathBuf]) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64())
 }
 
+/// Removes the bench's traces however it ends: they are large and can
+/// be made again.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub fn run(dir: &Path, seconds: u64) -> Result<Value> {
     let dir = dir.join("merge");
     std::fs::create_dir_all(&dir)?;
+    let _scratch = Scratch(dir.clone());
     eprintln!("bench merge: recording a {seconds} s simulated job over {NODES} nodes");
     let traces = record(&dir, seconds)?;
     let inputs: Vec<PathBuf> = (0..COPIES).flat_map(|_| traces.iter().cloned()).collect();
@@ -214,10 +225,5 @@ pub fn run(dir: &Path, seconds: u64) -> Result<Value> {
         result["peak_rss_mb_16_traces"].as_f64().unwrap_or(0.0),
         result["peak_rss_mb_2_traces"].as_f64().unwrap_or(0.0)
     );
-    // The traces are large and can be made again: leave the disk as found.
-    for p in traces.iter().chain([&out]) {
-        let _ = std::fs::remove_file(p);
-    }
-    let _ = std::fs::remove_dir_all(dir.join("rdv"));
     Ok(result)
 }
