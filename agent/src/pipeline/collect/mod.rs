@@ -75,6 +75,7 @@ impl Reader {
         let mut bystander = register(bystander)?;
         let mut tick = tokio::time::interval(drain_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut pending = Vec::new();
         loop {
             let mut stopping = false;
             tokio::select! {
@@ -89,11 +90,11 @@ impl Reader {
                 device: device.get_mut(),
                 bystander: bystander.get_mut(),
             };
-            if !drain(&mut rings, &out, &counters, delay).await {
+            if !drain(&mut rings, &mut pending, &out, &counters, delay).await {
                 return Ok(()); // downstream is gone
             }
             if stopping || *stop.borrow() {
-                drain(&mut rings, &out, &counters, Duration::ZERO).await;
+                drain(&mut rings, &mut pending, &out, &counters, Duration::ZERO).await;
                 return Ok(());
             }
         }
@@ -137,75 +138,102 @@ fn read_ring(
     }
 }
 
-/// Merges sequences by timestamp, keeping each one's own order (a ring's
-/// records are in write order, which is not strictly time order across
-/// CPUs): the next record out is the earliest of the sequences' heads, the
-/// earlier sequence first on a tie.
-fn merge_by_time(sequences: Vec<Vec<Event>>) -> Vec<Event> {
-    let mut sequences: Vec<Vec<Event>> = sequences.into_iter().filter(|s| !s.is_empty()).collect();
-    if sequences.len() <= 1 {
-        return sequences.pop().unwrap_or_default();
-    }
-    let mut out = Vec::with_capacity(sequences.iter().map(Vec::len).sum());
-    let mut heads: Vec<_> = sequences
-        .into_iter()
-        .map(|s| s.into_iter().peekable())
-        .collect();
-    // A linear scan of the heads: there are three rings.
-    loop {
-        let mut earliest: Option<(usize, u64)> = None;
-        for (i, head) in heads.iter_mut().enumerate() {
-            if let Some(ts) = head.peek().map(Event::ts)
-                && earliest.is_none_or(|(_, best)| ts < best)
-            {
-                earliest = Some((i, ts));
-            }
-        }
-        let Some((i, _)) = earliest else { break };
-        out.extend(heads[i].next());
-    }
-    out
-}
+/// Most bystander records held back for a later batch; past it the
+/// bystander ring is not read until they are out (the ring then overflows
+/// and counts its losses, never the target's).
+const MAX_PENDING_BYSTANDER: usize = 4 * BATCH;
 
-/// One batch from the three rings, in time order where it matters: a
-/// thread's device records all come before its exit record, and a CPU's
-/// bystander switches fall between the target's switches on it. The device
-/// and bystander rings are read before and after the scheduler ring; the
-/// second read goes on until the ring is empty or past the last scheduler
-/// record read, so a record written before a scheduler record of this
-/// batch (each ring keeps write order) is in this batch too. For the
-/// device ring that read is unbounded (a thread's calls must precede its
-/// exit); for the bystander ring it stops at another batch: a storm's
-/// backlog would otherwise make one batch of up to a whole ring (~95k
-/// records at the default size), and every queue downstream is sized in
-/// batches. A bystander switch that waits for the next batch is only out of order
-/// against another CPU's records or the target's, which the trace's
-/// importer sorts and nothing in the pipeline keeps state about. Returns
-/// the batch and whether any ring had more than a batch.
-fn read_batch(rings: &mut Rings, counters: &ReaderCounters) -> (Vec<Event>, bool) {
+/// One batch from the three rings, sorted by time (stable: on a tie the
+/// device ring, then the scheduler ring, then the bystander ring). Each
+/// ring holds a CPU's records in time order, so what matters is that no
+/// record of a CPU can still come, in a later batch, from before a record
+/// of that CPU in this one:
+/// - The bystander ring is read before the scheduler ring: a scheduler
+///   record stamped before a bystander record just read was written before
+///   it (a CPU writes in time order), so it is in the scheduler ring by
+///   now. If the scheduler ring is then read to empty, every bystander
+///   record read goes out; if it had more than a batch, a CPU's bystander
+///   records go out only up to the last scheduler record of that CPU read
+///   (unread ones of that CPU are later), the rest wait in `pending`.
+/// - The device ring is read before and after the scheduler ring, the
+///   second read up to the last scheduler record read, so a thread's calls
+///   come before its exit.
+///
+/// Returns the batch and whether a ring had more than a batch.
+fn read_batch(
+    rings: &mut Rings,
+    pending: &mut Vec<Event>,
+    counters: &ReaderCounters,
+) -> (Vec<Event>, bool) {
     let mut device = Vec::new();
     read_ring(rings.device, &mut device, BATCH, None, counters);
-    let mut bystander = Vec::new();
-    read_ring(rings.bystander, &mut bystander, BATCH, None, counters);
+    let room = MAX_PENDING_BYSTANDER.saturating_sub(pending.len());
+    let before = pending.len();
+    read_ring(rings.bystander, pending, room.min(BATCH), None, counters);
+    let bystander_full = room > 0 && pending.len() - before == room.min(BATCH);
     let mut sched = Vec::with_capacity(BATCH);
     read_ring(rings.sched, &mut sched, BATCH, None, counters);
-    let full = device.len() == BATCH || sched.len() == BATCH || bystander.len() == BATCH;
-    if let Some(last) = sched.iter().map(Event::ts).max() {
+    let sched_drained = sched.len() < BATCH;
+    let last = sched.iter().map(Event::ts).max();
+    if let Some(last) = last {
         read_ring(rings.device, &mut device, usize::MAX, Some(last), counters);
-        read_ring(rings.bystander, &mut bystander, BATCH, Some(last), counters);
     }
-    (merge_by_time(vec![device, sched, bystander]), full)
+    let full = device.len() >= BATCH || !sched_drained || bystander_full;
+    (assemble(device, sched, pending, sched_drained), full)
+}
+
+/// A batch from what was read: every bystander record that can go (all of
+/// them when the scheduler ring was read to empty, else a CPU's only up to
+/// the last scheduler record of that CPU read; the rest stay in
+/// `pending`), sorted by time, stable (device, scheduler, bystander on a
+/// tie).
+fn assemble(
+    device: Vec<Event>,
+    sched: Vec<Event>,
+    pending: &mut Vec<Event>,
+    sched_drained: bool,
+) -> Vec<Event> {
+    let bystander = if sched_drained {
+        std::mem::take(pending)
+    } else {
+        let mut last_by_cpu: Vec<Option<u64>> = Vec::new();
+        for e in &sched {
+            if let Some(cpu) = e.cpu().map(|c| c as usize)
+                && cpu < xpuscope_common::MAX_CPUS as usize
+            {
+                if cpu >= last_by_cpu.len() {
+                    last_by_cpu.resize(cpu + 1, None);
+                }
+                let slot = &mut last_by_cpu[cpu];
+                *slot = Some(slot.map_or(e.ts(), |t| t.max(e.ts())));
+            }
+        }
+        let (out, keep): (Vec<Event>, Vec<Event>) = pending.drain(..).partition(|e| {
+            e.cpu()
+                .and_then(|c| last_by_cpu.get(c as usize).copied().flatten())
+                .is_some_and(|last| e.ts() <= last)
+        });
+        *pending = keep;
+        out
+    };
+    let mut batch = device;
+    batch.extend(sched);
+    batch.extend(bystander);
+    // Stable and adaptive: the rings are nearly in time order already.
+    batch.sort_by_key(Event::ts);
+    batch
 }
 
 /// Drains everything available. Returns false if the consumer hung up.
 async fn drain(
     rings: &mut Rings<'_>,
+    pending: &mut Vec<Event>,
     out: &mpsc::Sender<Msg>,
     counters: &ReaderCounters,
     delay: Duration,
 ) -> bool {
     loop {
-        let (batch, full) = read_batch(rings, counters);
+        let (batch, full) = read_batch(rings, pending, counters);
         if batch.is_empty() {
             return true;
         }
@@ -226,9 +254,9 @@ mod tests {
     use super::*;
     use crate::events::{Comm, Rename};
 
-    fn at(ts: u64, tid: u32) -> Event {
+    fn at(cpu: u32, ts: u64, tid: u32) -> Event {
         Event::Rename(Rename {
-            cpu: 0,
+            cpu,
             ts,
             tid,
             tgid: tid,
@@ -237,61 +265,44 @@ mod tests {
         })
     }
 
-    fn order(v: &[Event]) -> Vec<(u64, u32)> {
+    fn order(v: &[Event]) -> Vec<(u32, u64, u32)> {
         v.iter()
             .map(|e| match e {
-                Event::Rename(r) => (r.ts, r.tid),
+                Event::Rename(r) => (r.cpu, r.ts, r.tid),
                 _ => unreachable!(),
             })
             .collect()
     }
 
+    /// Per CPU, time never goes back: neither within a batch (sorted) nor
+    /// across batches (a bystander record waits while its CPU's earlier
+    /// scheduler records may still be unread).
     #[test]
-    fn merge_interleaves_by_time_and_keeps_each_sequence_order() {
-        // The scheduler sequence is not strictly sorted (records of two
-        // CPUs): its own order stays.
-        let sched = vec![at(10, 1), at(30, 1), at(25, 1), at(50, 1)];
-        let device = vec![at(5, 2), at(26, 2), at(40, 2)];
-        let merged = merge_by_time(vec![device, sched]);
+    fn a_cpu_never_goes_back_in_time_across_rings_and_batches() {
+        // The scheduler ring had more than a batch: cpu 1's record at 10
+        // came before cpu 0's at 5 in write order.
+        let sched = vec![at(1, 10, 1), at(0, 5, 1)];
+        let device = vec![at(0, 5, 2), at(1, 12, 2)];
+        let mut pending = vec![at(0, 4, 3), at(0, 7, 3), at(1, 9, 3), at(2, 3, 3)];
+        let batch = assemble(device, sched, &mut pending, false);
         assert_eq!(
-            order(&merged),
-            vec![(5, 2), (10, 1), (26, 2), (30, 1), (25, 1), (40, 2), (50, 1)]
-        );
-        assert_eq!(
-            order(&merge_by_time(vec![vec![], vec![at(1, 1)]])),
-            vec![(1, 1)]
-        );
-        assert_eq!(
-            order(&merge_by_time(vec![vec![at(1, 2)], vec![]])),
-            vec![(1, 2)]
-        );
-        assert!(merge_by_time(vec![]).is_empty());
-    }
-
-    #[test]
-    fn merge_of_three_rings_keeps_each_order_and_puts_ties_in_ring_order() {
-        let device = vec![at(20, 2), at(60, 2)];
-        let sched = vec![at(10, 1), at(20, 1), at(45, 1), at(40, 1)];
-        let bystander = vec![at(5, 3), at(20, 3), at(41, 3), at(30, 3), at(70, 3)];
-        let merged = merge_by_time(vec![device, sched, bystander]);
-        assert_eq!(
-            order(&merged),
+            order(&batch),
             vec![
-                (5, 3),
-                (10, 1),
-                // A tie: device, then scheduler, then bystander.
-                (20, 2),
-                (20, 1),
-                (20, 3),
-                // 41 before 30: the bystander ring's own order.
-                (41, 3),
-                (30, 3),
-                (45, 1),
-                (40, 1),
-                (60, 2),
-                (70, 3),
+                (0, 4, 3),
+                // A tie: device, then scheduler.
+                (0, 5, 2),
+                (0, 5, 1),
+                (1, 9, 3),
+                (1, 10, 1),
+                (1, 12, 2),
             ]
         );
-        assert_eq!(merged.len(), 11, "nothing lost or repeated");
+        // cpu 0's 7 waits (its scheduler records after 5 are unread), and
+        // cpu 2 had none read at all.
+        assert_eq!(order(&pending), vec![(0, 7, 3), (2, 3, 3)]);
+        // The scheduler ring read to the end: everything goes.
+        let batch = assemble(vec![], vec![at(0, 8, 1)], &mut pending, true);
+        assert_eq!(order(&batch), vec![(2, 3, 3), (0, 7, 3), (0, 8, 1)]);
+        assert!(pending.is_empty());
     }
 }
