@@ -11,7 +11,6 @@
 //! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`).
 
 mod bench;
-mod bench_merge;
 mod bench_probes;
 mod build;
 mod fuzz;
@@ -59,8 +58,7 @@ enum Task {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 3)]
         seconds: u64,
-        /// Only this part: `probes` (device-library probe costs), `merge`
-        /// (agent merge on 16 node traces; --seconds is the job's length).
+        /// Only this part: `probes` (device-library probe costs).
         only: Option<String>,
         /// Another agent binary (e.g. a build of the previous version) to
         /// measure in the same run: interleaved in the ping-pong rounds,
