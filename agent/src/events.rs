@@ -221,23 +221,6 @@ impl Event {
             Event::ProbeStack(e) => e.ts,
         }
     }
-
-    /// The CPU the kernel wrote the record on (None for call stacks, which
-    /// do not say).
-    pub fn cpu(&self) -> Option<u32> {
-        match self {
-            Event::Switch(e) => Some(e.cpu),
-            Event::Waking(e) => Some(e.cpu),
-            Event::Fork(e) => Some(e.cpu),
-            Event::Exec(e) => Some(e.cpu),
-            Event::Exit(e) => Some(e.cpu),
-            Event::Rename(e) => Some(e.cpu),
-            Event::Stack(e) => Some(e.cpu),
-            Event::ProbeEntry(e) => Some(e.header.cpu),
-            Event::ProbeReturn(e) => Some(e.header.cpu),
-            Event::ProbeStack(_) => None,
-        }
-    }
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]

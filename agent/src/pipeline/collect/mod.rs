@@ -75,7 +75,7 @@ impl Reader {
         let mut bystander = register(bystander)?;
         let mut tick = tokio::time::interval(drain_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut pending = Vec::new();
+        let mut held = Held::new();
         loop {
             let mut stopping = false;
             tokio::select! {
@@ -90,11 +90,11 @@ impl Reader {
                 device: device.get_mut(),
                 bystander: bystander.get_mut(),
             };
-            if !drain(&mut rings, &mut pending, &out, &counters, delay).await {
+            if !drain(&mut rings, &mut held, &out, &counters, delay, false).await {
                 return Ok(()); // downstream is gone
             }
             if stopping || *stop.borrow() {
-                drain(&mut rings, &mut pending, &out, &counters, Duration::ZERO).await;
+                drain(&mut rings, &mut held, &out, &counters, Duration::ZERO, true).await;
                 return Ok(());
             }
         }
@@ -138,103 +138,100 @@ fn read_ring(
     }
 }
 
-/// Most bystander records held back for a later batch; past it the
-/// bystander ring is not read until they are out (the ring then overflows
-/// and counts its losses, never the target's).
-const MAX_PENDING_BYSTANDER: usize = 4 * BATCH;
+/// How long after a record's timestamp it is surely in its ring: a
+/// program stamps, reserves and commits a record within microseconds and
+/// cannot be preempted meanwhile; a millisecond leaves a wide margin.
+const COMMIT_SLACK_NS: u64 = 1_000_000;
 
-/// One batch from the three rings, sorted by time (stable: on a tie the
-/// device ring, then the scheduler ring, then the bystander ring). Each
-/// ring holds a CPU's records in time order, so what matters is that no
-/// record of a CPU can still come, in a later batch, from before a record
-/// of that CPU in this one:
-/// - The bystander ring is read before the scheduler ring: a scheduler
-///   record stamped before a bystander record just read was written before
-///   it (a CPU writes in time order), so it is in the scheduler ring by
-///   now. If the scheduler ring is then read to empty, every bystander
-///   record read goes out; if it had more than a batch, a CPU's bystander
-///   records go out only up to the last scheduler record of that CPU read
-///   (unread ones of that CPU are later), the rest wait in `pending`.
-/// - The device ring is read before and after the scheduler ring, the
-///   second read up to the last scheduler record read, so a thread's calls
-///   come before its exit.
-///
-/// Returns the batch and whether a ring had more than a batch.
-fn read_batch(
-    rings: &mut Rings,
-    pending: &mut Vec<Event>,
-    counters: &ReaderCounters,
-) -> (Vec<Event>, bool) {
-    let mut device = Vec::new();
-    read_ring(rings.device, &mut device, BATCH, None, counters);
-    let room = MAX_PENDING_BYSTANDER.saturating_sub(pending.len());
-    let before = pending.len();
-    read_ring(rings.bystander, pending, room.min(BATCH), None, counters);
-    let bystander_full = room > 0 && pending.len() - before == room.min(BATCH);
-    let mut sched = Vec::with_capacity(BATCH);
-    read_ring(rings.sched, &mut sched, BATCH, None, counters);
-    let sched_drained = sched.len() < BATCH;
-    let last = sched.iter().map(Event::ts).max();
-    if let Some(last) = last {
-        read_ring(rings.device, &mut device, usize::MAX, Some(last), counters);
-    }
-    let full = device.len() >= BATCH || !sched_drained || bystander_full;
-    (assemble(device, sched, pending, sched_drained), full)
+/// The records read but not handed on yet (see [`read_batch`]).
+pub(crate) type Held = Vec<Event>;
+
+/// What one read of a ring saw.
+struct RingRead {
+    /// Read to empty.
+    drained: bool,
+    /// The timestamp of the last record read (in ring order), if any.
+    last_ts: Option<u64>,
 }
 
-/// A batch from what was read: every bystander record that can go (all of
-/// them when the scheduler ring was read to empty, else a CPU's only up to
-/// the last scheduler record of that CPU read; the rest stay in
-/// `pending`), sorted by time, stable (device, scheduler, bystander on a
-/// tie).
-fn assemble(
-    device: Vec<Event>,
-    sched: Vec<Event>,
-    pending: &mut Vec<Event>,
-    sched_drained: bool,
-) -> Vec<Event> {
-    let bystander = if sched_drained {
-        std::mem::take(pending)
-    } else {
-        let mut last_by_cpu: Vec<Option<u64>> = Vec::new();
-        for e in &sched {
-            if let Some(cpu) = e.cpu().map(|c| c as usize)
-                && cpu < xpuscope_common::MAX_CPUS as usize
-            {
-                if cpu >= last_by_cpu.len() {
-                    last_by_cpu.resize(cpu + 1, None);
-                }
-                let slot = &mut last_by_cpu[cpu];
-                *slot = Some(slot.map_or(e.ts(), |t| t.max(e.ts())));
-            }
+fn read_all(
+    ring: &mut RingBuf<MapData>,
+    into: &mut Vec<Event>,
+    counters: &ReaderCounters,
+) -> RingRead {
+    let before = into.len();
+    read_ring(ring, into, BATCH, None, counters);
+    let n = into.len() - before;
+    RingRead {
+        drained: n < BATCH,
+        last_ts: (n > 0).then(|| into[into.len() - 1].ts()),
+    }
+}
+
+/// One batch from the three rings, in time order: every CPU's records
+/// (switches above all: a CPU's track must never go back in time) and a
+/// thread's device calls before its exit, whichever ring they came in.
+///
+/// Records are held until no ring can still hold an earlier one. `now` is
+/// taken before the rings are read, so every record stamped before
+/// `now - COMMIT_SLACK_NS` was in its ring by then, and a ring read to
+/// empty gave all of them; a ring that had more than a batch can still
+/// give records from just before its last record read (a later record in
+/// a ring was reserved later, so it was stamped at most the slack earlier),
+/// so the watermark also stays below that. Records up to the watermark go
+/// out, sorted by time (stable: on a tie the device ring, then the
+/// scheduler ring, then the bystander ring); `flush` (at the end) sends
+/// everything. Returns the batch and whether a ring had more than a batch.
+fn read_batch(
+    rings: &mut Rings,
+    held: &mut Held,
+    counters: &ReaderCounters,
+    flush: bool,
+) -> (Vec<Event>, bool) {
+    let now = crate::host::boottime_ns();
+    let reads = [
+        read_all(rings.device, held, counters),
+        read_all(rings.sched, held, counters),
+        read_all(rings.bystander, held, counters),
+    ];
+    let full = reads.iter().any(|r| !r.drained);
+    let mut watermark = now.saturating_sub(COMMIT_SLACK_NS);
+    for r in reads.iter().filter(|r| !r.drained) {
+        if let Some(last) = r.last_ts {
+            watermark = watermark.min(last.saturating_sub(COMMIT_SLACK_NS));
         }
-        let (out, keep): (Vec<Event>, Vec<Event>) = pending.drain(..).partition(|e| {
-            e.cpu()
-                .and_then(|c| last_by_cpu.get(c as usize).copied().flatten())
-                .is_some_and(|last| e.ts() <= last)
-        });
-        *pending = keep;
-        out
-    };
-    let mut batch = device;
-    batch.extend(sched);
-    batch.extend(bystander);
+    }
+    (
+        release(held, if flush && !full { u64::MAX } else { watermark }),
+        full,
+    )
+}
+
+/// The held records stamped at or before `watermark`, in time order
+/// (stable); the rest stay held.
+fn release(held: &mut Held, watermark: u64) -> Vec<Event> {
     // Stable and adaptive: the rings are nearly in time order already.
-    batch.sort_by_key(Event::ts);
-    batch
+    held.sort_by_key(Event::ts);
+    let n = held.partition_point(|e| e.ts() <= watermark);
+    let rest = held.split_off(n);
+    std::mem::replace(held, rest)
 }
 
 /// Drains everything available. Returns false if the consumer hung up.
 async fn drain(
     rings: &mut Rings<'_>,
-    pending: &mut Vec<Event>,
+    held: &mut Held,
     out: &mpsc::Sender<Msg>,
     counters: &ReaderCounters,
     delay: Duration,
+    flush: bool,
 ) -> bool {
     loop {
-        let (batch, full) = read_batch(rings, pending, counters);
+        let (batch, full) = read_batch(rings, held, counters, flush);
         if batch.is_empty() {
+            if full {
+                continue; // all held back: read on
+            }
             return true;
         }
         if out.send(Msg::Events(batch)).await.is_err() {
@@ -274,35 +271,25 @@ mod tests {
             .collect()
     }
 
-    /// Per CPU, time never goes back: neither within a batch (sorted) nor
-    /// across batches (a bystander record waits while its CPU's earlier
-    /// scheduler records may still be unread).
+    /// Records go out in time order, and only up to the watermark: a
+    /// record of an earlier time read later (another ring, a later batch)
+    /// still comes before anything later of its CPU.
     #[test]
-    fn a_cpu_never_goes_back_in_time_across_rings_and_batches() {
-        // The scheduler ring had more than a batch: cpu 1's record at 10
-        // came before cpu 0's at 5 in write order.
-        let sched = vec![at(1, 10, 1), at(0, 5, 1)];
-        let device = vec![at(0, 5, 2), at(1, 12, 2)];
-        let mut pending = vec![at(0, 4, 3), at(0, 7, 3), at(1, 9, 3), at(2, 3, 3)];
-        let batch = assemble(device, sched, &mut pending, false);
-        assert_eq!(
-            order(&batch),
-            vec![
-                (0, 4, 3),
-                // A tie: device, then scheduler.
-                (0, 5, 2),
-                (0, 5, 1),
-                (1, 9, 3),
-                (1, 10, 1),
-                (1, 12, 2),
-            ]
-        );
-        // cpu 0's 7 waits (its scheduler records after 5 are unread), and
-        // cpu 2 had none read at all.
-        assert_eq!(order(&pending), vec![(0, 7, 3), (2, 3, 3)]);
-        // The scheduler ring read to the end: everything goes.
-        let batch = assemble(vec![], vec![at(0, 8, 1)], &mut pending, true);
-        assert_eq!(order(&batch), vec![(2, 3, 3), (0, 7, 3), (0, 8, 1)]);
-        assert!(pending.is_empty());
+    fn records_go_out_in_time_order_up_to_the_watermark() {
+        // Write order of three rings: cpu 1's 10 before cpu 0's 5, and a
+        // bystander record of cpu 0 at 4 read after them.
+        let mut held: Held = vec![at(1, 10, 1), at(0, 5, 1), at(0, 5, 2), at(0, 4, 3)];
+        let out = release(&mut held, 6);
+        assert_eq!(order(&out), vec![(0, 4, 3), (0, 5, 1), (0, 5, 2)]);
+        assert_eq!(order(&held), vec![(1, 10, 1)], "10 waits");
+        // The next read brings cpu 1's 7 (another ring): it still goes out
+        // before the held 10.
+        held.push(at(1, 7, 3));
+        held.push(at(0, 12, 1));
+        let out = release(&mut held, 11);
+        assert_eq!(order(&out), vec![(1, 7, 3), (1, 10, 1)]);
+        let out = release(&mut held, u64::MAX);
+        assert_eq!(order(&out), vec![(0, 12, 1)]);
+        assert!(held.is_empty());
     }
 }
