@@ -41,6 +41,34 @@ pub enum Command {
     Service(ServiceArgs),
     /// Talk to a running `agent service` over its control socket.
     Ctl(CtlArgs),
+    /// Merge the traces of one job's nodes (one `agent attach` trace per
+    /// node) into one trace: clocks aligned on the job's collectives,
+    /// processes kept apart per node, ranks labelled with their parallel
+    /// groups and ordered by global rank.
+    Merge(MergeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    /// One trace per node (`agent attach` output).
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+    /// The merged trace to write.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Also write the summary (offsets, groups, warnings) as JSON.
+    #[arg(long)]
+    pub stats_json: Option<PathBuf>,
+    /// Also write each rank's step breakdown as CSV.
+    #[arg(long)]
+    pub steps_csv: Option<PathBuf>,
+    /// Merge even if the traces' job labels differ.
+    #[arg(long)]
+    pub force: bool,
+    /// Leave scheduler data out (needed when the nodes have more than
+    /// 1024 CPUs in all).
+    #[arg(long)]
+    pub no_sched: bool,
 }
 
 #[derive(Args, Debug)]

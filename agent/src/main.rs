@@ -11,6 +11,7 @@ mod config;
 mod events;
 mod host;
 mod kernel;
+mod merge;
 mod model;
 mod pipeline;
 mod preflight;
@@ -72,6 +73,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Ctl(args) => service::control::client::run(&args),
+        Command::Merge(args) => run_merge(args),
         Command::Attach(args) => {
             let cfg = args.into_config();
             let stats_path = cfg.stats_json.clone();
@@ -95,6 +97,32 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+fn run_merge(args: cli::MergeArgs) -> ExitCode {
+    let opts = merge::MergeOptions {
+        inputs: args.traces,
+        output: args.output,
+        force: args.force,
+        no_sched: args.no_sched,
+        steps_csv: args.steps_csv,
+    };
+    let result = merge::run(&opts).and_then(|report| {
+        report.print();
+        if let Some(path) = &args.stats_json {
+            let json = serde_json::to_string_pretty(&report)?;
+            std::fs::write(path, json)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        }
+        Ok(())
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xpuscope: error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -81,9 +81,11 @@
 //! (`perfetto_protos`, a different protobuf runtime) and checks the
 //! importer's rules; this crate's integration tests run it on every trace.
 
+mod edit;
 mod intern;
 mod packet;
 mod proto;
+mod read;
 mod samples;
 mod sched;
 mod sequence;
@@ -96,6 +98,15 @@ pub use types::{
     Mapping, ProcessInfo, SampleFormat, SystemInfo, ThreadInfo, TrackUuid, WriterOptions,
 };
 pub use writer::TraceWriter;
+
+/// Reading and rewriting traces this crate wrote (merging nodes).
+pub mod rewrite {
+    pub use crate::edit::{
+        ArgRef, DecodeError, EventKind, EventView, IdMap, Interning, Packet, SampleView,
+        SystemInfoView, TrackView,
+    };
+    pub use crate::read::{MAX_PACKET_BYTES, PacketReader, ReadError, Truncated};
+}
 
 /// `StackSampleDefaults.source` of off-CPU samples; the UI titles their
 /// tracks and flamegraph tab after it ("Xpuscope Off Cpu").

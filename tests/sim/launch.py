@@ -9,6 +9,9 @@ killed when one fails. Injects faults and writes a ground-truth JSON file.
 
     python3 tests/sim/launch.py --steps 100 --out-dir /tmp/job
     python3 tests/sim/launch.py --fault slow:rank=3,factor=3,from_step=20
+    # two "nodes" of 4 ranks each, every launcher started on its own:
+    python3 tests/sim/launch.py --world-size 8 --nnodes 2 --node-rank 0 --rdv-dir /tmp/rdv &
+    python3 tests/sim/launch.py --world-size 8 --nnodes 2 --node-rank 1 --rdv-dir /tmp/rdv
 
 See tests/sim/README.md. Python 3.11 standard library only.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sim_faults
+import sim_nodes
 import sim_truth
 from sim_layout import Layout, build_layout, collectives_per_step, comm_file_text
 
@@ -157,6 +161,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--activity-log", action="store_true",
                    help="each rank writes every activity record it reads to "
                         "rank<R>.activity.jsonl")
+    p.add_argument("--init-delay-ms", type=int, default=0,
+                   help="ranks pause this long before their first device call (an agent "
+                        "attached to the launcher then probes communicator set-up)")
+    p.add_argument("--spawn-gate",
+                   help="the launcher starts its ranks only once this file exists (attach an "
+                        "agent to the launcher first)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes of the job, one launcher each (torchrun --nnodes)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this launcher's node (0-based): it starts ranks "
+                        "K*L .. K*L+L-1, L = world size / nnodes")
+    p.add_argument("--rdv-dir",
+                   help="directory every node's launcher shares (rendezvous, communicator ids, "
+                        "the job's ground truth); needed with --nnodes > 1; fresh per job")
+    p.add_argument("--node-name",
+                   help="run this node in its own UTS namespace with this hostname (root)")
     p.add_argument("--quiet", action="store_true")
     for name, default, help_ in WORKLOAD_OPTS:
         p.add_argument(f"--{name}", type=int, default=default, help=help_)
@@ -188,6 +208,8 @@ def rank_argv(args, build: Path, rank: int, comm_file: Path, rdv: Path, step_log
         argv += ["--start-delay-ms", str(args.start_delay_ms)]
     if args.start_gate:
         argv += ["--start-gate", str(Path(args.start_gate).resolve())]
+    if args.init_delay_ms:
+        argv += ["--init-delay-ms", str(args.init_delay_ms)]
     if args.real_libs:
         argv.append("--tolerate-errors")
     if args.activity_api:
@@ -222,9 +244,19 @@ class Job:
         sim_faults.validate(faults, self.layout.world_size,
                             {c.name for c in self.layout.comms}, args.steps)
         self.faults = faults
-        self.job = args.job_name or f"sim-{args.flavor}-{os.getpid()}"
+        self.node = sim_nodes.spec_from_args(args, self.layout.world_size)
+        self.local_ranks = set(self.node.local_ranks(self.layout.world_size))
+        if args.job_name:
+            self.job = args.job_name
+        elif self.node.multi:
+            self.job = sim_nodes.default_job_name(args.flavor, self.node.rdv_dir)
+        else:
+            self.job = f"sim-{args.flavor}-{os.getpid()}"
         if args.out_dir:
             self.out = Path(args.out_dir).resolve()
+            self.out.mkdir(parents=True, exist_ok=True)
+        elif self.node.multi:
+            self.out = self.node.rdv_dir / f"node{self.node.node_rank}"
             self.out.mkdir(parents=True, exist_ok=True)
         else:
             import tempfile
@@ -235,7 +267,7 @@ class Job:
         self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed
         self.ranks: list[RankProc] = []
         self.neighbours = [Neighbour(f, self.cpu_of(f.rank)) for f in faults
-                           if f.kind == "cpu_contention"]
+                           if f.kind == "cpu_contention" and f.rank in self.local_ranks]
         self.tails: dict[int, StepLogTail] = {}
         self.status = "running"
         self.hang: dict | None = None
@@ -244,7 +276,11 @@ class Job:
         self.end_clock: dict | None = None
 
     def cpu_of(self, rank: int) -> int | None:
-        return None if self.args.no_pin else self.cpus[rank % len(self.cpus)]
+        local = rank - min(self.local_ranks)
+        return None if self.args.no_pin else self.cpus[local % len(self.cpus)]
+
+    def local_faults(self) -> list[sim_faults.Fault]:
+        return [f for f in self.faults if f.rank in self.local_ranks]
 
     # ---- set-up ----
 
@@ -252,9 +288,9 @@ class Job:
         a = self.args
         env = {
             "WORLD_SIZE": str(self.layout.world_size),
-            "LOCAL_WORLD_SIZE": str(self.layout.world_size),
-            "GROUP_RANK": "0",
-            "NODE_RANK": "0",
+            "LOCAL_WORLD_SIZE": str(len(self.local_ranks)),
+            "GROUP_RANK": str(self.node.node_rank),
+            "NODE_RANK": str(self.node.node_rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500",
             "XPUSCOPE_JOB": self.job,
@@ -284,15 +320,24 @@ class Job:
                                  f"`make -C tests/standins OUT=target/fixtures/standins && "
                                  f"make -C tests/sim` (or cargo test -p xpuscope-tests)")
         comm_dir = self.out / "comms"
-        rdv = self.out / "rdv"
         comm_dir.mkdir(exist_ok=True)
-        rdv.mkdir(exist_ok=True)
-        for stale in rdv.iterdir():
-            stale.unlink()
-        inj = sim_faults.injections(self.faults, a.flavor)
+        if self.node.multi:
+            # Shared by every node; fresh per job (registration refuses a
+            # directory an earlier job used).
+            sim_nodes.register(self.node, self.job, self.layout.world_size, self.out)
+            rdv = self.node.rdv_dir / "ids"
+        else:
+            rdv = self.out / "rdv"
+            rdv.mkdir(exist_ok=True)
+            for stale in rdv.iterdir():
+                stale.unlink()
+        inj = sim_faults.injections(self.local_faults(), a.flavor)
         base = self.base_env()
         for c in self.layout.ranks:
             r = c.rank
+            if r not in self.local_ranks:
+                continue
+            local = r - min(self.local_ranks)
             comm_file = comm_dir / f"rank{r}.comms"
             comm_file.write_text(comm_file_text(self.layout, r))
             step_log = self.out / f"rank{r}.steps.jsonl"
@@ -301,13 +346,14 @@ class Job:
             if activity_log:
                 activity_log.unlink(missing_ok=True)
             env = dict(base)
-            env.update({"RANK": str(r), "LOCAL_RANK": str(r)})
+            env.update({"RANK": str(r), "LOCAL_RANK": str(local)})
             if a.flavor == "ascend":
-                env.update({"RANK_ID": str(r), "DEVICE_ID": str(r), "ASCEND_DEVICE_ID": str(r)})
+                env.update({"RANK_ID": str(r), "DEVICE_ID": str(local),
+                            "ASCEND_DEVICE_ID": str(local)})
             if r in inj:
                 env.update(inj[r].env)
             self.ranks.append(RankProc(
-                rank=r, local_rank=r, cpu=self.cpu_of(r),
+                rank=r, local_rank=local, cpu=self.cpu_of(r),
                 argv=rank_argv(a, self.build, r, comm_file, rdv, step_log, activity_log,
                                inj.get(r)),
                 env_extra=env, step_log=step_log, log=self.out / f"rank{r}.log",
@@ -317,6 +363,18 @@ class Job:
     # ---- running ----
 
     def start(self) -> None:
+        if self.node.multi:
+            sim_nodes.wait_for_nodes(self.node, self.job, self.args.timeout)
+        if self.args.spawn_gate:
+            self.write_ground_truth()  # the launcher's pid and layout, before any rank
+            gate = Path(self.args.spawn_gate)
+            deadline = time.monotonic() + self.args.timeout
+            while not gate.exists():
+                if time.monotonic() > deadline:
+                    raise sim_nodes.NodeError(f"--spawn-gate {gate} did not appear within "
+                                              f"{self.args.timeout} s")
+                time.sleep(POLL_S)
+        self.launch_clock = clock_pair()
         for rp in self.ranks:
             env = dict(os.environ)
             env.update(rp.env_extra)
@@ -358,7 +416,7 @@ class Job:
                 n.stopped = clock_pair()
 
     def kill_ranks(self, reason: str, status: str) -> None:
-        alive = [rp for rp in self.ranks if rp.proc.poll() is None]
+        alive = [rp for rp in self.ranks if rp.proc is not None and rp.proc.poll() is None]
         for rp in alive:
             rp.killed_by_launcher = reason
             rp.status = status
@@ -392,7 +450,16 @@ class Job:
                 rp = failed[0]
                 self.first_failure = {"rank": rp.rank, "status": rp.status,
                                       "returncode": rp.proc.returncode, **rp.exit_clock}
+                if self.node.multi:
+                    sim_nodes.report_failure(self.node, rp.rank, rp.status)
                 if self.args.on_failure == "kill":
+                    self.kill_ranks("peer_failure", "terminated")
+            elif (self.node.multi and self.first_failure is None
+                  and self.args.on_failure == "kill"):
+                peer = sim_nodes.peer_failure(self.node)
+                if peer is not None:
+                    self.first_failure = {"rank": peer["rank"], "status": peer["status"],
+                                          "node_rank": peer["node_rank"], **clock_pair()}
                     self.kill_ranks("peer_failure", "terminated")
             if all(rp.exit_clock is not None for rp in self.ranks):
                 break
@@ -413,6 +480,8 @@ class Job:
         else:
             self.status = "failed"
         self.write_ground_truth()
+        if self.node.multi:
+            sim_nodes.write_job_ground_truth(self.node)
         if not self.args.quiet:
             dur = (self.end_clock["boot_ns"] - self.launch_clock["boot_ns"]) / 1e9
             print(f"launch.py: job {self.job} {self.status} in {dur:.2f} s; "
@@ -425,6 +494,8 @@ class Job:
         self.status = "aborted"
         self.end_clock = clock_pair()
         self.write_ground_truth()
+        if self.node.multi:
+            sim_nodes.write_job_ground_truth(self.node)
         raise SystemExit(128 + signum)
 
     # ---- ground truth ----
@@ -440,13 +511,15 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         job = Job(args)
-    except (ValueError, sim_faults.FaultError) as e:
+        if args.node_name:
+            sim_nodes.enter_uts_namespace(args.node_name)
+        job.prepare()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, _f: job.abort(s))
+        job.start()
+    except (ValueError, sim_faults.FaultError, sim_nodes.NodeError) as e:
         print(f"launch.py: {e}", file=sys.stderr)
         return 2
-    job.prepare()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda s, _f: job.abort(s))
-    job.start()
     return job.run()
 
 

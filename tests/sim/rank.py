@@ -85,7 +85,7 @@ def parse_args(argv):
     for name, default in [("microbatches", 2), ("layers", 3), ("kernel-us", 300),
                           ("opt-kernels", 2), ("opt-kernel-us", 200), ("host-us", 200),
                           ("loader-us", 200), ("prefetch", 2), ("grad-mb", 4), ("act-kb", 256),
-                          ("start-delay-ms", 0), ("hang-step", -1), ("hang-inside", -1)]:
+                          ("start-delay-ms", 0), ("init-delay-ms", 0), ("hang-step", -1), ("hang-inside", -1)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--start-gate")
     p.add_argument("--tolerate-errors", action="store_true")
@@ -192,6 +192,10 @@ class Rank:
         self.log.write(event="init", rank=self.rank, local_rank=self.local_rank,
                        world_size=self.world, pid=os.getpid(), flavor=self.dev.flavor,
                        lang="python", boot_ns=boot_ns(), real_ns=real_ns())
+        if self.a.init_delay_ms:
+            # Time for an agent attached to the launcher to probe the
+            # libraries just loaded, before communicator set-up.
+            time.sleep(self.a.init_delay_ms / 1000)
         self.check(self.dev.init(self.local_rank), "device init")
         if a.activity_log:
             self.dev.activity.open_log(a.activity_log)

@@ -125,7 +125,8 @@ def fault_truth(job, fault: sim_faults.Fault, events_by_rank: dict[int, list[dic
     elif fault.kind == "mem_leak":
         cap = (p.get("device_mem_mb", 0) << 20) or ((job.args.device_mem_mb or 0) << 20) \
               or DEFAULT_DEVICE_MEM[job.args.flavor]
-        baseline = (ranks[r].get("ready") or {}).get("mem_bytes")
+        mine = next((x for x in ranks if x["rank"] == r), {})
+        baseline = (mine.get("ready") or {}).get("mem_bytes")
         leak = p["mb"] << 20
         expected = {"capacity_bytes": cap, "baseline_bytes": baseline, "leak_bytes_per_step": leak}
         if baseline is not None:
@@ -186,7 +187,8 @@ def ground_truth(job) -> dict:
             for c in job.layout.comms
         ],
         "ranks": ranks,
-        "faults": [fault_truth(job, f, events_by_rank, ranks) for f in job.faults],
+        "faults": [fault_truth(job, f, events_by_rank, ranks) for f in job.local_faults()],
+        "node": job.node.to_json(job.layout.world_size),
         "clock": {
             "launch": job.launch_clock,
             "end": end,

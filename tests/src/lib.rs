@@ -1,6 +1,7 @@
 //! Shared support for xpuscope's end-to-end tests.
 //!
 //! - [`agent`]: runs the real agent and workloads under guards.
+//! - [`cluster`]: a simulated job over several nodes, one agent per node.
 //! - [`device`]: the simulated job under the agent and device-trace lookups.
 //! - [`fixtures`]: builds the native fixtures (workloads, stand-in device
 //!   libraries, the simulated training job) from source, once per test run.
@@ -9,6 +10,7 @@
 //!   checks the trace-processor importer's rules.
 
 pub mod agent;
+pub mod cluster;
 pub mod device;
 pub mod fixtures;
 pub mod trace_check;

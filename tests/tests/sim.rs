@@ -976,3 +976,234 @@ fn ranks_wait_at_a_start_gate_until_an_agent_opens_it() {
         assert!(first >= start);
     }
 }
+
+// ---------------------------------------------------------------------------
+// Several "nodes": one launcher per node, started on its own, meeting in a
+// shared rendezvous directory.
+
+/// A finished multi-node job: the job's ground truth and each node's.
+struct NodesJob {
+    job: Value,
+    nodes: Vec<Value>,
+    exits: Vec<Option<i32>>,
+    _dir: ScratchDir,
+}
+
+/// Starts `nnodes` launchers of one job (each in its own process group, as
+/// on separate machines), `node-<k>` as each node's hostname.
+fn run_nodes(name: &str, nnodes: usize, args: &[&str], limit: Duration) -> NodesJob {
+    let dir = ScratchDir::new(name);
+    let fixtures = fixtures::build_all();
+    let launcher = fixtures::repo_root().join("tests/sim/launch.py");
+    let rdv = dir.0.join("rdv");
+    let mut guards: Vec<GroupGuard> = (0..nnodes)
+        .map(|k| {
+            let child = Command::new("python3")
+                .arg(&launcher)
+                .arg("--build-dir")
+                .arg(fixtures.join("sim"))
+                .args(["--quiet", "--nnodes", &nnodes.to_string()])
+                .args(["--node-rank", &k.to_string()])
+                .args(["--node-name", &format!("node-{k}")])
+                .arg("--rdv-dir")
+                .arg(&rdv)
+                .args(args)
+                .stdin(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .expect("spawn python3 tests/sim/launch.py");
+            GroupGuard(Some(child))
+        })
+        .collect();
+    let exits = guards
+        .iter_mut()
+        .enumerate()
+        .map(|(k, g)| {
+            let status = g.wait_timeout(limit);
+            assert!(
+                status.is_some(),
+                "node {k} of {name} still running after {limit:?}"
+            );
+            status.and_then(|s| s.code().or(s.signal().map(|sig| 128 + sig)))
+        })
+        .collect();
+    drop(guards);
+    let job = read_json(&rdv.join("ground_truth.json"));
+    let nodes = (0..nnodes)
+        .map(|k| read_json(&rdv.join(format!("node{k}")).join("ground_truth.json")))
+        .collect();
+    NodesJob {
+        job,
+        nodes,
+        exits,
+        _dir: dir,
+    }
+}
+
+fn step_events(node_gt: &Value, rank: &Value) -> Vec<Value> {
+    let dir = Path::new(node_gt["out_dir"].as_str().expect("out_dir"));
+    read_jsonl(&dir.join(rank["step_log"].as_str().expect("step_log")))
+        .into_iter()
+        .filter(|e| e["event"] == "step")
+        .collect()
+}
+
+#[test]
+fn launchers_of_two_nodes_start_their_own_ranks_and_meet_in_collectives() {
+    // 8 ranks (tp2 dp4) over 2 nodes: TP pairs stay on a node, the DP
+    // communicators span both. Rank 5 (node 1) arrives 300 ms late at step 3:
+    // its DP peers on node 0 (ranks 1, 3) wait for it inside the all-reduce.
+    let _t = timing_lock();
+    let run = run_nodes(
+        "nodes2",
+        2,
+        &[
+            "--world-size",
+            "8",
+            "--tp",
+            "2",
+            "--dp",
+            "4",
+            "--steps",
+            "6",
+            "--timeout",
+            "60",
+            "--fault",
+            "delay:rank=5,step=3,ms=300",
+        ],
+        Duration::from_secs(90),
+    );
+    assert_eq!(run.exits, vec![Some(0), Some(0)]);
+    let job = &run.job;
+    assert_eq!(job["schema"], "xpuscope-sim-job-ground-truth/1");
+    assert_eq!(job["status"], "completed");
+    assert_eq!(job["layout"]["world_size"], 8);
+    let ranks: Vec<u64> = job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["rank"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        ranks,
+        (0..8).collect::<Vec<_>>(),
+        "every rank once, in order"
+    );
+    for (k, node) in run.nodes.iter().enumerate() {
+        assert_eq!(node["status"], "completed");
+        assert_eq!(node["job"], job["job"], "one job name on every node");
+        let info = &node["node"];
+        assert_eq!(info["node_rank"], k);
+        assert_eq!(info["hostname"], format!("node-{k}"), "own UTS namespace");
+        assert_eq!(job["nodes"][k]["hostname"], format!("node-{k}"));
+        let local: Vec<u64> = (4 * k as u64..4 * k as u64 + 4).collect();
+        assert_eq!(info["ranks"], serde_json::json!(local));
+        let mine = node["ranks"].as_array().unwrap();
+        assert_eq!(mine.len(), 4, "a node starts only its own ranks");
+        for (i, r) in mine.iter().enumerate() {
+            assert_eq!(r["rank"], local[i]);
+            assert_eq!(r["local_rank"], i);
+            assert_eq!(r["env"]["RANK"], local[i].to_string());
+            assert_eq!(r["env"]["LOCAL_RANK"], i.to_string());
+            assert_eq!(r["steps_completed"], 6);
+            assert!(r["pid"].as_i64().unwrap() > 0);
+        }
+        assert_eq!(node["env"]["GROUP_RANK"], k.to_string());
+        assert_eq!(node["env"]["NODE_RANK"], k.to_string());
+        assert_eq!(node["env"]["LOCAL_WORLD_SIZE"], "4");
+        assert_eq!(node["env"]["WORLD_SIZE"], "8");
+    }
+    // The fault lives in node 1's ground truth (and the job's), not node 0's.
+    assert_eq!(run.nodes[0]["faults"].as_array().map(Vec::len), Some(0));
+    assert_eq!(run.nodes[1]["faults"][0]["kind"], "delay");
+    assert_eq!(
+        job["faults"][0]["expected"]["waiting_ranks"],
+        serde_json::json!([1, 3, 7])
+    );
+    // Rank 1 (node 0) and rank 5 (node 1) share dp communicator dp1: the
+    // late arrival on node 1 holds node 0's rank inside the all-reduce.
+    let r1 = step_events(&run.nodes[0], &run.nodes[0]["ranks"][1]);
+    let r5 = step_events(&run.nodes[1], &run.nodes[1]["ranks"][1]);
+    let sync = |steps: &[Value], s: usize| steps[s]["grad_sync_ns"].as_f64().unwrap() / 1e6;
+    let base = (sync(&r1, 1) + sync(&r1, 2)) / 2.0;
+    assert!(
+        sync(&r1, 3) > base + 250.0,
+        "rank 1 waited {:.1} ms for rank 5 on the other node (usually {base:.1} ms)",
+        sync(&r1, 3)
+    );
+    let end = |steps: &[Value], s: usize| steps[s]["end_boot_ns"].as_f64().unwrap();
+    assert!(
+        (end(&r1, 3) - end(&r5, 3)).abs() < 100e6,
+        "DP peers on two nodes finish step 3 together"
+    );
+}
+
+#[test]
+fn a_crash_on_one_node_stops_the_ranks_of_every_node() {
+    let _t = timing_lock();
+    let run = run_nodes(
+        "nodes-crash",
+        2,
+        &[
+            "--world-size",
+            "4",
+            "--dp",
+            "4",
+            "--steps",
+            "200",
+            "--timeout",
+            "60",
+            "--fault",
+            "crash:rank=3,step=4,signal=SIGSEGV",
+        ],
+        Duration::from_secs(90),
+    );
+    assert_eq!(
+        run.exits,
+        vec![Some(1), Some(1)],
+        "both launchers report failure"
+    );
+    assert_eq!(run.job["status"], "failed");
+    let crashed = &run.nodes[1]["ranks"][1];
+    assert_eq!(crashed["status"], "crashed");
+    assert_eq!(crashed["exit"]["signal_name"], "SIGSEGV");
+    for r in run.nodes[0]["ranks"].as_array().unwrap() {
+        assert_eq!(r["status"], "terminated", "{r:#}");
+        assert_eq!(r["exit"]["killed_by_launcher"], "peer_failure");
+        assert!(r["steps_completed"].as_u64().unwrap() < 200);
+    }
+    assert_eq!(run.nodes[0]["first_failure"]["rank"], 3);
+}
+
+#[test]
+fn a_rendezvous_directory_is_used_by_one_job_only() {
+    let dir = ScratchDir::new("nodes-stale");
+    let fixtures = fixtures::build_all();
+    let rdv = dir.0.join("rdv");
+    std::fs::create_dir_all(rdv.join("launchers")).unwrap();
+    std::fs::write(rdv.join("launchers/node1.json"), "{}").unwrap();
+    let out = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--build-dir")
+        .arg(fixtures.join("sim"))
+        .args(["--world-size", "4", "--nnodes", "2", "--node-rank", "1"])
+        .arg("--rdv-dir")
+        .arg(&rdv)
+        .output()
+        .expect("run launch.py");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("node 1 already registered") && err.contains("fresh --rdv-dir"),
+        "{err}"
+    );
+    let out = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .args(["--world-size", "4", "--nnodes", "3"])
+        .arg("--rdv-dir")
+        .arg(&rdv)
+        .output()
+        .expect("run launch.py");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a multiple of --nnodes 3"));
+}

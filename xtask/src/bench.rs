@@ -14,6 +14,8 @@
 //! 4. Device-library probes (`cargo xtask bench probes` alone): cost per
 //!    traced call against a bare counting uprobe, and the overhead on a
 //!    simulated training step (see `bench_probes`).
+//! 5. `agent merge` (`cargo xtask bench merge` alone): MB/s and peak RSS
+//!    merging 16 node traces (see `bench_merge`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -196,7 +198,19 @@ pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>) -> Result<(
             );
             return Ok(());
         }
-        Some(other) => bail!("unknown benchmark part {other:?} (known: probes)"),
+        Some("merge") => {
+            let merge = crate::bench_merge::run(&dir, seconds.max(10))?;
+            std::fs::write(
+                dir.join("merge-results.json"),
+                serde_json::to_string_pretty(&merge)?,
+            )?;
+            println!(
+                "\n(raw figures: {})",
+                dir.join("merge-results.json").display()
+            );
+            return Ok(());
+        }
+        Some(other) => bail!("unknown benchmark part {other:?} (known: probes, merge)"),
     }
 
     // Calibrate the iteration count to about `seconds` per run.

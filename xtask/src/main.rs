@@ -11,6 +11,7 @@
 //! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`).
 
 mod bench;
+mod bench_merge;
 mod bench_probes;
 mod build;
 mod fuzz;
@@ -58,7 +59,8 @@ enum Task {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 3)]
         seconds: u64,
-        /// Only this part: `probes` (device-library probe costs).
+        /// Only this part: `probes` (device-library probe costs), `merge`
+        /// (agent merge on 16 node traces; --seconds is the job's length).
         only: Option<String>,
         /// Another agent binary (e.g. a build of the previous version) to
         /// measure in the same run: interleaved in the ping-pong rounds,

@@ -48,6 +48,11 @@ pub(crate) struct TrackDescriptor {
     pub parent_uuid: Option<u64>,
     #[prost(message, optional, tag = "8")]
     pub counter: Option<CounterDescriptor>,
+    /// `ChildTracksOrdering`: 3 = EXPLICIT (children by `sibling_order_rank`).
+    #[prost(int32, optional, tag = "11")]
+    pub child_ordering: Option<i32>,
+    #[prost(int32, optional, tag = "12")]
+    pub sibling_order_rank: Option<i32>,
     #[prost(string, optional, tag = "14")]
     pub description: Option<String>,
 }
@@ -70,6 +75,9 @@ pub(crate) struct TrackEvent {
     pub name_iid: Option<u64>,
     #[prost(uint64, optional, tag = "11")]
     pub track_uuid: Option<u64>,
+    /// A name written inline (no interning), as the merger's own events are.
+    #[prost(string, optional, tag = "23")]
+    pub name: Option<String>,
     #[prost(double, optional, tag = "44")]
     pub double_counter_value: Option<f64>,
     #[prost(fixed64, repeated, packed = "false", tag = "47")]
@@ -98,6 +106,9 @@ pub(crate) struct DebugAnnotation {
     pub string_value: Option<String>,
     #[prost(uint64, optional, tag = "7")]
     pub pointer_value: Option<u64>,
+    /// A name written inline (no interning).
+    #[prost(string, optional, tag = "10")]
+    pub name: Option<String>,
 }
 
 /// `EventName`, `EventCategory` and `DebugAnnotationName` share this layout.

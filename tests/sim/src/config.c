@@ -14,6 +14,8 @@ static const char usage[] =
     "  --steps N --microbatches M --layers L --kernel-us U --opt-kernels K\n"
     "  --opt-kernel-us U --host-us U --loader-us U --prefetch N --grad-mb MB\n"
     "  --act-kb KB --start-delay-ms MS --start-gate FILE --tolerate-errors\n"
+    "  --init-delay-ms MS       pause before the first device call (an agent attached to\n"
+    "                           the launcher places its probes before communicator set-up)\n"
     "  --activity-api           also enable host API activity records\n"
     "  --activity-log FILE      write every activity record read, one JSON line each\n"
     "faults:\n"
@@ -98,7 +100,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
         O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_ACTAPI,
-        O_ACTLOG, O_HELP
+        O_ACTLOG, O_INITDELAY, O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -115,7 +117,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"hang-step", 1, 0, O_HANGSTEP},   {"delay", 1, 0, O_DELAY},
         {"delay-step", 1, 0, O_DELAYSTEP}, {"hang-inside", 1, 0, O_HANGIN},
         {"activity-api", 0, 0, O_ACTAPI},  {"activity-log", 1, 0, O_ACTLOG},
-        {"help", 0, 0, O_HELP},
+        {"init-delay-ms", 1, 0, O_INITDELAY}, {"help", 0, 0, O_HELP},
         {0, 0, 0, 0},
     };
     struct sim_faults *f = &cfg->faults;
@@ -137,6 +139,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         case O_GRAD: cfg->grad_mb = atol(v); break;
         case O_ACT: cfg->act_kb = atol(v); break;
         case O_DELAYMS: cfg->start_delay_ms = atol(v); break;
+        case O_INITDELAY: cfg->init_delay_ms = atol(v); break;
         case O_GATE: cfg->start_gate = v; break;
         case O_COMMS: cfg->comm_file = v; break;
         case O_RDV: cfg->rdv_dir = v; break;

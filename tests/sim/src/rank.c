@@ -417,6 +417,11 @@ int main(int argc, char **argv) {
                    R.cfg.rank, R.cfg.local_rank, R.cfg.world_size, (int)getpid(), dev_flavor(),
                    (unsigned long long)sim_boot_ns(), (unsigned long long)sim_real_ns());
 
+    /* An agent attached to the launcher finds this process's libraries
+     * by rescanning its maps: give it time to place its probes before the
+     * communicators are set up (their identity is learnt there). */
+    if (R.cfg.init_delay_ms > 0)
+        sim_sleep_ns((uint64_t)R.cfg.init_delay_ms * 1000000ull);
     check(dev_init(R.cfg.local_rank), "device init");
     if (R.cfg.activity_log && actlog_open(R.cfg.activity_log)) {
         perror(R.cfg.activity_log);

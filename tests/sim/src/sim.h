@@ -55,6 +55,7 @@ struct sim_config {
     long grad_mb;         /* gradient bucket all-reduced over DP each step */
     long act_kb;          /* activation per microbatch (PP send/recv, TP gather) */
     long start_delay_ms;  /* pause after init so an agent can attach */
+    long init_delay_ms;   /* pause before the first device call (probes before comm set-up) */
     const char *start_gate; /* or wait until this file exists */
     const char *comm_file;
     const char *rdv_dir;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use xpuscope_perfetto::{Arg, ArgValue, CounterUnit, Frame, TrackUuid};
-use xpuscope_probes::catalog::Vendor;
+use xpuscope_probes::catalog::{CallKind, SyncKind, Vendor};
 use xpuscope_probes::decode::args::CallArgs;
 use xpuscope_probes::decode::{DeviceCall, OpenReason};
 
@@ -169,6 +169,14 @@ fn call_args(call: &DeviceCall) -> Vec<Arg> {
             }
         }
         CallArgs::Sync { stream, event } => {
+            // What it waits for: readers (`agent merge`) find the syncs by it.
+            let what = match call.kind {
+                CallKind::Sync(SyncKind::Stream) => "stream",
+                CallKind::Sync(SyncKind::Device) => "device",
+                CallKind::Sync(SyncKind::Event) => "event",
+                _ => "other",
+            };
+            push("sync", ArgValue::Str(what.into()));
             if let Some(s) = stream {
                 push("stream", ArgValue::Pointer(*s));
             }

@@ -1,0 +1,438 @@
+//! Collectives in a node's trace, and when each one really ended.
+//!
+//! A collective call returns on the host as soon as it is enqueued; its
+//! device work ends when every member has arrived (the same instant on all
+//! of them). The host sees that instant as the end of the next
+//! synchronisation of the collective's stream on the same thread: that end
+//! is the evidence for clock alignment. Collectives followed by another
+//! collective on the same stream before any such sync give none.
+//!
+//! Send/receive calls carry no sequence number: the n-th send from comm
+//! rank a to b pairs with the n-th receive of b from a (counted from the
+//! communicator's set-up, which every node saw when the hash is known).
+
+use std::collections::{BTreeMap, HashMap};
+
+use rustc_hash::FxHashMap;
+
+use xpuscope_perfetto::rewrite::{ArgRef, EventKind, EventView};
+
+/// Collective-end samples kept per node: the same keys are kept on every
+/// node (the smallest hashes of (communicator, sequence)), so samples
+/// still match across nodes while memory stays bounded.
+pub const MAX_END_SAMPLES: usize = 8_192;
+
+/// One collective call on a thread track.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Collective {
+    pub comm_hash: Option<u64>,
+    pub seq: Option<u64>,
+    pub seq_exact: bool,
+    pub comm_rank: Option<u32>,
+    pub size: Option<u32>,
+    pub stream: Option<u64>,
+    pub op: &'static str,
+    /// Point to point: (sending comm rank, receiving comm rank).
+    pub p2p: Option<(u32, u32)>,
+}
+
+/// What matches a collective across its members: (communicator hash,
+/// seq) for collectives, (hash mixed with the direction, n-th) for
+/// send/receive.
+pub type CollectiveKey = (u64, u64);
+
+/// A collective call and, when it can be matched across members, its key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observed {
+    pub call: Collective,
+    pub key: Option<CollectiveKey>,
+}
+
+impl Observed {
+    /// The id every member's slice of this operation carries.
+    pub fn id(&self) -> Option<String> {
+        let hash = self.call.comm_hash?;
+        match (self.call.p2p, self.key) {
+            (Some((src, dst)), Some((_, n))) => Some(format!("{hash:016x}:p2p{src}>{dst}:{n}")),
+            (None, Some((_, seq))) => Some(format!("{hash:016x}:{seq}")),
+            _ => None,
+        }
+    }
+}
+
+/// The operation kind of a collective's function name.
+pub fn op_kind(name: &str) -> Option<&'static str> {
+    let f = name.split_whitespace().next().unwrap_or("");
+    let table: [(&str, &'static str); 8] = [
+        ("AllReduce", "all_reduce"),
+        ("AllGather", "all_gather"),
+        ("ReduceScatter", "reduce_scatter"),
+        ("Broadcast", "broadcast"),
+        ("AlltoAll", "all_to_all"),
+        ("Reduce", "reduce"),
+        ("Send", "send"),
+        ("Recv", "recv"),
+    ];
+    table.iter().find(|(k, _)| f.contains(k)).map(|(_, v)| *v)
+}
+
+/// A collective slice's identity, when the event is one.
+pub fn collective(event: &EventView<'_>) -> Option<Collective> {
+    if event.kind != EventKind::Begin {
+        return None;
+    }
+    let hash = match event.arg("comm_hash") {
+        Some(ArgRef::Str(h)) => u64::from_str_radix(h, 16).ok(),
+        _ => None,
+    };
+    let seq = event.arg("seq").and_then(|v| v.as_u64());
+    if hash.is_none() && seq.is_none() && event.arg("comm").is_none() {
+        return None;
+    }
+    let op = op_kind(event.name?)?;
+    let comm_rank = event.arg("rank").and_then(|v| v.as_u64()).map(|v| v as u32);
+    let peer = match event.arg("peer") {
+        Some(ArgRef::Int(p)) => u32::try_from(p).ok(),
+        Some(v) => v.as_u64().map(|p| p as u32),
+        None => None,
+    };
+    let p2p = match (op, comm_rank, peer) {
+        ("send", Some(r), Some(p)) => Some((r, p)),
+        ("recv", Some(r), Some(p)) => Some((p, r)),
+        _ => None,
+    };
+    Some(Collective {
+        comm_hash: hash,
+        seq,
+        seq_exact: matches!(event.arg("seq_exact"), Some(ArgRef::Bool(true))),
+        comm_rank,
+        size: event.arg("size").and_then(|v| v.as_u64()).map(|v| v as u32),
+        stream: event.arg("stream").and_then(|v| v.as_u64()),
+        op,
+        p2p,
+    })
+}
+
+/// The stream a synchronisation call waits on, if the event is one: a
+/// `sync` argument with the stream as `stream`, or (traces of earlier
+/// agents) the arguments' debug text `Sync { stream: Some(N), event: .. }`.
+pub fn sync_stream(event: &EventView<'_>) -> Option<Option<u64>> {
+    if event.arg("sync").is_some() {
+        return Some(event.arg("stream").and_then(|v| v.as_u64()));
+    }
+    let Some(ArgRef::Str(text)) = event.arg("args") else {
+        return None;
+    };
+    let rest = text.strip_prefix("Sync {")?;
+    let stream = rest
+        .split_once("stream: Some(")
+        .and_then(|(_, r)| r.split_once(')'))
+        .and_then(|(n, _)| n.parse().ok());
+    Some(stream)
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A stable id of a collective: the same on every member and node.
+pub fn collective_key_hash(comm_hash: u64, seq: u64) -> u64 {
+    mix(comm_hash ^ mix(seq ^ 0x636f_6c6c))
+}
+
+/// Collective ends of one node: (communicator, seq) -> earliest end seen
+/// among its ranks (ranks that leave late are the noise).
+#[derive(Default)]
+pub struct EndSample {
+    by_hash: BTreeMap<u64, ((u64, u64), u64)>,
+}
+
+impl EndSample {
+    pub fn insert(&mut self, key: (u64, u64), end: u64) {
+        let h = collective_key_hash(key.0, key.1);
+        if self.by_hash.len() >= MAX_END_SAMPLES
+            && let Some((&last, _)) = self.by_hash.last_key_value()
+        {
+            if h > last {
+                return;
+            }
+            if !self.by_hash.contains_key(&h) {
+                self.by_hash.pop_last();
+            }
+        }
+        let e = self.by_hash.entry(h).or_insert((key, end));
+        e.1 = e.1.min(end);
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// (communicator, seq) -> end.
+    pub fn ends(&self) -> HashMap<(u64, u64), u64> {
+        self.by_hash.values().map(|(k, e)| (*k, *e)).collect()
+    }
+}
+
+enum Open {
+    Collective(Option<CollectiveKey>, Option<u64>),
+    Sync(Option<u64>),
+    Other,
+}
+
+/// Follows thread tracks: gives each collective its key and pairs it with
+/// the end of the next sync of its stream on the same thread.
+#[derive(Default)]
+pub struct CollectiveTracker {
+    open: FxHashMap<u64, Vec<Open>>,
+    /// Per (track, stream): the last collective awaiting its sync.
+    pending: FxHashMap<(u64, u64), CollectiveKey>,
+    /// Send/receive operations so far per (communicator, from, to).
+    p2p: FxHashMap<(u64, u32, u32), u64>,
+}
+
+impl CollectiveTracker {
+    fn key(&mut self, c: &Collective) -> Option<CollectiveKey> {
+        let hash = c.comm_hash?;
+        if let Some((src, dst)) = c.p2p {
+            let n = self.p2p.entry((hash, src, dst)).or_default();
+            let key = (
+                hash ^ mix(((u64::from(src) << 32) | u64::from(dst)) ^ 0x0070_3270),
+                *n,
+            );
+            *n += 1;
+            return Some(key);
+        }
+        c.seq_exact.then_some((hash, c.seq?))
+    }
+
+    /// Takes one track event; returns the collective it begins, if any.
+    pub fn observe(&mut self, event: &EventView<'_>, ends: &mut EndSample) -> Option<Observed> {
+        match event.kind {
+            EventKind::Begin => {
+                let c = collective(event);
+                let observed = c.map(|call| Observed {
+                    key: self.key(&call),
+                    call,
+                });
+                let open = match (&observed, sync_stream(event)) {
+                    (Some(o), _) => Open::Collective(o.key, o.call.stream),
+                    (None, Some(stream)) => Open::Sync(stream),
+                    (None, None) => Open::Other,
+                };
+                self.open.entry(event.track).or_default().push(open);
+                observed
+            }
+            EventKind::End => {
+                match self.open.get_mut(&event.track).and_then(Vec::pop) {
+                    Some(Open::Collective(key, Some(stream))) => match key {
+                        Some(k) => {
+                            self.pending.insert((event.track, stream), k);
+                        }
+                        None => {
+                            self.pending.remove(&(event.track, stream));
+                        }
+                    },
+                    Some(Open::Sync(Some(stream))) => {
+                        if let Some(k) = self.pending.remove(&(event.track, stream)) {
+                            ends.insert(k, event.ts);
+                        }
+                    }
+                    _ => {}
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev<'a>(
+        kind: EventKind,
+        ts: u64,
+        name: Option<&'a str>,
+        args: Vec<(&'a str, ArgRef<'a>)>,
+    ) -> EventView<'a> {
+        EventView {
+            kind,
+            ts,
+            track: 7,
+            name,
+            args,
+        }
+    }
+
+    fn coll<'a>(ts: u64, seq: u64, stream: u64) -> EventView<'a> {
+        ev(
+            EventKind::Begin,
+            ts,
+            Some("ncclAllReduce 4 MiB f32 sum"),
+            vec![
+                ("stream", ArgRef::Pointer(stream)),
+                ("comm", ArgRef::Pointer(0x55)),
+                ("comm_hash", ArgRef::Str("00000000000000ab")),
+                ("rank", ArgRef::Uint(1)),
+                ("size", ArgRef::Uint(2)),
+                ("seq", ArgRef::Uint(seq)),
+                ("seq_exact", ArgRef::Bool(true)),
+            ],
+        )
+    }
+
+    fn sync<'a>(ts: u64, text: &'a str) -> EventView<'a> {
+        ev(
+            EventKind::Begin,
+            ts,
+            Some("cudaStreamSynchronize"),
+            vec![("args", ArgRef::Str(text))],
+        )
+    }
+
+    fn end<'a>(ts: u64) -> EventView<'a> {
+        ev(EventKind::End, ts, None, vec![])
+    }
+
+    #[test]
+    fn syncs_are_found_by_their_named_arguments_and_by_old_debug_text() {
+        let named = ev(
+            EventKind::Begin,
+            10,
+            Some("cudaStreamSynchronize"),
+            vec![
+                ("sync", ArgRef::Str("stream")),
+                ("stream", ArgRef::Pointer(9)),
+            ],
+        );
+        assert_eq!(sync_stream(&named), Some(Some(9)));
+        let device = ev(
+            EventKind::Begin,
+            10,
+            Some("cudaDeviceSynchronize"),
+            vec![("sync", ArgRef::Str("device"))],
+        );
+        assert_eq!(sync_stream(&device), Some(None));
+        assert_eq!(
+            sync_stream(&sync(1, "Sync { stream: Some(3), event: None }")),
+            Some(Some(3))
+        );
+        assert_eq!(sync_stream(&coll(1, 1, 9)), None, "not a sync");
+    }
+
+    #[test]
+    fn a_collective_ends_with_the_next_sync_of_its_stream() {
+        let mut t = CollectiveTracker::default();
+        let mut ends = EndSample::default();
+        let o = t.observe(&coll(100, 4, 9), &mut ends).unwrap();
+        let c = &o.call;
+        assert_eq!(
+            (c.comm_hash, c.seq, c.op),
+            (Some(0xab), Some(4), "all_reduce")
+        );
+        assert_eq!(o.id().as_deref(), Some("00000000000000ab:4"));
+        t.observe(&end(110), &mut ends);
+        // A sync of another stream says nothing about it.
+        t.observe(
+            &sync(120, "Sync { stream: Some(3), event: None }"),
+            &mut ends,
+        );
+        t.observe(&end(500), &mut ends);
+        assert_eq!(ends.len(), 0);
+        t.observe(
+            &sync(510, "Sync { stream: Some(9), event: None }"),
+            &mut ends,
+        );
+        t.observe(&end(900), &mut ends);
+        assert_eq!(ends.ends().get(&(0xab, 4)), Some(&900));
+        // Once used, a later sync gives nothing more.
+        t.observe(
+            &sync(910, "Sync { stream: Some(9), event: None }"),
+            &mut ends,
+        );
+        t.observe(&end(950), &mut ends);
+        assert_eq!(ends.ends().get(&(0xab, 4)), Some(&900));
+    }
+
+    fn p2p<'a>(ts: u64, name: &'a str, rank: u64, peer: i64) -> EventView<'a> {
+        ev(
+            EventKind::Begin,
+            ts,
+            Some(name),
+            vec![
+                ("peer", ArgRef::Int(peer)),
+                ("stream", ArgRef::Pointer(9)),
+                ("comm", ArgRef::Pointer(0x56)),
+                ("comm_hash", ArgRef::Str("00000000000000cd")),
+                ("rank", ArgRef::Uint(rank)),
+                ("size", ArgRef::Uint(2)),
+            ],
+        )
+    }
+
+    #[test]
+    fn sends_match_receives_by_count_and_direction() {
+        let (mut a, mut b) = (CollectiveTracker::default(), CollectiveTracker::default());
+        let mut ends = EndSample::default();
+        let s0 = a
+            .observe(&p2p(1, "ncclSend 1 MiB to 1", 0, 1), &mut ends)
+            .unwrap();
+        let s1 = a
+            .observe(&p2p(2, "ncclSend 1 MiB to 1", 0, 1), &mut ends)
+            .unwrap();
+        let back = a
+            .observe(&p2p(3, "ncclRecv 1 MiB from 1", 0, 1), &mut ends)
+            .unwrap();
+        let r0 = b
+            .observe(&p2p(1, "HcclRecv 1 MiB from 0", 1, 0), &mut ends)
+            .unwrap();
+        let r1 = b
+            .observe(&p2p(2, "HcclRecv 1 MiB from 0", 1, 0), &mut ends)
+            .unwrap();
+        assert_eq!(s0.key, r0.key);
+        assert_eq!(s1.key, r1.key);
+        assert_ne!(s0.key, s1.key);
+        assert_ne!(
+            back.key.map(|k| k.0),
+            s0.key.map(|k| k.0),
+            "the other direction"
+        );
+        assert_eq!(s1.id().as_deref(), Some("00000000000000cd:p2p0>1:1"));
+    }
+
+    #[test]
+    fn the_sample_keeps_the_same_keys_everywhere_and_the_earliest_end() {
+        let mut a = EndSample::default();
+        let mut b = EndSample::default();
+        for seq in 0..(MAX_END_SAMPLES as u64 + 5_000) {
+            a.insert((1, seq), seq);
+            b.insert((1, MAX_END_SAMPLES as u64 + 4_999 - seq), 0);
+        }
+        assert_eq!(a.len(), MAX_END_SAMPLES);
+        let (ka, kb) = (a.ends(), b.ends());
+        assert!(
+            ka.keys().all(|k| kb.contains_key(k)),
+            "insertion order does not matter"
+        );
+        a.insert((2, 0), 50);
+        a.insert((2, 0), 40);
+        a.insert((2, 0), 60);
+        if let Some(e) = a.ends().get(&(2, 0)) {
+            assert_eq!(*e, 40);
+        }
+    }
+
+    #[test]
+    fn op_kinds_of_both_vendors() {
+        assert_eq!(op_kind("ncclAllGather 1 MiB"), Some("all_gather"));
+        assert_eq!(op_kind("HcclReduceScatter 1 MiB"), Some("reduce_scatter"));
+        assert_eq!(op_kind("ncclSend 256 KiB"), Some("send"));
+        assert_eq!(op_kind("HcclRecv"), Some("recv"));
+        assert_eq!(op_kind("cudaMalloc"), None);
+    }
+}

@@ -1,0 +1,368 @@
+//! The second pass: every node's packets, rewritten so they live side by
+//! side in one trace, written out as they are read (memory stays bounded
+//! by one packet and the id tables).
+//!
+//! Per node: timestamps shifted by its clock offset; sequence ids, track
+//! uuids and flow ids moved into the node's own space; pids another node
+//! also uses moved above the kernel's pid range; CPUs numbered after the
+//! previous nodes' (so each CPU track stays one CPU's time order). Process
+//! tracks of ranks are named and labelled with node, rank and parallel
+//! groups, and ordered by global rank; every collective gets the id it
+//! shares with the same collective on its other members.
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+
+use anyhow::{Context, Result};
+use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView};
+use xpuscope_perfetto::{Arg, ArgValue};
+
+use super::collectives::{CollectiveTracker, EndSample};
+use super::groups::Groups;
+use super::scan::NodeScan;
+
+/// Sequence of the merger's own system packet (its SystemInfo).
+pub const MERGE_SYSTEM_SEQUENCE: u32 = 1;
+/// Sequence of the merger's own tracks and slices.
+pub const MERGE_TRACK_SEQUENCE: u32 = 2;
+/// Pids at or above this are never a real pid (`PID_MAX_LIMIT` = 2^22).
+const REMAPPED_PID_BASE: i32 = 1 << 22;
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// How one node's ids and times move.
+pub struct NodeMap {
+    pub offset_ns: i64,
+    pub sequences: HashMap<u32, u32>,
+    pub salt: u64,
+    pub pids: HashMap<i32, i32>,
+    pub cpu_base: u32,
+    next_sequence: u32,
+}
+
+impl IdMap for NodeMap {
+    fn time(&mut self, ts: u64) -> u64 {
+        (ts as i64).saturating_add(self.offset_ns).max(0) as u64
+    }
+    fn sequence(&mut self, id: u32) -> u32 {
+        let next = &mut self.next_sequence;
+        *self.sequences.entry(id).or_insert_with(|| {
+            *next += 1;
+            *next
+        })
+    }
+    fn track(&mut self, uuid: u64) -> u64 {
+        mix(uuid ^ self.salt).max(1)
+    }
+    fn pid(&mut self, pid: i32) -> i32 {
+        // Most nodes keep their pids: no lookup per scheduler event then.
+        if self.pids.is_empty() {
+            return pid;
+        }
+        self.pids.get(&pid).copied().unwrap_or(pid)
+    }
+    fn cpu(&mut self, cpu: u32) -> u32 {
+        self.cpu_base + cpu
+    }
+    fn flow(&mut self, id: u64) -> u64 {
+        mix(id ^ self.salt ^ 0x666c_6f77)
+    }
+}
+
+/// The id maps of every node: sequences numbered after the merger's own,
+/// pids moved where an earlier node has them, CPUs placed one after the
+/// other.
+pub fn node_maps(scans: &[NodeScan], offsets: &[i64]) -> Vec<NodeMap> {
+    let mut next_sequence = MERGE_TRACK_SEQUENCE;
+    let mut taken: HashSet<i32> = HashSet::default();
+    let mut next_pid = REMAPPED_PID_BASE;
+    let mut cpu_base = 0;
+    scans
+        .iter()
+        .zip(offsets)
+        .enumerate()
+        .map(|(k, (s, &offset_ns))| {
+            let mut sequences = HashMap::default();
+            for &id in &s.sequences {
+                next_sequence += 1;
+                sequences.insert(id, next_sequence);
+            }
+            let mut mine: Vec<i32> = s.pids.iter().copied().collect();
+            mine.sort_unstable();
+            let mut pids = HashMap::default();
+            for pid in mine {
+                if taken.contains(&pid) {
+                    pids.insert(pid, next_pid);
+                    taken.insert(next_pid);
+                    next_pid += 1;
+                }
+            }
+            for &pid in &s.pids {
+                if !pids.contains_key(&pid) {
+                    taken.insert(pid);
+                }
+            }
+            let map = NodeMap {
+                offset_ns,
+                sequences,
+                salt: mix(k as u64 + 0x6e6f_6465),
+                pids,
+                cpu_base,
+                next_sequence: 0,
+            };
+            cpu_base += s.cpu_span();
+            map
+        })
+        .collect()
+}
+
+/// What a rank's process track says in the merged trace.
+pub struct ProcessLabel {
+    pub name: String,
+    pub labels: Vec<String>,
+    pub order: Option<i32>,
+}
+
+/// Name and labels of node `k`'s process `pid`.
+pub fn process_label(scan: &NodeScan, k: usize, groups: &Groups, pid: i32) -> Option<ProcessLabel> {
+    let p = scan.processes.get(&pid)?;
+    let host = scan.host_label(k);
+    let mut labels = p.labels.clone();
+    labels.push(format!("node={host}"));
+    let Some(rank) = p.rank else {
+        return Some(ProcessLabel {
+            name: format!(
+                "{} [{host}]",
+                p.name.clone().unwrap_or_else(|| pid.to_string())
+            ),
+            labels,
+            order: None,
+        });
+    };
+    let name = match groups.ranks.get(&rank) {
+        Some(c) => {
+            labels.extend([
+                format!("tp={}", c.tp),
+                format!("pp={}", c.pp),
+                format!("dp={}", c.dp),
+            ]);
+            format!("rank {rank} ({}) {host}", c.label())
+        }
+        None => format!("rank {rank} {host}"),
+    };
+    Some(ProcessLabel {
+        name,
+        labels,
+        order: Some(rank as i32),
+    })
+}
+
+/// Buffers encoded packets for the output file.
+pub struct Output {
+    out: BufWriter<File>,
+    buf: Vec<u8>,
+    pub bytes: u64,
+}
+
+impl Output {
+    pub fn create(path: &std::path::Path) -> Result<Output> {
+        let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Output {
+            out: BufWriter::with_capacity(1 << 20, file),
+            buf: Vec::with_capacity(1 << 16),
+            bytes: 0,
+        })
+    }
+
+    pub fn write(&mut self, p: &Packet) -> Result<()> {
+        self.buf.clear();
+        p.encode_framed(&mut self.buf);
+        self.bytes += self.buf.len() as u64;
+        self.out
+            .write_all(&self.buf)
+            .context("writing the merged trace")
+    }
+
+    pub fn finish(mut self) -> Result<()> {
+        self.out.flush().context("writing the merged trace")
+    }
+}
+
+/// Options of the second pass.
+pub struct EmitOptions {
+    pub no_sched: bool,
+}
+
+/// Writes node `k`'s packets, rewritten, to `out`.
+pub fn emit_node(
+    scan: &NodeScan,
+    k: usize,
+    map: &mut NodeMap,
+    groups: &Groups,
+    opts: &EmitOptions,
+    out: &mut Output,
+) -> Result<()> {
+    let path = &scan.path;
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut reader = PacketReader::new(file);
+    let mut names = Interning::default();
+    // The same keys as the scan gave (send/receive are counted again).
+    let mut tracker = CollectiveTracker::default();
+    let mut ends = EndSample::default();
+    let labels: HashMap<i32, ProcessLabel> = scan
+        .processes
+        .keys()
+        .filter_map(|&pid| Some((pid, process_label(scan, k, groups, pid)?)))
+        .collect();
+    loop {
+        let index = reader.packets();
+        let Some(bytes) = reader
+            .next_packet()
+            .with_context(|| format!("reading {}", path.display()))?
+        else {
+            break;
+        };
+        let mut packet =
+            Packet::decode(bytes, index).with_context(|| format!("reading {}", path.display()))?;
+        names.observe(&packet);
+        // The merger writes one SystemInfo; the first node's clocks are
+        // the time base, other nodes' would contradict it once shifted.
+        if packet.system_info().is_some() || (k > 0 && packet.clock_snapshot().is_some()) {
+            continue;
+        }
+        if opts.no_sched && packet.has_ftrace_events() {
+            continue;
+        }
+        let observed = names
+            .event(&packet)
+            .and_then(|e| tracker.observe(&e, &mut ends));
+        let mut extra = Vec::new();
+        if let Some(o) = observed {
+            if let Some(id) = o.id() {
+                extra.push(Arg::new("collective_id", ArgValue::Str(id)));
+            }
+            if let Some(kind) = o.call.comm_hash.and_then(|h| groups.kind_of(h)) {
+                extra.push(Arg::new("group", ArgValue::Str(kind.to_owned())));
+            }
+        }
+        let process = match packet.track() {
+            Some(TrackView::Process { pid, .. }) => labels.get(&pid),
+            _ => None,
+        };
+        packet.remap(map);
+        packet.clear_machine_id();
+        if !extra.is_empty() {
+            packet.add_args(&extra);
+        }
+        if let Some(l) = process {
+            packet.set_process(&l.name, l.labels.clone(), l.order);
+        }
+        out.write(&packet)?;
+    }
+    Ok(())
+}
+
+/// Process tracks of every rank, in global-rank order, before any node's
+/// packets: the importer numbers processes in the order it meets them.
+pub fn rank_tracks(
+    scans: &[NodeScan],
+    maps: &mut [NodeMap],
+    groups: &Groups,
+    out: &mut Output,
+) -> Result<()> {
+    let mut rows = Vec::new();
+    for (k, s) in scans.iter().enumerate() {
+        for (&pid, p) in &s.processes {
+            if let (Some(rank), Some(track)) = (p.rank, p.track) {
+                rows.push((rank, k, pid, track));
+            }
+        }
+    }
+    rows.sort_unstable();
+    for (_, k, pid, track) in rows {
+        let Some(l) = process_label(&scans[k], k, groups, pid) else {
+            continue;
+        };
+        let m = &mut maps[k];
+        let p = Packet::new_process_track(
+            MERGE_TRACK_SEQUENCE,
+            m.track(track),
+            m.pid(pid),
+            &l.name,
+            l.labels,
+            l.order,
+        );
+        out.write(&p)?;
+    }
+    Ok(())
+}
+
+/// A "steps" track under each rank's process track, a slice per step with
+/// its breakdown as arguments; on the merger's own sequence, after every
+/// node's packets (the importer sorts by time).
+pub fn step_slices(
+    scans: &[NodeScan],
+    maps: &mut [NodeMap],
+    steps: &[super::StepRow],
+    out: &mut Output,
+) -> Result<()> {
+    let mut tracks: HashMap<u32, u64> = HashMap::default();
+    for (k, s) in scans.iter().enumerate() {
+        for p in s.processes.values() {
+            if let (Some(rank), Some(track)) = (p.rank, p.track) {
+                let parent = maps[k].track(track);
+                let uuid = mix(parent ^ 0x0073_7465_7073).max(1);
+                out.write(&Packet::new_track(
+                    MERGE_TRACK_SEQUENCE,
+                    uuid,
+                    Some(parent),
+                    "steps",
+                    -1,
+                ))?;
+                tracks.insert(rank, uuid);
+            }
+        }
+    }
+    let mut first = true;
+    for r in steps {
+        let Some(&track) = tracks.get(&r.rank) else {
+            continue;
+        };
+        let s = &r.step;
+        let args = [
+            Arg::new("step", ArgValue::Uint(s.step)),
+            Arg::new("dur_ns", ArgValue::Uint(s.dur_ns)),
+            Arg::new("data_wait_ns", ArgValue::Uint(s.data_wait_ns)),
+            Arg::new("preempted_ns", ArgValue::Uint(s.preempted_ns)),
+            Arg::new("grad_sync_ns", ArgValue::Uint(s.grad_sync_ns)),
+            Arg::new("comm_wait_ns", ArgValue::Uint(s.comm_wait_ns)),
+            Arg::new("compute_wait_ns", ArgValue::Uint(s.compute_wait_ns)),
+            Arg::new("host_ns", ArgValue::Uint(s.host_ns)),
+        ];
+        let name = format!("step {}", s.step);
+        out.write(&Packet::new_slice_event(
+            MERGE_TRACK_SEQUENCE,
+            first,
+            s.start_ns,
+            track,
+            Some(&name),
+            &args,
+        ))?;
+        first = false;
+        out.write(&Packet::new_slice_event(
+            MERGE_TRACK_SEQUENCE,
+            false,
+            s.end_ns,
+            track,
+            None,
+            &[],
+        ))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,548 @@
+//! `agent merge`: the simulated job over several "nodes" (one launcher per
+//! node, each in its own UTS namespace), one `agent attach` per node
+//! launcher plus one agent following every rank. One node's trace is
+//! rewritten as if its clocks were off; the merge must undo that from the
+//! job's collectives and give the same collectives, members and order as
+//! the one-agent trace of all ranks, with every rank labelled by node and
+//! parallel group, and pass the independent decoder and importer rules.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
+use std::path::Path;
+
+use serde_json::Value;
+use xpuscope_tests::agent::exclusive;
+use xpuscope_tests::cluster::{ClusterRun, merge, relabel_job, run_cluster, shift_trace};
+use xpuscope_tests::trace_check::{ArgValue, Timeline, TrackKind, check_importer_rules, decode};
+
+/// BOOTTIME of the shifted node reads this much later (it booted earlier)...
+const D_NS: i64 = 2_500_000_000;
+/// ...and its wall clock is this much fast.
+const E_NS: i64 = 30_000_000;
+/// The merge must recover D to within this.
+const TOLERANCE_NS: i64 = 50_000;
+
+fn timeline(path: &Path) -> Timeline {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let trace = decode(&bytes).expect("decodes with the official schema");
+    if let Err(errors) = check_importer_rules(&trace) {
+        panic!(
+            "{}: importer rules broken:\n{}",
+            path.display(),
+            errors.join("\n")
+        );
+    }
+    Timeline::new(&trace)
+}
+
+fn label<'a>(labels: &'a [String], key: &str) -> Option<&'a str> {
+    labels
+        .iter()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// pid -> (rank, process name, labels) of every ranked process track.
+fn ranks(tl: &Timeline) -> BTreeMap<i32, (u64, String, Vec<String>)> {
+    tl.tracks
+        .values()
+        .filter_map(|t| match &t.kind {
+            TrackKind::Process { pid, name, labels } => Some((
+                *pid,
+                (
+                    label(labels, "rank")?.parse().ok()?,
+                    name.clone().unwrap_or_default(),
+                    labels.clone(),
+                ),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// (collective "hash:seq", rank) -> (start, end) of every exact collective.
+fn collectives(tl: &Timeline) -> BTreeMap<(String, u64), (u64, u64)> {
+    let ranks = ranks(tl);
+    let mut out = BTreeMap::new();
+    for s in &tl.slices {
+        let Some(TrackKind::Thread { pid, .. }) = tl.tracks.get(&s.track).map(|t| &t.kind) else {
+            continue;
+        };
+        let (Some(ArgValue::Str(hash)), Some(ArgValue::Uint(seq)), Some(ArgValue::Bool(true))) =
+            (s.arg("comm_hash"), s.arg("seq"), s.arg("seq_exact"))
+        else {
+            continue;
+        };
+        let Some((rank, _, _)) = ranks.get(pid) else {
+            continue;
+        };
+        let key = format!("{hash}:{seq}");
+        if let Some(ArgValue::Str(id)) = s.arg("collective_id") {
+            assert_eq!(
+                id, &key,
+                "the shared id names the communicator and sequence"
+            );
+        }
+        out.insert((key, *rank), (s.ts, s.end.unwrap_or(s.ts)));
+    }
+    out
+}
+
+fn stats(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).expect("stats written")).expect("stats JSON")
+}
+
+/// Merges node 0's trace and node 1's shifted by D (REALTIME by E), the
+/// rest as recorded, and checks the result against the one-agent trace.
+fn check_merge(run: &ClusterRun) {
+    let dir = run.dir.path();
+    let mut inputs = run.node_traces.clone();
+    let shifted = dir.join("node1-shifted.pftrace");
+    let original = std::fs::read(&inputs[1]).expect("node 1 trace");
+    std::fs::write(&shifted, shift_trace(&original, D_NS, E_NS)).expect("write shifted");
+    inputs[1] = shifted;
+    let out = dir.join("job.pftrace");
+    let stats_path = dir.join("merge.json");
+    let csv = dir.join("steps.csv");
+    let mut args: Vec<&OsStr> = vec![OsStr::new("-o"), out.as_os_str()];
+    args.extend([OsStr::new("--stats-json"), stats_path.as_os_str()]);
+    args.extend([OsStr::new("--steps-csv"), csv.as_os_str()]);
+    args.extend(inputs.iter().map(|p| p.as_os_str()));
+    let (status, stdout, stderr) = merge(&args);
+    assert!(status.success(), "merge failed:\n{stdout}\n{stderr}");
+    eprintln!("{stdout}");
+    let st = stats(&stats_path);
+    let nodes = st["nodes"].as_array().expect("nodes");
+    assert_eq!(nodes.len(), run.nodes.len());
+    assert_eq!(nodes[0]["offset_ns"], 0);
+    let off = nodes[1]["offset_ns"].as_i64().expect("offset");
+    assert!(
+        (off + D_NS).abs() <= TOLERANCE_NS,
+        "node 1's offset {off} ns, expected {} ns within {TOLERANCE_NS}",
+        -D_NS
+    );
+    let corr = nodes[1]["correction_ns"].as_i64().expect("correction");
+    assert!(
+        (corr + E_NS).abs() <= TOLERANCE_NS,
+        "correction over REALTIME {corr} ns, expected {} ns",
+        -E_NS
+    );
+    // The largest alignment error of any node (all share one real clock).
+    let mut max_err = (off + D_NS).abs();
+    for (k, n) in nodes.iter().enumerate() {
+        assert_eq!(
+            n["hostname"],
+            format!("node-{k}"),
+            "hostname from the trace"
+        );
+        assert!(n["matched_collectives"].as_u64().unwrap() >= 15, "{n:#}");
+        // Sixteen ranks and five agents share two CPUs here: wakeups after
+        // a collective scatter by tens of microseconds.
+        assert!(
+            n["residual_median_ns"].as_u64().unwrap() < 1_000_000,
+            "{n:#}"
+        );
+        if k >= 2 {
+            // Recorded on the same clock as node 0, not shifted.
+            let off = n["offset_ns"].as_i64().unwrap();
+            assert!(
+                off.abs() <= 2 * TOLERANCE_NS,
+                "node {k} offset {off} ns, expected 0"
+            );
+            max_err = max_err.max(off.abs());
+        }
+        let want: Vec<u64> = run.nodes[k]["node"]["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_u64().unwrap())
+            .collect();
+        assert_eq!(n["ranks"], serde_json::json!(want));
+    }
+
+    // Groups: the launcher's layout, from the communicators alone.
+    let truth: BTreeMap<u64, &Value> = run.job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["rank"].as_u64().unwrap(), r))
+        .collect();
+    let layout = &run.job["layout"];
+    assert_eq!(st["groups"]["tp_size"], layout["tp"]);
+    assert_eq!(st["groups"]["pp_size"], layout["pp"]);
+    assert_eq!(st["groups"]["dp_size"], layout["dp"]);
+    for (r, t) in &truth {
+        let g = &st["groups"]["ranks"][r.to_string()];
+        assert_eq!(
+            (&g["tp"], &g["pp"], &g["dp"]),
+            (&t["tp_rank"], &t["pp_stage"], &t["dp_rank"]),
+            "rank {r}"
+        );
+    }
+    let comms = st["groups"]["communicators"].as_array().unwrap();
+    assert_eq!(
+        comms.len(),
+        run.job["communicators"].as_array().unwrap().len()
+    );
+    for c in run.job["communicators"].as_array().unwrap() {
+        assert!(
+            comms
+                .iter()
+                .any(|g| g["kind"] == c["kind"] && g["members"] == c["members"]),
+            "communicator {c} found as {}",
+            c["kind"]
+        );
+    }
+
+    // The merged trace: ranks named by rank, groups and node; the same
+    // collectives as the one-agent trace, at the same times.
+    let merged = timeline(&out);
+    let all = timeline(&run.all_trace);
+    let by_pid = ranks(&merged);
+    assert_eq!(by_pid.len(), truth.len(), "one process per rank");
+    for (rank, name, labels) in by_pid.values() {
+        let t = truth[rank];
+        let node = run
+            .nodes
+            .iter()
+            .position(|n| {
+                n["node"]["ranks"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&Value::from(*rank))
+            })
+            .expect("rank on a node");
+        assert_eq!(
+            name,
+            &format!(
+                "rank {rank} (tp {}, pp {}, dp {}) node-{node}",
+                t["tp_rank"], t["pp_stage"], t["dp_rank"]
+            )
+        );
+        assert_eq!(label(labels, "node"), Some(format!("node-{node}").as_str()));
+        assert_eq!(label(labels, "tp"), Some(t["tp_rank"].to_string().as_str()));
+    }
+    let m = collectives(&merged);
+    let a = collectives(&all);
+    assert!(
+        a.len() > 50,
+        "the one-agent trace has {} collectives",
+        a.len()
+    );
+    let mk: BTreeSet<_> = m.keys().collect();
+    let ak: BTreeSet<_> = a.keys().collect();
+    assert_eq!(mk, ak, "the same collectives on the same ranks");
+    let mut worst = 0i64;
+    for (k, (ts, end)) in &m {
+        let (ats, aend) = a[k];
+        worst = worst
+            .max((*ts as i64 - ats as i64).abs())
+            .max((*end as i64 - aend as i64).abs());
+    }
+    // A node's alignment error, plus two agents' probes on one call
+    // stamping it a few microseconds apart.
+    assert!(
+        worst < max_err + 50_000,
+        "a merged collective is {worst} ns away from the one-agent trace's \
+         (alignment error up to {max_err} ns)"
+    );
+    let order = |c: &BTreeMap<(String, u64), (u64, u64)>| {
+        let mut per: BTreeMap<u64, Vec<(u64, String)>> = BTreeMap::new();
+        for ((id, r), (ts, _)) in c {
+            per.entry(*r).or_default().push((*ts, id.clone()));
+        }
+        per.into_iter()
+            .map(|(r, mut v)| {
+                v.sort();
+                (r, v.into_iter().map(|(_, id)| id).collect::<Vec<_>>())
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+    assert_eq!(
+        order(&m),
+        order(&a),
+        "each rank's collectives in the same order"
+    );
+    check_steps(run, &csv, &merged, &st);
+}
+
+/// Step breakdown (CSV, stats JSON, slices) against what each rank logged
+/// (`rank<R>.steps.jsonl`), within 5% or 200 us; every step but the first
+/// (it has no start marker) of every rank.
+fn check_steps(run: &ClusterRun, csv: &Path, merged: &Timeline, st: &Value) {
+    let text = std::fs::read_to_string(csv).expect("steps CSV written");
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    assert_eq!(header[..3], ["rank", "node", "step"]);
+    let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
+    let rows: Vec<Vec<String>> = lines
+        .map(|l| l.split(',').map(str::to_owned).collect())
+        .collect();
+    assert_eq!(rows.len(), st["steps"].as_array().unwrap().len());
+    let mut logged: BTreeMap<(u64, u64), Value> = BTreeMap::new();
+    for (k, node) in run.nodes.iter().enumerate() {
+        for r in node["ranks"].as_array().unwrap() {
+            let path = run
+                .rdv
+                .join(format!("node{k}"))
+                .join(r["step_log"].as_str().unwrap());
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                let e: Value = serde_json::from_str(line).unwrap();
+                if e["event"] == "step" {
+                    logged.insert(
+                        (r["rank"].as_u64().unwrap(), e["step"].as_u64().unwrap()),
+                        e,
+                    );
+                }
+            }
+        }
+    }
+    let steps = run.job["steps"].as_u64().unwrap();
+    let ranks = run.job["ranks"].as_array().unwrap().len() as u64;
+    assert_eq!(
+        rows.len() as u64,
+        ranks * (steps - 1),
+        "steps 1.. of every rank"
+    );
+    let mut worst: BTreeMap<&str, i64> = BTreeMap::new();
+    for row in &rows {
+        let rank: u64 = row[0].parse().unwrap();
+        let step: u64 = row[2].parse().unwrap();
+        let log = &logged[&(rank, step)];
+        for field in ["dur_ns", "data_wait_ns", "grad_sync_ns"] {
+            let ours: i64 = row[col(field)].parse().unwrap();
+            let theirs = log[field].as_i64().unwrap();
+            let tolerance = 200_000f64.max(0.05 * theirs as f64) as i64;
+            let mut diff = (ours - theirs).abs();
+            if field == "data_wait_ns" && theirs > ours {
+                // The rank's clock brackets its whole dataloader_next call:
+                // a preemption inside it (the queue hand-off wakes the
+                // loader thread, on the same CPU) is CPU contention, which
+                // the breakdown reports as `preempted` when the lost frame
+                // of the libc call hides the loader from the stack.
+                let preempted: i64 = row[col("preempted_ns")].parse().unwrap();
+                diff = (theirs - ours - preempted).max(0);
+            }
+            assert!(
+                diff <= tolerance,
+                "rank {rank} step {step} {field}: {ours} ns, the rank logged {theirs} ns"
+            );
+            let w = worst.entry(field).or_default();
+            *w = (*w).max(diff);
+        }
+    }
+    eprintln!("step breakdown: worst differences from the ranks' own logs (ns): {worst:?}");
+    // A slice per step on each rank's "steps" track.
+    let step_slices = merged
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("step "))
+        .count();
+    assert_eq!(step_slices, rows.len());
+}
+
+#[test]
+fn two_nvidia_nodes_merge_into_one_aligned_timeline() {
+    let _x = exclusive();
+    let run = run_cluster(
+        "merge-nv",
+        2,
+        &[
+            "--world-size",
+            "4",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--steps",
+            "30",
+        ],
+    );
+    check_merge(&run);
+    bad_inputs(&run);
+}
+
+#[test]
+fn faults_on_one_node_show_in_the_merged_step_breakdown() {
+    // A late arrival, a data-loader stall and a slow rank, all on node 1:
+    // the breakdown follows each rank's own log through all of them.
+    let _x = exclusive();
+    let run = run_cluster(
+        "merge-faults",
+        2,
+        &[
+            "--world-size",
+            "4",
+            "--tp",
+            "1",
+            "--dp",
+            "4",
+            "--pp",
+            "1",
+            "--steps",
+            "16",
+            "--fault",
+            "delay:rank=2,step=5,ms=150",
+            "--fault",
+            "dataloader_stall:rank=3,step=9,ms=120",
+            "--fault",
+            "slow:rank=3,factor=2,from_step=12",
+        ],
+    );
+    check_merge(&run);
+}
+
+#[test]
+fn four_nodes_of_a_16_rank_job_merge_with_their_groups() {
+    // tp2 pp2 dp4 over 4 nodes of 4 ranks: DP groups join nodes 0-1 and
+    // 2-3, pipeline pairs join 0-2 and 1-3, so aligning every node to the
+    // first takes more than one hop.
+    let _x = exclusive();
+    let run = run_cluster(
+        "merge-16",
+        4,
+        &[
+            "--world-size",
+            "16",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp",
+            "4",
+            "--steps",
+            "12",
+            // Sixteen ranks on two CPUs: a rank's own clock reads can lag
+            // its calls by a few hundred microseconds; longer gradient
+            // all-reduces keep that within the 5% the breakdown is held to.
+            "--grad-mb",
+            "48",
+        ],
+    );
+    check_merge(&run);
+}
+
+#[test]
+fn two_ascend_nodes_of_a_tp_pp_dp_job_merge_with_their_groups() {
+    let _x = exclusive();
+    let run = run_cluster(
+        "merge-npu",
+        2,
+        &[
+            "--flavor",
+            "ascend",
+            "--world-size",
+            "8",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "20",
+        ],
+    );
+    check_merge(&run);
+}
+
+/// Traces of another job are refused by name (merged with --force); a cut
+/// trace is merged up to its last complete packet and said so; a node
+/// whose pids clash with another's keeps its processes apart.
+fn bad_inputs(run: &ClusterRun) {
+    let dir = run.dir.path();
+    let node0 = &run.node_traces[0];
+    let bytes = std::fs::read(node0).unwrap();
+    let other = dir.join("other-job.pftrace");
+    std::fs::write(
+        &other,
+        relabel_job(&std::fs::read(&run.node_traces[1]).unwrap(), "another"),
+    )
+    .unwrap();
+    let out = dir.join("bad.pftrace");
+    let (status, stdout, stderr) = merge(&[
+        OsStr::new("-o"),
+        out.as_os_str(),
+        node0.as_os_str(),
+        other.as_os_str(),
+    ]);
+    assert!(!status.success(), "{stdout}");
+    assert!(
+        stderr.contains("different jobs")
+            && stderr.contains("job merge-nv")
+            && stderr.contains("job another")
+            && stderr.contains("--force"),
+        "{stderr}"
+    );
+    let (status, stdout, stderr) = merge(&[
+        OsStr::new("-o"),
+        out.as_os_str(),
+        OsStr::new("--force"),
+        node0.as_os_str(),
+        other.as_os_str(),
+    ]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.contains("merged traces of different jobs"),
+        "{stdout}"
+    );
+
+    // The same node twice: every pid clashes.
+    let twice = dir.join("twice.pftrace");
+    let stats_path = dir.join("twice.json");
+    let (status, stdout, stderr) = merge(&[
+        OsStr::new("-o"),
+        twice.as_os_str(),
+        OsStr::new("--stats-json"),
+        stats_path.as_os_str(),
+        node0.as_os_str(),
+        node0.as_os_str(),
+    ]);
+    assert!(status.success(), "{stdout}{stderr}");
+    let st = stats(&stats_path);
+    assert!(
+        st["nodes"][1]["pids_remapped"].as_u64().unwrap() >= 2,
+        "{st:#}"
+    );
+    let tl = timeline(&twice);
+    let once = timeline(node0);
+    assert_eq!(
+        ranks(&tl).len(),
+        2 * ranks(&once).len(),
+        "processes kept apart"
+    );
+    assert_eq!(tl.switches.len(), 2 * once.switches.len());
+    let device = |tl: &Timeline| {
+        tl.slices
+            .iter()
+            .filter(|s| !s.name.starts_with("step "))
+            .count()
+    };
+    assert_eq!(device(&tl), 2 * device(&once));
+
+    // Cut in the middle of a packet.
+    let cut = dir.join("cut.pftrace");
+    std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let cut_out = dir.join("cut-merged.pftrace");
+    let (status, stdout, stderr) = merge(&[
+        OsStr::new("-o"),
+        cut_out.as_os_str(),
+        cut.as_os_str(),
+        run.node_traces[1].as_os_str(),
+    ]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.contains("is truncated: merged up to its last complete packet"),
+        "{stdout}"
+    );
+    let tl = timeline(&cut_out);
+    assert!(!tl.slices.is_empty());
+
+    // Not a trace at all.
+    let json = dir.join("not-a-trace.pftrace");
+    std::fs::write(&json, b"{\"x\": 1}").unwrap();
+    let (status, _, stderr) = merge(&[OsStr::new("-o"), out.as_os_str(), json.as_os_str()]);
+    assert!(!status.success());
+    assert!(stderr.contains("not a native Perfetto trace"), "{stderr}");
+}
