@@ -91,6 +91,10 @@ pub struct RunSummary {
     /// `--system`: distinct tasks that ran and CPUs seen (what that mode
     /// measures; the per-thread figures above need `--pid`).
     pub system_wide: Option<SystemWide>,
+    /// Bytes of the kernel ring buffers (scheduler, device calls,
+    /// bystander switches); each is mapped twice, so the agent's resident
+    /// memory holds about twice their sum.
+    pub ring_bytes: u64,
     /// Decoded records per kind, as the summary sink counted them.
     pub records: std::collections::BTreeMap<&'static str, u64>,
 }
@@ -297,6 +301,9 @@ impl RunSummary {
                 cpus: totals.cpus_seen,
                 switches: totals.records.get("switch").copied().unwrap_or(0),
             }),
+            ring_bytes: u64::from(cfg.ring_bytes)
+                + u64::from(cfg.device_ring_bytes)
+                + u64::from(cfg.bystander_ring_bytes),
             records: totals.records,
         }
     }
@@ -520,10 +527,12 @@ impl RunSummary {
             }
         }
         eprintln!(
-            "  agent:   {:.2} s CPU ({:.0} ns per event), peak RSS {:.0} MB",
+            "  agent:   {:.2} s CPU ({:.0} ns per event), peak RSS {:.0} MB (of which the rings, \
+             mapped twice: ~{:.0} MB)",
             self.agent_cpu_seconds,
             self.agent_cpu_seconds * 1e9 / self.events.max(1) as f64,
-            self.agent_peak_rss_bytes as f64 / 1e6
+            self.agent_peak_rss_bytes as f64 / 1e6,
+            2.0 * self.ring_bytes as f64 / 1e6
         );
         eprintln!(
             "  trace:   {} ({:.1} MB); open it at https://ui.perfetto.dev",
