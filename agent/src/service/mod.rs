@@ -19,6 +19,8 @@
 pub mod config;
 pub mod control;
 pub mod discovery;
+#[cfg(test)]
+mod fuzzing;
 pub mod http;
 pub mod kernel_side;
 pub mod metrics_endpoint;
