@@ -626,17 +626,21 @@ mod tests {
         ServiceConfig::parse(text, Path::new("/etc/xpuscope/agent.toml")).map_err(|e| e.to_string())
     }
 
-    #[test]
-    fn the_documented_example_is_the_default() {
-        // The module docs' example, uncommented lines only.
-        let doc = include_str!("config.rs")
+    /// The module docs' example, uncommented lines only.
+    fn documented_example() -> String {
+        include_str!("config.rs")
             .lines()
             .skip_while(|l| !l.starts_with("//! ```toml"))
             .skip(1)
             .take_while(|l| !l.starts_with("//! ```"))
             .map(|l| l.trim_start_matches("//!").trim_start())
             .collect::<Vec<_>>()
-            .join("\n");
+            .join("\n")
+    }
+
+    #[test]
+    fn the_documented_example_is_the_default() {
+        let doc = documented_example();
         let cfg = parse(&doc).unwrap();
         assert_eq!(cfg, ServiceConfig::default());
         assert_eq!(parse("").unwrap(), ServiceConfig::default());
@@ -761,14 +765,7 @@ job_env = ["MY_JOB"]
     /// never a panic (8,000 seeded cases per run).
     #[test]
     fn arbitrary_config_text_never_panics() {
-        let doc: String = include_str!("config.rs")
-            .lines()
-            .skip_while(|l| !l.starts_with("//! ```toml"))
-            .skip(1)
-            .take_while(|l| !l.starts_with("//! ```"))
-            .map(|l| l.trim_start_matches("//!").trim_start())
-            .collect::<Vec<_>>()
-            .join("\n");
+        let doc = documented_example();
         let seeds = [
             doc.clone(),
             "level = 2\n[flight_recorder]\nseconds = \"30s\"\nmax_bytes = \"64M\"\n".to_string(),
