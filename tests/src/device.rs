@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -133,21 +133,36 @@ pub fn run_sim_job(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun
     run
 }
 
-/// [`run_sim_job`] for a job that may fail (an injected fault): its
-/// launcher's exit status is in [`SimRun::status`].
-pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
-    wait_for_closers();
+/// A simulated 2-rank job (dp 2) whose ranks are ready and wait at its
+/// start gate (`gate`: create the file to let them run).
+pub struct GatedJob {
+    pub launcher: GroupGuard,
+    pub gate: PathBuf,
+    pub job_dir: PathBuf,
+    pub ground_truth: Value,
+    /// rank -> pid
+    pub rank_pids: BTreeMap<u64, i32>,
+}
+
+/// Starts `tests/sim/launch.py` in `dir/<name>` as job `job_name` with
+/// `steps` steps and `extra` options, and waits until its ranks are ready.
+pub fn start_gated_job(
+    dir: &Path,
+    name: &str,
+    job_name: &str,
+    steps: u64,
+    extra: &[&str],
+) -> GatedJob {
     let fixtures = fixtures::build_all();
-    let dir = TempDir::new(tag);
-    let job_dir = dir.path().join("job");
-    let gate = dir.path().join("go");
+    let job_dir = dir.join(name);
+    let gate = dir.join(format!("{name}.go"));
     let launcher = Command::new("python3")
         .arg(fixtures::repo_root().join("tests/sim/launch.py"))
         .arg("--out-dir")
         .arg(&job_dir)
         .arg("--build-dir")
         .arg(fixtures.join("sim"))
-        .args(["--job-name", tag, "--quiet", "--timeout", "60"])
+        .args(["--job-name", job_name, "--quiet", "--timeout", "60"])
         .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
         .args(["--steps", &steps.to_string()])
         .args(extra)
@@ -158,16 +173,15 @@ pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str
         .process_group(0)
         .spawn()
         .expect("spawn the simulated job");
-    let mut launcher = GroupGuard(launcher);
-    let launcher_pid = launcher.0.id();
-    wait_until(Duration::from_secs(20), "ranks ready", || {
+    let launcher = GroupGuard(launcher);
+    wait_until(Duration::from_secs(30), "ranks ready", || {
         (0..2).all(|r| {
             std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
                 .is_ok_and(|t| t.contains("\"ready\""))
         })
     });
-    let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    let rank_pids: BTreeMap<u64, i32> = gt["ranks"]
+    let ground_truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+    let rank_pids: BTreeMap<u64, i32> = ground_truth["ranks"]
         .as_array()
         .expect("ranks")
         .iter()
@@ -179,6 +193,28 @@ pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str
         })
         .collect();
     assert_eq!(rank_pids.len(), 2);
+    GatedJob {
+        launcher,
+        gate,
+        job_dir,
+        ground_truth,
+        rank_pids,
+    }
+}
+
+/// [`run_sim_job`] for a job that may fail (an injected fault): its
+/// launcher's exit status is in [`SimRun::status`].
+pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str]) -> SimRun {
+    wait_for_closers();
+    let dir = TempDir::new(tag);
+    let GatedJob {
+        mut launcher,
+        gate,
+        job_dir,
+        ground_truth: gt,
+        rank_pids,
+    } = start_gated_job(dir.path(), "job", tag, steps, extra);
+    let launcher_pid = launcher.0.id();
     let rec = Recording::start(
         dir.path(),
         &["--pid", &launcher_pid.to_string(), "--probe-level", level],

@@ -7,16 +7,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, TempDir, agent_bin, exclusive};
-use xpuscope_tests::device::{
-    GroupGuard, arg_text, read_json, thread_of, wait_for_closers, wait_until,
-};
+use xpuscope_tests::device::{GroupGuard, arg_text, start_gated_job, thread_of, wait_for_closers};
 use xpuscope_tests::fixtures;
 use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode};
 
@@ -123,49 +120,16 @@ struct Job {
 
 impl Job {
     fn start(dir: &Path, name: &str) -> Job {
-        let fixtures = fixtures::build_all();
-        let job_dir = dir.join(name);
-        let gate = dir.join(format!("{name}.go"));
-        let launcher = Command::new("python3")
-            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-            .arg("--out-dir")
-            .arg(&job_dir)
-            .arg("--build-dir")
-            .arg(fixtures.join("sim"))
-            .args(["--job-name", name, "--quiet", "--timeout", "60"])
-            .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
-            .args(["--steps", &STEPS.to_string()])
-            .arg("--start-gate")
-            .arg(&gate)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .expect("spawn the simulated job");
-        let launcher = GroupGuard(launcher);
-        wait_until(Duration::from_secs(30), "ranks ready", || {
-            (0..2).all(|r| {
-                std::fs::read_to_string(job_dir.join(format!("rank{r}.steps.jsonl")))
-                    .is_ok_and(|t| t.contains("\"ready\""))
-            })
-        });
-        let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-        let ranks = gt["ranks"]
-            .as_array()
-            .expect("ranks")
-            .iter()
-            .map(|r| {
-                (
-                    r["rank"].as_u64().unwrap(),
-                    r["pid"].as_u64().unwrap() as u32,
-                )
-            })
-            .collect();
+        let job = start_gated_job(dir, name, name, STEPS, &[]);
         Job {
-            launcher,
-            gate,
-            job_dir,
-            ranks,
+            launcher: job.launcher,
+            gate: job.gate,
+            job_dir: job.job_dir,
+            ranks: job
+                .rank_pids
+                .into_iter()
+                .map(|(rank, pid)| (rank, pid as u32))
+                .collect(),
         }
     }
 
