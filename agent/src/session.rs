@@ -21,7 +21,7 @@ use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelContr
 use crate::pipeline::collect::{Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::interpret::InterpretCounters;
-use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::pipeline::{self, PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::perfetto::{PerfettoSink, Written};
 use crate::sinks::summary::{RecordTotals, SummarySink};
 use crate::sinks::{FanOut, SinkHandle, SinkReport};
@@ -105,19 +105,18 @@ impl Stages {
 
         let mut fanout = FanOut::default();
         let trace = fanout.add("trace", PerfettoSink::to_file(file)?, SINK_BATCHES)?;
-        let summary = fanout.add("summary", SummarySink::default(), SINK_BATCHES)?;
+        let summary = fanout.add_inline("summary", SummarySink::default());
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
-        // Built on its own thread: the symbolizer is not `Send`.
-        let pipeline = std::thread::Builder::new()
-            .name("xpuscope-pipeline".into())
-            .spawn(move || {
+        let (pipeline, pipeline_rt) = pipeline::start_thread(
+            move || {
                 let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
                     .with_device_call_rate(device_call_rate);
                 pipeline.start(start_ts, processes);
-                pipeline.run(rx, host::boottime_ns)
-            })
-            .context("starting the pipeline")?;
+                pipeline
+            },
+            rx,
+        )?;
 
         let collect_counters = Arc::new(ReaderCounters::default());
         let (stop_collect, stop_rx) = watch::channel(false);
@@ -128,7 +127,8 @@ impl Stages {
             drain_interval: cfg.drain_interval,
             delay: cfg.reader_delay,
         };
-        let collect = tokio::spawn(
+        // On the pipeline's thread (see `pipeline::start_thread`).
+        let collect = pipeline_rt.spawn(
             reader
                 .run(stop_rx)
                 .instrument(tracing::info_span!("collect")),
@@ -384,8 +384,9 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         Err(e) => return Err(cut_trace(e, cfg)),
     };
     file.sync_all().context("syncing the trace file")?;
-    collect_result??;
+    // The pipeline's error first: a panic there also cancels collect.
     let interpret = pipeline_result?;
+    collect_result??;
     let totals = summary_result?;
     Ok(Finished {
         consumed: collect_counters

@@ -170,11 +170,16 @@ fn run_pipeline(fanout: FanOut, msgs: Vec<PipelineMsg>, enricher: FakeEnricher) 
 fn every_sink_sees_the_same_stream() {
     let mut fanout = FanOut::default();
     let trace = fanout.add("trace", trace_sink(), 64).unwrap();
-    let summary = fanout.add("summary", SummarySink::default(), 64).unwrap();
+    // As in a recording: the summary on the pipeline's thread.
+    let summary = fanout.add_inline("summary", SummarySink::default());
     let counting = fanout.add("count", CountingSink::default(), 64).unwrap();
     run_pipeline(fanout, story(), FakeEnricher::default()).unwrap();
 
     let (t_report, c_report) = (trace.report(), counting.report());
+    assert_eq!(
+        summary.report().delivered_records,
+        c_report.delivered_records
+    );
     let bytes = trace.join().unwrap().out;
     let totals = summary.join().unwrap();
     let counts = counting.join().unwrap();
@@ -375,6 +380,30 @@ fn a_panicking_sink_stops_alone() {
     assert_eq!(
         counts.per_kind["off_cpu"], 50,
         "the other sink got everything"
+    );
+}
+
+/// A sink on the pipeline's thread that panics stops alone too: the
+/// pipeline goes on, its records count as lost, and the panic is its error.
+#[test]
+fn a_panicking_inline_sink_stops_alone() {
+    let mut fanout = FanOut::default();
+    let bad = fanout.add_inline("bad", PanickingSink);
+    let counting = fanout.add("count", CountingSink::default(), 1024).unwrap();
+    run_pipeline(fanout, story(), FakeEnricher::default()).unwrap();
+    let report = bad.report();
+    let err = bad.join().unwrap_err();
+    assert!(
+        format!("{err:#}").contains("the bad sink panicked: sink bug"),
+        "{err:#}"
+    );
+    let count_report = counting.report();
+    assert_eq!(counting.join().unwrap().per_kind["off_cpu"], 50);
+    assert!(report.dropped_records > 0, "{report:?}");
+    assert_eq!(
+        report.delivered_records + report.dropped_records,
+        count_report.delivered_records,
+        "every record offered is either delivered or counted as dropped"
     );
 }
 

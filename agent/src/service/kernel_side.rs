@@ -171,7 +171,7 @@ pub async fn start(
         drain_interval: tuning.drain_interval,
         delay: tuning.reader_delay,
     };
-    let collect = tokio::spawn(
+    let collect = running.collect_runtime.spawn(
         reader
             .run(stop_rx)
             .instrument(tracing::info_span!("collect")),

@@ -60,6 +60,9 @@ impl LevelSwitch for KernelNotAttached {
 pub struct Running {
     /// Into the pipeline: collect's events, probe tables, drops.
     pub pipeline: mpsc::Sender<PipelineMsg>,
+    /// Where collect runs: the pipeline's own thread (see
+    /// `pipeline::start_thread`).
+    pub collect_runtime: tokio::runtime::Handle,
     /// Traced processes by pid, as `GET /processes` lists them.
     pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
 }
@@ -243,14 +246,14 @@ where
         *r = Some(stats.clone());
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
-    let pipeline = std::thread::Builder::new()
-        .name("xpuscope-pipeline".into())
-        .spawn(move || {
+    let (pipeline, collect_runtime) = crate::pipeline::start_thread(
+        move || {
             let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout);
             pipeline.start(host::boottime_ns(), Vec::new());
-            pipeline.run(rx, host::boottime_ns)
-        })
-        .context("starting the pipeline")?;
+            pipeline
+        },
+        rx,
+    )?;
 
     let (stop_tx, stop_rx) = watch::channel(false);
     if let Some(addr) = cfg.metrics.listen {
@@ -312,6 +315,7 @@ where
     }
     let mut kernel = match started(Running {
         pipeline: tx.clone(),
+        collect_runtime,
         traced: traced.clone(),
     })
     .await

@@ -4,8 +4,11 @@
 //! Each sink runs on its own thread behind its own bounded queue, fed by the
 //! fan-out with batches shared between sinks (`Arc`, never copied). A sink
 //! that lags loses its own batches, counted as drops under its name: it
-//! never stalls the kernel rings or the other sinks. A new capability is a
-//! new [`Sink`]; it never decodes raw bytes itself.
+//! never stalls the kernel rings or the other sinks. A sink whose work is a
+//! few counters per record (the end-of-run summary) can instead run on the
+//! fan-out's thread ([`FanOut::add_inline`]): no queue, nothing lost, and
+//! none of a thread's hand-off costs. A new capability is a new [`Sink`];
+//! it never decodes raw bytes itself.
 
 #[cfg(test)]
 pub mod counting;
@@ -14,9 +17,10 @@ pub mod metrics;
 pub mod perfetto;
 pub mod summary;
 
-use std::sync::Arc;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use anyhow::{Context, Result, anyhow};
@@ -85,27 +89,46 @@ struct SinkQueue {
     counters: Arc<SinkCounters>,
 }
 
-/// A running sink: its queue's counters and its thread.
+/// A running sink: its queue's counters and where its output comes from.
 pub struct SinkHandle<T> {
     pub name: &'static str,
     pub counters: Arc<SinkCounters>,
-    thread: JoinHandle<Result<T>>,
+    runs: Runs<T>,
+}
+
+/// Where a sink runs.
+enum Runs<T> {
+    /// Its own thread, behind a queue.
+    Thread(JoinHandle<Result<T>>),
+    /// On the fan-out's thread; its output is left here when it ends.
+    Inline(Arc<Mutex<Option<Result<T>>>>),
 }
 
 impl<T> SinkHandle<T> {
     pub fn is_finished(&self) -> bool {
-        self.thread.is_finished()
+        match &self.runs {
+            Runs::Thread(thread) => thread.is_finished(),
+            Runs::Inline(slot) => slot.lock().is_ok_and(|s| s.is_some()),
+        }
     }
 
     /// Waits for the sink's output (after [`FanOut::finish`]).
     pub fn join(self) -> Result<T> {
-        match self.thread.join() {
-            Ok(r) => r.with_context(|| format!("the {} sink failed", self.name)),
-            Err(panic) => Err(anyhow!(
-                "the {} sink panicked: {}",
-                self.name,
-                panic_message(&*panic)
-            )),
+        let name = self.name;
+        match self.runs {
+            Runs::Thread(thread) => match thread.join() {
+                Ok(r) => r.with_context(|| format!("the {name} sink failed")),
+                Err(panic) => Err(anyhow!(
+                    "the {name} sink panicked: {}",
+                    panic_message(&*panic)
+                )),
+            },
+            Runs::Inline(slot) => slot
+                .lock()
+                .map_err(|_| anyhow!("the {name} sink's output was poisoned"))?
+                .take()
+                .unwrap_or_else(|| Err(anyhow!("the recording did not end")))
+                .with_context(|| format!("the {name} sink failed")),
         }
     }
 
@@ -129,10 +152,91 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
+/// A sink run on the fan-out's own thread (type-erased).
+trait InlineSink: Send {
+    fn name(&self) -> &'static str;
+    fn counters(&self) -> &SinkCounters;
+    fn batch(&mut self, batch: &Batch);
+    fn tick(&mut self, now: u64);
+    fn finish(&mut self, end: u64);
+}
+
+struct Inline<S: Sink> {
+    name: &'static str,
+    /// `None` once it ended (finished, failed or panicked).
+    sink: Option<S>,
+    counters: Arc<SinkCounters>,
+    output: Arc<Mutex<Option<Result<S::Output>>>>,
+}
+
+impl<S: Sink> Inline<S> {
+    /// Runs `f` on the sink; an error or a panic ends the sink with it as
+    /// its output (the stage goes on: the sink's records count as lost).
+    fn call(&mut self, f: impl FnOnce(&mut S, &SinkCounters) -> Result<()>) {
+        let Some(sink) = self.sink.as_mut() else {
+            return;
+        };
+        let counters = &self.counters;
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| f(sink, counters)));
+        let err = match outcome {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e,
+            Err(panic) => anyhow!(
+                "the {} sink panicked: {}",
+                self.name,
+                panic_message(&*panic)
+            ),
+        };
+        tracing::warn!("the {} sink stopped: {err:#}", self.name);
+        self.sink = None;
+        self.counters.stopped.store(true, Ordering::Relaxed);
+        if let Ok(mut out) = self.output.lock() {
+            *out = Some(Err(err));
+        }
+    }
+}
+
+impl<S: Sink> InlineSink for Inline<S> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn counters(&self) -> &SinkCounters {
+        &self.counters
+    }
+
+    fn batch(&mut self, batch: &Batch) {
+        self.call(|s, c| s.on_shared_batch(batch, c));
+    }
+
+    fn tick(&mut self, now: u64) {
+        self.call(|s, c| s.on_tick(now, c));
+    }
+
+    fn finish(&mut self, end: u64) {
+        let Some(sink) = self.sink.take() else {
+            return;
+        };
+        let counters = &self.counters;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| sink.finish(end, counters)))
+            .unwrap_or_else(|panic| {
+                Err(anyhow!(
+                    "the {} sink panicked: {}",
+                    self.name,
+                    panic_message(&*panic)
+                ))
+            });
+        if let Ok(mut out) = self.output.lock() {
+            *out = Some(result);
+        }
+    }
+}
+
 /// Hands every batch to every sink without waiting for any.
 #[derive(Default)]
 pub struct FanOut {
     queues: Vec<SinkQueue>,
+    inline: Vec<Box<dyn InlineSink>>,
 }
 
 impl FanOut {
@@ -160,8 +264,30 @@ impl FanOut {
         Ok(SinkHandle {
             name,
             counters,
-            thread,
+            runs: Runs::Thread(thread),
         })
+    }
+
+    /// Runs `sink` on the fan-out's own thread (the pipeline's), with no
+    /// queue: for sinks whose work per record is a few counters (the
+    /// end-of-run summary), where a thread of their own would cost more
+    /// than the work (a hand-off per batch, and every record read again
+    /// from another CPU's cache). Such a sink must never block: it holds up
+    /// the pipeline. It loses nothing; if it fails, the rest goes on.
+    pub fn add_inline<S: Sink>(&mut self, name: &'static str, sink: S) -> SinkHandle<S::Output> {
+        let counters = Arc::new(SinkCounters::default());
+        let output = Arc::new(Mutex::new(None));
+        self.inline.push(Box::new(Inline {
+            name,
+            sink: Some(sink),
+            counters: counters.clone(),
+            output: output.clone(),
+        }));
+        SinkHandle {
+            name,
+            counters,
+            runs: Runs::Inline(output),
+        }
     }
 
     /// Offers `batch` to every sink; a sink whose queue is full loses it
@@ -172,6 +298,16 @@ impl FanOut {
         }
         let n = batch.len() as u64;
         let batch: Batch = Arc::new(batch);
+        for s in &mut self.inline {
+            let c = s.counters();
+            if c.stopped.load(Ordering::Relaxed) {
+                c.dropped_records.fetch_add(n, Ordering::Relaxed);
+                c.dropped_batches.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.delivered_records.fetch_add(n, Ordering::Relaxed);
+                s.batch(&batch);
+            }
+        }
         for q in &mut self.queues {
             let Some(tx) = &q.tx else {
                 q.counters.dropped_records.fetch_add(n, Ordering::Relaxed);
@@ -201,6 +337,9 @@ impl FanOut {
 
     /// A tick to every sink that has room for it (ticks are not counted).
     pub fn tick(&mut self, now: u64) {
+        for s in &mut self.inline {
+            s.tick(now);
+        }
         for q in &self.queues {
             if let Some(tx) = &q.tx {
                 let _ = tx.try_send(SinkMsg::Tick(now));
@@ -211,6 +350,10 @@ impl FanOut {
     /// Tells every sink the recording ended at `end` (waiting for room:
     /// the end is never lost), then closes the queues.
     pub fn finish(&mut self, end: u64) {
+        for s in &mut self.inline {
+            tracing::debug!("finishing the {} sink", s.name());
+            s.finish(end);
+        }
         for q in &mut self.queues {
             if let Some(tx) = q.tx.take() {
                 let _ = tx.send(SinkMsg::Finish(end));

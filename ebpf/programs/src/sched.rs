@@ -72,7 +72,9 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
 
     // A switch between two untraced tasks goes to a ring of its own, so
     // that only such records can be lost to a neighbour's switch storm.
-    let (ring, kind) = if prev_target || next_target {
+    // System-wide, every task is the subject: one ring (no bystanders, and
+    // no second ring for the agent to merge in time order).
+    let (ring, kind) = if prev_target || next_target || cfg.system_wide != 0 {
         (Ring::Sched, EventKind::SchedSwitch)
     } else {
         (Ring::Bystander, EventKind::BystanderSwitch)

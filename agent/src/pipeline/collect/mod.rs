@@ -75,7 +75,7 @@ impl Reader {
         let mut bystander = register(bystander)?;
         let mut tick = tokio::time::interval(drain_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut held = Held::new();
+        let mut held = Held::default();
         loop {
             let mut stopping = false;
             tokio::select! {
@@ -117,13 +117,16 @@ fn read_ring(
     until: Option<u64>,
     counters: &ReaderCounters,
 ) {
+    // Counted here, published once per read (an atomic add per record
+    // was a tenth of this loop's time).
+    let mut consumed = [0u64; DROP_SLOTS as usize];
     let mut n = 0;
     while n < limit {
         let Some(item) = ring.next() else { break };
         n += 1;
         match events::decode(&item) {
             Ok(event) => {
-                counters.consumed[event.kind() as usize].fetch_add(1, Ordering::Relaxed);
+                consumed[event.kind() as usize] += 1;
                 let ts = event.ts();
                 into.push(event);
                 if until.is_some_and(|u| ts > u) {
@@ -136,6 +139,11 @@ fn read_ring(
             }
         }
     }
+    for (total, n) in counters.consumed.iter().zip(consumed) {
+        if n > 0 {
+            total.fetch_add(n, Ordering::Relaxed);
+        }
+    }
 }
 
 /// How long after a record's timestamp it is surely in its ring: a
@@ -143,8 +151,10 @@ fn read_ring(
 /// cannot be preempted meanwhile; a millisecond leaves a wide margin.
 const COMMIT_SLACK_NS: u64 = 1_000_000;
 
-/// The records read but not handed on yet (see [`read_batch`]).
-pub(crate) type Held = Vec<Event>;
+/// The records read but not handed on yet (see [`read_batch`]), per ring
+/// (device, scheduler, bystander: the order ties are broken in), each in
+/// time order.
+pub(crate) type Held = [Vec<Event>; 3];
 
 /// What one read of a ring saw.
 struct RingRead {
@@ -162,6 +172,8 @@ fn read_all(
     let before = into.len();
     read_ring(ring, into, BATCH, None, counters);
     let n = into.len() - before;
+    // The held part is sorted already; the new records join it.
+    sort_nearly_sorted(into, before.saturating_sub(1));
     RingRead {
         drained: n < BATCH,
         last_ts: (n > 0).then(|| into[into.len() - 1].ts()),
@@ -189,10 +201,11 @@ fn read_batch(
     flush: bool,
 ) -> (Vec<Event>, bool) {
     let now = crate::host::boottime_ns();
+    let [device, sched, bystander] = held;
     let reads = [
-        read_all(rings.device, held, counters),
-        read_all(rings.sched, held, counters),
-        read_all(rings.bystander, held, counters),
+        read_all(rings.device, device, counters),
+        read_all(rings.sched, sched, counters),
+        read_all(rings.bystander, bystander, counters),
     ];
     let full = reads.iter().any(|r| !r.drained);
     let mut watermark = now.saturating_sub(COMMIT_SLACK_NS);
@@ -208,13 +221,69 @@ fn read_batch(
 }
 
 /// The held records stamped at or before `watermark`, in time order
-/// (stable); the rest stay held.
+/// (stable; on a tie, in ring order); the rest stay held. Each ring's
+/// records are in time order already, so this merges them: every record
+/// is moved once.
 fn release(held: &mut Held, watermark: u64) -> Vec<Event> {
-    // Stable and adaptive: the rings are nearly in time order already.
-    held.sort_by_key(Event::ts);
-    let n = held.partition_point(|e| e.ts() <= watermark);
-    let rest = held.split_off(n);
-    std::mem::replace(held, rest)
+    // Each ring: its records up to the watermark (moved out without a
+    // copy), the rest stay held (the last millisecond or so: a short copy).
+    let parts = held.each_mut().map(|ring| {
+        let n = ring.partition_point(|e| e.ts() <= watermark);
+        let rest = ring.split_off(n);
+        std::mem::replace(ring, rest)
+    });
+    let busy = parts.iter().filter(|p| !p.is_empty()).count();
+    if busy <= 1 {
+        // One ring had records (usual): they are the batch as they are.
+        return parts
+            .into_iter()
+            .find(|p| !p.is_empty())
+            .unwrap_or_default();
+    }
+    let mut out = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+    let mut parts = parts.map(Vec::into_iter);
+    loop {
+        // The earliest head; on a tie the first ring's (stable).
+        let next = parts
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.as_slice().first().map(|e| (e.ts(), i)))
+            .min();
+        let Some((_, i)) = next else { break };
+        out.extend(parts[i].next());
+    }
+    out
+}
+
+/// Sorts `v` by time, stably, where `v[..sorted]` is sorted already. A
+/// ring is in time order but for records of different CPUs stamped within
+/// the same microsecond or so (a program stamps, then reserves), so nearly
+/// every record is at most a few places from where it belongs: an
+/// insertion sort moves each such record a few places, where a general
+/// sort (even an adaptive one) copies every record through a scratch
+/// buffer. Past a budget of moves (records far from their place), the
+/// general sort takes over.
+fn sort_nearly_sorted(v: &mut [Event], sorted: usize) {
+    let budget = 8 * v.len() + 64;
+    let mut moves = 0;
+    for i in sorted.max(1)..v.len() {
+        let ts = v[i].ts();
+        if v[i - 1].ts() <= ts {
+            continue;
+        }
+        // `v[..i]` is sorted; the record goes after the last one not later
+        // than it (stable).
+        let mut j = i - 1;
+        while j > 0 && v[j - 1].ts() > ts {
+            j -= 1;
+        }
+        moves += i - j;
+        if moves > budget {
+            v.sort_by_key(Event::ts);
+            return;
+        }
+        v[j..=i].rotate_right(1);
+    }
 }
 
 /// Drains everything available. Returns false if the consumer hung up.
@@ -237,6 +306,9 @@ async fn drain(
         if out.send(Msg::Events(batch)).await.is_err() {
             return false;
         }
+        // The pipeline runs on this thread (`pipeline::start_thread`): let it
+        // take the batch now, while it is in this CPU's cache.
+        tokio::task::yield_now().await;
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
@@ -276,20 +348,64 @@ mod tests {
     /// still comes before anything later of its CPU.
     #[test]
     fn records_go_out_in_time_order_up_to_the_watermark() {
-        // Write order of three rings: cpu 1's 10 before cpu 0's 5, and a
-        // bystander record of cpu 0 at 4 read after them.
-        let mut held: Held = vec![at(1, 10, 1), at(0, 5, 1), at(0, 5, 2), at(0, 4, 3)];
+        // Three rings: the scheduler ring has cpu 0's 5 and cpu 1's 10;
+        // the device ring a record of cpu 0 at 5 too (a tie: the device
+        // ring's goes first); the bystander ring cpu 0's 4.
+        let mut held: Held = [
+            vec![at(0, 5, 2)],
+            vec![at(0, 5, 1), at(1, 10, 1)],
+            vec![at(0, 4, 3)],
+        ];
         let out = release(&mut held, 6);
-        assert_eq!(order(&out), vec![(0, 4, 3), (0, 5, 1), (0, 5, 2)]);
-        assert_eq!(order(&held), vec![(1, 10, 1)], "10 waits");
+        assert_eq!(order(&out), vec![(0, 4, 3), (0, 5, 2), (0, 5, 1)]);
+        assert_eq!(order(&held[1]), vec![(1, 10, 1)], "10 waits");
+        assert!(held[0].is_empty() && held[2].is_empty());
         // The next read brings cpu 1's 7 (another ring): it still goes out
         // before the held 10.
-        held.push(at(1, 7, 3));
-        held.push(at(0, 12, 1));
+        held[2].push(at(1, 7, 3));
+        held[1].push(at(0, 12, 1));
         let out = release(&mut held, 11);
         assert_eq!(order(&out), vec![(1, 7, 3), (1, 10, 1)]);
         let out = release(&mut held, u64::MAX);
         assert_eq!(order(&out), vec![(0, 12, 1)]);
-        assert!(held.is_empty());
+        assert!(held.iter().all(Vec::is_empty));
+    }
+
+    /// The sort keeps equal times in their order and sorts any input: a
+    /// ring's near order, a reversed batch (past the budget), and runs.
+    #[test]
+    fn nearly_sorted_records_sort_stably() {
+        let mut v = vec![
+            at(0, 2, 1),
+            at(1, 1, 1),
+            at(0, 3, 1),
+            at(1, 3, 2),
+            at(0, 2, 2),
+        ];
+        sort_nearly_sorted(&mut v, 0);
+        assert_eq!(
+            order(&v),
+            vec![(1, 1, 1), (0, 2, 1), (0, 2, 2), (0, 3, 1), (1, 3, 2)]
+        );
+        let mut rev: Vec<Event> = (0..500).rev().map(|t| at(0, t / 2, t as u32)).collect();
+        sort_nearly_sorted(&mut rev, 0);
+        let got = order(&rev);
+        let mut want = got.clone();
+        want.sort_by_key(|&(_, ts, tid)| (ts, std::cmp::Reverse(tid)));
+        assert_eq!(got, want, "stable: of equal times, the earlier read first");
+        // Pseudo-random small displacements, as a ring's records have.
+        let mut x = 7u64;
+        let mut jitter: Vec<Event> = (0..2000u64)
+            .map(|i| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                at((x >> 60) as u32, i * 10 + (x >> 33) % 25, i as u32)
+            })
+            .collect();
+        let mut want = order(&jitter);
+        want.sort_by_key(|&(_, ts, _)| ts);
+        sort_nearly_sorted(&mut jitter, 0);
+        assert_eq!(order(&jitter), want);
     }
 }

@@ -86,6 +86,8 @@ pub struct RecordTotals {
     pub cpus_seen: u64,
 }
 
+const RECENT: usize = 32;
+
 #[derive(Default)]
 pub struct SummarySink {
     totals: RecordTotals,
@@ -93,6 +95,9 @@ pub struct SummarySink {
     /// showed in the agent's cost per event).
     per_kind: [u64; Record::KINDS],
     tasks: rustc_hash::FxHashSet<u32>,
+    /// Tasks recently added to `tasks`, by `tid % RECENT`: most switches
+    /// are of a few tasks switching back and forth, already in the set.
+    recent: [u32; RECENT],
     /// CPUs seen, by number.
     cpus: Vec<bool>,
     /// (library, function) -> (calls, errors).
@@ -105,8 +110,11 @@ impl SummarySink {
         self.per_kind[r.kind_index()] += 1;
         match r {
             Record::Switch { switch, .. } => {
-                if switch.next_tid != 0 {
-                    self.tasks.insert(switch.next_tid);
+                let tid = switch.next_tid;
+                let slot = &mut self.recent[tid as usize % RECENT];
+                if tid != 0 && *slot != tid {
+                    *slot = tid;
+                    self.tasks.insert(tid);
                 }
                 let cpu = switch.cpu as usize;
                 if cpu < xpuscope_common::MAX_CPUS as usize {
