@@ -2,8 +2,9 @@
 //!
 //! ```text
 //!  kernel rings --collect--> PipelineMsg --interpret/enrich--> Records --fan-out--> sinks
-//!  (tokio task)              (bounded)    (pipeline thread)              (a thread and a
-//!                                                                         bounded queue each)
+//!  (a task on the pipeline thread's runtime, see `start_thread`)            (a thread and a
+//!                                                                            bounded queue each,
+//!                                                                            or inline)
 //! ```
 //! - [`collect`]: ring records -> typed raw events (`crate::events`).
 //! - [`interpret`]: raw events -> [`Record`]s with meaning; asks [`enrich`]
