@@ -483,7 +483,11 @@ fn dump_with_every_rank(sd: &PrivateSystemd, agent: &Path, ranks: &BTreeMap<u64,
     // in `status` once written.
     let last = |status: &Value| status["flight_recorder"]["last_dump"].clone();
     let before = last(&ctl(agent, &socket, &["status"]));
-    let scheduled = ctl(agent, &socket, &["dump", "--seconds", "30", "--after", "2s"]);
+    let scheduled = ctl(
+        agent,
+        &socket,
+        &["dump", "--seconds", "30", "--after", "2s"],
+    );
     assert_eq!(scheduled["scheduled"], true, "{scheduled}");
     let end = Instant::now() + Duration::from_secs(20);
     let out = loop {
@@ -653,8 +657,7 @@ fn the_unit_runs_the_agent_under_a_private_systemd() {
     let mount_opts = |at: &str| {
         mounts
             .lines()
-            .filter(|l| l.split_whitespace().nth(4) == Some(at))
-            .last()
+            .rfind(|l| l.split_whitespace().nth(4) == Some(at))
             .and_then(|l| l.split_whitespace().nth(5))
             .map(String::from)
             .unwrap_or_else(|| panic!("nothing mounted at {at}:\n{mounts}"))

@@ -624,7 +624,7 @@ mod tests {
                 _ => format!("{l}\n"),
             })
             .collect();
-        assert_eq!(uncommented, 7, "{text}");
+        assert_eq!(uncommented, 6, "{text}");
         let cfg = parse(&text).unwrap();
         assert_eq!(cfg.control.group.as_deref(), Some("xpuscope"));
         assert!(cfg.control.tcp_listen.is_some() && cfg.control.token_file.is_some());
