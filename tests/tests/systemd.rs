@@ -670,6 +670,34 @@ fn the_unit_runs_the_agent_under_a_private_systemd() {
     );
     assert!(mount_opts("/tmp").starts_with("rw"), "PrivateTmp");
     assert_eq!(ctl(&agent, &socket, &["status"])["level"], 1);
+    // systemd's own rating of the sandbox (the README quotes it): kept at
+    // "OK" or better.
+    let out = run_bounded(
+        Command::new("nsenter")
+            .arg(format!("--target={}", sd.pid1))
+            .args([
+                "--mount",
+                "--pid",
+                "--",
+                "systemd-analyze",
+                "security",
+                "--no-pager",
+                UNIT,
+            ]),
+        Duration::from_secs(60),
+        "systemd-analyze security",
+    );
+    let rating = String::from_utf8_lossy(&out.stdout);
+    let overall = rating
+        .lines()
+        .find_map(|l| l.strip_prefix("→ Overall exposure level for xpuscope-agent.service: "))
+        .unwrap_or_else(|| panic!("systemd-analyze security: {rating}"));
+    eprintln!("systemd-analyze security: {overall}");
+    let exposure: f64 = overall.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(
+        exposure <= 4.0,
+        "the unit's exposure grew: {overall}\n{rating}"
+    );
     let socket_mode = std::fs::metadata(&socket).unwrap().permissions().mode();
     assert_eq!(socket_mode & 0o777, 0o600, "the control socket is root's");
 
@@ -782,4 +810,26 @@ fn the_unit_runs_the_agent_under_a_private_systemd() {
     )
     .unwrap_or_default();
     assert!(procs.trim().is_empty(), "processes left: {procs}");
+    drop(sd);
+
+    // `--uninstall` takes back what install placed, and only that: the
+    // unedited config goes, the drop-in (the user's) stays.
+    let out = run_bounded(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["xtask", "install", "--uninstall", "--root"])
+            .arg(&stage)
+            .current_dir(&repo),
+        Duration::from_secs(300),
+        "cargo xtask install --uninstall --root",
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(!agent.exists() && !unit_path.exists());
+    assert!(
+        !stage.join("etc/xpuscope").exists(),
+        "the unedited config and its directory"
+    );
+    assert!(
+        drop_in.join("test.conf").exists(),
+        "drop-ins are the user's"
+    );
 }
