@@ -324,7 +324,7 @@ impl PrivateSystemd {
         self.systemctl(&[
             "show",
             "-p",
-            "ActiveState,SubState,StatusText,MainPID,NRestarts,Result",
+            "ActiveState,SubState,StatusText,MainPID,NRestarts,Result,WatchdogTimestampMonotonic",
             UNIT,
         ])
         .lines()
@@ -443,9 +443,12 @@ impl Job {
             {
                 return started.elapsed();
             }
+            // A liveness bound, not a timing assertion: uprobe attaches
+            // queue on a kernel-wide mutex behind other agents' link
+            // closes (seconds on a shared machine). The time is printed.
             assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "{name}: ranks {:?} not all listed within 10 s: {list}",
+                started.elapsed() < Duration::from_secs(30),
+                "{name}: ranks {:?} not all listed within 30 s: {list}",
                 self.ranks
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -625,6 +628,16 @@ fn the_unit_runs_the_agent_under_a_private_systemd() {
         "the agent's STATUS=: {show:?}"
     );
     assert_eq!(show["NRestarts"], "0", "{show:?}");
+    // WATCHDOG=1 pings arrive (each moves systemd's watchdog timestamp).
+    let pinged = show["WatchdogTimestampMonotonic"].clone();
+    let end = Instant::now() + Duration::from_secs(10);
+    while sd.show()["WatchdogTimestampMonotonic"] == pinged {
+        assert!(
+            Instant::now() < end,
+            "no watchdog ping within 10 s: {show:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let first = sd.agent_pid();
     // The unit's sandbox is in force, not only written down.
     let status = std::fs::read_to_string(format!("/proc/{first}/status")).unwrap();
