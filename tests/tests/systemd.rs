@@ -9,7 +9,8 @@
 //! script's header), and only `xpuscope-test.target` (empty) started. Then:
 //! `systemctl start` reaches `active` through the agent's READY=1, with the
 //! unit's sandbox in force (capabilities, no_new_privs, seccomp, read-only
-//! root); a simulated job started afterwards is discovered (its ranks in
+//! root), its watchdog pings arriving and `systemd-analyze security` rating
+//! it 4.0 or better; a simulated job started afterwards is discovered (its ranks in
 //! `agent ctl processes`); `agent ctl dump` writes a valid trace with every
 //! rank's all-reduces and symbolized kernel frames; `kill -9` of the agent
 //! has systemd restart it (new MainPID, NRestarts=1) and the new agent
