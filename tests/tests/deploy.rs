@@ -21,10 +21,20 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
+/// Debian's Python, where `apt-get install python3-yaml` puts the module
+/// (another `python3` may come first on PATH).
+fn python() -> &'static str {
+    if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
+
 /// Every document of a YAML file, as JSON.
 fn yaml_documents(path: &str) -> Vec<Value> {
     let have_yaml = || {
-        Command::new("python3")
+        Command::new(python())
             .args(["-c", "import yaml"])
             .stderr(Stdio::null())
             .status()
@@ -41,7 +51,7 @@ fn yaml_documents(path: &str) -> Vec<Value> {
             "installing python3-yaml failed"
         );
     }
-    let out = Command::new("python3")
+    let out = Command::new(python())
         .args([
             "-c",
             "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))",
