@@ -67,7 +67,7 @@ pub fn fixtures() -> Result<()> {
     Ok(())
 }
 
-fn agent_release() -> Result<()> {
+pub fn agent_release() -> Result<()> {
     run_checked(
         clean_command("cargo").args(["build", "--release", "-p", "xpuscope-agent"]),
         "building the agent",

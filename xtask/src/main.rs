@@ -8,13 +8,16 @@
 //! - `demo`: build, start the bundled workload, attach to it, write a trace;
 //! - `test`: build everything and run every test;
 //! - `bench`: the overhead and throughput benchmarks;
-//! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`).
+//! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`);
+//! - `install`: the agent as a systemd service (binary, unit, default
+//!   configuration), or `--uninstall`.
 
 mod bench;
 mod bench_merge;
 mod bench_probes;
 mod build;
 mod fuzz;
+mod install;
 mod measure;
 mod setup;
 
@@ -81,6 +84,22 @@ enum Task {
         /// Only this target (default: all).
         target: Option<String>,
     },
+    /// Build the agent and install it as a systemd service: the binary to
+    /// PREFIX/bin/agent, the unit to /etc/systemd/system, the default
+    /// configuration to /etc/xpuscope/agent.toml if none exists.
+    Install {
+        /// Where the binary goes (PREFIX/bin/agent; the unit runs it there).
+        #[arg(long, default_value = install::DEFAULT_PREFIX)]
+        prefix: PathBuf,
+        /// Stage every file under this directory instead of / (packages,
+        /// images, tests); systemd is not told.
+        #[arg(long)]
+        root: Option<PathBuf>,
+        /// Remove what install placed (an edited configuration, drop-ins and
+        /// the dumps in /var/lib/xpuscope stay).
+        #[arg(long)]
+        uninstall: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -101,6 +120,11 @@ fn main() -> Result<()> {
             merge,
             target,
         } => fuzz::run(seconds, target.as_deref(), merge),
+        Task::Install {
+            prefix,
+            root,
+            uninstall,
+        } => install::run(&prefix, root.as_deref(), uninstall),
     }
 }
 

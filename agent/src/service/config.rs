@@ -5,44 +5,10 @@
 //! naming the file, the line and the key (`agent service --check-config`
 //! reports it without starting anything).
 //!
-//! ```toml
-//! # Capture level, changeable at runtime (`agent ctl level N`):
-//! # 0 device calls for metrics and hang detection (collectives, syncs,
-//! #   memory, communicator set-up); 1 adds scheduling and off-CPU of the
-//! #   training processes; 2 adds launches and copies; 3 adds activity
-//! #   records and a stack at every switch-out.
-//! level = 1
-//! # Where dumps go, how much they may take, how often they may happen.
-//! dump_dir = "/var/lib/xpuscope/dumps"
-//! dump_dir_max_bytes = "4G"       # oldest dumps removed past this
-//! max_dumps_per_hour = 12
-//! # A collective or sync in flight longer than this dumps automatically.
-//! hang_timeout = "300s"
+//! The default file, every key with its default value and what it does;
+//! `cargo xtask install` installs it (`deploy/agent.toml`, the one copy):
 //!
-//! [flight_recorder]
-//! seconds = 120                   # the window kept in memory
-//! max_bytes = "256M"              # oldest records evicted past this
-//!
-//! [metrics]
-//! listen = "127.0.0.1:9464"       # "off" disables /metrics and /healthz
-//!
-//! [control]
-//! socket = "/run/xpuscope/agent.sock"
-//! # group = "xpuscope"            # members may use the socket too
-//! # tcp_listen = "10.0.0.5:9465"  # off unless set; needs token_file
-//! # token_file = "/etc/xpuscope/control.token"
-//!
-//! [discovery]
-//! # A process is traced when it maps a device library (libcudart,
-//! # libnccl, ...) or matches any of these:
-//! # comm = "^(python|torchrun)"   # regex on the process name
-//! # cgroup_prefix = ["/kubepods.slice"]
-//! # env = ["RANK"]                # an environment variable it has
-//!
-//! [labels]
-//! # Environment variables naming a process's job, first found wins.
-//! job_env = ["XPUSCOPE_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"]
-//! ```
+#![doc = concat!("```toml\n", include_str!("../../../deploy/agent.toml"), "```")]
 //!
 //! Sizes are bytes as an integer or a string with a suffix (`256k`, `32M`,
 //! `4G`); durations are seconds as an integer or a string with a unit
@@ -626,16 +592,9 @@ mod tests {
         ServiceConfig::parse(text, Path::new("/etc/xpuscope/agent.toml")).map_err(|e| e.to_string())
     }
 
-    /// The module docs' example, uncommented lines only.
+    /// The documented default file (`deploy/agent.toml`, in the module docs).
     fn documented_example() -> String {
-        include_str!("config.rs")
-            .lines()
-            .skip_while(|l| !l.starts_with("//! ```toml"))
-            .skip(1)
-            .take_while(|l| !l.starts_with("//! ```"))
-            .map(|l| l.trim_start_matches("//!").trim_start())
-            .collect::<Vec<_>>()
-            .join("\n")
+        include_str!("../../../deploy/agent.toml").to_string()
     }
 
     #[test]
@@ -644,6 +603,34 @@ mod tests {
         let cfg = parse(&doc).unwrap();
         assert_eq!(cfg, ServiceConfig::default());
         assert_eq!(parse("").unwrap(), ServiceConfig::default());
+    }
+
+    /// The file's commented-out examples (`# key = value`) are valid too:
+    /// uncommented, they parse and take effect.
+    #[test]
+    fn the_documented_examples_parse_when_uncommented() {
+        let mut uncommented = 0;
+        let text: String = documented_example()
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(rest)
+                    if rest.split_once(" = ").is_some_and(|(k, _)| {
+                        !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    }) =>
+                {
+                    uncommented += 1;
+                    format!("{rest}\n")
+                }
+                _ => format!("{l}\n"),
+            })
+            .collect();
+        assert_eq!(uncommented, 6, "{text}");
+        let cfg = parse(&text).unwrap();
+        assert_eq!(cfg.control.group.as_deref(), Some("xpuscope"));
+        assert!(cfg.control.tcp_listen.is_some() && cfg.control.token_file.is_some());
+        assert!(cfg.discovery.comm.as_ref().unwrap().0.is_match("torchrun"));
+        assert_eq!(cfg.discovery.cgroup_prefix, vec!["/kubepods.slice"]);
+        assert_eq!(cfg.discovery.env, vec!["RANK"]);
     }
 
     #[test]

@@ -179,8 +179,16 @@ pub fn bind_socket(path: &Path, group: Option<u32>) -> Result<(UnixListener, Soc
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
         .map_err(|e| format!("chmod {}: {e}", tmp.display()))?;
     if let Some(gid) = group {
-        std::os::unix::fs::chown(&tmp, None, Some(gid))
-            .map_err(|e| format!("chown {}: {e}", tmp.display()))?;
+        std::os::unix::fs::chown(&tmp, None, Some(gid)).map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                "; giving the socket to control.group needs CAP_CHOWN (under the systemd \
+                 unit: `systemctl edit xpuscope-agent`, add `CapabilityBoundingSet=CAP_CHOWN` \
+                 under [Service])"
+            } else {
+                ""
+            };
+            format!("chown {}: {e}{hint}", tmp.display())
+        })?;
     }
     std::fs::rename(&tmp, path).map_err(|e| format!("placing {}: {e}", path.display()))?;
     guard.0 = path.to_path_buf();

@@ -1,0 +1,354 @@
+//! The deployment files agree with the agent and with each other: the
+//! default configuration and the Kubernetes one pass `agent service
+//! --check-config`; the unit's and the DaemonSet's command lines use options
+//! `agent service --help` lists; the DaemonSet grants exactly the unit's
+//! capabilities with the same limits, mounts what the configuration points
+//! at, and probes and scrapes the port the configuration listens on; the
+//! Dockerfile builds what the DaemonSet runs. (Whether the unit works under
+//! systemd: `tests/tests/systemd.rs`.) The YAML is read with Debian's
+//! python3-yaml, installed if missing.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+use xpuscope_tests::agent::{TempDir, agent_bin};
+use xpuscope_tests::fixtures;
+
+fn read(path: &str) -> String {
+    let p = fixtures::repo_root().join(path);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Debian's Python, where `apt-get install python3-yaml` puts the module
+/// (another `python3` may come first on PATH).
+fn python() -> &'static str {
+    if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
+
+/// Every document of a YAML file, as JSON.
+fn yaml_documents(path: &str) -> Vec<Value> {
+    let have_yaml = || {
+        Command::new(python())
+            .args(["-c", "import yaml"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !have_yaml() {
+        let status = Command::new("apt-get")
+            .args(["install", "-y", "-q", "python3-yaml"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .expect("run apt-get");
+        assert!(
+            status.success() && have_yaml(),
+            "installing python3-yaml failed"
+        );
+    }
+    let out = Command::new(python())
+        .args([
+            "-c",
+            "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))",
+        ])
+        .arg(fixtures::repo_root().join(path))
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "{path} is not valid YAML: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<Vec<Value>>(&out.stdout)
+        .expect("JSON from python")
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .collect()
+}
+
+fn kind<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in the manifests"))
+}
+
+/// The value of `key=` in a unit file (the last one wins, as in systemd).
+fn unit_value<'a>(unit: &'a str, key: &str) -> &'a str {
+    unit.lines()
+        .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+        .next_back()
+        .unwrap_or_else(|| panic!("the unit sets no {key}="))
+}
+
+/// The string value of `key = "..."` in a TOML text (flat lookup: the keys
+/// checked here are unique in the files).
+fn toml_string(text: &str, key: &str) -> String {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .find_map(|l| {
+            let (k, v) = l.split_once('=')?;
+            (k.trim() == key).then(|| {
+                v.split('#')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .trim_matches('"')
+                    .to_string()
+            })
+        })
+        .unwrap_or_else(|| panic!("no {key} in:\n{text}"))
+}
+
+fn check_config(text: &str) {
+    let dir = TempDir::new("deploy");
+    let file = dir.path().join("agent.toml");
+    std::fs::write(&file, text).unwrap();
+    let out = Command::new(agent_bin())
+        .args(["service", "--check-config", "--config"])
+        .arg(&file)
+        .output()
+        .expect("run agent");
+    assert!(
+        out.status.success(),
+        "agent service --check-config refuses:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `agent service ARGS` uses only options `agent service --help` lists.
+fn check_service_args(args: &[&str]) {
+    assert_eq!(args.first(), Some(&"service"), "{args:?}");
+    let out = Command::new(agent_bin())
+        .args(["service", "--help"])
+        .output()
+        .expect("run agent");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in args.iter().filter(|a| a.starts_with("--")) {
+        assert!(
+            help.lines()
+                .any(|l| l.trim_start().split([' ', ',']).any(|w| w == *flag)),
+            "{flag} is not an option of `agent service`:\n{help}"
+        );
+    }
+}
+
+/// Bytes of a systemd size (`1G`) or a Kubernetes quantity (`1Gi`).
+fn bytes(size: &str) -> u64 {
+    let (digits, unit) = size.split_at(
+        size.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(size.len()),
+    );
+    let n: u64 = digits.parse().unwrap_or_else(|_| panic!("a size: {size}"));
+    n << match unit {
+        "" => 0,
+        "K" | "Ki" => 10,
+        "M" | "Mi" => 20,
+        "G" | "Gi" => 30,
+        other => panic!("unit {other} in {size}"),
+    }
+}
+
+#[test]
+fn the_unit_and_the_default_config_fit_the_agent() {
+    let unit = read("deploy/systemd/xpuscope-agent.service");
+    let config = read("deploy/agent.toml");
+    check_config(&config);
+    let exec: Vec<&str> = unit_value(&unit, "ExecStart").split_whitespace().collect();
+    assert_eq!(
+        exec[0], "/usr/local/bin/agent",
+        "xtask install's default prefix"
+    );
+    check_service_args(&exec[1..]);
+    let at = exec
+        .iter()
+        .position(|a| *a == "--config")
+        .expect("--config");
+    assert_eq!(
+        exec[at + 1],
+        "/etc/xpuscope/agent.toml",
+        "where xtask installs it"
+    );
+    assert_eq!(unit_value(&unit, "Type"), "notify");
+    assert_eq!(unit_value(&unit, "StateDirectory"), "xpuscope");
+    assert!(
+        toml_string(&config, "dump_dir").starts_with("/var/lib/xpuscope/"),
+        "dumps go where the unit may write"
+    );
+    assert_eq!(
+        Path::new(&toml_string(&config, "socket")).parent(),
+        Some(
+            Path::new("/run")
+                .join(unit_value(&unit, "RuntimeDirectory"))
+                .as_path()
+        ),
+        "the control socket is in the unit's RuntimeDirectory"
+    );
+}
+
+#[test]
+fn the_daemonset_matches_the_unit() {
+    let unit = read("deploy/systemd/xpuscope-agent.service");
+    let docs = yaml_documents("deploy/kubernetes/daemonset.yaml");
+    let ds = kind(&docs, "DaemonSet");
+    let pod = &ds["spec"]["template"];
+    let spec = &pod["spec"];
+    assert_eq!(spec["hostPID"], true, "pids as the eBPF programs see them");
+    assert!(
+        spec["hostNetwork"].is_null() || spec["hostNetwork"] == false,
+        "the pod's own network namespace (see the manifest's header)"
+    );
+    let containers = spec["containers"].as_array().expect("containers");
+    assert_eq!(containers.len(), 1);
+    let c = &containers[0];
+
+    // Same capabilities as the unit, nothing else.
+    let sc = &c["securityContext"];
+    assert_eq!(sc["privileged"], false);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
+    let added: BTreeSet<String> = sc["capabilities"]["add"]
+        .as_array()
+        .expect("added capabilities")
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect();
+    let bounded: BTreeSet<String> = unit_value(&unit, "CapabilityBoundingSet")
+        .split_whitespace()
+        .map(|c| c.strip_prefix("CAP_").unwrap().to_string())
+        .collect();
+    assert_eq!(added, bounded, "the DaemonSet's capabilities vs the unit's");
+
+    // Same limits.
+    let limits = &c["resources"]["limits"];
+    assert_eq!(
+        bytes(limits["memory"].as_str().unwrap()),
+        bytes(unit_value(&unit, "MemoryMax")),
+        "memory limit vs MemoryMax"
+    );
+    let quota: u64 = unit_value(&unit, "CPUQuota")
+        .trim_end_matches('%')
+        .parse()
+        .unwrap();
+    assert_eq!(
+        limits["cpu"],
+        (quota / 100).to_string(),
+        "cpu limit vs CPUQuota"
+    );
+    let stop: u64 = unit_value(&unit, "TimeoutStopSec")
+        .trim_end_matches('s')
+        .parse()
+        .unwrap();
+    assert!(spec["terminationGracePeriodSeconds"].as_u64().unwrap() >= stop);
+    assert!(
+        spec["tolerations"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["operator"] == "Exists")),
+        "runs on tainted (GPU) nodes too"
+    );
+
+    // The command line, and the configuration it names.
+    let command: Vec<&str> = c["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(c["args"].as_array().unwrap())
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        command[0],
+        unit_value(&unit, "ExecStart").split(' ').next().unwrap()
+    );
+    check_service_args(&command[1..]);
+    let config_path = command[command.iter().position(|a| *a == "--config").unwrap() + 1];
+    let mounts = c["volumeMounts"].as_array().expect("volumeMounts");
+    let volumes = spec["volumes"].as_array().expect("volumes");
+    // The volume mounted over `path` (the deepest mount holding it).
+    let volume_at = |path: &str| {
+        let m = mounts
+            .iter()
+            .filter(|m| Path::new(path).starts_with(m["mountPath"].as_str().unwrap()))
+            .max_by_key(|m| m["mountPath"].as_str().unwrap().len())
+            .unwrap_or_else(|| panic!("nothing mounted at {path}"));
+        let v = volumes
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .unwrap_or_else(|| panic!("no volume {}", m["name"]));
+        (m.clone(), v.clone())
+    };
+    let (mount, volume) = volume_at(config_path);
+    let key = Path::new(config_path)
+        .strip_prefix(mount["mountPath"].as_str().unwrap())
+        .unwrap()
+        .to_str()
+        .unwrap();
+    let cm_name = volume["configMap"]["name"].as_str().expect("a ConfigMap");
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == cm_name)
+        .expect("the ConfigMap");
+    let config = cm["data"][key].as_str().expect("the configuration");
+    check_config(config);
+
+    // What the configuration points at is mounted from the node.
+    for path in [
+        toml_string(config, "dump_dir"),
+        toml_string(config, "socket"),
+    ] {
+        let (m, v) = volume_at(&path);
+        assert!(v["hostPath"].is_object(), "{path}: on the node ({v})");
+        assert_ne!(m["readOnly"], true, "{path}: writable");
+    }
+    for path in ["/sys/kernel/btf", "/sys/kernel/tracing"] {
+        let (m, v) = volume_at(path);
+        assert_eq!(m["mountPath"], path);
+        assert_eq!(v["hostPath"]["path"], path);
+    }
+    assert!(
+        volume_at("/tmp").1["emptyDir"].is_object(),
+        "a writable /tmp on a read-only root"
+    );
+
+    // Metrics: listened on, probed, scraped, all on one port.
+    let listen = toml_string(config, "listen");
+    let (host, port) = listen.rsplit_once(':').unwrap();
+    assert_eq!(host, "0.0.0.0", "reachable at the pod IP");
+    let port: u64 = port.parse().unwrap();
+    let ports = c["ports"].as_array().unwrap();
+    let named = ports
+        .iter()
+        .find(|p| p["containerPort"] == port)
+        .expect("the metrics port is declared");
+    for probe in ["readinessProbe", "livenessProbe"] {
+        let get = &c[probe]["httpGet"];
+        assert_eq!(get["path"], "/healthz", "{probe}");
+        assert!(
+            get["port"] == port || get["port"] == named["name"],
+            "{probe} on the metrics port"
+        );
+    }
+    let annotations = &pod["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/port"], port.to_string());
+    assert_eq!(annotations["prometheus.io/path"], "/metrics");
+    let monitor = yaml_documents("deploy/kubernetes/podmonitor.yaml");
+    let monitor = kind(&monitor, "PodMonitor");
+    assert_eq!(
+        monitor["spec"]["selector"]["matchLabels"],
+        pod["metadata"]["labels"]
+    );
+    assert_eq!(
+        monitor["spec"]["podMetricsEndpoints"][0]["port"],
+        named["name"]
+    );
+
+    // The image: what `cargo xtask install` stages, run as the DaemonSet says.
+    let dockerfile = read("Dockerfile");
+    assert!(dockerfile.contains("RUN cargo xtask install --root /stage"));
+    assert!(dockerfile.contains(&format!("COPY --from=build /stage{0} {0}", command[0])));
+    assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{}\"]", command[0])));
+}
