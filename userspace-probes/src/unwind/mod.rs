@@ -221,3 +221,106 @@ impl ProcessUnwinder {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(ws: &[u64]) -> Vec<u8> {
+        ws.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn stack_copy_reads_only_whole_words_inside_the_copy() {
+        let bytes = words(&[1, 2]);
+        let s = StackCopy {
+            base: 0x1000,
+            bytes: &bytes,
+        };
+        assert_eq!(s.read_u64(0x1000), Some(1));
+        assert_eq!(s.read_u64(0x1008), Some(2));
+        assert_eq!(s.read_u64(0x1009), None, "straddles the end");
+        assert_eq!(s.read_u64(0xff8), None, "below rsp");
+        assert_eq!(s.read_u64(u64::MAX), None);
+    }
+
+    #[test]
+    fn frame_pointer_walk_follows_the_rbp_chain_and_stops_where_it_leaves_the_copy() {
+        // rsp = 0x1000; frame A's rbp at 0x1010 -> (saved rbp 0x1020, ret
+        // 0xa1); frame B at 0x1020 -> (saved rbp 0x9000: outside, ret 0xb2).
+        let bytes = words(&[0, 0, 0x1020, 0xa1, 0x9000, 0xb2]);
+        let s = StackCopy {
+            base: 0x1000,
+            bytes: &bytes,
+        };
+        let regs = UserRegs {
+            ip: 0x55,
+            sp: 0x1000,
+            bp: 0x1010,
+        };
+        assert_eq!(frame_pointer_walk(regs, &s, 127), vec![0x55, 0xa1, 0xb2]);
+        assert_eq!(frame_pointer_walk(regs, &s, 2), vec![0x55, 0xa1]);
+        // A chain that does not grow upwards ends the walk.
+        let looping = words(&[0x1000, 0xa1]);
+        let s = StackCopy {
+            base: 0x1000,
+            bytes: &looping,
+        };
+        let regs = UserRegs { bp: 0x1000, ..regs };
+        assert_eq!(frame_pointer_walk(regs, &s, 127), vec![0x55, 0xa1]);
+    }
+
+    #[test]
+    fn a_process_without_files_unwinds_by_frame_pointer() {
+        // No mapping has a file, so framehop has no module: its fallback
+        // rule is the frame-pointer walk.
+        let maps = ProcessMaps::parse("1000-2000 r-xp 00000000 00:00 0 [anon]\n");
+        let mut unwinder = Unwinder::new();
+        let mut process = unwinder.process(&maps, Path::new("/"));
+        assert_eq!(process.modules(), 0);
+        let bytes = words(&[0, 0, 0x1020, 0xa1, 0, 0]);
+        let s = StackCopy {
+            base: 0x1000,
+            bytes: &bytes,
+        };
+        let regs = UserRegs {
+            ip: 0x1500,
+            sp: 0x1000,
+            bp: 0x1010,
+        };
+        let u = process.unwind(regs, &s, 127);
+        assert_eq!(u.frames, vec![0x1500, 0xa1]);
+    }
+
+    #[test]
+    fn unreadable_files_are_remembered_not_retried() {
+        let maps = ProcessMaps::parse("1000-2000 r-xp 00000000 08:01 42 /nonexistent/libgone.so\n");
+        let mut unwinder = Unwinder::new();
+        let process = unwinder.process(&maps, Path::new("/"));
+        assert_eq!(process.modules(), 0);
+        assert_eq!(unwinder.cached_files(), 1);
+    }
+
+    #[test]
+    fn this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping() {
+        let maps = ProcessMaps::read(std::process::id()).expect("own maps");
+        let exe = std::env::current_exe().expect("current_exe");
+        let exe = exe.to_string_lossy();
+        let m = maps
+            .mappings()
+            .iter()
+            .find(|m| m.is_executable() && m.path == exe)
+            .expect("the test binary's code is mapped");
+        let cfi = FileCfi::read(Path::new(&m.path)).expect("read own CFI");
+        assert!(cfi.has_cfi());
+        // This function's address, through the bias, is inside .text.
+        let here =
+            this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping as usize as u64;
+        let bias = cfi.load_bias(m.start, m.offset).expect("bias");
+        let text = &cfi.text.as_ref().expect(".text").svma;
+        assert!(
+            text.contains(&(here - bias)),
+            "{here:#x} - {bias:#x} in {text:#x?}"
+        );
+    }
+}
