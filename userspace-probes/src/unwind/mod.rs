@@ -314,8 +314,8 @@ mod tests {
         let cfi = FileCfi::read(Path::new(&m.path)).expect("read own CFI");
         assert!(cfi.has_cfi());
         // This function's address, through the bias, is inside .text.
-        let here =
-            this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping as usize as u64;
+        let here = this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping as *const ()
+            as usize as u64;
         let bias = cfi.load_bias(m.start, m.offset).expect("bias");
         let text = &cfi.text.as_ref().expect(".text").svma;
         assert!(
