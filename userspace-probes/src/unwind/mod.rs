@@ -21,6 +21,28 @@
 //! Not covered: code without a file (JIT, `[vdso]`) unwinds by frame
 //! pointer; a frame whose caller's slots lie outside the copy ends the
 //! stack ([`Unwound::truncated`]).
+//!
+//! # Measured (release build, this 2-vCPU VM; `tests/tests/unwind.rs`)
+//! Stacks of a program built with `-O2 -fomit-frame-pointer`, stopped with
+//! ptrace in glibc (nanosleep, a mutex, a condvar, read on a pipe) and
+//! inside the real PyPI libnccl 2.21.5 / libcudart 12.9 (a call that the
+//! fixture makes block inside the library):
+//!
+//! | stack | frames | CFI unwind, steady state | frame-pointer walk | stack bytes read |
+//! |---|---|---|---|---|
+//! | fixture, nanosleep | 10 | 85 ns (9 ns/frame) | 11 ns, 2 frames | 376 |
+//! | through libnccl | 15 | 125 ns (8 ns/frame) | 10 ns, 1 frame | 808 |
+//! | through libcudart | 18 | 198 ns (11 ns/frame) | 17 ns, 1 frame | 2,520 |
+//!
+//! - Frames: the CFI unwind returns every frame gdb's `bt` shows that has
+//!   a return address on the stack, identical addresses, down to `_start`
+//!   (gdb adds inlined calls and tail calls it rebuilds from libc's debug
+//!   info). Frame pointers alone recover 0 of the fixture's 5-8 functions.
+//! - First stack of a process: 1.5-3.6 ms while the mapped files' CFI is
+//!   read (once per file: libc, libnccl, libcudart...); a further process
+//!   mapping the same files, under 0.05 ms.
+//! - Steady state means framehop's rule cache is warm (a thread blocked at
+//!   the same call site, the common case for off-CPU stacks).
 
 mod elf_cfi;
 mod frame_pointer;
