@@ -30,9 +30,9 @@
 //!
 //! | stack | frames | CFI unwind, steady state | frame-pointer walk | stack bytes read |
 //! |---|---|---|---|---|
-//! | fixture, nanosleep | 10 | 85 ns (9 ns/frame) | 11 ns, 2 frames | 376 |
-//! | through libnccl | 15 | 125 ns (8 ns/frame) | 10 ns, 1 frame | 808 |
-//! | through libcudart | 18 | 198 ns (11 ns/frame) | 17 ns, 1 frame | 2,520 |
+//! | fixture, nanosleep | 10 | 85-103 ns (9-10 ns/frame) | 11-23 ns, 2 frames | 376 |
+//! | through libnccl | 15 | 124-125 ns (8 ns/frame) | 10 ns, 1 frame | 808 |
+//! | through libcudart | 18 | 136-198 ns (8-11 ns/frame) | 12-17 ns, 1 frame | 2,520 |
 //!
 //! - Frames: the CFI unwind returns every frame gdb's `bt` shows that has
 //!   a return address on the stack, identical addresses, down to `_start`
@@ -40,7 +40,9 @@
 //!   info). Frame pointers alone recover 0 of the fixture's 5-8 functions.
 //! - First stack of a process: 1.5-3.6 ms while the mapped files' CFI is
 //!   read (once per file: libc, libnccl, libcudart...); a further process
-//!   mapping the same files, under 0.05 ms.
+//!   mapping the same files, 4-7 us (its unwinder plus a first stack with
+//!   an empty rule cache).
+//! - Two runs; ranges are the spread between them.
 //! - Steady state means framehop's rule cache is warm (a thread blocked at
 //!   the same call site, the common case for off-CPU stacks).
 
