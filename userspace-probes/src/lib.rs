@@ -47,3 +47,4 @@ pub mod discover;
 pub mod maps;
 pub mod placement;
 pub mod resolve;
+pub mod unwind;

@@ -17,7 +17,25 @@ pub fn run() -> Result<()> {
     let sysroot = nightly_sysroot()?;
     ensure_rust_src(&sysroot)?;
     ensure_bpf_linker(&sysroot)?;
+    ensure_gdb()?;
     Ok(())
+}
+
+/// gdb is the unwinding test's reference (`tests/tests/unwind.rs` compares
+/// its stacks with gdb's backtrace of the same stopped program).
+fn ensure_gdb() -> Result<()> {
+    let present = Command::new("gdb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if present {
+        return Ok(());
+    }
+    eprintln!("xtask: installing gdb (the unwinding test's reference)");
+    run_checked(
+        Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "gdb"]),
+        "apt-get install gdb (on Debian; elsewhere install gdb by hand)",
+    )
 }
 
 fn nightly_sysroot() -> Result<PathBuf> {

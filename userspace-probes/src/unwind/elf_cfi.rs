@@ -1,0 +1,127 @@
+//! What one ELF file contributes to unwinding: its CFI sections
+//! (`.eh_frame_hdr`, `.eh_frame`, `.debug_frame`), the `.text` bytes that
+//! framehop reads to recognise prologues and epilogues at the first frame,
+//! and the load segments that turn a mapping into the file's load bias.
+//!
+//! Read once per file and shared (`Arc`) by every process that maps it. The
+//! file is read through [`ReadCache`], so only the sections named here are
+//! read: a 200 MB libnccl costs its CFI and `.text`, not its device code.
+
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use object::read::ReadCache;
+use object::{Object, ObjectSection, ObjectSegment};
+
+/// Errors reading a file's unwind tables.
+#[derive(Debug, thiserror::Error)]
+pub enum CfiError {
+    #[error("opening {path} for its unwind tables: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not an ELF file the unwinder can read: {source}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: object::read::Error,
+    },
+}
+
+/// Section bytes shared between every module built from one file.
+pub(crate) type Bytes = Arc<[u8]>;
+
+/// One section: where the file says it lives, and its bytes.
+#[derive(Clone, Debug)]
+pub(crate) struct Section {
+    pub svma: Range<u64>,
+    pub data: Bytes,
+}
+
+/// The unwind-relevant content of one ELF file.
+#[derive(Debug)]
+pub struct FileCfi {
+    pub(crate) eh_frame_hdr: Option<Section>,
+    pub(crate) eh_frame: Option<Section>,
+    pub(crate) debug_frame: Option<Bytes>,
+    pub(crate) text: Option<Section>,
+    pub(crate) got: Option<Range<u64>>,
+    /// `(file offset, virtual address)` of each load segment, to find the
+    /// load bias of a mapping from its file offset.
+    load_segments: Vec<(u64, u64)>,
+}
+
+impl FileCfi {
+    /// Reads the sections of `path` (as seen by the agent: for another
+    /// mount namespace, `/proc/PID/root/<path>`).
+    pub fn read(path: &Path) -> Result<Self, CfiError> {
+        let file = File::open(path).map_err(|source| CfiError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cache = ReadCache::new(file);
+        let elf = object::File::parse(&cache).map_err(|source| CfiError::Parse {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let section = |name: &str| -> Option<Section> {
+            let s = elf.section_by_name(name)?;
+            // A section the file claims but cannot deliver (truncated file,
+            // compressed .debug_frame) is treated as absent: the unwinder
+            // then falls back to frame pointers for that code, it does not
+            // fail the whole process.
+            let data = s.uncompressed_data().ok()?;
+            Some(Section {
+                svma: s.address()..s.address() + s.size(),
+                data: Arc::from(&*data),
+            })
+        };
+        let load_segments = elf
+            .segments()
+            .map(|seg| (seg.file_range().0, seg.address()))
+            .collect();
+        Ok(Self {
+            eh_frame_hdr: section(".eh_frame_hdr"),
+            eh_frame: section(".eh_frame"),
+            debug_frame: section(".debug_frame").map(|s| s.data),
+            text: section(".text"),
+            got: elf
+                .section_by_name(".got")
+                .map(|s| s.address()..s.address() + s.size()),
+            load_segments,
+        })
+    }
+
+    /// Whether the file carries any CFI at all (else every frame in it
+    /// unwinds by frame pointer).
+    pub fn has_cfi(&self) -> bool {
+        self.eh_frame.is_some() || self.debug_frame.is_some()
+    }
+
+    /// The load bias (address of virtual address 0) of a mapping of this
+    /// file that starts at `start` with file offset `offset`, from the load
+    /// segment holding that offset. `None` when no segment holds it.
+    pub fn load_bias(&self, start: u64, offset: u64) -> Option<u64> {
+        // The segment with the greatest file offset not above `offset`: the
+        // kernel maps a segment from its page-aligned file offset, so the
+        // mapping's offset may sit up to a page below p_offset.
+        let page = 4096;
+        let (seg_off, seg_vaddr) = self
+            .load_segments
+            .iter()
+            .filter(|(off, _)| off & !(page - 1) <= offset)
+            .max_by_key(|(off, _)| *off)?;
+        // avma = bias + svma, and file offset `offset` is at svma
+        // seg_vaddr + (offset - seg_off).
+        Some(
+            start
+                .wrapping_sub(*seg_vaddr)
+                .wrapping_sub(offset)
+                .wrapping_add(*seg_off),
+        )
+    }
+}
