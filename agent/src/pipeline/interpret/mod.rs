@@ -19,7 +19,9 @@ use serde::Serialize;
 
 use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch};
 use crate::kernel::probes::TableUpdate;
-use crate::model::{Preemption, Preemptor, ProcessStart, Record, Stack};
+use crate::model::{
+    InFlightSnapshot, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack, ThreadNow,
+};
 use crate::pipeline::enrich::Enrich;
 use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
@@ -63,6 +65,9 @@ pub struct Interpreter {
     threads: FxHashMap<u32, (u32, String)>,
     offcpu: OffCpuTracker,
     device: DeviceInterpreter,
+    /// The last in-flight snapshot had calls (one more, empty, says they
+    /// all returned).
+    in_flight_shown: bool,
     pub counters: InterpretCounters,
 }
 
@@ -118,6 +123,38 @@ impl Interpreter {
             Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
         }
+    }
+
+    /// The blocking calls running at `now`, each with what its thread is
+    /// doing (called about once a second): sent while there are any, and
+    /// once more, empty, when the last returned.
+    pub fn in_flight(&mut self, now: u64, out: &mut Vec<Record>) {
+        let open = self.device.open_blocking();
+        if open.is_empty() && !self.in_flight_shown {
+            return;
+        }
+        self.in_flight_shown = !open.is_empty();
+        let calls = open
+            .into_iter()
+            .map(|c| OpenCall {
+                tgid: c.tgid,
+                tid: c.tid,
+                library: c.library,
+                function: c.function,
+                kind: c.kind,
+                start_ts: c.start_ts,
+                comm: c.context,
+                thread: match self.offcpu.off_since(c.tid) {
+                    Some((state, since)) => ThreadNow::Off { state, since },
+                    None if self.threads.contains_key(&c.tid) => ThreadNow::OnCpu,
+                    None => ThreadNow::Unknown,
+                },
+            })
+            .collect();
+        out.push(Record::InFlight(Box::new(InFlightSnapshot {
+            ts: now,
+            calls,
+        })));
     }
 
     /// Ends what is still open at `end`: off-CPU intervals, calls in
