@@ -6,11 +6,12 @@
 //! Root and eBPF; these never skip.
 
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
 use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
@@ -212,4 +213,255 @@ fn a_crash_names_the_rank_and_signal_and_a_clean_job_has_no_findings() {
     let clean = run_job("findclean", &["--steps", "5"], &["--hang-timeout", "2s"]);
     assert_eq!(findings(&clean), Vec::<Value>::new(), "{}", clean.stderr);
     assert!(clean.stderr.contains("findings: none"), "{}", clean.stderr);
+}
+
+/// `agent service` with `config` (TOML appended to the test's own keys),
+/// until stopped.
+struct Service {
+    agent: Proc,
+    stderr: Lines,
+    dump_dir: PathBuf,
+    port: u16,
+}
+
+impl Service {
+    fn start(dir: &Path, config: &str) -> Service {
+        let socket = dir.join("run/agent.sock");
+        let dump_dir = dir.join("dumps");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let path = dir.join("agent.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "level = 1\ndump_dir = \"{}\"\nmax_dumps_per_hour = 100\n\
+                 [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+                 [control]\nsocket = \"{}\"\n{config}",
+                dump_dir.display(),
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let mut agent = Proc::spawn(
+            "agent service",
+            Command::new(agent_bin())
+                .arg("service")
+                .arg("--config")
+                .arg(&path)
+                .env("RUST_LOG", "info")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped()),
+        );
+        let mut stderr = Lines::new(agent.stderr());
+        let up = Instant::now();
+        while !socket.exists() {
+            if let Some(status) = agent.child.try_wait().unwrap() {
+                panic!(
+                    "agent service exited ({status}):\n{}",
+                    stderr.rest(Duration::from_secs(1))
+                );
+            }
+            assert!(
+                up.elapsed() < Duration::from_secs(30),
+                "no control socket:\n{}",
+                stderr.rest(Duration::from_millis(100))
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Service {
+            agent,
+            stderr,
+            dump_dir,
+            port,
+        }
+    }
+
+    /// Waits (up to `limit`) for a dump whose name ends with `-{trigger}`
+    /// and whose summary's finding passes `wanted`: (summary, trace path).
+    fn wait_dump(
+        &mut self,
+        trigger: &str,
+        limit: Duration,
+        wanted: impl Fn(&Value) -> bool,
+    ) -> (Value, PathBuf) {
+        let end = Instant::now() + limit;
+        loop {
+            let mut names: Vec<PathBuf> = std::fs::read_dir(&self.dump_dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.to_string_lossy()
+                        .ends_with(&format!("-{trigger}.summary.json"))
+                })
+                .collect();
+            names.sort();
+            for p in names {
+                if let Some(v) = read_json(&p)
+                    && wanted(&v["finding"])
+                {
+                    let trace = PathBuf::from(v["outcome"]["trace"].as_str().expect("trace"));
+                    return (v, trace);
+                }
+            }
+            assert!(
+                Instant::now() < end,
+                "no {trigger} dump in {}:\n{}",
+                self.dump_dir.display(),
+                self.stderr.rest(Duration::from_millis(100))
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn stop(mut self) {
+        self.agent.signal(libc::SIGTERM);
+        let status = self.agent.wait_timeout(Duration::from_secs(60));
+        let log = self.stderr.rest(Duration::from_secs(2));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "service ended {status:?}:\n{log}"
+        );
+    }
+}
+
+/// A 2-rank job nobody is told about; waits for its end (any outcome).
+fn run_untold_job(dir: &Path, tag: &str, extra: &[&str]) -> Value {
+    let job_dir = dir.join(tag);
+    let mut launcher = GroupGuard(
+        Command::new("python3")
+            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+            .arg("--out-dir")
+            .arg(&job_dir)
+            .arg("--build-dir")
+            .arg(fixtures::build_all().join("sim"))
+            .args(["--job-name", tag, "--quiet"])
+            .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+            // Discovery (250 ms rounds) and probes before communicator set-up.
+            .args(["--init-delay-ms", "1500"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("start the launcher"),
+    );
+    let end = Instant::now() + Duration::from_secs(90);
+    while launcher.0.try_wait().expect("try_wait").is_none() {
+        assert!(Instant::now() < end, "job {tag} did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    read_json(&job_dir.join("ground_truth.json")).expect("ground truth")
+}
+
+/// The service finds a hung job by itself and dumps it with trigger
+/// `hang`: the dump's trace holds every rank and the finding, its summary
+/// names the hung collective (communicator, number) and the rank that
+/// never joined. A rank killed by SIGABRT gives a `signal` dump naming it.
+#[test]
+fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let _ = agent_bin();
+    let dir = TempDir::new("svcfind");
+    let mut svc = Service::start(dir.path(), "[detect]\nhang_timeout = \"1s\"\n");
+    let truth = run_untold_job(
+        dir.path(),
+        "svchang",
+        &[
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=1,step=2",
+            "--timeout",
+            "6",
+        ],
+    );
+    let seq = truth["faults"][0]["expected"]["seq"].as_u64().expect("seq");
+    let pids: Vec<i32> = truth["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["pid"].as_i64().unwrap() as i32)
+        .collect();
+    let (summary, trace_path) = svc.wait_dump("hang", Duration::from_secs(20), |f| {
+        f["kind"] == "hang" && f["seq"] == seq
+    });
+    let f = &summary["finding"];
+    assert_eq!(f["ranks"], serde_json::json!([1]), "{summary:#}");
+    assert_eq!(summary["outcome"]["trigger"], "hang");
+    let comm = f["comm"].as_str().expect("the communicator").to_string();
+    let trace = decode(&std::fs::read(&trace_path).expect("the dump")).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    for pid in &pids {
+        assert!(
+            tl.processes.contains_key(pid),
+            "rank pid {pid} in the dump: {:?}",
+            tl.processes.keys().collect::<Vec<_>>()
+        );
+    }
+    // The communicator as the dump's all-reduces name it.
+    assert!(
+        tl.slices
+            .iter()
+            .filter(|s| s.name.starts_with("ncclAllReduce"))
+            .all(|s| format!("nccl:{}", arg_text(s, "comm_hash")) == comm),
+        "{comm}"
+    );
+    let slices = finding_slices(&tl);
+    assert!(
+        slices.iter().any(|(n, args)| n == "hang"
+            && args
+                .iter()
+                .any(|(k, v)| k == "seq" && *v == seq.to_string())),
+        "{slices:?}"
+    );
+
+    let truth = run_untold_job(
+        dir.path(),
+        "svccrash",
+        &[
+            "--steps",
+            "5",
+            "--fault",
+            "crash:rank=1,step=2",
+            "--timeout",
+            "30",
+        ],
+    );
+    let signal = truth["faults"][0]["expected"]["signal"].clone();
+    let (summary, _) = svc.wait_dump("signal", Duration::from_secs(20), |f| {
+        f["kind"] == "crash" && f["evidence"]["signal"] == signal
+    });
+    assert_eq!(summary["finding"]["ranks"], serde_json::json!([1]));
+    let metrics = http_get(svc.port, "/metrics");
+    for kind in ["hang", "crash"] {
+        let n: f64 = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("xpuscope_findings_total{{kind=\"{kind}\"}}")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no findings_total for {kind}:\n{metrics}"));
+        assert!(n >= 1.0, "{kind}: {n}");
+    }
+    svc.stop();
+}
+
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("read the answer");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    text
 }
