@@ -465,3 +465,210 @@ fn http_get(port: u16, path: &str) -> String {
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     text
 }
+
+/// Debian's `prometheus`, installed if missing (a test that needs a tool
+/// installs it; under CI a failed install fails the test).
+fn prometheus_bin() -> &'static str {
+    let have = || {
+        Command::new("prometheus")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !have() {
+        let st = Command::new("apt-get")
+            .args(["install", "-y", "prometheus"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(Stdio::null())
+            .status()
+            .expect("run apt-get");
+        assert!(st.success(), "apt-get install -y prometheus failed: {st}");
+    }
+    assert!(have(), "prometheus is not runnable after installing it");
+    "prometheus"
+}
+
+/// A Prometheus server on loopback, killed when dropped (also when the
+/// test fails).
+struct Prometheus {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    /// Scrapes `127.0.0.1:{target}` every 250 ms, storage in `dir`.
+    fn start(dir: &Path, target: u16) -> Prometheus {
+        let bin = prometheus_bin();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n\
+                 scrape_configs:\n  - job_name: xpuscope\n    honor_labels: true\n    static_configs:\n\
+                 \x20     - targets: ['127.0.0.1:{target}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new(bin)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--storage.tsdb.retention.time=1h")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus");
+        let p = Prometheus { child, port };
+        wait_until(Duration::from_secs(30), "prometheus ready", || {
+            try_http_get(p.port, "/-/ready").is_some_and(|t| t.starts_with("HTTP/1.1 200"))
+        });
+        p
+    }
+
+    /// An instant PromQL query's result vector: (labels, value).
+    fn query(&self, promql: &str) -> Vec<(Value, f64)> {
+        let enc: String = promql
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        let text = http_get(self.port, &format!("/api/v1/query?query={enc}"));
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(v["status"], "success", "{promql}: {v}");
+        v["data"]["result"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|r| {
+                (
+                    r["metric"].clone(),
+                    r["value"][1].as_str().unwrap().parse().unwrap(),
+                )
+            })
+            .collect()
+    }
+}
+
+fn try_http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// Debian's Prometheus scrapes the service (the agent's `job` label is
+/// kept: `honor_labels`; other jobs on the machine are told apart by it).
+/// PromQL over its HTTP API returns every rank's all-reduce count of a job
+/// whose rank 1 computes 4x slower; in a job whose rank 1 hangs, the rank
+/// whose last collective number lags its communicator's is rank 1, and the
+/// hang gauge shows rank 0 waiting.
+#[test]
+fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let _ = agent_bin();
+    let dir = TempDir::new("prom");
+    let svc = Service::start(dir.path(), "");
+    let prom = Prometheus::start(dir.path(), svc.port);
+    const STEPS: u64 = 20;
+    let truth = run_untold_job(
+        dir.path(),
+        "promjob",
+        &[
+            "--steps",
+            &STEPS.to_string(),
+            "--kernel-us",
+            "1000",
+            "--fault",
+            "slow:rank=1,factor=4",
+        ],
+    );
+    assert_eq!(truth["status"], "completed", "{truth:#}");
+    // Scraped after the job's end.
+    std::thread::sleep(Duration::from_secs(2));
+    let counts = prom.query(
+        "sum by (rank) (xpuscope_collective_duration_seconds_count{job=\"promjob\",op=\"allreduce\"})",
+    );
+    let by_rank: std::collections::BTreeMap<String, f64> = counts
+        .iter()
+        .map(|(m, v)| (m["rank"].as_str().unwrap_or_default().to_string(), *v))
+        .collect();
+    assert_eq!(
+        by_rank,
+        [
+            ("0".to_string(), STEPS as f64),
+            ("1".to_string(), STEPS as f64)
+        ]
+        .into(),
+        "{counts:?}"
+    );
+    // A slow rank does not lag in host-side numbers (collectives are
+    // enqueued; the wait is in the stream sync on every rank alike). A rank
+    // that never joins does: rank 1 stops before step 2's all-reduce.
+    let truth = run_untold_job(
+        dir.path(),
+        "promhang",
+        // The launcher's timeout (from its start) leaves the hang a few
+        // seconds, the gauge's snapshots come once a second.
+        &[
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=1,step=2",
+            "--timeout",
+            "8",
+        ],
+    );
+    assert_eq!(truth["faults"][0]["rank"], 1);
+    std::thread::sleep(Duration::from_secs(1));
+    // Samples where a rank's last collective number is below the highest
+    // on its communicator, over the job: the lagging rank comes first.
+    let lag = prom.query(
+        "topk(1, sum by (rank) (sum_over_time((xpuscope_collective_last_seq{job=\"promhang\"} \
+         < bool on (comm) group_left max by (comm) (xpuscope_collective_last_seq{job=\"promhang\"}))\
+         [5m:250ms])))",
+    );
+    assert_eq!(lag.len(), 1, "{lag:?}");
+    assert_eq!(lag[0].0["rank"], "1", "{lag:?}");
+    assert!(lag[0].1 >= 4.0, "lagged for a second at least: {lag:?}");
+    // The hang gauge: the rank left waiting had a call running for seconds.
+    let waited = prom.query(
+        "max by (rank) (max_over_time(xpuscope_in_flight_oldest_seconds{job=\"promhang\"}[5m]))",
+    );
+    let rank0 = waited
+        .iter()
+        .find(|(m, _)| m["rank"] == "0")
+        .unwrap_or_else(|| panic!("{waited:?}"));
+    assert!(rank0.1 >= 1.0, "{waited:?}");
+    drop(prom);
+    svc.stop();
+}
