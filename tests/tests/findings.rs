@@ -6,14 +6,15 @@
 //! Root and eBPF; these never skip.
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
+use xpuscope_tests::service_run::{Service, http_get, run_untold_job, try_http_get};
 use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
 struct Run {
@@ -215,149 +216,6 @@ fn a_crash_names_the_rank_and_signal_and_a_clean_job_has_no_findings() {
     assert!(clean.stderr.contains("findings: none"), "{}", clean.stderr);
 }
 
-/// `agent service` with `config` (TOML appended to the test's own keys),
-/// until stopped.
-struct Service {
-    agent: Proc,
-    stderr: Lines,
-    dump_dir: PathBuf,
-    port: u16,
-}
-
-impl Service {
-    fn start(dir: &Path, config: &str) -> Service {
-        let socket = dir.join("run/agent.sock");
-        let dump_dir = dir.join("dumps");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let path = dir.join("agent.toml");
-        std::fs::write(
-            &path,
-            format!(
-                "level = 1\ndump_dir = \"{}\"\nmax_dumps_per_hour = 100\n\
-                 [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
-                 [control]\nsocket = \"{}\"\n{config}",
-                dump_dir.display(),
-                socket.display()
-            ),
-        )
-        .unwrap();
-        let mut agent = Proc::spawn(
-            "agent service",
-            Command::new(agent_bin())
-                .arg("service")
-                .arg("--config")
-                .arg(&path)
-                .env("RUST_LOG", "info")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped()),
-        );
-        let mut stderr = Lines::new(agent.stderr());
-        let up = Instant::now();
-        while !socket.exists() {
-            if let Some(status) = agent.child.try_wait().unwrap() {
-                panic!(
-                    "agent service exited ({status}):\n{}",
-                    stderr.rest(Duration::from_secs(1))
-                );
-            }
-            assert!(
-                up.elapsed() < Duration::from_secs(30),
-                "no control socket:\n{}",
-                stderr.rest(Duration::from_millis(100))
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Service {
-            agent,
-            stderr,
-            dump_dir,
-            port,
-        }
-    }
-
-    /// Waits (up to `limit`) for a dump whose name ends with `-{trigger}`
-    /// and whose summary's finding passes `wanted`: (summary, trace path).
-    fn wait_dump(
-        &mut self,
-        trigger: &str,
-        limit: Duration,
-        wanted: impl Fn(&Value) -> bool,
-    ) -> (Value, PathBuf) {
-        let end = Instant::now() + limit;
-        loop {
-            let mut names: Vec<PathBuf> = std::fs::read_dir(&self.dump_dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| e.path())
-                .filter(|p| {
-                    p.to_string_lossy()
-                        .ends_with(&format!("-{trigger}.summary.json"))
-                })
-                .collect();
-            names.sort();
-            for p in names {
-                if let Some(v) = read_json(&p)
-                    && wanted(&v["finding"])
-                {
-                    let trace = PathBuf::from(v["outcome"]["trace"].as_str().expect("trace"));
-                    return (v, trace);
-                }
-            }
-            assert!(
-                Instant::now() < end,
-                "no {trigger} dump in {}:\n{}",
-                self.dump_dir.display(),
-                self.stderr.rest(Duration::from_millis(100))
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn stop(mut self) {
-        self.agent.signal(libc::SIGTERM);
-        let status = self.agent.wait_timeout(Duration::from_secs(60));
-        let log = self.stderr.rest(Duration::from_secs(2));
-        assert!(
-            status.is_some_and(|s| s.success()),
-            "service ended {status:?}:\n{log}"
-        );
-    }
-}
-
-/// A 2-rank job nobody is told about; waits for its end (any outcome).
-fn run_untold_job(dir: &Path, tag: &str, extra: &[&str]) -> Value {
-    let job_dir = dir.join(tag);
-    let mut launcher = GroupGuard(
-        Command::new("python3")
-            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-            .arg("--out-dir")
-            .arg(&job_dir)
-            .arg("--build-dir")
-            .arg(fixtures::build_all().join("sim"))
-            .args(["--job-name", tag, "--quiet"])
-            .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
-            // Discovery (250 ms rounds) and probes before communicator set-up.
-            .args(["--init-delay-ms", "1500"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .expect("start the launcher"),
-    );
-    let end = Instant::now() + Duration::from_secs(90);
-    while launcher.0.try_wait().expect("try_wait").is_none() {
-        assert!(Instant::now() < end, "job {tag} did not end");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    read_json(&job_dir.join("ground_truth.json")).expect("ground truth")
-}
-
 /// The service finds a hung job by itself and dumps it with trigger
 /// `hang`: the dump's trace holds every rank and the finding, its summary
 /// names the hung collective (communicator, number) and the rank that
@@ -450,20 +308,6 @@ fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
         assert!(n >= 1.0, "{kind}: {n}");
     }
     svc.stop();
-}
-
-fn http_get(port: u16, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).expect("read the answer");
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    text
 }
 
 /// Debian's `prometheus`, installed if missing (a test that needs a tool
@@ -569,19 +413,6 @@ impl Prometheus {
             })
             .collect()
     }
-}
-
-fn try_http_get(port: u16, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    Some(text)
 }
 
 /// Debian's Prometheus scrapes the service (the agent's `job` label is

@@ -301,7 +301,11 @@ pub struct Config {
     pub device_wakeup_bytes: u64,
     /// Device-library probe levels enabled (bits of `uprobe::ProbeSpec::level_bit`).
     pub probe_levels: u32,
-    pub _pad: u32,
+    /// Nonzero: the scheduler programs (switches, wakeups, off-CPU stacks)
+    /// record nothing for the traced processes (the service's level 0);
+    /// process lifetimes (fork, exec, exit) still are, so the traced set
+    /// keeps following children. Ignored with `system_wide`.
+    pub sched_off: u32,
     /// `wakeup_bytes` for the bystander ring.
     pub bystander_wakeup_bytes: u64,
 }

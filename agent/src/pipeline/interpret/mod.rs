@@ -65,6 +65,9 @@ pub struct Interpreter {
     threads: FxHashMap<u32, (u32, String)>,
     offcpu: OffCpuTracker,
     device: DeviceInterpreter,
+    /// Traced threads whose switches were seen (their state is known; at
+    /// the service's level 0 no switch comes).
+    switched: rustc_hash::FxHashSet<u32>,
     /// The last in-flight snapshot had calls (one more, empty, says they
     /// all returned).
     in_flight_shown: bool,
@@ -146,7 +149,7 @@ impl Interpreter {
                 comm: c.context,
                 thread: match self.offcpu.off_since(c.tid) {
                     Some((state, since)) => ThreadNow::Off { state, since },
-                    None if self.threads.contains_key(&c.tid) => ThreadNow::OnCpu,
+                    None if self.switched.contains(&c.tid) => ThreadNow::OnCpu,
                     None => ThreadNow::Unknown,
                 },
             })
@@ -190,6 +193,7 @@ impl Interpreter {
             prev_state: state,
         });
         if s.prev_target && s.prev_tid != 0 {
+            self.switched.insert(s.prev_tid);
             self.note_running(s.prev_tid, s.prev_tgid, &s.prev_comm);
             let preemptor = (state == 0 || state == REPORT_PREEMPTED).then_some(Preemptor {
                 tid: s.next_tid,
@@ -218,6 +222,7 @@ impl Interpreter {
             }
         }
         if s.next_target && s.next_tid != 0 {
+            self.switched.insert(s.next_tid);
             self.note_running(s.next_tid, s.next_tgid, &s.next_comm);
             if let Some(interval) = self.offcpu.switched_in(s.next_tid, s.ts) {
                 out.push(Record::OffCpu(interval));
@@ -273,6 +278,7 @@ impl Interpreter {
         self.device
             .exited(&e, process_ended, en, &mut self.counters, out);
         self.threads.remove(&e.tid);
+        self.switched.remove(&e.tid);
         if process_ended {
             // Every earlier record of the process is out: what is cached
             // about it goes (its pid may come back as another process).
