@@ -349,7 +349,10 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
             .offset_of("task_struct", "thread_info.cpu")
             .or_else(|| btf.offset_of("task_struct", "cpu"))
             .unwrap_or(TaskOffsets::ABSENT),
-        _pad: 0,
+        // Only the crash detector needs it: its absence is not an error.
+        exit_code: btf
+            .offset_of("task_struct", "exit_code")
+            .unwrap_or(TaskOffsets::ABSENT),
     })
 }
 
@@ -551,5 +554,6 @@ mod tests {
         );
         assert!(off.comm > off.tgid && off.prio > 0);
         assert_ne!(off.cpu, TaskOffsets::ABSENT);
+        assert_ne!(off.exit_code, TaskOffsets::ABSENT, "task_struct.exit_code");
     }
 }

@@ -191,6 +191,11 @@ pub struct AttachArgs {
     /// limit.
     #[arg(long, default_value_t = config::DEFAULT_DEVICE_CALL_RATE)]
     pub device_call_rate: u32,
+    /// A collective, point-to-point call or sync running longer than this
+    /// is reported as a hang (in the summary, `--stats-json` and the
+    /// trace's `xpuscope findings` track), e.g. `30s`, `5m`.
+    #[arg(long, default_value = "300s", value_parser = parse_hang_timeout)]
+    pub hang_timeout: Duration,
     /// Testing aid: switch the device level while recording, e.g.
     /// `0,1@1s` (level 0 from the start, 1 after 1 s).
     #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
@@ -201,6 +206,17 @@ pub struct AttachArgs {
     /// Testing aid: pause the reader this long (e.g. 5ms) after each batch.
     #[arg(long, hide = true, value_parser = config::parse_duration)]
     pub reader_delay: Option<Duration>,
+}
+
+/// A hang timeout: a duration of at least 1 ms.
+fn parse_hang_timeout(text: &str) -> Result<Duration, String> {
+    let d = config::parse_duration(text)?;
+    if d < Duration::from_millis(1) {
+        return Err(format!(
+            "--hang-timeout {text}: too short; give at least 1ms (default 300s)"
+        ));
+    }
+    Ok(d)
 }
 
 impl AttachArgs {
@@ -232,6 +248,7 @@ impl AttachArgs {
             level_schedule: schedule,
             report_targets: self.report_targets,
             device_call_rate: self.device_call_rate,
+            hang_timeout: self.hang_timeout,
         }
     }
 }

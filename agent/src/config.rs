@@ -70,6 +70,8 @@ pub struct AttachConfig {
     /// Device-call records per second per (process, function) before calls
     /// are summarized (0: no limit).
     pub device_call_rate: u32,
+    /// A collective or sync running longer than this is reported as a hang.
+    pub hang_timeout: Duration,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -112,6 +114,7 @@ impl Default for AttachConfig {
             drain_interval: Duration::from_millis(10),
             probe_level: 0,
             device_call_rate: DEFAULT_DEVICE_CALL_RATE,
+            hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
             level_schedule: LevelSchedule::default(),
             report_targets: false,
         }

@@ -3,9 +3,9 @@
 
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
-    COMM_LEN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind, MAX_STACK_DEPTH,
-    OffCpuStack, ProcessExec, ProcessExit, ProcessFork, SchedSwitch, SchedWaking, TaskRename,
-    switch_flags,
+    COMM_LEN, EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind,
+    MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit, ProcessFork, SchedSwitch, SchedWaking,
+    TaskRename, switch_flags,
 };
 
 /// A task name as the kernel stores it (NUL-padded, not always UTF-8).
@@ -125,9 +125,17 @@ pub struct Exit {
     pub group_dead: bool,
     /// Whether the kernel said (`group_dead` is meaningful).
     pub group_known: bool,
+    /// The kernel's exit code of the thread (`task->exit_code`), when read.
+    pub exit_code: Option<i32>,
 }
 
 impl Exit {
+    /// The signal that killed the thread (None: it exited, or the exit
+    /// code is not known).
+    pub fn killed_by(&self) -> Option<i32> {
+        self.exit_code.map(|c| c & 0x7f).filter(|&s| s != 0)
+    }
+
     /// Whether this is the last thread of its process to exit (the process
     /// is gone: what is kept about it can go, its pid may be reused).
     /// Kernels before 6.16 do not say: there the main thread's exit is
@@ -344,6 +352,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 comm: Comm(r.comm),
                 group_dead: r.flags & EXIT_GROUP_DEAD != 0,
                 group_known: r.flags & EXIT_GROUP_KNOWN != 0,
+                exit_code: (r.flags & EXIT_CODE_KNOWN != 0).then_some(r.exit_code),
             })
         }
         EventKind::TaskRename => {
@@ -473,7 +482,9 @@ mod tests {
             tid: 41,
             tgid: 40,
             prio: 120,
-            flags: EXIT_GROUP_KNOWN | EXIT_GROUP_DEAD,
+            flags: EXIT_GROUP_KNOWN | EXIT_GROUP_DEAD | EXIT_CODE_KNOWN,
+            exit_code: 6 | 0x80,
+            _pad: 0,
             comm: *b"child\0\0\0\0\0\0\0\0\0\0\0",
         };
         let Event::Exit(e) = decode(&as_bytes(&rec)).unwrap() else {
@@ -482,11 +493,13 @@ mod tests {
         assert_eq!((e.cpu, e.ts, e.tid, e.tgid, e.prio), (2, 99, 41, 40, 120));
         assert_eq!(e.comm.as_str(), "child");
         assert!(e.group_dead && e.ends_process());
+        assert_eq!(e.killed_by(), Some(6), "SIGABRT, core dumped");
         rec.flags = EXIT_GROUP_KNOWN;
         let Event::Exit(e) = decode(&as_bytes(&rec)).unwrap() else {
             panic!()
         };
         assert!(!e.group_dead, "another thread of a live process");
+        assert_eq!(e.exit_code, None, "the code is valid only with its flag");
         assert!(!e.ends_process());
         // An older kernel does not say: the main thread's exit ends it.
         rec.flags = 0;
@@ -497,7 +510,7 @@ mod tests {
         assert!(e.ends_process());
         // The flag sits where the padding was: the ABI's size is unchanged.
         assert_eq!(std::mem::offset_of!(ProcessExit, flags), 28);
-        assert_eq!(size_of::<ProcessExit>(), 48);
+        assert_eq!(size_of::<ProcessExit>(), 56);
     }
 
     #[test]

@@ -18,10 +18,12 @@ use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
+use crate::model::Finding;
 use crate::pipeline::collect::{Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::interpret::InterpretCounters;
 use crate::pipeline::{self, PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::perfetto::{PerfettoSink, Written};
 use crate::sinks::summary::{RecordTotals, SummarySink};
 use crate::sinks::{FanOut, SinkHandle, SinkReport};
@@ -88,6 +90,7 @@ struct Stages {
     pipeline: JoinHandle<Result<InterpretCounters>>,
     trace: SinkHandle<Written<std::io::BufWriter<File>>>,
     summary: SinkHandle<RecordTotals>,
+    detect: SinkHandle<Vec<Finding>>,
 }
 
 impl Stages {
@@ -106,12 +109,23 @@ impl Stages {
         let mut fanout = FanOut::default();
         let trace = fanout.add("trace", PerfettoSink::to_file(file)?, SINK_BATCHES)?;
         let summary = fanout.add_inline("summary", SummarySink::default());
+        // Findings go back into the stream: the trace renders them.
+        let (findings_tx, findings_rx) = std::sync::mpsc::channel();
+        let detect_cfg = DetectConfig {
+            hang_timeout: cfg.hang_timeout,
+        };
+        let detect = fanout.add(
+            "detect",
+            DetectSink::new(detect_cfg, Some(findings_tx)),
+            SINK_BATCHES,
+        )?;
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
         let (pipeline, pipeline_rt) = pipeline::start_thread(
             move || {
                 let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
-                    .with_device_call_rate(device_call_rate);
+                    .with_device_call_rate(device_call_rate)
+                    .with_findings(findings_rx);
                 pipeline.start(start_ts, processes);
                 pipeline
             },
@@ -141,6 +155,7 @@ impl Stages {
             pipeline,
             trace,
             summary,
+            detect,
         };
         Ok((stages, initial_threads))
     }
@@ -151,6 +166,7 @@ impl Stages {
             || self.pipeline.is_finished()
             || self.trace.is_finished()
             || self.summary.is_finished()
+            || self.detect.is_finished()
     }
 }
 
@@ -162,6 +178,7 @@ struct Finished {
     totals: RecordTotals,
     sinks: Vec<SinkReport>,
     bytes: u64,
+    findings: Vec<Finding>,
 }
 
 async fn record(
@@ -227,6 +244,7 @@ async fn record(
         finished.totals,
         finished.sinks,
     );
+    summary.findings = finished.findings;
     summary.set_device_probes(device.stats());
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
@@ -352,6 +370,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         pipeline,
         trace,
         summary,
+        detect,
     } = stages;
     let _ = stop_collect.send(true);
     let collect_result = collect
@@ -367,9 +386,9 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
             )
         })
         .and_then(|r| r);
-    let sinks = vec![trace.report(), summary.report()];
-    let (trace_result, summary_result) =
-        tokio::task::spawn_blocking(move || (trace.join(), summary.join())).await?;
+    let sinks = vec![trace.report(), summary.report(), detect.report()];
+    let (trace_result, summary_result, detect_result) =
+        tokio::task::spawn_blocking(move || (trace.join(), summary.join(), detect.join())).await?;
     let written = match trace_result {
         Ok(w) => w,
         Err(e) => return Err(cut_trace(e, cfg)),
@@ -388,6 +407,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
     let interpret = pipeline_result?;
     collect_result??;
     let totals = summary_result?;
+    let findings = detect_result?;
     Ok(Finished {
         consumed: collect_counters
             .consumed
@@ -399,6 +419,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         totals,
         sinks,
         bytes: written.bytes,
+        findings,
     })
 }
 

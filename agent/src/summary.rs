@@ -1,6 +1,7 @@
 //! The end-of-recording summary, printed for humans and optionally written
 //! as JSON for scripts and tests.
 
+use crate::model::finding::{Finding, FindingsDoc};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -97,6 +98,14 @@ pub struct RunSummary {
     pub ring_bytes: u64,
     /// Decoded records per kind, as the summary sink counted them.
     pub records: std::collections::BTreeMap<&'static str, u64>,
+    /// What the detectors found, as the `xpuscope-findings/1` document
+    /// (`{"schema": ..., "findings": [...]}`).
+    #[serde(serialize_with = "findings_doc")]
+    pub findings: Vec<Finding>,
+}
+
+fn findings_doc<S: serde::Serializer>(f: &[Finding], s: S) -> Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(&FindingsDoc::new(f), s)
 }
 
 /// What a `--system` recording measured.
@@ -305,6 +314,7 @@ impl RunSummary {
                 + u64::from(cfg.device_ring_bytes)
                 + u64::from(cfg.bystander_ring_bytes),
             records: totals.records,
+            findings: Vec::new(),
         }
     }
 
@@ -534,6 +544,17 @@ impl RunSummary {
             self.agent_peak_rss_bytes as f64 / 1e6,
             2.0 * self.ring_bytes as f64 / 1e6
         );
+        if self.findings.is_empty() {
+            eprintln!("  findings: none");
+        } else {
+            eprintln!(
+                "  findings: {} (on the trace's \"xpuscope findings\" track)",
+                self.findings.len()
+            );
+            for f in &self.findings {
+                eprintln!("    {}", f.summary);
+            }
+        }
         eprintln!(
             "  trace:   {} ({:.1} MB); open it at https://ui.perfetto.dev",
             self.output,

@@ -13,4 +13,5 @@ pub mod agent;
 pub mod cluster;
 pub mod device;
 pub mod fixtures;
+pub mod service_run;
 pub mod trace_check;

@@ -140,7 +140,7 @@ impl<'a> LoadOptions<'a> {
                 wakeup_bytes: (cfg.ring_bytes / 4) as u64,
                 device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
                 probe_levels,
-                _pad: 0,
+                sched_off: 0,
                 bystander_wakeup_bytes: (cfg.bystander_ring_bytes / 4) as u64,
             },
             kernel_btf: &cfg.kernel_btf,
@@ -224,6 +224,14 @@ impl Kernel {
     pub fn set_stack_mode(&mut self, mode: u32) -> Result<(), KernelError> {
         let mut config = read_config(&self.bpf)?;
         config.stack_mode = mode;
+        write_config(&mut self.bpf, config)
+    }
+
+    /// Turns the scheduler programs' records of the traced processes off
+    /// (or on again), at runtime.
+    pub fn set_sched_off(&mut self, off: bool) -> Result<(), KernelError> {
+        let mut config = read_config(&self.bpf)?;
+        config.sched_off = off as u32;
         write_config(&mut self.bpf, config)
     }
 

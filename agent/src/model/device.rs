@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use xpuscope_probes::catalog::{CallKind, Library};
+use xpuscope_probes::decode::comm::CommContext;
 use xpuscope_probes::decode::memory::Device;
 use xpuscope_probes::decode::{DeviceCall, OpenReason};
 
@@ -150,4 +152,40 @@ pub struct InFlightCall {
     pub start_ts: u64,
     pub seq: Option<u64>,
     pub end: u64,
+}
+
+/// What a thread with a blocking call open was doing at a snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThreadNow {
+    /// On a CPU (or its last switch-out was not seen).
+    OnCpu,
+    /// Off CPU since `since` in report state `state` (see `crate::state`).
+    Off { state: i64, since: u64 },
+    /// Scheduling is not recorded (capture level 0).
+    Unknown,
+}
+
+/// A blocking call (collective, point-to-point, synchronization) entered
+/// and not yet returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenCall {
+    pub tgid: u32,
+    pub tid: u32,
+    pub library: Library,
+    pub function: &'static str,
+    pub kind: CallKind,
+    pub start_ts: u64,
+    /// The communicator as the call's record will carry it.
+    pub comm: Option<CommContext>,
+    pub thread: ThreadNow,
+}
+
+/// The blocking calls still running at `ts` (sent about once a second
+/// while there are any, and once more when the last one returned): what
+/// sinks need to see a hang while it lasts. Each snapshot replaces the
+/// previous one, so a sink that lost batches is right again at the next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InFlightSnapshot {
+    pub ts: u64,
+    pub calls: Vec<OpenCall>,
 }

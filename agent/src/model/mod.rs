@@ -8,15 +8,17 @@
 //! the process there (pids are reused).
 
 pub mod device;
+pub mod finding;
 pub mod identity;
 pub mod stack;
 
 use std::sync::Arc;
 
 pub use device::{
-    CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow,
-    MemoryHeld, StreamTrack,
+    CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, InFlightSnapshot,
+    LiveSiteRow, MemoryHeld, OpenCall, StreamTrack, ThreadNow,
 };
+pub use finding::{Finding, FindingKind};
 pub use identity::RankIdentity;
 pub use stack::{Site, Stack, SymFrame, site_label};
 
@@ -164,11 +166,17 @@ pub enum Record {
         cpus: Vec<u32>,
         total: u64,
     },
+    /// The blocking calls running now (about once a second while any run).
+    InFlight(Box<InFlightSnapshot>),
+    /// A detector's conclusion (fed back into the stream by the pipeline,
+    /// so every sink sees it in order: the trace renders it, metrics count
+    /// it, the flight recorder dumps on it).
+    Finding(Box<Finding>),
 }
 
 impl Record {
     /// Number of kinds ([`Record::kind_index`] is below it).
-    pub const KINDS: usize = 17;
+    pub const KINDS: usize = 19;
     /// The kinds' short names, by [`Record::kind_index`].
     pub const KIND_NAMES: [&'static str; Record::KINDS] = [
         "initial_processes",
@@ -188,6 +196,8 @@ impl Record {
         "memory_held",
         "in_flight_at_end",
         "drops",
+        "in_flight",
+        "finding",
     ];
 
     /// A dense index per kind (counting per kind without a map lookup).
@@ -210,6 +220,8 @@ impl Record {
             Record::MemoryHeld(_) => 14,
             Record::InFlightAtEnd(_) => 15,
             Record::Drops { .. } => 16,
+            Record::InFlight(_) => 17,
+            Record::Finding(_) => 18,
         }
     }
 

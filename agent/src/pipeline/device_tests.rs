@@ -564,3 +564,93 @@ fn a_calling_thread_is_described_once_and_arguments_are_named() {
         sync.args
     );
 }
+
+/// A collective still running shows in the in-flight snapshot with its
+/// communicator and its thread's state (launches never do); once it
+/// returned, one empty snapshot says so, then none. A finding renders as
+/// a slice on the `xpuscope findings` track with its arguments.
+#[test]
+fn running_collectives_are_snapshotted_and_findings_rendered() {
+    use crate::model::{Finding, FindingKind, Record, ThreadNow};
+    let mut b = builder();
+    let target = |lib: Library, f: &str| ProbeTarget {
+        library: lib,
+        function: lib.function(f).unwrap(),
+        sp_delta: 0,
+    };
+    b.probes_added(TableUpdate {
+        tgid: 42,
+        probes: vec![
+            (0x1000, 1, target(Library::Nccl, "ncclAllReduce")),
+            (0x3000, 3, target(Library::Cudart, "cudaLaunchKernel")),
+        ],
+        identity: RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0"),
+        maps: Default::default(),
+    });
+    assert!(b.in_flight(500).is_empty(), "nothing runs: no snapshot");
+    b.handle(entry(
+        1_000,
+        0x1000,
+        [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0],
+    ));
+    b.handle(entry(1_500, 0x3000, [0; 6]));
+    let snap = b.in_flight(2_000);
+    let [Record::InFlight(s)] = snap.as_slice() else {
+        panic!("{snap:?}")
+    };
+    assert_eq!(s.ts, 2_000);
+    assert_eq!(s.calls.len(), 1, "the launch is not a blocking call");
+    let c = &s.calls[0];
+    assert_eq!(
+        (c.tgid, c.tid, c.function, c.start_ts),
+        (42, 43, "ncclAllReduce", 1_000)
+    );
+    let cc = c.comm.expect("the communicator");
+    assert_eq!((cc.handle, cc.seq), (0xc0c0, Some(0)));
+    assert_eq!(c.thread, ThreadNow::Unknown, "no scheduling seen for it");
+    b.handle(ret(1_600, 0x3000, 0, &[]));
+    b.handle(ret(9_000, 0x1000, 0, &[]));
+    let snap = b.in_flight(10_000);
+    assert!(
+        matches!(snap.as_slice(), [Record::InFlight(s)] if s.calls.is_empty()),
+        "{snap:?}"
+    );
+    assert!(b.in_flight(11_000).is_empty());
+    b.deliver_records(vec![Record::Finding(Box::new(Finding {
+        kind: FindingKind::Hang,
+        ranks: vec![0],
+        comm: Some("nccl:00000000000000aa".into()),
+        seq: Some(4),
+        step: None,
+        start_ns: 1_000,
+        end_ns: None,
+        summary: "hang: test".into(),
+        evidence: serde_json::json!({"op": "ncclAllReduce", "stuck": [{"rank": 1}]}),
+        detected_ns: 8_000,
+    }))]);
+    let (bytes, _) = b.finish(20_000);
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let track = tl
+        .tracks
+        .values()
+        .find(|t| t.name.as_deref() == Some(crate::sinks::perfetto::FINDINGS_TRACK))
+        .expect("the findings track");
+    let slices = tl.slices_on(track.uuid);
+    assert_eq!(slices.len(), 1);
+    let f = slices[0];
+    assert_eq!((f.name.as_str(), f.ts, f.end), ("hang", 1_000, Some(8_000)));
+    let arg = |n: &str| {
+        f.args
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(arg("comm"), "nccl:00000000000000aa");
+    assert_eq!(arg("seq"), "4");
+    assert_eq!(arg("ranks"), "0");
+    assert_eq!(arg("summary"), "hang: test");
+    assert_eq!(arg("evidence.op"), "ncclAllReduce");
+}

@@ -37,6 +37,7 @@ use tokio::sync::mpsc;
 
 use crate::events::Event;
 use crate::kernel::probes::TableUpdate;
+use crate::model::{Finding, Record};
 use crate::procfs::ProcessEntry;
 use crate::sinks::{FanOut, panic_message};
 use enrich::Enrich;
@@ -72,6 +73,8 @@ pub struct Pipeline<E: Enrich> {
     pub enricher: E,
     pub fanout: FanOut,
     last_tick: u64,
+    /// Findings fed back by the detect sink.
+    findings: Option<std::sync::mpsc::Receiver<Finding>>,
 }
 
 impl<E: Enrich> Pipeline<E> {
@@ -81,6 +84,7 @@ impl<E: Enrich> Pipeline<E> {
             enricher,
             fanout,
             last_tick: 0,
+            findings: None,
         }
     }
 
@@ -115,17 +119,39 @@ impl<E: Enrich> Pipeline<E> {
             PipelineMsg::Tick(now) => {
                 if now.saturating_sub(self.last_tick) >= SINK_TICK_NS {
                     self.last_tick = now;
+                    // What still runs, before the sinks' clocks move on.
+                    self.interpreter.in_flight(now, &mut out);
+                    self.take_findings(&mut out);
+                    self.fanout.send(std::mem::take(&mut out));
                     self.fanout.tick(now);
                 }
             }
         }
+        self.take_findings(&mut out);
         self.fanout.send(out);
+    }
+
+    /// Findings the detectors sent back since the last batch, as records
+    /// every sink sees in order.
+    fn take_findings(&mut self, out: &mut Vec<Record>) {
+        if let Some(rx) = &self.findings {
+            while let Ok(f) = rx.try_recv() {
+                out.push(Record::Finding(Box::new(f)));
+            }
+        }
+    }
+
+    /// Findings sent on `rx` (by the detect sink) join the record stream.
+    pub fn with_findings(mut self, rx: std::sync::mpsc::Receiver<Finding>) -> Self {
+        self.findings = Some(rx);
+        self
     }
 
     /// Ends what is open at `end` and tells every sink the recording ended.
     pub fn finish(&mut self, end: u64) -> InterpretCounters {
         let mut out = Vec::new();
         self.interpreter.finish(end, &mut out);
+        self.take_findings(&mut out);
         self.fanout.send(out);
         self.fanout.finish(end);
         self.interpreter.counters

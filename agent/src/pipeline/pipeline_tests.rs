@@ -441,6 +441,7 @@ fn state_per_process_goes_when_it_exits() {
                 comm: Comm::from_str_lossy("child"),
                 group_dead: true,
                 group_known: true,
+                exit_code: None,
             }),
         ]));
     }

@@ -120,6 +120,7 @@ fn events_become_what_the_ui_shows() {
             comm: comm("worker"),
             group_dead: false,
             group_known: false,
+            exit_code: None,
         }),
     ];
     for e in events {

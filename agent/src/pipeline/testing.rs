@@ -100,6 +100,19 @@ impl TestPipeline {
         self.deliver(out);
     }
 
+    /// The interpret stage's in-flight snapshot at `now` (delivered too).
+    pub fn in_flight(&mut self, now: u64) -> Vec<Record> {
+        let mut out = Vec::new();
+        self.interpreter.in_flight(now, &mut out);
+        self.deliver(out.clone());
+        out
+    }
+
+    /// Records made by hand (a finding), delivered like the stream's.
+    pub fn deliver_records(&mut self, records: Vec<Record>) {
+        self.deliver(records);
+    }
+
     pub fn finish(mut self, end: u64) -> (Vec<u8>, TestStats) {
         let mut out = Vec::new();
         self.interpreter.finish(end, &mut out);

@@ -70,6 +70,14 @@ pub struct FlightRecorderConfig {
 }
 
 #[derive(Clone, Debug, PartialEq)]
+pub struct DetectSection {
+    /// A blocking call running longer than this is a hang.
+    pub hang_timeout: Duration,
+    /// A finding triggers a flight-recorder dump.
+    pub dump_on_finding: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
 pub struct MetricsConfig {
     /// `/metrics` and `/healthz`; None: not served.
     pub listen: Option<SocketAddr>,
@@ -119,7 +127,7 @@ pub struct ServiceConfig {
     pub dump_dir: PathBuf,
     pub dump_dir_max_bytes: u64,
     pub max_dumps_per_hour: u32,
-    pub hang_timeout: Duration,
+    pub detect: DetectSection,
     pub metrics: MetricsConfig,
     pub control: ControlConfig,
     pub discovery: DiscoveryConfig,
@@ -137,7 +145,10 @@ impl Default for ServiceConfig {
             dump_dir: PathBuf::from("/var/lib/xpuscope/dumps"),
             dump_dir_max_bytes: 4 << 30,
             max_dumps_per_hour: 12,
-            hang_timeout: Duration::from_secs(300),
+            detect: DetectSection {
+                hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
+                dump_on_finding: true,
+            },
             metrics: MetricsConfig {
                 listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             },
@@ -246,8 +257,23 @@ impl ServiceConfig {
                     )
                 })?;
         }
-        if let Some(v) = root.take("hang_timeout") {
-            cfg.hang_timeout = ctx.duration(&v, "hang_timeout")?;
+        if let Some(t) = root.take_table("detect")? {
+            let mut s = Section::new(&ctx, "detect", &t);
+            if let Some(v) = s.take("hang_timeout") {
+                let d = ctx.duration(&v, "detect.hang_timeout")?;
+                if d < Duration::from_millis(100) {
+                    return Err(ctx.value_error(
+                        &v,
+                        "detect.hang_timeout",
+                        format!("{d:?} would call every collective a hang; use at least 100ms"),
+                    ));
+                }
+                cfg.detect.hang_timeout = d;
+            }
+            if let Some(v) = s.take("dump_on_finding") {
+                cfg.detect.dump_on_finding = ctx.boolean(&v, "detect.dump_on_finding")?;
+            }
+            s.finish()?;
         }
         if let Some(t) = root.take_table("flight_recorder")? {
             let mut s = Section::new(&ctx, "flight_recorder", &t);
@@ -383,6 +409,17 @@ impl Ctx<'_> {
             line: self.line(v),
             key: key.into(),
             message,
+        }
+    }
+
+    fn boolean(&self, v: &Value, key: &str) -> Result<bool, ConfigError> {
+        match v.get_ref() {
+            DeValue::Boolean(b) => Ok(*b),
+            other => Err(self.value_error(
+                v,
+                key,
+                format!("expected true or false, found a {}", other.type_str()),
+            )),
         }
     }
 
@@ -641,7 +678,9 @@ level = 3
 dump_dir = "/srv/dumps"
 dump_dir_max_bytes = 1073741824
 max_dumps_per_hour = 2
+[detect]
 hang_timeout = "90s"
+dump_on_finding = false
 [flight_recorder]
 seconds = "10m"
 max_bytes = "64M"
@@ -665,7 +704,8 @@ job_env = ["MY_JOB"]
         assert_eq!(cfg.dump_dir, PathBuf::from("/srv/dumps"));
         assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);
         assert_eq!(cfg.max_dumps_per_hour, 2);
-        assert_eq!(cfg.hang_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.detect.hang_timeout, Duration::from_secs(90));
+        assert!(!cfg.detect.dump_on_finding);
         assert_eq!(cfg.flight_recorder.seconds, Duration::from_secs(600));
         assert_eq!(cfg.flight_recorder.max_bytes, 64 << 20);
         assert_eq!(cfg.metrics.listen, None);
@@ -700,8 +740,21 @@ job_env = ["MY_JOB"]
             ),
             "{e}"
         );
-        let e = parse("hang_timeout = true\n").unwrap_err();
-        assert!(e.contains(":1: `hang_timeout`: expected a duration"), "{e}");
+        let e = parse("[detect]\nhang_timeout = true\n").unwrap_err();
+        assert!(
+            e.contains(":2: `detect.hang_timeout`: expected a duration"),
+            "{e}"
+        );
+        let e = parse("[detect]\nhang_timeout = \"1ms\"\n").unwrap_err();
+        assert!(e.contains("use at least 100ms"), "{e}");
+        let e = parse("[detect]\ndump_on_finding = 1\n").unwrap_err();
+        assert!(
+            e.contains("`detect.dump_on_finding`: expected true or false, found a integer"),
+            "{e}"
+        );
+        // The key moved into [detect]: at the top it is unknown.
+        let e = parse("hang_timeout = \"5s\"\n").unwrap_err();
+        assert!(e.contains("unknown key `hang_timeout`"), "{e}");
         let e = parse("dump_dir = \"dumps\"\n").unwrap_err();
         assert!(
             e.contains("`dump_dir`: `dumps` must be an absolute path"),

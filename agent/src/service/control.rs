@@ -66,6 +66,7 @@ pub fn request_dump(recorder: &Sender<DumpRequest>, spec: DumpSpec) -> Result<Va
         .send(DumpRequest {
             spec: spec.clone(),
             reply: (!later).then_some(reply),
+            finding: None,
         })
         .map_err(|_| DumpError::Stopped)?;
     if later {

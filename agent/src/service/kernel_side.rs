@@ -8,16 +8,16 @@
 //! control API reach that task as requests ([`KernelLevels`]).
 //!
 //! # Levels
-//! | service level | device calls (`DeviceLevel`) | off-CPU stacks |
+//! | service level | device calls (`DeviceLevel`) | scheduling, off-CPU stacks |
 //! |---|---|---|
-//! | 0 | 0: collectives, syncs, memory, communicator set-up | sampled |
-//! | 1 (default) | 0 | sampled |
-//! | 2 | 1: + launches and copies | sampled |
-//! | 3 | 2: + activity records | at every switch-out |
+//! | 0 | 0: collectives, syncs, memory, communicator set-up | off (`CONFIG.sched_off`) |
+//! | 1 (default) | 0 | on, sampled stacks |
+//! | 2 | 1: + launches and copies | on, sampled stacks |
+//! | 3 | 2: + activity records | on, a stack at every switch-out |
 //!
-//! Levels 0 and 1 both record the scheduling of the traced processes: the
-//! scheduler programs have no switch for it yet (it would be a flag in
-//! `CONFIG` they check), so level 0 costs what level 1 does.
+//! At level 0 the scheduler programs return at once for the traced
+//! processes; fork, exec and exit are still recorded (the traced set
+//! follows children, state is dropped at exit).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -52,6 +52,8 @@ const LEVEL_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct KernelLevel {
     pub device: DeviceLevel,
     pub stack_mode: u32,
+    /// The scheduler programs record the traced processes.
+    pub sched: bool,
 }
 
 impl KernelLevel {
@@ -59,17 +61,25 @@ impl KernelLevel {
         // DeviceLevel::new cannot fail for 0..=2 (its MAX is 2).
         let device = |n| DeviceLevel::new(n).unwrap_or_default();
         match level.get() {
-            0 | 1 => KernelLevel {
+            0 => KernelLevel {
                 device: device(0),
                 stack_mode: stack_mode::SAMPLED,
+                sched: false,
+            },
+            1 => KernelLevel {
+                device: device(0),
+                stack_mode: stack_mode::SAMPLED,
+                sched: true,
             },
             2 => KernelLevel {
                 device: device(1),
                 stack_mode: stack_mode::SAMPLED,
+                sched: true,
             },
             _ => KernelLevel {
                 device: device(2),
                 stack_mode: stack_mode::ALL,
+                sched: true,
             },
         }
     }
@@ -122,12 +132,10 @@ pub fn load(cfg: &ServiceConfig) -> Result<Kernel> {
     let btf = Btf::from_file(&tuning.kernel_btf)?;
     let offsets = btf::task_offsets(&btf)?;
     let level = KernelLevel::of(cfg.level);
-    Kernel::load_and_attach(&LoadOptions::for_recording(
-        &tuning,
-        offsets,
-        level.stack_mode,
-        level.device.mask(),
-    ))
+    let mut options =
+        LoadOptions::for_recording(&tuning, offsets, level.stack_mode, level.device.mask());
+    options.config.sched_off = (!level.sched) as u32;
+    Kernel::load_and_attach(&options)
 }
 
 /// The running kernel side, as the supervisor holds it.
@@ -358,6 +366,9 @@ impl KernelSide {
         self.kernel
             .set_stack_mode(want.stack_mode)
             .context("writing the stack mode")?;
+        self.kernel
+            .set_sched_off(!want.sched)
+            .context("switching the scheduler records")?;
         tracing::info!(
             "level {level}: device capture level {} -> {}",
             self.device.levels().device,
@@ -379,6 +390,12 @@ mod tests {
         let of = |n| KernelLevel::of(CaptureLevel::new(n).unwrap());
         let device: Vec<u8> = (0..=3).map(|n| of(n).device.get()).collect();
         assert_eq!(device, vec![0, 0, 1, 2]);
+        let sched: Vec<bool> = (0..=3).map(|n| of(n).sched).collect();
+        assert_eq!(
+            sched,
+            vec![false, true, true, true],
+            "level 0: no scheduling"
+        );
         let stacks: Vec<u32> = (0..=3).map(|n| of(n).stack_mode).collect();
         assert_eq!(
             stacks,

@@ -28,6 +28,7 @@ use super::notify::Notifier;
 use crate::host;
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::flight_recorder::{
     DumpError, DumpRequest, DumpSpec, FlightRecorder, RecorderSettings, RecorderStats, Trigger,
 };
@@ -158,6 +159,7 @@ impl Control for ServiceControl {
                 ),
                 ("dump_dir", old.dump_dir != new.dump_dir),
                 ("discovery", old.discovery != new.discovery),
+                ("detect", old.detect != new.detect),
             ];
             restart = differs.iter().filter(|d| d.1).map(|d| d.0).collect();
             *old = new;
@@ -234,13 +236,28 @@ where
         max_dumps_per_hour: cfg.max_dumps_per_hour,
         host: node.clone(),
         write_limit: None,
+        dump_on_finding: cfg.detect.dump_on_finding,
     });
     let (metrics, metrics_handle, sources) = MetricsSink::new(&node);
     let mut fanout = FanOut::default();
     let recorder = fanout.add("flight_recorder", recorder, SINK_BATCHES)?;
     let metrics = fanout.add("metrics", metrics, SINK_BATCHES)?;
+    // Findings go back into the stream: the recorder dumps on them,
+    // metrics count them.
+    let (findings_tx, findings_rx) = std::sync::mpsc::channel();
+    let detect = fanout.add(
+        "detect",
+        DetectSink::new(
+            DetectConfig {
+                hang_timeout: cfg.detect.hang_timeout,
+            },
+            Some(findings_tx),
+        ),
+        SINK_BATCHES,
+    )?;
     if let Ok(mut s) = sources.sinks.lock() {
         s.push((recorder.name, recorder.counters.clone()));
+        s.push((detect.name, detect.counters.clone()));
     }
     if let Ok(mut r) = sources.recorder.lock() {
         *r = Some(stats.clone());
@@ -248,7 +265,8 @@ where
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
     let (pipeline, collect_runtime) = crate::pipeline::start_thread(
         move || {
-            let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout);
+            let mut pipeline =
+                Pipeline::new(LiveEnricher::default(), fanout).with_findings(findings_rx);
             pipeline.start(host::boottime_ns(), Vec::new());
             pipeline
         },
@@ -277,6 +295,7 @@ where
         sinks: vec![
             (recorder.name, recorder.counters.clone()),
             (metrics.name, metrics.counters.clone()),
+            (detect.name, detect.counters.clone()),
         ],
         traced: traced.clone(),
         started: Instant::now(),
@@ -331,6 +350,7 @@ where
                 let _ = pipeline.join();
                 let _ = recorder.join();
                 let _ = metrics.join();
+                let _ = detect.join();
             })
             .await;
             return Err(e.context("starting the kernel side"));
@@ -357,7 +377,11 @@ where
             }
             _ = tick.tick() => {
                 ticks += 1;
-                if pipeline.is_finished() || recorder.is_finished() || metrics.is_finished() {
+                if pipeline.is_finished()
+                    || recorder.is_finished()
+                    || metrics.is_finished()
+                    || detect.is_finished()
+                {
                     break Some(anyhow!("a pipeline stage stopped"));
                 }
                 if kernel.as_ref().is_some_and(KernelHandle::is_finished) {
@@ -402,7 +426,8 @@ where
             .and_then(|r| r.map(|_| ()));
         let r = recorder.join().map(|_| ());
         let m = metrics.join();
-        p.and(r).and(m)
+        let d = detect.join().map(|_| ());
+        p.and(r).and(m).and(d)
     })
     .await?;
     match failure {

@@ -32,9 +32,14 @@
 //! the observations folded. Label values are at most 128 characters (the
 //! environment's values are cut there when read).
 //!
-//! Not yet here (the records do not carry it): the age of the oldest
-//! in-flight collective or sync per rank (needs an in-flight snapshot from
-//! the interpret stage on ticks), and algorithm bandwidth.
+//! - `xpuscope_in_flight_oldest_seconds` [R] (the hang gauge): how long
+//!   the oldest collective, point-to-point call or sync still running on
+//!   the rank has run (0 when none), from the interpret stage's in-flight
+//!   snapshots (about once a second);
+//! - `xpuscope_findings_total` [kind]: what the detectors found (`hang`,
+//!   `device_oom`, `crash`).
+//!
+//! Not yet here: algorithm bandwidth.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -53,7 +58,7 @@ use xpuscope_probes::decode::args::CallArgs;
 
 use super::flight_recorder::{RecorderStats, Trigger};
 use super::{Sink, SinkCounters};
-use crate::model::{DeviceCallRecord, OffCpuInterval, RankIdentity, Record};
+use crate::model::{DeviceCallRecord, InFlightSnapshot, OffCpuInterval, RankIdentity, Record};
 
 /// Most label sets per family.
 pub const MAX_SERIES: usize = 2_000;
@@ -148,6 +153,8 @@ struct Families {
     recorder_evicted: Counter,
     dumps: Family<TriggerLabels, Counter>,
     folded: Family<FamilyLabels, Counter>,
+    in_flight_oldest: Family<RankLabels, Gauge<f64, AtomicU64>>,
+    findings: Family<KindLabels, Counter>,
 }
 
 impl Families {
@@ -171,7 +178,15 @@ impl Families {
             recorder_evicted: Counter::default(),
             dumps: Family::default(),
             folded: Family::default(),
+            in_flight_oldest: Family::default(),
+            findings: Family::default(),
         };
+        // Every kind from the start: a query for a kind sees 0, not nothing.
+        for kind in crate::model::FindingKind::ALL {
+            let _ = f.findings.get_or_create(&KindLabels {
+                kind: kind.as_str().into(),
+            });
+        }
         let r = registry;
         r.register(
             "xpuscope_collective_duration_seconds",
@@ -257,6 +272,16 @@ impl Families {
             "xpuscope_flight_recorder_dumps",
             "Flight recorder dumps by trigger and outcome",
             f.dumps.clone(),
+        );
+        r.register(
+            "xpuscope_in_flight_oldest_seconds",
+            "How long the oldest collective or sync still running on the rank has run",
+            f.in_flight_oldest.clone(),
+        );
+        r.register(
+            "xpuscope_findings",
+            "Findings of the detectors (hang, device_oom, crash)",
+            f.findings.clone(),
         );
         r.register(
             "xpuscope_metrics_series_folded",
@@ -351,6 +376,9 @@ pub struct MetricsSink {
     /// Device-memory series per process (removed at its exit: a gauge of a
     /// gone process would read as memory still held).
     memory_series: HashMap<u32, HashSet<DeviceLabels>>,
+    /// Hang-gauge series set by the last snapshot (zeroed when their rank
+    /// has nothing running).
+    in_flight_series: HashSet<RankLabels>,
     bound: SeriesBound,
     deltas: Deltas,
     sources: Arc<AgentSources>,
@@ -370,6 +398,7 @@ impl MetricsSink {
             node: node.chars().take(128).collect(),
             ranks: HashMap::new(),
             memory_series: HashMap::new(),
+            in_flight_series: HashSet::new(),
             bound: SeriesBound::default(),
             deltas: Deltas::default(),
             sources: sources.clone(),
@@ -429,6 +458,15 @@ impl MetricsSink {
             Record::Identity { tgid, identity } => self.identity(*tgid, identity),
             Record::DeviceCall(c) if c.unmatched.is_none() => self.device_call(c),
             Record::OffCpu(i) => self.off_cpu(i),
+            Record::InFlight(s) => self.in_flight(s),
+            Record::Finding(f) => {
+                self.f
+                    .findings
+                    .get_or_create(&KindLabels {
+                        kind: f.kind.as_str().into(),
+                    })
+                    .inc();
+            }
             Record::Drops { total, .. } => {
                 let d = self.deltas.delta("kernel_drops", *total as f64);
                 self.f.kernel_drops.inc_by(d as u64);
@@ -574,6 +612,31 @@ impl MetricsSink {
             .get_or_create(&labels)
             .set(m.held_after as i64);
         self.memory_series.entry(tgid).or_default().insert(labels);
+    }
+
+    /// The hang gauge: per rank, the age of its oldest running call.
+    fn in_flight(&mut self, s: &InFlightSnapshot) {
+        let mut oldest: HashMap<u32, u64> = HashMap::new();
+        for c in &s.calls {
+            let age = s.ts.saturating_sub(c.start_ts);
+            let e = oldest.entry(c.tgid).or_default();
+            *e = (*e).max(age);
+        }
+        let mut now = HashSet::new();
+        for (tgid, age) in oldest {
+            let labels = self.admit_rank("in_flight_oldest", self.rank(tgid));
+            let g = self.f.in_flight_oldest.get_or_create(&labels);
+            // Several processes folded into one series: the oldest wins.
+            let seconds = age as f64 / 1e9;
+            if !now.contains(&labels) || g.get() < seconds {
+                g.set(seconds);
+            }
+            now.insert(labels);
+        }
+        for gone in self.in_flight_series.difference(&now) {
+            self.f.in_flight_oldest.get_or_create(gone).set(0.0);
+        }
+        self.in_flight_series = now;
     }
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {

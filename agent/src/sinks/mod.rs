@@ -12,6 +12,7 @@
 
 #[cfg(test)]
 pub mod counting;
+pub mod detect;
 pub mod flight_recorder;
 pub mod metrics;
 pub mod perfetto;

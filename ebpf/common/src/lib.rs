@@ -203,6 +203,11 @@ pub struct ProcessExit {
     pub prio: i32,
     /// [`EXIT_GROUP_DEAD`] and future bits; unknown bits are zero.
     pub flags: u32,
+    /// `task->exit_code` as the thread exits (valid with
+    /// [`EXIT_CODE_KNOWN`]): the signal that killed it in the low 7 bits
+    /// (0x80: it dumped core), else the exit status in bits 8-15.
+    pub exit_code: i32,
+    pub _pad: u32,
     pub comm: [u8; COMM_LEN],
 }
 
@@ -213,6 +218,9 @@ pub const EXIT_GROUP_DEAD: u32 = 1;
 /// last thread ([`EXIT_GROUP_DEAD`] is meaningful; Linux 6.16+). Without it
 /// the agent takes the main thread's exit as the process's.
 pub const EXIT_GROUP_KNOWN: u32 = 2;
+/// [`ProcessExit::flags`]: `exit_code` was read (the kernel's BTF has
+/// `task_struct.exit_code`).
+pub const EXIT_CODE_KNOWN: u32 = 4;
 
 /// A thread renamed (`prctl(PR_SET_NAME)`, `pthread_setname_np`).
 #[repr(C)]
@@ -254,7 +262,8 @@ pub struct TaskOffsets {
     pub comm: u32,
     /// `thread_info.cpu` (x86-64) or `cpu`; [`TaskOffsets::ABSENT`] if neither.
     pub cpu: u32,
-    pub _pad: u32,
+    /// `exit_code`; [`TaskOffsets::ABSENT`] if missing.
+    pub exit_code: u32,
 }
 
 impl TaskOffsets {
@@ -292,7 +301,11 @@ pub struct Config {
     pub device_wakeup_bytes: u64,
     /// Device-library probe levels enabled (bits of `uprobe::ProbeSpec::level_bit`).
     pub probe_levels: u32,
-    pub _pad: u32,
+    /// Nonzero: the scheduler programs (switches, wakeups, off-CPU stacks)
+    /// record nothing for the traced processes (the service's level 0);
+    /// process lifetimes (fork, exec, exit) still are, so the traced set
+    /// keeps following children. Ignored with `system_wide`.
+    pub sched_off: u32,
     /// `wakeup_bytes` for the bystander ring.
     pub bystander_wakeup_bytes: u64,
 }
@@ -312,7 +325,7 @@ const _: () = assert!(core::mem::size_of::<SchedSwitch>() == 80);
 const _: () = assert!(core::mem::size_of::<SchedWaking>() == 56);
 const _: () = assert!(core::mem::size_of::<ProcessFork>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
-const _: () = assert!(core::mem::size_of::<ProcessExit>() == 48);
+const _: () = assert!(core::mem::size_of::<ProcessExit>() == 56);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<Config>() == 48);

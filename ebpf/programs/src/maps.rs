@@ -96,7 +96,7 @@ pub static TASK_OFFSETS: TaskOffsets = TaskOffsets {
     prio: 0,
     comm: 0,
     cpu: TaskOffsets::ABSENT,
-    _pad: 0,
+    exit_code: TaskOffsets::ABSENT,
 };
 
 #[inline(always)]

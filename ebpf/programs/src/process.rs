@@ -16,7 +16,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use xpuscope_common::{
-    EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRename,
+    EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRename,
 };
 
 use crate::{
@@ -166,11 +166,14 @@ fn push_exit(
         (*rec).tid = t.tid;
         (*rec).tgid = t.tgid;
         (*rec).prio = t.prio;
+        let code = task::exit_code(p, off);
         (*rec).flags = match group_dead {
             Some(true) => EXIT_GROUP_KNOWN | EXIT_GROUP_DEAD,
             Some(false) => EXIT_GROUP_KNOWN,
             None => 0,
-        };
+        } | if code.is_some() { EXIT_CODE_KNOWN } else { 0 };
+        (*rec).exit_code = code.unwrap_or(0);
+        (*rec)._pad = 0;
         task::comm(p, off, &mut (*rec).comm);
     }
     submit(Ring::Sched, entry, cfg);

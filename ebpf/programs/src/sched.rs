@@ -29,6 +29,9 @@ fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
     let prev_state: u64 = ctx.arg(3);
     let off = offsets();
     let cfg = config();
+    if cfg.sched_off != 0 && cfg.system_wide == 0 {
+        return Some(0);
+    }
     // SAFETY: helper without arguments.
     let cpu = unsafe { bpf_get_smp_processor_id() };
 
@@ -118,6 +121,9 @@ fn try_waking(ctx: &BtfTracePointContext, kind: EventKind) -> Option<u32> {
     let wakee: *const u8 = ctx.arg(0);
     let off = offsets();
     let cfg = config();
+    if cfg.sched_off != 0 && cfg.system_wide == 0 {
+        return Some(0);
+    }
     let wakee_task = task::fields(wakee, &off);
     // SAFETY: helper without arguments.
     let cpu = unsafe { bpf_get_smp_processor_id() };

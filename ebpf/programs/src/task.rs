@@ -44,6 +44,16 @@ pub fn cpu(task: *const u8, off: &TaskOffsets) -> u32 {
     unsafe { load::<u32>(task, off.cpu) }
 }
 
+/// The task's `exit_code`, when the kernel's BTF has the field.
+#[inline(always)]
+pub fn exit_code(task: *const u8, off: &TaskOffsets) -> Option<i32> {
+    if off.exit_code == TaskOffsets::ABSENT {
+        return None;
+    }
+    // SAFETY: see load.
+    Some(unsafe { load::<i32>(task, off.exit_code) })
+}
+
 /// Copies the task's comm into `dst`.
 #[inline(always)]
 pub fn comm(task: *const u8, off: &TaskOffsets, dst: &mut [u8; COMM_LEN]) {

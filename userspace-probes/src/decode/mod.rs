@@ -170,10 +170,14 @@ pub struct InFlight {
     pub tid: u32,
     pub library: Library,
     pub function: &'static str,
+    pub kind: CallKind,
     pub start_ts: u64,
     /// The communicator and collective number, for collectives.
     pub comm: Option<u64>,
     pub seq: Option<u64>,
+    /// The communicator as the call's record will carry it (identity,
+    /// rank, size, sequence number), for collectives and send/recv.
+    pub context: Option<CommContext>,
 }
 
 /// Counters: nothing is dropped without being counted.
@@ -263,16 +267,27 @@ impl Decoder {
     /// Calls entered and not yet returned, innermost last per thread.
     pub fn in_flight(&self) -> impl Iterator<Item = InFlight> + '_ {
         self.threads.iter().flat_map(|(&(tgid, tid), stack)| {
+            let comms = self.processes.get(&tgid).map(|p| &p.comms);
             stack.iter().map(move |p| {
                 let raw = p.raw(None);
+                let comm = raw.u64(Role::Comm);
+                let kind = p.target.function.kind;
+                let context = match (kind, comm, comms) {
+                    (CallKind::Collective(_) | CallKind::SendRecv(_), Some(h), Some(c)) => {
+                        Some(c.context(h, p.seq.0, p.seq.1))
+                    }
+                    _ => None,
+                };
                 InFlight {
                     tgid,
                     tid,
                     library: p.target.library,
                     function: p.target.function.name,
+                    kind,
                     start_ts: p.entry.header.ts,
-                    comm: raw.u64(Role::Comm),
+                    comm,
                     seq: p.seq.0,
+                    context,
                 }
             })
         })

@@ -820,6 +820,14 @@ fn pairing_is_lifo_per_thread_and_reports_what_does_not_pair() {
         (inner.comm, inner.seq, inner.start_ts),
         (Some(0xc0), Some(0), 11)
     );
+    // What sinks see of a collective still running: its communicator as
+    // its record will carry it (attached after init: no identity, inexact).
+    let ctx = inner.context.expect("a collective's communicator");
+    assert_eq!(
+        (ctx.handle, ctx.seq, ctx.seq_exact, ctx.id_hash),
+        (0xc0, Some(0), false, None)
+    );
+    assert!(matches!(inner.kind, CallKind::Collective(_)));
     d.on_return(&ret("ncclGroupEnd", 12, 0, &[]), &mut out);
     match out.as_slice() {
         [

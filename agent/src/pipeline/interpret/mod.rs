@@ -19,7 +19,9 @@ use serde::Serialize;
 
 use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch};
 use crate::kernel::probes::TableUpdate;
-use crate::model::{Preemption, Preemptor, ProcessStart, Record, Stack};
+use crate::model::{
+    InFlightSnapshot, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack, ThreadNow,
+};
 use crate::pipeline::enrich::Enrich;
 use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
@@ -63,6 +65,12 @@ pub struct Interpreter {
     threads: FxHashMap<u32, (u32, String)>,
     offcpu: OffCpuTracker,
     device: DeviceInterpreter,
+    /// Traced threads whose switches were seen (their state is known; at
+    /// the service's level 0 no switch comes).
+    switched: rustc_hash::FxHashSet<u32>,
+    /// The last in-flight snapshot had calls (one more, empty, says they
+    /// all returned).
+    in_flight_shown: bool,
     pub counters: InterpretCounters,
 }
 
@@ -120,6 +128,38 @@ impl Interpreter {
         }
     }
 
+    /// The blocking calls running at `now`, each with what its thread is
+    /// doing (called about once a second): sent while there are any, and
+    /// once more, empty, when the last returned.
+    pub fn in_flight(&mut self, now: u64, out: &mut Vec<Record>) {
+        let open = self.device.open_blocking();
+        if open.is_empty() && !self.in_flight_shown {
+            return;
+        }
+        self.in_flight_shown = !open.is_empty();
+        let calls = open
+            .into_iter()
+            .map(|c| OpenCall {
+                tgid: c.tgid,
+                tid: c.tid,
+                library: c.library,
+                function: c.function,
+                kind: c.kind,
+                start_ts: c.start_ts,
+                comm: c.context,
+                thread: match self.offcpu.off_since(c.tid) {
+                    Some((state, since)) => ThreadNow::Off { state, since },
+                    None if self.switched.contains(&c.tid) => ThreadNow::OnCpu,
+                    None => ThreadNow::Unknown,
+                },
+            })
+            .collect();
+        out.push(Record::InFlight(Box::new(InFlightSnapshot {
+            ts: now,
+            calls,
+        })));
+    }
+
     /// Ends what is still open at `end`: off-CPU intervals, calls in
     /// flight, memory held, buffered device work.
     pub fn finish(&mut self, end: u64, out: &mut Vec<Record>) {
@@ -153,6 +193,7 @@ impl Interpreter {
             prev_state: state,
         });
         if s.prev_target && s.prev_tid != 0 {
+            self.switched.insert(s.prev_tid);
             self.note_running(s.prev_tid, s.prev_tgid, &s.prev_comm);
             let preemptor = (state == 0 || state == REPORT_PREEMPTED).then_some(Preemptor {
                 tid: s.next_tid,
@@ -181,6 +222,7 @@ impl Interpreter {
             }
         }
         if s.next_target && s.next_tid != 0 {
+            self.switched.insert(s.next_tid);
             self.note_running(s.next_tid, s.next_tgid, &s.next_comm);
             if let Some(interval) = self.offcpu.switched_in(s.next_tid, s.ts) {
                 out.push(Record::OffCpu(interval));
@@ -236,6 +278,7 @@ impl Interpreter {
         self.device
             .exited(&e, process_ended, en, &mut self.counters, out);
         self.threads.remove(&e.tid);
+        self.switched.remove(&e.tid);
         if process_ended {
             // Every earlier record of the process is out: what is cached
             // about it goes (its pid may come back as another process).

@@ -48,6 +48,11 @@ impl OffCpuTracker {
         );
     }
 
+    /// Since when, and in which report state, thread `tid` is off CPU.
+    pub fn off_since(&self, tid: u32) -> Option<(i64, u64)> {
+        self.open.get(&tid).map(|o| (o.state, o.start))
+    }
+
     /// The stack taken at the switch-out at `ts`.
     pub fn stack_taken(&mut self, tid: u32, ts: u64, stack: Arc<Stack>) -> bool {
         match self.open.get_mut(&tid) {

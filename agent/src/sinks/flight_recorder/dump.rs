@@ -19,6 +19,7 @@ use xpuscope_perfetto::TraceWriter;
 use super::state::{ProcessTable, owner, span};
 use super::{Batch, Trigger};
 use crate::model::Record;
+use crate::model::finding::{Finding, FindingsDoc};
 use crate::sinks::perfetto::PerfettoSink;
 use crate::sinks::summary::{DeviceRecordCounts, FunctionCalls, SummarySink};
 use crate::sinks::{Sink, SinkCounters};
@@ -180,6 +181,8 @@ impl Write for QuotaFile {
 /// records (the batches are shared).
 pub struct DumpJob {
     pub trigger: Trigger,
+    /// The finding that triggered it.
+    pub finding: Option<Box<Finding>>,
     pub job: Option<String>,
     /// The window, CLOCK_BOOTTIME ns, inclusive.
     pub start: u64,
@@ -259,6 +262,10 @@ struct DumpSummary<'a> {
     processes: Vec<ProcessRow>,
     device: DeviceRecordCounts,
     functions: Vec<FunctionCalls>,
+    /// The finding that triggered the dump (null for a manual one).
+    finding: Option<&'a Finding>,
+    /// Every finding in the window, as the `xpuscope-findings/1` document.
+    findings: FindingsDoc<'a>,
 }
 
 impl DumpJob {
@@ -441,7 +448,16 @@ impl DumpJob {
             .unwrap_or_default()
             .to_string();
         let summary_path = path_in(&self.dir, &summary_name).map_err(DumpError::BadRequest)?;
+        let in_window: Vec<Finding> = window
+            .iter()
+            .filter_map(|r| match r {
+                Record::Finding(f) => Some((**f).clone()),
+                _ => None,
+            })
+            .collect();
         let json = DumpSummary {
+            finding: self.finding.as_deref(),
+            findings: FindingsDoc::new(&in_window),
             outcome: &outcome,
             job: self.job.as_deref(),
             host: &self.host,

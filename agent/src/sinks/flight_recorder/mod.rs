@@ -35,7 +35,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::{Batch, Sink, SinkCounters};
-use crate::model::Record;
+use crate::model::{Finding, FindingKind, Record};
 pub use dump::{DumpError, DumpOutcome};
 use dump::{DumpJob, RateLimiter, check_job_label};
 use state::{ProcessTable, batch_bytes, span};
@@ -115,6 +115,19 @@ pub struct DumpRequest {
     pub spec: DumpSpec,
     /// Where the outcome goes (None: logged and counted only).
     pub reply: Option<DumpReply>,
+    /// The finding that triggered it (named in the dump's summary).
+    pub finding: Option<Box<Finding>>,
+}
+
+impl Trigger {
+    /// The automatic dump's trigger for a finding.
+    pub fn of_finding(kind: FindingKind) -> Trigger {
+        match kind {
+            FindingKind::Hang => Trigger::Hang,
+            FindingKind::DeviceOom => Trigger::Oom,
+            FindingKind::Crash => Trigger::Signal,
+        }
+    }
 }
 
 /// The recorder's settings (from the service configuration).
@@ -129,6 +142,8 @@ pub struct RecorderSettings {
     pub host: String,
     /// Testing aid: dumps see a full disk after this many bytes.
     pub write_limit: Option<u64>,
+    /// A finding in the stream dumps the window (trigger by its kind).
+    pub dump_on_finding: bool,
 }
 
 /// Dumps of one trigger.
@@ -229,6 +244,27 @@ impl FlightRecorder {
             first: 0,
             bytes,
         });
+        if self.settings.dump_on_finding {
+            // The window ends at the finding's detection (the latest time
+            // seen): the dump holds what led to it, and the finding.
+            for r in batch.iter() {
+                if let Record::Finding(f) = r {
+                    self.pending.push((
+                        self.now,
+                        DumpRequest {
+                            spec: DumpSpec {
+                                trigger: Trigger::of_finding(f.kind),
+                                job: None,
+                                seconds: None,
+                                end: WindowEnd::Now,
+                            },
+                            reply: None,
+                            finding: Some(f.clone()),
+                        },
+                    ));
+                }
+            }
+        }
         self.expire();
         self.evict_to_bound();
         self.publish();
@@ -342,6 +378,7 @@ impl FlightRecorder {
             }));
         }
         let job = DumpJob {
+            finding: req.finding,
             trigger: req.spec.trigger,
             job: req.spec.job.clone(),
             start: end.saturating_sub(seconds.as_nanos() as u64),

@@ -32,6 +32,8 @@ pub fn span(r: &Record) -> Option<(u64, u64)> {
         Record::MemoryHeld(m) => at(m.ts),
         Record::InFlightAtEnd(c) => Some((c.start_ts, c.end.max(c.start_ts))),
         Record::Drops { ts, .. } => at(*ts),
+        Record::InFlight(s) => at(s.ts),
+        Record::Finding(f) => Some((f.start_ns.min(f.detected_ns), f.detected_ns)),
     }
 }
 
@@ -55,7 +57,9 @@ pub fn owner(r: &Record) -> Option<u32> {
         Record::InitialProcesses { .. }
         | Record::Switch { .. }
         | Record::Waking(_)
-        | Record::Drops { .. } => None,
+        | Record::Drops { .. }
+        | Record::InFlight(_)
+        | Record::Finding(_) => None,
     }
 }
 
@@ -171,6 +175,18 @@ pub fn heap_bytes(r: &Record) -> usize {
                     .sum::<usize>()
         }
         Record::Drops { cpus, .. } => cpus.capacity() * 4,
+        Record::InFlight(s) => {
+            size_of::<crate::model::InFlightSnapshot>()
+                + s.calls.capacity() * size_of::<crate::model::OpenCall>()
+        }
+        Record::Finding(f) => {
+            size_of::<crate::model::Finding>()
+                + f.summary.capacity()
+                + f.comm.as_ref().map_or(0, |c| c.capacity())
+                + f.ranks.capacity() * 4
+                // The evidence's own allocations, about as large as its text.
+                + f.evidence.to_string().len()
+        }
         Record::Switch { .. }
         | Record::Waking(_)
         | Record::Rename(_)

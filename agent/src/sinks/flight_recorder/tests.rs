@@ -45,6 +45,7 @@ fn settings(dir: &Path) -> RecorderSettings {
         max_dumps_per_hour: 100,
         host: "node-a".into(),
         write_limit: None,
+        dump_on_finding: true,
     }
 }
 
@@ -153,6 +154,7 @@ fn dump(
     tx.send(DumpRequest {
         spec,
         reply: Some(reply),
+        finding: None,
     })
     .unwrap();
     rec.on_tick(0, &SinkCounters::default()).unwrap();
@@ -391,6 +393,7 @@ fn a_window_ending_later_waits_for_its_records() {
             ..DumpSpec::now(Trigger::Manual)
         },
         reply: Some(reply),
+        finding: None,
     })
     .unwrap();
     feed(&mut rec, vec![waking(6 * S, APP + 1)]);
@@ -429,6 +432,7 @@ fn a_job_filter_keeps_that_jobs_processes() {
                     comm: Comm::from_str_lossy("worker"),
                     group_dead: false,
                     group_known: true,
+                    exit_code: None,
                 },
                 process_ended: false,
             },
@@ -487,4 +491,73 @@ fn names_never_leave_the_dump_directory() {
     assert!(check_job_label("..").is_err());
     assert!(check_job_label("a/b").is_err());
     assert!(check_job_label("llama-70b.run3").is_ok());
+}
+
+/// A finding in the stream dumps the window on its own (trigger by kind):
+/// the dump's trace holds the finding on its track, its summary names it.
+#[test]
+fn a_finding_dumps_the_window_and_the_summary_names_it() {
+    let dir = Dir::new("finding");
+    let (mut rec, _tx, stats) = FlightRecorder::new(settings(&dir.0));
+    feed(
+        &mut rec,
+        vec![
+            initial(),
+            identity(APP, "1", "llama"),
+            waking(2 * S, APP + 1),
+        ],
+    );
+    let finding = crate::model::Finding {
+        kind: crate::model::FindingKind::Hang,
+        ranks: vec![1],
+        comm: Some("nccl:00000000000000aa".into()),
+        seq: Some(12),
+        step: None,
+        start_ns: 3 * S,
+        end_ns: None,
+        summary: "hang: ncclAllReduce #12 on nccl:00000000000000aa".into(),
+        evidence: serde_json::json!({"op": "ncclAllReduce"}),
+        detected_ns: 5 * S,
+    };
+    feed(
+        &mut rec,
+        vec![
+            waking(4 * S, APP + 1),
+            Record::Finding(Box::new(finding.clone())),
+        ],
+    );
+    let stats = rec.finish(6 * S, &SinkCounters::default()).map(|_| stats);
+    let stats = stats.unwrap();
+    assert_eq!(
+        stats.trigger(Trigger::Hang).written.load(Ordering::Relaxed),
+        1
+    );
+    let last = stats.last_dump.lock().unwrap().clone().expect("a dump");
+    assert_eq!(last.trigger, "hang");
+    assert!(
+        last.trace.to_string_lossy().ends_with("-hang.pftrace"),
+        "{}",
+        last.trace.display()
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&last.summary).unwrap()).unwrap();
+    assert_eq!(summary["finding"]["kind"], "hang");
+    assert_eq!(summary["finding"]["seq"], 12);
+    assert_eq!(summary["finding"]["comm"], "nccl:00000000000000aa");
+    assert_eq!(summary["findings"]["schema"], "xpuscope-findings/1");
+    assert_eq!(
+        summary["findings"]["findings"][0]["ranks"],
+        serde_json::json!([1])
+    );
+    let trace = decode(&std::fs::read(&last.trace).unwrap()).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let track = tl
+        .tracks
+        .values()
+        .find(|t| t.name.as_deref() == Some(crate::sinks::perfetto::FINDINGS_TRACK))
+        .expect("the findings track in the dump");
+    let slices = tl.slices_on(track.uuid);
+    assert_eq!(slices.len(), 1);
+    assert_eq!((slices[0].ts, slices[0].end), (3 * S, Some(5 * S)));
 }

@@ -286,6 +286,7 @@ fn families_render_from_records() {
                 comm: Comm::from_str_lossy("python"),
                 group_dead: true,
                 group_known: true,
+                exit_code: None,
             },
             process_ended: true,
         }],
@@ -329,4 +330,69 @@ fn cardinality_is_bounded_and_folds_are_counted() {
         lines_with(&text, "xpuscope_collective_last_seq{").len(),
         MAX_SERIES + 1
     );
+}
+
+/// The hang gauge follows the in-flight snapshots (the oldest call per
+/// rank, 0 once nothing runs), and findings are counted by kind.
+#[test]
+fn the_hang_gauge_and_findings() {
+    use crate::model::{Finding, FindingKind, InFlightSnapshot, OpenCall, ThreadNow};
+    let (mut sink, handle, _sources) = MetricsSink::new("node-a");
+    let lost = SinkCounters::default();
+    let open = |tgid: u32, start: u64| OpenCall {
+        tgid,
+        tid: tgid,
+        library: Library::Nccl,
+        function: "ncclAllReduce",
+        kind: CallKind::Collective(Collective::AllReduce),
+        start_ts: start,
+        comm: None,
+        thread: ThreadNow::Unknown,
+    };
+    let snap =
+        |ts: u64, calls: Vec<OpenCall>| Record::InFlight(Box::new(InFlightSnapshot { ts, calls }));
+    let text = handle.render();
+    let rank0 = "xpuscope_in_flight_oldest_seconds{job=\"llama\",rank=\"0\",local_rank=\"0\",node=\"node-a\"}";
+    assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 0.0);
+    sink.on_batch(
+        &[
+            identity(10, 0),
+            identity(11, 1),
+            snap(
+                10_000 * MS,
+                vec![
+                    open(10, 2_500 * MS),
+                    open(10, 9_000 * MS),
+                    open(11, 9_500 * MS),
+                ],
+            ),
+        ],
+        &lost,
+    )
+    .unwrap();
+    let text = handle.render();
+    assert_eq!(value(&text, rank0), 7.5);
+    sink.on_batch(&[snap(11_000 * MS, vec![open(11, 9_500 * MS)])], &lost)
+        .unwrap();
+    let text = handle.render();
+    assert_eq!(value(&text, rank0), 0.0, "rank 0's calls returned");
+    sink.on_batch(
+        &[Record::Finding(Box::new(Finding {
+            kind: FindingKind::Hang,
+            ranks: vec![1],
+            comm: None,
+            seq: None,
+            step: None,
+            start_ns: 9_500 * MS,
+            end_ns: None,
+            summary: "hang".into(),
+            evidence: serde_json::json!({}),
+            detected_ns: 11_000 * MS,
+        }))],
+        &lost,
+    )
+    .unwrap();
+    let text = handle.render();
+    assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 1.0);
+    assert_eq!(value(&text, "xpuscope_findings_total{kind=\"crash\"}"), 0.0);
 }

@@ -17,6 +17,10 @@
 //! - device records -> see [`device`].
 
 mod device;
+mod findings;
+
+#[cfg(test)]
+pub use findings::FINDINGS_TRACK;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -61,6 +65,7 @@ pub struct PerfettoSink<W: Write> {
     lost_track: Option<TrackUuid>,
     frames: FrameConverter,
     device: device::DeviceTracks,
+    findings: findings::FindingLanes,
     /// Whether to write clock snapshots every [`CLOCK_SNAPSHOT_EVERY`]
     /// (the live recording does; tests leave them out).
     snapshots: Option<Instant>,
@@ -99,6 +104,7 @@ impl<W: Write> PerfettoSink<W> {
             lost_track: None,
             frames: FrameConverter::default(),
             device: device::DeviceTracks::default(),
+            findings: findings::FindingLanes::default(),
             snapshots: None,
         }
     }
@@ -147,6 +153,10 @@ impl<W: Write> PerfettoSink<W> {
             Record::DeviceWork(w) => self.device_work(w)?,
             Record::MemoryHeld(m) => self.memory_held(m)?,
             Record::InFlightAtEnd(c) => self.in_flight_at_end(c)?,
+            Record::Finding(f) => self.finding(f)?,
+            // What is still running shows as slices once it returns (or as
+            // "in flight at end"); a snapshot adds nothing to draw.
+            Record::InFlight(_) => {}
         }
         Ok(())
     }

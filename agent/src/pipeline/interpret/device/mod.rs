@@ -17,7 +17,7 @@ use xpuscope_probes::activity::{ActivityDetail, ActivityKind};
 use xpuscope_probes::catalog::{CallKind, LaunchKind, SyncKind, Vendor};
 use xpuscope_probes::decode::args::CallArgs;
 use xpuscope_probes::decode::memory::LiveSite;
-use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, Unmatched};
+use xpuscope_probes::decode::{ActivityEvent, Decoded, Decoder, DeviceCall, InFlight, Unmatched};
 
 use super::InterpretCounters;
 use crate::events::{CallStack, Exit};
@@ -186,6 +186,24 @@ impl DeviceInterpreter {
             self.flood.thread_exited(tgid, tid, out);
         }
         self.out = decoded;
+    }
+
+    /// The blocking calls entered and not returned (collectives,
+    /// point-to-point, synchronizations; not launches, which return at
+    /// once), oldest first.
+    pub fn open_blocking(&self) -> Vec<InFlight> {
+        let mut open: Vec<InFlight> = self
+            .decoder
+            .in_flight()
+            .filter(|c| {
+                matches!(
+                    c.kind,
+                    CallKind::Collective(_) | CallKind::SendRecv(_) | CallKind::Sync(_)
+                )
+            })
+            .collect();
+        open.sort_by_key(|c| (c.start_ts, c.tgid, c.tid));
+        open
     }
 
     /// Calls still open at the end (a hang shows here), memory still held,

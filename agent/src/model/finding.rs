@@ -1,0 +1,111 @@
+//! Findings: what the detectors (`crate::sinks::detect`) concluded from the
+//! record stream, in the JSON contract other tools read
+//! (`xpuscope-findings/1`, documented in the README).
+
+use serde::Serialize;
+use serde_json::Value;
+
+/// The findings JSON's schema name.
+pub const FINDINGS_SCHEMA: &str = "xpuscope-findings/1";
+
+/// What was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FindingKind {
+    /// A collective or sync in flight longer than the hang timeout.
+    Hang,
+    /// A device allocation failed.
+    DeviceOom,
+    /// A traced process was killed by a signal.
+    Crash,
+}
+
+impl FindingKind {
+    pub const ALL: [FindingKind; 3] = [
+        FindingKind::Hang,
+        FindingKind::DeviceOom,
+        FindingKind::Crash,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FindingKind::Hang => "hang",
+            FindingKind::DeviceOom => "device_oom",
+            FindingKind::Crash => "crash",
+        }
+    }
+}
+
+/// One finding, as the contract has it (`detected_ns` is not part of it:
+/// when the detector fired, for the record stream's order).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    pub kind: FindingKind,
+    /// Global ranks (`RANK` of the processes' environment).
+    pub ranks: Vec<u32>,
+    /// The communicator's kind and identity as the trace shows it
+    /// (`nccl:<comm_hash>`), for collective findings.
+    pub comm: Option<String>,
+    /// The operation's sequence number on `comm`.
+    pub seq: Option<u64>,
+    /// The training step, when known.
+    pub step: Option<u64>,
+    /// CLOCK_BOOTTIME ns.
+    pub start_ns: u64,
+    pub end_ns: Option<u64>,
+    /// A sentence a person can act on.
+    pub summary: String,
+    /// The numbers and names that fired it (a JSON object).
+    pub evidence: Value,
+    #[serde(skip)]
+    pub detected_ns: u64,
+}
+
+/// The findings JSON document.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FindingsDoc<'a> {
+    pub schema: &'static str,
+    pub findings: &'a [Finding],
+}
+
+impl<'a> FindingsDoc<'a> {
+    pub fn new(findings: &'a [Finding]) -> Self {
+        Self {
+            schema: FINDINGS_SCHEMA,
+            findings,
+        }
+    }
+}
+
+/// A communicator as findings (and the trace's `comm_hash`) name it.
+pub fn comm_name(library: &str, id_hash: u64) -> String {
+    format!("{library}:{id_hash:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serializes_to_the_contract() {
+        let f = Finding {
+            kind: FindingKind::DeviceOom,
+            ranks: vec![3],
+            comm: None,
+            seq: None,
+            step: Some(7),
+            start_ns: 10,
+            end_ns: Some(20),
+            summary: "s".into(),
+            evidence: serde_json::json!({"bytes": 5}),
+            detected_ns: 20,
+        };
+        let v = serde_json::to_value(FindingsDoc::new(std::slice::from_ref(&f))).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"schema": "xpuscope-findings/1", "findings": [{
+                "kind": "device_oom", "ranks": [3], "comm": null, "seq": null, "step": 7,
+                "start_ns": 10, "end_ns": 20, "summary": "s", "evidence": {"bytes": 5}}]})
+        );
+    }
+}

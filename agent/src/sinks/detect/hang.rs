@@ -1,0 +1,407 @@
+//! `hang`: a collective, point-to-point call or synchronization in flight
+//! longer than the hang timeout.
+//!
+//! What is running comes from the interpret stage's in-flight snapshots
+//! (about once a second; calls that returned since are taken out as their
+//! records pass). Who should have joined comes from the communicators:
+//! every call on a communicator whose identity is known (its set-up was
+//! seen) names a member, its rank and the communicator's size, and every
+//! collective with an exact sequence number says how far that member got.
+//!
+//! The hung operation is the stuck call itself when it is a collective with
+//! an exact sequence number; for a sync (NCCL collectives are enqueued and
+//! return; the wait shows in the stream sync after them) or a collective
+//! without one, it is the last collective the stuck process entered on a
+//! communicator where other members are behind it. Its ranks are the
+//! members that never entered it; when every member entered and none left,
+//! all members; when members are not traced (fewer seen than the size),
+//! the stuck ranks. Without any communicator identity, the stuck rank(s).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use xpuscope_probes::catalog::{CallKind, Library};
+use xpuscope_probes::decode::comm::CommContext;
+
+use super::Ranks;
+use crate::model::finding::comm_name;
+use crate::model::{DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, OpenCall, ThreadNow};
+
+/// A communicator across processes: its library and identity hash.
+type CommKey = (Library, u64);
+
+/// Most operations and calls remembered as reported (then forgotten,
+/// oldest first, which at worst reports one again).
+const MAX_REPORTED: usize = 4096;
+
+#[derive(Clone, Debug, Default)]
+struct Member {
+    /// The highest exact sequence number it entered.
+    last_seq: Option<u64>,
+    /// The function of that collective.
+    last_function: Option<&'static str>,
+}
+
+#[derive(Default)]
+struct CommState {
+    size: Option<u32>,
+    members: HashMap<u32, Member>,
+}
+
+pub struct HangDetector {
+    timeout_ns: u64,
+    comms: HashMap<CommKey, CommState>,
+    /// tgid -> the communicators it is a member of.
+    of_process: HashMap<u32, HashSet<CommKey>>,
+    /// The last snapshot's calls, less those that returned since.
+    open: Vec<OpenCall>,
+    reported_calls: HashSet<(u32, u32, u64)>,
+    reported_ops: HashSet<(CommKey, u64)>,
+}
+
+fn key_of(library: Library, cc: &CommContext) -> Option<CommKey> {
+    cc.id_hash.map(|h| (library, h))
+}
+
+fn call_id(c: &OpenCall) -> (u32, u32, u64) {
+    (c.tgid, c.tid, c.start_ts)
+}
+
+/// What a stuck thread is doing, in words.
+fn thread_words(t: ThreadNow, now: u64) -> String {
+    match t {
+        ThreadNow::Off { state, since } => format!(
+            "{} for {:.1} s",
+            crate::state::label(state),
+            now.saturating_sub(since) as f64 / 1e9
+        ),
+        ThreadNow::OnCpu => "running on a CPU".into(),
+        ThreadNow::Unknown => "state unknown (scheduling is not recorded)".into(),
+    }
+}
+
+fn thread_json(t: ThreadNow, now: u64) -> Value {
+    match t {
+        ThreadNow::Off { state, since } => json!({
+            "state": crate::state::label(state),
+            "off_cpu_s": now.saturating_sub(since) as f64 / 1e9,
+        }),
+        ThreadNow::OnCpu => json!({ "state": "running" }),
+        ThreadNow::Unknown => json!({ "state": "unknown" }),
+    }
+}
+
+/// "rank 1", "ranks 0, 2", or "no rank".
+fn rank_list(ranks: &[u32]) -> String {
+    match ranks {
+        [] => "no rank".into(),
+        [r] => format!("rank {r}"),
+        _ => format!(
+            "ranks {}",
+            ranks
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+impl HangDetector {
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            timeout_ns: timeout.as_nanos() as u64,
+            comms: HashMap::new(),
+            of_process: HashMap::new(),
+            open: Vec::new(),
+            reported_calls: HashSet::new(),
+            reported_ops: HashSet::new(),
+        }
+    }
+
+    /// A member seen on `key` (and, for a collective with an exact
+    /// number, how far it got).
+    fn member(
+        &mut self,
+        tgid: u32,
+        library: Library,
+        kind: CallKind,
+        function: &'static str,
+        cc: &CommContext,
+    ) {
+        let Some(key) = key_of(library, cc) else {
+            return;
+        };
+        let comm = self.comms.entry(key).or_default();
+        comm.size = cc.size.or(comm.size);
+        let m = comm.members.entry(tgid).or_default();
+        if let (CallKind::Collective(_), true, Some(seq)) = (kind, cc.seq_exact, cc.seq)
+            && m.last_seq.is_none_or(|s| s < seq)
+        {
+            m.last_seq = Some(seq);
+            m.last_function = Some(function);
+        }
+        self.of_process.entry(tgid).or_default().insert(key);
+    }
+
+    pub fn device_call(&mut self, c: &DeviceCallRecord) {
+        let call = &c.call;
+        if let Some(cc) = &call.comm {
+            self.member(call.tgid, call.library, call.kind, call.function, cc);
+        }
+        if c.unmatched.is_none() {
+            self.open
+                .retain(|o| (o.tgid, o.tid, o.start_ts) != (call.tgid, call.tid, call.start_ts));
+        }
+    }
+
+    pub fn snapshot(&mut self, s: &InFlightSnapshot) {
+        self.open = s.calls.clone();
+        for c in &s.calls {
+            if let Some(cc) = &c.comm {
+                self.member(c.tgid, c.library, c.kind, c.function, cc);
+            }
+        }
+        // Calls no longer running need no memory of being reported.
+        let running: HashSet<_> = self.open.iter().map(call_id).collect();
+        self.reported_calls.retain(|id| running.contains(id));
+    }
+
+    pub fn process_ended(&mut self, tgid: u32) {
+        self.open.retain(|c| c.tgid != tgid);
+        for key in self.of_process.remove(&tgid).unwrap_or_default() {
+            if let Some(comm) = self.comms.get_mut(&key) {
+                comm.members.remove(&tgid);
+                if comm.members.is_empty() {
+                    self.comms.remove(&key);
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    pub fn forgot(&self, tgid: u32) -> bool {
+        !self.of_process.contains_key(&tgid)
+            && self.comms.values().all(|c| !c.members.contains_key(&tgid))
+            && self.open.iter().all(|c| c.tgid != tgid)
+    }
+
+    /// The operation a stuck call waits for: (communicator, sequence
+    /// number), when it can be told.
+    fn op_of(&self, c: &OpenCall) -> Option<(CommKey, u64)> {
+        if let (CallKind::Collective(_), Some(cc)) = (c.kind, &c.comm)
+            && cc.seq_exact
+            && let (Some(key), Some(seq)) = (key_of(c.library, cc), cc.seq)
+        {
+            return Some((key, seq));
+        }
+        let mut best: Option<(usize, CommKey, u64)> = None;
+        let mut keys: Vec<&CommKey> = self.of_process.get(&c.tgid)?.iter().collect();
+        keys.sort_by_key(|k| k.1);
+        for key in keys {
+            let comm = &self.comms[key];
+            let Some(mine) = comm.members.get(&c.tgid).and_then(|m| m.last_seq) else {
+                continue;
+            };
+            let behind = comm
+                .members
+                .iter()
+                .filter(|(t, m)| **t != c.tgid && m.last_seq.is_none_or(|s| s < mine))
+                .count();
+            if behind > 0 && best.is_none_or(|b| behind > b.0) {
+                best = Some((behind, *key, mine));
+            }
+        }
+        best.map(|(_, k, s)| (k, s))
+    }
+
+    pub fn tick(&mut self, now: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
+        let hung: Vec<OpenCall> = self
+            .open
+            .iter()
+            .filter(|c| now.saturating_sub(c.start_ts) >= self.timeout_ns)
+            .filter(|c| !self.reported_calls.contains(&call_id(c)))
+            .cloned()
+            .collect();
+        for c in &hung {
+            if self.reported_calls.contains(&call_id(c)) {
+                continue;
+            }
+            match self.op_of(c) {
+                Some(op) if self.reported_ops.contains(&op) => {
+                    self.reported_calls.insert(call_id(c));
+                }
+                Some(op) => {
+                    let stuck: Vec<&OpenCall> =
+                        hung.iter().filter(|h| self.op_of(h) == Some(op)).collect();
+                    out.push(self.collective_finding(op, &stuck, now, ranks));
+                    let ids: Vec<_> = stuck.iter().map(|s| call_id(s)).collect();
+                    self.reported_calls.extend(ids);
+                    if self.reported_ops.len() >= MAX_REPORTED {
+                        self.reported_ops.clear();
+                    }
+                    self.reported_ops.insert(op);
+                }
+                None => {
+                    out.push(self.lone_finding(c, now, ranks));
+                    self.reported_calls.insert(call_id(c));
+                }
+            }
+        }
+    }
+
+    fn stuck_json(&self, c: &OpenCall, now: u64, ranks: &Ranks) -> Value {
+        json!({
+            "rank": ranks.of(c.tgid),
+            "pid": c.tgid,
+            "tid": c.tid,
+            "function": c.function,
+            "since_ns": c.start_ts,
+            "in_flight_s": now.saturating_sub(c.start_ts) as f64 / 1e9,
+            "thread": thread_json(c.thread, now),
+        })
+    }
+
+    fn stuck_words(&self, c: &OpenCall, now: u64, ranks: &Ranks) -> String {
+        format!(
+            "{}'s thread {} has been in {} for {:.1} s, {}",
+            ranks.describe(c.tgid),
+            c.tid,
+            c.function,
+            now.saturating_sub(c.start_ts) as f64 / 1e9,
+            thread_words(c.thread, now)
+        )
+    }
+
+    fn collective_finding(
+        &self,
+        (key, seq): (CommKey, u64),
+        stuck: &[&OpenCall],
+        now: u64,
+        ranks: &Ranks,
+    ) -> Finding {
+        let comm = &self.comms[&key];
+        let name = comm_name(key.0.name(), key.1);
+        let mut entered = Vec::new();
+        let mut never = Vec::new();
+        let mut tgids: Vec<(&u32, &Member)> = comm.members.iter().collect();
+        tgids.sort_by_key(|(t, _)| (ranks.of(**t), **t));
+        for (tgid, m) in &tgids {
+            let inside = stuck.iter().any(|s| s.tgid == **tgid);
+            if inside || m.last_seq.is_some_and(|s| s >= seq) {
+                entered.push(**tgid);
+            } else {
+                never.push(**tgid);
+            }
+        }
+        let rank_of = |ts: &[u32]| -> Vec<u32> {
+            let mut r: Vec<u32> = ts.iter().filter_map(|t| ranks.of(*t)).collect();
+            r.sort_unstable();
+            r
+        };
+        let op = stuck
+            .iter()
+            .find(|s| matches!(s.kind, CallKind::Collective(_)))
+            .map(|s| s.function)
+            .or_else(|| {
+                entered
+                    .iter()
+                    .find_map(|t| comm.members.get(t).and_then(|m| m.last_function))
+            })
+            .unwrap_or("collective");
+        let size = comm.size.unwrap_or(comm.members.len() as u32);
+        let missing = size.saturating_sub(comm.members.len() as u32);
+        let stuck_tgids: Vec<u32> = stuck.iter().map(|s| s.tgid).collect();
+        let (finding_ranks, what) = if !never.is_empty() {
+            (
+                rank_of(&never),
+                format!(
+                    "entered by {} but never by {}",
+                    rank_list(&rank_of(&entered)),
+                    rank_list(&rank_of(&never))
+                ),
+            )
+        } else if missing > 0 {
+            (
+                rank_of(&stuck_tgids),
+                format!(
+                    "entered by {}; {missing} of its {size} members are not traced",
+                    rank_list(&rank_of(&entered))
+                ),
+            )
+        } else {
+            (
+                rank_of(&entered),
+                "entered by every member, and none left".to_string(),
+            )
+        };
+        let first = stuck.iter().min_by_key(|s| s.start_ts);
+        let summary = format!(
+            "hang: {op} #{seq} on {name} ({size} ranks) {what}{}",
+            first
+                .map(|c| format!("; {}", self.stuck_words(c, now, ranks)))
+                .unwrap_or_default()
+        );
+        Finding {
+            kind: FindingKind::Hang,
+            ranks: finding_ranks,
+            comm: Some(name.clone()),
+            seq: Some(seq),
+            step: None,
+            start_ns: first.map_or(now, |c| c.start_ts),
+            end_ns: None,
+            summary,
+            evidence: json!({
+                "op": op,
+                "comm": name,
+                "seq": seq,
+                "comm_size": size,
+                "entered": rank_of(&entered),
+                "never_entered": rank_of(&never),
+                "untraced_members": missing,
+                "in_flight_s": first.map_or(0.0, |c| now.saturating_sub(c.start_ts) as f64 / 1e9),
+                "hang_timeout_s": self.timeout_ns as f64 / 1e9,
+                "stuck": stuck.iter().map(|c| self.stuck_json(c, now, ranks)).collect::<Vec<_>>(),
+            }),
+            detected_ns: now,
+        }
+    }
+
+    /// A stuck call no communicator explains.
+    fn lone_finding(&self, c: &OpenCall, now: u64, ranks: &Ranks) -> Finding {
+        let comm = c
+            .comm
+            .as_ref()
+            .and_then(|cc| key_of(c.library, cc))
+            .map(|k| comm_name(k.0.name(), k.1));
+        let why = match (&c.comm, &comm) {
+            (Some(_), None) => {
+                "; its communicator's identity is unknown (set up before the agent attached), \
+                 so its members cannot be compared"
+            }
+            _ => "",
+        };
+        Finding {
+            kind: FindingKind::Hang,
+            ranks: ranks.of(c.tgid).into_iter().collect(),
+            comm,
+            seq: c
+                .comm
+                .as_ref()
+                .filter(|cc| cc.seq_exact)
+                .and_then(|cc| cc.seq),
+            step: None,
+            start_ns: c.start_ts,
+            end_ns: None,
+            summary: format!("hang: {}{why}", self.stuck_words(c, now, ranks)),
+            evidence: json!({
+                "op": c.function,
+                "in_flight_s": now.saturating_sub(c.start_ts) as f64 / 1e9,
+                "hang_timeout_s": self.timeout_ns as f64 / 1e9,
+                "stuck": [self.stuck_json(c, now, ranks)],
+            }),
+            detected_ns: now,
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! The detect sink: detectors over the record stream with a clock, each a
+//! module of its own, turning what they see into [`Finding`]s (the
+//! `xpuscope-findings/1` contract, `crate::model::finding`).
+//!
+//! - [`hang`]: a collective or sync in flight longer than `hang_timeout`
+//!   (from the interpret stage's in-flight snapshots); for a collective,
+//!   the members that never entered it, from the communicator's members
+//!   and their sequence numbers.
+//! - [`oom`]: a failed device allocation, its stack and the largest live
+//!   sites.
+//! - [`crash`]: a traced process killed by a signal.
+//!
+//! The detectors are pure ([`Detectors`]: records and ticks in, findings
+//! out). The sink sends each new finding back to the pipeline, which puts
+//! it into the record stream: the trace renders it, metrics count it, the
+//! flight recorder dumps on it. The sink's output is every finding.
+
+pub mod crash;
+pub mod hang;
+pub mod oom;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::mpsc::Sender;
+use std::time::Duration;
+
+use anyhow::Result;
+
+use super::{Sink, SinkCounters};
+use crate::model::{Finding, RankIdentity, Record};
+
+/// Most findings kept for the end-of-run report (the stream carries all).
+pub const MAX_FINDINGS: usize = 1_000;
+
+/// Thresholds (config `detect.*`, `agent attach --hang-timeout`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DetectConfig {
+    /// A collective or sync running longer than this is a hang.
+    pub hang_timeout: Duration,
+}
+
+pub const DEFAULT_HANG_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl Default for DetectConfig {
+    fn default() -> Self {
+        Self {
+            hang_timeout: DEFAULT_HANG_TIMEOUT,
+        }
+    }
+}
+
+/// Who a process is in the job: its global rank, from its environment.
+#[derive(Default)]
+pub struct Ranks {
+    by_tgid: HashMap<u32, u32>,
+}
+
+impl Ranks {
+    fn identity(&mut self, tgid: u32, id: &RankIdentity) {
+        if let Some(r) = id.rank.as_deref().and_then(|r| r.trim().parse().ok()) {
+            self.by_tgid.insert(tgid, r);
+        }
+    }
+
+    pub fn of(&self, tgid: u32) -> Option<u32> {
+        self.by_tgid.get(&tgid).copied()
+    }
+
+    /// "rank 3" or "pid 1234" when the process has no rank.
+    pub fn describe(&self, tgid: u32) -> String {
+        match self.of(tgid) {
+            Some(r) => format!("rank {r}"),
+            None => format!("pid {tgid}"),
+        }
+    }
+}
+
+/// Every detector, fed in stream order.
+pub struct Detectors {
+    ranks: Ranks,
+    hang: hang::HangDetector,
+    oom: oom::OomDetector,
+    crash: crash::CrashDetector,
+}
+
+impl Detectors {
+    pub fn new(cfg: DetectConfig) -> Self {
+        Self {
+            ranks: Ranks::default(),
+            hang: hang::HangDetector::new(cfg.hang_timeout),
+            oom: oom::OomDetector,
+            crash: crash::CrashDetector,
+        }
+    }
+
+    pub fn record(&mut self, r: &Record, out: &mut Vec<Finding>) {
+        match r {
+            Record::Identity { tgid, identity } => self.ranks.identity(*tgid, identity),
+            Record::DeviceCall(c) => {
+                self.hang.device_call(c);
+                self.oom.device_call(c, &self.ranks, out);
+            }
+            Record::InFlight(s) => self.hang.snapshot(s),
+            Record::Exit {
+                exit,
+                process_ended: true,
+            } => {
+                self.crash.process_ended(exit, &self.ranks, out);
+                self.hang.process_ended(exit.tgid);
+                self.ranks.by_tgid.remove(&exit.tgid);
+            }
+            _ => {}
+        }
+    }
+
+    #[cfg(test)]
+    pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
+        self.hang.forgot(tgid) && self.ranks.of(tgid).is_none()
+    }
+
+    /// Time passed: detectors that fire on a duration look again.
+    pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
+        self.hang.tick(now, &self.ranks, out);
+    }
+}
+
+/// The sink around [`Detectors`].
+pub struct DetectSink {
+    detectors: Detectors,
+    /// Back into the pipeline (None: kept only for the output).
+    feedback: Option<Sender<Finding>>,
+    found: Vec<Finding>,
+    scratch: Vec<Finding>,
+}
+
+impl DetectSink {
+    pub fn new(cfg: DetectConfig, feedback: Option<Sender<Finding>>) -> Self {
+        Self {
+            detectors: Detectors::new(cfg),
+            feedback,
+            found: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    fn publish(&mut self) {
+        for f in self.scratch.drain(..) {
+            tracing::warn!("finding: {}", f.summary);
+            if let Some(tx) = &self.feedback {
+                // The pipeline is gone at the very end: the output has it.
+                let _ = tx.send(f.clone());
+            }
+            if self.found.len() < MAX_FINDINGS {
+                self.found.push(f);
+            }
+        }
+    }
+}
+
+impl Sink for DetectSink {
+    type Output = Vec<Finding>;
+
+    fn on_batch(&mut self, batch: &[Record], _lost: &SinkCounters) -> Result<()> {
+        for r in batch {
+            self.detectors.record(r, &mut self.scratch);
+        }
+        self.publish();
+        Ok(())
+    }
+
+    fn on_tick(&mut self, now: u64, _lost: &SinkCounters) -> Result<()> {
+        self.detectors.tick(now, &mut self.scratch);
+        self.publish();
+        Ok(())
+    }
+
+    fn finish(mut self, end: u64, _lost: &SinkCounters) -> Result<Vec<Finding>> {
+        self.detectors.tick(end, &mut self.scratch);
+        self.publish();
+        Ok(self.found)
+    }
+}

@@ -1,0 +1,415 @@
+//! The detectors over records built here (no kernel, no pipeline).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use xpuscope_probes::catalog::{CallKind, Collective, Library, SyncKind, Vendor};
+use xpuscope_probes::decode::DeviceCall;
+use xpuscope_probes::decode::args::CallArgs;
+use xpuscope_probes::decode::comm::CommContext;
+use xpuscope_probes::decode::memory::{Device, MemoryEffect};
+
+use super::*;
+use crate::events::{Comm, Exit};
+use crate::model::{
+    DeviceCallRecord, FindingKind, InFlightSnapshot, LiveSiteRow, OpenCall, Site, ThreadNow,
+};
+
+const S: u64 = 1_000_000_000;
+const HASH: u64 = 0x3f2a_0000_0000_0001;
+
+fn detectors(timeout_s: u64) -> Detectors {
+    Detectors::new(DetectConfig {
+        hang_timeout: Duration::from_secs(timeout_s),
+    })
+}
+
+fn identity(tgid: u32, rank: u32) -> Record {
+    Record::Identity {
+        tgid,
+        identity: Box::new(RankIdentity::from_environ(
+            format!("RANK={rank}\0WORLD_SIZE=4\0XPUSCOPE_JOB=j\0").as_bytes(),
+        )),
+    }
+}
+
+fn ctx(rank: u32, size: u32, seq: Option<u64>) -> CommContext {
+    CommContext {
+        handle: 0xc0 + u64::from(rank),
+        id_hash: Some(HASH),
+        rank: Some(rank),
+        size: Some(size),
+        seq,
+        seq_exact: seq.is_some(),
+    }
+}
+
+fn call(tgid: u32, kind: CallKind, function: &'static str, start: u64, end: u64) -> DeviceCall {
+    DeviceCall {
+        library: Library::Nccl,
+        function,
+        kind,
+        tgid,
+        tid: tgid,
+        start_ts: start,
+        end_ts: Some(end),
+        args: CallArgs::None,
+        ret: Some(0),
+        error: false,
+        name: function.into(),
+        comm: None,
+        memory: None,
+        site: None,
+    }
+}
+
+/// A finished all-reduce of rank `rank` (pid 100 + rank) on the comm.
+fn allreduce(rank: u32, size: u32, seq: u64, start: u64) -> Record {
+    let mut c = call(
+        100 + rank,
+        CallKind::Collective(Collective::AllReduce),
+        "ncclAllReduce",
+        start,
+        start + 1_000,
+    );
+    c.comm = Some(ctx(rank, size, Some(seq)));
+    Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
+}
+
+fn open_allreduce(rank: u32, size: u32, seq: u64, start: u64) -> OpenCall {
+    OpenCall {
+        tgid: 100 + rank,
+        tid: 100 + rank,
+        library: Library::Nccl,
+        function: "ncclAllReduce",
+        kind: CallKind::Collective(Collective::AllReduce),
+        start_ts: start,
+        comm: Some(ctx(rank, size, Some(seq))),
+        thread: ThreadNow::Off {
+            state: 1,
+            since: start + 10,
+        },
+    }
+}
+
+fn open_sync(rank: u32, start: u64) -> OpenCall {
+    OpenCall {
+        tgid: 100 + rank,
+        tid: 100 + rank,
+        library: Library::Cudart,
+        function: "cudaStreamSynchronize",
+        kind: CallKind::Sync(SyncKind::Stream),
+        start_ts: start,
+        comm: None,
+        thread: ThreadNow::OnCpu,
+    }
+}
+
+fn snapshot(ts: u64, calls: Vec<OpenCall>) -> Record {
+    Record::InFlight(Box::new(InFlightSnapshot { ts, calls }))
+}
+
+fn feed(d: &mut Detectors, records: &[Record]) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for r in records {
+        d.record(r, &mut out);
+    }
+    out
+}
+
+/// Ranks 0..4 on one communicator; rank 2 never enters #5: the finding
+/// names rank 2, the communicator and the number, once.
+#[test]
+fn a_hang_names_the_member_that_never_entered() {
+    let mut d = detectors(10);
+    let mut records: Vec<Record> = (0..4).map(|r| identity(100 + r, r)).collect();
+    for seq in 0..5 {
+        for r in 0..4 {
+            records.push(allreduce(r, 4, seq, seq * S));
+        }
+    }
+    let stuck: Vec<OpenCall> = [0, 1, 3]
+        .iter()
+        .map(|&r| open_allreduce(r, 4, 5, 6 * S))
+        .collect();
+    records.push(snapshot(8 * S, stuck.clone()));
+    assert!(feed(&mut d, &records).is_empty());
+    let mut out = Vec::new();
+    d.tick(15 * S, &mut out);
+    assert!(
+        out.is_empty(),
+        "9 s in flight is under the timeout: {out:?}"
+    );
+    d.record(&snapshot(16 * S, stuck.clone()), &mut out);
+    d.tick(16 * S + 1, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    let f = &out[0];
+    assert_eq!(f.kind, FindingKind::Hang);
+    assert_eq!(f.ranks, vec![2]);
+    assert_eq!(f.comm.as_deref(), Some("nccl:3f2a000000000001"));
+    assert_eq!(f.seq, Some(5));
+    assert_eq!(f.start_ns, 6 * S);
+    assert_eq!(f.end_ns, None);
+    assert_eq!(f.evidence["entered"], serde_json::json!([0, 1, 3]));
+    assert_eq!(f.evidence["never_entered"], serde_json::json!([2]));
+    assert_eq!(f.evidence["stuck"][0]["thread"]["state"], "sleeping");
+    assert!(
+        f.summary.starts_with(
+            "hang: ncclAllReduce #5 on nccl:3f2a000000000001 (4 ranks) entered by ranks 0, 1, 3 \
+             but never by rank 2; rank 0's thread 100 has been in ncclAllReduce for 10.0 s"
+        ),
+        "{}",
+        f.summary
+    );
+    // Reported once, however long it lasts.
+    let mut again = Vec::new();
+    d.record(&snapshot(30 * S, stuck), &mut again);
+    d.tick(30 * S, &mut again);
+    assert!(again.is_empty(), "{again:?}");
+}
+
+/// NCCL collectives are enqueued and return; the wait shows in the
+/// stream sync after them. The hung collective is the last one the
+/// stuck rank entered where another member is behind.
+#[test]
+fn a_hang_in_a_sync_is_traced_to_the_collective_a_peer_never_entered() {
+    let mut d = detectors(1);
+    let mut records = vec![identity(100, 0), identity(101, 1)];
+    for seq in 0..3 {
+        records.push(allreduce(0, 2, seq, seq * S));
+    }
+    for seq in 0..2 {
+        records.push(allreduce(1, 2, seq, seq * S));
+    }
+    records.push(snapshot(5 * S, vec![open_sync(0, 3 * S)]));
+    let mut out = feed(&mut d, &records);
+    d.tick(5 * S, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out[0].ranks, vec![1]);
+    assert_eq!(out[0].seq, Some(2));
+    assert_eq!(out[0].evidence["op"], "ncclAllReduce");
+    assert_eq!(
+        out[0].evidence["stuck"][0]["function"],
+        "cudaStreamSynchronize"
+    );
+    assert!(
+        out[0].summary.contains("running on a CPU"),
+        "{}",
+        out[0].summary
+    );
+}
+
+/// Every member entered and none left (a hang inside the collective):
+/// all members.
+#[test]
+fn a_hang_every_member_entered_names_all_members() {
+    let mut d = detectors(1);
+    let mut records = vec![identity(100, 0), identity(101, 1)];
+    records.push(snapshot(
+        5 * S,
+        vec![open_allreduce(0, 2, 0, S), open_allreduce(1, 2, 0, 2 * S)],
+    ));
+    let mut out = feed(&mut d, &records);
+    d.tick(5 * S, &mut out);
+    assert_eq!(out.len(), 1, "one finding for the operation: {out:?}");
+    assert_eq!(out[0].ranks, vec![0, 1]);
+    assert!(
+        out[0]
+            .summary
+            .contains("entered by every member, and none left")
+    );
+    assert_eq!(out[0].evidence["stuck"].as_array().unwrap().len(), 2);
+}
+
+/// Without the communicator's identity: the stuck rank, and why no more.
+#[test]
+fn a_hang_without_communicator_identity_names_the_stuck_rank() {
+    let mut d = detectors(1);
+    let mut c = open_allreduce(1, 2, 0, S);
+    c.comm = Some(CommContext {
+        id_hash: None,
+        seq_exact: false,
+        ..ctx(1, 2, Some(0))
+    });
+    let mut out = feed(&mut d, &[identity(101, 1), snapshot(3 * S, vec![c])]);
+    d.tick(3 * S, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out[0].ranks, vec![1]);
+    assert_eq!(out[0].comm, None);
+    assert!(
+        out[0].summary.contains("identity is unknown"),
+        "{}",
+        out[0].summary
+    );
+}
+
+/// A call that returned is not a hang, even if the next snapshot was lost.
+#[test]
+fn a_returned_call_is_not_a_hang() {
+    let mut d = detectors(1);
+    let mut out = feed(
+        &mut d,
+        &[
+            identity(100, 0),
+            snapshot(2 * S, vec![open_allreduce(0, 2, 0, S)]),
+            allreduce(0, 2, 0, S),
+        ],
+    );
+    d.tick(10 * S, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    // A clean stream has no findings at all.
+    let mut clean = detectors(1);
+    let mut records = vec![identity(100, 0), identity(101, 1)];
+    for seq in 0..50 {
+        records.push(allreduce(0, 2, seq, seq * S));
+        records.push(allreduce(1, 2, seq, seq * S));
+    }
+    let mut out = feed(&mut clean, &records);
+    clean.tick(60 * S, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+}
+
+#[test]
+fn a_failed_allocation_is_a_device_oom_with_what_holds_the_memory() {
+    let mut d = detectors(300);
+    let mut c = call(100, CallKind::Malloc, "cudaMalloc", 5 * S, 5 * S + 100);
+    c.library = Library::Cudart;
+    c.ret = Some(2);
+    c.error = true;
+    c.memory = Some(MemoryEffect {
+        device: Device {
+            vendor: Vendor::Nvidia,
+            index: 1,
+        },
+        delta: 0,
+        held_after: 70 << 30,
+        failed_request: Some(16 << 30),
+        untracked: false,
+        site: None,
+    });
+    let site = |label: &str| {
+        Some(Arc::new(Site {
+            id: 1,
+            tgid: 100,
+            frames: Vec::new(),
+            label: label.into(),
+        }))
+    };
+    let mut r = DeviceCallRecord::new(c);
+    r.site = site("grow_cache < train_step");
+    r.oom = Some(vec![LiveSiteRow {
+        device: Device {
+            vendor: Vendor::Nvidia,
+            index: 1,
+        },
+        bytes: 60 << 30,
+        allocations: 3,
+        site: site("cache_activations < forward"),
+    }]);
+    let out = feed(&mut d, &[identity(100, 3), Record::DeviceCall(Box::new(r))]);
+    assert_eq!(out.len(), 1, "{out:?}");
+    let f = &out[0];
+    assert_eq!((f.kind, f.ranks.clone()), (FindingKind::DeviceOom, vec![3]));
+    assert_eq!(f.evidence["requested_bytes"], 16u64 << 30);
+    assert_eq!(f.evidence["device"], "gpu1");
+    assert_eq!(f.evidence["stack"], "grow_cache < train_step");
+    assert_eq!(
+        f.evidence["largest_live_sites"][0]["stack"],
+        "cache_activations < forward"
+    );
+    assert_eq!(
+        f.summary,
+        "device_oom: rank 3 failed to allocate 16384 MiB on gpu1 in cudaMalloc at \
+         grow_cache < train_step with 71680 MiB held; the largest live site holds 61440 MiB \
+         (cache_activations < forward)"
+    );
+}
+
+fn exit(tgid: u32, code: Option<i32>) -> Record {
+    Record::Exit {
+        exit: Exit {
+            cpu: 0,
+            ts: 9 * S,
+            tid: tgid,
+            tgid,
+            prio: 120,
+            comm: Comm(*b"sim_rank_nvidia\0"),
+            group_dead: true,
+            group_known: true,
+            exit_code: code,
+        },
+        process_ended: true,
+    }
+}
+
+#[test]
+fn a_process_killed_by_a_signal_is_a_crash() {
+    let mut d = detectors(300);
+    let out = feed(
+        &mut d,
+        &[
+            identity(100, 1),
+            identity(101, 0),
+            // SIGABRT with a core dump; a normal exit with status 1; unknown.
+            exit(100, Some(libc::SIGABRT | 0x80)),
+            exit(101, Some(1 << 8)),
+            exit(102, None),
+        ],
+    );
+    assert_eq!(out.len(), 1, "{out:?}");
+    let f = &out[0];
+    assert_eq!((f.kind, f.ranks.clone()), (FindingKind::Crash, vec![1]));
+    assert_eq!(f.evidence["signal"], libc::SIGABRT);
+    assert_eq!(f.evidence["signal_name"], "SIGABRT");
+    assert_eq!(
+        f.summary,
+        "crash: rank 1 (sim_rank_nvidia) was killed by SIGABRT, core dumped"
+    );
+}
+
+/// A process that ended leaves nothing behind: its membership goes, so a
+/// peer stuck after it is not blamed on it.
+#[test]
+fn state_goes_with_the_process() {
+    let mut d = detectors(1);
+    let mut out = feed(
+        &mut d,
+        &[
+            identity(100, 0),
+            identity(101, 1),
+            allreduce(0, 2, 0, 0),
+            allreduce(1, 2, 0, 0),
+            exit(101, Some(0)),
+        ],
+    );
+    assert!(d.hang_state_is_empty_for(101));
+    d.record(&snapshot(5 * S, vec![open_allreduce(0, 2, 1, S)]), &mut out);
+    d.tick(5 * S, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert!(
+        out[0].summary.contains("1 of its 2 members are not traced"),
+        "{}",
+        out[0].summary
+    );
+    assert_eq!(out[0].ranks, vec![0], "the stuck rank");
+}
+
+/// The sink sends each finding back (to the pipeline) and hands every
+/// one back at the end.
+#[test]
+fn the_sink_feeds_findings_back_and_returns_them() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut sink = DetectSink::new(
+        DetectConfig {
+            hang_timeout: Duration::from_secs(1),
+        },
+        Some(tx),
+    );
+    let lost = SinkCounters::default();
+    sink.on_batch(&[identity(100, 0), exit(100, Some(libc::SIGSEGV))], &lost)
+        .unwrap();
+    let back: Vec<Finding> = rx.try_iter().collect();
+    assert_eq!(back.len(), 1);
+    let all = sink.finish(10 * S, &lost).unwrap();
+    assert_eq!(all, back);
+}

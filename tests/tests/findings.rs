@@ -1,0 +1,505 @@
+//! End to end: the detectors find the simulator's faults while the job
+//! runs, graded against its ground truth. The agent attaches to the
+//! launcher before it starts its ranks (spawn gate) and the ranks wait
+//! before their first device call (init delay), so every communicator's
+//! set-up is seen and sequence numbers are exact across ranks.
+//! Root and eBPF; these never skip.
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
+use xpuscope_tests::device::*;
+use xpuscope_tests::fixtures;
+use xpuscope_tests::service_run::{Service, http_get, run_untold_job, try_http_get};
+use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+
+struct Run {
+    _dir: TempDir,
+    truth: Value,
+    stats: Value,
+    stderr: String,
+    tl: Timeline,
+}
+
+/// A 2-rank job (dp 2) with `extra` launcher options, recorded by
+/// `agent attach` with `agent_args` from before its ranks start.
+fn run_job(tag: &str, extra: &[&str], agent_args: &[&str]) -> Run {
+    wait_for_closers();
+    let fx = fixtures::build_all();
+    // Built before the launcher starts: its timeout runs from its start.
+    let _ = agent_bin();
+    let dir = TempDir::new(tag);
+    let job_dir = dir.path().join("job");
+    let gate = dir.path().join("spawn.go");
+    let launcher = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--out-dir")
+        .arg(&job_dir)
+        .arg("--build-dir")
+        .arg(fx.join("sim"))
+        .args(["--job-name", tag, "--quiet"])
+        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+        // The agent finds a new rank's libraries by rescanning maps every
+        // 500 ms: communicator set-up waits for the probes.
+        .args(["--init-delay-ms", "1500"])
+        .arg("--spawn-gate")
+        .arg(&gate)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("start the launcher");
+    let mut launcher = GroupGuard(launcher);
+    let pid = launcher.0.id().to_string();
+    let mut args = vec!["--pid", pid.as_str()];
+    args.extend_from_slice(agent_args);
+    let rec = Recording::start(dir.path(), &args);
+    std::fs::write(&gate, b"").expect("open the spawn gate");
+    let done = rec.finish(Duration::from_secs(60));
+    let _ = launcher.0.wait();
+    let truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    Run {
+        _dir: dir,
+        truth,
+        stats: done.stats,
+        stderr: done.stderr,
+        tl: Timeline::new(&trace),
+    }
+}
+
+fn findings(run: &Run) -> Vec<Value> {
+    let doc = &run.stats["findings"];
+    assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
+    doc["findings"].as_array().expect("a list").clone()
+}
+
+/// The trace's `xpuscope findings` slices: (name, args as text).
+fn finding_slices(tl: &Timeline) -> Vec<(String, Vec<(String, String)>)> {
+    let tracks: Vec<u64> = tl
+        .tracks
+        .values()
+        .filter(|t| t.name.as_deref() == Some("xpuscope findings"))
+        .map(|t| t.uuid)
+        .collect();
+    tl.slices
+        .iter()
+        .filter(|s| tracks.contains(&s.track))
+        .map(|s| {
+            (
+                s.name.clone(),
+                s.args
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.to_string()))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// Rank 1 never joins the DP all-reduce of step 2; rank 0 waits in it.
+/// With a 1 s hang timeout the finding names the communicator (its hash as
+/// the trace shows it), the all-reduce's number and rank 1, per ground
+/// truth, in the summary, `--stats-json` and the trace.
+#[test]
+fn a_hang_is_found_while_it_lasts_and_names_the_rank_that_never_joined() {
+    let _serial = exclusive();
+    let run = run_job(
+        "findhang",
+        &[
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=1,step=2",
+            "--timeout",
+            "5",
+        ],
+        &["--hang-timeout", "1s"],
+    );
+    let fault = &run.truth["faults"][0];
+    let expected = &fault["expected"];
+    let seq = expected["seq"]
+        .as_u64()
+        .expect("the hung collective's number");
+    let hangs: Vec<Value> = findings(&run)
+        .into_iter()
+        .filter(|f| f["kind"] == "hang")
+        .collect();
+    assert_eq!(
+        hangs.len(),
+        1,
+        "{:#}\n{}",
+        run.stats["findings"],
+        run.stderr
+    );
+    let h = &hangs[0];
+    // The communicator as the trace names it on the all-reduces.
+    let hashes: std::collections::BTreeSet<String> = run
+        .tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("ncclAllReduce"))
+        .map(|s| arg_text(s, "comm_hash"))
+        .collect();
+    assert_eq!(hashes.len(), 1, "one DP communicator: {hashes:?}");
+    let comm = format!("nccl:{}", hashes.iter().next().unwrap());
+    assert_eq!(h["comm"], comm.as_str(), "{h:#}");
+    assert_eq!(h["seq"], seq, "{h:#}");
+    assert_eq!(h["ranks"], serde_json::json!([1]), "{h:#}");
+    assert_eq!(h["evidence"]["entered"], serde_json::json!([0]), "{h:#}");
+    assert_eq!(h["evidence"]["stuck"][0]["rank"], 0, "{h:#}");
+    assert!(h["end_ns"].is_null());
+    let summary = h["summary"].as_str().unwrap();
+    assert!(
+        summary.contains(&format!("#{seq} on {comm}")) && summary.contains("never by rank 1"),
+        "{summary}"
+    );
+    assert!(run.stderr.contains(summary), "{}", run.stderr);
+    let slices = finding_slices(&run.tl);
+    let hang = slices
+        .iter()
+        .find(|(n, _)| n == "hang")
+        .unwrap_or_else(|| panic!("no hang slice: {slices:?}"));
+    let arg = |k: &str| {
+        hang.1
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(arg("comm"), comm);
+    assert_eq!(arg("seq"), seq.to_string());
+    assert_eq!(arg("ranks"), "1");
+}
+
+/// Rank 1 raises SIGABRT at step 2: a crash finding names it and the
+/// signal; a clean job has no findings at all.
+#[test]
+fn a_crash_names_the_rank_and_signal_and_a_clean_job_has_no_findings() {
+    let _serial = exclusive();
+    let run = run_job(
+        "findcrash",
+        &[
+            "--steps",
+            "5",
+            "--fault",
+            "crash:rank=1,step=2",
+            "--timeout",
+            "20",
+        ],
+        &[],
+    );
+    let expected = &run.truth["faults"][0]["expected"];
+    let crashes: Vec<Value> = findings(&run)
+        .into_iter()
+        .filter(|f| f["kind"] == "crash" && f["evidence"]["signal"] == expected["signal"])
+        .collect();
+    assert_eq!(crashes.len(), 1, "{:#}", run.stats["findings"]);
+    assert_eq!(crashes[0]["ranks"], serde_json::json!([1]));
+    assert_eq!(
+        crashes[0]["evidence"]["signal_name"],
+        expected["signal_name"]
+    );
+    assert!(
+        finding_slices(&run.tl).iter().any(|(n, _)| n == "crash"),
+        "the crash on the findings track"
+    );
+
+    let clean = run_job("findclean", &["--steps", "5"], &["--hang-timeout", "2s"]);
+    assert_eq!(findings(&clean), Vec::<Value>::new(), "{}", clean.stderr);
+    assert!(clean.stderr.contains("findings: none"), "{}", clean.stderr);
+}
+
+/// The service finds a hung job by itself and dumps it with trigger
+/// `hang`: the dump's trace holds every rank and the finding, its summary
+/// names the hung collective (communicator, number) and the rank that
+/// never joined. A rank killed by SIGABRT gives a `signal` dump naming it.
+#[test]
+fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let _ = agent_bin();
+    let dir = TempDir::new("svcfind");
+    let mut svc = Service::start(dir.path(), "[detect]\nhang_timeout = \"1s\"\n");
+    let truth = run_untold_job(
+        dir.path(),
+        "svchang",
+        &[
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=1,step=2",
+            "--timeout",
+            "6",
+        ],
+    );
+    let seq = truth["faults"][0]["expected"]["seq"].as_u64().expect("seq");
+    let pids: Vec<i32> = truth["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["pid"].as_i64().unwrap() as i32)
+        .collect();
+    let (summary, trace_path) = svc.wait_dump("hang", Duration::from_secs(20), |f| {
+        f["kind"] == "hang" && f["seq"] == seq
+    });
+    let f = &summary["finding"];
+    assert_eq!(f["ranks"], serde_json::json!([1]), "{summary:#}");
+    assert_eq!(summary["outcome"]["trigger"], "hang");
+    let comm = f["comm"].as_str().expect("the communicator").to_string();
+    let trace = decode(&std::fs::read(&trace_path).expect("the dump")).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    for pid in &pids {
+        assert!(
+            tl.processes.contains_key(pid),
+            "rank pid {pid} in the dump: {:?}",
+            tl.processes.keys().collect::<Vec<_>>()
+        );
+    }
+    // The communicator as the dump's all-reduces name it.
+    assert!(
+        tl.slices
+            .iter()
+            .filter(|s| s.name.starts_with("ncclAllReduce"))
+            .all(|s| format!("nccl:{}", arg_text(s, "comm_hash")) == comm),
+        "{comm}"
+    );
+    let slices = finding_slices(&tl);
+    assert!(
+        slices.iter().any(|(n, args)| n == "hang"
+            && args
+                .iter()
+                .any(|(k, v)| k == "seq" && *v == seq.to_string())),
+        "{slices:?}"
+    );
+
+    let truth = run_untold_job(
+        dir.path(),
+        "svccrash",
+        &[
+            "--steps",
+            "5",
+            "--fault",
+            "crash:rank=1,step=2",
+            "--timeout",
+            "30",
+        ],
+    );
+    let signal = truth["faults"][0]["expected"]["signal"].clone();
+    let (summary, _) = svc.wait_dump("signal", Duration::from_secs(20), |f| {
+        f["kind"] == "crash" && f["evidence"]["signal"] == signal
+    });
+    assert_eq!(summary["finding"]["ranks"], serde_json::json!([1]));
+    let metrics = http_get(svc.port, "/metrics");
+    for kind in ["hang", "crash"] {
+        let n: f64 = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("xpuscope_findings_total{{kind=\"{kind}\"}}")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no findings_total for {kind}:\n{metrics}"));
+        assert!(n >= 1.0, "{kind}: {n}");
+    }
+    svc.stop();
+}
+
+/// Debian's `prometheus`, installed if missing (a test that needs a tool
+/// installs it; under CI a failed install fails the test).
+fn prometheus_bin() -> &'static str {
+    let have = || {
+        Command::new("prometheus")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !have() {
+        let st = Command::new("apt-get")
+            .args(["install", "-y", "prometheus"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(Stdio::null())
+            .status()
+            .expect("run apt-get");
+        assert!(st.success(), "apt-get install -y prometheus failed: {st}");
+    }
+    assert!(have(), "prometheus is not runnable after installing it");
+    "prometheus"
+}
+
+/// A Prometheus server on loopback, killed when dropped (also when the
+/// test fails).
+struct Prometheus {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    /// Scrapes `127.0.0.1:{target}` every 250 ms, storage in `dir`.
+    fn start(dir: &Path, target: u16) -> Prometheus {
+        let bin = prometheus_bin();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n\
+                 scrape_configs:\n  - job_name: xpuscope\n    honor_labels: true\n    static_configs:\n\
+                 \x20     - targets: ['127.0.0.1:{target}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new(bin)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--storage.tsdb.retention.time=1h")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus");
+        let p = Prometheus { child, port };
+        wait_until(Duration::from_secs(30), "prometheus ready", || {
+            try_http_get(p.port, "/-/ready").is_some_and(|t| t.starts_with("HTTP/1.1 200"))
+        });
+        p
+    }
+
+    /// An instant PromQL query's result vector: (labels, value).
+    fn query(&self, promql: &str) -> Vec<(Value, f64)> {
+        let enc: String = promql
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        let text = http_get(self.port, &format!("/api/v1/query?query={enc}"));
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(v["status"], "success", "{promql}: {v}");
+        v["data"]["result"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|r| {
+                (
+                    r["metric"].clone(),
+                    r["value"][1].as_str().unwrap().parse().unwrap(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Debian's Prometheus scrapes the service (the agent's `job` label is
+/// kept: `honor_labels`; other jobs on the machine are told apart by it).
+/// PromQL over its HTTP API returns every rank's all-reduce count of a job
+/// whose rank 1 computes 4x slower; in a job whose rank 1 hangs, the rank
+/// whose last collective number lags its communicator's is rank 1, and the
+/// hang gauge shows rank 0 waiting.
+#[test]
+fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let _ = agent_bin();
+    let dir = TempDir::new("prom");
+    let svc = Service::start(dir.path(), "");
+    let prom = Prometheus::start(dir.path(), svc.port);
+    const STEPS: u64 = 20;
+    let truth = run_untold_job(
+        dir.path(),
+        "promjob",
+        &[
+            "--steps",
+            &STEPS.to_string(),
+            "--kernel-us",
+            "1000",
+            "--fault",
+            "slow:rank=1,factor=4",
+        ],
+    );
+    assert_eq!(truth["status"], "completed", "{truth:#}");
+    // Scraped after the job's end.
+    std::thread::sleep(Duration::from_secs(2));
+    let counts = prom.query(
+        "sum by (rank) (xpuscope_collective_duration_seconds_count{job=\"promjob\",op=\"allreduce\"})",
+    );
+    let by_rank: std::collections::BTreeMap<String, f64> = counts
+        .iter()
+        .map(|(m, v)| (m["rank"].as_str().unwrap_or_default().to_string(), *v))
+        .collect();
+    assert_eq!(
+        by_rank,
+        [
+            ("0".to_string(), STEPS as f64),
+            ("1".to_string(), STEPS as f64)
+        ]
+        .into(),
+        "{counts:?}"
+    );
+    // A slow rank does not lag in host-side numbers (collectives are
+    // enqueued; the wait is in the stream sync on every rank alike). A rank
+    // that never joins does: rank 1 stops before step 2's all-reduce.
+    let truth = run_untold_job(
+        dir.path(),
+        "promhang",
+        // The launcher's timeout (from its start) leaves the hang a few
+        // seconds, the gauge's snapshots come once a second.
+        &[
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=1,step=2",
+            "--timeout",
+            "8",
+        ],
+    );
+    assert_eq!(truth["faults"][0]["rank"], 1);
+    std::thread::sleep(Duration::from_secs(1));
+    // Samples where a rank's last collective number is below the highest
+    // on its communicator, over the job: the lagging rank comes first.
+    let lag = prom.query(
+        "topk(1, sum by (rank) (sum_over_time((xpuscope_collective_last_seq{job=\"promhang\"} \
+         < bool on (comm) group_left max by (comm) (xpuscope_collective_last_seq{job=\"promhang\"}))\
+         [5m:250ms])))",
+    );
+    assert_eq!(lag.len(), 1, "{lag:?}");
+    assert_eq!(lag[0].0["rank"], "1", "{lag:?}");
+    assert!(lag[0].1 >= 4.0, "lagged for a second at least: {lag:?}");
+    // The hang gauge: the rank left waiting had a call running for seconds.
+    let waited = prom.query(
+        "max by (rank) (max_over_time(xpuscope_in_flight_oldest_seconds{job=\"promhang\"}[5m]))",
+    );
+    let rank0 = waited
+        .iter()
+        .find(|(m, _)| m["rank"] == "0")
+        .unwrap_or_else(|| panic!("{waited:?}"));
+    assert!(rank0.1 >= 1.0, "{waited:?}");
+    drop(prom);
+    svc.stop();
+}
