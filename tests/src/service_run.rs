@@ -79,7 +79,8 @@ impl Service {
     }
 
     /// Waits (up to `limit`) for a dump whose name ends with `-{trigger}`
-    /// and whose summary's finding passes `wanted`: (summary, trace path).
+    /// and whose summary names a finding that passes `wanted`: (summary
+    /// with that finding as `finding`, trace path).
     pub fn wait_dump(
         &mut self,
         trigger: &str,
@@ -100,9 +101,16 @@ impl Service {
                 .collect();
             names.sort();
             for p in names {
-                if let Some(v) = read_json(&p)
-                    && wanted(&v["finding"])
-                {
+                let Some(mut v) = read_json(&p) else { continue };
+                // The finding that triggered the dump, or another in its
+                // window (findings of one moment share a dump): that one
+                // becomes `finding`.
+                let listed = v["findings"]["findings"].as_array().cloned();
+                let found = std::iter::once(v["finding"].clone())
+                    .chain(listed.into_iter().flatten())
+                    .find(|f| wanted(f));
+                if let Some(f) = found {
+                    v["finding"] = f;
                     let trace = PathBuf::from(v["outcome"]["trace"].as_str().expect("trace"));
                     return (v, trace);
                 }

@@ -337,6 +337,8 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
         let count: f64 = metrics
             .lines()
             .filter(|l| l.starts_with("xpuscope_collective_duration_seconds_count{"))
+            // This job's only: the service traces every job on the machine.
+            .filter(|l| l.contains("job=\"svcjob\""))
             .filter(|l| l.contains(&format!("rank=\"{rank}\"")) && l.contains("op=\"allreduce\""))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum();

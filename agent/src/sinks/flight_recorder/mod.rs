@@ -246,14 +246,23 @@ impl FlightRecorder {
         });
         if self.settings.dump_on_finding {
             // The window ends at the finding's detection (the latest time
-            // seen): the dump holds what led to it, and the finding.
+            // seen): the dump holds what led to it, and the finding. One
+            // dump per trigger and batch: findings come out together (every
+            // member of a hung collective at the same tick), and one window
+            // holds them all (its summary lists every finding in it).
+            let mut triggers = Vec::new();
             for r in batch.iter() {
                 if let Record::Finding(f) = r {
+                    let trigger = Trigger::of_finding(f.kind);
+                    if triggers.contains(&trigger) {
+                        continue;
+                    }
+                    triggers.push(trigger);
                     self.pending.push((
                         self.now,
                         DumpRequest {
                             spec: DumpSpec {
-                                trigger: Trigger::of_finding(f.kind),
+                                trigger,
                                 job: None,
                                 seconds: None,
                                 end: WindowEnd::Now,

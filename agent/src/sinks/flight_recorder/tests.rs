@@ -495,6 +495,7 @@ fn names_never_leave_the_dump_directory() {
 
 /// A finding in the stream dumps the window on its own (trigger by kind):
 /// the dump's trace holds the finding on its track, its summary names it.
+/// Findings of one moment share one dump (two members of a hung job).
 #[test]
 fn a_finding_dumps_the_window_and_the_summary_names_it() {
     let dir = Dir::new("finding");
@@ -524,6 +525,12 @@ fn a_finding_dumps_the_window_and_the_summary_names_it() {
         vec![
             waking(4 * S, APP + 1),
             Record::Finding(Box::new(finding.clone())),
+            Record::Finding(Box::new(crate::model::Finding {
+                ranks: vec![2],
+                seq: Some(13),
+                summary: "hang: ncclAllReduce #13 on nccl:00000000000000aa".into(),
+                ..finding.clone()
+            })),
         ],
     );
     let stats = rec.finish(6 * S, &SinkCounters::default()).map(|_| stats);
@@ -549,15 +556,22 @@ fn a_finding_dumps_the_window_and_the_summary_names_it() {
         summary["findings"]["findings"][0]["ranks"],
         serde_json::json!([1])
     );
+    assert_eq!(
+        summary["findings"]["findings"][1]["ranks"],
+        serde_json::json!([2]),
+        "the other finding is listed in the same dump"
+    );
     let trace = decode(&std::fs::read(&last.trace).unwrap()).unwrap();
     check_importer_rules(&trace).unwrap();
     let tl = Timeline::new(&trace);
-    let track = tl
+    // Overlapping findings take a lane each (tracks of the same name).
+    let mut slices: Vec<_> = tl
         .tracks
         .values()
-        .find(|t| t.name.as_deref() == Some(crate::sinks::perfetto::FINDINGS_TRACK))
-        .expect("the findings track in the dump");
-    let slices = tl.slices_on(track.uuid);
-    assert_eq!(slices.len(), 1);
+        .filter(|t| t.name.as_deref() == Some(crate::sinks::perfetto::FINDINGS_TRACK))
+        .flat_map(|t| tl.slices_on(t.uuid))
+        .collect();
+    slices.sort_by_key(|s| (s.ts, s.name.clone()));
+    assert_eq!(slices.len(), 2, "both findings in the dump's trace");
     assert_eq!((slices[0].ts, slices[0].end), (3 * S, Some(5 * S)));
 }
