@@ -15,7 +15,7 @@ use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
 use xpuscope_tests::service_run::{Service, http_get, run_untold_job, try_http_get};
-use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+use xpuscope_tests::trace_check::{Slice, Timeline, TrackKind, check_importer_rules, decode};
 
 struct Run {
     _dir: TempDir,
@@ -264,11 +264,23 @@ fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
             tl.processes.keys().collect::<Vec<_>>()
         );
     }
-    // The communicator as the dump's all-reduces name it.
+    // The communicator as this job's all-reduces in the dump name it (the
+    // service traces every job on the machine).
+    let ours = |s: &&Slice| {
+        tl.tracks
+            .get(&s.track)
+            .is_some_and(|t| matches!(t.kind, TrackKind::Thread { pid, .. } if pids.contains(&pid)))
+    };
+    let reduces: Vec<_> = tl
+        .slices
+        .iter()
+        .filter(ours)
+        .filter(|s| s.name.starts_with("ncclAllReduce"))
+        .collect();
+    assert!(!reduces.is_empty(), "this job's all-reduces in the dump");
     assert!(
-        tl.slices
+        reduces
             .iter()
-            .filter(|s| s.name.starts_with("ncclAllReduce"))
             .all(|s| format!("nccl:{}", arg_text(s, "comm_hash")) == comm),
         "{comm}"
     );
