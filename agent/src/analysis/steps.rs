@@ -70,8 +70,8 @@ pub const SLEEPING: i64 = 0x1 | 0x2;
 /// What a main-thread call was, for the breakdown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CallKind {
-    /// A collective on `comm` (its hash; 0 when set-up was not seen),
-    /// enqueued on `stream`.
+    /// A collective on `comm` (its hash; its handle when set-up was not
+    /// seen), enqueued on `stream`.
     Collective {
         comm: u64,
         stream: Option<u64>,
@@ -257,6 +257,19 @@ pub fn dp_comm_by_rank(groups: &Groups) -> std::collections::HashMap<u32, u64> {
     dp
 }
 
+/// A rank's steps: those anchored on its data-parallel communicator when
+/// the groups name one, else on its only all-reducing communicator (a
+/// recording that began after the communicators were set up knows no
+/// communicator's identity, so no groups; a data-parallel job's only
+/// all-reduce is its gradients').
+pub fn rank_steps(mut candidates: CommSteps, dp: Option<u64>) -> Vec<Step> {
+    match dp {
+        Some(c) => candidates.remove(&c).unwrap_or_default(),
+        None if candidates.len() == 1 => candidates.into_values().next().unwrap_or_default(),
+        None => Vec::new(),
+    }
+}
+
 /// "rank 3 step 12  41.20 ms  mostly data wait (30.10 ms); grad sync
 /// 2.00 ms" for the `n` slowest steps of `rows` (rank, step).
 pub fn slowest_lines<'a>(rows: impl IntoIterator<Item = (u32, &'a Step)>, n: usize) -> Vec<String> {
@@ -431,6 +444,20 @@ mod tests {
             )])
         );
         assert!(t.finish().is_empty());
+    }
+
+    #[test]
+    fn a_rank_without_groups_uses_its_only_all_reduce() {
+        let step = |n| Step {
+            step: n,
+            ..Step::default()
+        };
+        let one = CommSteps::from([(4, vec![step(1)])]);
+        let two = CommSteps::from([(4, vec![step(1)]), (5, vec![step(2)])]);
+        assert_eq!(rank_steps(one.clone(), None), vec![step(1)]);
+        assert_eq!(rank_steps(two.clone(), Some(5)), vec![step(2)]);
+        assert_eq!(rank_steps(two, None), vec![], "ambiguous");
+        assert_eq!(rank_steps(one, Some(9)), vec![], "not on its DP group");
     }
 
     #[test]

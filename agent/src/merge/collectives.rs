@@ -28,6 +28,8 @@ pub const MAX_END_SAMPLES: usize = 8_192;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Collective {
     pub comm_hash: Option<u64>,
+    /// The communicator's handle in its process.
+    pub comm: Option<u64>,
     pub seq: Option<u64>,
     pub seq_exact: bool,
     pub comm_rank: Option<u32>,
@@ -89,6 +91,7 @@ pub fn collective(event: &EventView<'_>) -> Option<Collective> {
     };
     Some(Collective {
         comm_hash: hash,
+        comm: event.arg("comm").and_then(|v| v.as_u64()),
         seq,
         seq_exact: matches!(event.arg("seq_exact"), Some(ArgRef::Bool(true))),
         comm_rank,

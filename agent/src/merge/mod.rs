@@ -29,7 +29,7 @@ use xpuscope_perfetto::SystemInfo;
 use xpuscope_perfetto::rewrite::Packet;
 
 use crate::analysis::groups::{self, CommInfo, Groups};
-use crate::analysis::steps::{Step, dp_comm_by_rank, slowest_lines};
+use crate::analysis::steps::{Step, dp_comm_by_rank, rank_steps, slowest_lines};
 use align::{Alignment, NodeClock};
 use emit::{EmitOptions, MERGE_SYSTEM_SEQUENCE, Output};
 use scan::NodeScan;
@@ -97,10 +97,7 @@ fn step_rows(scans: &[NodeScan], groups: &Groups, offsets: &[i64]) -> Vec<StepRo
             let Some(&rank) = ranks.get(pid) else {
                 continue;
             };
-            let Some(comm) = dp.get(&rank) else {
-                continue;
-            };
-            for mut step in per_comm.get(comm).cloned().unwrap_or_default() {
+            for mut step in rank_steps(per_comm.clone(), dp.get(&rank).copied()) {
                 step.start_ns = shift(step.start_ns);
                 step.end_ns = shift(step.end_ns);
                 rows.push(StepRow {
@@ -281,6 +278,10 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
             )),
             align::Method::None => warnings.push(format!(
                 "{}: no clock snapshot and no shared collectives: its clock is taken as is (offset 0)",
+                s.path.display()
+            )),
+            align::Method::Collectives if s.first_clock.is_none() => warnings.push(format!(
+                "{}: no clock snapshot: aligned by its collectives alone",
                 s.path.display()
             )),
             _ => {}

@@ -75,7 +75,7 @@ impl TraceSteps {
             EventKind::Begin => {
                 let kind = match (call, sync_stream(event)) {
                     (Some(o), _) => CallKind::Collective {
-                        comm: o.call.comm_hash.unwrap_or(0),
+                        comm: o.call.comm_hash.or(o.call.comm).unwrap_or(0),
                         stream: o.call.stream,
                         op: o.call.op,
                     },

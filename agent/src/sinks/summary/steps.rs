@@ -16,7 +16,7 @@ use xpuscope_probes::decode::args::CallArgs;
 use crate::analysis::groups::{self, CommInfo};
 use crate::analysis::op_kind;
 use crate::analysis::steps::{
-    CallKind, CommSteps, OffCpuKind, Step, StepTracker, dp_comm_by_rank, in_data_loader,
+    CallKind, CommSteps, OffCpuKind, Step, StepTracker, dp_comm_by_rank, in_data_loader, rank_steps,
 };
 use crate::model::{DeviceCallRecord, OffCpuInterval, Record};
 
@@ -93,7 +93,7 @@ impl RecordSteps {
         }
         let kind = match (&call.comm, op, &call.args) {
             (Some(comm), Some(op), args) => CallKind::Collective {
-                comm: comm.id_hash.unwrap_or(0),
+                comm: comm.id_hash.unwrap_or(comm.handle),
                 stream: match args {
                     CallArgs::Collective(a) => a.stream,
                     CallArgs::SendRecv(a) => a.stream,
@@ -142,9 +142,8 @@ impl RecordSteps {
         let mut rows: Vec<RankStep> = self
             .ended
             .into_iter()
-            .filter_map(|(pid, rank, mut steps)| Some((pid, rank, steps.remove(dp.get(&rank)?)?)))
             .flat_map(|(pid, rank, steps)| {
-                steps
+                rank_steps(steps, dp.get(&rank).copied())
                     .into_iter()
                     .map(move |step| RankStep { rank, pid, step })
             })
