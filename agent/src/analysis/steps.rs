@@ -128,15 +128,41 @@ struct RankThread {
     marks: Vec<Mark>,
     /// (left the CPU, back on it, asleep or in the data loader).
     off_cpu: Vec<(u64, u64, bool)>,
+    /// Steps computed when the marks were compacted, per communicator.
+    done: CommSteps,
+    /// Communicators given up on at a compaction: they held the marks
+    /// back (too few all-reduces to anchor steps on).
+    given_up: BTreeSet<u64>,
 }
 
 /// Collects what the breakdown needs, per followed rank (by pid).
-#[derive(Default)]
 pub struct StepTracker {
     threads: HashMap<i32, RankThread>,
+    /// Marks a rank keeps before its finished steps are computed and the
+    /// marks before them dropped.
+    mark_limit: usize,
+}
+
+impl Default for StepTracker {
+    /// Keeps every mark until the end: the input's off-CPU intervals may
+    /// come after its calls (`agent merge` pairs switches at the end).
+    fn default() -> Self {
+        Self::with_mark_limit(usize::MAX)
+    }
 }
 
 impl StepTracker {
+    /// Computes a rank's finished steps whenever it holds `limit` marks
+    /// (its calls and off-CPU intervals must then come in time order, as
+    /// the record stream gives them), so memory stays bounded however long
+    /// the recording.
+    pub fn with_mark_limit(limit: usize) -> Self {
+        Self {
+            threads: HashMap::default(),
+            mark_limit: limit.max(8),
+        }
+    }
+
     /// Follows `pid`'s main thread from now on.
     pub fn follow(&mut self, pid: i32) {
         self.threads.entry(pid).or_default();
@@ -164,6 +190,9 @@ impl StepTracker {
             CallKind::Other => Kind::Other,
         };
         t.marks.push(Mark { start, end, kind });
+        if t.marks.len() >= self.mark_limit {
+            t.compact(self.mark_limit);
+        }
     }
 
     /// `pid`'s main thread was off its CPU from `start` to `end`.
@@ -192,22 +221,79 @@ impl StepTracker {
 }
 
 impl RankThread {
+    /// All-reducing communicators of the marks kept, but those given up.
+    fn comms(&self) -> BTreeSet<u64> {
+        self.marks
+            .iter()
+            .filter_map(|m| match m.kind {
+                Kind::Collective(c, _, "all_reduce") if !self.given_up.contains(&c) => Some(c),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// `steps` computed over the marks kept, numbered after those done.
+    fn record_done(&mut self, c: u64, steps: impl IntoIterator<Item = Step>) {
+        let done = self.done.entry(c).or_default();
+        let base = done.len() as u64;
+        done.extend(steps.into_iter().map(|mut s| {
+            s.step += base;
+            s
+        }));
+    }
+
+    /// Computes every finished step (one whose optimizer sync is followed
+    /// by a later collective) and drops the marks and intervals before the
+    /// anchor of the last one: the next steps start from it.
+    fn compact(&mut self, limit: usize) {
+        self.marks.sort_by_key(|m| m.start);
+        self.off_cpu.sort_unstable();
+        let mut keep: Vec<(u64, usize)> = Vec::new();
+        for c in self.comms() {
+            let steps = breakdown_anchored(&self.marks, &self.off_cpu, c);
+            let first = self
+                .marks
+                .iter()
+                .position(|m| matches!(m.kind, Kind::Collective(x, _, "all_reduce") if x == c))
+                .unwrap_or(0);
+            let finished: Vec<(Step, usize)> = steps
+                .into_iter()
+                .take_while(|(_, _, closed)| *closed)
+                .map(|(s, anchor, _)| (s, anchor))
+                .collect();
+            keep.push((c, finished.last().map_or(first, |(_, a)| *a)));
+            self.record_done(c, finished.into_iter().map(|(s, _)| s));
+        }
+        // A communicator that all-reduces too rarely to anchor steps would
+        // hold every mark: give up on it.
+        let floor = self.marks.len().saturating_sub(limit / 2);
+        for (c, from) in &keep {
+            if *from < floor {
+                self.given_up.insert(*c);
+            }
+        }
+        let cut = keep
+            .iter()
+            .filter(|(c, _)| !self.given_up.contains(c))
+            .map(|(_, from)| *from)
+            .min()
+            .unwrap_or(floor);
+        let Some(from_ts) = self.marks.get(cut).map(|m| m.start) else {
+            return;
+        };
+        self.marks.drain(..cut);
+        self.off_cpu.retain(|(s, _, _)| *s >= from_ts);
+    }
+
     fn steps(mut self) -> CommSteps {
         self.marks.sort_by_key(|m| m.start);
         self.off_cpu.sort_unstable();
-        let comms: BTreeSet<u64> = self
-            .marks
-            .iter()
-            .filter_map(|m| match m.kind {
-                Kind::Collective(c, _, "all_reduce") => Some(c),
-                _ => None,
-            })
-            .collect();
-        comms
-            .into_iter()
-            .map(|c| (c, breakdown(&self.marks, &self.off_cpu, c)))
-            .filter(|(_, steps)| !steps.is_empty())
-            .collect()
+        for c in self.comms() {
+            let steps = breakdown(&self.marks, &self.off_cpu, c);
+            self.record_done(c, steps);
+        }
+        self.done.retain(|_, steps| !steps.is_empty());
+        self.done
     }
 }
 
@@ -293,7 +379,21 @@ pub fn slowest_lines<'a>(rows: impl IntoIterator<Item = (u32, &'a Step)>, n: usi
 }
 
 fn breakdown(marks: &[Mark], off_cpu: &[(u64, u64, bool)], dp: u64) -> Vec<Step> {
-    // (index of the anchor, grad sync end, step end)
+    breakdown_anchored(marks, off_cpu, dp)
+        .into_iter()
+        .map(|(s, _, _)| s)
+        .collect()
+}
+
+/// The steps anchored on `dp`'s all-reduces, each with the index of its
+/// anchor and whether it is finished (a collective follows its syncs).
+fn breakdown_anchored(
+    marks: &[Mark],
+    off_cpu: &[(u64, u64, bool)],
+    dp: u64,
+) -> Vec<(Step, usize, bool)> {
+    // (end of the call before the anchor, grad sync end, step end, anchor
+    // index, finished)
     let mut ends = Vec::new();
     for (i, m) in marks.iter().enumerate() {
         let Kind::Collective(c, _, "all_reduce") = m.kind else {
@@ -313,11 +413,14 @@ fn breakdown(marks: &[Mark], off_cpu: &[(u64, u64, bool)], dp: u64) -> Vec<Step>
         let after = i
             .checked_sub(1)
             .map_or(m.start, |p| marks[p].end.min(m.start));
-        ends.push((after, grad.end, end));
+        let finished = marks[i + 1..]
+            .iter()
+            .any(|n| matches!(n.kind, Kind::Collective(..)));
+        ends.push((after, grad.end, end, i, finished));
     }
     let mut steps = Vec::new();
     for (n, w) in ends.windows(2).enumerate() {
-        let (start, (anchor, grad_end, end)) = (w[0].2, w[1]);
+        let (start, (anchor, grad_end, end, index, finished)) = (w[0].2, w[1]);
         // Marks and intervals are sorted by start: look only at this step's.
         let from = marks.partition_point(|m| m.start < start);
         let inside = marks[from..]
@@ -353,7 +456,7 @@ fn breakdown(marks: &[Mark], off_cpu: &[(u64, u64, bool)], dp: u64) -> Vec<Step>
             }
         }
         let dur = end - start;
-        steps.push(Step {
+        let step = Step {
             step: n as u64 + 1,
             start_ns: start,
             end_ns: end,
@@ -364,7 +467,8 @@ fn breakdown(marks: &[Mark], off_cpu: &[(u64, u64, bool)], dp: u64) -> Vec<Step>
             comm_wait_ns: comm_wait,
             compute_wait_ns: compute_wait,
             host_ns: dur.saturating_sub(data_wait + preempted + comm_wait + compute_wait),
-        });
+        };
+        steps.push((step, index, finished));
     }
     steps
 }
@@ -444,6 +548,52 @@ mod tests {
             )])
         );
         assert!(t.finish().is_empty());
+    }
+
+    /// `steps` steps of 10 calls and 2 off-CPU intervals each, in time
+    /// order; a second all-reduce communicator (4) used once, early.
+    fn job(t: &mut StepTracker, steps: u64) {
+        t.follow(1);
+        t.call(
+            1,
+            10,
+            20,
+            CallKind::Collective {
+                comm: 4,
+                stream: Some(3),
+                op: "all_reduce",
+            },
+        );
+        t.call(1, 21, 30, sync(3));
+        for k in 0..steps {
+            let b = 1_000 + k * 1_000;
+            t.off_cpu(1, b + 5, b + 40 + k % 7, OffCpuKind::Waiting);
+            t.off_cpu(1, b + 45, b + 50, OffCpuKind::Preempted);
+            for (i, (s, e)) in [(60, 70), (80, 90), (100, 110)].into_iter().enumerate() {
+                let kind = if i == 1 { TP } else { CallKind::Other };
+                t.call(1, b + s, b + e, kind);
+            }
+            t.call(1, b + 120, b + 300, sync(1));
+            t.call(1, b + 400 + k % 3, b + 405, AR);
+            t.call(1, b + 406, b + 600 + k % 5, sync(2));
+            t.call(1, b + 610, b + 700, CallKind::Other);
+            t.call(1, b + 710, b + 800 + k % 11, sync(2));
+            t.call(1, b + 810, b + 820, CallKind::Other);
+        }
+    }
+
+    #[test]
+    fn a_bounded_rank_gets_the_same_steps() {
+        let mut all = StepTracker::default();
+        job(&mut all, 200);
+        let mut bounded = StepTracker::with_mark_limit(64);
+        job(&mut bounded, 200);
+        assert!(bounded.threads[&1].marks.len() < 64);
+        assert!(bounded.threads[&1].off_cpu.len() < 40);
+        let (all, bounded) = (all.finish(), bounded.finish());
+        assert_eq!(all[&1][&9].len(), 199);
+        assert_eq!(all[&1][&9], bounded[&1][&9], "the data-parallel steps");
+        assert!(!bounded[&1].contains_key(&4), "given up: it held the marks");
     }
 
     #[test]

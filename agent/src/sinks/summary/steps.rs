@@ -4,7 +4,8 @@
 //! (`analysis::steps`), with the data-parallel communicator picked the same
 //! way (`analysis::groups`, from the communicators this recording saw).
 //!
-//! A rank's calls and intervals are kept until its process ends (or the
+//! A rank's calls and intervals are kept until its finished steps are
+//! computed (every `MARK_LIMIT` calls, and when its process ends or the
 //! recording does); then only its steps are.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,7 +30,10 @@ pub struct RankStep {
     pub step: Step,
 }
 
-#[derive(Default)]
+/// Calls a rank's main thread keeps before its finished steps are
+/// computed (about 6 MB per rank).
+const MARK_LIMIT: usize = 1 << 17;
+
 pub struct RecordSteps {
     tracker: StepTracker,
     /// Ranked processes still running: pid -> global rank.
@@ -38,6 +42,17 @@ pub struct RecordSteps {
     comms: BTreeMap<u64, CommInfo>,
     /// Ranks whose process ended: (pid, rank, steps per communicator).
     ended: Vec<(u32, u32, CommSteps)>,
+}
+
+impl Default for RecordSteps {
+    fn default() -> Self {
+        Self {
+            tracker: StepTracker::with_mark_limit(MARK_LIMIT),
+            ranks: BTreeMap::new(),
+            comms: BTreeMap::new(),
+            ended: Vec::new(),
+        }
+    }
 }
 
 impl RecordSteps {
