@@ -31,7 +31,7 @@ pub struct RankStep {
 }
 
 /// Calls a rank's main thread keeps before its finished steps are
-/// computed (about 6 MB per rank).
+/// computed (64-byte marks: about 8 MB per rank).
 const MARK_LIMIT: usize = 1 << 17;
 
 pub struct RecordSteps {
