@@ -5,6 +5,7 @@
 //! and its children, and writes a native Perfetto trace. Requires Linux with
 //! BTF (`/sys/kernel/btf/vmlinux`) and root or CAP_BPF + CAP_PERFMON.
 
+mod analysis;
 mod btf;
 mod cli;
 mod config;

@@ -10,10 +10,12 @@ use xpuscope_common::EventKind;
 
 use xpuscope_probes::catalog::Library;
 
+use crate::analysis::steps::slowest_lines;
 use crate::config::AttachConfig;
 use crate::pipeline::interpret::InterpretCounters;
 use crate::sinks::SinkReport;
 use crate::sinks::summary::offcpu::OffCpuSummary;
+use crate::sinks::summary::steps::RankStep;
 use crate::sinks::summary::{DeviceRecordCounts, FunctionCalls, RecordTotals, SiteReport};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -98,6 +100,9 @@ pub struct RunSummary {
     pub ring_bytes: u64,
     /// Decoded records per kind, as the summary sink counted them.
     pub records: std::collections::BTreeMap<&'static str, u64>,
+    /// Each rank's step breakdown (the first step of each rank has no
+    /// start marker and is left out), by rank and step.
+    pub steps: Vec<RankStep>,
     /// What the detectors found, as the `xpuscope-findings/1` document
     /// (`{"schema": ..., "findings": [...]}`).
     #[serde(serialize_with = "findings_doc")]
@@ -315,6 +320,7 @@ impl RunSummary {
                 + u64::from(cfg.bystander_ring_bytes),
             records: totals.records,
             findings: Vec::new(),
+            steps: totals.steps,
         }
     }
 
@@ -463,6 +469,18 @@ impl RunSummary {
                     r.count,
                     r.what
                 );
+            }
+        }
+        if !self.steps.is_empty() {
+            let ranks: std::collections::BTreeSet<u32> =
+                self.steps.iter().map(|s| s.rank).collect();
+            eprintln!(
+                "  slowest steps (of {} on {} ranks; all in --stats-json):",
+                self.steps.len(),
+                ranks.len()
+            );
+            for line in slowest_lines(self.steps.iter().map(|r| (r.rank, &r.step)), 5) {
+                eprintln!("    {line}");
             }
         }
         let d = &self.device;

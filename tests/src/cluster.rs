@@ -66,6 +66,13 @@ pub fn shift_trace(bytes: &[u8], d_ns: i64, e_ns: i64) -> Vec<u8> {
     trace.write_to_bytes().expect("encode the shifted trace")
 }
 
+/// The trace without its clock snapshots (an agent that recorded none).
+pub fn strip_clock_snapshots(bytes: &[u8]) -> Vec<u8> {
+    let mut trace = Trace::parse_from_bytes(bytes).expect("a trace to strip");
+    trace.packet.retain(|p| !p.has_clock_snapshot());
+    trace.write_to_bytes().expect("encode the stripped trace")
+}
+
 /// Rewrites the `job=` label of every process track (a trace of "another
 /// job").
 pub fn relabel_job(bytes: &[u8], job: &str) -> Vec<u8> {
@@ -97,6 +104,10 @@ pub struct ClusterRun {
     /// Each node's ground truth.
     pub nodes: Vec<Value>,
     pub rdv: PathBuf,
+    /// The agents' stderr (their summaries): the one on every rank, then
+    /// one per node. Their `--stats-json` is next to each trace
+    /// (`.json`).
+    pub agent_logs: Vec<String>,
 }
 
 /// An agent recording one process tree, optionally from inside a node's
@@ -168,9 +179,12 @@ pub fn run_cluster(tag: &str, nnodes: usize, launch_args: &[&str]) -> ClusterRun
             "--spawn-gate".into(),
             gate.display().to_string(),
             // The agents find a new rank's libraries by rescanning maps
-            // (500 ms): communicator set-up waits for their probes.
+            // (500 ms): communicator set-up waits for their probes (3 s
+            // was too short twice in 11 runs with the VM at load 5-10: a
+            // node's agent then missed the set-up, and with it the
+            // communicators' identity).
             "--init-delay-ms".into(),
-            "3000".into(),
+            "5000".into(),
         ];
         args.extend(launch_args.iter().map(|s| s.to_string()));
         script.push_str(&format!("python3 {} &\n", args.join(" ")));
@@ -211,6 +225,7 @@ pub fn run_cluster(tag: &str, nnodes: usize, launch_args: &[&str]) -> ClusterRun
         status.is_some()
     });
     let status = status.expect("checked above");
+    let mut agent_logs = Vec::new();
     for a in &mut agents {
         let st = a.agent.wait_timeout(Duration::from_secs(60));
         let log = a.stderr.rest(Duration::from_secs(2));
@@ -218,6 +233,7 @@ pub fn run_cluster(tag: &str, nnodes: usize, launch_args: &[&str]) -> ClusterRun
             st.is_some_and(|s| s.success()),
             "agent ended with {st:?}:\n{log}"
         );
+        agent_logs.push(log);
     }
     let job = read_json(&rdv.join("ground_truth.json")).expect("the job's ground truth");
     assert!(status.success(), "the job failed: {status}; {job:#}");
@@ -231,6 +247,7 @@ pub fn run_cluster(tag: &str, nnodes: usize, launch_args: &[&str]) -> ClusterRun
         job,
         nodes,
         rdv,
+        agent_logs,
     }
 }
 

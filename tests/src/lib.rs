@@ -3,6 +3,7 @@
 //! - [`agent`]: runs the real agent and workloads under guards.
 //! - [`cluster`]: a simulated job over several nodes, one agent per node.
 //! - [`device`]: the simulated job under the agent and device-trace lookups.
+//! - [`steps`]: a step breakdown checked against the simulated ranks' logs.
 //! - [`fixtures`]: builds the native fixtures (workloads, stand-in device
 //!   libraries, the simulated training job) from source, once per test run.
 //! - [`trace_check`]: decodes a trace with the official Perfetto schema (the
@@ -14,4 +15,5 @@ pub mod cluster;
 pub mod device;
 pub mod fixtures;
 pub mod service_run;
+pub mod steps;
 pub mod trace_check;

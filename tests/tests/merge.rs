@@ -12,18 +12,28 @@ use std::path::Path;
 
 use serde_json::Value;
 use xpuscope_tests::agent::exclusive;
-use xpuscope_tests::cluster::{ClusterRun, merge, relabel_job, run_cluster, shift_trace};
+use xpuscope_tests::cluster::{
+    ClusterRun, merge, relabel_job, run_cluster, shift_trace, strip_clock_snapshots,
+};
+use xpuscope_tests::steps::{
+    StepRow, check_step_rows, json_step_rows, read_step_log, slowest_listed,
+};
 use xpuscope_tests::trace_check::{ArgValue, Timeline, TrackKind, check_importer_rules, decode};
 
 /// BOOTTIME of the shifted node reads this much later (it booted earlier)...
 const D_NS: i64 = 2_500_000_000;
 /// ...and its wall clock is this much fast.
 const E_NS: i64 = 30_000_000;
-/// The merge must recover D to within this.
-/// (The issue asks for 50 us; runs here recovered D within 3-26 us on a
-/// loaded VM, 56 us once with a full build competing for both CPUs: the
-/// test holds 100 us so it does not fail on the machine's noise.)
-const TOLERANCE_NS: i64 = 100_000;
+/// The merge must recover D to within this (the issue's bound). Two-node
+/// runs of these tests on a shared 2-CPU VM at load 5-10 recovered it
+/// within 0-19 us (16 runs; interquartile mean of the end differences;
+/// README).
+const TOLERANCE_NS: i64 = 50_000;
+/// Sixteen ranks and five agents on two CPUs: the ranks see a
+/// collective's end 0.15-0.3 ms late in the median (against 0.05-0.1 ms
+/// with four ranks), and node offsets came out within 4-88 us (4 runs, 12
+/// node offsets; 227 us once with another test suite sharing the CPUs).
+const TOLERANCE_16_RANKS_NS: i64 = 100_000;
 
 fn timeline(path: &Path) -> Timeline {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -90,13 +100,50 @@ fn collectives(tl: &Timeline) -> BTreeMap<(String, u64), (u64, u64)> {
     out
 }
 
+/// Every exact collective of the merged trace carries its shared id
+/// (communicator:sequence) and its communicator's group kind as the
+/// summary's table gives it.
+fn check_collective_tags(tl: &Timeline, st: &Value) {
+    let kinds: BTreeMap<&str, &str> = st["groups"]["communicators"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["comm_hash"].as_str().unwrap(),
+                c["kind"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let mut tagged = 0;
+    for s in &tl.slices {
+        let (Some(ArgValue::Str(hash)), Some(ArgValue::Uint(seq)), Some(ArgValue::Bool(true))) =
+            (s.arg("comm_hash"), s.arg("seq"), s.arg("seq_exact"))
+        else {
+            continue;
+        };
+        assert_eq!(
+            s.arg("collective_id"),
+            Some(&ArgValue::Str(format!("{hash}:{seq}"))),
+            "{s:?}"
+        );
+        assert_eq!(
+            s.arg("group"),
+            Some(&ArgValue::Str(kinds[hash.as_str()].to_owned())),
+            "{s:?}"
+        );
+        tagged += 1;
+    }
+    assert!(tagged > 50, "{tagged} collectives tagged");
+}
+
 fn stats(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).expect("stats written")).expect("stats JSON")
 }
 
 /// Merges node 0's trace and node 1's shifted by D (REALTIME by E), the
 /// rest as recorded, and checks the result against the one-agent trace.
-fn check_merge(run: &ClusterRun) {
+fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
     let dir = run.dir.path();
     let mut inputs = run.node_traces.clone();
     let shifted = dir.join("node1-shifted.pftrace");
@@ -119,13 +166,13 @@ fn check_merge(run: &ClusterRun) {
     assert_eq!(nodes[0]["offset_ns"], 0);
     let off = nodes[1]["offset_ns"].as_i64().expect("offset");
     assert!(
-        (off + D_NS).abs() <= TOLERANCE_NS,
-        "node 1's offset {off} ns, expected {} ns within {TOLERANCE_NS}",
+        (off + D_NS).abs() <= tolerance_ns,
+        "node 1's offset {off} ns, expected {} ns within {tolerance_ns}",
         -D_NS
     );
     let corr = nodes[1]["correction_ns"].as_i64().expect("correction");
     assert!(
-        (corr + E_NS).abs() <= TOLERANCE_NS,
+        (corr + E_NS).abs() <= tolerance_ns,
         "correction over REALTIME {corr} ns, expected {} ns",
         -E_NS
     );
@@ -148,7 +195,7 @@ fn check_merge(run: &ClusterRun) {
             // Recorded on the same clock as node 0, not shifted.
             let off = n["offset_ns"].as_i64().unwrap();
             assert!(
-                off.abs() <= 2 * TOLERANCE_NS,
+                off.abs() <= 2 * tolerance_ns,
                 "node {k} offset {off} ns, expected 0"
             );
             max_err = max_err.max(off.abs());
@@ -224,6 +271,7 @@ fn check_merge(run: &ClusterRun) {
         assert_eq!(label(labels, "node"), Some(format!("node-{node}").as_str()));
         assert_eq!(label(labels, "tp"), Some(t["tp_rank"].to_string().as_str()));
     }
+    check_collective_tags(&merged, &st);
     let m = collectives(&merged);
     let a = collectives(&all);
     assert!(
@@ -268,72 +316,55 @@ fn check_merge(run: &ClusterRun) {
     check_steps(run, &csv, &merged, &st);
 }
 
-/// Step breakdown (CSV, stats JSON, slices) against what each rank logged
-/// (`rank<R>.steps.jsonl`), within 5% or 200 us; every step but the first
-/// (it has no start marker) of every rank.
-fn check_steps(run: &ClusterRun, csv: &Path, merged: &Timeline, st: &Value) {
-    let text = std::fs::read_to_string(csv).expect("steps CSV written");
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
-    assert_eq!(header[..3], ["rank", "node", "step"]);
-    let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
-    let rows: Vec<Vec<String>> = lines
-        .map(|l| l.split(',').map(str::to_owned).collect())
-        .collect();
-    assert_eq!(rows.len(), st["steps"].as_array().unwrap().len());
-    let mut logged: BTreeMap<(u64, u64), Value> = BTreeMap::new();
+/// What every rank logged per step: (rank, step) -> its log line.
+fn logged_steps(run: &ClusterRun) -> BTreeMap<(u64, u64), Value> {
+    let mut logged = BTreeMap::new();
     for (k, node) in run.nodes.iter().enumerate() {
         for r in node["ranks"].as_array().unwrap() {
             let path = run
                 .rdv
                 .join(format!("node{k}"))
                 .join(r["step_log"].as_str().unwrap());
-            for line in std::fs::read_to_string(&path).unwrap().lines() {
-                let e: Value = serde_json::from_str(line).unwrap();
-                if e["event"] == "step" {
-                    logged.insert(
-                        (r["rank"].as_u64().unwrap(), e["step"].as_u64().unwrap()),
-                        e,
-                    );
-                }
-            }
+            read_step_log(&path, r["rank"].as_u64().unwrap(), &mut logged);
         }
     }
+    logged
+}
+
+/// Step breakdown against what each rank logged (`rank<R>.steps.jsonl`),
+/// within 5% or 200 us, for every step but the first (it has no start
+/// marker) of every rank: the merge's CSV, stats JSON and slices, and each
+/// `agent attach`'s own summary (the one on every rank and each node's).
+fn check_steps(run: &ClusterRun, csv: &Path, merged: &Timeline, st: &Value) {
+    let text = std::fs::read_to_string(csv).expect("steps CSV written");
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    assert_eq!(header[..3], ["rank", "node", "step"]);
+    let rows: Vec<StepRow> = lines
+        .map(|l| {
+            let cells: Vec<&str> = l.split(',').collect();
+            StepRow {
+                rank: cells[0].parse().unwrap(),
+                step: cells[2].parse().unwrap(),
+                parts: header
+                    .iter()
+                    .zip(&cells)
+                    .skip(3)
+                    .map(|(h, c)| (h.to_string(), c.parse().unwrap()))
+                    .collect(),
+            }
+        })
+        .collect();
+    assert_eq!(rows.len(), st["steps"].as_array().unwrap().len());
+    let logged = logged_steps(run);
     let steps = run.job["steps"].as_u64().unwrap();
-    let ranks = run.job["ranks"].as_array().unwrap().len() as u64;
-    assert_eq!(
-        rows.len() as u64,
-        ranks * (steps - 1),
-        "steps 1.. of every rank"
-    );
-    let mut worst: BTreeMap<&str, i64> = BTreeMap::new();
-    for row in &rows {
-        let rank: u64 = row[0].parse().unwrap();
-        let step: u64 = row[2].parse().unwrap();
-        let log = &logged[&(rank, step)];
-        for field in ["dur_ns", "data_wait_ns", "grad_sync_ns"] {
-            let ours: i64 = row[col(field)].parse().unwrap();
-            let theirs = log[field].as_i64().unwrap();
-            let tolerance = 200_000f64.max(0.05 * theirs as f64) as i64;
-            let mut diff = (ours - theirs).abs();
-            if field == "data_wait_ns" && theirs > ours {
-                // The rank's clock brackets its whole dataloader_next call:
-                // a preemption inside it (the queue hand-off wakes the
-                // loader thread, on the same CPU) is CPU contention, which
-                // the breakdown reports as `preempted` when the lost frame
-                // of the libc call hides the loader from the stack.
-                let preempted: i64 = row[col("preempted_ns")].parse().unwrap();
-                diff = (theirs - ours - preempted).max(0);
-            }
-            assert!(
-                diff <= tolerance,
-                "rank {rank} step {step} {field}: {ours} ns, the rank logged {theirs} ns"
-            );
-            let w = worst.entry(field).or_default();
-            *w = (*w).max(diff);
-        }
-    }
-    eprintln!("step breakdown: worst differences from the ranks' own logs (ns): {worst:?}");
+    let all_ranks: BTreeSet<u64> = run.job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["rank"].as_u64().unwrap())
+        .collect();
+    check_step_rows("merge", &rows, &logged, &all_ranks, steps);
     // A slice per step on each rank's "steps" track.
     let step_slices = merged
         .slices
@@ -341,6 +372,41 @@ fn check_steps(run: &ClusterRun, csv: &Path, merged: &Timeline, st: &Value) {
         .filter(|s| s.name.starts_with("step "))
         .count();
     assert_eq!(step_slices, rows.len());
+
+    // One node's trace too: every attach's summary has its ranks' steps.
+    let mut attaches = vec![("attach on every rank", &run.all_trace, all_ranks.clone())];
+    for (k, trace) in run.node_traces.iter().enumerate() {
+        let ranks = run.nodes[k]["node"]["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_u64().unwrap())
+            .collect();
+        attaches.push(("attach on one node", trace, ranks));
+    }
+    for (i, (what, trace, ranks)) in attaches.iter().enumerate() {
+        let stats = stats(&trace.with_extension("json"));
+        let rows = json_step_rows(&stats["steps"]);
+        check_step_rows(&format!("{what} ({i})"), &rows, &logged, ranks, steps);
+        // The summary names the slowest of them and its dominant part.
+        let slowest = rows
+            .iter()
+            .max_by_key(|r| (r.parts["dur_ns"], std::cmp::Reverse((r.rank, r.step))))
+            .unwrap();
+        let log = &run.agent_logs[i];
+        let listed = *slowest_listed(log)
+            .first()
+            .unwrap_or_else(|| panic!("{what}: no slowest steps in the summary:\n{log}"));
+        assert!(
+            listed.contains(&format!(
+                "rank {:<4} step {:<5}",
+                slowest.rank, slowest.step
+            )) && listed.contains("mostly "),
+            "{what}: the slowest step is rank {} step {}; the summary lists:\n{log}",
+            slowest.rank,
+            slowest.step
+        );
+    }
 }
 
 #[test]
@@ -362,7 +428,7 @@ fn two_nvidia_nodes_merge_into_one_aligned_timeline() {
             "30",
         ],
     );
-    check_merge(&run);
+    check_merge(&run, TOLERANCE_NS);
     bad_inputs(&run);
 }
 
@@ -393,7 +459,7 @@ fn faults_on_one_node_show_in_the_merged_step_breakdown() {
             "slow:rank=3,factor=2,from_step=12",
         ],
     );
-    check_merge(&run);
+    check_merge(&run, TOLERANCE_NS);
 }
 
 #[test]
@@ -423,7 +489,7 @@ fn four_nodes_of_a_16_rank_job_merge_with_their_groups() {
             "48",
         ],
     );
-    check_merge(&run);
+    check_merge(&run, TOLERANCE_16_RANKS_NS);
 }
 
 #[test]
@@ -447,7 +513,7 @@ fn two_ascend_nodes_of_a_tp_pp_dp_job_merge_with_their_groups() {
             "20",
         ],
     );
-    check_merge(&run);
+    check_merge(&run, TOLERANCE_NS);
 }
 
 /// Traces of another job are refused by name (merged with --force); a cut
@@ -541,6 +607,33 @@ fn bad_inputs(run: &ClusterRun) {
     );
     let tl = timeline(&cut_out);
     assert!(!tl.slices.is_empty());
+
+    // A node whose agent recorded no clock snapshot: aligned by the
+    // collectives alone, and said so.
+    let clockless = dir.join("no-clocks.pftrace");
+    std::fs::write(
+        &clockless,
+        strip_clock_snapshots(&std::fs::read(&run.node_traces[1]).unwrap()),
+    )
+    .unwrap();
+    let stats_path = dir.join("no-clocks.json");
+    let (status, stdout, stderr) = merge(&[
+        OsStr::new("-o"),
+        out.as_os_str(),
+        OsStr::new("--stats-json"),
+        stats_path.as_os_str(),
+        node0.as_os_str(),
+        clockless.as_os_str(),
+    ]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.contains("no-clocks.pftrace: no clock snapshot: aligned by its collectives alone"),
+        "{stdout}"
+    );
+    let st = stats(&stats_path);
+    assert_eq!(st["nodes"][1]["method"], "collectives", "{st:#}");
+    let off = st["nodes"][1]["offset_ns"].as_i64().unwrap();
+    assert!(off.abs() <= TOLERANCE_NS, "same clock: offset {off} ns");
 
     // Not a trace at all.
     let json = dir.join("not-a-trace.pftrace");

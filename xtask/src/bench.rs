@@ -175,7 +175,7 @@ fn record_system(agent: &Path, dir: &Path, name: &str, secs: u64, ring: &str) ->
     Ok(serde_json::from_slice(&std::fs::read(&stats_path)?)?)
 }
 
-pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>) -> Result<()> {
+pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>, trace_mb: u64) -> Result<()> {
     build::all()?;
     if let Some(c) = compare
         && !c.is_file()
@@ -199,7 +199,7 @@ pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>) -> Result<(
             return Ok(());
         }
         Some("merge") => {
-            let merge = crate::bench_merge::run(&dir, seconds.max(10))?;
+            let merge = crate::bench_merge::run(&dir, trace_mb)?;
             std::fs::write(
                 dir.join("merge-results.json"),
                 serde_json::to_string_pretty(&merge)?,

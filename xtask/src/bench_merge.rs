@@ -4,7 +4,12 @@
 //! per node launcher, every off-CPU stack recorded, device calls at
 //! probe level 1), each used eight times as if from eight nodes (pids
 //! clash, so the merge moves them; ranks repeat, which it only warns
-//! about). Figures, each round interleaved with its baseline:
+//! about). The job runs as many steps as make each node's trace about
+//! `--trace-mb` (100 MB by default: a 4,200-step job, about 45 s on two
+//! CPUs); the two traces are kept in `target/bench/merge-traces` and
+//! reused while they are of that size (delete the folder to record them
+//! again, e.g. after the agent's trace format changed). Figures, each
+//! round interleaved with its baseline:
 //! - merge throughput in MB/s of input, against reading the same 16 files
 //!   (to /dev/null: the floor any merge pays; a copy into one file would
 //!   need the inputs' size again on disk), as a ratio;
@@ -24,17 +29,19 @@ use crate::root;
 
 const NODES: usize = 2;
 const COPIES: usize = 8;
+/// Steps of the job per MB of one node's trace (3,000 steps made 71 MB
+/// traces).
+const STEPS_PER_MB: f64 = 42.3;
 
-/// Records the simulated job over two nodes for about `seconds`; returns
+/// Records the simulated job over two nodes for `steps` steps; returns
 /// the two node traces.
-fn record(dir: &Path, seconds: u64) -> Result<Vec<PathBuf>> {
+fn record(dir: &Path, steps: u64) -> Result<Vec<PathBuf>> {
     let rdv = dir.join("rdv");
     let _ = std::fs::remove_dir_all(&rdv);
     let gate = dir.join("go");
     let _ = std::fs::remove_file(&gate);
     let launcher = root().join("tests/sim/launch.py");
-    // About 100 steps a second with this layout on two CPUs.
-    let steps = (seconds * 100).to_string();
+    let steps = steps.to_string();
     let mut launchers = Vec::new();
     for k in 0..NODES {
         let child = Command::new("python3")
@@ -52,7 +59,7 @@ fn record(dir: &Path, seconds: u64) -> Result<Vec<PathBuf>> {
                 "--pp",
                 "1",
             ])
-            .args(["--steps", &steps, "--timeout", "900"])
+            .args(["--steps", &steps, "--timeout", "1800"])
             .args([
                 "--nnodes",
                 &NODES.to_string(),
@@ -169,12 +176,58 @@ impl Drop for Scratch {
     }
 }
 
-pub fn run(dir: &Path, seconds: u64) -> Result<Value> {
+fn size(p: &Path) -> u64 {
+    std::fs::metadata(p).map_or(0, |m| m.len())
+}
+
+/// Two node traces of about `trace_mb` each: the cached ones when they
+/// are of that size (within 10%), else recorded (again, with more steps,
+/// if the first job's traces came out too small).
+fn node_traces(cache: &Path, trace_mb: u64) -> Result<Vec<PathBuf>> {
+    let target = trace_mb * 1_000_000;
+    let fits = |traces: &[PathBuf]| {
+        traces.len() == NODES
+            && traces
+                .iter()
+                .all(|p| size(p) >= target * 9 / 10 && size(p) <= target * 13 / 10)
+    };
+    let cached: Vec<PathBuf> = (0..NODES)
+        .map(|k| cache.join(format!("node{k}.pftrace")))
+        .collect();
+    if fits(&cached) {
+        eprintln!(
+            "bench merge: using the node traces in {} ({:.0} and {:.0} MB)",
+            cache.display(),
+            size(&cached[0]) as f64 / 1e6,
+            size(&cached[1]) as f64 / 1e6
+        );
+        return Ok(cached);
+    }
+    std::fs::create_dir_all(cache)?;
+    let mut steps = (trace_mb as f64 * STEPS_PER_MB).ceil() as u64;
+    for attempt in 0..2 {
+        eprintln!(
+            "bench merge: recording a {steps}-step simulated job over {NODES} nodes \
+             (node traces of about {trace_mb} MB)"
+        );
+        let traces = record(cache, steps)?;
+        let _ = std::fs::remove_dir_all(cache.join("rdv"));
+        let _ = std::fs::remove_file(cache.join("go"));
+        if fits(&traces) || attempt == 1 {
+            return Ok(traces);
+        }
+        let smallest = traces.iter().map(|p| size(p)).min().unwrap_or(0).max(1);
+        steps = (steps as f64 * target as f64 / smallest as f64 * 1.05).ceil() as u64;
+    }
+    unreachable!("the second attempt returns")
+}
+
+pub fn run(dir: &Path, trace_mb: u64) -> Result<Value> {
+    let traces = node_traces(&dir.join("merge-traces"), trace_mb)?;
     let dir = dir.join("merge");
     std::fs::create_dir_all(&dir)?;
+    // The merged output (1.6 GB) goes; the node traces stay cached.
     let _scratch = Scratch(dir.clone());
-    eprintln!("bench merge: recording a {seconds} s simulated job over {NODES} nodes");
-    let traces = record(&dir, seconds)?;
     let inputs: Vec<PathBuf> = (0..COPIES).flat_map(|_| traces.iter().cloned()).collect();
     let bytes: u64 = inputs
         .iter()

@@ -63,13 +63,17 @@ enum Task {
         #[arg(long, default_value_t = 3)]
         seconds: u64,
         /// Only this part: `probes` (device-library probe costs), `merge`
-        /// (agent merge on 16 node traces; --seconds is the job's length).
+        /// (agent merge on 16 node traces, see --trace-mb).
         only: Option<String>,
         /// Another agent binary (e.g. a build of the previous version) to
         /// measure in the same run: interleaved in the ping-pong rounds,
         /// back to back in the system-wide recordings.
         #[arg(long)]
         compare_agent: Option<PathBuf>,
+        /// `merge`: MB of each node trace (recorded from a simulated job
+        /// long enough, kept in target/bench/merge-traces).
+        #[arg(long, default_value_t = 100)]
+        trace_mb: u64,
     },
     /// Fuzz the parsers of untrusted input with libFuzzer (nightly,
     /// cargo-fuzz, installed on first use).
@@ -114,7 +118,8 @@ fn main() -> Result<()> {
             seconds,
             only,
             compare_agent,
-        } => bench::run(seconds, only.as_deref(), compare_agent.as_deref()),
+            trace_mb,
+        } => bench::run(seconds, only.as_deref(), compare_agent.as_deref(), trace_mb),
         Task::Fuzz {
             seconds,
             merge,

@@ -17,6 +17,8 @@ use rustc_hash::FxHashMap;
 
 use xpuscope_perfetto::rewrite::{ArgRef, EventKind, EventView};
 
+use crate::analysis::op_kind;
+
 /// Collective-end samples kept per node: the same keys are kept on every
 /// node (the smallest hashes of (communicator, sequence)), so samples
 /// still match across nodes while memory stays bounded.
@@ -26,6 +28,8 @@ pub const MAX_END_SAMPLES: usize = 8_192;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Collective {
     pub comm_hash: Option<u64>,
+    /// The communicator's handle in its process.
+    pub comm: Option<u64>,
     pub seq: Option<u64>,
     pub seq_exact: bool,
     pub comm_rank: Option<u32>,
@@ -60,22 +64,6 @@ impl Observed {
     }
 }
 
-/// The operation kind of a collective's function name.
-pub fn op_kind(name: &str) -> Option<&'static str> {
-    let f = name.split_whitespace().next().unwrap_or("");
-    let table: [(&str, &'static str); 8] = [
-        ("AllReduce", "all_reduce"),
-        ("AllGather", "all_gather"),
-        ("ReduceScatter", "reduce_scatter"),
-        ("Broadcast", "broadcast"),
-        ("AlltoAll", "all_to_all"),
-        ("Reduce", "reduce"),
-        ("Send", "send"),
-        ("Recv", "recv"),
-    ];
-    table.iter().find(|(k, _)| f.contains(k)).map(|(_, v)| *v)
-}
-
 /// A collective slice's identity, when the event is one.
 pub fn collective(event: &EventView<'_>) -> Option<Collective> {
     if event.kind != EventKind::Begin {
@@ -103,6 +91,7 @@ pub fn collective(event: &EventView<'_>) -> Option<Collective> {
     };
     Some(Collective {
         comm_hash: hash,
+        comm: event.arg("comm").and_then(|v| v.as_u64()),
         seq,
         seq_exact: matches!(event.arg("seq_exact"), Some(ArgRef::Bool(true))),
         comm_rank,
@@ -425,14 +414,5 @@ mod tests {
         if let Some(e) = a.ends().get(&(2, 0)) {
             assert_eq!(*e, 40);
         }
-    }
-
-    #[test]
-    fn op_kinds_of_both_vendors() {
-        assert_eq!(op_kind("ncclAllGather 1 MiB"), Some("all_gather"));
-        assert_eq!(op_kind("HcclReduceScatter 1 MiB"), Some("reduce_scatter"));
-        assert_eq!(op_kind("ncclSend 256 KiB"), Some("send"));
-        assert_eq!(op_kind("HcclRecv"), Some("recv"));
-        assert_eq!(op_kind("cudaMalloc"), None);
     }
 }

@@ -19,8 +19,8 @@ use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackVi
 use xpuscope_perfetto::{Arg, ArgValue};
 
 use super::collectives::{CollectiveTracker, EndSample};
-use super::groups::Groups;
 use super::scan::NodeScan;
+use crate::analysis::groups::Groups;
 
 /// Sequence of the merger's own system packet (its SystemInfo).
 pub const MERGE_SYSTEM_SEQUENCE: u32 = 1;

@@ -17,7 +17,6 @@
 mod align;
 mod collectives;
 mod emit;
-mod groups;
 mod scan;
 mod steps;
 
@@ -29,9 +28,10 @@ use anyhow::{Context, Result, bail};
 use xpuscope_perfetto::SystemInfo;
 use xpuscope_perfetto::rewrite::Packet;
 
+use crate::analysis::groups::{self, CommInfo, Groups};
+use crate::analysis::steps::{Step, dp_comm_by_rank, rank_steps, slowest_lines};
 use align::{Alignment, NodeClock};
 use emit::{EmitOptions, MERGE_SYSTEM_SEQUENCE, Output};
-use groups::{CommInfo, Groups};
 use scan::NodeScan;
 
 /// Perfetto's limit on CPU numbers (`FtraceEventBundle.cpu`).
@@ -55,7 +55,7 @@ pub struct StepRow {
     pub rank: u32,
     pub node: String,
     #[serde(flatten)]
-    pub step: steps::Step,
+    pub step: Step,
 }
 
 const STEP_CSV_HEADER: &str = "rank,node,step,start_ns,end_ns,dur_ns,data_wait_ns,preempted_ns,grad_sync_ns,comm_wait_ns,compute_wait_ns,host_ns";
@@ -88,26 +88,16 @@ fn write_steps_csv(path: &std::path::Path, rows: &[StepRow]) -> Result<()> {
 
 /// Each node's steps per rank, times moved into the merged time base.
 fn step_rows(scans: &[NodeScan], groups: &Groups, offsets: &[i64]) -> Vec<StepRow> {
+    let dp = dp_comm_by_rank(groups);
     let mut rows = Vec::new();
     for (k, s) in scans.iter().enumerate() {
         let ranks = s.ranks();
-        let mut dp: HashMap<i32, u64> = HashMap::new();
-        for c in groups.communicators.iter().filter(|c| c.kind == "dp") {
-            let Ok(hash) = u64::from_str_radix(&c.comm_hash, 16) else {
-                continue;
-            };
-            for (&pid, r) in &ranks {
-                if c.members.contains(&Some(*r)) {
-                    dp.insert(pid, hash);
-                }
-            }
-        }
         let shift = |t: u64| (t as i64).saturating_add(offsets[k]).max(0) as u64;
         for (pid, per_comm) in &s.steps {
-            let (Some(&rank), Some(comm)) = (ranks.get(pid), dp.get(pid)) else {
+            let Some(&rank) = ranks.get(pid) else {
                 continue;
             };
-            for mut step in per_comm.get(comm).cloned().unwrap_or_default() {
+            for mut step in rank_steps(per_comm.clone(), dp.get(&rank).copied()) {
                 step.start_ns = shift(step.start_ns);
                 step.end_ns = shift(step.end_ns);
                 rows.push(StepRow {
@@ -290,6 +280,10 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
                 "{}: no clock snapshot and no shared collectives: its clock is taken as is (offset 0)",
                 s.path.display()
             )),
+            align::Method::Collectives if s.first_clock.is_none() => warnings.push(format!(
+                "{}: no clock snapshot: aligned by its collectives alone",
+                s.path.display()
+            )),
             _ => {}
         }
     }
@@ -456,31 +450,9 @@ impl MergeReport {
             );
         }
         if !self.steps.is_empty() {
-            let mut slowest: Vec<&StepRow> = self.steps.iter().collect();
-            slowest.sort_by_key(|r| std::cmp::Reverse(r.step.dur_ns));
             println!("  slowest steps (of {}):", self.steps.len());
-            for r in slowest.iter().take(5) {
-                let s = &r.step;
-                let parts = [
-                    ("data wait", s.data_wait_ns),
-                    ("preemption", s.preempted_ns),
-                    ("communication wait", s.comm_wait_ns),
-                    ("compute wait", s.compute_wait_ns),
-                    ("host", s.host_ns),
-                ];
-                let (what, ns) = parts
-                    .iter()
-                    .max_by_key(|p| p.1)
-                    .copied()
-                    .unwrap_or(("host", 0));
-                println!(
-                    "    rank {:<4} step {:<5} {:>9.2} ms  mostly {what} ({:.2} ms); grad sync {:.2} ms",
-                    r.rank,
-                    s.step,
-                    s.dur_ns as f64 / 1e6,
-                    ns as f64 / 1e6,
-                    s.grad_sync_ns as f64 / 1e6
-                );
+            for line in slowest_lines(self.steps.iter().map(|r| (r.rank, &r.step)), 5) {
+                println!("    {line}");
             }
         }
         for w in &self.warnings {

@@ -15,7 +15,7 @@ use xpuscope_perfetto::ClockSnapshot;
 use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView, Truncated};
 
 use super::collectives::{CollectiveTracker, EndSample};
-use super::steps::{StepCandidates, StepTracker};
+use super::steps::{StepCandidates, TraceSteps};
 
 /// A traced process's identity as its process track labels say.
 #[derive(Clone, Debug, Default)]
@@ -174,7 +174,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
     };
     let mut names = Interning::default();
     let mut tracker = CollectiveTracker::default();
-    let mut steps = StepTracker::default();
+    let mut steps = TraceSteps::default();
     let mut pids = PidSet::new();
     loop {
         let index = reader.packets();

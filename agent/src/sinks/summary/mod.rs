@@ -3,6 +3,7 @@
 //! function, device work, failed allocations, memory still held).
 
 pub mod offcpu;
+pub mod steps;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -12,6 +13,7 @@ use serde::Serialize;
 use super::{Sink, SinkCounters};
 use crate::model::{Record, site_label};
 use offcpu::OffCpuSummary;
+use steps::{RankStep, RecordSteps};
 
 /// Device records counted (the decoding's own counters are in
 /// `InterpretCounters`).
@@ -84,6 +86,9 @@ pub struct RecordTotals {
     /// (the measure of a `--system` recording, which has no traced threads).
     pub tasks_ran: u64,
     pub cpus_seen: u64,
+    /// Each rank's step breakdown (ranks whose data-parallel all-reduce
+    /// was seen), by rank.
+    pub steps: Vec<RankStep>,
 }
 
 const RECENT: usize = 32;
@@ -102,12 +107,14 @@ pub struct SummarySink {
     cpus: Vec<bool>,
     /// (library, function) -> (calls, errors).
     by_function: HashMap<(&'static str, &'static str), (u64, u64)>,
+    steps: RecordSteps,
 }
 
 impl SummarySink {
     fn record(&mut self, r: &Record) {
         let t = &mut self.totals;
         self.per_kind[r.kind_index()] += 1;
+        self.steps.record(r);
         match r {
             Record::Switch { switch, .. } => {
                 let tid = switch.next_tid;
@@ -206,6 +213,7 @@ impl Sink for SummarySink {
         });
         self.totals.functions = functions;
         self.totals.tasks_ran = self.tasks.len() as u64;
+        self.totals.steps = std::mem::take(&mut self.steps).finish();
         self.totals.cpus_seen = self.cpus.iter().filter(|c| **c).count() as u64;
         self.totals.records = Record::KIND_NAMES
             .iter()

@@ -1,0 +1,382 @@
+//! The step breakdown of `agent attach`: each rank's steps from the record
+//! stream (its main thread's device calls and off-CPU intervals), by the
+//! same analysis `agent merge` runs over recorded traces
+//! (`analysis::steps`), with the data-parallel communicator picked the same
+//! way (`analysis::groups`, from the communicators this recording saw).
+//!
+//! A rank's calls and intervals are kept until its finished steps are
+//! computed (every `MARK_LIMIT` calls, and when its process ends or the
+//! recording does); then only its steps are.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+use xpuscope_probes::catalog::CallKind as ProbeCallKind;
+use xpuscope_probes::decode::args::CallArgs;
+
+use crate::analysis::groups::{self, CommInfo};
+use crate::analysis::op_kind;
+use crate::analysis::steps::{
+    CallKind, CommSteps, OffCpuKind, Step, StepTracker, dp_comm_by_rank, in_data_loader, rank_steps,
+};
+use crate::model::{DeviceCallRecord, OffCpuInterval, Record};
+
+/// One step of one rank, as the summary reports it (times in BOOTTIME).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RankStep {
+    pub rank: u32,
+    pub pid: u32,
+    #[serde(flatten)]
+    pub step: Step,
+}
+
+/// Calls a rank's main thread keeps before its finished steps are
+/// computed (64-byte marks: about 8 MB per rank).
+const MARK_LIMIT: usize = 1 << 17;
+
+pub struct RecordSteps {
+    tracker: StepTracker,
+    /// Ranked processes still running: pid -> global rank.
+    ranks: BTreeMap<u32, u32>,
+    /// Communicators seen (by hash), members as global ranks.
+    comms: BTreeMap<u64, CommInfo>,
+    /// Ranks whose process ended: (pid, rank, steps per communicator).
+    ended: Vec<(u32, u32, CommSteps)>,
+}
+
+impl Default for RecordSteps {
+    fn default() -> Self {
+        Self {
+            tracker: StepTracker::with_mark_limit(MARK_LIMIT),
+            ranks: BTreeMap::new(),
+            comms: BTreeMap::new(),
+            ended: Vec::new(),
+        }
+    }
+}
+
+impl RecordSteps {
+    pub fn record(&mut self, r: &Record) {
+        match r {
+            Record::Identity { tgid, identity } => {
+                if let Some(rank) = identity.rank.as_deref().and_then(|v| v.parse().ok()) {
+                    self.ranks.insert(*tgid, rank);
+                    self.tracker.follow(*tgid as i32);
+                }
+            }
+            Record::DeviceCall(c) if c.unmatched.is_none() => self.call(c),
+            Record::OffCpu(i) => self.off_cpu(i),
+            Record::Exit {
+                exit,
+                process_ended: true,
+            } => {
+                if let Some(rank) = self.ranks.remove(&exit.tgid)
+                    && let Some(steps) = self.tracker.finish_process(exit.tgid as i32)
+                {
+                    self.ended.push((exit.tgid, rank, steps));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn call(&mut self, c: &DeviceCallRecord) {
+        let call = &c.call;
+        let Some(&rank) = self.ranks.get(&call.tgid) else {
+            return;
+        };
+        let op = call.comm.as_ref().and_then(|_| op_kind(call.function));
+        if let (Some(comm), Some(op)) = (&call.comm, op)
+            && let Some(hash) = comm.id_hash
+        {
+            let info = self.comms.entry(hash).or_insert_with(|| CommInfo {
+                hash,
+                ..CommInfo::default()
+            });
+            info.size = info.size.max(comm.size.unwrap_or(0));
+            if info.members.len() < info.size as usize {
+                info.members.resize(info.size as usize, None);
+            }
+            if let Some(slot) = comm.rank.and_then(|r| info.members.get_mut(r as usize)) {
+                *slot = Some(rank);
+            }
+            info.ops.insert(op);
+            info.operations += 1;
+        }
+        if call.tid != call.tgid {
+            return;
+        }
+        let kind = match (&call.comm, op, &call.args) {
+            (Some(comm), Some(op), args) => CallKind::Collective {
+                comm: comm.id_hash.unwrap_or(comm.handle),
+                stream: match args {
+                    CallArgs::Collective(a) => a.stream,
+                    CallArgs::SendRecv(a) => a.stream,
+                    _ => None,
+                },
+                op,
+            },
+            (_, _, CallArgs::Sync { stream, .. })
+                if matches!(call.kind, ProbeCallKind::Sync(_)) =>
+            {
+                CallKind::Sync { stream: *stream }
+            }
+            _ => CallKind::Other,
+        };
+        self.tracker
+            .call(call.tgid as i32, call.start_ts, c.end_ts(), kind);
+    }
+
+    fn off_cpu(&mut self, i: &OffCpuInterval) {
+        if i.tid != i.tgid || !self.tracker.follows(i.tgid as i32) {
+            return;
+        }
+        let in_loader = i
+            .stack
+            .as_ref()
+            .is_some_and(|s| in_data_loader(s.leaf_first().map(|f| &*f.function)));
+        self.tracker.off_cpu(
+            i.tgid as i32,
+            i.start,
+            i.end,
+            OffCpuKind::classify(i.state, in_loader),
+        );
+    }
+
+    /// Every rank's steps on its data-parallel communicator, by rank and
+    /// step.
+    pub fn finish(mut self) -> Vec<RankStep> {
+        for (pid, steps) in std::mem::take(&mut self.tracker).finish() {
+            if let Some(rank) = self.ranks.get(&(pid as u32)) {
+                self.ended.push((pid as u32, *rank, steps));
+            }
+        }
+        let ranks: BTreeSet<u32> = self.ended.iter().map(|(_, r, _)| *r).collect();
+        let comms: Vec<CommInfo> = self.comms.into_values().collect();
+        let dp = dp_comm_by_rank(&groups::infer(&comms, &ranks));
+        let mut rows: Vec<RankStep> = self
+            .ended
+            .into_iter()
+            .flat_map(|(pid, rank, steps)| {
+                rank_steps(steps, dp.get(&rank).copied())
+                    .into_iter()
+                    .map(move |step| RankStep { rank, pid, step })
+            })
+            .collect();
+        rows.sort_by_key(|r| (r.rank, r.step.start_ns));
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use xpuscope_probes::catalog::{Collective, Library, SyncKind};
+    use xpuscope_probes::decode::DeviceCall;
+    use xpuscope_probes::decode::args::CollectiveArgs;
+    use xpuscope_probes::decode::comm::CommContext;
+
+    use super::*;
+    use crate::events::{Comm, Exit};
+    use crate::model::{RankIdentity, Stack, SymFrame};
+
+    const MS: u64 = 1_000_000;
+    const US: u64 = 1_000;
+    const DP: u64 = 0xd0;
+
+    fn call(pid: u32, tid: u32, start: u64, end: u64, function: &'static str) -> DeviceCall {
+        DeviceCall {
+            library: Library::Nccl,
+            function,
+            kind: ProbeCallKind::Launch(xpuscope_probes::catalog::LaunchKind::Kernel),
+            tgid: pid,
+            tid,
+            start_ts: start,
+            end_ts: Some(end),
+            args: CallArgs::None,
+            ret: Some(0),
+            error: false,
+            name: function.into(),
+            comm: None,
+            memory: None,
+            site: None,
+        }
+    }
+
+    fn record(c: DeviceCall) -> Record {
+        Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
+    }
+
+    fn all_reduce(pid: u32, rank: u32, start: u64, end: u64) -> Record {
+        let mut c = call(pid, pid, start, end, "ncclAllReduce");
+        c.kind = ProbeCallKind::Collective(Collective::AllReduce);
+        c.args = CallArgs::Collective(CollectiveArgs {
+            op: Collective::AllReduce,
+            count: Some(1),
+            dtype: None,
+            bytes: None,
+            red_op: None,
+            root: None,
+            send: None,
+            recv: None,
+            comm: 0xc0,
+            stream: Some(2),
+        });
+        c.comm = Some(CommContext {
+            handle: 0xc0,
+            id_hash: Some(DP),
+            rank: Some(rank),
+            size: Some(2),
+            seq: None,
+            seq_exact: false,
+        });
+        record(c)
+    }
+
+    fn sync(pid: u32, start: u64, end: u64) -> Record {
+        let mut c = call(pid, pid, start, end, "cudaStreamSynchronize");
+        c.library = Library::Cudart;
+        c.kind = ProbeCallKind::Sync(SyncKind::Stream);
+        c.args = CallArgs::Sync {
+            stream: Some(2),
+            event: None,
+        };
+        record(c)
+    }
+
+    fn off_cpu(pid: u32, start: u64, end: u64, state: i64, frame: Option<&str>) -> Record {
+        let stack = frame.map(|f| {
+            Arc::new(Stack {
+                kernel: Vec::new(),
+                user: vec![SymFrame {
+                    function: f.into(),
+                    module: "/sim/rank".into(),
+                    module_start: 0,
+                    module_end: 0,
+                    module_offset: 0,
+                    rel_pc: 0,
+                }],
+            })
+        });
+        Record::OffCpu(OffCpuInterval {
+            tid: pid,
+            tgid: pid,
+            cpu: 0,
+            start,
+            end,
+            state,
+            stack,
+            preempted_by: None,
+            truncated: false,
+        })
+    }
+
+    /// Step k of a rank: 10 ms from `base`: asleep for its batch, kept
+    /// off CPU in the loader and elsewhere, backward (a launch), the
+    /// gradient all-reduce and its sync, the optimizer's sync.
+    fn step(pid: u32, rank: u32, base: u64) -> Vec<Record> {
+        vec![
+            off_cpu(pid, base + 100 * US, base + 2 * MS, 1, None),
+            off_cpu(
+                pid,
+                base + 2100 * US,
+                base + 2200 * US,
+                0,
+                Some("dataloader_next"),
+            ),
+            off_cpu(
+                pid,
+                base + 2500 * US,
+                base + 2600 * US,
+                0x100,
+                Some("host_work"),
+            ),
+            record(call(
+                pid,
+                pid,
+                base + 3 * MS,
+                base + 4900 * US,
+                "cudaLaunchKernel",
+            )),
+            // Another thread's calls are not the step's.
+            record(call(
+                pid,
+                pid + 1,
+                base + 3 * MS,
+                base + 9 * MS,
+                "cudaLaunchKernel",
+            )),
+            all_reduce(pid, rank, base + 5 * MS, base + 5010 * US),
+            sync(pid, base + 5020 * US, base + 7 * MS),
+            sync(pid, base + 7100 * US, base + 8 * MS),
+        ]
+    }
+
+    fn identity(pid: u32, rank: Option<&str>) -> Record {
+        Record::Identity {
+            tgid: pid,
+            identity: Box::new(RankIdentity {
+                rank: rank.map(str::to_owned),
+                ..RankIdentity::default()
+            }),
+        }
+    }
+
+    fn exit(pid: u32) -> Record {
+        Record::Exit {
+            exit: Exit {
+                cpu: 0,
+                ts: 1,
+                tid: pid,
+                tgid: pid,
+                prio: 120,
+                comm: Comm::from_str_lossy("rank"),
+                group_dead: true,
+                group_known: true,
+                exit_code: None,
+            },
+            process_ended: true,
+        }
+    }
+
+    #[test]
+    fn ranks_steps_from_their_calls_and_time_off_cpu() {
+        let mut s = RecordSteps::default();
+        s.record(&identity(10, Some("0")));
+        s.record(&identity(20, Some("1")));
+        s.record(&identity(30, None)); // not a rank
+        for k in 0..4 {
+            for pid in [10, 20, 30] {
+                for r in step(pid, pid / 10 - 1, 100 * MS + k * 10 * MS) {
+                    s.record(&r);
+                }
+            }
+        }
+        // Rank 0 ends: its steps are kept, its calls are not.
+        s.record(&exit(10));
+        assert!(!s.tracker.follows(10));
+        let rows = s.finish();
+        assert_eq!(rows.len(), 2 * 3, "steps 1..3 of two ranks: {rows:#?}");
+        for (i, r) in rows.iter().enumerate() {
+            let k = i as u64 % 3 + 1;
+            assert_eq!((r.rank, r.pid), (i as u32 / 3, 10 * (i as u32 / 3 + 1)));
+            let base = 100 * MS + k * 10 * MS;
+            assert_eq!(
+                r.step,
+                Step {
+                    step: k,
+                    start_ns: base - 2 * MS,
+                    end_ns: base + 8 * MS,
+                    dur_ns: 10 * MS,
+                    data_wait_ns: 1900 * US + 100 * US,
+                    preempted_ns: 100 * US,
+                    grad_sync_ns: 7 * MS - 4900 * US,
+                    comm_wait_ns: 7 * MS - 5020 * US,
+                    compute_wait_ns: 900 * US,
+                    host_ns: 10 * MS - 2000 * US - 100 * US - 1980 * US - 900 * US,
+                }
+            );
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Checking a step breakdown (`agent merge`'s, `agent attach`'s) against
+//! what each simulated rank logged per step (`rank<R>.steps.jsonl`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use serde_json::Value;
+
+/// One step row: rank, step and its parts (ns) by name.
+pub struct StepRow {
+    pub rank: u64,
+    pub step: u64,
+    pub parts: BTreeMap<String, i64>,
+}
+
+/// Rows of a stats JSON's `steps` (merge and attach write the same keys).
+pub fn json_step_rows(steps: &Value) -> Vec<StepRow> {
+    steps
+        .as_array()
+        .expect("a steps array")
+        .iter()
+        .map(|r| StepRow {
+            rank: r["rank"].as_u64().expect("rank"),
+            step: r["step"].as_u64().expect("step"),
+            parts: r
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_i64()?)))
+                .collect(),
+        })
+        .collect()
+}
+
+/// The `step` lines of one rank's log, into `logged` under (rank, step).
+pub fn read_step_log(path: &Path, rank: u64, logged: &mut BTreeMap<(u64, u64), Value>) {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    for line in text.lines() {
+        let e: Value = serde_json::from_str(line).unwrap();
+        if e["event"] == "step" {
+            logged.insert((rank, e["step"].as_u64().unwrap()), e);
+        }
+    }
+}
+
+/// `rows` (`what` made them) hold steps 1.. of every rank in `ranks` (the
+/// first has no start marker), and each agrees with what the rank logged
+/// within 5% or 200 us.
+pub fn check_step_rows(
+    what: &str,
+    rows: &[StepRow],
+    logged: &BTreeMap<(u64, u64), Value>,
+    ranks: &BTreeSet<u64>,
+    steps: u64,
+) {
+    let got: BTreeSet<(u64, u64)> = rows.iter().map(|r| (r.rank, r.step)).collect();
+    let want: BTreeSet<(u64, u64)> = ranks
+        .iter()
+        .flat_map(|&r| (1..steps).map(move |s| (r, s)))
+        .collect();
+    assert_eq!(got, want, "{what}: steps 1.. of ranks {ranks:?}");
+    assert_eq!(rows.len(), want.len(), "{what}: one row per rank and step");
+    let mut worst: BTreeMap<&str, i64> = BTreeMap::new();
+    for row in rows {
+        let (rank, step) = (row.rank, row.step);
+        let log = &logged[&(rank, step)];
+        for field in ["dur_ns", "data_wait_ns", "grad_sync_ns"] {
+            let ours = row.parts[field];
+            let theirs = log[field].as_i64().unwrap();
+            let tolerance = 200_000f64.max(0.05 * theirs as f64) as i64;
+            let mut diff = (ours - theirs).abs();
+            if field == "data_wait_ns" && theirs > ours {
+                // The rank's clock brackets its whole dataloader_next call:
+                // a preemption inside it (the queue hand-off wakes the
+                // loader thread, on the same CPU) is CPU contention, which
+                // the breakdown reports as `preempted` when the lost frame
+                // of the libc call hides the loader from the stack.
+                diff = (theirs - ours - row.parts["preempted_ns"]).max(0);
+            }
+            assert!(
+                diff <= tolerance,
+                "{what}: rank {rank} step {step} {field}: {ours} ns, the rank logged {theirs} ns"
+            );
+            let w = worst.entry(field).or_default();
+            *w = (*w).max(diff);
+        }
+    }
+    eprintln!(
+        "{what}: step breakdown's worst differences from the ranks' own logs (ns): {worst:?}"
+    );
+}
+
+/// The summary's "slowest steps" lines (after its heading).
+pub fn slowest_listed(summary: &str) -> Vec<&str> {
+    summary
+        .lines()
+        .skip_while(|l| !l.contains("slowest steps (of"))
+        .skip(1)
+        .take_while(|l| l.trim_start().starts_with("rank "))
+        .collect()
+}
