@@ -20,7 +20,7 @@ pub use device::{
 pub use identity::RankIdentity;
 pub use stack::{Site, Stack, SymFrame, site_label};
 
-use crate::events::{Comm, Exec, Exit, Fork, Rename, Switch, Waking};
+use crate::events::{Comm, Exec, Exit, Fork, LinkMap, Rename, Switch, Waking};
 use crate::procfs::ProcessEntry;
 
 /// A named value attached to a record (rendered as a trace argument, a
@@ -158,6 +158,9 @@ pub enum Record {
     MemoryHeld(MemoryHeld),
     /// A call still running when the recording ended.
     InFlightAtEnd(InFlightCall),
+    /// A traced process's dynamic loader changed its link map (start-up,
+    /// `dlopen`, `dlclose`): the supervisor has rescanned its maps.
+    LinkMapChanged(LinkMap),
     /// Events were lost on these CPUs; `total` lost so far.
     Drops {
         ts: u64,
@@ -168,7 +171,7 @@ pub enum Record {
 
 impl Record {
     /// Number of kinds ([`Record::kind_index`] is below it).
-    pub const KINDS: usize = 17;
+    pub const KINDS: usize = 18;
     /// The kinds' short names, by [`Record::kind_index`].
     pub const KIND_NAMES: [&'static str; Record::KINDS] = [
         "initial_processes",
@@ -188,6 +191,7 @@ impl Record {
         "memory_held",
         "in_flight_at_end",
         "drops",
+        "link_map_changed",
     ];
 
     /// A dense index per kind (counting per kind without a map lookup).
@@ -210,6 +214,7 @@ impl Record {
             Record::MemoryHeld(_) => 14,
             Record::InFlightAtEnd(_) => 15,
             Record::Drops { .. } => 16,
+            Record::LinkMapChanged(_) => 17,
         }
     }
 

@@ -40,6 +40,7 @@ use crate::procfs::ProcessEntry;
 use crate::sinks::{FanOut, panic_message};
 use enrich::Enrich;
 use interpret::{InterpretCounters, Interpreter};
+use xpuscope_probes::decode::table::ProbeTarget;
 
 /// Messages into the pipeline, in stream order.
 pub enum PipelineMsg {
@@ -53,9 +54,20 @@ pub enum PipelineMsg {
     /// Device-library probes about to be attached (sent before they can
     /// fire, so every hit finds its meaning).
     Probes(TableUpdate),
+    /// Probes attached by library file ahead of any process mapping it:
+    /// (slot, what it is). A hit from any traced process decodes by slot.
+    ProbeSlots(Vec<(u32, ProbeTarget)>),
     /// Time passes (sinks flush, write clock snapshots).
     Tick(u64),
 }
+
+/// The supervisors' probe announcements (`Probes`, `ProbeSlots`): a
+/// channel of their own, read before every message of the main one, so a
+/// probe's meaning reaches interpret before any batch that can hold its
+/// hits, however many batches queue ahead (a new rank's probes must be
+/// attached within milliseconds; waiting behind a full queue of events
+/// took 150 ms). Unbounded: announcements are few.
+pub type Announcements = std::sync::mpsc::Sender<PipelineMsg>;
 
 /// Channel depth from collect (and the supervisor) into the pipeline, in
 /// batches. The kernel ring buffer is the real buffer; this only smooths
@@ -71,6 +83,7 @@ pub struct Pipeline<E: Enrich> {
     pub enricher: E,
     pub fanout: FanOut,
     last_tick: u64,
+    announcements: Option<std::sync::mpsc::Receiver<PipelineMsg>>,
 }
 
 impl<E: Enrich> Pipeline<E> {
@@ -80,6 +93,25 @@ impl<E: Enrich> Pipeline<E> {
             enricher,
             fanout,
             last_tick: 0,
+            announcements: None,
+        }
+    }
+
+    /// Reads probe announcements from their own channel (see
+    /// [`Announcements`]) as well.
+    pub fn with_announcements(mut self, rx: std::sync::mpsc::Receiver<PipelineMsg>) -> Self {
+        self.announcements = Some(rx);
+        self
+    }
+
+    /// Handles every announcement waiting.
+    fn take_announcements(&mut self) {
+        while let Some(msg) = self
+            .announcements
+            .as_ref()
+            .and_then(|rx| rx.try_recv().ok())
+        {
+            self.handle(msg);
         }
     }
 
@@ -111,6 +143,7 @@ impl<E: Enrich> Pipeline<E> {
                 self.interpreter.drops(ts, cpus, total, &mut out)
             }
             PipelineMsg::Probes(update) => self.interpreter.probes_added(update, en, &mut out),
+            PipelineMsg::ProbeSlots(slots) => self.interpreter.slots_added(slots),
             PipelineMsg::Tick(now) => {
                 if now.saturating_sub(self.last_tick) >= SINK_TICK_NS {
                     self.last_tick = now;
@@ -142,8 +175,10 @@ impl<E: Enrich> Pipeline<E> {
         let _entered = span.enter();
         let body = std::panic::catch_unwind(AssertUnwindSafe(|| {
             while let Some(msg) = rx.blocking_recv() {
+                self.take_announcements();
                 self.handle(msg);
             }
+            self.take_announcements();
         }));
         let end = end();
         match body {

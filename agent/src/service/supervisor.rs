@@ -27,7 +27,7 @@ use super::kernel_side::{self, KernelHandle, KernelLevels};
 use super::notify::Notifier;
 use crate::host;
 use crate::pipeline::enrich::LiveEnricher;
-use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::pipeline::{Announcements, PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::flight_recorder::{
     DumpError, DumpRequest, DumpSpec, FlightRecorder, RecorderSettings, RecorderStats, Trigger,
 };
@@ -58,8 +58,10 @@ impl LevelSwitch for KernelNotAttached {
 
 /// What the rest of the service plugs into.
 pub struct Running {
-    /// Into the pipeline: collect's events, probe tables, drops.
+    /// Into the pipeline: collect's events, drops.
     pub pipeline: mpsc::Sender<PipelineMsg>,
+    /// Probe tables into the pipeline, ahead of queued events.
+    pub announce: Announcements,
     /// Traced processes by pid, as `GET /processes` lists them.
     pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
 }
@@ -243,10 +245,12 @@ where
         *r = Some(stats.clone());
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
+    let (announce, announce_rx) = std::sync::mpsc::channel();
     let pipeline = std::thread::Builder::new()
         .name("xpuscope-pipeline".into())
         .spawn(move || {
-            let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout);
+            let mut pipeline =
+                Pipeline::new(LiveEnricher::default(), fanout).with_announcements(announce_rx);
             pipeline.start(host::boottime_ns(), Vec::new());
             pipeline.run(rx, host::boottime_ns)
         })
@@ -312,6 +316,7 @@ where
     }
     let mut kernel = match started(Running {
         pipeline: tx.clone(),
+        announce,
         traced: traced.clone(),
     })
     .await

@@ -9,7 +9,7 @@ use object::elf::{
     DF_1_NODEFLIB, DT_FLAGS_1, DT_NEEDED, DT_NULL, DT_RPATH, DT_RUNPATH, DT_STRSZ, DT_STRTAB,
     PT_LOAD,
 };
-use object::read::elf::{Dyn, ElfFile64, FileHeader, ProgramHeader};
+use object::read::elf::{Dyn, ElfFile64, ProgramHeader};
 use object::{Architecture, Endianness, Object, ReadRef};
 
 /// Most `DT_NEEDED` entries kept per object (real ones have tens).

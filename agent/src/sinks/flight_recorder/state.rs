@@ -32,6 +32,7 @@ pub fn span(r: &Record) -> Option<(u64, u64)> {
         Record::MemoryHeld(m) => at(m.ts),
         Record::InFlightAtEnd(c) => Some((c.start_ts, c.end.max(c.start_ts))),
         Record::Drops { ts, .. } => at(*ts),
+        Record::LinkMapChanged(l) => at(l.ts),
     }
 }
 
@@ -52,6 +53,7 @@ pub fn owner(r: &Record) -> Option<u32> {
         Record::DeviceWork(w) => Some(w.track.tgid),
         Record::MemoryHeld(m) => Some(m.tgid),
         Record::InFlightAtEnd(c) => Some(c.tgid),
+        Record::LinkMapChanged(l) => Some(l.tgid),
         Record::InitialProcesses { .. }
         | Record::Switch { .. }
         | Record::Waking(_)
@@ -177,7 +179,8 @@ pub fn heap_bytes(r: &Record) -> usize {
         | Record::Exit { .. }
         | Record::Preempted(_)
         | Record::Enqueued(_)
-        | Record::InFlightAtEnd(_) => 0,
+        | Record::InFlightAtEnd(_)
+        | Record::LinkMapChanged(_) => 0,
     }
 }
 
