@@ -194,6 +194,7 @@ async fn record(
     // every dlopen are reported at once (others' loaders are hooked when a
     // traced program names them).
     let hooked = target.is_some()
+        && cfg.loader_hook
         && probes
             .hook_loader(DEFAULT_LOADER)
             .inspect_err(|e| tracing::warn!("loader hook: {e:#}"))

@@ -67,9 +67,10 @@ pub async fn on_loader_notices(
         let planned = started.elapsed();
         announce_and_apply(device, probes, tx, plan).await?;
         tracing::debug!(
-            "loader notice: pid {pid} (exec {exec}) at {}: {} probes made live, {} files ahead, \
+            "loader notice: pid {pid} (exec {exec}) at {} (started {}): {} probes made live, {} files ahead, \
              {} libraries mapped, planned in {planned:?}, done in {:?}",
             crate::host::boottime_ns(),
+            crate::host::boottime_ns() - started.elapsed().as_nanos() as u64,
             work.0,
             work.1,
             work.2,

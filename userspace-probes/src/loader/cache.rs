@@ -208,7 +208,7 @@ mod tests {
         data.push(0);
         data.extend_from_slice(&1u32.to_le_bytes());
         data.extend_from_slice(&[0; OLD_ENTRY]);
-        while data.len() % 8 != 0 {
+        while !data.len().is_multiple_of(8) {
             data.push(0);
         }
         data.extend_from_slice(&new);

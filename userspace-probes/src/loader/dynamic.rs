@@ -76,7 +76,7 @@ impl DynamicInfo {
         let (mut needed, mut rpath, mut runpath) = (Vec::new(), None, None);
         for d in dynamic.iter().take(MAX_DYNAMIC) {
             let (tag, val) = (d.tag32(endian), d.d_val(endian));
-            match tag.map(|t| t as u32) {
+            match tag {
                 Some(DT_NULL) => break,
                 Some(DT_STRTAB) => strtab = Some(val),
                 Some(DT_STRSZ) => strsz = val,
