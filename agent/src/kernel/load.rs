@@ -469,5 +469,24 @@ mod tests {
                     .unwrap_or_else(|e| panic!("{name}: {e:#}"));
             }
         }
+        let hook: &mut aya::programs::UProbe = bpf
+            .program_mut(LOADER_PROGRAM)
+            .expect("the loader hook program")
+            .try_into()
+            .unwrap();
+        hook.load()
+            .unwrap_or_else(|e| panic!("{LOADER_PROGRAM}: {e:#}"));
+    }
+
+    /// This machine's loader exports the debugger hook the agent probes
+    /// (Debian's glibc does, as `GLIBC_PRIVATE`).
+    #[test]
+    fn the_default_loader_exports_its_debugger_hook() {
+        let functions = xpuscope_probes::resolve::exported_functions(Path::new(DEFAULT_LOADER))
+            .expect("the default loader reads");
+        assert!(
+            functions.iter().any(|f| f.name == LOADER_HOOK),
+            "{DEFAULT_LOADER} exports no {LOADER_HOOK}"
+        );
     }
 }
