@@ -106,10 +106,10 @@ impl ProcessSource for LiveProcesses {
     /// `/proc/PID/root`).
     fn predict(&mut self, pid: u32) -> Option<Predicted> {
         let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
-        let exe = exe.to_str()?.strip_suffix(" (deleted)").map_or_else(
-            || exe.to_str().map(str::to_string),
-            |_| None, // a replaced program: its libraries are found in its maps
-        )?;
+        let exe = exe.to_str()?;
+        if exe.ends_with(" (deleted)") {
+            return None; // a replaced program: its libraries are found in its maps
+        }
         let same_root = |a: &str, b: &str| {
             let (Ok(a), Ok(b)) = (std::fs::metadata(a), std::fs::metadata(b)) else {
                 return false;
@@ -128,7 +128,7 @@ impl ProcessSource for LiveProcesses {
             ld_library_path: environ.as_deref().and_then(loader::ld_library_path),
             root,
         };
-        let prediction = match search.predict(&exe) {
+        let prediction = match search.predict(exe) {
             Ok(p) => p,
             Err(e) => {
                 tracing::debug!("device probes: pid {pid}: predicting its libraries: {e}");
