@@ -93,10 +93,13 @@ impl DynamicInfo {
         // DT_STRTAB is an address: find the file bytes of the segment
         // holding it, and read no further than that segment and DT_STRSZ.
         let addr = strtab.ok_or(DynamicError::Strings)?;
+        // Checked: a hostile file's offsets and sizes may overflow.
         let (start, avail) = loads
             .iter()
             .find(|(vaddr, _, filesz)| addr >= *vaddr && addr - vaddr < *filesz)
-            .map(|(vaddr, offset, filesz)| (offset + (addr - vaddr), filesz - (addr - vaddr)))
+            .and_then(|(vaddr, offset, filesz)| {
+                Some((offset.checked_add(addr - vaddr)?, filesz - (addr - vaddr)))
+            })
             .ok_or(DynamicError::Strings)?;
         let size = if strsz == 0 { avail } else { strsz.min(avail) };
         let string = |off: u64| -> Option<String> {
@@ -161,6 +164,18 @@ mod tests {
             "{info:?}"
         );
         assert!(info.needed.iter().any(|n| n == "libc.so.6"), "{info:?}");
+    }
+
+    /// Found by `cargo xtask fuzz elf_dynamic`: a string table in a
+    /// segment whose file offset plus the table's distance overflows.
+    #[test]
+    fn a_string_table_past_the_end_of_the_address_space_is_an_error() {
+        let crash =
+            include_bytes!("../../../tests/fuzz/corpus/elf_dynamic/crash-strtab-offset-overflow");
+        assert!(matches!(
+            DynamicInfo::parse(&crash[..]),
+            Err(DynamicError::Strings | DynamicError::Parse(_))
+        ));
     }
 
     #[test]
