@@ -1,8 +1,8 @@
 //! End-to-end: probes in place before a new process's first device call.
 //! The agent attaches to the simulator's launcher before it starts any
-//! rank; ranks set up their communicators 100 ms after they start (C ranks)
-//! or load the libraries (Python ranks, by `dlopen`): `--init-delay-ms 100`,
-//! five times below the agent's periodic rescan of 500 ms, so
+//! rank; C ranks set up their communicators 100 ms after they start
+//! (`--init-delay-ms 100`, five times below the agent's periodic rescan of
+//! 500 ms), Python ranks 300 ms after they loaded the libraries, so
 //! only probes placed at the rank's start (its program's predicted
 //! libraries, its loader's debugger hook) see the set-up calls. Every
 //! rank's every collective must then carry its communicator's identity and
@@ -194,19 +194,20 @@ fn ascend_c_ranks_started_after_the_agent_are_fully_identified() {
     assert_fully_identified(&run, "HcclCommInit", "Hccl", true);
 }
 
-/// Python ranks load the libraries with `dlopen` (ctypes), after the
-/// interpreter started: the loader hook reports the load, nothing is
-/// predicted from the program (python3 needs no device library).
+/// Python ranks load the libraries with `dlopen` (ctypes), one after the
+/// other, after the interpreter started: the loader hook reports each load,
+/// nothing is predicted from the program (python3 needs no device
+/// library). Their set-up comes 300 ms after the loads: the probes of three
+/// libraries, attached as each is loaded, take up to ~250 ms on a loaded
+/// 2-vCPU VM (the C-rank and dlopen tests are the tight ones).
 #[test]
 fn python_ranks_started_after_the_agent_are_fully_identified() {
     let _serial = exclusive();
-    let run = run_spawn_gated("early-py", 2, &["--lang", "python"]);
+    let python = ["--lang", "python", "--init-delay-ms", "300"];
+    let run = run_spawn_gated("early-py", 2, &python);
     assert_fully_identified(&run, "ncclCommInitRank", "nccl", false);
-    let run = run_spawn_gated(
-        "early-py-npu",
-        2,
-        &["--lang", "python", "--flavor", "ascend"],
-    );
+    let ascend = [&python[..], &["--flavor", "ascend"]].concat();
+    let run = run_spawn_gated("early-py-npu", 2, &ascend);
     assert_fully_identified(&run, "HcclCommInit", "Hccl", false);
 }
 
