@@ -206,6 +206,11 @@ pub struct AttachArgs {
     /// Testing aid: pause the reader this long (e.g. 5ms) after each batch.
     #[arg(long, hide = true, value_parser = config::parse_duration)]
     pub reader_delay: Option<Duration>,
+    /// Testing aid: no probe on the dynamic loader's debugger hook, so a
+    /// library `dlopen` maps is found by the periodic rescan alone (the
+    /// before/after measurement of the hook).
+    #[arg(long, hide = true)]
+    pub no_loader_hook: bool,
 }
 
 /// A hang timeout: a duration of at least 1 ms.
@@ -249,6 +254,7 @@ impl AttachArgs {
             report_targets: self.report_targets,
             device_call_rate: self.device_call_rate,
             hang_timeout: self.hang_timeout,
+            loader_hook: !self.no_loader_hook,
         }
     }
 }

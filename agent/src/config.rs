@@ -67,6 +67,9 @@ pub struct AttachConfig {
     pub level_schedule: LevelSchedule,
     /// Testing aid: print the kernel's traced set (`TARGETS`) at the stop.
     pub report_targets: bool,
+    /// Probe the dynamic loader's debugger hook (a `dlopen` is seen at
+    /// once, not at the next rescan of the traced processes' maps).
+    pub loader_hook: bool,
     /// Device-call records per second per (process, function) before calls
     /// are summarized (0: no limit).
     pub device_call_rate: u32,
@@ -117,6 +120,7 @@ impl Default for AttachConfig {
             hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
             level_schedule: LevelSchedule::default(),
             report_targets: false,
+            loader_hook: true,
         }
     }
 }

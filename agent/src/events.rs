@@ -4,8 +4,8 @@
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
     COMM_LEN, EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind,
-    MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit, ProcessFork, SchedSwitch, SchedWaking,
-    TaskRename, switch_flags,
+    LinkMapChange, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit, ProcessFork,
+    SchedSwitch, SchedWaking, TaskRename, switch_flags,
 };
 
 /// A task name as the kernel stores it (NUL-padded, not always UTF-8).
@@ -160,6 +160,16 @@ pub struct Rename {
     pub new_comm: Comm,
 }
 
+/// A traced thread called its dynamic loader's debugger hook: its
+/// process's link map changed (start-up, `dlopen`, `dlclose`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkMap {
+    pub cpu: u32,
+    pub ts: u64,
+    pub tid: u32,
+    pub tgid: u32,
+}
+
 /// Stacks of a thread leaving the CPU (addresses leaf first).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StackCapture {
@@ -188,6 +198,8 @@ pub enum Event {
     /// The user stack of a thread returning from a device-library call
     /// (before that call's `ProbeReturn`).
     ProbeStack(Box<CallStack>),
+    /// A process's link map changed.
+    LinkMap(LinkMap),
 }
 
 /// A caller's user stack at a probed function's return (addresses leaf
@@ -217,6 +229,7 @@ impl Event {
             Event::ProbeEntry(_) => EventKind::UprobeEntry,
             Event::ProbeReturn(_) => EventKind::UprobeReturn,
             Event::ProbeStack(_) => EventKind::UprobeStack,
+            Event::LinkMap(_) => EventKind::LinkMapChange,
         }
     }
 
@@ -233,6 +246,7 @@ impl Event {
             Event::ProbeEntry(e) => e.header.ts,
             Event::ProbeReturn(e) => e.header.ts,
             Event::ProbeStack(e) => e.ts,
+            Event::LinkMap(e) => e.ts,
         }
     }
 }
@@ -328,6 +342,15 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 child_tid: r.child_tid,
                 child_tgid: r.child_tgid,
                 child_comm: Comm(r.child_comm),
+            })
+        }
+        EventKind::LinkMapChange => {
+            let r: LinkMapChange = read(bytes, kind)?;
+            Event::LinkMap(LinkMap {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
             })
         }
         EventKind::ProcessExec => {
@@ -539,6 +562,34 @@ mod tests {
             Ok(vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_0100])
         );
         assert_eq!(s.user, Err(-14));
+    }
+
+    #[test]
+    fn decodes_a_link_map_change() {
+        let rec = LinkMapChange {
+            header: EventHeader {
+                kind: EventKind::LinkMapChange as u32,
+                cpu: 1,
+                ts: 99,
+            },
+            tid: 7,
+            tgid: 5,
+        };
+        let e = decode(&as_bytes(&rec)).unwrap();
+        assert_eq!(
+            e,
+            Event::LinkMap(LinkMap {
+                cpu: 1,
+                ts: 99,
+                tid: 7,
+                tgid: 5
+            })
+        );
+        assert_eq!((e.kind(), e.ts()), (EventKind::LinkMapChange, 99));
+        assert!(matches!(
+            decode(&as_bytes(&rec)[..20]),
+            Err(DecodeError::Size { want: 24, .. })
+        ));
     }
 
     #[test]

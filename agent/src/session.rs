@@ -16,19 +16,20 @@ use tracing::Instrument;
 
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
+use crate::kernel::load::DEFAULT_LOADER;
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
 use crate::model::Finding;
-use crate::pipeline::collect::{Reader, ReaderCounters};
+use crate::pipeline::collect::{LoaderNotice, NOTICE_QUEUE, Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::interpret::InterpretCounters;
-use crate::pipeline::{self, PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::pipeline::{self, Announcements, PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::perfetto::{PerfettoSink, Written};
 use crate::sinks::summary::{RecordTotals, SummarySink};
 use crate::sinks::{FanOut, SinkHandle, SinkReport};
 use crate::summary::{RunSummary, StopReason};
-use crate::supervise::{announce_and_apply, send_drops};
+use crate::supervise::{announce_and_apply, on_loader_notices, send_drops};
 use crate::{host, preflight, procfs};
 
 const POLL: Duration = Duration::from_millis(100);
@@ -84,6 +85,8 @@ fn start_kernel(
 struct Stages {
     /// Into the pipeline (collect's and the supervisor's messages).
     tx: mpsc::Sender<PipelineMsg>,
+    /// Probe announcements into the pipeline, ahead of queued events.
+    announce: Announcements,
     stop_collect: watch::Sender<bool>,
     collect: tokio::task::JoinHandle<Result<()>>,
     collect_counters: Arc<ReaderCounters>,
@@ -93,9 +96,16 @@ struct Stages {
     detect: SinkHandle<Vec<Finding>>,
 }
 
+/// Loader notices from collect, for the supervisor.
+type Notices = mpsc::Receiver<LoaderNotice>;
+
 impl Stages {
     /// Starts the sinks, the pipeline thread and the collect task.
-    fn start(cfg: &AttachConfig, probes: &mut Kernel, file: File) -> Result<(Self, usize)> {
+    fn start(
+        cfg: &AttachConfig,
+        probes: &mut Kernel,
+        file: File,
+    ) -> Result<(Self, usize, Notices)> {
         let start_ts = host::boottime_ns();
         let pids: Vec<u32> = if cfg.system_wide {
             procfs::all_pids()
@@ -121,11 +131,13 @@ impl Stages {
         )?;
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
+        let (announce_tx, announce_rx) = std::sync::mpsc::channel();
         let (pipeline, pipeline_rt) = pipeline::start_thread(
             move || {
                 let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
                     .with_device_call_rate(device_call_rate)
-                    .with_findings(findings_rx);
+                    .with_findings(findings_rx)
+                    .with_announcements(announce_rx);
                 pipeline.start(start_ts, processes);
                 pipeline
             },
@@ -134,9 +146,11 @@ impl Stages {
 
         let collect_counters = Arc::new(ReaderCounters::default());
         let (stop_collect, stop_rx) = watch::channel(false);
+        let (notice_tx, notices) = mpsc::channel(NOTICE_QUEUE);
         let reader = Reader {
             rings: probes.take_rings()?,
             out: tx.clone(),
+            notices: Some(notice_tx),
             counters: collect_counters.clone(),
             drain_interval: cfg.drain_interval,
             delay: cfg.reader_delay,
@@ -149,6 +163,7 @@ impl Stages {
         );
         let stages = Self {
             tx,
+            announce: announce_tx,
             stop_collect,
             collect,
             collect_counters,
@@ -157,7 +172,7 @@ impl Stages {
             summary,
             detect,
         };
-        Ok((stages, initial_threads))
+        Ok((stages, initial_threads, notices))
     }
 
     /// A stage that ended on its own (an error or a panic).
@@ -191,13 +206,30 @@ async fn record(
         device: DeviceLevel::new(cfg.probe_level)?,
     };
     let mut probes = start_kernel(&cfg, target, offsets, levels)?;
-    let (stages, initial_threads) = Stages::start(&cfg, &mut probes, file)?;
+    let (stages, initial_threads, mut notices) = Stages::start(&cfg, &mut probes, file)?;
+    // The host's loader's debugger hook: a traced process's start-up and
+    // every dlopen are reported at once (others' loaders are hooked when a
+    // traced program names them).
+    let hooked = target.is_some()
+        && cfg.loader_hook
+        && probes
+            .hook_loader(DEFAULT_LOADER)
+            .inspect_err(|e| tracing::warn!("loader hook: {e:#}"))
+            .is_ok();
 
     // Device libraries already mapped are probed before the start line, so
     // a caller waiting for it sees their calls from then on.
     let mut device = DeviceProbes::new(levels, cfg.stacks != StackPolicy::Off);
+    // With the loader hook, a process starting under the target gets its
+    // probes within milliseconds: the programs are verified beforehand.
     if target.is_some()
-        && let Err(e) = scan_devices(&mut device, &mut probes, &stages.tx).await
+        && hooked
+        && let Err(e) = device.load_programs(&mut probes.attacher())
+    {
+        tracing::warn!("device probes: {e:#}");
+    }
+    if target.is_some()
+        && let Err(e) = scan_devices(&mut device, &mut probes, &stages.announce).await
     {
         tracing::warn!("device probes: {e:#}");
     }
@@ -212,6 +244,7 @@ async fn record(
         &mut probes,
         &mut device,
         &mut drops_seen,
+        &mut notices,
     )
     .await?;
 
@@ -279,6 +312,7 @@ async fn supervise(
     probes: &mut Kernel,
     device: &mut AyaDeviceProbes,
     drops_seen: &mut [u64],
+    notices: &mut Notices,
 ) -> Result<StopReason> {
     let mut level_schedule = cfg.level_schedule.clone();
     let started = Instant::now();
@@ -306,6 +340,15 @@ async fn supervise(
             _ = sigterm.recv() => break StopReason::Terminated,
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await },
                 if deadline.is_some() => break StopReason::Duration,
+            Some(first) = notices.recv(), if target.is_some() => {
+                let mut batch = vec![first];
+                while let Ok(n) = notices.try_recv() {
+                    batch.push(n);
+                }
+                if let Err(e) = on_loader_notices(device, probes, &stages.announce, &batch).await {
+                    tracing::warn!("device probes: {e:#}");
+                }
+            }
             _ = poll.tick() => {
                 polls += 1;
                 if let Some(sig) = crate::stop::requested() {
@@ -319,13 +362,13 @@ async fn supervise(
                 }
                 probes.flush_log();
                 if let Some(level) = level_schedule.take_due(started.elapsed())
-                    && let Err(e) = change_device_level(device, probes, &stages.tx, level).await
+                    && let Err(e) = change_device_level(device, probes, &stages.announce, level).await
                 {
                     tracing::warn!("device probes: switching to level {level}: {e:#}");
                 }
                 if target.is_some()
                     && polls.is_multiple_of(DEVICE_SCAN_EVERY)
-                    && let Err(e) = scan_devices(device, probes, &stages.tx).await
+                    && let Err(e) = scan_devices(device, probes, &stages.announce).await
                 {
                     tracing::warn!("device probes: {e:#}");
                 }
@@ -364,6 +407,7 @@ async fn supervise(
 async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
     let Stages {
         tx,
+        announce,
         stop_collect,
         collect,
         collect_counters,
@@ -377,6 +421,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         .await
         .map_err(|e| anyhow!("the collect stage panicked: {e}"));
     drop(tx);
+    drop(announce);
     let pipeline_result = tokio::task::spawn_blocking(move || pipeline.join())
         .await?
         .map_err(|p| {
@@ -444,7 +489,7 @@ fn cut_trace(e: anyhow::Error, cfg: &AttachConfig) -> anyhow::Error {
 async fn scan_devices(
     device: &mut AyaDeviceProbes,
     probes: &mut Kernel,
-    tx: &mpsc::Sender<PipelineMsg>,
+    tx: &Announcements,
 ) -> Result<()> {
     let plan = device.plan(&probes.targets(), &mut LiveProcesses);
     announce_and_apply(device, probes, tx, plan).await
@@ -455,7 +500,7 @@ async fn scan_devices(
 async fn change_device_level(
     device: &mut AyaDeviceProbes,
     probes: &mut Kernel,
-    tx: &mpsc::Sender<PipelineMsg>,
+    tx: &Announcements,
     level: DeviceLevel,
 ) -> Result<()> {
     tracing::info!(

@@ -129,6 +129,9 @@ const SUMMARY_SITES: usize = 10;
 pub struct DeviceSummary {
     /// Library mappings probed (per process).
     pub libraries: u64,
+    /// Library files probed ahead of their first mapping, predicted from
+    /// a starting program's dependencies.
+    pub libraries_ahead: u64,
     /// Functions attached (entry and return), over all processes.
     pub attached_probes: u64,
     /// Functions or libraries that could not be attached.
@@ -204,6 +207,7 @@ fn kind_name(kind: EventKind) -> String {
         EventKind::UprobeReturn => "uprobe_return",
         EventKind::UprobeStack => "uprobe_stack",
         EventKind::BystanderSwitch => "bystander_switch",
+        EventKind::LinkMapChange => "link_map_change",
     }
     .to_string()
 }
@@ -349,6 +353,7 @@ impl RunSummary {
 
     pub fn set_device_probes(&mut self, stats: crate::kernel::probes::DeviceProbeStats) {
         self.device.libraries = stats.libraries;
+        self.device.libraries_ahead = stats.files_ahead;
         self.device.attached_probes = stats.attached;
         self.device.attach_failures = stats.attach_failures;
     }

@@ -7,27 +7,77 @@ use anyhow::{Result, anyhow};
 use tokio::sync::mpsc;
 
 use crate::host;
-use crate::kernel::probes::{AyaDeviceProbes, Plan};
+use crate::kernel::probes::{AyaDeviceProbes, LiveProcesses, Plan};
 use crate::kernel::{Kernel, KernelControl};
-use crate::pipeline::PipelineMsg;
+use crate::pipeline::collect::LoaderNotice;
+use crate::pipeline::{Announcements, PipelineMsg};
 
 /// Sends a plan's table updates to the pipeline (a probe's meaning must be
 /// known before it can fire), then applies it.
 pub async fn announce_and_apply(
     device: &mut AyaDeviceProbes,
     probes: &mut Kernel,
-    tx: &mpsc::Sender<PipelineMsg>,
+    tx: &Announcements,
     mut plan: Plan,
 ) -> Result<()> {
     if plan.is_empty() {
         return Ok(());
     }
-    for update in std::mem::take(&mut plan.updates) {
-        tx.send(PipelineMsg::Probes(update))
-            .await
+    let slots = std::mem::take(&mut plan.slots);
+    if !slots.is_empty() {
+        tx.send(PipelineMsg::ProbeSlots(slots))
             .map_err(|_| anyhow!("the pipeline stopped"))?;
     }
-    Ok(device.apply(&mut probes.attacher(), plan)?)
+    for update in std::mem::take(&mut plan.updates) {
+        tx.send(PipelineMsg::Probes(update))
+            .map_err(|_| anyhow!("the pipeline stopped"))?;
+    }
+    let loaders = std::mem::take(&mut plan.loaders);
+    device.apply(&mut probes.attacher(), plan)?;
+    for path in loaders {
+        if let Err(e) = probes.hook_loader(&path) {
+            tracing::warn!("loader hook: {e:#}");
+        }
+    }
+    Ok(())
+}
+
+/// Acts on loader notices read by collect: for each traced process that
+/// started a program or changed its link map, the libraries its program
+/// will load are probed by file (once per program start) and its maps
+/// rescanned now. Notices of one process are coalesced.
+pub async fn on_loader_notices(
+    device: &mut AyaDeviceProbes,
+    probes: &mut Kernel,
+    tx: &Announcements,
+    notices: &[LoaderNotice],
+) -> Result<()> {
+    let traced: std::collections::HashSet<u32> = probes.targets().into_iter().collect();
+    let mut by_pid: Vec<(u32, bool)> = Vec::new();
+    for n in notices.iter().filter(|n| traced.contains(&n.tgid)) {
+        match by_pid.iter_mut().find(|(p, _)| *p == n.tgid) {
+            Some((_, exec)) => *exec |= n.exec,
+            None => by_pid.push((n.tgid, n.exec)),
+        }
+    }
+    for (pid, exec) in by_pid {
+        let started = std::time::Instant::now();
+        let plan = device.plan_early(pid, exec, &mut LiveProcesses);
+        let work = (plan.live.len(), plan.files.len(), plan.libraries.len());
+        let planned = started.elapsed();
+        announce_and_apply(device, probes, tx, plan).await?;
+        tracing::debug!(
+            "loader notice: pid {pid} (exec {exec}) at {} (started {}): {} probes made live, {} files ahead, \
+             {} libraries mapped, planned in {planned:?}, done in {:?}",
+            crate::host::boottime_ns(),
+            crate::host::boottime_ns() - started.elapsed().as_nanos() as u64,
+            work.0,
+            work.1,
+            work.2,
+            started.elapsed()
+        );
+    }
+    Ok(())
 }
 
 /// Sends new per-CPU drops to the pipeline; `seen` holds what was sent

@@ -64,6 +64,7 @@ fn is_ours(name: &str) -> bool {
         "sched_wakeup_ne",
         "sched_switch",
         "device_call_",
+        "loader_link_map",
     ];
     PREFIXES.iter().any(|p| name.starts_with(p))
 }
@@ -405,5 +406,107 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
     assert!(
         left.is_empty(),
         "programs {left:?} of the service left behind:\n{log}"
+    );
+}
+
+/// A process the service discovers by its name, before it loads any device
+/// library: once traced, its `dlopen` of the CUDA runtime is reported by
+/// the loader's debugger hook, so calls made 50 ms after `dlopen` returns
+/// are in the flight recorder (the service's discovery round is 250 ms).
+#[test]
+fn the_service_probes_a_traced_process_at_its_dlopen() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("service-dlopen");
+    let socket = dir.path().join("run/agent.sock");
+    let dump_dir = dir.path().join("dumps");
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "level = 1\ndump_dir = \"{}\"\n[discovery]\ncomm = \"^xpuscope-worklo$\"\n\
+             [control]\nsocket = \"{}\"\n",
+            dump_dir.display(),
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let mut agent = Proc::spawn(
+        "agent service",
+        Command::new(agent_bin())
+            .arg("service")
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let mut stderr = Lines::new(agent.stderr());
+    let up = Instant::now();
+    while !socket.exists() {
+        assert!(
+            agent.child.try_wait().unwrap().is_none() && up.elapsed() < Duration::from_secs(30),
+            "no control socket:\n{}",
+            stderr.rest(Duration::from_millis(100))
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut wl = Proc::spawn(
+        "workload",
+        Command::new(fixtures.join("workloads/xpuscope-workload"))
+            .arg("dlopen")
+            .arg(fixtures.join("standins/lib/libcudart.so.12"))
+            .args(["50", "20", "1000"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let pid = wl.pid();
+    let listed = Instant::now();
+    loop {
+        let list = ctl(&socket, &["processes"]);
+        if list
+            .as_array()
+            .expect("a list")
+            .iter()
+            .any(|e| e["pid"].as_u64() == Some(pid as u64))
+        {
+            break;
+        }
+        assert!(
+            listed.elapsed() < Duration::from_secs(5),
+            "the workload (pid {pid}) was not discovered: {list}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut out = Lines::new(wl.stdout());
+    xpuscope_tests::agent::go(&mut wl.stdin());
+    out.wait_for("dlopen_return_ns", Duration::from_secs(30));
+    assert!(
+        wl.wait_timeout(Duration::from_secs(10))
+            .is_some_and(|s| s.success())
+    );
+    // Let the records reach the flight recorder.
+    std::thread::sleep(Duration::from_millis(500));
+    let tl = dump(&socket, &dump_dir);
+    let calls: Vec<String> = slices_of(&tl, pid, "cudaSetDevice")
+        .iter()
+        .map(|s| arg_text(s, "device"))
+        .collect();
+    let expected: Vec<String> = (0..20).map(|i| i.to_string()).collect();
+    assert_eq!(
+        calls,
+        expected,
+        "{}",
+        stderr.rest(Duration::from_millis(200))
+    );
+    agent.signal(libc::SIGTERM);
+    assert!(
+        agent
+            .wait_timeout(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "{}",
+        stderr.rest(Duration::from_secs(1))
     );
 }

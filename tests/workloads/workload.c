@@ -15,8 +15,14 @@
  *   renamer N      after "go", renames its thread N times, then exits.
  *   threads N      after "go", starts and joins N short-lived threads one
  *                  after another (each sleeps 100 us once, then exits).
+ *   dlopen LIB DELAY_MS CALLS INTERVAL_US
+ *                  after "go", dlopens LIB (a CUDA runtime), waits DELAY_MS
+ *                  after dlopen returned, then calls cudaSetDevice(i) for
+ *                  i = 0..CALLS-1, INTERVAL_US apart; prints the CLOCK_BOOTTIME
+ *                  of dlopen's return and of the first call as JSON.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -263,6 +269,38 @@ static int thread_churn(long n) {
     return 0;
 }
 
+/* Calls into a library right after dlopen maps it: how soon its probes
+ * are in place. */
+static int dlopen_calls(const char *path, long delay_ms, long calls, long interval_us) {
+    wait_for_go();
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    uint64_t opened = now_ns();
+    if (!h) {
+        fprintf(stderr, "dlopen %s: %s\n", path, dlerror());
+        return 2;
+    }
+    int (*set_device)(int) = (int (*)(int))dlsym(h, "cudaSetDevice");
+    if (!set_device) {
+        fprintf(stderr, "%s has no cudaSetDevice\n", path);
+        return 2;
+    }
+    if (delay_ms > 0) {
+        struct timespec ts = {delay_ms / 1000, (delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    uint64_t first = now_ns();
+    for (long i = 0; i < calls; i++) {
+        set_device((int)i);
+        if (interval_us > 0) {
+            struct timespec ts = {interval_us / 1000000, (interval_us % 1000000) * 1000L};
+            nanosleep(&ts, NULL);
+        }
+    }
+    printf("{\"dlopen_return_ns\":%llu,\"first_call_ns\":%llu,\"calls\":%ld}\n",
+           (unsigned long long)opened, (unsigned long long)first, calls);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *mode = argc > 1 ? argv[1] : "pattern";
@@ -302,6 +340,9 @@ int main(int argc, char **argv) {
         }
         printf("{\"renames\":%ld}\n", n);
         return 0;
+    }
+    if (!strcmp(mode, "dlopen") && argc > 5) {
+        return dlopen_calls(argv[2], atol(argv[3]), atol(argv[4]), atol(argv[5]));
     }
     if (!strcmp(mode, "threads")) {
         return thread_churn(argc > 2 ? atol(argv[2]) : 1000);

@@ -26,6 +26,8 @@ pub const TARGETS: &[&str] = &[
     "procfs",
     "btf",
     "environ",
+    "ld_cache",
+    "elf_dynamic",
 ];
 
 fn fuzz_dir() -> PathBuf {

@@ -89,6 +89,15 @@ pub const PROGRAMS: &[TracepointProgram] = &[
     },
 ];
 
+/// The program on the dynamic loader's debugger hook.
+pub const LOADER_PROGRAM: &str = "loader_link_map";
+/// The loader function it sits on: glibc's `r_debug.r_brk`, called before
+/// and after every change to a process's link map (exported in `.dynsym`
+/// as `GLIBC_PRIVATE`).
+pub const LOADER_HOOK: &str = "_dl_debug_state";
+/// The loader programs name in `PT_INTERP` on x86-64 glibc systems.
+pub const DEFAULT_LOADER: &str = "/lib64/ld-linux-x86-64.so.2";
+
 /// The kernel's ring buffers, taken once by the collect stage.
 pub struct KernelRings {
     /// The traced job's switches and wakings, process lifetimes, renames
@@ -105,6 +114,8 @@ pub struct KernelRings {
 pub struct Kernel {
     bpf: Ebpf,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    /// Loader files (device, inode) whose debugger hook was tried.
+    loader_hooks: std::collections::HashSet<(u64, u64)>,
 }
 
 pub struct LoadOptions<'a> {
@@ -198,7 +209,57 @@ impl Kernel {
                 .attach()
                 .with_context(|| format!("attaching {name} to tracepoint {}", p.tracepoint))?;
         }
-        Ok(Kernel { bpf, logger })
+        Ok(Kernel {
+            bpf,
+            logger,
+            loader_hooks: Default::default(),
+        })
+    }
+
+    /// Probes the debugger hook of the dynamic loader at `path` for every
+    /// process (traced ones report each change of their link map: the
+    /// supervisor rescans their maps at once). Once per loader file;
+    /// `Ok(false)` if it was tried before. Without the hook, libraries
+    /// `dlopen` maps are found by the periodic rescan only.
+    pub fn hook_loader(&mut self, path: &str) -> Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).with_context(|| format!("loader {path}"))?;
+        if !self.loader_hooks.insert((meta.dev(), meta.ino())) {
+            return Ok(false);
+        }
+        let offset = xpuscope_probes::resolve::exported_functions(Path::new(path))?
+            .into_iter()
+            .find(|f| f.name == LOADER_HOOK)
+            .map(|f| f.file_offset)
+            .with_context(|| {
+                format!(
+                    "{path} exports no {LOADER_HOOK}: libraries loaded with dlopen are found \
+                     by the periodic rescan only"
+                )
+            })?;
+        let program: &mut aya::programs::UProbe = self
+            .bpf
+            .program_mut(LOADER_PROGRAM)
+            .ok_or_else(|| KernelError::Missing(format!("program {LOADER_PROGRAM}")))?
+            .try_into()?;
+        if program.fd().is_err() {
+            program
+                .load()
+                .with_context(|| format!("verifying/loading {LOADER_PROGRAM}"))?;
+        }
+        let point = aya::programs::uprobe::UProbeAttachPoint {
+            location: offset.into(),
+            cookie: None,
+        };
+        program
+            .attach(
+                point,
+                path,
+                aya::programs::uprobe::UProbeScope::AllProcesses,
+            )
+            .with_context(|| format!("attaching {LOADER_PROGRAM} at {path}+{offset:#x}"))?;
+        tracing::info!("loader hook: {path}+{offset:#x} ({LOADER_HOOK})");
+        Ok(true)
     }
 
     /// The device-call probes' kernel effects over this object.
@@ -206,8 +267,16 @@ impl Kernel {
         AyaAttacher::new(&mut self.bpf)
     }
 
-    /// Detaches and unloads every tracepoint program (maps stay readable).
+    /// Detaches and unloads every tracepoint program and the loader hook
+    /// (maps stay readable).
     pub fn detach_all(&mut self) {
+        if let Some(program) = self.bpf.program_mut(LOADER_PROGRAM)
+            && program.fd().is_ok()
+            && let Ok(up) = <&mut aya::programs::UProbe>::try_from(program)
+            && let Err(e) = up.unload()
+        {
+            tracing::warn!("detaching {LOADER_PROGRAM}: {e}");
+        }
         for name in PROGRAMS.iter().flat_map(|p| p.names()) {
             if let Some(program) = self.bpf.program_mut(name)
                 && program.fd().is_ok()
@@ -408,5 +477,24 @@ mod tests {
                     .unwrap_or_else(|e| panic!("{name}: {e:#}"));
             }
         }
+        let hook: &mut aya::programs::UProbe = bpf
+            .program_mut(LOADER_PROGRAM)
+            .expect("the loader hook program")
+            .try_into()
+            .unwrap();
+        hook.load()
+            .unwrap_or_else(|e| panic!("{LOADER_PROGRAM}: {e:#}"));
+    }
+
+    /// This machine's loader exports the debugger hook the agent probes
+    /// (Debian's glibc does, as `GLIBC_PRIVATE`).
+    #[test]
+    fn the_default_loader_exports_its_debugger_hook() {
+        let functions = xpuscope_probes::resolve::exported_functions(Path::new(DEFAULT_LOADER))
+            .expect("the default loader reads");
+        assert!(
+            functions.iter().any(|f| f.name == LOADER_HOOK),
+            "{DEFAULT_LOADER} exports no {LOADER_HOOK}"
+        );
     }
 }

@@ -22,7 +22,7 @@ pub use finding::{Finding, FindingKind};
 pub use identity::RankIdentity;
 pub use stack::{Site, Stack, SymFrame, site_label};
 
-use crate::events::{Comm, Exec, Exit, Fork, Rename, Switch, Waking};
+use crate::events::{Comm, Exec, Exit, Fork, LinkMap, Rename, Switch, Waking};
 use crate::procfs::ProcessEntry;
 
 /// A named value attached to a record (rendered as a trace argument, a
@@ -160,6 +160,9 @@ pub enum Record {
     MemoryHeld(MemoryHeld),
     /// A call still running when the recording ended.
     InFlightAtEnd(InFlightCall),
+    /// A traced process's dynamic loader changed its link map (start-up,
+    /// `dlopen`, `dlclose`): the supervisor has rescanned its maps.
+    LinkMapChanged(LinkMap),
     /// Events were lost on these CPUs; `total` lost so far.
     Drops {
         ts: u64,
@@ -176,7 +179,7 @@ pub enum Record {
 
 impl Record {
     /// Number of kinds ([`Record::kind_index`] is below it).
-    pub const KINDS: usize = 19;
+    pub const KINDS: usize = 20;
     /// The kinds' short names, by [`Record::kind_index`].
     pub const KIND_NAMES: [&'static str; Record::KINDS] = [
         "initial_processes",
@@ -198,6 +201,7 @@ impl Record {
         "drops",
         "in_flight",
         "finding",
+        "link_map_changed",
     ];
 
     /// A dense index per kind (counting per kind without a map lookup).
@@ -222,6 +226,7 @@ impl Record {
             Record::Drops { .. } => 16,
             Record::InFlight(_) => 17,
             Record::Finding(_) => 18,
+            Record::LinkMapChanged(_) => 19,
         }
     }
 

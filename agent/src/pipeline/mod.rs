@@ -42,6 +42,7 @@ use crate::procfs::ProcessEntry;
 use crate::sinks::{FanOut, panic_message};
 use enrich::Enrich;
 use interpret::{InterpretCounters, Interpreter};
+use xpuscope_probes::decode::table::ProbeTarget;
 
 /// Messages into the pipeline, in stream order.
 pub enum PipelineMsg {
@@ -55,9 +56,20 @@ pub enum PipelineMsg {
     /// Device-library probes about to be attached (sent before they can
     /// fire, so every hit finds its meaning).
     Probes(TableUpdate),
+    /// Probes attached by library file ahead of any process mapping it:
+    /// (slot, what it is). A hit from any traced process decodes by slot.
+    ProbeSlots(Vec<(u32, ProbeTarget)>),
     /// Time passes (sinks flush, write clock snapshots).
     Tick(u64),
 }
+
+/// The supervisors' probe announcements (`Probes`, `ProbeSlots`): a
+/// channel of their own, read before every message of the main one, so a
+/// probe's meaning reaches interpret before any batch that can hold its
+/// hits, however many batches queue ahead (a new rank's probes must be
+/// attached within milliseconds; waiting behind a full queue of events
+/// took 150 ms). Unbounded: announcements are few.
+pub type Announcements = std::sync::mpsc::Sender<PipelineMsg>;
 
 /// Channel depth from collect (and the supervisor) into the pipeline, in
 /// batches. The kernel ring buffer is the real buffer; this only smooths
@@ -75,6 +87,7 @@ pub struct Pipeline<E: Enrich> {
     last_tick: u64,
     /// Findings fed back by the detect sink.
     findings: Option<std::sync::mpsc::Receiver<Finding>>,
+    announcements: Option<std::sync::mpsc::Receiver<PipelineMsg>>,
 }
 
 impl<E: Enrich> Pipeline<E> {
@@ -85,6 +98,25 @@ impl<E: Enrich> Pipeline<E> {
             fanout,
             last_tick: 0,
             findings: None,
+            announcements: None,
+        }
+    }
+
+    /// Reads probe announcements from their own channel (see
+    /// [`Announcements`]) as well.
+    pub fn with_announcements(mut self, rx: std::sync::mpsc::Receiver<PipelineMsg>) -> Self {
+        self.announcements = Some(rx);
+        self
+    }
+
+    /// Handles every announcement waiting.
+    fn take_announcements(&mut self) {
+        while let Some(msg) = self
+            .announcements
+            .as_ref()
+            .and_then(|rx| rx.try_recv().ok())
+        {
+            self.handle(msg);
         }
     }
 
@@ -116,6 +148,7 @@ impl<E: Enrich> Pipeline<E> {
                 self.interpreter.drops(ts, cpus, total, &mut out)
             }
             PipelineMsg::Probes(update) => self.interpreter.probes_added(update, en, &mut out),
+            PipelineMsg::ProbeSlots(slots) => self.interpreter.slots_added(slots),
             PipelineMsg::Tick(now) => {
                 if now.saturating_sub(self.last_tick) >= SINK_TICK_NS {
                     self.last_tick = now;
@@ -187,8 +220,10 @@ impl<E: Enrich> Pipeline<E> {
         let body = std::panic::catch_unwind(AssertUnwindSafe(|| {
             rt.block_on(async {
                 while let Some(msg) = rx.recv().await {
+                    self.take_announcements();
                     self.handle(msg);
                 }
+                self.take_announcements();
             })
         }));
         drop(rt);

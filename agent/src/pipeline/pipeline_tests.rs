@@ -453,3 +453,30 @@ fn state_per_process_goes_when_it_exits() {
     assert_eq!(counts.per_kind["new_task"], 20_000);
     assert_eq!(counts.per_kind["exit"], 20_000);
 }
+
+/// Probe announcements overtake queued event batches: slots announced
+/// after three batches with their hits were queued (a starting program's
+/// libraries probed by file while collect's queue is full) still name
+/// every hit, and the process's own table is not needed.
+#[test]
+fn announcements_are_read_before_queued_batches() {
+    let mut fanout = FanOut::default();
+    let counting = fanout.add("count", CountingSink::default(), 64).unwrap();
+    let (tx, rx) = mpsc::channel(8);
+    let (announce, announce_rx) = std::sync::mpsc::channel();
+    for i in 0..3u64 {
+        tx.blocking_send(PipelineMsg::Events(allreduce(100_000 * (i + 1)).to_vec()))
+            .unwrap();
+    }
+    let target = probes().probes[0].2;
+    announce
+        .send(PipelineMsg::ProbeSlots(vec![(1, target)]))
+        .unwrap();
+    drop(tx);
+    Pipeline::new(FakeEnricher::default(), fanout)
+        .with_announcements(announce_rx)
+        .run(rx, || 1_000_000_000)
+        .unwrap();
+    let counts = counting.join().unwrap();
+    assert_eq!(counts.calls_per_function["ncclAllReduce"], 3, "{counts:?}");
+}

@@ -34,12 +34,15 @@ use super::discovery::{Discovery, Found, LiveProcTable, first_variable};
 use super::supervisor::{LevelSwitch, Running};
 use crate::btf::{self, Btf};
 use crate::config::AttachConfig;
+use crate::kernel::load::DEFAULT_LOADER;
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
 use crate::model::RankIdentity;
+use crate::pipeline::Announcements;
 use crate::pipeline::PipelineMsg;
+use crate::pipeline::collect::{LoaderNotice, NOTICE_QUEUE};
 use crate::pipeline::collect::{Reader, ReaderCounters};
-use crate::supervise::{announce_and_apply, send_drops};
+use crate::supervise::{announce_and_apply, on_loader_notices, send_drops};
 use crate::{host, preflight, procfs};
 
 /// How often discovery runs (and drops are forwarded).
@@ -172,7 +175,15 @@ pub async fn start(
     let tuning = AttachConfig::default();
     let rings = kernel.take_rings()?;
     let (stop_collect, stop_rx) = watch::channel(false);
+    let (notice_tx, notices) = mpsc::channel(NOTICE_QUEUE);
+    // The host's loader's debugger hook: a traced process's start-up and
+    // every dlopen are reported at once.
+    let hooked = kernel
+        .hook_loader(DEFAULT_LOADER)
+        .inspect_err(|e| tracing::warn!("loader hook: {e:#}"))
+        .is_ok();
     let reader = Reader {
+        notices: Some(notice_tx),
         rings,
         out: running.pipeline.clone(),
         counters: Arc::new(ReaderCounters::default()),
@@ -196,14 +207,20 @@ pub async fn start(
         discovery: Discovery::new(cfg.discovery.clone()),
         job_env: cfg.labels.job_env.clone(),
         tx: running.pipeline,
+        announce: running.announce,
         traced: running.traced,
         known: HashMap::new(),
         drops_seen: vec![0; host::possible_cpus()],
     };
+    // Programs verified beforehand: a starting process's probes are then
+    // attached within milliseconds of its loader's first report.
+    if hooked && let Err(e) = side.device.load_programs(&mut side.kernel.attacher()) {
+        tracing::warn!("device probes: {e:#}");
+    }
     side.round().await?;
     let (stop, stop_rx) = oneshot::channel();
     let task = tokio::spawn(
-        side.run(levels, stop_rx, stop_collect, collect)
+        side.run(levels, notices, stop_rx, stop_collect, collect)
             .instrument(tracing::info_span!("kernel")),
     );
     Ok(KernelHandle { stop, task })
@@ -215,6 +232,7 @@ struct KernelSide {
     discovery: Discovery,
     job_env: Vec<String>,
     tx: mpsc::Sender<PipelineMsg>,
+    announce: Announcements,
     traced: Arc<Mutex<BTreeMap<u32, Value>>>,
     /// What `GET /processes` says about each traced process, read once
     /// (dropped when it leaves the set).
@@ -226,6 +244,7 @@ impl KernelSide {
     async fn run(
         mut self,
         mut levels: mpsc::Receiver<LevelRequest>,
+        mut notices: mpsc::Receiver<LoaderNotice>,
         mut stop: oneshot::Receiver<()>,
         stop_collect: watch::Sender<bool>,
         mut collect: tokio::task::JoinHandle<Result<()>>,
@@ -243,6 +262,19 @@ impl KernelSide {
                         Ok(Err(e)) => e.context("the collect stage failed"),
                         Err(e) => anyhow!("the collect stage panicked: {e}"),
                     });
+                }
+                Some(first) = notices.recv() => {
+                    // A traced process started a program or dlopen'ed:
+                    // its probes now, not at the next round.
+                    let mut batch = vec![first];
+                    while let Ok(n) = notices.try_recv() {
+                        batch.push(n);
+                    }
+                    if let Err(e) =
+                        on_loader_notices(&mut self.device, &mut self.kernel, &self.announce, &batch).await
+                    {
+                        tracing::warn!("device probes: {e:#}");
+                    }
                 }
                 Some(req) = levels.recv() => {
                     let answer = self.set_level(req.level).await.map_err(|e| format!("{e:#}"));
@@ -290,7 +322,8 @@ impl KernelSide {
         }
         let targets = self.kernel.targets();
         let plan = self.device.plan(&targets, &mut LiveProcesses);
-        if let Err(e) = announce_and_apply(&mut self.device, &mut self.kernel, &self.tx, plan).await
+        if let Err(e) =
+            announce_and_apply(&mut self.device, &mut self.kernel, &self.announce, plan).await
         {
             if self.tx.is_closed() {
                 return Err(e.context("device probes"));
@@ -377,7 +410,7 @@ impl KernelSide {
         let plan = self
             .device
             .set_device_level(want.device, &mut LiveProcesses);
-        announce_and_apply(&mut self.device, &mut self.kernel, &self.tx, plan).await
+        announce_and_apply(&mut self.device, &mut self.kernel, &self.announce, plan).await
     }
 }
 

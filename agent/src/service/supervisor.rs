@@ -27,7 +27,7 @@ use super::kernel_side::{self, KernelHandle, KernelLevels};
 use super::notify::Notifier;
 use crate::host;
 use crate::pipeline::enrich::LiveEnricher;
-use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::pipeline::{Announcements, PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::flight_recorder::{
     DumpError, DumpRequest, DumpSpec, FlightRecorder, RecorderSettings, RecorderStats, Trigger,
@@ -59,11 +59,13 @@ impl LevelSwitch for KernelNotAttached {
 
 /// What the rest of the service plugs into.
 pub struct Running {
-    /// Into the pipeline: collect's events, probe tables, drops.
+    /// Into the pipeline: collect's events, drops.
     pub pipeline: mpsc::Sender<PipelineMsg>,
     /// Where collect runs: the pipeline's own thread (see
     /// `pipeline::start_thread`).
     pub collect_runtime: tokio::runtime::Handle,
+    /// Probe tables into the pipeline, ahead of queued events.
+    pub announce: Announcements,
     /// Traced processes by pid, as `GET /processes` lists them.
     pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
 }
@@ -263,10 +265,12 @@ where
         *r = Some(stats.clone());
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
+    let (announce, announce_rx) = std::sync::mpsc::channel();
     let (pipeline, collect_runtime) = crate::pipeline::start_thread(
         move || {
-            let mut pipeline =
-                Pipeline::new(LiveEnricher::default(), fanout).with_findings(findings_rx);
+            let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
+                .with_findings(findings_rx)
+                .with_announcements(announce_rx);
             pipeline.start(host::boottime_ns(), Vec::new());
             pipeline
         },
@@ -335,6 +339,7 @@ where
     let mut kernel = match started(Running {
         pipeline: tx.clone(),
         collect_runtime,
+        announce,
         traced: traced.clone(),
     })
     .await

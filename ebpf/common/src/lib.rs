@@ -79,10 +79,15 @@ pub enum EventKind {
     /// bystander ring, so a neighbour's switch storm can only lose records
     /// of its own kind, never the traced job's.
     BystanderSwitch = 12,
+    /// A traced process's dynamic loader changed its link map (it called
+    /// its debugger hook `_dl_debug_state`: at start-up before and after
+    /// mapping the program's libraries, and at every `dlopen`/`dlclose`)
+    /// ([`LinkMapChange`]).
+    LinkMapChange = 13,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 12] = [
+    pub const ALL: [EventKind; 13] = [
         EventKind::SchedSwitch,
         EventKind::SchedWaking,
         EventKind::SchedWakeupNew,
@@ -95,6 +100,7 @@ impl EventKind {
         EventKind::UprobeReturn,
         EventKind::UprobeStack,
         EventKind::BystanderSwitch,
+        EventKind::LinkMapChange,
     ];
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -251,6 +257,19 @@ pub struct OffCpuStack {
     pub user: [u64; MAX_STACK_DEPTH],
 }
 
+/// A traced thread called its dynamic loader's debugger hook
+/// (`_dl_debug_state`, the `r_brk` of `r_debug` that debuggers break on):
+/// the process's link map changed or is about to. Pushed to the scheduler
+/// ring with a wakeup of its own (the agent rescans that process's maps at
+/// once); rare: a few per process start, one or two per `dlopen`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LinkMapChange {
+    pub header: EventHeader,
+    pub tid: u32,
+    pub tgid: u32,
+}
+
 /// `task_struct` field offsets (bytes), read from the running kernel's BTF
 /// because Rust eBPF has no CO-RE relocations.
 #[repr(C)]
@@ -327,6 +346,7 @@ const _: () = assert!(core::mem::size_of::<ProcessFork>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExit>() == 56);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
+const _: () = assert!(core::mem::size_of::<LinkMapChange>() == 24);
 const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<Config>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);

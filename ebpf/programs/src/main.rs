@@ -8,6 +8,7 @@
 //! - `process`: fork (following traced processes into children), exec, exit,
 //!   rename;
 //! - `uprobes`: device-library calls (one generic entry/return pair);
+//! - `loader`: the dynamic loader's debugger hook (a link map changed);
 //! - `ring`, `task`, `stacks`: shared plumbing;
 //! - `bench`: a bare counting uprobe, the benchmark's baseline only.
 //!
@@ -21,6 +22,8 @@
 
 #[cfg(target_arch = "bpf")]
 mod bench;
+#[cfg(target_arch = "bpf")]
+mod loader;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]

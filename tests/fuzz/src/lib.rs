@@ -12,6 +12,8 @@
 //! | `procfs` | `/proc/PID/stat`, `status`, `cmdline` |
 //! | `btf` | a `--kernel-btf` file |
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
+//! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
+//! | `elf_dynamic` | a program's or library's `PT_INTERP`, `DT_NEEDED`, `DT_RPATH`/`DT_RUNPATH`, and `LD_LIBRARY_PATH` from its environment |
 //!
 //! Run them with `cargo xtask fuzz [--seconds N] [TARGET]` (libFuzzer,
 //! nightly) or replay the kept corpus with `cargo test -p xpuscope-fuzz`.
@@ -24,6 +26,7 @@ use std::io::Write;
 
 use xpuscope_probes::activity::{self, ActivityApi};
 use xpuscope_probes::catalog::Library;
+use xpuscope_probes::loader::{self, DynamicInfo, LdCache};
 use xpuscope_probes::placement::{self, Reg, RegSet};
 use xpuscope_probes::{discover, maps::ProcessMaps, resolve};
 
@@ -42,6 +45,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("procfs", procfs),
     ("btf", btf),
     ("environ", environ),
+    ("ld_cache", ld_cache),
+    ("elf_dynamic", elf_dynamic),
 ];
 
 /// The target called `name`.
@@ -162,5 +167,33 @@ pub fn btf(data: &[u8]) {
         let _ = agent::btf::task_offsets(&b);
         let _ = b.offset_of("task_struct", "thread_info.cpu");
         let _ = b.offset_of("task_struct", "a.b.c.d");
+    }
+}
+
+/// A loader cache file, and the lookups the search makes in it.
+pub fn ld_cache(data: &[u8]) {
+    if let Ok(c) = LdCache::parse(data) {
+        for (name, path) in c.entries() {
+            assert!(!name.is_empty() && !path.is_empty());
+            assert!(c.lookup(name).is_some());
+        }
+        let _ = c.lookup("libnccl.so.2");
+    }
+}
+
+/// An ELF object's dynamic-loading facts (read from memory, as through
+/// the file cache), its search lists expanded, and the same bytes as an
+/// environment's `LD_LIBRARY_PATH`.
+pub fn elf_dynamic(data: &[u8]) {
+    if let Ok(info) = DynamicInfo::parse(data) {
+        assert!(info.needed.len() <= 256);
+        for list in [&info.rpath, &info.runpath].into_iter().flatten() {
+            for dir in loader::split_list(list, "/origin") {
+                assert!(dir.starts_with('/') && !dir.contains('$'), "{dir:?}");
+            }
+        }
+    }
+    if let Some(v) = loader::ld_library_path(data) {
+        let _ = loader::split_list(&v, "/origin");
     }
 }

@@ -90,7 +90,9 @@ fn every_target_has_a_test_and_a_corpus() {
             "maps",
             "procfs",
             "btf",
-            "environ"
+            "environ",
+            "ld_cache",
+            "elf_dynamic"
         ]
     );
     for n in names {
@@ -145,4 +147,14 @@ fn environ() {
 #[test]
 fn btf() {
     replay("btf");
+}
+
+#[test]
+fn ld_cache() {
+    replay("ld_cache");
+}
+
+#[test]
+fn elf_dynamic() {
+    replay("elf_dynamic");
 }

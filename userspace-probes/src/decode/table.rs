@@ -33,6 +33,36 @@ pub struct AttachedProbe {
     pub target: ProbeTarget,
 }
 
+/// Every probe of a library file, whoever maps it: (file offset to attach
+/// at, what the kernel copies with stack offsets adjusted for the
+/// placement, what it is). A probe attached by file before any process
+/// maps it is named by its slot alone.
+pub fn file_probes(resolved: &ResolvedLibrary) -> Vec<(u64, ProbeSpec, ProbeTarget)> {
+    resolved
+        .probes
+        .iter()
+        .map(|p| {
+            let target = ProbeTarget {
+                library: resolved.library,
+                function: p.function,
+                sp_delta: p.placement.sp_delta,
+            };
+            let mut spec = p.function.probe_spec();
+            if spec.entry_deref_arg == DEREF_STACK {
+                // The aggregate moved by the instructions the probe sits past.
+                match u32::try_from(i64::from(spec.entry_stack_off) + p.placement.sp_delta) {
+                    Ok(off) => spec.entry_stack_off = off,
+                    Err(_) => {
+                        spec.entry_deref_arg = DEREF_NONE;
+                        spec.entry_deref_len = 0;
+                    }
+                }
+            }
+            (p.probe_file_offset(), spec, target)
+        })
+        .collect()
+}
+
 /// Probe addresses of all traced processes.
 #[derive(Clone, Debug, Default)]
 pub struct ProbeTable {
@@ -89,28 +119,11 @@ impl ProbeTable {
         resolved: &ResolvedLibrary,
     ) -> Vec<AttachedProbe> {
         let mut out = Vec::with_capacity(resolved.probes.len());
-        for p in &resolved.probes {
-            let file_offset = p.probe_file_offset();
+        for (file_offset, spec, target) in file_probes(resolved) {
             let Some(probe_ip) = loaded.address_of(file_offset) else {
                 continue;
             };
-            let target = ProbeTarget {
-                library: resolved.library,
-                function: p.function,
-                sp_delta: p.placement.sp_delta,
-            };
             self.insert(tgid, probe_ip, target);
-            let mut spec = p.function.probe_spec();
-            if spec.entry_deref_arg == DEREF_STACK {
-                // The aggregate moved by the instructions the probe sits past.
-                match u32::try_from(i64::from(spec.entry_stack_off) + p.placement.sp_delta) {
-                    Ok(off) => spec.entry_stack_off = off,
-                    Err(_) => {
-                        spec.entry_deref_arg = DEREF_NONE;
-                        spec.entry_deref_len = 0;
-                    }
-                }
-            }
             out.push(AttachedProbe {
                 key: ProbeKey {
                     tgid,

@@ -82,6 +82,9 @@ pub struct DeviceProbeStats {
     /// Single functions (or whole libraries) that could not be attached.
     pub attach_failures: u64,
     pub libraries: u64,
+    /// Library files probed ahead of any traced process mapping them
+    /// (predicted from a starting program's dependencies).
+    pub files_ahead: u64,
 }
 
 /// A uprobe pair on one site, shared by the traced processes mapping it.
@@ -134,17 +137,14 @@ impl<L> ProbeLinks<L> {
                 s.live = false;
             }
         }
-        if !plan.live.is_empty() && !self.disabled && !self.loaded {
-            if let Err(e) = attacher.load_programs() {
-                // The scheduler recording goes on without device calls.
-                self.disabled = true;
-                self.stats.attach_failures += 1;
-                return Err(e);
-            }
-            self.loaded = true;
+        if !plan.live.is_empty() {
+            self.load(attacher)?;
         }
         if !self.disabled {
-            for work in &plan.live {
+            // Set-up calls first: see `SiteWork::urgent`.
+            let (urgent, rest): (Vec<&SiteWork>, Vec<&SiteWork>) =
+                plan.live.iter().partition(|w| w.urgent);
+            for work in urgent.into_iter().chain(rest) {
                 self.make_live(attacher, work);
             }
         }
@@ -164,6 +164,29 @@ impl<L> ProbeLinks<L> {
             );
             self.stats.libraries += 1;
         }
+        for (path, functions) in &plan.files {
+            tracing::info!(
+                "device probes: {path} probed ahead of its first mapping ({functions} functions)"
+            );
+            self.stats.files_ahead += 1;
+        }
+        Ok(())
+    }
+
+    /// Loads the probe programs if they are not yet: at the first probe,
+    /// or ahead of it when a new process's probes must be attached within
+    /// milliseconds (verifying them takes a few).
+    pub fn load<A: Attacher<Link = L>>(&mut self, attacher: &mut A) -> Result<(), KernelError> {
+        if self.disabled || self.loaded {
+            return Ok(());
+        }
+        if let Err(e) = attacher.load_programs() {
+            // The scheduler recording goes on without device calls.
+            self.disabled = true;
+            self.stats.attach_failures += 1;
+            return Err(e);
+        }
+        self.loaded = true;
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::placement::{Placement, ProbeCost};
 use xpuscope_probes::resolve::{ResolvedLibrary, ResolvedProbe};
 
-use super::plan::{FileId, ProcessSource};
+use super::plan::{FileId, Predicted, ProcessSource};
 use crate::model::RankIdentity;
 
 pub const CUDART: &str = "/opt/cuda/lib/libcudart.so.12";
@@ -30,6 +30,10 @@ pub struct FakeSource {
     pub exports: HashMap<String, Vec<(&'static str, u64)>>,
     /// Paths resolved, in order.
     pub resolved: Vec<String>,
+    /// pid -> what its program will load.
+    pub predicted: HashMap<u32, Predicted>,
+    /// Predictions asked for, by pid, in order.
+    pub predictions: Vec<u32>,
 }
 
 impl FakeSource {
@@ -128,6 +132,11 @@ impl ProcessSource for FakeSource {
             skipped: Vec::new(),
             missing: Vec::new(),
         })
+    }
+
+    fn predict(&mut self, pid: u32) -> Option<Predicted> {
+        self.predictions.push(pid);
+        self.predicted.get(&pid).cloned()
     }
 }
 

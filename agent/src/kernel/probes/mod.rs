@@ -74,6 +74,13 @@ impl<L> DeviceProbes<L> {
         self.planner.plan(pids, source)
     }
 
+    /// A traced process started a program or its loader reported first:
+    /// probes for the libraries its program will load, by file, before it
+    /// maps them (see [`Planner::plan_early`]).
+    pub fn plan_early(&mut self, pid: u32, exec: bool, source: &mut impl ProcessSource) -> Plan {
+        self.planner.plan_early(pid, exec, source)
+    }
+
     /// Switches the device capture level of the running recording: the
     /// returned plan attaches the probes the new level adds in every traced
     /// process (their table updates first), silences those it drops, and
@@ -96,6 +103,15 @@ impl<L> DeviceProbes<L> {
         plan: Plan,
     ) -> Result<(), KernelError> {
         self.links.apply(attacher, plan)
+    }
+
+    /// Loads the probe programs now rather than at the first library
+    /// found (see [`ProbeLinks::load`]).
+    pub fn load_programs<A: Attacher<Link = L>>(
+        &mut self,
+        attacher: &mut A,
+    ) -> Result<(), KernelError> {
+        self.links.load(attacher)
     }
 
     /// Calls of every probed function by traced processes so far, by

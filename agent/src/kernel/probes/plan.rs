@@ -18,8 +18,9 @@ use std::sync::Arc;
 use xpuscope_common::MAX_PROBE_SLOTS;
 use xpuscope_common::uprobe::{ProbeSpec, RETURN_USER_STACK};
 use xpuscope_probes::catalog::{CallKind, Library};
-use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget};
+use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget, file_probes};
 use xpuscope_probes::discover::{self, LoadedLibrary};
+use xpuscope_probes::loader;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve::{self, ResolvedLibrary};
 
@@ -49,6 +50,20 @@ pub trait ProcessSource {
     fn file_id(&mut self, path: &str) -> std::io::Result<FileId>;
     /// The catalog of `library` resolved against the file at `path`.
     fn resolve(&mut self, path: &str, library: Library) -> Result<ResolvedLibrary, String>;
+    /// What `pid`'s program will load, predicted from its files
+    /// ([`xpuscope_probes::loader`]); `None` if it cannot be read (exited,
+    /// statically linked, not an x86-64 ELF).
+    fn predict(&mut self, pid: u32) -> Option<Predicted>;
+}
+
+/// What a process's program will load, as paths the agent can open.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Predicted {
+    /// The catalog libraries among its `DT_NEEDED` chain.
+    pub libraries: Vec<(Library, String)>,
+    /// Its dynamic loader (`PT_INTERP`), whose debugger hook reports its
+    /// `dlopen`s.
+    pub interpreter: Option<String>,
 }
 
 /// The real [`ProcessSource`]: `/proc` and the library files.
@@ -84,6 +99,63 @@ impl ProcessSource for LiveProcesses {
     fn resolve(&mut self, path: &str, library: Library) -> Result<ResolvedLibrary, String> {
         resolve::resolve(Path::new(path), library).map_err(|e| e.to_string())
     }
+
+    /// Replays the loader's search over `/proc/PID/exe`'s dependencies,
+    /// with `LD_LIBRARY_PATH` from its environment and the loader cache of
+    /// its root (a process in another mount namespace is read through
+    /// `/proc/PID/root`).
+    fn predict(&mut self, pid: u32) -> Option<Predicted> {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+        let exe = exe.to_str()?;
+        if exe.ends_with(" (deleted)") {
+            return None; // a replaced program: its libraries are found in its maps
+        }
+        let same_root = |a: &str, b: &str| {
+            let (Ok(a), Ok(b)) = (std::fs::metadata(a), std::fs::metadata(b)) else {
+                return false;
+            };
+            (a.dev(), a.ino()) == (b.dev(), b.ino())
+        };
+        let root = if same_root(&format!("/proc/{pid}/root"), "/") {
+            std::path::PathBuf::from("/")
+        } else {
+            std::path::PathBuf::from(format!("/proc/{pid}/root"))
+        };
+        // Bounded: the environment is the traced process's to fill.
+        let environ = read_bounded(&format!("/proc/{pid}/environ"), loader::MAX_ENVIRON);
+        let search = loader::Search {
+            cache: loader::read_cache(&root),
+            ld_library_path: environ.as_deref().and_then(loader::ld_library_path),
+            root,
+        };
+        let prediction = match search.predict(exe) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::debug!("device probes: pid {pid}: predicting its libraries: {e}");
+                return None;
+            }
+        };
+        let host = |p: &str| search.host_path(p).to_string_lossy().into_owned();
+        Some(Predicted {
+            libraries: prediction
+                .catalog()
+                .map(|(library, path)| (library, host(path)))
+                .collect(),
+            interpreter: prediction.interpreter.as_deref().map(host),
+        })
+    }
+}
+
+/// At most `limit` bytes of the file at `path`.
+fn read_bounded(path: &str, limit: usize) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(limit as u64)
+        .read_to_end(&mut out)
+        .ok()?;
+    Some(out)
 }
 
 /// Probes of one process, to tell the trace stage before they fire.
@@ -111,6 +183,10 @@ pub struct SiteWork {
     pub spec: ProbeSpec,
     /// (library, function): what its hits are counted under.
     pub name: (&'static str, &'static str),
+    /// A communicator set-up call (unique id, init): attached before the
+    /// others of its plan (each attach takes about a millisecond, and a
+    /// starting rank sets up its communicators within milliseconds).
+    pub urgent: bool,
 }
 
 /// Work found by [`Planner::plan`] or [`Planner::set_device_level`]: send
@@ -131,6 +207,14 @@ pub struct Plan {
     pub libraries: Vec<(u32, String, usize)>,
     /// Processes no longer traced, forgotten.
     pub gone: Vec<u32>,
+    /// Slots of probes attached by file ahead of any process mapping it,
+    /// and what each is: the trace stage learns them before they fire.
+    pub slots: Vec<(u32, ProbeTarget)>,
+    /// Library files probed ahead: (path, functions planned at the level).
+    pub files: Vec<(String, usize)>,
+    /// Dynamic loaders whose debugger hook to probe (a predicted
+    /// program's interpreter).
+    pub loaders: Vec<String>,
 }
 
 impl Plan {
@@ -142,6 +226,9 @@ impl Plan {
             && self.uses.is_empty()
             && self.libraries.is_empty()
             && self.gone.is_empty()
+            && self.slots.is_empty()
+            && self.files.is_empty()
+            && self.loaders.is_empty()
     }
 
     fn add_live(&mut self, work: SiteWork) {
@@ -190,6 +277,12 @@ pub struct Planner {
     cache: HashMap<(String, u64), Option<Arc<ResolvedLibrary>>>,
     procs: HashMap<u32, Vec<TracedLibrary>>,
     slots: HashMap<ProbeSite, SiteSlot>,
+    /// Library files probed ahead of their first mapping, with the level
+    /// mask they were planned at.
+    files: HashMap<FileId, u32>,
+    /// Processes whose program's libraries were predicted (until it execs
+    /// again or is forgotten).
+    predicted: HashSet<u32>,
     pub stats: PlanStats,
 }
 
@@ -204,6 +297,8 @@ impl Planner {
             cache: HashMap::new(),
             procs: HashMap::new(),
             slots: HashMap::new(),
+            files: HashMap::new(),
+            predicted: HashSet::new(),
             stats: PlanStats::default(),
         }
     }
@@ -234,60 +329,147 @@ impl Planner {
         gone.sort_unstable();
         for pid in &gone {
             self.procs.remove(pid);
+            self.predicted.remove(pid);
         }
         plan.gone = gone;
-        let mask = self.levels.device.mask();
         for &pid in pids {
-            let Some(maps) = source.maps(pid) else {
-                continue; // exited, or a kernel thread
-            };
-            let now = discover::discover(&maps);
-            let libs = self.procs.entry(pid).or_default();
-            let old: Vec<LoadedLibrary> = libs.iter().map(|l| l.lib.clone()).collect();
-            let diff = discover::diff(&old, &now);
-            // A library gone or replaced: its probes stay attached (another
-            // process, or this one again, may map the file; a second probe
-            // on one place would record every call twice).
-            let mut added = diff.added;
-            let dropped = diff
-                .removed
-                .iter()
-                .chain(diff.replaced.iter().map(|(b, _)| b));
-            for lib in dropped {
-                libs.retain(|l| &l.lib != lib);
-            }
-            added.extend(diff.replaced.into_iter().map(|(_, after)| after));
-            if self.procs.get(&pid).is_some_and(|l| l.is_empty()) && added.is_empty() {
-                self.procs.remove(&pid);
-            }
-            for lib in added {
-                let Some(traced) = self.trace_library(pid, lib, source) else {
-                    continue;
-                };
-                let mut probes = Vec::new();
-                for sp in traced
-                    .probes
-                    .iter()
-                    .filter(|p| p.probe.spec.level_bit & mask != 0)
-                {
-                    if let Some(slot) = self.slot_for(sp) {
-                        probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
-                        plan.uses.push((pid, sp.site));
-                        plan.add_live(site_work(sp, &traced.path, slot));
-                    }
-                }
-                plan.libraries
-                    .push((pid, traced.lib.path.clone(), probes.len()));
-                plan.updates.push(TableUpdate {
-                    tgid: pid,
-                    probes,
-                    identity: source.identity(pid),
-                    maps: maps.clone(),
-                });
-                self.procs.entry(pid).or_default().push(traced);
-            }
+            self.scan(pid, source, &mut plan);
         }
         plan
+    }
+
+    /// A traced process started a program (`exec`) or its loader reported
+    /// for the first time: the catalog libraries its program will load are
+    /// probed by file now, before it maps them (probes on a file apply to
+    /// every process mapping it later), and its loader's debugger hook is
+    /// to be probed; then its maps are rescanned. `exec`: it started a new
+    /// program, predicted again even if its old one was.
+    pub fn plan_early(&mut self, pid: u32, exec: bool, source: &mut impl ProcessSource) -> Plan {
+        let mut plan = Plan::default();
+        if exec {
+            self.predicted.remove(&pid);
+        }
+        if self.predicted.insert(pid)
+            && let Some(predicted) = source.predict(pid)
+        {
+            self.plan_files(&predicted.libraries, source, &mut plan);
+            plan.loaders.extend(predicted.interpreter);
+        }
+        self.scan(pid, source, &mut plan);
+        plan
+    }
+
+    /// Probes of library files no traced process maps yet.
+    fn plan_files(
+        &mut self,
+        files: &[(Library, String)],
+        source: &mut impl ProcessSource,
+        plan: &mut Plan,
+    ) {
+        let mask = self.levels.device.mask();
+        for (library, path) in files {
+            let id = match source.file_id(path) {
+                Ok(id) => id,
+                Err(e) => {
+                    tracing::debug!("device probes: {path}: {e}");
+                    continue;
+                }
+            };
+            if self.files.get(&id) == Some(&mask) {
+                continue;
+            }
+            let Some(resolved) = self.resolved_file(path, id.1, *library, source) else {
+                continue;
+            };
+            self.files.insert(id, mask);
+            let alloc_stacks = self.alloc_stacks;
+            let mut n = 0;
+            for (offset, mut spec, target) in file_probes(&resolved) {
+                if spec.level_bit & mask == 0 {
+                    continue;
+                }
+                if alloc_stacks && target.function.kind == CallKind::Malloc {
+                    spec.flags |= RETURN_USER_STACK;
+                }
+                let sp = SiteProbe {
+                    probe: AttachedProbe {
+                        // No process address yet: named by its slot.
+                        key: xpuscope_common::uprobe::ProbeKey {
+                            tgid: 0,
+                            _pad: 0,
+                            probe_ip: 0,
+                        },
+                        spec,
+                        file_offset: offset,
+                        target,
+                    },
+                    site: ProbeSite {
+                        dev: id.0,
+                        ino: id.1,
+                        offset,
+                    },
+                };
+                if let Some(slot) = self.slot_for(&sp) {
+                    plan.slots.push((slot, target));
+                    plan.add_live(site_work(&sp, path, slot));
+                    n += 1;
+                }
+            }
+            plan.files.push((path.clone(), n));
+        }
+    }
+
+    /// Reads `pid`'s maps and plans the probes of libraries it newly maps.
+    fn scan(&mut self, pid: u32, source: &mut impl ProcessSource, plan: &mut Plan) {
+        let mask = self.levels.device.mask();
+        let Some(maps) = source.maps(pid) else {
+            return; // exited, or a kernel thread
+        };
+        let now = discover::discover(&maps);
+        let libs = self.procs.entry(pid).or_default();
+        let old: Vec<LoadedLibrary> = libs.iter().map(|l| l.lib.clone()).collect();
+        let diff = discover::diff(&old, &now);
+        // A library gone or replaced: its probes stay attached (another
+        // process, or this one again, may map the file; a second probe
+        // on one place would record every call twice).
+        let mut added = diff.added;
+        let dropped = diff
+            .removed
+            .iter()
+            .chain(diff.replaced.iter().map(|(b, _)| b));
+        for lib in dropped {
+            libs.retain(|l| &l.lib != lib);
+        }
+        added.extend(diff.replaced.into_iter().map(|(_, after)| after));
+        if self.procs.get(&pid).is_some_and(|l| l.is_empty()) && added.is_empty() {
+            self.procs.remove(&pid);
+        }
+        for lib in added {
+            let Some(traced) = self.trace_library(pid, lib, source) else {
+                continue;
+            };
+            let mut probes = Vec::new();
+            for sp in traced
+                .probes
+                .iter()
+                .filter(|p| p.probe.spec.level_bit & mask != 0)
+            {
+                if let Some(slot) = self.slot_for(sp) {
+                    probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
+                    plan.uses.push((pid, sp.site));
+                    plan.add_live(site_work(sp, &traced.path, slot));
+                }
+            }
+            plan.libraries
+                .push((pid, traced.lib.path.clone(), probes.len()));
+            plan.updates.push(TableUpdate {
+                tgid: pid,
+                probes,
+                identity: source.identity(pid),
+                maps: maps.clone(),
+            });
+            self.procs.entry(pid).or_default().push(traced);
+        }
     }
 
     /// Switches the device capture level: the probes the new level adds
@@ -450,6 +632,33 @@ impl Planner {
     }
 }
 
+impl Planner {
+    /// The catalog of `library` resolved against the file at `path`
+    /// (inode `ino`), cached like a mapped library's.
+    fn resolved_file(
+        &mut self,
+        path: &str,
+        ino: u64,
+        library: Library,
+        source: &mut impl ProcessSource,
+    ) -> Option<Arc<ResolvedLibrary>> {
+        let key = (path.to_string(), ino);
+        if let Some(r) = self.cache.get(&key) {
+            return r.clone();
+        }
+        let r = match source.resolve(path, library) {
+            Ok(r) => Some(Arc::new(r)),
+            Err(e) => {
+                tracing::warn!("device probes: resolving {path}: {e}");
+                self.stats.library_failures += 1;
+                None
+            }
+        };
+        self.cache.insert(key, r.clone());
+        r
+    }
+}
+
 fn site_work(p: &SiteProbe, path: &str, slot: u32) -> SiteWork {
     SiteWork {
         site: p.site,
@@ -457,6 +666,10 @@ fn site_work(p: &SiteProbe, path: &str, slot: u32) -> SiteWork {
         slot,
         spec: p.probe.spec,
         name: (p.probe.target.library.name(), p.probe.target.function.name),
+        urgent: matches!(
+            p.probe.target.function.kind,
+            CallKind::UniqueId | CallKind::CommInit(_)
+        ),
     }
 }
 

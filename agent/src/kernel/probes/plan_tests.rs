@@ -4,6 +4,7 @@ use xpuscope_probes::catalog::Library;
 
 use super::*;
 use crate::kernel::probes::fake_source::{CUDART, CUPTI, FakeSource, PAST_ENDBR, level_bit};
+use crate::kernel::probes::plan::Predicted;
 
 const BASE: u64 = 0x7f10_0000_0000;
 const OTHER_BASE: u64 = 0x7f20_0000_0000;
@@ -249,4 +250,98 @@ fn raising_the_level_plans_the_added_probes_of_every_process() {
             .set_device_level(DeviceLevel::new(0).unwrap(), &mut src)
             .is_empty()
     );
+}
+
+/// A program starting: the libraries it will load are probed by file
+/// before it maps them (slots announced, no process table yet), once per
+/// program start; its loader is to be hooked; when it maps the library,
+/// the same sites (and slots) serve it, nothing is attached twice.
+#[test]
+fn a_starting_program_gets_its_predicted_libraries_probed_by_file_once() {
+    let mut src = FakeSource::nvidia();
+    src.predicted.insert(
+        10,
+        Predicted {
+            libraries: vec![(Library::Cudart, CUDART.into())],
+            interpreter: Some("/lib64/ld-linux-x86-64.so.2".into()),
+        },
+    );
+    src.maps.insert(10, String::new()); // nothing mapped yet
+    let mut planner = Planner::new(level(0), false);
+    let plan = planner.plan_early(10, true, &mut src);
+    assert_eq!(plan.files, vec![(CUDART.to_string(), 1)], "{plan:?}");
+    assert_eq!(plan.live.len(), 1);
+    assert_eq!(plan.live[0].site, site(11, 0x1100));
+    assert_eq!(plan.live[0].slot, 1);
+    assert!(!plan.live[0].urgent, "cudaMalloc is no set-up call");
+    let slots: Vec<(u32, &str)> = plan
+        .slots
+        .iter()
+        .map(|(s, t)| (*s, t.function.name))
+        .collect();
+    assert_eq!(slots, vec![(1, "cudaMalloc")]);
+    assert!(plan.updates.is_empty(), "nothing mapped: no process table");
+    assert_eq!(
+        plan.loaders,
+        vec!["/lib64/ld-linux-x86-64.so.2".to_string()]
+    );
+
+    // Its loader reports again (the libraries are mapped now): no second
+    // prediction; the mapped library reuses the site and its slot.
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let plan = planner.plan_early(10, false, &mut src);
+    assert_eq!(
+        src.predictions,
+        vec![10],
+        "predicted once per program start"
+    );
+    assert!(plan.files.is_empty() && plan.slots.is_empty());
+    assert_eq!(plan.live.len(), 1);
+    assert_eq!(
+        (plan.live[0].site, plan.live[0].slot),
+        (site(11, 0x1100), 1)
+    );
+    assert_eq!(plan.updates.len(), 1);
+    assert_eq!(functions(&plan.updates[0])[0].1, 1);
+
+    // A second process starting the same program: predicted, but the file
+    // is probed already.
+    src.predicted.insert(11, src.predicted[&10].clone());
+    src.maps.insert(11, String::new());
+    let plan = planner.plan_early(11, true, &mut src);
+    assert!(plan.files.is_empty() && plan.live.is_empty(), "{plan:?}");
+    // An exec of process 10 predicts again.
+    planner.plan_early(10, true, &mut src);
+    assert_eq!(src.predictions, vec![10, 11, 10]);
+    // A forgotten process is predicted again when it comes back.
+    planner.plan(&[11], &mut src);
+    planner.plan_early(10, false, &mut src);
+    assert_eq!(src.predictions, vec![10, 11, 10, 10]);
+}
+
+/// Communicator set-up calls are marked urgent (attached first).
+#[test]
+fn set_up_calls_are_urgent() {
+    let nccl = "/opt/nccl/lib/libnccl.so.2";
+    let mut src = FakeSource::nvidia();
+    src.files.insert(nccl.into(), (1, 31));
+    src.exports.insert(
+        nccl.into(),
+        vec![("ncclAllReduce", 0x1100), ("ncclCommInitRank", 0x1200)],
+    );
+    src.predicted.insert(
+        10,
+        Predicted {
+            libraries: vec![(Library::Nccl, nccl.into())],
+            interpreter: None,
+        },
+    );
+    let mut planner = Planner::new(level(0), false);
+    let plan = planner.plan_early(10, true, &mut src);
+    let urgent: Vec<(&str, bool)> = plan.live.iter().map(|w| (w.name.1, w.urgent)).collect();
+    assert_eq!(
+        urgent,
+        vec![("ncclAllReduce", false), ("ncclCommInitRank", true)]
+    );
+    assert!(plan.loaders.is_empty());
 }

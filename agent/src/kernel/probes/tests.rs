@@ -308,3 +308,55 @@ fn programs_that_do_not_load_disable_device_probes_once() {
     assert_eq!(k.calls, vec![FakeCall::Load], "no second try");
     assert_eq!(p.stats().attach_failures, 1);
 }
+
+/// A starting program's predicted library: probed by file with its
+/// set-up calls attached first, programs loaded once (ahead, by
+/// `load_programs`), and the process mapping it later reuses every pair.
+#[test]
+fn a_predicted_library_is_attached_set_up_calls_first_and_reused_when_mapped() {
+    let nccl = "/opt/nccl/lib/libnccl.so.2";
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(0));
+    src.files.insert(nccl.into(), (1, 31));
+    src.exports.insert(
+        nccl.into(),
+        vec![
+            ("ncclAllReduce", 0x1100),
+            ("ncclBroadcast", 0x1200),
+            ("ncclCommInitRank", 0x1300),
+        ],
+    );
+    src.predicted.insert(
+        10,
+        plan::Predicted {
+            libraries: vec![(Library::Nccl, nccl.into())],
+            interpreter: None,
+        },
+    );
+    p.load_programs(&mut k).unwrap();
+    let plan = p.plan_early(10, true, &mut src);
+    assert_eq!(plan.slots.len(), 3);
+    p.apply(&mut k, plan).unwrap();
+    let attached: Vec<(ProbeEnd, u64)> = offsets(&k);
+    assert_eq!(
+        attached[..2],
+        [
+            (ProbeEnd::Entry, 0x1300 + PAST_ENDBR),
+            (ProbeEnd::Return, 0x1300 + PAST_ENDBR)
+        ],
+        "ncclCommInitRank first: {attached:?}"
+    );
+    assert_eq!(attached.len(), 6);
+    assert_eq!(
+        k.calls.iter().filter(|c| **c == FakeCall::Load).count(),
+        1,
+        "loaded once, ahead"
+    );
+    assert_eq!(p.stats().files_ahead, 1);
+    // The process maps it: same pairs, nothing attached again.
+    src.map(10, &[(nccl, 31, BASE)]);
+    let plan = p.plan_early(10, false, &mut src);
+    assert_eq!(plan.updates.len(), 1);
+    p.apply(&mut k, plan).unwrap();
+    assert_eq!(offsets(&k).len(), 6);
+    assert_eq!(p.stats().attached, 3);
+}

@@ -40,9 +40,42 @@ impl ReaderCounters {
     }
 }
 
+/// What the supervisor acts on the moment collect reads it, before the
+/// record itself is held back for time order: a traced process started a
+/// program (`exec`) or its dynamic loader changed its link map. The
+/// supervisor then probes the libraries that process maps, or will.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoaderNotice {
+    pub tgid: u32,
+    /// A new program (else a link map change).
+    pub exec: bool,
+}
+
+impl LoaderNotice {
+    fn of(event: &Event) -> Option<Self> {
+        match event {
+            Event::Exec(e) => Some(Self {
+                tgid: e.tgid,
+                exec: true,
+            }),
+            Event::LinkMap(l) => Some(Self {
+                tgid: l.tgid,
+                exec: false,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Notices waiting for the supervisor; a full queue loses notices, never
+/// records (the supervisor's periodic rescan still finds the libraries).
+pub const NOTICE_QUEUE: usize = 1024;
+
 pub struct Reader {
     pub rings: KernelRings,
     pub out: mpsc::Sender<Msg>,
+    /// Where [`LoaderNotice`]s go (`None`: nobody acts on them).
+    pub notices: Option<mpsc::Sender<LoaderNotice>>,
     pub counters: Arc<ReaderCounters>,
     pub drain_interval: Duration,
     /// Testing aid: pause after each batch.
@@ -60,6 +93,7 @@ impl Reader {
                     bystander,
                 },
             out,
+            notices,
             counters,
             drain_interval,
             delay,
@@ -89,6 +123,7 @@ impl Reader {
                 sched: sched.get_mut(),
                 device: device.get_mut(),
                 bystander: bystander.get_mut(),
+                notices: notices.as_ref(),
             };
             if !drain(&mut rings, &mut held, &out, &counters, delay, false).await {
                 return Ok(()); // downstream is gone
@@ -105,6 +140,7 @@ struct Rings<'a> {
     sched: &'a mut RingBuf<MapData>,
     device: &'a mut RingBuf<MapData>,
     bystander: &'a mut RingBuf<MapData>,
+    notices: Option<&'a mpsc::Sender<LoaderNotice>>,
 }
 
 /// Decodes records from `ring` into `into` until it is empty, `limit`
@@ -116,6 +152,7 @@ fn read_ring(
     limit: usize,
     until: Option<u64>,
     counters: &ReaderCounters,
+    notices: Option<&mpsc::Sender<LoaderNotice>>,
 ) {
     // Counted here, published once per read (an atomic add per record
     // was a tenth of this loop's time).
@@ -127,6 +164,11 @@ fn read_ring(
         match events::decode(&item) {
             Ok(event) => {
                 consumed[event.kind() as usize] += 1;
+                if let Some(tx) = notices
+                    && let Some(n) = LoaderNotice::of(&event)
+                {
+                    let _ = tx.try_send(n);
+                }
                 let ts = event.ts();
                 into.push(event);
                 if until.is_some_and(|u| ts > u) {
@@ -168,15 +210,18 @@ fn read_all(
     ring: &mut RingBuf<MapData>,
     into: &mut Vec<Event>,
     counters: &ReaderCounters,
+    notices: Option<&mpsc::Sender<LoaderNotice>>,
 ) -> RingRead {
     let before = into.len();
-    read_ring(ring, into, BATCH, None, counters);
+    read_ring(ring, into, BATCH, None, counters, notices);
     let n = into.len() - before;
+    // The last record in ring order (reserved last), before sorting.
+    let last_ts = (n > 0).then(|| into[into.len() - 1].ts());
     // The held part is sorted already; the new records join it.
     sort_nearly_sorted(into, before.saturating_sub(1));
     RingRead {
         drained: n < BATCH,
-        last_ts: (n > 0).then(|| into[into.len() - 1].ts()),
+        last_ts,
     }
 }
 
@@ -203,9 +248,9 @@ fn read_batch(
     let now = crate::host::boottime_ns();
     let [device, sched, bystander] = held;
     let reads = [
-        read_all(rings.device, device, counters),
-        read_all(rings.sched, sched, counters),
-        read_all(rings.bystander, bystander, counters),
+        read_all(rings.device, device, counters, None),
+        read_all(rings.sched, sched, counters, rings.notices),
+        read_all(rings.bystander, bystander, counters, None),
     ];
     let full = reads.iter().any(|r| !r.drained);
     let mut watermark = now.saturating_sub(COMMIT_SLACK_NS);

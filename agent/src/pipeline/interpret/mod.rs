@@ -27,6 +27,7 @@ use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
 use device::DeviceInterpreter;
 use offcpu::OffCpuTracker;
+use xpuscope_probes::decode::table::ProbeTarget;
 
 /// What interpretation counted that no record carries (the rest of the
 /// summary is counted from the records themselves).
@@ -109,6 +110,11 @@ impl Interpreter {
         self.device.probes_added(update, en, out);
     }
 
+    /// Probes attached by file ahead of any process mapping them.
+    pub fn slots_added(&mut self, slots: Vec<(u32, ProbeTarget)>) {
+        self.device.slots_added(slots);
+    }
+
     pub fn drops(&mut self, ts: u64, cpus: Vec<u32>, total: u64, out: &mut Vec<Record>) {
         out.push(Record::Drops { ts, cpus, total });
     }
@@ -125,6 +131,7 @@ impl Interpreter {
             Event::ProbeEntry(e) => self.device.entry(&e, en, &mut self.counters, out),
             Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
+            Event::LinkMap(l) => out.push(Record::LinkMapChanged(l)),
         }
     }
 

@@ -34,6 +34,7 @@ pub fn span(r: &Record) -> Option<(u64, u64)> {
         Record::Drops { ts, .. } => at(*ts),
         Record::InFlight(s) => at(s.ts),
         Record::Finding(f) => Some((f.start_ns.min(f.detected_ns), f.detected_ns)),
+        Record::LinkMapChanged(l) => at(l.ts),
     }
 }
 
@@ -54,6 +55,7 @@ pub fn owner(r: &Record) -> Option<u32> {
         Record::DeviceWork(w) => Some(w.track.tgid),
         Record::MemoryHeld(m) => Some(m.tgid),
         Record::InFlightAtEnd(c) => Some(c.tgid),
+        Record::LinkMapChanged(l) => Some(l.tgid),
         Record::InitialProcesses { .. }
         | Record::Switch { .. }
         | Record::Waking(_)
@@ -193,7 +195,8 @@ pub fn heap_bytes(r: &Record) -> usize {
         | Record::Exit { .. }
         | Record::Preempted(_)
         | Record::Enqueued(_)
-        | Record::InFlightAtEnd(_) => 0,
+        | Record::InFlightAtEnd(_)
+        | Record::LinkMapChanged(_) => 0,
     }
 }
 

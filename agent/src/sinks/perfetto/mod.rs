@@ -157,6 +157,9 @@ impl<W: Write> PerfettoSink<W> {
             // What is still running shows as slices once it returns (or as
             // "in flight at end"); a snapshot adds nothing to draw.
             Record::InFlight(_) => {}
+            // Counted in the summary; the calls it let the agent probe
+            // early are what the trace shows.
+            Record::LinkMapChanged(_) => {}
         }
         Ok(())
     }

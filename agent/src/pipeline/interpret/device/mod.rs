@@ -27,6 +27,7 @@ use crate::model::{
     Record, device::HeldAt,
 };
 use crate::pipeline::enrich::Enrich;
+use xpuscope_probes::decode::table::ProbeTarget;
 
 pub struct DeviceInterpreter {
     decoder: Decoder,
@@ -83,6 +84,15 @@ impl DeviceInterpreter {
                 tgid: update.tgid,
                 identity: Box::new(update.identity),
             });
+        }
+    }
+
+    /// Probes attached by file ahead of any process mapping them: their
+    /// hits decode by slot until the process's own addresses are known.
+    pub fn slots_added(&mut self, slots: Vec<(u32, ProbeTarget)>) {
+        let table = self.decoder.probes_mut();
+        for (slot, target) in slots {
+            table.insert_slot(slot, target);
         }
     }
 
