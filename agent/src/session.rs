@@ -132,7 +132,7 @@ impl Stages {
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
         let (announce_tx, announce_rx) = std::sync::mpsc::channel();
-        let (pipeline, pipeline_rt) = pipeline::start_thread(
+        let pipeline = pipeline::start_thread(
             move || {
                 let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
                     .with_device_call_rate(device_call_rate)
@@ -155,8 +155,7 @@ impl Stages {
             drain_interval: cfg.drain_interval,
             delay: cfg.reader_delay,
         };
-        // On the pipeline's thread (see `pipeline::start_thread`).
-        let collect = pipeline_rt.spawn(
+        let collect = tokio::spawn(
             reader
                 .run(stop_rx)
                 .instrument(tracing::info_span!("collect")),

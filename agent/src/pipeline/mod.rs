@@ -2,9 +2,9 @@
 //!
 //! ```text
 //!  kernel rings --collect--> PipelineMsg --interpret/enrich--> Records --fan-out--> sinks
-//!  (a task on the pipeline thread's runtime, see `start_thread`)            (a thread and a
-//!                                                                            bounded queue each,
-//!                                                                            or inline)
+//!  (tokio task)              (bounded)    (pipeline thread)              (a thread and a
+//!                                                                         bounded queue each,
+//!                                                                         or inline)
 //! ```
 //! - [`collect`]: ring records -> typed raw events (`crate::events`).
 //! - [`interpret`]: raw events -> [`Record`]s with meaning; asks [`enrich`]
@@ -204,11 +204,10 @@ impl<E: Enrich> Pipeline<E> {
         self.run_on(rt, rx, end)
     }
 
-    /// The pipeline thread's body, driving `rt` (where collect runs, see
-    /// [`start_thread`]): every message until the channel closes, then the
-    /// end. A panic in interpretation still ends every sink (a finished,
-    /// valid trace) and comes back as an error; the runtime is dropped
-    /// then, so collect ends too (cancelled).
+    /// The pipeline thread's body (see [`start_thread`]): every message
+    /// until the channel closes, then the end. A panic in interpretation
+    /// still ends every sink (a finished, valid trace) and comes back as an
+    /// error.
     pub fn run_on(
         mut self,
         rt: tokio::runtime::Runtime,
@@ -242,37 +241,24 @@ impl<E: Enrich> Pipeline<E> {
 }
 
 /// Starts the pipeline's thread: it builds the pipeline there (`build`: the
-/// symbolizer is not `Send`) and runs it with [`Pipeline::run_on`].
-/// Returns the thread and a handle to the runtime it drives, where the
-/// collect task is to be spawned: collect and interpret then share one
-/// thread, so a batch is interpreted right after it was read, by the same
-/// CPU, while it is in that CPU's cache (a hand-off to another thread cost
-/// ~15% more agent CPU per scheduler event), and the collect task yields
-/// after each batch it hands on (see `collect`).
+/// symbolizer is not `Send`) and runs it with [`Pipeline::run_on`] until
+/// its channel closes. Collect runs elsewhere (a task of the supervisor's
+/// runtime): reading the rings and interpreting proceed in parallel on two
+/// CPUs. (Running collect on this thread instead saved a few percent of CPU
+/// per event, by interpreting each batch in the cache of the CPU that read
+/// it, but halved what one recording can consume: a switch storm then
+/// outran it.)
 pub fn start_thread<E: Enrich + 'static>(
     build: impl FnOnce() -> Pipeline<E> + Send + 'static,
     rx: mpsc::Receiver<PipelineMsg>,
-) -> Result<(
-    std::thread::JoinHandle<Result<InterpretCounters>>,
-    tokio::runtime::Handle,
-)> {
-    let (handle_tx, handle_rx) = std::sync::mpsc::sync_channel(1);
-    let thread = std::thread::Builder::new()
+) -> Result<std::thread::JoinHandle<Result<InterpretCounters>>> {
+    std::thread::Builder::new()
         .name("xpuscope-pipeline".into())
         .spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
                 .build()
                 .map_err(|e| anyhow!("starting the pipeline's runtime: {e}"))?;
-            let _ = handle_tx.send(rt.handle().clone());
             build().run_on(rt, rx, crate::host::boottime_ns)
         })
-        .map_err(|e| anyhow!("starting the pipeline: {e}"))?;
-    match handle_rx.recv() {
-        Ok(handle) => Ok((thread, handle)),
-        Err(_) => Err(match thread.join() {
-            Ok(Err(e)) => e,
-            _ => anyhow!("the pipeline thread ended before it started"),
-        }),
-    }
+        .map_err(|e| anyhow!("starting the pipeline: {e}"))
 }

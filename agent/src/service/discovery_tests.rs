@@ -210,19 +210,34 @@ fn a_round_over_hundreds_of_processes_reads_only_what_changed() {
     }
     let steady = RECHECK_EVERY * 4;
     let (mut listing, mut rechecks) = (Vec::new(), Vec::new());
+    // Which rounds re-check is known by their number; the stat reads they
+    // make show it (a listing round reads only processes new since the last
+    // round: on a busy machine a few, never all of them).
+    let mut recheck_reads = Vec::new();
     for _ in 0..steady {
+        let recheck = d.stats.rounds.is_multiple_of(RECHECK_EVERY);
         let reads = d.stats.stat_reads;
         let t = thread_cpu();
         d.scan(&mut table, &traced);
         let cpu = thread_cpu() - t;
-        if d.stats.stat_reads > reads + 100 {
+        if recheck {
             rechecks.push(cpu);
+            recheck_reads.push(d.stats.stat_reads - reads);
         } else {
             listing.push(cpu);
+            assert!(
+                d.stats.stat_reads - reads < 300,
+                "a listing round read {} stats",
+                d.stats.stat_reads - reads
+            );
         }
     }
     let mean = |v: &[Duration]| v.iter().sum::<Duration>() / v.len().max(1) as u32;
     assert_eq!(rechecks.len() as u64, steady / RECHECK_EVERY);
+    assert!(
+        recheck_reads.iter().all(|&n| n >= 300),
+        "every re-check round reads every process's stat: {recheck_reads:?}"
+    );
     // Idle processes: re-checked (stat) but their maps are not read again.
     let maps_later = d.stats.maps_reads - after_first.maps_reads;
     assert!(

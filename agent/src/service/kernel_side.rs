@@ -190,7 +190,7 @@ pub async fn start(
         drain_interval: tuning.drain_interval,
         delay: tuning.reader_delay,
     };
-    let collect = running.collect_runtime.spawn(
+    let collect = tokio::spawn(
         reader
             .run(stop_rx)
             .instrument(tracing::info_span!("collect")),

@@ -61,9 +61,6 @@ impl LevelSwitch for KernelNotAttached {
 pub struct Running {
     /// Into the pipeline: collect's events, drops.
     pub pipeline: mpsc::Sender<PipelineMsg>,
-    /// Where collect runs: the pipeline's own thread (see
-    /// `pipeline::start_thread`).
-    pub collect_runtime: tokio::runtime::Handle,
     /// Probe tables into the pipeline, ahead of queued events.
     pub announce: Announcements,
     /// Traced processes by pid, as `GET /processes` lists them.
@@ -266,7 +263,7 @@ where
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
     let (announce, announce_rx) = std::sync::mpsc::channel();
-    let (pipeline, collect_runtime) = crate::pipeline::start_thread(
+    let pipeline = crate::pipeline::start_thread(
         move || {
             let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
                 .with_findings(findings_rx)
@@ -338,7 +335,6 @@ where
     }
     let mut kernel = match started(Running {
         pipeline: tx.clone(),
-        collect_runtime,
         announce,
         traced: traced.clone(),
     })

@@ -243,7 +243,7 @@ fn read_batch(
     rings: &mut Rings,
     held: &mut Held,
     counters: &ReaderCounters,
-    flush: bool,
+    flush: Option<u64>,
 ) -> (Vec<Event>, bool) {
     let now = crate::host::boottime_ns();
     let [device, sched, bystander] = held;
@@ -252,7 +252,12 @@ fn read_batch(
         read_all(rings.sched, sched, counters, rings.notices),
         read_all(rings.bystander, bystander, counters, None),
     ];
-    let full = reads.iter().any(|r| !r.drained);
+    // At the end (`flush`: the stop time), a ring that refills as fast as
+    // it is read (a switch storm) is read until its records are from after
+    // the stop: those belong to no recording.
+    let full = reads
+        .iter()
+        .any(|r| !r.drained && flush.is_none_or(|stop| r.last_ts.is_none_or(|t| t <= stop)));
     let mut watermark = now.saturating_sub(COMMIT_SLACK_NS);
     for r in reads.iter().filter(|r| !r.drained) {
         if let Some(last) = r.last_ts {
@@ -260,7 +265,14 @@ fn read_batch(
         }
     }
     (
-        release(held, if flush && !full { u64::MAX } else { watermark }),
+        release(
+            held,
+            if flush.is_some() && !full {
+                u64::MAX
+            } else {
+                watermark
+            },
+        ),
         full,
     )
 }
@@ -340,8 +352,17 @@ async fn drain(
     delay: Duration,
     flush: bool,
 ) -> bool {
+    // Rings that refill as fast as they are read (a switch storm) must not
+    // keep the caller from its stop signal: bounded, unless this is the last
+    // drain, which reads what came before the stop (see `read_batch`).
+    let stop = flush.then(crate::host::boottime_ns);
+    let mut batches = 0;
     loop {
-        let (batch, full) = read_batch(rings, held, counters, flush);
+        batches += 1;
+        if stop.is_none() && batches > MAX_BATCHES_PER_DRAIN {
+            return true;
+        }
+        let (batch, full) = read_batch(rings, held, counters, stop);
         if batch.is_empty() {
             if full {
                 continue; // all held back: read on
@@ -351,9 +372,6 @@ async fn drain(
         if out.send(Msg::Events(batch)).await.is_err() {
             return false;
         }
-        // The pipeline runs on this thread (`pipeline::start_thread`): let it
-        // take the batch now, while it is in this CPU's cache.
-        tokio::task::yield_now().await;
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
@@ -362,6 +380,11 @@ async fn drain(
         }
     }
 }
+
+/// Batches one drain reads before it lets the caller look at its stop
+/// signal and timer again (it comes back at once when the rings are still
+/// full: their readiness or the drain timer).
+const MAX_BATCHES_PER_DRAIN: usize = 64;
 
 #[cfg(test)]
 mod tests {
