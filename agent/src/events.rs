@@ -23,13 +23,7 @@ impl Comm {
 
     pub fn as_str(&self) -> std::borrow::Cow<'_, str> {
         let end = self.0.iter().position(|b| *b == 0).unwrap_or(COMM_LEN);
-        let bytes = &self.0[..end];
-        // Names are nearly always valid (ASCII): the strict check is the
-        // fast one; the lossy one walks the bytes in chunks.
-        match std::str::from_utf8(bytes) {
-            Ok(name) => std::borrow::Cow::Borrowed(name),
-            Err(_) => String::from_utf8_lossy(bytes),
-        }
+        String::from_utf8_lossy(&self.0[..end])
     }
 }
 

@@ -124,11 +124,9 @@ impl Stages {
         let detect_cfg = DetectConfig {
             hang_timeout: cfg.hang_timeout,
         };
-        let detect = fanout.add(
-            "detect",
-            DetectSink::new(detect_cfg, Some(findings_tx)),
-            SINK_BATCHES,
-        )?;
+        // Inline too: a few map updates per device call, nothing per
+        // scheduler record; findings leave on a channel (never blocks).
+        let detect = fanout.add_inline("detect", DetectSink::new(detect_cfg, Some(findings_tx)));
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
         let (announce_tx, announce_rx) = std::sync::mpsc::channel();
