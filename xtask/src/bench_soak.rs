@@ -485,9 +485,10 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
     }
     std::fs::write(out.join("soak-samples.csv"), &csv)?;
     let status = svc.status()?;
-    // The job in progress is cut off after the last sample.
-    drop(job);
+    // The job in progress is cut off after the last sample, once the
+    // service stopped (a traced process killed by a signal would dump).
     svc.stop()?;
+    drop(job);
 
     if samples.len() < 3 {
         bail!("too few samples");
