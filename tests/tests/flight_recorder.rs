@@ -57,6 +57,19 @@ fn realtime_ago_rfc3339(ago: f64) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+fn boottime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write to.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) },
+        0
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// A rank's step from its own log (CLOCK_BOOTTIME ns).
 #[derive(Debug)]
 struct Step {
@@ -157,7 +170,9 @@ fn a_dump_holds_exactly_the_requested_window_of_a_job_longer_than_the_recorder()
     std::fs::write(&job.gate, b"").expect("open the gate");
     std::thread::sleep(TRAIN_BEFORE_DUMP);
 
+    let before = ctl(&socket, &["status"]).expect("status")["flight_recorder"]["last_dump"].clone();
     let at = realtime_ago_rfc3339(WINDOW_END_AGO_S);
+    let boot_at = boottime_ns() - (WINDOW_END_AGO_S * 1e9) as u64;
     let out = ctl(
         &socket,
         &["dump", "--at", &at, "--seconds", &WINDOW_S.to_string()],
@@ -169,7 +184,8 @@ fn a_dump_holds_exactly_the_requested_window_of_a_job_longer_than_the_recorder()
     let mut status = Value::Null;
     wait_until(Duration::from_secs(20), "the scheduled dump", || {
         status = ctl(&socket, &["status"]).expect("status");
-        !status["flight_recorder"]["last_dump"].is_null()
+        let last = &status["flight_recorder"]["last_dump"];
+        !last.is_null() && *last != before
     });
     let out = status["flight_recorder"]["last_dump"].clone();
     assert_eq!(out["trigger"], "manual", "{out}");
@@ -199,6 +215,12 @@ fn a_dump_holds_exactly_the_requested_window_of_a_job_longer_than_the_recorder()
         end - start,
         (WINDOW_S * 1e9) as u64,
         "the window is as long as asked: {out}"
+    );
+    // `--at` is wall-clock time: the window ends there on CLOCK_BOOTTIME
+    // (the conversion and `date`'s rounding agree to well under 100 ms).
+    assert!(
+        end.abs_diff(boot_at) < 100_000_000,
+        "the window ends at --at {at}: boottime {boot_at}, dump {end}"
     );
     assert_eq!(
         out["complete_from_ns"],
