@@ -16,6 +16,9 @@
 //!    simulated training step (see `bench_probes`).
 //! 5. `agent merge` (`cargo xtask bench merge` alone): MB/s and peak RSS
 //!    merging 16 node traces (see `bench_merge`).
+//! 6. `agent service` always on (`cargo xtask bench soak [--minutes N]`
+//!    alone): CPU and RSS over a long run with the 8-rank simulated job,
+//!    and the job's step-time overhead (see `bench_soak`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -175,7 +178,13 @@ fn record_system(agent: &Path, dir: &Path, name: &str, secs: u64, ring: &str) ->
     Ok(serde_json::from_slice(&std::fs::read(&stats_path)?)?)
 }
 
-pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>, trace_mb: u64) -> Result<()> {
+pub fn run(
+    seconds: u64,
+    minutes: u64,
+    only: Option<&str>,
+    compare: Option<&Path>,
+    trace_mb: u64,
+) -> Result<()> {
     build::all()?;
     if let Some(c) = compare
         && !c.is_file()
@@ -210,7 +219,20 @@ pub fn run(seconds: u64, only: Option<&str>, compare: Option<&Path>, trace_mb: u
             );
             return Ok(());
         }
-        Some(other) => bail!("unknown benchmark part {other:?} (known: probes, merge)"),
+        Some("soak") => {
+            let soak = crate::bench_soak::run(&dir, minutes)?;
+            std::fs::write(
+                dir.join("soak-results.json"),
+                serde_json::to_string_pretty(&soak)?,
+            )?;
+            println!(
+                "\n(raw figures: {}, samples: {})",
+                dir.join("soak-results.json").display(),
+                dir.join("soak-samples.csv").display()
+            );
+            return Ok(());
+        }
+        Some(other) => bail!("unknown benchmark part {other:?} (known: probes, merge, soak)"),
     }
 
     // Calibrate the iteration count to about `seconds` per run.

@@ -24,7 +24,6 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeLinkId, UProbeScope};
@@ -33,7 +32,9 @@ use aya::{Ebpf, EbpfLoader};
 use serde_json::{Value, json};
 
 use crate::build::{self, ChildGuard};
-use crate::measure::{median, wait_until_recording};
+use crate::measure::{
+    mean_ci95, median, overhead_summary, paired_overhead, wait_for_closers, wait_until_recording,
+};
 use crate::root;
 
 /// The function measured: probed at the agent's default level, cheap in
@@ -214,25 +215,6 @@ impl Drop for AgentRun {
             let _ = c.kill();
             let _ = c.wait();
         }
-    }
-}
-
-/// Waits until no agent's `xpuscope-close` child still holds uprobes: a
-/// probe being released still traps, which would bias what follows.
-fn wait_for_closers() -> Result<()> {
-    let end = Instant::now() + Duration::from_secs(120);
-    loop {
-        let closing = std::fs::read_dir("/proc")?.flatten().any(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| c.trim() == "xpuscope-close")
-        });
-        if !closing {
-            return Ok(());
-        }
-        if Instant::now() > end {
-            bail!("an xpuscope-close process did not finish");
-        }
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -494,67 +476,6 @@ fn stats_floor_ns(target: &mut Target, bare: &mut BareProbe, lib: &Path, off: u6
         bail!("run-time statistics counted {runs} runs of the bare pair for {CALLS} calls");
     }
     Ok(ns as f64 / runs as f64)
-}
-
-/// Mean, and the half-width of its 95% confidence interval (Student's t),
-/// of `v`.
-fn mean_ci95(v: &[f64]) -> (f64, f64) {
-    let n = v.len() as f64;
-    let mean = v.iter().sum::<f64>() / n;
-    if v.len() < 2 {
-        return (mean, f64::NAN);
-    }
-    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, t95(v.len() - 1) * (var / n).sqrt())
-}
-
-/// Two-sided 95% critical value of Student's t for `df` degrees of freedom
-/// (table values; conservative between entries).
-fn t95(df: usize) -> f64 {
-    const TABLE: [(usize, f64); 12] = [
-        (1, 12.706),
-        (2, 4.303),
-        (3, 3.182),
-        (4, 2.776),
-        (5, 2.571),
-        (6, 2.447),
-        (8, 2.306),
-        (10, 2.228),
-        (15, 2.131),
-        (20, 2.086),
-        (30, 2.042),
-        (60, 2.000),
-    ];
-    TABLE
-        .iter()
-        .rev()
-        .find(|(d, _)| *d <= df)
-        .map_or(f64::INFINITY, |(_, t)| *t)
-}
-
-/// Per-round overhead in percent of one measure (wall or CPU time per
-/// step): each agent round against the mean of the baseline rounds just
-/// before and just after it, which cancels a drift of this VM's speed
-/// that is linear over the three rounds.
-fn paired_overhead(base_rounds: &[f64], agent_rounds: &[f64]) -> Vec<f64> {
-    agent_rounds
-        .iter()
-        .enumerate()
-        .map(|(r, a)| (a / ((base_rounds[r] + base_rounds[r + 1]) / 2.0) - 1.0) * 100.0)
-        .collect()
-}
-
-/// Summary of paired per-round overheads: mean with its 95% interval,
-/// median and range.
-fn overhead_summary(paired: &[f64]) -> Value {
-    let (mean, ci) = mean_ci95(paired);
-    json!({
-        "mean_percent": mean,
-        "ci95_percent": ci,
-        "median_percent": median(paired.to_vec()),
-        "min_percent": paired.iter().cloned().fold(f64::MAX, f64::min),
-        "max_percent": paired.iter().cloned().fold(f64::MIN, f64::max),
-    })
 }
 
 /// Name, run time and run count of every loaded BPF program, by id.

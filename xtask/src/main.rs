@@ -15,6 +15,7 @@
 mod bench;
 mod bench_merge;
 mod bench_probes;
+mod bench_soak;
 mod build;
 mod fuzz;
 mod install;
@@ -63,8 +64,12 @@ enum Task {
         #[arg(long, default_value_t = 3)]
         seconds: u64,
         /// Only this part: `probes` (device-library probe costs), `merge`
-        /// (agent merge on 16 node traces, see --trace-mb).
+        /// (agent merge on 16 node traces, see --trace-mb),
+        /// `soak` (agent service always on; --minutes long).
         only: Option<String>,
+        /// Length of the soak (`bench soak`), in minutes.
+        #[arg(long, default_value_t = 30)]
+        minutes: u64,
         /// Another agent binary (e.g. a build of the previous version) to
         /// measure in the same run: interleaved in the ping-pong rounds,
         /// back to back in the system-wide recordings.
@@ -116,10 +121,17 @@ fn main() -> Result<()> {
         Task::Test { args } => build::test(&args),
         Task::Bench {
             seconds,
+            minutes,
             only,
             compare_agent,
             trace_mb,
-        } => bench::run(seconds, only.as_deref(), compare_agent.as_deref(), trace_mb),
+        } => bench::run(
+            seconds,
+            minutes,
+            only.as_deref(),
+            compare_agent.as_deref(),
+            trace_mb,
+        ),
         Task::Fuzz {
             seconds,
             merge,
