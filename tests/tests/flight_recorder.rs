@@ -12,9 +12,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Lines, Proc, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::{start_gated_job, thread_of, wait_for_closers, wait_until};
 use xpuscope_tests::fixtures;
+use xpuscope_tests::service_run::Service;
 use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
 /// The recorder keeps this many seconds.
@@ -101,35 +102,17 @@ fn a_dump_holds_exactly_the_requested_window_of_a_job_longer_than_the_recorder()
     fixtures::build_all();
     eprintln!("ready to start after {:?}", began.elapsed());
     let dir = TempDir::new("flight-window");
-    let socket = dir.path().join("run/agent.sock");
-    let dump_dir = dir.path().join("dumps");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let config = dir.path().join("agent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "level = 1\ndump_dir = \"{}\"\n[flight_recorder]\nseconds = {RECORDER_SECONDS}\n\
-             [metrics]\nlisten = \"127.0.0.1:{port}\"\n[control]\nsocket = \"{}\"\n",
-            dump_dir.display(),
-            socket.display()
-        ),
-    )
-    .unwrap();
-    let mut agent = Proc::spawn(
-        "agent service",
-        Command::new(agent_bin())
-            .arg("service")
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped()),
+    let Service {
+        mut agent,
+        mut stderr,
+        dump_dir,
+        socket,
+        ..
+    } = Service::start(
+        dir.path(),
+        &format!("[flight_recorder]\nseconds = {RECORDER_SECONDS}\n"),
     );
-    let mut stderr = Lines::new(agent.stderr());
+    // Until the control API answers (the socket exists a little earlier).
     let up = Instant::now();
     while ctl(&socket, &["status"]).is_err() {
         if let Some(status) = agent.child.try_wait().unwrap() {

@@ -15,6 +15,7 @@ use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::{GroupGuard, arg_text, start_gated_job, thread_of, wait_for_closers};
 use xpuscope_tests::fixtures;
+use xpuscope_tests::service_run::Service;
 use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode};
 
 const STEPS: u64 = 5;
@@ -219,50 +220,13 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
     fixtures::build_all();
     let before = our_program_ids();
     let dir = TempDir::new("service");
-    let socket = dir.path().join("run/agent.sock");
-    let dump_dir = dir.path().join("dumps");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let config = dir.path().join("agent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "level = 1\ndump_dir = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n\
-             [control]\nsocket = \"{}\"\n",
-            dump_dir.display(),
-            socket.display()
-        ),
-    )
-    .unwrap();
-    let mut agent = Proc::spawn(
-        "agent service",
-        Command::new(agent_bin())
-            .arg("service")
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped()),
-    );
-    let mut stderr = Lines::new(agent.stderr());
-    let up = Instant::now();
-    while !socket.exists() {
-        if let Some(status) = agent.child.try_wait().unwrap() {
-            panic!(
-                "agent service exited ({status}):\n{}",
-                stderr.rest(Duration::from_secs(1))
-            );
-        }
-        assert!(
-            up.elapsed() < Duration::from_secs(30),
-            "no control socket:\n{}",
-            stderr.rest(Duration::from_millis(100))
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let Service {
+        mut agent,
+        mut stderr,
+        dump_dir,
+        socket,
+        port,
+    } = Service::start(dir.path(), "");
     assert_eq!(ctl(&socket, &["status"])["level"], 1);
 
     // A job the agent is not told about.
@@ -419,40 +383,13 @@ fn the_service_probes_a_traced_process_at_its_dlopen() {
     wait_for_closers();
     let fixtures = fixtures::build_all();
     let dir = TempDir::new("service-dlopen");
-    let socket = dir.path().join("run/agent.sock");
-    let dump_dir = dir.path().join("dumps");
-    let config = dir.path().join("agent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "level = 1\ndump_dir = \"{}\"\n[discovery]\ncomm = \"^xpuscope-worklo$\"\n\
-             [control]\nsocket = \"{}\"\n",
-            dump_dir.display(),
-            socket.display()
-        ),
-    )
-    .unwrap();
-    let mut agent = Proc::spawn(
-        "agent service",
-        Command::new(agent_bin())
-            .arg("service")
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped()),
-    );
-    let mut stderr = Lines::new(agent.stderr());
-    let up = Instant::now();
-    while !socket.exists() {
-        assert!(
-            agent.child.try_wait().unwrap().is_none() && up.elapsed() < Duration::from_secs(30),
-            "no control socket:\n{}",
-            stderr.rest(Duration::from_millis(100))
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let Service {
+        mut agent,
+        mut stderr,
+        dump_dir,
+        socket,
+        ..
+    } = Service::start(dir.path(), "[discovery]\ncomm = \"^xpuscope-worklo$\"\n");
     let mut wl = Proc::spawn(
         "workload",
         Command::new(fixtures.join("workloads/xpuscope-workload"))
