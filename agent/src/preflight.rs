@@ -9,8 +9,8 @@ use crate::procfs;
 #[derive(Debug, thiserror::Error)]
 pub enum PreflightError {
     #[error(
-        "xpuscope needs root (or the CAP_BPF and CAP_PERFMON capabilities) to load its eBPF \
-         programs; run it with sudo"
+        "xpuscope needs root (or the CAP_BPF and CAP_PERFMON capabilities, plus CAP_SYS_ADMIN \
+         for device-library uprobes) to load its eBPF programs; run it with sudo"
     )]
     NotPrivileged,
     #[error(
@@ -45,12 +45,39 @@ fn effective_caps() -> u64 {
 }
 
 pub fn check_privileges() -> Result<(), PreflightError> {
-    let caps = effective_caps();
+    let privileges = privileges(effective_caps());
+    if privileges == Privileges::SchedulerOnly {
+        tracing::warn!(
+            "CAP_BPF and CAP_PERFMON without CAP_SYS_ADMIN: scheduling is recorded, but the \
+             kernel's uprobes ask for CAP_SYS_ADMIN, so no device-library call will be; run \
+             with sudo or add CAP_SYS_ADMIN"
+        );
+    }
+    match privileges {
+        Privileges::None => Err(PreflightError::NotPrivileged),
+        _ => Ok(()),
+    }
+}
+
+/// What a set of effective capabilities lets the agent record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Privileges {
+    /// Neither root-equivalent nor CAP_BPF with CAP_PERFMON.
+    None,
+    /// The eBPF programs and tracepoints load, but the uprobe PMU checks
+    /// CAP_SYS_ADMIN: device-library probes would fail.
+    SchedulerOnly,
+    All,
+}
+
+fn privileges(caps: u64) -> Privileges {
     let has = |cap: u32| caps & (1 << cap) != 0;
-    if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
-        Ok(())
+    if has(CAP_SYS_ADMIN) {
+        Privileges::All
+    } else if has(CAP_BPF) && has(CAP_PERFMON) {
+        Privileges::SchedulerOnly
     } else {
-        Err(PreflightError::NotPrivileged)
+        Privileges::None
     }
 }
 
@@ -157,5 +184,19 @@ mod tests {
                 .to_string()
                 .contains("cargo xtask build-ebpf")
         );
+    }
+
+    #[test]
+    fn capabilities_say_what_can_be_recorded() {
+        let cap = |c: u32| 1u64 << c;
+        assert_eq!(privileges(0), Privileges::None);
+        assert_eq!(privileges(cap(CAP_BPF)), Privileges::None, "CAP_BPF alone");
+        assert_eq!(
+            privileges(cap(CAP_BPF) | cap(CAP_PERFMON)),
+            Privileges::SchedulerOnly,
+            "uprobes need CAP_SYS_ADMIN"
+        );
+        assert_eq!(privileges(cap(CAP_SYS_ADMIN)), Privileges::All);
+        assert_eq!(privileges(u64::MAX), Privileges::All);
     }
 }

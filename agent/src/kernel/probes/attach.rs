@@ -153,11 +153,11 @@ impl<L> ProbeLinks<L> {
                 self.stats.attached += 1;
             }
         }
-        for (pid, path, functions) in &plan.libraries {
-            let live = plan
-                .uses
+        for (pid, path, functions, sites) in &plan.libraries {
+            // This library's sites only (a process maps several libraries).
+            let live = sites
                 .iter()
-                .filter(|(p, s)| p == pid && self.sites.get(s).is_some_and(|s| s.live))
+                .filter(|s| self.sites.get(s).is_some_and(|s| s.live))
                 .count();
             tracing::info!(
                 "device probes: pid {pid}: {path} ({live} of {functions} functions live)"

@@ -203,8 +203,9 @@ pub struct Plan {
     /// Each process's use of a site at the current level (counted as an
     /// attached function once the site is live).
     pub uses: Vec<(u32, ProbeSite)>,
-    /// Libraries newly found: (pid, path, functions planned at the level).
-    pub libraries: Vec<(u32, String, usize)>,
+    /// Libraries newly found: (pid, path, functions planned at the level,
+    /// the sites of those functions).
+    pub libraries: Vec<(u32, String, usize, Vec<ProbeSite>)>,
     /// Processes no longer traced, forgotten.
     pub gone: Vec<u32>,
     /// Slots of probes attached by file ahead of any process mapping it,
@@ -449,6 +450,7 @@ impl Planner {
                 continue;
             };
             let mut probes = Vec::new();
+            let mut sites = Vec::new();
             for sp in traced
                 .probes
                 .iter()
@@ -457,11 +459,12 @@ impl Planner {
                 if let Some(slot) = self.slot_for(sp) {
                     probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
                     plan.uses.push((pid, sp.site));
+                    sites.push(sp.site);
                     plan.add_live(site_work(sp, &traced.path, slot));
                 }
             }
             plan.libraries
-                .push((pid, traced.lib.path.clone(), probes.len()));
+                .push((pid, traced.lib.path.clone(), probes.len(), sites));
             plan.updates.push(TableUpdate {
                 tgid: pid,
                 probes,
