@@ -27,6 +27,10 @@ pub const TOP_PREEMPTORS: usize = 3;
 /// Distinct preemptors counted per run of contended steps.
 const MAX_PREEMPTORS: usize = 256;
 
+/// Time taken per preemptor: (command name, pid) -> (ns, from a traced
+/// process).
+pub type Takers = HashMap<(String, u32), (u64, bool)>;
+
 #[derive(Default)]
 struct Run {
     first_step: u64,
@@ -36,7 +40,7 @@ struct Run {
     lost: u64,
     dur: u64,
     /// (comm, pid) -> (ns taken, from a traced process).
-    by: HashMap<(String, u32), (u64, bool)>,
+    by: Takers,
     reported: bool,
 }
 
@@ -46,8 +50,8 @@ pub struct ContentionDetector {
 }
 
 /// The time a window's main thread lost to other processes, by preemptor.
-pub fn lost_in(w: &Window) -> (u64, HashMap<(String, u32), (u64, bool)>) {
-    let mut by: HashMap<(String, u32), (u64, bool)> = HashMap::new();
+pub fn lost_in(w: &Window) -> (u64, Takers) {
+    let mut by = Takers::new();
     let mut lost = 0;
     for i in &w.off_cpu {
         let Some(p) = &i.preempted_by else {
@@ -101,7 +105,7 @@ impl ContentionDetector {
             return;
         }
         run.reported = true;
-        let mut top: Vec<(&(String, u32), &(u64, bool))> = run.by.iter().collect();
+        let mut top: Vec<_> = run.by.iter().collect();
         top.sort_by_key(|(k, v)| (std::cmp::Reverse(v.0), k.1));
         top.truncate(TOP_PREEMPTORS);
         let ms = |ns: u64| ns as f64 / 1e6;
