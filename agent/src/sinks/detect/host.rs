@@ -37,7 +37,7 @@ pub struct HostDetectConfig {
     pub leak_min_steps: u32,
 }
 
-pub const DEFAULT_CONTENTION_MIN_SHARE_PCT: u32 = 20;
+pub const DEFAULT_CONTENTION_MIN_SHARE_PCT: u32 = 10;
 pub const DEFAULT_CONTENTION_MIN_LOST: Duration = Duration::from_millis(1);
 pub const DEFAULT_CONTENTION_MIN_STEPS: u32 = 3;
 pub const DEFAULT_STALL_MIN: Duration = Duration::from_millis(50);

@@ -399,6 +399,28 @@ fn persistent_preemption_by_other_processes_is_contention_naming_them() {
 }
 
 #[test]
+fn a_contention_with_a_lull_is_one_finding_and_a_new_one_after_it_ends() {
+    let noisy = vec![(4242, 4243, "noisy", 6 * MS)];
+    let found = run(40, |k| StepShape {
+        // Contended from 5, one step under the bar at 12 and 14, over at
+        // 24: a new run after three clean steps.
+        preempted: if (5..20).contains(&k) && k != 12 && k != 14 || (24..28).contains(&k) {
+            noisy.clone()
+        } else {
+            vec![]
+        },
+        ..StepShape::default()
+    });
+    assert_eq!(
+        found.iter().map(|f| (f.kind, f.step)).collect::<Vec<_>>(),
+        vec![
+            (FindingKind::HostContention, Some(5)),
+            (FindingKind::HostContention, Some(24))
+        ]
+    );
+}
+
+#[test]
 fn short_or_small_preemption_is_not_contention() {
     // Two contended steps, then clean, then two again: never three in a row.
     let found = run(30, |k| StepShape {
@@ -410,9 +432,9 @@ fn short_or_small_preemption_is_not_contention() {
         ..StepShape::default()
     });
     assert_eq!(found, vec![]);
-    // Every step, but under a fifth of it.
+    // Every step, but under a tenth of it.
     let found = run(30, |_| StepShape {
-        preempted: vec![(4242, 4243, "noisy", MS)],
+        preempted: vec![(4242, 4243, "noisy", MS / 2)],
         ..StepShape::default()
     });
     assert_eq!(found, vec![]);
