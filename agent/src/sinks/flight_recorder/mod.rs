@@ -176,7 +176,7 @@ pub struct RecorderStats {
     /// Records that aged out of the window (not a loss).
     pub expired_records: AtomicU64,
     /// Per [`Trigger`], in [`Trigger::ALL`] order.
-    pub dumps: [TriggerCounts; 4],
+    pub dumps: [TriggerCounts; Trigger::ALL.len()],
     /// The last dump written (for status).
     pub last_dump: Mutex<Option<DumpOutcome>>,
 }
