@@ -421,6 +421,25 @@ fn a_contention_with_a_lull_is_one_finding_and_a_new_one_after_it_ends() {
 }
 
 #[test]
+fn one_step_under_the_bar_does_not_end_a_run_before_it_fires() {
+    let found = run(30, |k| StepShape {
+        preempted: if [8, 9, 11, 12].contains(&k) {
+            vec![(4242, 4243, "noisy", 6 * MS)]
+        } else {
+            vec![]
+        },
+        ..StepShape::default()
+    });
+    assert_eq!(
+        found
+            .iter()
+            .map(|f| (f.step, f.evidence["steps"].clone()))
+            .collect::<Vec<_>>(),
+        vec![(Some(8), serde_json::json!(3))]
+    );
+}
+
+#[test]
 fn short_or_small_preemption_is_not_contention() {
     // Two contended steps, then clean, then two again: never three in a row.
     let found = run(30, |k| StepShape {
