@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, AttachConfig, StackPolicy};
+use crate::sinks::detect::host;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -196,6 +197,21 @@ pub struct AttachArgs {
     /// trace's `xpuscope findings` track), e.g. `30s`, `5m`.
     #[arg(long, default_value = "300s", value_parser = parse_hang_timeout)]
     pub hang_timeout: Duration,
+    /// host_contention: a step counts as contended when other processes
+    /// kept the rank's training thread off its CPU for at least this
+    /// percentage of it (1-100; and `contention_min_lost`, 3 steps in a
+    /// row: the service's `[detect]` keys).
+    #[arg(long, default_value_t = host::DEFAULT_CONTENTION_MIN_SHARE_PCT,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub contention_min_share: u32,
+    /// dataloader_stall: the shortest wait for the data loader reported
+    /// (also 4x the rank's usual wait), e.g. `50ms`.
+    #[arg(long, default_value = "50ms", value_parser = config::parse_duration)]
+    pub stall_min: Duration,
+    /// memory_leak: the growth per step of one allocation site that counts
+    /// (5 steps in a row), e.g. `1M`.
+    #[arg(long, default_value = "1M", value_parser = parse_leak_rate)]
+    pub leak_min_per_step: u64,
     /// Testing aid: switch the device level while recording, e.g.
     /// `0,1@1s` (level 0 from the start, 1 after 1 s).
     #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
@@ -211,6 +227,17 @@ pub struct AttachArgs {
     /// before/after measurement of the hook).
     #[arg(long, hide = true)]
     pub no_loader_hook: bool,
+}
+
+/// A leak rate: a size of at least one byte.
+fn parse_leak_rate(text: &str) -> Result<u64, String> {
+    match config::parse_size(text)? {
+        0 => Err(format!(
+            "--leak-min-per-step {text}: 0 would call every allocation a leak; give at least 1 \
+             (default 1M)"
+        )),
+        n => Ok(n),
+    }
 }
 
 /// A hang timeout: a duration of at least 1 ms.
@@ -254,6 +281,12 @@ impl AttachArgs {
             report_targets: self.report_targets,
             device_call_rate: self.device_call_rate,
             hang_timeout: self.hang_timeout,
+            host_detect: host::HostDetectConfig {
+                contention_min_share_pct: self.contention_min_share,
+                stall_min: self.stall_min,
+                leak_min_per_step: self.leak_min_per_step,
+                ..host::HostDetectConfig::default()
+            },
             loader_hook: !self.no_loader_hook,
         }
     }

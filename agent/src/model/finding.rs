@@ -18,13 +18,22 @@ pub enum FindingKind {
     DeviceOom,
     /// A traced process was killed by a signal.
     Crash,
+    /// A rank's training thread kept off its CPU by other processes.
+    HostContention,
+    /// A rank's training thread waited for its data loader.
+    DataloaderStall,
+    /// A rank's device memory growing every step at one site.
+    MemoryLeak,
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 3] = [
+    pub const ALL: [FindingKind; 6] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
         FindingKind::Crash,
+        FindingKind::HostContention,
+        FindingKind::DataloaderStall,
+        FindingKind::MemoryLeak,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -32,6 +41,9 @@ impl FindingKind {
             FindingKind::Hang => "hang",
             FindingKind::DeviceOom => "device_oom",
             FindingKind::Crash => "crash",
+            FindingKind::HostContention => "host_contention",
+            FindingKind::DataloaderStall => "dataloader_stall",
+            FindingKind::MemoryLeak => "memory_leak",
         }
     }
 }

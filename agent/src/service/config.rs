@@ -75,6 +75,8 @@ pub struct DetectSection {
     pub hang_timeout: Duration,
     /// A finding triggers a flight-recorder dump.
     pub dump_on_finding: bool,
+    /// Thresholds of the host-side detectors.
+    pub host: crate::sinks::detect::host::HostDetectConfig,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -148,6 +150,7 @@ impl Default for ServiceConfig {
             detect: DetectSection {
                 hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
                 dump_on_finding: true,
+                host: Default::default(),
             },
             metrics: MetricsConfig {
                 listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
@@ -273,6 +276,7 @@ impl ServiceConfig {
             if let Some(v) = s.take("dump_on_finding") {
                 cfg.detect.dump_on_finding = ctx.boolean(&v, "detect.dump_on_finding")?;
             }
+            host_detect_keys(&ctx, &mut s, &mut cfg.detect.host)?;
             s.finish()?;
         }
         if let Some(t) = root.take_table("flight_recorder")? {
@@ -389,6 +393,54 @@ fn line_of(text: &str, at: usize) -> usize {
         .filter(|&&b| b == b'\n')
         .count()
         + 1
+}
+
+/// The host-side detectors' keys of `[detect]`.
+fn host_detect_keys(
+    ctx: &Ctx,
+    s: &mut Section,
+    host: &mut crate::sinks::detect::host::HostDetectConfig,
+) -> Result<(), ConfigError> {
+    let count = |v: &Value, key: &str, lo: i64, hi: i64| -> Result<u32, ConfigError> {
+        let n = ctx.integer(v, key)?;
+        if !(lo..=hi).contains(&n) {
+            return Err(ctx.value_error(v, key, format!("{n} must be between {lo} and {hi}")));
+        }
+        Ok(n as u32)
+    };
+    if let Some(v) = s.take("contention_min_share_pct") {
+        host.contention_min_share_pct = count(&v, "detect.contention_min_share_pct", 1, 100)?;
+    }
+    if let Some(v) = s.take("contention_min_lost") {
+        host.contention_min_lost = ctx.duration(&v, "detect.contention_min_lost")?;
+    }
+    if let Some(v) = s.take("contention_min_steps") {
+        host.contention_min_steps = count(&v, "detect.contention_min_steps", 1, 10_000)?;
+    }
+    if let Some(v) = s.take("stall_min") {
+        host.stall_min = ctx.duration(&v, "detect.stall_min")?;
+    }
+    if let Some(v) = s.take("stall_factor") {
+        host.stall_factor = count(&v, "detect.stall_factor", 1, 1_000)?;
+    }
+    if let Some(v) = s.take("stall_min_history") {
+        host.stall_min_history = count(&v, "detect.stall_min_history", 0, 16)?;
+    }
+    if let Some(v) = s.take("leak_min_per_step") {
+        let n = ctx.size(&v, "detect.leak_min_per_step")?;
+        if n == 0 {
+            return Err(ctx.value_error(
+                &v,
+                "detect.leak_min_per_step",
+                "0 would call every allocation a leak; use at least 1".into(),
+            ));
+        }
+        host.leak_min_per_step = n;
+    }
+    if let Some(v) = s.take("leak_min_steps") {
+        host.leak_min_steps = count(&v, "detect.leak_min_steps", 2, 10_000)?;
+    }
+    Ok(())
 }
 
 type Value<'i> = Spanned<DeValue<'i>>;
@@ -681,6 +733,14 @@ max_dumps_per_hour = 2
 [detect]
 hang_timeout = "90s"
 dump_on_finding = false
+contention_min_share_pct = 30
+contention_min_lost = "2ms"
+contention_min_steps = 4
+stall_min = "200ms"
+stall_factor = 6
+stall_min_history = 3
+leak_min_per_step = "8M"
+leak_min_steps = 7
 [flight_recorder]
 seconds = "10m"
 max_bytes = "64M"
@@ -706,6 +766,19 @@ job_env = ["MY_JOB"]
         assert_eq!(cfg.max_dumps_per_hour, 2);
         assert_eq!(cfg.detect.hang_timeout, Duration::from_secs(90));
         assert!(!cfg.detect.dump_on_finding);
+        assert_eq!(
+            cfg.detect.host,
+            crate::sinks::detect::host::HostDetectConfig {
+                contention_min_share_pct: 30,
+                contention_min_lost: Duration::from_millis(2),
+                contention_min_steps: 4,
+                stall_min: Duration::from_millis(200),
+                stall_factor: 6,
+                stall_min_history: 3,
+                leak_min_per_step: 8 << 20,
+                leak_min_steps: 7,
+            }
+        );
         assert_eq!(cfg.flight_recorder.seconds, Duration::from_secs(600));
         assert_eq!(cfg.flight_recorder.max_bytes, 64 << 20);
         assert_eq!(cfg.metrics.listen, None);
@@ -752,6 +825,15 @@ job_env = ["MY_JOB"]
             e.contains("`detect.dump_on_finding`: expected true or false, found a integer"),
             "{e}"
         );
+        let e = parse("[detect]\ncontention_min_share_pct = 0\n").unwrap_err();
+        assert!(
+            e.contains(":2: `detect.contention_min_share_pct`: 0 must be between 1 and 100"),
+            "{e}"
+        );
+        let e = parse("[detect]\nleak_min_per_step = 0\n").unwrap_err();
+        assert!(e.contains("use at least 1"), "{e}");
+        let e = parse("[detect]\nstall_min = \"soon\"\n").unwrap_err();
+        assert!(e.contains("`detect.stall_min`"), "{e}");
         // The key moved into [detect]: at the top it is unknown.
         let e = parse("hang_timeout = \"5s\"\n").unwrap_err();
         assert!(e.contains("unknown key `hang_timeout`"), "{e}");

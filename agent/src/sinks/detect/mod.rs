@@ -9,6 +9,9 @@
 //! - [`oom`]: a failed device allocation, its stack and the largest live
 //!   sites.
 //! - [`crash`]: a traced process killed by a signal.
+//! - [`host`]: the host-side detectors over each rank's steps
+//!   ([`host_steps`]): [`host_contention`], [`dataloader_stall`],
+//!   [`memory_leak`].
 //!
 //! The detectors are pure ([`Detectors`]: records and ticks in, findings
 //! out). The sink sends each new finding back to the pipeline, which puts
@@ -16,7 +19,12 @@
 //! flight recorder dumps on it. The sink's output is every finding.
 
 pub mod crash;
+pub mod dataloader_stall;
 pub mod hang;
+pub mod host;
+pub mod host_contention;
+pub mod host_steps;
+pub mod memory_leak;
 pub mod oom;
 #[cfg(test)]
 mod tests;
@@ -38,6 +46,8 @@ pub const MAX_FINDINGS: usize = 1_000;
 pub struct DetectConfig {
     /// A collective or sync running longer than this is a hang.
     pub hang_timeout: Duration,
+    /// The host-side detectors' thresholds.
+    pub host: host::HostDetectConfig,
 }
 
 pub const DEFAULT_HANG_TIMEOUT: Duration = Duration::from_secs(300);
@@ -46,6 +56,7 @@ impl Default for DetectConfig {
     fn default() -> Self {
         Self {
             hang_timeout: DEFAULT_HANG_TIMEOUT,
+            host: host::HostDetectConfig::default(),
         }
     }
 }
@@ -82,6 +93,7 @@ pub struct Detectors {
     hang: hang::HangDetector,
     oom: oom::OomDetector,
     crash: crash::CrashDetector,
+    host: host::HostDetectors,
 }
 
 impl Detectors {
@@ -91,12 +103,16 @@ impl Detectors {
             hang: hang::HangDetector::new(cfg.hang_timeout),
             oom: oom::OomDetector,
             crash: crash::CrashDetector,
+            host: host::HostDetectors::new(cfg.host),
         }
     }
 
     pub fn record(&mut self, r: &Record, out: &mut Vec<Finding>) {
+        if let Record::Identity { tgid, identity } = r {
+            self.ranks.identity(*tgid, identity);
+        }
+        self.host.record(r, &self.ranks, out);
         match r {
-            Record::Identity { tgid, identity } => self.ranks.identity(*tgid, identity),
             Record::DeviceCall(c) => {
                 self.hang.device_call(c);
                 self.oom.device_call(c, &self.ranks, out);
@@ -116,7 +132,7 @@ impl Detectors {
 
     #[cfg(test)]
     pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
-        self.hang.forgot(tgid) && self.ranks.of(tgid).is_none()
+        self.hang.forgot(tgid) && self.ranks.of(tgid).is_none() && self.host.forgot(tgid)
     }
 
     /// Time passed: detectors that fire on a duration look again.

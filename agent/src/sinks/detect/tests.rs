@@ -21,10 +21,11 @@ const HASH: u64 = 0x3f2a_0000_0000_0001;
 fn detectors(timeout_s: u64) -> Detectors {
     Detectors::new(DetectConfig {
         hang_timeout: Duration::from_secs(timeout_s),
+        ..DetectConfig::default()
     })
 }
 
-fn identity(tgid: u32, rank: u32) -> Record {
+pub(super) fn identity(tgid: u32, rank: u32) -> Record {
     Record::Identity {
         tgid,
         identity: Box::new(RankIdentity::from_environ(
@@ -325,7 +326,7 @@ fn a_failed_allocation_is_a_device_oom_with_what_holds_the_memory() {
     );
 }
 
-fn exit(tgid: u32, code: Option<i32>) -> Record {
+pub(super) fn exit(tgid: u32, code: Option<i32>) -> Record {
     Record::Exit {
         exit: Exit {
             cpu: 0,
@@ -402,6 +403,7 @@ fn the_sink_feeds_findings_back_and_returns_them() {
     let mut sink = DetectSink::new(
         DetectConfig {
             hang_timeout: Duration::from_secs(1),
+            ..DetectConfig::default()
         },
         Some(tx),
     );

@@ -51,14 +51,17 @@ pub enum Trigger {
     Oom,
     /// A traced process was killed by a signal.
     Signal,
+    /// A host-side finding: contention, a data-loader stall, a leak.
+    Host,
 }
 
 impl Trigger {
-    pub const ALL: [Trigger; 4] = [
+    pub const ALL: [Trigger; 5] = [
         Trigger::Manual,
         Trigger::Hang,
         Trigger::Oom,
         Trigger::Signal,
+        Trigger::Host,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -67,6 +70,7 @@ impl Trigger {
             Trigger::Hang => "hang",
             Trigger::Oom => "oom",
             Trigger::Signal => "signal",
+            Trigger::Host => "host",
         }
     }
 
@@ -126,6 +130,9 @@ impl Trigger {
             FindingKind::Hang => Trigger::Hang,
             FindingKind::DeviceOom => Trigger::Oom,
             FindingKind::Crash => Trigger::Signal,
+            FindingKind::HostContention
+            | FindingKind::DataloaderStall
+            | FindingKind::MemoryLeak => Trigger::Host,
         }
     }
 }
@@ -169,7 +176,7 @@ pub struct RecorderStats {
     /// Records that aged out of the window (not a loss).
     pub expired_records: AtomicU64,
     /// Per [`Trigger`], in [`Trigger::ALL`] order.
-    pub dumps: [TriggerCounts; 4],
+    pub dumps: [TriggerCounts; Trigger::ALL.len()],
     /// The last dump written (for status).
     pub last_dump: Mutex<Option<DumpOutcome>>,
 }

@@ -1,0 +1,217 @@
+//! The step clock of the host-side detectors: each rank's training steps,
+//! online, from its main thread's device calls, and what its main thread
+//! did in each (its calls and its time off CPU).
+//!
+//! A step is anchored on the rank's gradient all-reduce, as the step
+//! breakdown does (`analysis::steps`): the first communicator the main
+//! thread all-reduces on is the anchor, and the n-th all-reduce on it
+//! (0-based) closes step n. A step's window runs from the start of the
+//! previous anchor all-reduce to the start of this one: it holds the end of
+//! the previous step (its gradient sync and optimizer) and this step's data
+//! wait, host work, forward and backward. The window before the first
+//! all-reduce is not a step (it holds the process's start-up).
+//!
+//! The main thread runs one call at a time, so when its all-reduce's record
+//! arrives every call and off-CPU interval of the window before it has
+//! arrived too: the window is handed to the detectors then.
+//!
+//! Memory: a window's calls and intervals, per rank, bounded by
+//! [`MAX_WINDOW_ITEMS`] (a window past it loses its oldest: a rank that
+//! stopped all-reducing does not grow the agent).
+
+use std::collections::HashMap;
+
+use xpuscope_probes::catalog::CallKind;
+
+use crate::analysis::op_kind;
+use crate::model::{DeviceCallRecord, OffCpuInterval};
+
+/// Calls or off-CPU intervals a rank's open window keeps.
+pub const MAX_WINDOW_ITEMS: usize = 1 << 15;
+
+/// What a main-thread call was, for the detectors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallShape {
+    /// A collective or point-to-point call; whether it is an anchor
+    /// all-reduce.
+    Collective {
+        anchor: bool,
+    },
+    /// A synchronisation (stream, event, device).
+    Sync,
+    Other,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MainCall {
+    pub start: u64,
+    pub end: u64,
+    pub shape: CallShape,
+}
+
+/// Who took the CPU from the runnable main thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Taker {
+    pub comm: String,
+    pub pid: u32,
+    /// Traced along with the job (a process the launcher started).
+    pub in_job: bool,
+}
+
+/// A main-thread off-CPU interval, as the detectors need it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MainOffCpu {
+    pub start: u64,
+    pub end: u64,
+    /// It went to sleep (interruptible or not).
+    pub asleep: bool,
+    /// Its off-CPU stack (when one was taken) is in a data loader.
+    pub in_loader: bool,
+    /// Runnable and preempted by a task of another process.
+    pub preempted_by: Option<Taker>,
+}
+
+/// One finished step of one rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub tgid: u32,
+    /// 0-based: the number of anchor all-reduces before the one closing it.
+    pub step: u64,
+    pub start: u64,
+    pub end: u64,
+    /// In start order; the first is the previous anchor all-reduce.
+    pub calls: Vec<MainCall>,
+    /// In start order.
+    pub off_cpu: Vec<MainOffCpu>,
+}
+
+impl Window {
+    pub fn dur(&self) -> u64 {
+        self.end.saturating_sub(self.start)
+    }
+}
+
+#[derive(Default)]
+struct RankClock {
+    /// The anchor communicator (hash, or handle when set-up was not seen).
+    anchor: Option<u64>,
+    /// Anchor all-reduces seen.
+    anchors: u64,
+    /// The open window's start (the last anchor all-reduce's start).
+    open: Option<u64>,
+    calls: Vec<MainCall>,
+    off_cpu: Vec<MainOffCpu>,
+}
+
+fn push_bounded<T>(v: &mut Vec<T>, item: T) {
+    if v.len() >= MAX_WINDOW_ITEMS {
+        v.drain(..MAX_WINDOW_ITEMS / 2);
+    }
+    v.push(item);
+}
+
+/// Every followed rank's clock (followed: a process with a rank).
+#[derive(Default)]
+pub struct StepClock {
+    ranks: HashMap<u32, RankClock>,
+}
+
+impl StepClock {
+    pub fn follow(&mut self, tgid: u32) {
+        self.ranks.entry(tgid).or_default();
+    }
+
+    pub fn forget(&mut self, tgid: u32) {
+        self.ranks.remove(&tgid);
+    }
+
+    #[cfg(test)]
+    pub fn follows(&self, tgid: u32) -> bool {
+        self.ranks.contains_key(&tgid)
+    }
+
+    /// A returned call; the window it closes, if it is the main thread's
+    /// anchor all-reduce.
+    pub fn device_call(&mut self, c: &DeviceCallRecord) -> Option<Window> {
+        let call = &c.call;
+        if c.unmatched.is_some() || call.tid != call.tgid {
+            return None;
+        }
+        let r = self.ranks.get_mut(&call.tgid)?;
+        let op = call.comm.as_ref().and_then(|_| op_kind(call.function));
+        let shape = match (&call.comm, op) {
+            (Some(cc), Some(op)) => {
+                let comm = cc.id_hash.unwrap_or(cc.handle);
+                let anchor = op == "all_reduce" && *r.anchor.get_or_insert(comm) == comm;
+                CallShape::Collective { anchor }
+            }
+            _ if matches!(call.kind, CallKind::Sync(_)) => CallShape::Sync,
+            _ => CallShape::Other,
+        };
+        let me = MainCall {
+            start: call.start_ts,
+            end: c.end_ts(),
+            shape,
+        };
+        if shape != (CallShape::Collective { anchor: true }) {
+            if r.open.is_some() {
+                push_bounded(&mut r.calls, me);
+            }
+            return None;
+        }
+        let closed = r.open.map(|start| {
+            let mut calls = std::mem::take(&mut r.calls);
+            calls.sort_by_key(|m| m.start);
+            let (mut off_cpu, later): (Vec<_>, Vec<_>) = std::mem::take(&mut r.off_cpu)
+                .into_iter()
+                .partition(|i| i.start < me.start);
+            off_cpu.sort_by_key(|i| i.start);
+            r.off_cpu = later;
+            Window {
+                tgid: call.tgid,
+                step: r.anchors,
+                start,
+                end: me.start,
+                calls,
+                off_cpu,
+            }
+        });
+        r.anchors += 1;
+        r.open = Some(me.start);
+        r.calls.push(me);
+        closed
+    }
+
+    /// A finished off-CPU interval (kept when it is a followed rank's main
+    /// thread's, inside a window).
+    pub fn off_cpu(&mut self, i: &OffCpuInterval, in_loader: bool) {
+        if i.tid != i.tgid {
+            return;
+        }
+        let Some(r) = self.ranks.get_mut(&i.tgid) else {
+            return;
+        };
+        if r.open.is_none() {
+            return;
+        }
+        let preempted_by = i
+            .preempted_by
+            .as_ref()
+            .filter(|p| p.tgid != i.tgid)
+            .map(|p| Taker {
+                comm: p.comm.as_str().into_owned(),
+                pid: p.tgid,
+                in_job: p.in_job,
+            });
+        push_bounded(
+            &mut r.off_cpu,
+            MainOffCpu {
+                start: i.start,
+                end: i.end.max(i.start),
+                asleep: i.state & crate::analysis::steps::SLEEPING != 0,
+                in_loader,
+                preempted_by,
+            },
+        );
+    }
+}
