@@ -1,0 +1,196 @@
+//! Python frames read from outside a live CPython process
+//! (xpuscope_probes::python) against what the interpreter itself reports.
+//!
+//! The fixture (tests/workloads/py_frames.py) blocks three threads inside
+//! nested functions (`train_step -> Model.forward -> time.sleep` on the
+//! main thread, a lock and an `Event.wait` on two others), starts a native
+//! thread that never runs Python, and prints each Python thread's stack as
+//! `sys._current_frames()` gives it. The reader must return exactly those
+//! functions, files and lines, in order, for each thread; nothing for the
+//! native thread; and no interpreter at all in a process that is not
+//! Python.
+//!
+//! Interpreters: Debian's /usr/bin/python3.11 always (installed with apt
+//! under CI), plus every pyenv CPython 3.10-3.13 under ~/.pyenv/versions
+//! (the development machine has 3.10.13, 3.11.7, 3.12.1 and 3.13.0); the
+//! test prints which ones it checked.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use xpuscope_probes::python::{PyFrame, PythonProcess};
+use xpuscope_tests::fixtures;
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn interpreters() -> Vec<PathBuf> {
+    let system = PathBuf::from("/usr/bin/python3.11");
+    if !system.exists() {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+        assert!(
+            !ci || Command::new("apt-get")
+                .args(["install", "-y", "python3.11"])
+                .status()
+                .is_ok_and(|s| s.success()),
+            "installing python3.11 failed"
+        );
+    }
+    assert!(
+        system.exists(),
+        "/usr/bin/python3.11 is missing (apt-get install python3.11)"
+    );
+    let mut out = vec![system];
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    if let Ok(dir) = std::fs::read_dir(Path::new(&home).join(".pyenv/versions")) {
+        let mut extra: Vec<PathBuf> = dir
+            .filter_map(|e| {
+                let v = e.ok()?.file_name().into_string().ok()?;
+                let minor: u32 = v.strip_prefix("3.")?.split('.').next()?.parse().ok()?;
+                let bin = e_path(&home, &v, minor);
+                ((10..=13).contains(&minor) && bin.exists()).then_some(bin)
+            })
+            .collect();
+        extra.sort();
+        out.extend(extra);
+    }
+    out
+}
+
+fn e_path(home: &str, version: &str, minor: u32) -> PathBuf {
+    Path::new(home).join(format!(".pyenv/versions/{version}/bin/python3.{minor}"))
+}
+
+/// One frame as the fixture prints it: [function, file, line].
+fn expected(frames: &serde_json::Value) -> Vec<(String, String, u32)> {
+    frames
+        .as_array()
+        .expect("frames")
+        .iter()
+        .map(|f| {
+            (
+                f[0].as_str().expect("function").to_string(),
+                f[1].as_str().expect("file").to_string(),
+                f[2].as_u64().expect("line") as u32,
+            )
+        })
+        .collect()
+}
+
+fn got(frames: &[PyFrame]) -> Vec<(String, String, u32)> {
+    frames
+        .iter()
+        .map(|f| (f.function.clone(), f.file.clone(), f.line.unwrap_or(0)))
+        .collect()
+}
+
+fn check_interpreter(python: &Path) {
+    let script = fixtures::repo_root().join("tests/workloads/py_frames.py");
+    let child = Command::new(python)
+        .arg(&script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", python.display()));
+    let mut child = Killed(child);
+    let pid = child.0.id();
+    let mut line = String::new();
+    BufReader::new(child.0.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("read the fixture's report");
+    let report: serde_json::Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("{}: the fixture's report {line:?}: {e}", python.display()));
+
+    let t0 = Instant::now();
+    let mut proc = PythonProcess::attach(pid)
+        .expect("attach")
+        .unwrap_or_else(|| panic!("{}: no interpreter found", python.display()));
+    let attach = t0.elapsed();
+    let interp = proc.interpreter().clone();
+    assert!(
+        !interp.eval_frames.is_empty(),
+        "{}: no _PyEval_EvalFrameDefault",
+        interp.path
+    );
+
+    let threads = report["threads"].as_object().expect("threads");
+    assert_eq!(threads.len(), 3);
+    for (who, t) in threads {
+        let tid = t["tid"].as_u64().expect("tid") as u32;
+        let want = expected(&t["frames"]);
+        let frames = proc.frames(tid).expect("read frames");
+        assert_eq!(
+            got(&frames),
+            want,
+            "{} thread {who} ({tid})",
+            python.display()
+        );
+        assert!(
+            frames.last().expect("frames").entry,
+            "the outermost frame is entered from C"
+        );
+        let functions: Vec<&str> = frames.iter().map(|f| f.function.as_str()).collect();
+        assert!(functions.contains(&"train_step"), "{functions:?}");
+    }
+    let native = report["native_tid"].as_u64().expect("native tid") as u32;
+    assert_eq!(
+        proc.frames(native)
+            .expect("read frames of the native thread"),
+        vec![],
+        "a thread that never ran Python has no Python frames"
+    );
+
+    // Steady-state cost: the main thread's stack again and again.
+    let main = threads["main"]["tid"].as_u64().expect("tid") as u32;
+    let depth = proc.frames(main).expect("frames").len();
+    let n = 2000;
+    let reads0 = proc.reads();
+    let t0 = Instant::now();
+    for _ in 0..n {
+        assert_eq!(proc.frames(main).expect("frames").len(), depth);
+    }
+    let per = t0.elapsed() / n;
+    let reads = (proc.reads() - reads0) as f64 / f64::from(n);
+    println!(
+        "{} ({}.{}.{}, {}): attach {attach:?}; a {depth}-frame stack: {per:?}, {reads:.1} reads (syscalls) per stack",
+        python.display(),
+        interp.version.0,
+        interp.version.1,
+        interp.version.2,
+        interp.path,
+    );
+}
+
+#[test]
+fn python_frames_match_the_interpreter() {
+    let pythons = interpreters();
+    for p in &pythons {
+        check_interpreter(p);
+    }
+    println!(
+        "checked: {}",
+        pythons
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    // A process that is not Python.
+    let sleeper = Command::new("sleep").arg("60").spawn().expect("sleep");
+    let sleeper = Killed(sleeper);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        PythonProcess::attach(sleeper.0.id())
+            .expect("attach to sleep")
+            .is_none()
+    );
+}
