@@ -10,15 +10,21 @@
 //! native thread; and no interpreter at all in a process that is not
 //! Python.
 //!
+//! The simulated job's Python flavor (`tests/sim/launch.py --lang
+//! python`) is read the same way: every rank shows `train_step` in
+//! rank.py.
+//!
 //! Interpreters: Debian's /usr/bin/python3.11 always (installed with apt
 //! under CI), plus every pyenv CPython 3.10-3.13 under ~/.pyenv/versions
 //! (the development machine has 3.10.13, 3.11.7, 3.12.1 and 3.13.0); the
 //! test prints which ones it checked.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use xpuscope_probes::python::{PyFrame, PythonProcess};
 use xpuscope_tests::fixtures;
@@ -192,5 +198,107 @@ fn python_frames_match_the_interpreter() {
         PythonProcess::attach(sleeper.0.id())
             .expect("attach to sleep")
             .is_none()
+    );
+}
+
+/// Kills a process group (the launcher and its ranks) when dropped.
+struct Group(Child);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // SAFETY: signalling the process group this test created.
+        unsafe {
+            libc::kill(-(self.0.id() as libc::pid_t), libc::SIGKILL);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+/// The rank processes of the launcher's process group.
+fn ranks_of(group: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // pgrp is the 3rd field after the parenthesised comm.
+        let pgrp = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(2)?.parse::<u32>().ok());
+        if pgrp == Some(group) && String::from_utf8_lossy(&cmdline).contains("rank.py") {
+            out.push(pid);
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+#[test]
+fn sim_python_ranks_show_train_step() {
+    let fixtures = fixtures::build_all();
+    let dir = std::env::temp_dir().join(format!("xpuscope-pyframes-sim-{}", std::process::id()));
+    let launcher = Command::new("python3")
+        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--out-dir")
+        .arg(&dir)
+        .arg("--build-dir")
+        .arg(fixtures.join("sim"))
+        .args([
+            "--quiet",
+            "--lang",
+            "python",
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+        ])
+        .args(["--steps", "100000"])
+        .stdin(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn tests/sim/launch.py");
+    let group = Group(launcher);
+    let world = 2;
+    let start = Instant::now();
+    let mut seen: BTreeMap<u32, Vec<PyFrame>> = BTreeMap::new();
+    let mut samples = 0;
+    while seen.len() < world && start.elapsed() < Duration::from_secs(30) {
+        for pid in ranks_of(group.0.id()) {
+            if seen.contains_key(&pid) {
+                continue;
+            }
+            let Ok(Some(mut proc)) = PythonProcess::attach(pid) else {
+                continue;
+            };
+            for tid in proc.threads().unwrap_or_default() {
+                samples += 1;
+                let Ok(frames) = proc.frames(tid) else {
+                    continue;
+                };
+                if frames.iter().any(|f| {
+                    f.function == "train_step" && f.file.ends_with("rank.py") && f.line.is_some()
+                }) {
+                    seen.insert(pid, frames);
+                    break;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(group);
+    let _ = std::fs::remove_dir_all(&dir);
+    for (pid, frames) in &seen {
+        let stack: Vec<String> = frames
+            .iter()
+            .map(|f| format!("{}:{}", f.function, f.line.unwrap_or(0)))
+            .collect();
+        println!("rank pid {pid}: {}", stack.join(" <- "));
+    }
+    assert_eq!(
+        seen.len(),
+        world,
+        "ranks whose stack showed train_step in rank.py within 30 s ({samples} samples)"
     );
 }
