@@ -156,6 +156,12 @@ impl<M: Memory> FrameReader<M> {
         Ok((now == Some(tid)).then_some(raw))
     }
 
+    /// The Python frames of the thread state at `ts`, innermost first.
+    pub fn frames_at(&mut self, ts: u64) -> Result<Vec<PyFrame>, PyError> {
+        let raw = self.read_vec(ts, self.layout.tstate_size())?;
+        self.frames(&raw)
+    }
+
     /// The Python frames of the thread state whose bytes are `tstate`,
     /// innermost first.
     pub fn frames(&mut self, tstate: &[u8]) -> Result<Vec<PyFrame>, PyError> {
