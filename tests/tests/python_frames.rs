@@ -26,7 +26,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use xpuscope_probes::python::{PyFrame, PythonProcess};
+use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::python::layout::Layout;
+use xpuscope_probes::python::memory::ProcMem;
+use xpuscope_probes::python::walk::{FrameReader, KnownTypes};
+use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcess, interleave};
+use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
 use xpuscope_tests::fixtures;
 
 struct Killed(Child);
@@ -98,6 +103,51 @@ fn got(frames: &[PyFrame]) -> Vec<(String, String, u32)> {
         .collect()
 }
 
+fn proc_layout(v: &(u8, u8, u8)) -> &'static Layout {
+    xpuscope_probes::python::layout::for_version(v.0, v.1).expect("a supported version")
+}
+
+/// Stops thread `tid` with ptrace, copies its registers and the top 64 KiB
+/// of its stack, and lets it go on.
+fn stop_and_copy(tid: u32) -> (UserRegs, u64, Vec<u8>) {
+    let t = tid as libc::pid_t;
+    // SAFETY: ptrace/waitpid on a thread of our own child; every pointer
+    // passed points at a live local of the right type and size.
+    unsafe {
+        assert_eq!(libc::ptrace(libc::PTRACE_SEIZE, t, 0, 0), 0, "PTRACE_SEIZE");
+        assert_eq!(libc::ptrace(libc::PTRACE_INTERRUPT, t, 0, 0), 0);
+        let mut status = 0;
+        assert_eq!(libc::waitpid(t, &mut status, libc::__WALL), t);
+        let mut regs: libc::user_regs_struct = std::mem::zeroed();
+        assert_eq!(
+            libc::ptrace(libc::PTRACE_GETREGS, t, 0, &mut regs as *mut _),
+            0
+        );
+        let mut stack = vec![0u8; 64 * 1024];
+        let local = libc::iovec {
+            iov_base: stack.as_mut_ptr().cast(),
+            iov_len: stack.len(),
+        };
+        let remote = libc::iovec {
+            iov_base: regs.rsp as *mut libc::c_void,
+            iov_len: stack.len(),
+        };
+        let n = libc::process_vm_readv(t, &local, 1, &remote, 1, 0);
+        assert!(n > 0, "process_vm_readv");
+        stack.truncate(n as usize);
+        assert_eq!(libc::ptrace(libc::PTRACE_DETACH, t, 0, 0), 0);
+        (
+            UserRegs {
+                ip: regs.rip,
+                sp: regs.rsp,
+                bp: regs.rbp,
+            },
+            regs.rsp,
+            stack,
+        )
+    }
+}
+
 fn check_interpreter(python: &Path) {
     let script = fixtures::repo_root().join("tests/workloads/py_frames.py");
     let child = Command::new(python)
@@ -154,8 +204,75 @@ fn check_interpreter(python: &Path) {
         "a thread that never ran Python has no Python frames"
     );
 
-    // Steady-state cost: the main thread's stack again and again.
+    // The thread list through glibc's `struct pthread` (how 3.10, which
+    // has no native_thread_id, maps tids) finds the same threads.
+    let mut via_pthread: Layout = *proc_layout(&interp.version);
+    via_pthread.tstate_native_thread_id = None;
+    let reader = FrameReader::new(
+        ProcMem::open(pid).expect("open mem"),
+        Box::leak(Box::new(via_pthread)),
+        interp.runtime,
+        KnownTypes::default(),
+    );
+    let mut tids: Vec<u32> = reader
+        .thread_states()
+        .expect("thread list")
+        .iter()
+        .map(|t| t.tid.expect("a tid from struct pthread"))
+        .collect();
+    tids.sort_unstable();
+    assert_eq!(tids, proc.threads().expect("threads"));
+
+    // A mixed stack of the main thread: native frames (CFI unwinding of
+    // the stopped thread) with the Python frames at the evaluation frames,
+    // one evaluation call per frame marked `entry`.
     let main = threads["main"]["tid"].as_u64().expect("tid") as u32;
+    let py = proc.frames(main).expect("frames");
+    let (regs, base, stack) = stop_and_copy(main);
+    let maps = ProcessMaps::read(pid).expect("maps");
+    let mut unwinder = Unwinder::new();
+    let unwound = unwinder.process(&maps, Path::new("/")).unwind(
+        regs,
+        &StackCopy {
+            base,
+            bytes: &stack,
+        },
+        127,
+    );
+    assert!(!unwound.truncated, "{:x?}", unwound.frames);
+    let evals = unwound
+        .frames
+        .iter()
+        .filter(|&&a| proc.is_eval_frame(a))
+        .count();
+    let entries = py.iter().filter(|f| f.entry).count();
+    assert_eq!(
+        evals,
+        entries,
+        "{}: evaluation frames vs entry frames",
+        python.display()
+    );
+    let mixed = interleave(&unwound.frames, &py, |a| proc.is_eval_frame(a));
+    let python_in_mixed: Vec<&PyFrame> = mixed
+        .iter()
+        .filter_map(|m| match m {
+            MixedFrame::Python(f) => Some(f),
+            MixedFrame::Native(_) => None,
+        })
+        .collect();
+    assert_eq!(python_in_mixed, py.iter().collect::<Vec<_>>());
+    assert!(
+        matches!(mixed[0], MixedFrame::Native(_)),
+        "the thread sleeps in native code"
+    );
+    println!(
+        "{}: mixed main-thread stack: {} native + {} Python frames, {evals} evaluation call(s)",
+        python.display(),
+        unwound.frames.len() - evals,
+        py.len()
+    );
+
+    // Steady-state cost: the main thread's stack again and again.
     let depth = proc.frames(main).expect("frames").len();
     let n = 2000;
     let reads0 = proc.reads();
