@@ -38,8 +38,18 @@ class Model:
         event.wait()
 
 
+def recurse(depth):
+    if depth == 0:
+        ready["deep"] = threading.get_native_id()
+        event.wait()
+    else:
+        recurse(depth - 1)
+
+
 def train_step(model, step, phase):
-    if phase == "forward":
+    if phase == "deep":
+        recurse(32)
+    elif phase == "forward":
         model.forward(step)
     elif phase == "backward":
         model.backward(step)
@@ -85,7 +95,7 @@ def native_thread():
 
 
 def reporter():
-    while len(ready) < 3:
+    while len(ready) < 4:
         time.sleep(0.01)
     native = native_thread()
     # The stacks settle once each thread is inside its blocking call.
@@ -102,5 +112,6 @@ def reporter():
 lock.acquire()
 threading.Thread(target=worker, args=("backward",), name="backward").start()
 threading.Thread(target=worker, args=("all_reduce",), name="all_reduce").start()
+threading.Thread(target=worker, args=("deep",), name="deep").start()
 threading.Thread(target=reporter, name="reporter").start()
 train_step(Model(), 7, "forward")
