@@ -4,6 +4,7 @@
 //! a hostile process): every loop is bounded, every size capped, and a
 //! value that does not check out ends the walk with an error.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -28,6 +29,14 @@ const MAX_STRING_CHARS: u64 = 4096;
 const MAX_LINETABLE: u64 = 1 << 20;
 /// Code objects remembered per process before the cache starts over.
 const MAX_CACHED_CODE: usize = 16_384;
+/// During one stack walk, memory is read by whole pages and kept: the
+/// frames of a thread sit next to each other on its data stack (3.11+) and
+/// code objects of a module share pages, so a 40-frame stack costs a few
+/// page reads instead of two reads per frame. A syscall costs far more
+/// than copying 4 KiB.
+const PAGE: u64 = 4096;
+/// Pages kept during one walk (256 KiB).
+const MAX_PAGES: usize = 64;
 
 /// Type objects of the interpreter (from its ELF symbols) that objects
 /// read from the target must have; `None` skips the check (fuzzing).
@@ -75,6 +84,8 @@ pub struct FrameReader<M> {
     runtime: u64,
     types: KnownTypes,
     code: HashMap<CodeKey, Arc<CodeInfo>>,
+    /// Pages read during the current walk, `None` outside a walk.
+    pages: RefCell<Option<Vec<(u64, Box<[u8]>)>>>,
 }
 
 impl<M: Memory> FrameReader<M> {
@@ -86,6 +97,7 @@ impl<M: Memory> FrameReader<M> {
             runtime,
             types,
             code: HashMap::new(),
+            pages: RefCell::new(None),
         }
     }
 
@@ -95,14 +107,60 @@ impl<M: Memory> FrameReader<M> {
 
     fn read_vec(&self, addr: u64, len: usize) -> Result<Vec<u8>, ReadError> {
         let mut buf = vec![0; len];
-        self.mem.read(addr, &mut buf)?;
+        self.read(addr, &mut buf)?;
         Ok(buf)
     }
 
     fn read_u64(&self, addr: u64) -> Result<u64, ReadError> {
         let mut buf = [0; 8];
-        self.mem.read(addr, &mut buf)?;
+        self.read(addr, &mut buf)?;
         Ok(u64::from_le_bytes(buf))
+    }
+
+    /// A read, through the walk's pages when one is under way and the read
+    /// is small (a long line table is read directly).
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        let mut pages = self.pages.borrow_mut();
+        let Some(pages) = pages.as_mut() else {
+            return self.mem.read(addr, buf);
+        };
+        let err = ReadError {
+            addr,
+            len: buf.len(),
+        };
+        let end = addr.checked_add(buf.len() as u64).ok_or(err)?;
+        let first = addr & !(PAGE - 1);
+        if end.saturating_sub(first) > 2 * PAGE {
+            return self.mem.read(addr, buf);
+        }
+        let mut page = first;
+        let mut done = 0;
+        while page < end {
+            let idx = match pages.iter().position(|(p, _)| *p == page) {
+                Some(i) => i,
+                None => {
+                    let mut bytes = vec![0u8; PAGE as usize].into_boxed_slice();
+                    if self.mem.read(page, &mut bytes).is_err() {
+                        // Part of the page is not there (the end of an
+                        // image): read just what was asked.
+                        return self.mem.read(addr, buf);
+                    }
+                    if pages.len() >= MAX_PAGES {
+                        pages.remove(0);
+                    }
+                    pages.push((page, bytes));
+                    pages.len() - 1
+                }
+            };
+            let from = addr.max(page);
+            let to = end.min(page + PAGE);
+            let n = (to - from) as usize;
+            let off = (from - page) as usize;
+            buf[done..done + n].copy_from_slice(&pages[idx].1[off..off + n]);
+            done += n;
+            page += PAGE;
+        }
+        Ok(())
     }
 
     /// Every thread state of every interpreter.
@@ -165,6 +223,13 @@ impl<M: Memory> FrameReader<M> {
     /// The Python frames of the thread state whose bytes are `tstate`,
     /// innermost first.
     pub fn frames(&mut self, tstate: &[u8]) -> Result<Vec<PyFrame>, PyError> {
+        *self.pages.borrow_mut() = Some(Vec::new());
+        let frames = self.walk(tstate);
+        *self.pages.borrow_mut() = None;
+        frames
+    }
+
+    fn walk(&mut self, tstate: &[u8]) -> Result<Vec<PyFrame>, PyError> {
         let l = self.layout;
         let mut addr = match l.frame_root {
             FrameRoot::FrameObject { frame }
