@@ -30,7 +30,7 @@ use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::python::layout::Layout;
 use xpuscope_probes::python::memory::ProcMem;
 use xpuscope_probes::python::walk::{FrameReader, KnownTypes};
-use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcess, interleave};
+use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcess, PythonProcesses, interleave};
 use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
 use xpuscope_tests::fixtures;
 
@@ -329,6 +329,31 @@ fn python_frames_match_the_interpreter() {
             .expect("attach to sleep")
             .is_none()
     );
+    let mut cache = PythonProcesses::new();
+    assert!(cache.get(sleeper.0.id()).expect("cached lookup").is_none());
+    let python = Killed(
+        Command::new("/usr/bin/python3.11")
+            .args(["-c", "import time; time.sleep(60)"])
+            .spawn()
+            .expect("python3.11"),
+    );
+    let pid = python.0.id();
+    // The interpreter is mapped from exec on; its thread list fills once
+    // it has initialised.
+    let start = Instant::now();
+    loop {
+        let proc = cache.get(pid).expect("attach").expect("a Python process");
+        assert_eq!(proc.pid(), pid);
+        if proc.threads().is_ok_and(|t| t == [pid]) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no Python thread"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cache.forget(pid);
 }
 
 /// Kills a process group (the launcher and its ranks) when dropped.

@@ -222,16 +222,17 @@ impl PythonProcesses {
     /// The Python process `pid`, or `None` if it is not one (or attaching
     /// failed: the error is returned once, then `None`).
     pub fn get(&mut self, pid: u32) -> Result<Option<&mut PythonProcess>, PyError> {
-        if !self.procs.contains_key(&pid) {
-            let attached = PythonProcess::attach(pid);
-            let (entry, result) = match attached {
-                Ok(p) => (p, Ok(())),
-                Err(e) => (None, Err(e)),
-            };
-            self.procs.insert(pid, entry);
-            result?;
-        }
-        Ok(self.procs.get_mut(&pid).and_then(Option::as_mut))
+        let entry = match self.procs.entry(pid) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => match PythonProcess::attach(pid) {
+                Ok(p) => e.insert(p),
+                Err(err) => {
+                    e.insert(None);
+                    return Err(err);
+                }
+            },
+        };
+        Ok(entry.as_mut())
     }
 
     pub fn forget(&mut self, pid: u32) {

@@ -35,6 +35,8 @@ const MAX_CACHED_CODE: usize = 16_384;
 /// page reads instead of two reads per frame. A syscall costs far more
 /// than copying 4 KiB.
 const PAGE: u64 = 4096;
+/// A page of the target: its address and bytes.
+type Page = (u64, Box<[u8]>);
 /// Pages kept during one walk (256 KiB).
 const MAX_PAGES: usize = 64;
 
@@ -85,7 +87,7 @@ pub struct FrameReader<M> {
     types: KnownTypes,
     code: HashMap<CodeKey, Arc<CodeInfo>>,
     /// Pages read during the current walk, `None` outside a walk.
-    pages: RefCell<Option<Vec<(u64, Box<[u8]>)>>>,
+    pages: RefCell<Option<Vec<Page>>>,
 }
 
 impl<M: Memory> FrameReader<M> {
