@@ -23,9 +23,11 @@
 //! [`layout`]. Tested against 3.11 (Debian) in CI and 3.10.13, 3.11.7,
 //! 3.12.1 and 3.13.0 where pyenv has them (`tests/tests/python_frames.rs`).
 //!
-//! Cost per stack in steady state (code objects cached): one read of the
-//! thread state, one of the `_PyCFrame` (3.11, 3.12), then two per frame
-//! (the frame, its code object header). Figures in the README.
+//! Cost per stack in steady state (code objects cached): the thread state,
+//! then the frames and code object headers, read by 4 KiB page during the
+//! walk (a thread's frames sit together on its data stack): 6-7 reads
+//! (syscalls) and 8-10 us for a 3-frame stack, 11-16 reads and 24-29 us for
+//! 40 frames (release, 2-vCPU VM; README "Python frames").
 
 pub mod layout;
 pub mod linetable;
