@@ -203,6 +203,13 @@ fn check_interpreter(python: &Path) {
         vec![],
         "a thread that never ran Python has no Python frames"
     );
+    let reads = proc.reads();
+    assert_eq!(proc.frames(native).expect("again"), vec![]);
+    assert_eq!(
+        proc.reads(),
+        reads,
+        "a thread just found to have no thread state is not looked up again"
+    );
 
     // The thread list through glibc's `struct pthread` (how 3.10, which
     // has no native_thread_id, maps tids) finds the same threads.
@@ -338,9 +345,22 @@ fn python_frames_match_the_interpreter() {
             .expect("python3.11"),
     );
     let pid = python.0.id();
-    // The interpreter is mapped from exec on; its thread list fills once
-    // it has initialised.
+    // spawn returns once exec has replaced the address space, possibly
+    // before the kernel has mapped the new program: wait for it.
     let start = Instant::now();
+    while !ProcessMaps::read(pid)
+        .expect("maps")
+        .mappings()
+        .iter()
+        .any(|m| m.path.ends_with("python3.11"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "python3.11 not mapped"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Its thread list fills once it has initialised.
     loop {
         let proc = cache.get(pid).expect("attach").expect("a Python process");
         assert_eq!(proc.pid(), pid);

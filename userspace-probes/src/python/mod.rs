@@ -34,10 +34,11 @@ pub mod linetable;
 pub mod memory;
 pub mod walk;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::ops::Range;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use object::elf::PT_LOAD;
 use object::read::ReadCache;
@@ -106,7 +107,16 @@ pub struct PythonProcess {
     reader: FrameReader<ProcMem>,
     /// tid -> thread state, checked before each use.
     threads: HashMap<u32, u64>,
+    /// When the thread list was last walked, and the tids asked for then
+    /// that had no thread state: a native thread of a Python process (a
+    /// NCCL or CUDA thread) does not cost a walk per stack.
+    listed: Option<Instant>,
+    absent: HashSet<u32>,
 }
+
+/// How long a tid without a thread state is taken to have none (a native
+/// thread may later call into Python and get one).
+const ABSENT_FOR: Duration = Duration::from_secs(1);
 
 impl PythonProcess {
     /// `Ok(None)` when the process has no CPython interpreter mapped.
@@ -147,6 +157,8 @@ impl PythonProcess {
             reader: FrameReader::new(mem, layout, interpreter.runtime, interpreter.types),
             interpreter,
             threads: HashMap::new(),
+            listed: None,
+            absent: HashSet::new(),
         }))
     }
 
@@ -179,7 +191,15 @@ impl PythonProcess {
         {
             return self.reader.frames(&raw);
         }
+        let recent = self.listed.is_some_and(|t| t.elapsed() < ABSENT_FOR);
+        if recent && self.absent.contains(&tid) {
+            return Ok(Vec::new());
+        }
+        if !recent {
+            self.absent.clear();
+        }
         // Unknown or stale: list the threads again (threads come and go).
+        self.listed = Some(Instant::now());
         self.threads = self
             .reader
             .thread_states()?
@@ -191,7 +211,10 @@ impl PythonProcess {
                 Some(raw) => self.reader.frames(&raw),
                 None => Ok(Vec::new()),
             },
-            None => Ok(Vec::new()),
+            None => {
+                self.absent.insert(tid);
+                Ok(Vec::new())
+            }
         }
     }
 
