@@ -30,7 +30,7 @@ fn pairs_310(table: &[u8], firstlineno: i32, addr: u64) -> Option<i64> {
         let this = if ldelta == -128 {
             None
         } else {
-            line += i64::from(ldelta);
+            line = line.checked_add(i64::from(ldelta))?;
             Some(line)
         };
         if (start..end).contains(&addr) {
@@ -59,18 +59,18 @@ fn locations_311(table: &[u8], firstlineno: i32, lasti: u64) -> Option<i64> {
         let this = match code {
             15 => None,
             14 => {
-                line += r.svarint()?;
+                line = line.checked_add(r.svarint()?)?;
                 r.varint()?; // end line delta
                 r.varint()?; // column + 1
                 r.varint()?; // end column + 1
                 Some(line)
             }
             13 => {
-                line += r.svarint()?;
+                line = line.checked_add(r.svarint()?)?;
                 Some(line)
             }
             10..=12 => {
-                line += i64::from(code) - 10;
+                line = line.checked_add(i64::from(code) - 10)?;
                 r.byte()?;
                 r.byte()?;
                 Some(line)
@@ -192,5 +192,24 @@ mod tests {
         assert_eq!(line_for(f, &endless, 1, 0), None);
         assert_eq!(line_for(LineTableFormat::Pairs310, &[1], 1, 0), None);
         assert_eq!(line_for(f, &[], 1, u64::MAX), None);
+        // Found by `cargo xtask fuzz python_frames`: long-form and line-only
+        // entries whose line deltas add past i64::MAX (an overflow panic
+        // with overflow checks on).
+        let huge_delta = [
+            0x80 | 13 << 3,
+            0x7e,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x7f,
+            0x3f,
+        ];
+        let twice: Vec<u8> = huge_delta.iter().chain(&huge_delta).copied().collect();
+        assert_eq!(line_for(f, &twice, i32::MAX, 1), None);
     }
 }
