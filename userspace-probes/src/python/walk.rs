@@ -154,13 +154,15 @@ impl<M: Memory> FrameReader<M> {
                     pages.len() - 1
                 }
             };
+            // The last page of the address space has no end address.
+            let page_end = page.saturating_add(PAGE);
             let from = addr.max(page);
-            let to = end.min(page + PAGE);
+            let to = end.min(page_end);
             let n = (to - from) as usize;
             let off = (from - page) as usize;
             buf[done..done + n].copy_from_slice(&pages[idx].1[off..off + n]);
             done += n;
-            page += PAGE;
+            page = page_end;
         }
         Ok(())
     }
@@ -422,4 +424,37 @@ fn field(raw: &[u8], off: u64) -> Result<u64, PyError> {
         .ok()
         .and_then(|o| u64_at(raw, o))
         .ok_or(PyError::Malformed("a field outside the object read"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::layout::PY311;
+    use super::super::memory::ImageMemory;
+    use super::*;
+
+    #[test]
+    fn page_reads_match_direct_reads_and_stay_in_bounds() {
+        let bytes: Vec<u8> = (0..3 * PAGE).map(|i| (i % 251) as u8).collect();
+        let mut mem = ImageMemory::new();
+        // Not page aligned: the first and last pages are partly there.
+        mem.map(0x1_0100, bytes.clone());
+        let top = u64::MAX - 64;
+        mem.map(top, vec![7; 64]);
+        let r = FrameReader::new(mem, &PY311, 0, KnownTypes::default());
+        *r.pages.borrow_mut() = Some(Vec::new());
+        for (addr, len) in [
+            (0x1_0100, 16),
+            (0x1_0ff8, 16),
+            (0x1_2000, 4096),
+            (0x1_3000, 200),
+        ] {
+            let got = r.read_vec(addr, len).expect("in the image");
+            let off = (addr - 0x1_0100) as usize;
+            assert_eq!(got, bytes[off..off + len], "{addr:#x}+{len}");
+        }
+        assert!(r.read_vec(0x1_0000, 512).is_err(), "before the image");
+        assert_eq!(r.read_vec(top, 64).expect("the top"), vec![7; 64]);
+        assert!(r.read_vec(top, 65).is_err());
+        assert!(r.read_vec(u64::MAX - 4, 8).is_err());
+    }
 }
