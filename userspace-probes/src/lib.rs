@@ -47,5 +47,6 @@ pub mod discover;
 pub mod loader;
 pub mod maps;
 pub mod placement;
+pub mod python;
 pub mod resolve;
 pub mod unwind;

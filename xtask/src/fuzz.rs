@@ -28,6 +28,7 @@ pub const TARGETS: &[&str] = &[
     "environ",
     "ld_cache",
     "elf_dynamic",
+    "python_frames",
 ];
 
 fn fuzz_dir() -> PathBuf {

@@ -13,6 +13,7 @@
 //! | `btf` | a `--kernel-btf` file |
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
+//! | `python_frames` | a CPython process's memory: thread list, frames, code objects, strings, line tables (3.10-3.13 layouts) |
 //! | `elf_dynamic` | a program's or library's `PT_INTERP`, `DT_NEEDED`, `DT_RPATH`/`DT_RUNPATH`, and `LD_LIBRARY_PATH` from its environment |
 //!
 //! Run them with `cargo xtask fuzz [--seconds N] [TARGET]` (libFuzzer,
@@ -21,6 +22,7 @@
 pub mod agent;
 mod device_calls;
 pub mod mutate;
+pub mod python_frames;
 
 use std::io::Write;
 
@@ -31,6 +33,7 @@ use xpuscope_probes::placement::{self, Reg, RegSet};
 use xpuscope_probes::{discover, maps::ProcessMaps, resolve};
 
 pub use device_calls::device_calls;
+pub use python_frames::python_frames;
 
 /// A fuzz target: returns, or panics on a bug.
 pub type Target = fn(&[u8]);
@@ -47,6 +50,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("environ", environ),
     ("ld_cache", ld_cache),
     ("elf_dynamic", elf_dynamic),
+    ("python_frames", python_frames),
 ];
 
 /// The target called `name`.

@@ -92,7 +92,8 @@ fn every_target_has_a_test_and_a_corpus() {
             "btf",
             "environ",
             "ld_cache",
-            "elf_dynamic"
+            "elf_dynamic",
+            "python_frames"
         ]
     );
     for n in names {
@@ -157,4 +158,53 @@ fn ld_cache() {
 #[test]
 fn elf_dynamic() {
     replay("elf_dynamic");
+}
+
+#[test]
+fn python_frames() {
+    replay("python_frames");
+}
+
+/// The kept seeds are well-formed images: every layout's walk reaches
+/// both frames with their names and lines (so mutations start deep).
+#[test]
+fn python_frames_seeds_walk() {
+    use xpuscope_fuzz::python_frames::{BASE, LAYOUTS, SEED_FILE, SEED_FUNCTION, SEED_TID, seed};
+    use xpuscope_probes::python::memory::ImageMemory;
+    use xpuscope_probes::python::walk::{FrameReader, KnownTypes};
+    for v in 0..LAYOUTS.len() as u8 {
+        let input = seed(v);
+        let kept = fuzz_dir().join(format!("corpus/python_frames/seed-3.{}", 10 + v));
+        if std::env::var_os("XPUSCOPE_WRITE_SEEDS").is_some() {
+            std::fs::write(&kept, &input).expect("write seed");
+        }
+        assert_eq!(
+            std::fs::read(&kept).expect("kept seed"),
+            input,
+            "{} is the seed (XPUSCOPE_WRITE_SEEDS=1 rewrites it)",
+            kept.display()
+        );
+        let layout = LAYOUTS[usize::from(v)];
+        let mut mem = ImageMemory::new();
+        mem.map(BASE, input[1..].to_vec());
+        let mut r = FrameReader::new(mem, layout, BASE, KnownTypes::default());
+        let threads = r.thread_states().expect("threads");
+        assert_eq!(threads.len(), 1);
+        assert_eq!(threads[0].tid, Some(SEED_TID));
+        let frames = r.frames_at(threads[0].addr).expect("frames");
+        let got: Vec<_> = frames
+            .iter()
+            .map(|f| (f.function.as_str(), f.file.as_str(), f.line, f.entry))
+            .collect();
+        let second = if v == 0 { 12 } else { 11 };
+        assert_eq!(
+            got,
+            [
+                (SEED_FUNCTION, SEED_FILE, Some(11), v == 0),
+                (SEED_FUNCTION, SEED_FILE, Some(second), true)
+            ],
+            "3.{}",
+            10 + v
+        );
+    }
 }

@@ -1,0 +1,255 @@
+//! Where CPython keeps what a frame walk needs, per minor version (x86-64,
+//! default build: no `Py_DEBUG`, no free threading).
+//!
+//! Facts from each version's published headers (`pycore_runtime.h`,
+//! `pycore_interp.h`, `cpython/pystate.h`, `pycore_frame.h` /
+//! `cpython/frameobject.h`, `cpython/code.h`, `cpython/unicodeobject.h`);
+//! the 3.13 ones equal that interpreter's own `_Py_DebugOffsets` (the table
+//! at the start of `_PyRuntime`). A layout is stable across the patch
+//! releases of a minor version, which is all CPython promises.
+
+/// How a thread state leads to its innermost frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameRoot {
+    /// 3.10: `tstate->frame`, a `PyFrameObject*` linked by `f_back`.
+    FrameObject { frame: u64 },
+    /// 3.11, 3.12: `tstate->cframe->current_frame`, a `_PyInterpreterFrame*`.
+    CFrame { cframe: u64, current_frame: u64 },
+    /// 3.13: `tstate->current_frame`.
+    Direct { current_frame: u64 },
+}
+
+/// How a code object's line table is encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LineTableFormat {
+    /// 3.10 `co_linetable`: (byte delta, signed line delta) pairs.
+    Pairs310,
+    /// 3.11+ `co_linetable`: the location table (`Objects/locations.md`).
+    Locations311,
+}
+
+/// Where each frame records that it was entered from C (the first Python
+/// frame a `_PyEval_EvalFrameDefault` call runs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryMark {
+    /// 3.10: every frame object has its own evaluation call.
+    EveryFrame,
+    /// 3.11: the frame's `is_entry` byte.
+    IsEntryByte(u64),
+    /// 3.12, 3.13: the frame's caller is a shim frame owned by the C stack
+    /// (`owner == FRAME_OWNED_BY_CSTACK`), which is skipped.
+    CStackOwner { owner: u64, cstack: u8 },
+}
+
+/// Offsets (bytes) of one minor version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub version: (u8, u8),
+    /// `_PyRuntime.interpreters.head`.
+    pub runtime_interpreters_head: u64,
+    /// `PyInterpreterState.next`.
+    pub interp_next: u64,
+    /// `PyInterpreterState.threads.head` (3.10: `tstate_head`).
+    pub interp_threads_head: u64,
+    /// `PyThreadState.next`.
+    pub tstate_next: u64,
+    /// `PyThreadState.thread_id` (the `pthread_t`).
+    pub tstate_thread_id: u64,
+    /// `PyThreadState.native_thread_id` (3.11+): the kernel tid.
+    pub tstate_native_thread_id: Option<u64>,
+    pub frame_root: FrameRoot,
+    /// The frame's caller (`previous`; 3.10 `f_back`).
+    pub frame_previous: u64,
+    /// The frame's code object (`f_code`; 3.13 `f_executable`).
+    pub frame_code: u64,
+    /// 3.11+: `prev_instr` (3.13 `instr_ptr`), a pointer into the code's
+    /// `co_code_adaptive`; 3.10: `f_lasti`, an int in code units.
+    pub frame_instr: u64,
+    /// `owner` (3.11+).
+    pub frame_owner: Option<u64>,
+    pub entry: EntryMark,
+    /// Bytes of a frame read at once (covers every field above).
+    pub frame_size: usize,
+    pub code_filename: u64,
+    pub code_name: u64,
+    /// `co_qualname` (3.11+).
+    pub code_qualname: Option<u64>,
+    pub code_linetable: u64,
+    pub code_firstlineno: u64,
+    /// `co_code_adaptive` (3.11+): where the instructions start.
+    pub code_instructions: Option<u64>,
+    /// Bytes of a code object read at once.
+    pub code_size: usize,
+    pub linetable: LineTableFormat,
+    /// Size of `PyASCIIObject` (compact ASCII data follows it).
+    pub ascii_header: u64,
+    /// Size of `PyCompactUnicodeObject` (other compact data follows it).
+    pub compact_header: u64,
+}
+
+/// `PyVarObject.ob_size` and `PyBytesObject.ob_sval`, the same in 3.10-3.13.
+pub const BYTES_SIZE: u64 = 16;
+pub const BYTES_DATA: u64 = 32;
+/// `PyASCIIObject.length` and `.state`.
+pub const UNICODE_LENGTH: u64 = 16;
+pub const UNICODE_STATE: u64 = 32;
+
+/// Bytes of a thread state read at once.
+impl Layout {
+    pub fn tstate_size(&self) -> usize {
+        let root = match self.frame_root {
+            FrameRoot::FrameObject { frame } => frame,
+            FrameRoot::CFrame { cframe, .. } => cframe,
+            FrameRoot::Direct { current_frame } => current_frame,
+        };
+        let last = [
+            self.tstate_next,
+            self.tstate_thread_id,
+            self.tstate_native_thread_id.unwrap_or(0),
+            root,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        last as usize + 8
+    }
+}
+
+pub const PY310: Layout = Layout {
+    version: (3, 10),
+    runtime_interpreters_head: 40,
+    interp_next: 0,
+    interp_threads_head: 8,
+    tstate_next: 8,
+    tstate_thread_id: 176,
+    tstate_native_thread_id: None,
+    frame_root: FrameRoot::FrameObject { frame: 24 },
+    frame_previous: 24,
+    frame_code: 32,
+    frame_instr: 96,
+    frame_owner: None,
+    entry: EntryMark::EveryFrame,
+    frame_size: 104,
+    code_filename: 104,
+    code_name: 112,
+    code_qualname: None,
+    code_linetable: 120,
+    code_firstlineno: 40,
+    code_instructions: None,
+    code_size: 128,
+    linetable: LineTableFormat::Pairs310,
+    ascii_header: 48,
+    compact_header: 72,
+};
+
+pub const PY311: Layout = Layout {
+    version: (3, 11),
+    runtime_interpreters_head: 40,
+    interp_next: 0,
+    interp_threads_head: 16,
+    tstate_next: 8,
+    tstate_thread_id: 152,
+    tstate_native_thread_id: Some(160),
+    frame_root: FrameRoot::CFrame {
+        cframe: 56,
+        current_frame: 8,
+    },
+    frame_previous: 48,
+    frame_code: 32,
+    frame_instr: 56,
+    frame_owner: Some(69),
+    entry: EntryMark::IsEntryByte(68),
+    frame_size: 72,
+    code_filename: 112,
+    code_name: 120,
+    code_qualname: Some(128),
+    code_linetable: 136,
+    code_firstlineno: 72,
+    code_instructions: Some(184),
+    code_size: 144,
+    linetable: LineTableFormat::Locations311,
+    ascii_header: 48,
+    compact_header: 72,
+};
+
+pub const PY312: Layout = Layout {
+    version: (3, 12),
+    runtime_interpreters_head: 48,
+    interp_next: 0,
+    interp_threads_head: 72,
+    tstate_next: 8,
+    tstate_thread_id: 136,
+    tstate_native_thread_id: Some(144),
+    frame_root: FrameRoot::CFrame {
+        cframe: 56,
+        current_frame: 0,
+    },
+    frame_previous: 8,
+    frame_code: 0,
+    frame_instr: 56,
+    frame_owner: Some(70),
+    entry: EntryMark::CStackOwner {
+        owner: 70,
+        cstack: 3,
+    },
+    frame_size: 72,
+    code_filename: 112,
+    code_name: 120,
+    code_qualname: Some(128),
+    code_linetable: 136,
+    code_firstlineno: 68,
+    code_instructions: Some(192),
+    code_size: 144,
+    linetable: LineTableFormat::Locations311,
+    ascii_header: 40,
+    compact_header: 56,
+};
+
+pub const PY313: Layout = Layout {
+    version: (3, 13),
+    runtime_interpreters_head: 0x278,
+    interp_next: 0x1c60,
+    interp_threads_head: 0x1cb0,
+    tstate_next: 8,
+    tstate_thread_id: 0x98,
+    tstate_native_thread_id: Some(0xa0),
+    frame_root: FrameRoot::Direct {
+        current_frame: 0x48,
+    },
+    frame_previous: 8,
+    frame_code: 0,
+    frame_instr: 0x38,
+    frame_owner: Some(0x46),
+    entry: EntryMark::CStackOwner {
+        owner: 0x46,
+        cstack: 3,
+    },
+    frame_size: 0x48,
+    code_filename: 0x70,
+    code_name: 0x78,
+    code_qualname: Some(0x80),
+    code_linetable: 0x88,
+    code_firstlineno: 0x44,
+    code_instructions: Some(0xc8),
+    code_size: 0x90,
+    linetable: LineTableFormat::Locations311,
+    ascii_header: 40,
+    compact_header: 56,
+};
+
+/// The layout of a minor version, if supported.
+pub fn for_version(major: u8, minor: u8) -> Option<&'static Layout> {
+    match (major, minor) {
+        (3, 10) => Some(&PY310),
+        (3, 11) => Some(&PY311),
+        (3, 12) => Some(&PY312),
+        (3, 13) => Some(&PY313),
+        _ => None,
+    }
+}
+
+/// glibc x86-64 `struct pthread`: `header.self` (the `pthread_t` points at
+/// its own thread control block) and `tid`. Stable since glibc 2.x; used
+/// only for 3.10, whose thread states hold no kernel tid.
+pub const PTHREAD_SELF: u64 = 0x10;
+pub const PTHREAD_TID: u64 = 0x2d0;
