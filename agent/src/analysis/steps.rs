@@ -133,6 +133,9 @@ struct RankThread {
     /// Communicators given up on at a compaction: they held the marks
     /// back (too few all-reduces to anchor steps on).
     given_up: BTreeSet<u64>,
+    /// Steps numbered so far per communicator (those in `done` and those
+    /// already taken from it).
+    numbered: BTreeMap<u64, u64>,
 }
 
 /// Collects what the breakdown needs, per followed rank (by pid).
@@ -203,6 +206,30 @@ impl StepTracker {
         }
     }
 
+    /// The steps computed so far (at compactions) of every followed rank,
+    /// taken out of the tracker: a caller that writes them as they come
+    /// keeps its memory bounded however long the recording.
+    pub fn take_finished(&mut self) -> StepCandidates {
+        let mut out = StepCandidates::new();
+        for (pid, t) in &mut self.threads {
+            t.done.retain(|_, steps| !steps.is_empty());
+            if !t.done.is_empty() {
+                out.insert(*pid, std::mem::take(&mut t.done));
+            }
+        }
+        out
+    }
+
+    /// Marks and off-CPU intervals held for the ranks (for tests of
+    /// bounded memory).
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.threads
+            .values()
+            .map(|t| t.marks.len() + t.off_cpu.len())
+            .sum()
+    }
+
     /// `pid`'s steps per all-reduce communicator; forgets the pid (its
     /// process ended, or the recording did).
     pub fn finish_process(&mut self, pid: i32) -> Option<CommSteps> {
@@ -235,11 +262,14 @@ impl RankThread {
     /// `steps` computed over the marks kept, numbered after those done.
     fn record_done(&mut self, c: u64, steps: impl IntoIterator<Item = Step>) {
         let done = self.done.entry(c).or_default();
-        let base = done.len() as u64;
+        let numbered = self.numbered.entry(c).or_default();
+        let base = *numbered;
+        let before = done.len();
         done.extend(steps.into_iter().map(|mut s| {
             s.step += base;
             s
         }));
+        *numbered += (done.len() - before) as u64;
     }
 
     /// Computes every finished step (one whose optimizer sync is followed
@@ -314,6 +344,20 @@ pub struct Step {
 }
 
 impl Step {
+    /// Its duration and parts, by the names the step table's columns, the
+    /// stats JSON's keys and the step slices' arguments use.
+    pub fn parts(&self) -> [(&'static str, u64); 7] {
+        [
+            ("dur_ns", self.dur_ns),
+            ("data_wait_ns", self.data_wait_ns),
+            ("preempted_ns", self.preempted_ns),
+            ("grad_sync_ns", self.grad_sync_ns),
+            ("comm_wait_ns", self.comm_wait_ns),
+            ("compute_wait_ns", self.compute_wait_ns),
+            ("host_ns", self.host_ns),
+        ]
+    }
+
     /// The part the step spent most of its time in, and how long.
     pub fn dominant_part(&self) -> (&'static str, u64) {
         [
