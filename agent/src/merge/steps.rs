@@ -129,6 +129,9 @@ impl TraceSteps {
                         op: o.call.op,
                     },
                     (None, Some(stream)) => CallKind::Sync { stream },
+                    (None, None) if enqueues_work(event) => CallKind::Work {
+                        stream: event.arg("stream").and_then(|v| v.as_u64()),
+                    },
                     (None, None) => CallKind::Other,
                 };
                 t.open.push((event.ts, kind));
@@ -240,6 +243,15 @@ impl TraceSteps {
         self.flush(u64::MAX);
         self.tracker.finish()
     }
+}
+
+/// Whether a call enqueued device work, by the arguments the agent gives
+/// it: a kernel launch (`func`), a graph launch (`graph_exec`), a copy
+/// (`kind`) or a memset (`value`).
+fn enqueues_work(event: &EventView<'_>) -> bool {
+    ["func", "graph_exec", "kind", "value"]
+        .iter()
+        .any(|a| event.arg(a).is_some())
 }
 
 /// Off-CPU stacks within this of a switch were taken at that switch.
