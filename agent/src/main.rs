@@ -113,8 +113,13 @@ fn run_merge(args: cli::MergeArgs) -> ExitCode {
     let result = merge::run(&opts).and_then(|report| {
         report.print();
         if let Some(path) = &args.stats_json {
-            let json = serde_json::to_string_pretty(&report)?;
-            std::fs::write(path, json)
+            // Written as serialized: the step table is read back row by row.
+            let file = std::fs::File::create(path)
+                .map_err(|e| anyhow::anyhow!("creating {}: {e}", path.display()))?;
+            let mut w = std::io::BufWriter::new(file);
+            serde_json::to_writer_pretty(&mut w, &report)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            std::io::Write::flush(&mut w)
                 .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
         }
         Ok(())

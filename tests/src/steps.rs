@@ -68,6 +68,7 @@ pub fn check_step_rows(
     for row in rows {
         let (rank, step) = (row.rank, row.step);
         let log = &logged[&(rank, step)];
+        check_device_parts(what, row);
         for field in ["dur_ns", "data_wait_ns", "grad_sync_ns"] {
             let ours = row.parts[field];
             let theirs = log[field].as_i64().unwrap();
@@ -105,6 +106,64 @@ pub fn check_step_rows(
     eprintln!(
         "{what}: step breakdown's worst differences from the ranks' own logs (ns): {worst:?}"
     );
+}
+
+/// Compute, communication and exposed communication hold together: the
+/// exposed part of the communication, the communication and the compute
+/// each within the step, and the syncs that waited for each within it.
+fn check_device_parts(what: &str, row: &StepRow) {
+    let p = |k: &str| {
+        *row.parts
+            .get(k)
+            .unwrap_or_else(|| panic!("{what}: no {k} in rank {} step {}", row.rank, row.step))
+    };
+    let (dur, compute, comm, exposed) = (
+        p("dur_ns"),
+        p("compute_ns"),
+        p("comm_ns"),
+        p("exposed_comm_ns"),
+    );
+    let line = format!(
+        "{what}: rank {} step {}: dur {dur}, compute {compute} (waited {}), communication {comm} (waited {}), exposed {exposed}",
+        row.rank,
+        row.step,
+        p("compute_wait_ns"),
+        p("comm_wait_ns")
+    );
+    assert!(
+        0 <= exposed && exposed <= comm && comm <= dur && compute <= dur,
+        "{line}"
+    );
+    assert!(p("compute_wait_ns") <= compute, "{line}");
+    assert!(p("comm_wait_ns") <= comm, "{line}");
+}
+
+/// With launches recorded (`--probe-level 1`), a step's compute (from the
+/// first work enqueued on a stream to the sync that waited for it) holds
+/// the device time of every kernel the rank logged launching in it
+/// (`kernel_ns`), within 5% or 200 us; the rank's own clock reads bracket
+/// the step, so it is at most the step.
+pub fn check_compute_against_kernels(
+    what: &str,
+    rows: &[StepRow],
+    logged: &BTreeMap<(u64, u64), Value>,
+) {
+    let mut least = f64::MAX;
+    for row in rows {
+        let kernels = logged[&(row.rank, row.step)]["kernel_ns"]
+            .as_i64()
+            .expect("kernel_ns logged");
+        let compute = row.parts["compute_ns"];
+        let tolerance = 200_000f64.max(0.05 * kernels as f64) as i64;
+        assert!(
+            compute + tolerance >= kernels,
+            "{what}: rank {} step {}: compute {compute} ns, the rank launched {kernels} ns of kernels",
+            row.rank,
+            row.step
+        );
+        least = least.min(compute as f64 / kernels.max(1) as f64);
+    }
+    eprintln!("{what}: compute over the kernels' logged time: at least {least:.3}");
 }
 
 /// The summary's "slowest steps" lines (after its heading).

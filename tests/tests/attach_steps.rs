@@ -9,7 +9,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use xpuscope_tests::agent::exclusive;
 use xpuscope_tests::device::run_sim_job;
-use xpuscope_tests::steps::{check_step_rows, json_step_rows, read_step_log, slowest_listed};
+use xpuscope_tests::steps::{
+    check_compute_against_kernels, check_step_rows, json_step_rows, read_step_log, slowest_listed,
+};
 
 const STEPS: u64 = 16;
 
@@ -18,7 +20,8 @@ fn attach_summary_breaks_each_ranks_steps_down_through_faults() {
     let _x = exclusive();
     let run = run_sim_job(
         "attach-steps",
-        "0",
+        // Launches too: compute from the host's launch spans.
+        "1",
         STEPS,
         &[
             "--fault",
@@ -40,6 +43,7 @@ fn attach_summary_breaks_each_ranks_steps_down_through_faults() {
     let rows = json_step_rows(&run.stats["steps"]);
     let ranks: BTreeSet<u64> = run.rank_pids.keys().copied().collect();
     check_step_rows("attach", &rows, &logged, &ranks, STEPS);
+    check_compute_against_kernels("attach", &rows, &logged);
     for (r, json) in rows.iter().zip(run.stats["steps"].as_array().unwrap()) {
         assert_eq!(
             json["pid"].as_i64(),

@@ -6,9 +6,11 @@
 //! clash, so the merge moves them; ranks repeat, which it only warns
 //! about). The job runs as many steps as make each node's trace about
 //! `--trace-mb` (100 MB by default: a 4,200-step job, about 45 s on two
-//! CPUs); the two traces are kept in `target/bench/merge-traces` and
-//! reused while they are of that size (delete the folder to record them
-//! again, e.g. after the agent's trace format changed). Figures, each
+//! CPUs); the two traces are kept in `target/bench/merge-traces/<N>mb`
+//! and reused while they are of that size (delete the folder to record
+//! them again, e.g. after the agent's trace format changed). Run it at two
+//! sizes (`--trace-mb 25`, `--trace-mb 100`) to see that the peak RSS does
+//! not follow the traces' length. Figures, each
 //! round interleaved with its baseline:
 //! - merge throughput in MB/s of input, against reading the same 16 files
 //!   (to /dev/null: the floor any merge pays; a copy into one file would
@@ -223,7 +225,10 @@ fn node_traces(cache: &Path, trace_mb: u64) -> Result<Vec<PathBuf>> {
 }
 
 pub fn run(dir: &Path, trace_mb: u64) -> Result<Value> {
-    let traces = node_traces(&dir.join("merge-traces"), trace_mb)?;
+    let traces = node_traces(
+        &dir.join("merge-traces").join(format!("{trace_mb}mb")),
+        trace_mb,
+    )?;
     let dir = dir.join("merge");
     std::fs::create_dir_all(&dir)?;
     // The merged output (1.6 GB) goes; the node traces stay cached.

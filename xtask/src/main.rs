@@ -76,7 +76,7 @@ enum Task {
         #[arg(long)]
         compare_agent: Option<PathBuf>,
         /// `merge`: MB of each node trace (recorded from a simulated job
-        /// long enough, kept in target/bench/merge-traces).
+        /// long enough, kept in target/bench/merge-traces/<N>mb).
         #[arg(long, default_value_t = 100)]
         trace_mb: u64,
     },

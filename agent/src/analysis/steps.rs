@@ -81,6 +81,11 @@ pub enum CallKind {
     Sync {
         stream: Option<u64>,
     },
+    /// Device work enqueued on `stream` (a kernel launch, an async copy or
+    /// memset, a graph launch): recorded at `--probe-level 1` and up.
+    Work {
+        stream: Option<u64>,
+    },
     Other,
 }
 
@@ -109,8 +114,11 @@ impl OffCpuKind {
 enum Kind {
     /// A collective on (communicator, stream), its op.
     Collective(u64, Option<u64>, &'static str),
-    /// A stream sync; whether it waited for a collective.
-    Sync(bool),
+    /// A sync of a stream (`None`: the device or an event); whether it
+    /// waited for a collective.
+    Sync(Option<u64>, bool),
+    /// Device work enqueued on a stream.
+    Work(Option<u64>),
     Other,
 }
 
@@ -133,6 +141,9 @@ struct RankThread {
     /// Communicators given up on at a compaction: they held the marks
     /// back (too few all-reduces to anchor steps on).
     given_up: BTreeSet<u64>,
+    /// Steps numbered so far per communicator (those in `done` and those
+    /// already taken from it).
+    numbered: BTreeMap<u64, u64>,
 }
 
 /// Collects what the breakdown needs, per followed rank (by pid).
@@ -186,7 +197,10 @@ impl StepTracker {
                 }
                 Kind::Collective(comm, stream, op)
             }
-            CallKind::Sync { stream } => Kind::Sync(stream.is_some_and(|s| t.pending.remove(&s))),
+            CallKind::Sync { stream } => {
+                Kind::Sync(stream, stream.is_some_and(|s| t.pending.remove(&s)))
+            }
+            CallKind::Work { stream } => Kind::Work(stream),
             CallKind::Other => Kind::Other,
         };
         t.marks.push(Mark { start, end, kind });
@@ -201,6 +215,30 @@ impl StepTracker {
             t.off_cpu
                 .push((start, end.max(start), kind == OffCpuKind::Waiting));
         }
+    }
+
+    /// The steps computed so far (at compactions) of every followed rank,
+    /// taken out of the tracker: a caller that writes them as they come
+    /// keeps its memory bounded however long the recording.
+    pub fn take_finished(&mut self) -> StepCandidates {
+        let mut out = StepCandidates::new();
+        for (pid, t) in &mut self.threads {
+            t.done.retain(|_, steps| !steps.is_empty());
+            if !t.done.is_empty() {
+                out.insert(*pid, std::mem::take(&mut t.done));
+            }
+        }
+        out
+    }
+
+    /// Marks and off-CPU intervals held for the ranks (for tests of
+    /// bounded memory).
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.threads
+            .values()
+            .map(|t| t.marks.len() + t.off_cpu.len())
+            .sum()
     }
 
     /// `pid`'s steps per all-reduce communicator; forgets the pid (its
@@ -235,11 +273,14 @@ impl RankThread {
     /// `steps` computed over the marks kept, numbered after those done.
     fn record_done(&mut self, c: u64, steps: impl IntoIterator<Item = Step>) {
         let done = self.done.entry(c).or_default();
-        let base = done.len() as u64;
+        let numbered = self.numbered.entry(c).or_default();
+        let base = *numbered;
+        let before = done.len();
         done.extend(steps.into_iter().map(|mut s| {
             s.step += base;
             s
         }));
+        *numbered += (done.len() - before) as u64;
     }
 
     /// Computes every finished step (one whose optimizer sync is followed
@@ -311,9 +352,38 @@ pub struct Step {
     pub comm_wait_ns: u64,
     pub compute_wait_ns: u64,
     pub host_ns: u64,
+    /// Device busy computing, as the host sees it: from the first work
+    /// enqueued on a stream since its last sync to the end of the sync
+    /// that waited for it (launches are recorded at `--probe-level 1`;
+    /// without them, the syncs that waited for compute alone: a lower
+    /// bound).
+    pub compute_ns: u64,
+    /// Communication in flight: each collective from its call to the end
+    /// of the first sync of its stream (or of the device) after it.
+    pub comm_ns: u64,
+    /// Communication not overlapped by compute (`comm_ns` less its
+    /// overlap with `compute_ns`'s intervals).
+    pub exposed_comm_ns: u64,
 }
 
 impl Step {
+    /// Its duration and parts, by the names the step table's columns, the
+    /// stats JSON's keys and the step slices' arguments use.
+    pub fn parts(&self) -> [(&'static str, u64); 10] {
+        [
+            ("dur_ns", self.dur_ns),
+            ("data_wait_ns", self.data_wait_ns),
+            ("preempted_ns", self.preempted_ns),
+            ("grad_sync_ns", self.grad_sync_ns),
+            ("comm_wait_ns", self.comm_wait_ns),
+            ("compute_wait_ns", self.compute_wait_ns),
+            ("host_ns", self.host_ns),
+            ("compute_ns", self.compute_ns),
+            ("comm_ns", self.comm_ns),
+            ("exposed_comm_ns", self.exposed_comm_ns),
+        ]
+    }
+
     /// The part the step spent most of its time in, and how long.
     pub fn dominant_part(&self) -> (&'static str, u64) {
         [
@@ -378,6 +448,107 @@ pub fn slowest_lines<'a>(rows: impl IntoIterator<Item = (u32, &'a Step)>, n: usi
         .collect()
 }
 
+/// A step's device-side parts (ns).
+struct DeviceParts {
+    compute: u64,
+    comm: u64,
+    exposed: u64,
+}
+
+/// Merges `iv` into disjoint intervals, in time order.
+fn union(mut iv: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    iv.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(iv.len());
+    for (s, e) in iv {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+fn total(iv: &[(u64, u64)]) -> u64 {
+    iv.iter().map(|(s, e)| e - s).sum()
+}
+
+/// Overlap of two unions of disjoint sorted intervals.
+fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> u64 {
+    let (mut i, mut j, mut sum) = (0, 0, 0);
+    while i < a.len() && j < b.len() {
+        let (s, e) = (a[i].0.max(b[j].0), a[i].1.min(b[j].1));
+        sum += e.saturating_sub(s);
+        if a[i].1 < b[j].1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    sum
+}
+
+/// Compute and communication of a step from its calls (in start order),
+/// as the host sees them: a stream's work runs from its first enqueue
+/// since the stream's last sync until the next sync of the stream (or the
+/// device) returns; a collective from its call until then. Work and
+/// collectives no sync of the step covers count up to their call's end.
+fn device_parts<'a>(marks: impl Iterator<Item = &'a Mark>, end: u64) -> DeviceParts {
+    // Per stream: the first work enqueued since its last sync.
+    let mut work: Vec<(Option<u64>, u64)> = Vec::new();
+    let mut colls: Vec<(Option<u64>, u64, u64)> = Vec::new();
+    let (mut compute, mut comm) = (Vec::new(), Vec::new());
+    for m in marks {
+        match m.kind {
+            Kind::Work(stream) => {
+                if !work.iter().any(|(s, _)| *s == stream) {
+                    work.push((stream, m.start));
+                }
+            }
+            Kind::Collective(_, stream, _) => colls.push((stream, m.start, m.end)),
+            Kind::Sync(stream, waited_comm) => {
+                let covers = |s: &Option<u64>| stream.is_none() || *s == stream;
+                let mut synced = false;
+                work.retain(|(s, from)| {
+                    if covers(s) {
+                        compute.push((*from, m.end));
+                        synced = true;
+                        return false;
+                    }
+                    true
+                });
+                colls.retain(|(s, from, _)| {
+                    if covers(s) {
+                        comm.push((*from, m.end));
+                        return false;
+                    }
+                    true
+                });
+                // Without launches recorded, a sync that waited for
+                // compute is the only sign of it.
+                if !synced && !waited_comm {
+                    compute.push((m.start, m.end));
+                }
+            }
+            Kind::Other => {}
+        }
+    }
+    comm.extend(colls.into_iter().map(|(_, s, e)| (s, e)));
+    let clip = |iv: Vec<(u64, u64)>| {
+        union(
+            iv.into_iter()
+                .map(|(s, e)| (s, e.min(end).max(s)))
+                .collect(),
+        )
+    };
+    let (compute, comm) = (clip(compute), clip(comm));
+    let c = total(&comm);
+    DeviceParts {
+        compute: total(&compute),
+        comm: c,
+        exposed: c - overlap(&comm, &compute).min(c),
+    }
+}
+
 fn breakdown(marks: &[Mark], off_cpu: &[(u64, u64, bool)], dp: u64) -> Vec<Step> {
     breakdown_anchored(marks, off_cpu, dp)
         .into_iter()
@@ -405,7 +576,7 @@ fn breakdown_anchored(
         let mut syncs = marks[i + 1..]
             .iter()
             .take_while(|n| !matches!(n.kind, Kind::Collective(..)))
-            .filter(|n| matches!(n.kind, Kind::Sync(_)));
+            .filter(|n| matches!(n.kind, Kind::Sync(..)));
         let Some(grad) = syncs.next() else {
             continue;
         };
@@ -430,15 +601,16 @@ fn breakdown_anchored(
         let (mut comm_wait, mut compute_wait) = (0, 0);
         for m in inside.clone() {
             match m.kind {
-                Kind::Sync(true) => comm_wait += m.end - m.start,
-                Kind::Sync(false) => compute_wait += m.end - m.start,
+                Kind::Sync(_, true) => comm_wait += m.end - m.start,
+                Kind::Sync(_, false) => compute_wait += m.end - m.start,
                 _ => {}
             }
         }
         // The first collective or sync: calls at the very start (the
         // previous step's activity flush, frees) come before the data wait.
         let first_call = inside
-            .filter(|m| m.kind != Kind::Other)
+            .clone()
+            .filter(|m| matches!(m.kind, Kind::Collective(..) | Kind::Sync(..)))
             .map(|m| m.start)
             .min()
             .unwrap_or(end);
@@ -455,6 +627,7 @@ fn breakdown_anchored(
                 preempted += off;
             }
         }
+        let device = device_parts(inside, end);
         let dur = end - start;
         let step = Step {
             step: n as u64 + 1,
@@ -467,6 +640,9 @@ fn breakdown_anchored(
             comm_wait_ns: comm_wait,
             compute_wait_ns: compute_wait,
             host_ns: dur.saturating_sub(data_wait + preempted + comm_wait + compute_wait),
+            compute_ns: device.compute,
+            comm_ns: device.comm,
+            exposed_comm_ns: device.exposed,
         };
         steps.push((step, index, finished));
     }
@@ -544,6 +720,12 @@ mod tests {
                     comm_wait_ns: 180 + 294,
                     compute_wait_ns: 90,
                     host_ns: 1100 - 300 - 40 - 474 - 90,
+                    // The all-gather until its stream's sync, the
+                    // all-reduce until its own; the optimizer's sync is
+                    // the only compute seen without launches.
+                    compute_ns: 90,
+                    comm_ns: 200 + 300,
+                    exposed_comm_ns: 500,
                 }]
             )])
         );
@@ -594,6 +776,43 @@ mod tests {
         assert_eq!(all[&1][&9].len(), 199);
         assert_eq!(all[&1][&9], bounded[&1][&9], "the data-parallel steps");
         assert!(!bounded[&1].contains_key(&4), "given up: it held the marks");
+    }
+
+    #[test]
+    fn launches_give_compute_and_hide_the_communication_they_overlap() {
+        let work = |stream| CallKind::Work {
+            stream: Some(stream),
+        };
+        let mut t = StepTracker::default();
+        t.follow(1);
+        for b in [0, 10_000] {
+            let calls = [
+                (b + 100, b + 110, work(1)),
+                (b + 120, b + 130, work(1)),
+                // A collective on the compute stream (tensor parallel):
+                // in flight until the compute stream's sync.
+                (b + 140, b + 150, TP),
+                (b + 160, b + 170, work(1)),
+                (b + 200, b + 1_000, sync(1)),
+                (b + 1_100, b + 1_110, AR),
+                (b + 1_120, b + 2_000, sync(2)),
+                (b + 2_010, b + 2_020, work(1)),
+                (b + 2_100, b + 3_000, sync(1)),
+            ];
+            for (s, e, k) in calls {
+                t.call(1, s, e, k);
+            }
+        }
+        let steps = &t.finish()[&1][&9];
+        let s = &steps[0];
+        assert_eq!((s.start_ns, s.end_ns), (3_000, 13_000));
+        // Compute: 10_100..11_000 and 12_010..13_000.
+        assert_eq!(s.compute_ns, 900 + 990);
+        // Communication: 10_140..11_000 (hidden by compute) and
+        // 11_100..12_000 (exposed).
+        assert_eq!(s.comm_ns, 860 + 900);
+        assert_eq!(s.exposed_comm_ns, 900);
+        assert!(s.exposed_comm_ns <= s.comm_ns && s.comm_ns <= s.dur_ns);
     }
 
     #[test]

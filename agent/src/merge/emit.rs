@@ -20,6 +20,8 @@ use xpuscope_perfetto::{Arg, ArgValue};
 
 use super::collectives::{CollectiveTracker, EndSample};
 use super::scan::NodeScan;
+use super::step_out::StepOut;
+use super::steps::{StepCandidates, TraceSteps};
 use crate::analysis::groups::Groups;
 
 /// Sequence of the merger's own system packet (its SystemInfo).
@@ -29,7 +31,7 @@ pub const MERGE_TRACK_SEQUENCE: u32 = 2;
 /// Pids at or above this are never a real pid (`PID_MAX_LIMIT` = 2^22).
 const REMAPPED_PID_BASE: i32 = 1 << 22;
 
-fn mix(mut z: u64) -> u64 {
+pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -197,15 +199,45 @@ impl Output {
 /// Options of the second pass.
 pub struct EmitOptions {
     pub no_sched: bool,
+    /// Global rank -> its data-parallel communicator (hash).
+    pub dp: std::collections::HashMap<u32, u64>,
 }
 
-/// Writes node `k`'s packets, rewritten, to `out`.
+/// Packets between two takes of the finished steps.
+const TAKE_STEPS_EVERY: u64 = 4_096;
+
+/// Each rank's finished steps on its anchor communicator, to the step
+/// outputs.
+fn write_steps(
+    finished: StepCandidates,
+    anchors: &HashMap<i32, (u32, Option<u64>)>,
+    host: &str,
+    map: &mut NodeMap,
+    steps: &mut StepOut,
+    out: &mut Output,
+) -> Result<()> {
+    for (pid, mut per_comm) in finished {
+        let Some(&(rank, Some(anchor))) = anchors.get(&pid) else {
+            continue;
+        };
+        for mut step in per_comm.remove(&anchor).unwrap_or_default() {
+            step.start_ns = map.time(step.start_ns);
+            step.end_ns = map.time(step.end_ns);
+            steps.add(rank, host, step, out)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes node `k`'s packets, rewritten, to `out`, and its ranks' steps
+/// as they finish to `steps`.
 pub fn emit_node(
     scan: &NodeScan,
     k: usize,
     map: &mut NodeMap,
     groups: &Groups,
     opts: &EmitOptions,
+    steps: &mut StepOut,
     out: &mut Output,
 ) -> Result<()> {
     let path = &scan.path;
@@ -220,8 +252,29 @@ pub fn emit_node(
         .keys()
         .filter_map(|&pid| Some((pid, process_label(scan, k, groups, pid)?)))
         .collect();
+    // Ranks' steps are anchored on their data-parallel communicator, or
+    // their only repeated all-reduce when the groups name none.
+    let anchors: HashMap<i32, (u32, Option<u64>)> = scan
+        .processes
+        .iter()
+        .filter_map(|(&pid, p)| {
+            let rank = p.rank?;
+            let anchor = opts
+                .dp
+                .get(&rank)
+                .copied()
+                .or_else(|| scan.only_all_reduce(pid));
+            Some((pid, (rank, anchor)))
+        })
+        .collect();
+    let host = scan.host_label(k);
+    let mut trace_steps = TraceSteps::default();
     loop {
         let index = reader.packets();
+        if index % TAKE_STEPS_EVERY == 0 {
+            let finished = trace_steps.take_finished();
+            write_steps(finished, &anchors, &host, map, steps, out)?;
+        }
         let Some(bytes) = reader
             .next_packet()
             .with_context(|| format!("reading {}", path.display()))?
@@ -231,6 +284,10 @@ pub fn emit_node(
         let mut packet =
             Packet::decode(bytes, index).with_context(|| format!("reading {}", path.display()))?;
         names.observe(&packet);
+        if let Some(sample) = names.sample(&packet) {
+            trace_steps.stack(sample.pid, sample.tid, sample.ts, &sample.functions);
+        }
+        packet.for_each_switch(|cpu, ts, state, next| trace_steps.switch(cpu, ts, state, next));
         // The merger writes one SystemInfo; the first node's clocks are
         // the time base, other nodes' would contradict it once shifted.
         if packet.system_info().is_some() || (k > 0 && packet.clock_snapshot().is_some()) {
@@ -239,9 +296,13 @@ pub fn emit_node(
         if opts.no_sched && packet.has_ftrace_events() {
             continue;
         }
-        let observed = names
-            .event(&packet)
-            .and_then(|e| tracker.observe(&e, &mut ends));
+        let observed = names.event(&packet).and_then(|e| {
+            let o = tracker.observe(&e, &mut ends);
+            if let Some(&(pid, tid)) = scan.thread_tracks.get(&e.track) {
+                trace_steps.event(pid, tid, &e, o.as_ref());
+            }
+            o
+        });
         let mut extra = Vec::new();
         if let Some(o) = observed {
             if let Some(id) = o.id() {
@@ -252,7 +313,14 @@ pub fn emit_node(
             }
         }
         let process = match packet.track() {
-            Some(TrackView::Process { pid, .. }) => labels.get(&pid),
+            Some(TrackView::Process { pid, labels: l, .. }) => {
+                // Followed from its rank's process track on, as the scan
+                // learnt the rank.
+                if anchors.contains_key(&pid) && l.iter().any(|l| l.starts_with("rank=")) {
+                    trace_steps.follow(pid);
+                }
+                labels.get(&pid)
+            }
             _ => None,
         };
         packet.remap(map);
@@ -265,6 +333,8 @@ pub fn emit_node(
         }
         out.write(&packet)?;
     }
+    let finished = trace_steps.finish();
+    write_steps(finished, &anchors, &host, map, steps, out)?;
     Ok(())
 }
 
@@ -299,70 +369,6 @@ pub fn rank_tracks(
             l.order,
         );
         out.write(&p)?;
-    }
-    Ok(())
-}
-
-/// A "steps" track under each rank's process track, a slice per step with
-/// its breakdown as arguments; on the merger's own sequence, after every
-/// node's packets (the importer sorts by time).
-pub fn step_slices(
-    scans: &[NodeScan],
-    maps: &mut [NodeMap],
-    steps: &[super::StepRow],
-    out: &mut Output,
-) -> Result<()> {
-    let mut tracks: HashMap<u32, u64> = HashMap::default();
-    for (k, s) in scans.iter().enumerate() {
-        for p in s.processes.values() {
-            if let (Some(rank), Some(track)) = (p.rank, p.track) {
-                let parent = maps[k].track(track);
-                let uuid = mix(parent ^ 0x0073_7465_7073).max(1);
-                out.write(&Packet::new_track(
-                    MERGE_TRACK_SEQUENCE,
-                    uuid,
-                    Some(parent),
-                    "steps",
-                    -1,
-                ))?;
-                tracks.insert(rank, uuid);
-            }
-        }
-    }
-    let mut first = true;
-    for r in steps {
-        let Some(&track) = tracks.get(&r.rank) else {
-            continue;
-        };
-        let s = &r.step;
-        let args = [
-            Arg::new("step", ArgValue::Uint(s.step)),
-            Arg::new("dur_ns", ArgValue::Uint(s.dur_ns)),
-            Arg::new("data_wait_ns", ArgValue::Uint(s.data_wait_ns)),
-            Arg::new("preempted_ns", ArgValue::Uint(s.preempted_ns)),
-            Arg::new("grad_sync_ns", ArgValue::Uint(s.grad_sync_ns)),
-            Arg::new("comm_wait_ns", ArgValue::Uint(s.comm_wait_ns)),
-            Arg::new("compute_wait_ns", ArgValue::Uint(s.compute_wait_ns)),
-            Arg::new("host_ns", ArgValue::Uint(s.host_ns)),
-        ];
-        let name = format!("step {}", s.step);
-        out.write(&Packet::new_slice_event(
-            MERGE_TRACK_SEQUENCE,
-            first,
-            s.start_ns,
-            track,
-            Some(&name),
-            &args,
-        ))?;
-        first = false;
-        out.write(&Packet::new_slice_event(
-            MERGE_TRACK_SEQUENCE,
-            false,
-            s.end_ns,
-            track,
-            None,
-            &[],
-        ))?;
     }
     Ok(())
 }

@@ -18,21 +18,23 @@ mod align;
 mod collectives;
 mod emit;
 mod scan;
+mod step_out;
 mod steps;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use xpuscope_perfetto::SystemInfo;
 use xpuscope_perfetto::rewrite::Packet;
 
 use crate::analysis::groups::{self, CommInfo, Groups};
-use crate::analysis::steps::{Step, dp_comm_by_rank, rank_steps, slowest_lines};
+use crate::analysis::steps::{dp_comm_by_rank, slowest_lines};
 use align::{Alignment, NodeClock};
 use emit::{EmitOptions, MERGE_SYSTEM_SEQUENCE, Output};
 use scan::NodeScan;
+use step_out::{StepOut, StepTable};
 
 /// Perfetto's limit on CPU numbers (`FtraceEventBundle.cpu`).
 const MAX_CPUS: u32 = 1024;
@@ -47,69 +49,6 @@ pub struct MergeOptions {
     pub no_sched: bool,
     /// Write the step breakdown here as CSV.
     pub steps_csv: Option<PathBuf>,
-}
-
-/// One step of one rank, in the merged trace's time base.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct StepRow {
-    pub rank: u32,
-    pub node: String,
-    #[serde(flatten)]
-    pub step: Step,
-}
-
-const STEP_CSV_HEADER: &str = "rank,node,step,start_ns,end_ns,dur_ns,data_wait_ns,preempted_ns,grad_sync_ns,comm_wait_ns,compute_wait_ns,host_ns";
-
-fn write_steps_csv(path: &std::path::Path, rows: &[StepRow]) -> Result<()> {
-    use std::fmt::Write as _;
-    let mut text = String::from(STEP_CSV_HEADER);
-    text.push('\n');
-    for r in rows {
-        let s = &r.step;
-        let _ = writeln!(
-            text,
-            "{},{},{},{},{},{},{},{},{},{},{},{}",
-            r.rank,
-            r.node,
-            s.step,
-            s.start_ns,
-            s.end_ns,
-            s.dur_ns,
-            s.data_wait_ns,
-            s.preempted_ns,
-            s.grad_sync_ns,
-            s.comm_wait_ns,
-            s.compute_wait_ns,
-            s.host_ns
-        );
-    }
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
-}
-
-/// Each node's steps per rank, times moved into the merged time base.
-fn step_rows(scans: &[NodeScan], groups: &Groups, offsets: &[i64]) -> Vec<StepRow> {
-    let dp = dp_comm_by_rank(groups);
-    let mut rows = Vec::new();
-    for (k, s) in scans.iter().enumerate() {
-        let ranks = s.ranks();
-        let shift = |t: u64| (t as i64).saturating_add(offsets[k]).max(0) as u64;
-        for (pid, per_comm) in &s.steps {
-            let Some(&rank) = ranks.get(pid) else {
-                continue;
-            };
-            for mut step in rank_steps(per_comm.clone(), dp.get(&rank).copied()) {
-                step.start_ns = shift(step.start_ns);
-                step.end_ns = shift(step.end_ns);
-                rows.push(StepRow {
-                    rank,
-                    node: s.host_label(k),
-                    step,
-                });
-            }
-        }
-    }
-    rows.sort_by_key(|r| (r.rank, r.step.step));
-    rows
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -138,7 +77,7 @@ pub struct NodeReport {
     pub alignment: Alignment,
 }
 
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize)]
 pub struct MergeReport {
     pub schema: &'static str,
     pub output: PathBuf,
@@ -146,8 +85,8 @@ pub struct MergeReport {
     pub groups: Groups,
     pub warnings: Vec<String>,
     /// Per rank and step (the first step of each rank has no start marker
-    /// and is left out).
-    pub steps: Vec<StepRow>,
+    /// and is left out), in the order they finished.
+    pub steps: StepTable,
     pub bytes_in: u64,
     pub bytes_out: u64,
     pub seconds: f64,
@@ -337,15 +276,27 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
     emit::rank_tracks(&scans, &mut maps, &groups, &mut out)?;
     let emit_opts = EmitOptions {
         no_sched: opts.no_sched,
+        dp: dp_comm_by_rank(&groups),
     };
+    let mut step_out = StepOut::create(
+        &opts.output,
+        opts.steps_csv.as_deref(),
+        &scans,
+        &mut maps,
+        &mut out,
+    )?;
     for (k, s) in scans.iter().enumerate() {
-        emit::emit_node(s, k, &mut maps[k], &groups, &emit_opts, &mut out)?;
+        emit::emit_node(
+            s,
+            k,
+            &mut maps[k],
+            &groups,
+            &emit_opts,
+            &mut step_out,
+            &mut out,
+        )?;
     }
-    let steps = step_rows(&scans, &groups, &offsets);
-    emit::step_slices(&scans, &mut maps, &steps, &mut out)?;
-    if let Some(path) = &opts.steps_csv {
-        write_steps_csv(path, &steps)?;
-    }
+    let steps = step_out.finish()?;
     let bytes_out = out.bytes;
     out.finish()?;
 
@@ -449,9 +400,9 @@ impl MergeReport {
                 c.ops.join(", ")
             );
         }
-        if !self.steps.is_empty() {
-            println!("  slowest steps (of {}):", self.steps.len());
-            for line in slowest_lines(self.steps.iter().map(|r| (r.rank, &r.step)), 5) {
+        if self.steps.rows > 0 {
+            println!("  slowest steps (of {}):", self.steps.rows);
+            for line in slowest_lines(self.steps.slowest.iter().map(|(r, s)| (*r, s)), 5) {
                 println!("    {line}");
             }
         }

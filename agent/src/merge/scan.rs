@@ -15,7 +15,6 @@ use xpuscope_perfetto::ClockSnapshot;
 use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView, Truncated};
 
 use super::collectives::{CollectiveTracker, EndSample};
-use super::steps::{StepCandidates, TraceSteps};
 
 /// A traced process's identity as its process track labels say.
 #[derive(Clone, Debug, Default)]
@@ -63,8 +62,10 @@ pub struct NodeScan {
     pub ends: EndSample,
     pub collectives: u64,
     pub collectives_inexact: u64,
-    /// Steps per rank and all-reduce communicator (see `steps`).
-    pub steps: StepCandidates,
+    /// All-reduces of each process's main thread per communicator (its
+    /// hash, or its handle when set-up was not recorded): which one steps
+    /// are anchored on when the groups name none.
+    pub all_reduces: HashMap<i32, BTreeMap<u64, u64>>,
     pub first_ts: Option<u64>,
     pub last_ts: Option<u64>,
 }
@@ -168,13 +169,12 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
         ends: EndSample::default(),
         collectives: 0,
         collectives_inexact: 0,
-        steps: StepCandidates::new(),
+        all_reduces: HashMap::default(),
         first_ts: None,
         last_ts: None,
     };
     let mut names = Interning::default();
     let mut tracker = CollectiveTracker::default();
-    let mut steps = TraceSteps::default();
     let mut pids = PidSet::new();
     loop {
         let index = reader.packets();
@@ -205,9 +205,6 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                 p.track = packet.track_uuid();
                 // A later descriptor without the rank labels would replace
                 // them in the importer; keep the richest seen.
-                if label(&labels, "rank").is_some() {
-                    steps.follow(pid);
-                }
                 if label(&labels, "rank").is_some() || p.rank.is_none() {
                     p.rank = label(&labels, "rank").and_then(|v| v.parse().ok());
                     p.local_rank = label(&labels, "local_rank").and_then(|v| v.parse().ok());
@@ -228,8 +225,16 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
             let thread = s.thread_tracks.get(&event.track).copied();
             let pid = thread.map(|t| t.0);
             let observed = tracker.observe(&event, &mut s.ends);
-            if let Some((pid, tid)) = thread {
-                steps.event(pid, tid, &event, observed.as_ref());
+            if let (Some((pid, tid)), Some(o)) = (thread, &observed)
+                && pid == tid
+                && o.call.op == "all_reduce"
+            {
+                let comm = o.call.comm_hash.or(o.call.comm).unwrap_or(0);
+                *s.all_reduces
+                    .entry(pid)
+                    .or_default()
+                    .entry(comm)
+                    .or_default() += 1;
             }
             if let Some(o) = observed {
                 s.collectives += 1;
@@ -250,10 +255,6 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                 }
             }
         }
-        if let Some(sample) = names.sample(&packet) {
-            steps.stack(sample.pid, sample.tid, sample.ts, &sample.functions);
-        }
-        packet.for_each_switch(|cpu, ts, state, next| steps.switch(cpu, ts, state, next));
         packet.remap(&mut Census {
             pids: &mut pids,
             max_cpu: &mut s.max_cpu,
@@ -263,7 +264,6 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
     s.bytes = reader.offset();
     s.packets = reader.packets();
     s.truncated = reader.truncated();
-    s.steps = steps.finish();
     s.pids = pids.into_set();
     s.pids.remove(&0);
     Ok(s)
@@ -289,6 +289,16 @@ impl NodeScan {
             .iter()
             .filter_map(|(pid, p)| Some((*pid, p.rank?)))
             .collect()
+    }
+
+    /// The all-reduce communicator `pid`'s steps are anchored on when the
+    /// groups name no data-parallel one: its only communicator that
+    /// all-reduced more than once (a data-parallel job's only repeated
+    /// all-reduce is its gradients').
+    pub fn only_all_reduce(&self, pid: i32) -> Option<u64> {
+        let mut repeated = self.all_reduces.get(&pid)?.iter().filter(|(_, n)| **n > 1);
+        let (&comm, _) = repeated.next()?;
+        repeated.next().is_none().then_some(comm)
     }
 
     pub fn host_label(&self, index: usize) -> String {

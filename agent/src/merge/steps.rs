@@ -13,12 +13,26 @@ use crate::analysis::steps::{CallKind, OffCpuKind, SLEEPING, StepTracker, in_dat
 
 use super::collectives::{Observed, sync_stream};
 
+/// Marks a rank keeps before its finished steps are computed (as
+/// `agent attach` does): bounds the tracker's memory.
+const MARK_LIMIT: usize = 4_096;
+/// How often (trace time) the calls and switches below the watermark are
+/// handed to the tracker.
+const FLUSH_EVERY_NS: u64 = 100_000_000;
+/// A CPU whose last switch is older than this, behind the latest switch
+/// seen, no longer holds the watermark back (an idle CPU's bundle may be
+/// written only at the end of the recording; its few switches are then
+/// paired late, and a finished step misses them).
+const STALE_CPU_NS: u64 = 2_000_000_000;
+
 #[derive(Default)]
 struct MainThread {
     /// Calls begun and not yet ended (slices nest).
     open: Vec<(u64, CallKind)>,
+    /// Calls returned (in that order), not yet handed to the tracker.
+    calls: std::collections::VecDeque<(u64, u64, CallKind)>,
     /// Left a CPU (asleep or not) / came back on a CPU: CPUs' bundles
-    /// arrive in any order, so they are paired once all are in.
+    /// arrive in any order, so they are paired below the watermark.
     slept: Vec<(u64, bool)>,
     resumed: Vec<u64>,
     /// Off-CPU stacks: (left the CPU, in the data loader).
@@ -26,34 +40,69 @@ struct MainThread {
 }
 
 impl MainThread {
-    /// (left the CPU, back on a CPU, asleep) intervals, in time order.
-    fn sleeps(&self) -> Vec<(u64, u64, bool)> {
-        let mut slept = self.slept.clone();
-        let mut resumed = self.resumed.clone();
-        slept.sort_unstable();
-        resumed.sort_unstable();
+    /// Events held (for tests of bounded memory).
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.open.len()
+            + self.calls.len()
+            + self.slept.len()
+            + self.resumed.len()
+            + self.stacks.len()
+    }
+
+    /// The (left the CPU, back on a CPU, asleep) intervals that left the
+    /// CPU before `below` and whose return is known, in time order; drops
+    /// what no later interval needs (switches before `below` have all
+    /// arrived).
+    fn sleeps_below(&mut self, below: u64) -> Vec<(u64, u64, bool)> {
+        self.slept.sort_unstable();
+        self.resumed.sort_unstable();
         let mut out = Vec::new();
-        let mut r = 0;
-        for (s, asleep) in slept {
-            while r < resumed.len() && resumed[r] < s {
-                r += 1;
+        let mut kept = Vec::new();
+        for &(s, asleep) in &self.slept {
+            if s >= below {
+                kept.push((s, asleep));
+                continue;
             }
-            if let Some(&e) = resumed.get(r) {
-                out.push((s, e, asleep));
+            let r = self.resumed.partition_point(|&r| r < s);
+            match self.resumed.get(r) {
+                Some(&e) => out.push((s, e, asleep)),
+                // Still off CPU at the watermark: it comes back later.
+                None => kept.push((s, asleep)),
             }
         }
+        self.slept = kept;
+        self.resumed.retain(|&r| r >= below);
         out
     }
 }
 
-/// Collects what the breakdown needs while a node's trace is scanned.
-#[derive(Default)]
+/// Collects what the breakdown needs while a node's trace is read, and
+/// computes the steps as they finish: memory is bounded by the tracker's
+/// marks and a watermark's lag of calls and switches per rank, never by
+/// the trace's length.
 pub struct TraceSteps {
     tracker: StepTracker,
     /// By pid (the main thread is tid == pid).
     threads: HashMap<i32, MainThread>,
-    /// Per CPU: the task running.
+    /// Per CPU: the task running, and the time of its last switch.
     running: Vec<Option<i32>>,
+    cpu_last: Vec<u64>,
+    latest: u64,
+    flushed_at: u64,
+}
+
+impl Default for TraceSteps {
+    fn default() -> Self {
+        TraceSteps {
+            tracker: StepTracker::with_mark_limit(MARK_LIMIT),
+            threads: HashMap::default(),
+            running: Vec::new(),
+            cpu_last: Vec::new(),
+            latest: 0,
+            flushed_at: 0,
+        }
+    }
 }
 
 impl TraceSteps {
@@ -80,13 +129,16 @@ impl TraceSteps {
                         op: o.call.op,
                     },
                     (None, Some(stream)) => CallKind::Sync { stream },
+                    (None, None) if enqueues_work(event) => CallKind::Work {
+                        stream: event.arg("stream").and_then(|v| v.as_u64()),
+                    },
                     (None, None) => CallKind::Other,
                 };
                 t.open.push((event.ts, kind));
             }
             EventKind::End => {
                 if let Some((start, kind)) = t.open.pop() {
-                    self.tracker.call(pid, start, event.ts, kind);
+                    t.calls.push_back((start, event.ts, kind));
                 }
             }
             _ => {}
@@ -109,30 +161,49 @@ impl TraceSteps {
         let slot = cpu as usize;
         if slot >= self.running.len() {
             self.running.resize(slot + 1, None);
+            self.cpu_last.resize(slot + 1, 0);
         }
+        self.cpu_last[slot] = self.cpu_last[slot].max(ts);
+        self.latest = self.latest.max(ts);
         let prev = self.running[slot].replace(next);
-        if prev == Some(next) {
-            return;
+        if prev != Some(next) {
+            if let Some(prev) = prev
+                && let Some(t) = self.threads.get_mut(&prev)
+            {
+                t.slept.push((ts, prev_state & SLEEPING != 0));
+            }
+            if let Some(t) = self.threads.get_mut(&next) {
+                t.resumed.push(ts);
+            }
         }
-        if let Some(prev) = prev
-            && let Some(t) = self.threads.get_mut(&prev)
-        {
-            t.slept.push((ts, prev_state & SLEEPING != 0));
-        }
-        if let Some(t) = self.threads.get_mut(&next) {
-            t.resumed.push(ts);
+        if self.latest >= self.flushed_at.saturating_add(FLUSH_EVERY_NS) {
+            self.flushed_at = self.latest;
+            self.flush(self.watermark());
         }
     }
 
-    /// The steps of every followed rank for each communicator it
-    /// all-reduced on (which one is data-parallel is known only once every
-    /// node is scanned): pid -> comm hash -> steps.
-    pub fn finish(mut self) -> StepCandidates {
-        for (pid, t) in std::mem::take(&mut self.threads) {
-            let mut stacks = t.stacks.clone();
-            stacks.sort_unstable();
-            for (s, e, asleep) in t.sleeps() {
-                let in_loader = loader_stack(&stacks, s) == Some(true);
+    /// Every switch before this time has been read: each CPU's bundles
+    /// come in its time order, so it is the earliest of the CPUs' last
+    /// switches (but those stale for [`STALE_CPU_NS`]).
+    fn watermark(&self) -> u64 {
+        let stale = self.latest.saturating_sub(STALE_CPU_NS);
+        self.cpu_last
+            .iter()
+            .copied()
+            .filter(|&l| l >= stale)
+            .min()
+            .unwrap_or(stale)
+    }
+
+    /// Hands the tracker each rank's off-CPU intervals that began before
+    /// `below` and its calls that returned before it (intervals first: a
+    /// compaction computes the steps those calls finish).
+    fn flush(&mut self, below: u64) {
+        for (&pid, t) in &mut self.threads {
+            let sleeps = t.sleeps_below(below);
+            t.stacks.sort_unstable();
+            for &(s, e, asleep) in &sleeps {
+                let in_loader = loader_stack(&t.stacks, s) == Some(true);
                 let kind = if asleep {
                     OffCpuKind::Waiting
                 } else {
@@ -140,15 +211,55 @@ impl TraceSteps {
                 };
                 self.tracker.off_cpu(pid, s, e, kind);
             }
+            let oldest = t.slept.first().map_or(below, |&(s, _)| s.min(below));
+            let keep_from = oldest.saturating_sub(SAME_SWITCH_NS);
+            t.stacks.retain(|&(ts, _)| ts >= keep_from);
+            while let Some(&(start, end, kind)) = t.calls.front() {
+                if end >= below {
+                    break;
+                }
+                t.calls.pop_front();
+                self.tracker.call(pid, start, end, kind);
+            }
         }
+    }
+
+    /// Steps finished since the last call: pid -> all-reduce communicator
+    /// -> steps.
+    pub fn take_finished(&mut self) -> StepCandidates {
+        self.tracker.take_finished()
+    }
+
+    /// Calls, switches, stacks, marks and intervals held (for tests of
+    /// bounded memory).
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.tracker.held() + self.threads.values().map(MainThread::held).sum::<usize>()
+    }
+
+    /// The steps not yet taken of every followed rank for each
+    /// communicator it all-reduced on: pid -> comm hash -> steps.
+    pub fn finish(mut self) -> StepCandidates {
+        self.flush(u64::MAX);
         self.tracker.finish()
     }
 }
 
+/// Whether a call enqueued device work, by the arguments the agent gives
+/// it: a kernel launch (`func`), a graph launch (`graph_exec`), a copy
+/// (`kind`) or a memset (`value`).
+fn enqueues_work(event: &EventView<'_>) -> bool {
+    ["func", "graph_exec", "kind", "value"]
+        .iter()
+        .any(|a| event.arg(a).is_some())
+}
+
+/// Off-CPU stacks within this of a switch were taken at that switch.
+const SAME_SWITCH_NS: u64 = 2_000;
+
 /// Whether the off-CPU interval that began at `ts` was spent in the data
 /// loader, by its stack (taken at the same switch).
 fn loader_stack(stacks: &[(u64, bool)], ts: u64) -> Option<bool> {
-    const SAME_SWITCH_NS: u64 = 2_000;
     let i = stacks.partition_point(|(t, _)| *t < ts);
     let before = i.checked_sub(1).and_then(|j| stacks.get(j));
     [before, stacks.get(i)]
@@ -162,6 +273,99 @@ fn loader_stack(stacks: &[(u64, bool)], ts: u64) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::merge::collectives::Collective;
+    use xpuscope_perfetto::rewrite::ArgRef;
+
+    fn view<'a>(kind: EventKind, ts: u64, args: Vec<(&'a str, ArgRef<'a>)>) -> EventView<'a> {
+        EventView {
+            kind,
+            ts,
+            track: 1,
+            name: Some("call"),
+            args,
+        }
+    }
+
+    /// One step of rank 42 from `b`: asleep 5..40 (its data), on the other
+    /// CPU after; an all-reduce at 400 and two syncs of its stream.
+    fn step(t: &mut TraceSteps, k: u64, b: u64) {
+        let (cpu, other) = ((k % 2) as u32, ((k + 1) % 2) as u32);
+        t.switch(cpu, b + 5, 1, 7);
+        t.switch(other, b + 40, 0, 42);
+        let ar = Observed {
+            call: Collective {
+                comm_hash: Some(9),
+                comm: None,
+                seq: Some(k),
+                seq_exact: true,
+                comm_rank: Some(0),
+                size: Some(2),
+                stream: Some(2),
+                op: "all_reduce",
+                p2p: None,
+            },
+            key: Some((9, k)),
+        };
+        let sync = || {
+            vec![
+                ("sync", ArgRef::Str("stream")),
+                ("stream", ArgRef::Pointer(2)),
+            ]
+        };
+        let calls: [(u64, u64, Option<&Observed>, bool); 5] = [
+            (60, 70, None, false),
+            (400, 405, Some(&ar), false),
+            (406, 600, None, true),
+            (610, 700, None, false),
+            (710, 800, None, true),
+        ];
+        for (s, e, o, is_sync) in calls {
+            let args = if is_sync { sync() } else { vec![] };
+            t.event(42, 42, &view(EventKind::Begin, b + s, args), o);
+            t.event(42, 42, &view(EventKind::End, b + e, vec![]), None);
+        }
+    }
+
+    #[test]
+    fn steps_come_out_as_they_finish_and_memory_stays_bounded() {
+        const STEPS: u64 = 20_000;
+        let mut t = TraceSteps::default();
+        t.follow(42);
+        t.switch(0, 10, 0, 42);
+        let (mut taken, mut most) = (Vec::new(), 0);
+        for k in 0..STEPS {
+            step(&mut t, k, 1_000_000 * (k + 1));
+            most = most.max(t.held());
+            if k % 1_000 == 0 {
+                taken.extend(
+                    t.take_finished()
+                        .remove(&42)
+                        .and_then(|mut c| c.remove(&9))
+                        .unwrap_or_default(),
+                );
+            }
+        }
+        // Unbounded, it would hold 14 per step: 280,000.
+        assert!(most < 2 * MARK_LIMIT + 2_000, "held {most}");
+        assert!(
+            taken.len() > STEPS as usize / 2,
+            "most steps came out early"
+        );
+        taken.extend(
+            t.finish()
+                .remove(&42)
+                .and_then(|mut c| c.remove(&9))
+                .unwrap_or_default(),
+        );
+        assert_eq!(taken.len() as u64, STEPS - 1);
+        for (i, s) in taken.iter().enumerate() {
+            let k = i as u64 + 1;
+            assert_eq!(s.step, k);
+            assert_eq!(s.end_ns, 1_000_000 * (k + 1) + 800);
+            assert_eq!(s.data_wait_ns, 35, "step {k}: asleep 5..40");
+            assert_eq!(s.dur_ns, 1_000_000);
+        }
+    }
 
     #[test]
     fn an_interval_takes_the_stack_of_its_own_switch() {
@@ -181,9 +385,8 @@ mod tests {
         t.switch(1, 50, 0, 42); // back, on another CPU
         t.switch(1, 60, 0, 7); // preempted: off CPU too
         t.switch(1, 70, 0, 42);
-        assert_eq!(
-            t.threads[&42].sleeps(),
-            vec![(20, 50, true), (60, 70, false)]
-        );
+        let th = t.threads.get_mut(&42).unwrap();
+        assert_eq!(th.sleeps_below(55), vec![(20, 50, true)]);
+        assert_eq!(th.sleeps_below(u64::MAX), vec![(60, 70, false)]);
     }
 }

@@ -121,6 +121,11 @@ impl RecordSteps {
             {
                 CallKind::Sync { stream: *stream }
             }
+            (_, _, CallArgs::Launch(l)) => CallKind::Work { stream: l.stream },
+            (_, _, CallArgs::Memcpy(m)) => CallKind::Work { stream: m.stream },
+            (_, _, CallArgs::Memset { stream, .. } | CallArgs::Graph { stream, .. }) => {
+                CallKind::Work { stream: *stream }
+            }
             _ => CallKind::Other,
         };
         self.tracker
@@ -375,6 +380,11 @@ mod tests {
                     comm_wait_ns: 7 * MS - 5020 * US,
                     compute_wait_ns: 900 * US,
                     host_ns: 10 * MS - 2000 * US - 100 * US - 1980 * US - 900 * US,
+                    // No launch with its stream: the optimizer's sync is
+                    // the compute seen; the all-reduce until its sync.
+                    compute_ns: 900 * US,
+                    comm_ns: 2 * MS,
+                    exposed_comm_ns: 2 * MS,
                 }
             );
         }
