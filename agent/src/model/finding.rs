@@ -18,13 +18,23 @@ pub enum FindingKind {
     DeviceOom,
     /// A traced process was killed by a signal.
     Crash,
+    /// A rank persistently arrives last at a communicator's collectives.
+    SlowRank,
+    /// A rank arrived late at one collective.
+    LateArrival,
+    /// Collectives of the communicators through one rank are slow for
+    /// every member, nobody arriving late.
+    SlowLink,
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 3] = [
+    pub const ALL: [FindingKind; 6] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
         FindingKind::Crash,
+        FindingKind::SlowRank,
+        FindingKind::LateArrival,
+        FindingKind::SlowLink,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -32,6 +42,9 @@ impl FindingKind {
             FindingKind::Hang => "hang",
             FindingKind::DeviceOom => "device_oom",
             FindingKind::Crash => "crash",
+            FindingKind::SlowRank => "slow_rank",
+            FindingKind::LateArrival => "late_arrival",
+            FindingKind::SlowLink => "slow_link",
         }
     }
 }

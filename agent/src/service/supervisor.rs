@@ -249,6 +249,7 @@ where
         DetectSink::new(
             DetectConfig {
                 hang_timeout: cfg.detect.hang_timeout,
+                ..DetectConfig::default()
             },
             Some(findings_tx),
         ),

@@ -9,12 +9,17 @@
 //! - [`oom`]: a failed device allocation, its stack and the largest live
 //!   sites.
 //! - [`crash`]: a traced process killed by a signal.
+//! - [`collective`]: `slow_rank`, `late_arrival` and `slow_link`, from
+//!   the members' arrivals at each collective (communicator + seq).
 //!
 //! The detectors are pure ([`Detectors`]: records and ticks in, findings
 //! out). The sink sends each new finding back to the pipeline, which puts
 //! it into the record stream: the trace renders it, metrics count it, the
 //! flight recorder dumps on it. The sink's output is every finding.
 
+pub mod collective;
+#[cfg(test)]
+mod collective_tests;
 pub mod crash;
 pub mod hang;
 pub mod oom;
@@ -38,6 +43,8 @@ pub const MAX_FINDINGS: usize = 1_000;
 pub struct DetectConfig {
     /// A collective or sync running longer than this is a hang.
     pub hang_timeout: Duration,
+    /// `slow_rank`, `late_arrival`, `slow_link` (`collective`).
+    pub collective: collective::CollectiveConfig,
 }
 
 pub const DEFAULT_HANG_TIMEOUT: Duration = Duration::from_secs(300);
@@ -46,6 +53,7 @@ impl Default for DetectConfig {
     fn default() -> Self {
         Self {
             hang_timeout: DEFAULT_HANG_TIMEOUT,
+            collective: collective::CollectiveConfig::default(),
         }
     }
 }
@@ -82,6 +90,7 @@ pub struct Detectors {
     hang: hang::HangDetector,
     oom: oom::OomDetector,
     crash: crash::CrashDetector,
+    collective: collective::CollectiveDetector,
 }
 
 impl Detectors {
@@ -91,6 +100,7 @@ impl Detectors {
             hang: hang::HangDetector::new(cfg.hang_timeout),
             oom: oom::OomDetector,
             crash: crash::CrashDetector,
+            collective: collective::CollectiveDetector::new(cfg.collective),
         }
     }
 
@@ -100,6 +110,7 @@ impl Detectors {
             Record::DeviceCall(c) => {
                 self.hang.device_call(c);
                 self.oom.device_call(c, &self.ranks, out);
+                self.collective.device_call(c, &self.ranks, out);
             }
             Record::InFlight(s) => self.hang.snapshot(s),
             Record::Exit {
@@ -108,6 +119,7 @@ impl Detectors {
             } => {
                 self.crash.process_ended(exit, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
+                self.collective.process_ended(exit.tgid, &self.ranks, out);
                 self.ranks.by_tgid.remove(&exit.tgid);
             }
             _ => {}
@@ -116,12 +128,19 @@ impl Detectors {
 
     #[cfg(test)]
     pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
-        self.hang.forgot(tgid) && self.ranks.of(tgid).is_none()
+        self.hang.forgot(tgid) && self.collective.forgot(tgid) && self.ranks.of(tgid).is_none()
     }
 
     /// Time passed: detectors that fire on a duration look again.
     pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
         self.hang.tick(now, &self.ranks, out);
+        self.collective.tick(now, &self.ranks, out);
+    }
+
+    /// The end: what waits for more evidence is reported as it stands.
+    pub fn finish(&mut self, end: u64, out: &mut Vec<Finding>) {
+        self.tick(end, out);
+        self.collective.finish(end, &self.ranks, out);
     }
 }
 
@@ -176,7 +195,7 @@ impl Sink for DetectSink {
     }
 
     fn finish(mut self, end: u64, _lost: &SinkCounters) -> Result<Vec<Finding>> {
-        self.detectors.tick(end, &mut self.scratch);
+        self.detectors.finish(end, &mut self.scratch);
         self.publish();
         Ok(self.found)
     }

@@ -21,6 +21,7 @@ const HASH: u64 = 0x3f2a_0000_0000_0001;
 fn detectors(timeout_s: u64) -> Detectors {
     Detectors::new(DetectConfig {
         hang_timeout: Duration::from_secs(timeout_s),
+        ..DetectConfig::default()
     })
 }
 
@@ -402,6 +403,7 @@ fn the_sink_feeds_findings_back_and_returns_them() {
     let mut sink = DetectSink::new(
         DetectConfig {
             hang_timeout: Duration::from_secs(1),
+            ..DetectConfig::default()
         },
         Some(tx),
     );

@@ -120,12 +120,14 @@ pub struct DumpRequest {
 }
 
 impl Trigger {
-    /// The automatic dump's trigger for a finding.
-    pub fn of_finding(kind: FindingKind) -> Trigger {
+    /// The automatic dump's trigger for a finding (None: a performance
+    /// finding, which keeps running and dumps nothing by itself).
+    pub fn of_finding(kind: FindingKind) -> Option<Trigger> {
         match kind {
-            FindingKind::Hang => Trigger::Hang,
-            FindingKind::DeviceOom => Trigger::Oom,
-            FindingKind::Crash => Trigger::Signal,
+            FindingKind::Hang => Some(Trigger::Hang),
+            FindingKind::DeviceOom => Some(Trigger::Oom),
+            FindingKind::Crash => Some(Trigger::Signal),
+            FindingKind::SlowRank | FindingKind::LateArrival | FindingKind::SlowLink => None,
         }
     }
 }
@@ -253,7 +255,9 @@ impl FlightRecorder {
             let mut triggers = Vec::new();
             for r in batch.iter() {
                 if let Record::Finding(f) = r {
-                    let trigger = Trigger::of_finding(f.kind);
+                    let Some(trigger) = Trigger::of_finding(f.kind) else {
+                        continue;
+                    };
                     if triggers.contains(&trigger) {
                         continue;
                     }
