@@ -75,6 +75,8 @@ pub struct AttachConfig {
     pub device_call_rate: u32,
     /// A collective or sync running longer than this is reported as a hang.
     pub hang_timeout: Duration,
+    /// `slow_rank`, `late_arrival`, `slow_link` thresholds.
+    pub collective: crate::sinks::detect::collective::CollectiveConfig,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -118,6 +120,7 @@ impl Default for AttachConfig {
             probe_level: 0,
             device_call_rate: DEFAULT_DEVICE_CALL_RATE,
             hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
+            collective: Default::default(),
             level_schedule: LevelSchedule::default(),
             report_targets: false,
             loader_hook: true,

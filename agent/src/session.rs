@@ -123,7 +123,7 @@ impl Stages {
         let (findings_tx, findings_rx) = std::sync::mpsc::channel();
         let detect_cfg = DetectConfig {
             hang_timeout: cfg.hang_timeout,
-            ..DetectConfig::default()
+            collective: cfg.collective.clone(),
         };
         // Inline too: a few map updates per device call, nothing per
         // scheduler record; findings leave on a channel (never blocks).

@@ -75,6 +75,9 @@ pub struct DetectSection {
     pub hang_timeout: Duration,
     /// A finding triggers a flight-recorder dump.
     pub dump_on_finding: bool,
+    /// `late_min`, `late_mad_k`, `slow_rank_persist`, `slow_link_ratio`,
+    /// `link_min_bytes`, `link_min_ops`.
+    pub collective: crate::sinks::detect::collective::CollectiveConfig,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -148,6 +151,7 @@ impl Default for ServiceConfig {
             detect: DetectSection {
                 hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
                 dump_on_finding: true,
+                collective: Default::default(),
             },
             metrics: MetricsConfig {
                 listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
@@ -272,6 +276,30 @@ impl ServiceConfig {
             }
             if let Some(v) = s.take("dump_on_finding") {
                 cfg.detect.dump_on_finding = ctx.boolean(&v, "detect.dump_on_finding")?;
+            }
+            let c = &mut cfg.detect.collective;
+            if let Some(v) = s.take("late_min") {
+                c.late_min = ctx.duration(&v, "detect.late_min")?;
+            }
+            if let Some(v) = s.take("link_min_bytes") {
+                c.link_min_bytes = ctx.size(&v, "detect.link_min_bytes")?;
+            }
+            for (key, field, lo, hi) in [
+                ("late_mad_k", &mut c.late_mad_k, 1, 1000),
+                ("slow_rank_persist", &mut c.slow_rank_persist, 1, 1000),
+                ("slow_link_ratio", &mut c.slow_link_ratio, 2, 1000),
+                ("link_min_ops", &mut c.link_min_ops, 1, 100_000),
+            ] {
+                if let Some(v) = s.take(key) {
+                    let name = format!("detect.{key}");
+                    let n = ctx.integer(&v, &name)?;
+                    *field = u32::try_from(n)
+                        .ok()
+                        .filter(|n| (lo..=hi).contains(n))
+                        .ok_or_else(|| {
+                            ctx.value_error(&v, &name, format!("{n} must be between {lo} and {hi}"))
+                        })?;
+                }
             }
             s.finish()?;
         }
@@ -681,6 +709,8 @@ max_dumps_per_hour = 2
 [detect]
 hang_timeout = "90s"
 dump_on_finding = false
+late_min = "20ms"
+slow_rank_persist = 4
 [flight_recorder]
 seconds = "10m"
 max_bytes = "64M"
@@ -705,6 +735,9 @@ job_env = ["MY_JOB"]
         assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);
         assert_eq!(cfg.max_dumps_per_hour, 2);
         assert_eq!(cfg.detect.hang_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.detect.collective.late_min, Duration::from_millis(20));
+        assert_eq!(cfg.detect.collective.slow_rank_persist, 4);
+        assert_eq!(cfg.detect.collective.late_mad_k, 5);
         assert!(!cfg.detect.dump_on_finding);
         assert_eq!(cfg.flight_recorder.seconds, Duration::from_secs(600));
         assert_eq!(cfg.flight_recorder.max_bytes, 64 << 20);
@@ -745,6 +778,8 @@ job_env = ["MY_JOB"]
             e.contains(":2: `detect.hang_timeout`: expected a duration"),
             "{e}"
         );
+        let e = parse("[detect]\nslow_link_ratio = 1\n").unwrap_err();
+        assert!(e.contains("must be between 2 and 1000"), "{e}");
         let e = parse("[detect]\nhang_timeout = \"1ms\"\n").unwrap_err();
         assert!(e.contains("use at least 100ms"), "{e}");
         let e = parse("[detect]\ndump_on_finding = 1\n").unwrap_err();

@@ -249,7 +249,7 @@ where
         DetectSink::new(
             DetectConfig {
                 hang_timeout: cfg.detect.hang_timeout,
-                ..DetectConfig::default()
+                collective: cfg.detect.collective.clone(),
             },
             Some(findings_tx),
         ),
