@@ -21,11 +21,11 @@ use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
 use xpuscope_probes::decode::comm::CommContext;
 
 use crate::merge::collectives::{collective, sync_stream};
-use crate::model::{
-    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, OpenCall,
-    RankIdentity, Record, ThreadNow,
-};
 use crate::model::finding::FindingsDoc;
+use crate::model::{
+    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, OpenCall, RankIdentity, Record,
+    ThreadNow,
+};
 use crate::sinks::detect::{DetectConfig, Detectors};
 
 pub struct DiagnoseOptions {
@@ -209,7 +209,10 @@ fn read_trace(
                 if let Some(Begun { call: Some(mut c) }) = stack.pop() {
                     c.end_ts = Some(event.ts);
                     c.ret = Some(0);
-                    out.push((event.ts, Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))));
+                    out.push((
+                        event.ts,
+                        Record::DeviceCall(Box::new(DeviceCallRecord::new(c))),
+                    ));
                 }
             }
             _ => {}
