@@ -65,7 +65,7 @@ pub struct DiagnoseArgs {
     #[arg(long, default_value = "60s", value_parser = parse_hang_timeout)]
     pub hang_timeout: Duration,
     /// See `agent attach --late-min`.
-    #[arg(long, default_value = "5ms", value_parser = config::parse_duration)]
+    #[arg(long, default_value = "10ms", value_parser = config::parse_duration)]
     pub late_min: Duration,
     /// See `agent attach --slow-rank-persist`.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -226,7 +226,7 @@ pub struct AttachArgs {
     /// The last member to enter a collective is late when it came more
     /// than this (or 5 MADs of the others' arrivals, if more) after the
     /// others' median arrival (`late_arrival`, `slow_rank` findings).
-    #[arg(long, default_value = "5ms", value_parser = config::parse_duration)]
+    #[arg(long, default_value = "10ms", value_parser = config::parse_duration)]
     pub late_min: Duration,
     /// A rank late at this many of the last twice as many collectives of a
     /// communicator is a slow rank.

@@ -143,3 +143,54 @@ fn a_late_arrival_is_found_offline_and_online() {
     }
     assert!(text.starts_with("late_arrival: rank 1 arrived"), "{text}");
 }
+
+/// Rank 1 computes 3x slower from step 3 (dp 2): a `slow_rank` naming
+/// rank 1 from step 3 (within 2), offline and online; then a clean job of
+/// 8 ranks (tp 2, pp 2, dp 2) has no findings, offline and online.
+#[test]
+fn a_slow_rank_is_found_and_a_clean_8_rank_job_has_no_findings() {
+    let _serial = exclusive();
+    let run = run_job(
+        "diagslow",
+        &[
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--steps",
+            "10",
+            "--fault",
+            "slow:rank=1,factor=3,from_step=3",
+        ],
+        &[],
+    );
+    let expected = &run.truth["faults"][0]["expected"];
+    let (found, text) = diagnose(&run, &[]);
+    for fs in [&found, &run.online] {
+        let slow = of_kind(fs, "slow_rank");
+        assert_eq!(slow.len(), 1, "{fs:#?}\n{text}");
+        assert_eq!(slow[0]["ranks"], serde_json::json!([1]), "{fs:#?}");
+        assert!(
+            near(&slow[0]["step"], &expected["from_step"], 2),
+            "{fs:#?} vs {expected}"
+        );
+        assert!(
+            of_kind(fs, "late_arrival").is_empty() && fs.len() == 1,
+            "the slow rank's late arrivals are the slow rank: {fs:#?}"
+        );
+    }
+    assert!(
+        text.starts_with("slow_rank: rank 1 is a slow rank"),
+        "{text}"
+    );
+
+    let clean = run_job("diagclean", &["--world-size", "8", "--steps", "8"], &[]);
+    let (found, text) = diagnose(&clean, &[]);
+    assert!(found.is_empty(), "{found:#?}");
+    assert!(clean.online.is_empty(), "{:#?}", clean.online);
+    assert!(text.starts_with("no findings"), "{text}");
+}

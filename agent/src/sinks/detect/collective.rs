@@ -8,7 +8,12 @@
 //!   communicator (its size) entered it. Its last arrival is *late* when it
 //!   came more than `max(late_min, late_mad_k * 1.4826 * MAD)` after the
 //!   median arrival of the other members (the MAD of theirs: robust to one
-//!   outlier, and with two members only the floor counts).
+//!   outlier, and with two members only the floor counts), less its own
+//!   usual offset at that function (the median of its on-time ones: a
+//!   pipeline stage that always enters later is not late). A member is
+//!   judged once it entered the function `WARMUP_OPS` times on the
+//!   communicator (start-up skew): a rank slow from its first step has
+//!   no on-time baseline and is not found.
 //! - `slow_rank`: a rank late at `slow_rank_persist` or more of the last
 //!   `2 * slow_rank_persist` operations of a communicator (a rank that
 //!   persistently makes its peers wait). Its start is its first late
@@ -49,8 +54,11 @@ const MAX_OPEN_OPS: usize = 256;
 const MAX_ALLREDUCES: usize = 1 << 20;
 /// Link samples kept per communicator (the most recent).
 const MAX_LINK_SAMPLES: usize = 4096;
-/// On-time offsets kept per member (its own baseline).
+/// On-time offsets kept per member and function (its own baseline).
 const MAX_BASELINE: usize = 64;
+/// Operations of a function a member must have entered before its
+/// arrival is judged (start-up skew; its own baseline needs them).
+const WARMUP_OPS: usize = 2;
 
 /// Thresholds of the collective detectors (`DetectConfig`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,7 +74,7 @@ pub struct CollectiveConfig {
 impl Default for CollectiveConfig {
     fn default() -> Self {
         Self {
-            late_min: Duration::from_millis(5),
+            late_min: Duration::from_millis(10),
             late_mad_k: 5,
             slow_rank_persist: 3,
             slow_link_ratio: 3,
@@ -110,8 +118,10 @@ struct MemberHistory {
     /// Late (true) or not, for the last `2 * persist` operations.
     window: VecDeque<bool>,
     pending: Vec<Late>,
-    /// Offsets (ns after the others' median) of on-time operations.
-    baseline: VecDeque<i64>,
+    /// Offsets (ns after the others' median) of on-time operations, per
+    /// function (a pipeline stage enters an all-gather later than its
+    /// peers every step, by design).
+    baseline: HashMap<&'static str, VecDeque<i64>>,
 }
 
 #[derive(Default)]
@@ -300,13 +310,25 @@ impl CollectiveDetector {
         let mut dev: Vec<u64> = others.iter().map(|&a| a.abs_diff(med)).collect();
         let mad = median_u64(&mut dev);
         let threshold = late_min.max((k * 1.4826 * mad as f64) as u64);
+        // Compared with its own on-time offset at this function: a member
+        // that always enters this operation later is not late by it.
+        let own = comm
+            .history
+            .get(&last)
+            .and_then(|h| h.baseline.get(op.function))
+            .filter(|b| b.len() >= WARMUP_OPS)
+            .map(|b| {
+                let mut v: Vec<i64> = b.iter().copied().collect();
+                v.sort_unstable();
+                v[v.len() / 2].max(0) as u64
+            });
         let delay = last_enter.saturating_sub(med);
-        let late = delay > threshold;
+        let late = own.is_some_and(|own| delay.saturating_sub(own) > threshold);
         op.late = late;
         let function = op.function;
         let peers_wait: u64 = others.iter().map(|&a| last_enter - a).sum();
-        let members: Vec<u32> = op.members.keys().copied().collect();
-        for tgid in members {
+        let members: Vec<(u32, u64)> = op.members.iter().map(|(t, a)| (*t, a.enter)).collect();
+        for (tgid, enter) in members {
             let h = comm.history.entry(tgid).or_default();
             let is_late = late && tgid == last;
             h.window.push_back(is_late);
@@ -325,10 +347,10 @@ impl CollectiveDetector {
                 });
             } else if tgid == last || !late {
                 // Its own offset from the others' median, when on time.
-                let enter = op.members[&tgid].enter;
-                h.baseline.push_back(enter as i64 - med as i64);
-                if h.baseline.len() > MAX_BASELINE {
-                    h.baseline.pop_front();
+                let b = h.baseline.entry(function).or_default();
+                b.push_back(enter as i64 - med as i64);
+                if b.len() > MAX_BASELINE {
+                    b.pop_front();
                 }
             }
         }
@@ -344,7 +366,13 @@ impl CollectiveDetector {
                 .filter(|l| l.index + window as u64 > index)
                 .cloned()
                 .collect();
-            let mut earlier: Vec<f64> = h.baseline.iter().map(|&o| o as f64).collect();
+            let mut earlier: Vec<f64> = h
+                .baseline
+                .get(function)
+                .into_iter()
+                .flatten()
+                .map(|&o| o as f64)
+                .collect();
             let earlier_ms = (!earlier.is_empty()).then(|| median_f64(&mut earlier) / 1e6);
             h.pending.clear();
             let first = lates.first().expect("late now");

@@ -176,7 +176,7 @@ fn one_late_arrival_names_rank_step_and_delay() {
     let delay = l.evidence["delay_ms"].as_f64().unwrap();
     assert!((39.0..41.0).contains(&delay), "{delay}");
     assert!(l.summary.contains("rank 2 arrived 39.9"), "{}", l.summary);
-    assert!(l.summary.contains("threshold 5.00 ms"), "{}", l.summary);
+    assert!(l.summary.contains("threshold 10.00 ms"), "{}", l.summary);
 }
 
 #[test]
@@ -219,9 +219,9 @@ fn the_threshold_follows_the_spread_of_the_others() {
         DetectConfig::default(),
         vec![job(0xc, &[0, 1], 12, 8 * MB, 2 * MS, |r, op| {
             if (r, op) == (1, 4) {
-                6 * MS
+                12 * MS
             } else if (r, op) == (0, 8) {
-                4 * MS
+                8 * MS
             } else {
                 0
             }
@@ -319,4 +319,28 @@ fn a_process_end_reports_its_pending_late_arrival_and_forgets_it() {
     assert_eq!(kinds(&out), vec![FindingKind::LateArrival]);
     assert_eq!((out[0].ranks.clone(), out[0].step), (vec![1], Some(3)));
     assert!(d.hang_state_is_empty_for(pid(1)));
+}
+
+/// A member that always enters 20 ms after its peers (a later pipeline
+/// stage) is judged against its own usual offset: late only beyond it.
+#[test]
+fn a_member_is_compared_with_its_own_usual_offset() {
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job(
+            0xe,
+            &[0, 1, 2, 3],
+            16,
+            8 * MB,
+            2 * MS,
+            |r, op| match (r, op) {
+                (3, 9) => 60 * MS,
+                (3, _) => 20 * MS,
+                _ => 0,
+            },
+        )],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
+    assert_eq!((f[0].ranks.clone(), f[0].seq), (vec![3], Some(9)));
 }
