@@ -238,10 +238,12 @@ impl CollectiveDetector {
                 while comm.open.len() > MAX_OPEN_OPS {
                     comm.open.pop_first();
                 }
-                self.awaiting_sync
-                    .entry(call.tid)
-                    .or_default()
-                    .push((key, seq));
+                let waiting = self.awaiting_sync.entry(call.tid).or_default();
+                waiting.push((key, seq));
+                // A thread that never syncs: keep its latest only.
+                if waiting.len() > MAX_OPEN_OPS {
+                    waiting.remove(0);
+                }
                 self.try_close(key, seq, ranks, out);
             }
             CallKind::Sync(_) => {
