@@ -47,6 +47,33 @@ pub enum Command {
     /// processes kept apart per node, ranks labelled with their parallel
     /// groups and ordered by global rank.
     Merge(MergeArgs),
+    /// Run the detectors (hang, crash, device OOM, slow rank, late
+    /// arrival, slow link) over recorded traces of one job (one per node,
+    /// or one of all ranks) and print the findings, most important first.
+    Diagnose(DiagnoseArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct DiagnoseArgs {
+    /// `agent attach` traces of one job.
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+    /// Also write the findings as JSON (`xpuscope-findings/1`).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// A call still open at the end of the trace for longer than this is
+    /// a hang.
+    #[arg(long, default_value = "60s", value_parser = parse_hang_timeout)]
+    pub hang_timeout: Duration,
+    /// See `agent attach --late-min`.
+    #[arg(long, default_value = "10ms", value_parser = config::parse_duration)]
+    pub late_min: Duration,
+    /// See `agent attach --slow-rank-persist`.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub slow_rank_persist: u32,
+    /// See `agent attach --slow-link-ratio`.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub slow_link_ratio: u32,
 }
 
 #[derive(Args, Debug)]
@@ -212,6 +239,19 @@ pub struct AttachArgs {
     /// (5 steps in a row), e.g. `1M`.
     #[arg(long, default_value = "1M", value_parser = parse_leak_rate)]
     pub leak_min_per_step: u64,
+    /// The last member to enter a collective is late when it came more
+    /// than this (or 5 MADs of the others' arrivals, if more) after the
+    /// others' median arrival (`late_arrival`, `slow_rank` findings).
+    #[arg(long, default_value = "10ms", value_parser = config::parse_duration)]
+    pub late_min: Duration,
+    /// A rank late at this many of the last twice as many collectives of a
+    /// communicator is a slow rank.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub slow_rank_persist: u32,
+    /// Collectives this many times slower per byte than the fastest
+    /// communicator's, nobody late, are a slow link.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub slow_link_ratio: u32,
     /// Testing aid: switch the device level while recording, e.g.
     /// `0,1@1s` (level 0 from the start, 1 after 1 s).
     #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
@@ -286,6 +326,12 @@ impl AttachArgs {
                 stall_min: self.stall_min,
                 leak_min_per_step: self.leak_min_per_step,
                 ..host::HostDetectConfig::default()
+            },
+            collective: crate::sinks::detect::collective::CollectiveConfig {
+                late_min: self.late_min,
+                slow_rank_persist: self.slow_rank_persist,
+                slow_link_ratio: self.slow_link_ratio,
+                ..Default::default()
             },
             loader_hook: !self.no_loader_hook,
         }

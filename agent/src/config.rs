@@ -77,6 +77,8 @@ pub struct AttachConfig {
     pub hang_timeout: Duration,
     /// Thresholds of the host-side detectors.
     pub host_detect: crate::sinks::detect::host::HostDetectConfig,
+    /// `slow_rank`, `late_arrival`, `slow_link` thresholds.
+    pub collective: crate::sinks::detect::collective::CollectiveConfig,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -121,6 +123,7 @@ impl Default for AttachConfig {
             device_call_rate: DEFAULT_DEVICE_CALL_RATE,
             hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
             host_detect: Default::default(),
+            collective: Default::default(),
             level_schedule: LevelSchedule::default(),
             report_targets: false,
             loader_hook: true,

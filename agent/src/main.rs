@@ -9,6 +9,7 @@ mod analysis;
 mod btf;
 mod cli;
 mod config;
+mod diagnose;
 mod events;
 mod host;
 mod kernel;
@@ -75,6 +76,7 @@ fn main() -> ExitCode {
         },
         Command::Ctl(args) => service::control::client::run(&args),
         Command::Merge(args) => run_merge(args),
+        Command::Diagnose(args) => run_diagnose(args),
         Command::Attach(args) => {
             let cfg = args.into_config();
             let stats_path = cfg.stats_json.clone();
@@ -98,6 +100,32 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+fn run_diagnose(args: cli::DiagnoseArgs) -> ExitCode {
+    let opts = diagnose::DiagnoseOptions {
+        traces: args.traces,
+        json: args.json,
+        detect: sinks::detect::DetectConfig {
+            hang_timeout: args.hang_timeout,
+            collective: sinks::detect::collective::CollectiveConfig {
+                late_min: args.late_min,
+                slow_rank_persist: args.slow_rank_persist,
+                slow_link_ratio: args.slow_link_ratio,
+                ..Default::default()
+            },
+            // The host-side detectors read scheduling and memory records,
+            // which the replay does not rebuild yet: defaults, unused.
+            host: Default::default(),
+        },
+    };
+    match diagnose::run(&opts) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xpuscope: error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }

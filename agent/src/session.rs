@@ -124,6 +124,7 @@ impl Stages {
         let detect_cfg = DetectConfig {
             hang_timeout: cfg.hang_timeout,
             host: cfg.host_detect.clone(),
+            collective: cfg.collective.clone(),
         };
         // Inline too: a few map updates per device call, nothing per
         // scheduler record; findings leave on a channel (never blocks).

@@ -15,7 +15,7 @@
 //!    time base, written as they are read.
 
 mod align;
-mod collectives;
+pub(crate) mod collectives;
 mod emit;
 mod scan;
 mod step_out;

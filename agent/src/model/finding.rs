@@ -24,16 +24,26 @@ pub enum FindingKind {
     DataloaderStall,
     /// A rank's device memory growing every step at one site.
     MemoryLeak,
+    /// A rank persistently arrives last at a communicator's collectives.
+    SlowRank,
+    /// A rank arrived late at one collective.
+    LateArrival,
+    /// Collectives of the communicators through one rank are slow for
+    /// every member, nobody arriving late.
+    SlowLink,
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 6] = [
+    pub const ALL: [FindingKind; 9] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
         FindingKind::Crash,
         FindingKind::HostContention,
         FindingKind::DataloaderStall,
         FindingKind::MemoryLeak,
+        FindingKind::SlowRank,
+        FindingKind::LateArrival,
+        FindingKind::SlowLink,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -44,6 +54,9 @@ impl FindingKind {
             FindingKind::HostContention => "host_contention",
             FindingKind::DataloaderStall => "dataloader_stall",
             FindingKind::MemoryLeak => "memory_leak",
+            FindingKind::SlowRank => "slow_rank",
+            FindingKind::LateArrival => "late_arrival",
+            FindingKind::SlowLink => "slow_link",
         }
     }
 }

@@ -77,6 +77,9 @@ pub struct DetectSection {
     pub dump_on_finding: bool,
     /// Thresholds of the host-side detectors.
     pub host: crate::sinks::detect::host::HostDetectConfig,
+    /// `late_min`, `late_mad_k`, `slow_rank_persist`, `slow_link_ratio`,
+    /// `link_min_bytes`, `link_min_ops`.
+    pub collective: crate::sinks::detect::collective::CollectiveConfig,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -151,6 +154,7 @@ impl Default for ServiceConfig {
                 hang_timeout: crate::sinks::detect::DEFAULT_HANG_TIMEOUT,
                 dump_on_finding: true,
                 host: Default::default(),
+                collective: Default::default(),
             },
             metrics: MetricsConfig {
                 listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
@@ -277,6 +281,30 @@ impl ServiceConfig {
                 cfg.detect.dump_on_finding = ctx.boolean(&v, "detect.dump_on_finding")?;
             }
             host_detect_keys(&ctx, &mut s, &mut cfg.detect.host)?;
+            let c = &mut cfg.detect.collective;
+            if let Some(v) = s.take("late_min") {
+                c.late_min = ctx.duration(&v, "detect.late_min")?;
+            }
+            if let Some(v) = s.take("link_min_bytes") {
+                c.link_min_bytes = ctx.size(&v, "detect.link_min_bytes")?;
+            }
+            for (key, field, lo, hi) in [
+                ("late_mad_k", &mut c.late_mad_k, 1, 1000),
+                ("slow_rank_persist", &mut c.slow_rank_persist, 1, 1000),
+                ("slow_link_ratio", &mut c.slow_link_ratio, 2, 1000),
+                ("link_min_ops", &mut c.link_min_ops, 1, 100_000),
+            ] {
+                if let Some(v) = s.take(key) {
+                    let name = format!("detect.{key}");
+                    let n = ctx.integer(&v, &name)?;
+                    *field = u32::try_from(n)
+                        .ok()
+                        .filter(|n| (lo..=hi).contains(n))
+                        .ok_or_else(|| {
+                            ctx.value_error(&v, &name, format!("{n} must be between {lo} and {hi}"))
+                        })?;
+                }
+            }
             s.finish()?;
         }
         if let Some(t) = root.take_table("flight_recorder")? {
@@ -741,6 +769,8 @@ stall_factor = 6
 stall_min_history = 3
 leak_min_per_step = "8M"
 leak_min_steps = 7
+late_min = "20ms"
+slow_rank_persist = 4
 [flight_recorder]
 seconds = "10m"
 max_bytes = "64M"
@@ -765,6 +795,9 @@ job_env = ["MY_JOB"]
         assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);
         assert_eq!(cfg.max_dumps_per_hour, 2);
         assert_eq!(cfg.detect.hang_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.detect.collective.late_min, Duration::from_millis(20));
+        assert_eq!(cfg.detect.collective.slow_rank_persist, 4);
+        assert_eq!(cfg.detect.collective.late_mad_k, 5);
         assert!(!cfg.detect.dump_on_finding);
         assert_eq!(
             cfg.detect.host,
@@ -818,6 +851,8 @@ job_env = ["MY_JOB"]
             e.contains(":2: `detect.hang_timeout`: expected a duration"),
             "{e}"
         );
+        let e = parse("[detect]\nslow_link_ratio = 1\n").unwrap_err();
+        assert!(e.contains("must be between 2 and 1000"), "{e}");
         let e = parse("[detect]\nhang_timeout = \"1ms\"\n").unwrap_err();
         assert!(e.contains("use at least 100ms"), "{e}");
         let e = parse("[detect]\ndump_on_finding = 1\n").unwrap_err();

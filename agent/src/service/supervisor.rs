@@ -250,6 +250,7 @@ where
             DetectConfig {
                 hang_timeout: cfg.detect.hang_timeout,
                 host: cfg.detect.host.clone(),
+                collective: cfg.detect.collective.clone(),
             },
             Some(findings_tx),
         ),

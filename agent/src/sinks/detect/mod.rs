@@ -12,12 +12,17 @@
 //! - [`host`]: the host-side detectors over each rank's steps
 //!   ([`host_steps`]): [`host_contention`], [`dataloader_stall`],
 //!   [`memory_leak`].
+//! - [`collective`]: `slow_rank`, `late_arrival` and `slow_link`, from
+//!   the members' arrivals at each collective (communicator + seq).
 //!
 //! The detectors are pure ([`Detectors`]: records and ticks in, findings
 //! out). The sink sends each new finding back to the pipeline, which puts
 //! it into the record stream: the trace renders it, metrics count it, the
 //! flight recorder dumps on it. The sink's output is every finding.
 
+pub mod collective;
+#[cfg(test)]
+mod collective_tests;
 pub mod crash;
 pub mod dataloader_stall;
 pub mod hang;
@@ -48,6 +53,8 @@ pub struct DetectConfig {
     pub hang_timeout: Duration,
     /// The host-side detectors' thresholds.
     pub host: host::HostDetectConfig,
+    /// `slow_rank`, `late_arrival`, `slow_link` (`collective`).
+    pub collective: collective::CollectiveConfig,
 }
 
 pub const DEFAULT_HANG_TIMEOUT: Duration = Duration::from_secs(300);
@@ -57,6 +64,7 @@ impl Default for DetectConfig {
         Self {
             hang_timeout: DEFAULT_HANG_TIMEOUT,
             host: host::HostDetectConfig::default(),
+            collective: collective::CollectiveConfig::default(),
         }
     }
 }
@@ -94,6 +102,7 @@ pub struct Detectors {
     oom: oom::OomDetector,
     crash: crash::CrashDetector,
     host: host::HostDetectors,
+    collective: collective::CollectiveDetector,
 }
 
 impl Detectors {
@@ -104,6 +113,7 @@ impl Detectors {
             oom: oom::OomDetector,
             crash: crash::CrashDetector,
             host: host::HostDetectors::new(cfg.host),
+            collective: collective::CollectiveDetector::new(cfg.collective),
         }
     }
 
@@ -116,6 +126,7 @@ impl Detectors {
             Record::DeviceCall(c) => {
                 self.hang.device_call(c);
                 self.oom.device_call(c, &self.ranks, out);
+                self.collective.device_call(c, &self.ranks, out);
             }
             Record::InFlight(s) => self.hang.snapshot(s),
             Record::Exit {
@@ -124,6 +135,7 @@ impl Detectors {
             } => {
                 self.crash.process_ended(exit, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
+                self.collective.process_ended(exit.tgid, &self.ranks, out);
                 self.ranks.by_tgid.remove(&exit.tgid);
             }
             _ => {}
@@ -132,12 +144,22 @@ impl Detectors {
 
     #[cfg(test)]
     pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
-        self.hang.forgot(tgid) && self.ranks.of(tgid).is_none() && self.host.forgot(tgid)
+        self.hang.forgot(tgid)
+            && self.collective.forgot(tgid)
+            && self.host.forgot(tgid)
+            && self.ranks.of(tgid).is_none()
     }
 
     /// Time passed: detectors that fire on a duration look again.
     pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
         self.hang.tick(now, &self.ranks, out);
+        self.collective.tick(now, &self.ranks, out);
+    }
+
+    /// The end: what waits for more evidence is reported as it stands.
+    pub fn finish(&mut self, end: u64, out: &mut Vec<Finding>) {
+        self.tick(end, out);
+        self.collective.finish(end, &self.ranks, out);
     }
 }
 
@@ -192,7 +214,7 @@ impl Sink for DetectSink {
     }
 
     fn finish(mut self, end: u64, _lost: &SinkCounters) -> Result<Vec<Finding>> {
-        self.detectors.tick(end, &mut self.scratch);
+        self.detectors.finish(end, &mut self.scratch);
         self.publish();
         Ok(self.found)
     }

@@ -51,8 +51,10 @@ pub enum Trigger {
     Oom,
     /// A traced process was killed by a signal.
     Signal,
-    /// A host-side finding: contention, a data-loader stall, a leak.
-    Host,
+    /// A performance finding: a slow or late rank, a slow link, host
+    /// contention, a data-loader stall, a leak (the job runs on; the dump
+    /// holds what led to it).
+    Slowdown,
 }
 
 impl Trigger {
@@ -61,7 +63,7 @@ impl Trigger {
         Trigger::Hang,
         Trigger::Oom,
         Trigger::Signal,
-        Trigger::Host,
+        Trigger::Slowdown,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -70,7 +72,7 @@ impl Trigger {
             Trigger::Hang => "hang",
             Trigger::Oom => "oom",
             Trigger::Signal => "signal",
-            Trigger::Host => "host",
+            Trigger::Slowdown => "slowdown",
         }
     }
 
@@ -124,7 +126,9 @@ pub struct DumpRequest {
 }
 
 impl Trigger {
-    /// The automatic dump's trigger for a finding.
+    /// The automatic dump's trigger for a finding: every kind dumps (a
+    /// performance finding too: the window shows what led to it), each
+    /// trigger rate-limited on its own.
     pub fn of_finding(kind: FindingKind) -> Trigger {
         match kind {
             FindingKind::Hang => Trigger::Hang,
@@ -132,7 +136,10 @@ impl Trigger {
             FindingKind::Crash => Trigger::Signal,
             FindingKind::HostContention
             | FindingKind::DataloaderStall
-            | FindingKind::MemoryLeak => Trigger::Host,
+            | FindingKind::MemoryLeak
+            | FindingKind::SlowRank
+            | FindingKind::LateArrival
+            | FindingKind::SlowLink => Trigger::Slowdown,
         }
     }
 }

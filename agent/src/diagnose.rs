@@ -1,0 +1,298 @@
+//! `agent diagnose`: the detectors over recorded traces (the offline
+//! driver; `agent attach` and the service are the online one). Each
+//! trace's slices are read back into the records the detectors take
+//! (rank identities from the process tracks, collective and sync calls
+//! from the thread tracks' slices with their communicator arguments,
+//! calls still open at the end as an in-flight snapshot) and fed, in time
+//! order, into the same [`Detectors`]. Several traces of one job (one per
+//! node) meet on communicator hash + sequence number; process ids are kept
+//! apart per trace. The clocks of different nodes are taken as they are
+//! (arrival delays across nodes include their offset).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use xpuscope_perfetto::rewrite::{EventKind, Interning, Packet, PacketReader, TrackView};
+use xpuscope_probes::catalog::{CallKind, Collective, Library, SyncKind};
+use xpuscope_probes::decode::DeviceCall;
+use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
+use xpuscope_probes::decode::comm::CommContext;
+
+use crate::merge::collectives::{collective, sync_stream};
+use crate::model::finding::FindingsDoc;
+use crate::model::{
+    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, OpenCall, RankIdentity, Record,
+    ThreadNow,
+};
+use crate::sinks::detect::{DetectConfig, Detectors};
+
+pub struct DiagnoseOptions {
+    pub traces: Vec<PathBuf>,
+    pub json: Option<PathBuf>,
+    pub detect: DetectConfig,
+}
+
+/// One trace's pid as the detectors see it: unique across traces.
+fn job_pid(trace: usize, pid: i32) -> u32 {
+    ((trace as u32) << 22) | (pid as u32 & 0x3f_ffff)
+}
+
+fn collective_kind(op: &str) -> Option<Collective> {
+    Some(match op {
+        "all_reduce" => Collective::AllReduce,
+        "all_gather" => Collective::AllGather,
+        "reduce_scatter" => Collective::ReduceScatter,
+        "broadcast" => Collective::Broadcast,
+        "reduce" => Collective::Reduce,
+        _ => return None,
+    })
+}
+
+fn library_of(name: Option<&str>) -> Library {
+    Library::ALL
+        .into_iter()
+        .find(|l| Some(l.name()) == name)
+        .unwrap_or(Library::Nccl)
+}
+
+/// Function names live as long as the run (a few distinct ones).
+#[derive(Default)]
+struct Names(HashMap<String, &'static str>);
+
+impl Names {
+    fn get(&mut self, s: &str) -> &'static str {
+        if let Some(n) = self.0.get(s) {
+            return n;
+        }
+        let leaked: &'static str = Box::leak(s.to_owned().into_boxed_str());
+        self.0.insert(s.to_owned(), leaked);
+        leaked
+    }
+}
+
+/// A call begun on a thread track, not yet ended.
+struct Begun {
+    call: Option<DeviceCall>,
+}
+
+/// Reads one trace into (time, record) pairs; returns its last timestamp.
+fn read_trace(
+    index: usize,
+    path: &Path,
+    names: &mut Names,
+    out: &mut Vec<(u64, Record)>,
+    open: &mut Vec<OpenCall>,
+) -> Result<u64> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut reader = PacketReader::new(file);
+    let mut interning = Interning::default();
+    let mut threads: HashMap<u64, (i32, i32)> = HashMap::new();
+    let mut stacks: HashMap<u64, Vec<Begun>> = HashMap::new();
+    let mut ranked: HashMap<i32, u32> = HashMap::new();
+    let mut last = 0u64;
+    loop {
+        let n = reader.packets();
+        let Some(bytes) = reader
+            .next_packet()
+            .with_context(|| format!("reading {}", path.display()))?
+        else {
+            break;
+        };
+        let packet = Packet::decode(bytes, n).with_context(|| {
+            format!(
+                "reading {}: not an xpuscope trace (agent attach output)?",
+                path.display()
+            )
+        })?;
+        interning.observe(&packet);
+        if let Some(ts) = packet.timestamp() {
+            last = last.max(ts);
+        }
+        match packet.track() {
+            Some(TrackView::Process { pid, labels, .. }) => {
+                let rank = labels
+                    .iter()
+                    .find_map(|l| l.strip_prefix("rank=")?.parse::<u32>().ok());
+                if let Some(r) = rank
+                    && ranked.insert(pid, r) != Some(r)
+                {
+                    out.push((
+                        0,
+                        Record::Identity {
+                            tgid: job_pid(index, pid),
+                            identity: Box::new(RankIdentity::from_environ(
+                                format!("RANK={r}\0").as_bytes(),
+                            )),
+                        },
+                    ));
+                }
+            }
+            Some(TrackView::Thread { pid, tid }) => {
+                if let Some(uuid) = packet.track_uuid() {
+                    threads.insert(uuid, (pid, tid));
+                }
+            }
+            _ => {}
+        }
+        let Some(event) = interning.event(&packet) else {
+            continue;
+        };
+        let Some(&(pid, tid)) = threads.get(&event.track) else {
+            continue;
+        };
+        let stack = stacks.entry(event.track).or_default();
+        match event.kind {
+            EventKind::Begin => {
+                let library = library_of(match event.arg("library") {
+                    Some(xpuscope_perfetto::rewrite::ArgRef::Str(s)) => Some(s),
+                    _ => None,
+                });
+                let base = |kind: CallKind, function: &'static str| DeviceCall {
+                    library,
+                    function,
+                    kind,
+                    tgid: job_pid(index, pid),
+                    tid: job_pid(index, tid),
+                    start_ts: event.ts,
+                    end_ts: None,
+                    args: CallArgs::None,
+                    ret: None,
+                    error: false,
+                    name: function.into(),
+                    comm: None,
+                    memory: None,
+                    site: None,
+                };
+                let function = names.get(
+                    event
+                        .name
+                        .unwrap_or("")
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or(""),
+                );
+                let call = if let Some(c) = collective(&event) {
+                    collective_kind(c.op).map(|op| {
+                        let mut d = base(CallKind::Collective(op), function);
+                        d.comm = Some(CommContext {
+                            handle: c.comm.unwrap_or(0),
+                            id_hash: c.comm_hash,
+                            rank: c.comm_rank,
+                            size: c.size,
+                            seq: c.seq,
+                            seq_exact: c.seq_exact,
+                        });
+                        d.args = CallArgs::Collective(CollectiveArgs {
+                            op,
+                            count: None,
+                            dtype: None,
+                            bytes: event.arg("bytes").and_then(|v| v.as_u64()),
+                            red_op: None,
+                            root: None,
+                            send: None,
+                            recv: None,
+                            comm: c.comm.unwrap_or(0),
+                            stream: c.stream,
+                        });
+                        d
+                    })
+                } else if sync_stream(&event).is_some() {
+                    Some(base(CallKind::Sync(SyncKind::Stream), function))
+                } else {
+                    None
+                };
+                stack.push(Begun { call });
+            }
+            EventKind::End => {
+                if let Some(Begun { call: Some(mut c) }) = stack.pop() {
+                    c.end_ts = Some(event.ts);
+                    c.ret = Some(0);
+                    out.push((
+                        event.ts,
+                        Record::DeviceCall(Box::new(DeviceCallRecord::new(c))),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    // Calls never ended: in flight when the recording stopped.
+    for begun in stacks.into_values().flatten() {
+        if let Some(c) = begun.call {
+            open.push(OpenCall {
+                tgid: c.tgid,
+                tid: c.tid,
+                library: c.library,
+                function: c.function,
+                kind: c.kind,
+                start_ts: c.start_ts,
+                comm: c.comm,
+                thread: ThreadNow::Unknown,
+            });
+        }
+    }
+    Ok(last)
+}
+
+/// Every trace through the detectors: the findings, most important first.
+pub fn diagnose(traces: &[PathBuf], cfg: DetectConfig) -> Result<Vec<Finding>> {
+    let mut names = Names::default();
+    let mut records = Vec::new();
+    let mut open = Vec::new();
+    let mut end = 0;
+    for (i, path) in traces.iter().enumerate() {
+        end = end.max(read_trace(i, path, &mut names, &mut records, &mut open)?);
+    }
+    // Identities first (time 0), then calls as they returned.
+    records.sort_by_key(|r| r.0);
+    let mut d = Detectors::new(cfg);
+    let mut found = Vec::new();
+    for (_, r) in &records {
+        d.record(r, &mut found);
+    }
+    if !open.is_empty() {
+        d.record(
+            &Record::InFlight(Box::new(InFlightSnapshot {
+                ts: end,
+                calls: open,
+            })),
+            &mut found,
+        );
+    }
+    d.finish(end, &mut found);
+    found.sort_by_key(|f| (importance(f.kind), f.start_ns));
+    Ok(found)
+}
+
+/// What to look at first: what stopped the job, then what slowed it.
+fn importance(kind: FindingKind) -> u8 {
+    match kind {
+        FindingKind::Hang => 0,
+        FindingKind::Crash => 1,
+        FindingKind::DeviceOom => 2,
+        FindingKind::SlowRank => 3,
+        FindingKind::SlowLink => 4,
+        FindingKind::HostContention => 5,
+        FindingKind::DataloaderStall => 6,
+        FindingKind::MemoryLeak => 7,
+        FindingKind::LateArrival => 8,
+    }
+}
+
+pub fn run(opts: &DiagnoseOptions) -> Result<usize> {
+    let found = diagnose(&opts.traces, opts.detect.clone())?;
+    if found.is_empty() {
+        println!("no findings in {} trace(s)", opts.traces.len());
+    }
+    for f in &found {
+        println!("{}: {}", f.kind.as_str(), f.summary);
+        println!("    evidence: {}", f.evidence);
+    }
+    if let Some(path) = &opts.json {
+        let json = serde_json::to_string_pretty(&FindingsDoc::new(&found))?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(found.len())
+}

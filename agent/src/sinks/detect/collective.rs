@@ -1,0 +1,639 @@
+//! The collective detectors: `slow_rank`, `late_arrival` and `slow_link`,
+//! from each member's entry into a collective (communicator identity hash
+//! plus exact sequence number, as `hang` matches them) and the end of the
+//! first stream sync after it on the same thread (NCCL and HCCL enqueue a
+//! collective and return; its end shows in the sync that waits for it).
+//!
+//! - An operation (communicator, seq) is analysed once every member of the
+//!   communicator (its size) entered it. Its last arrival is *late* when it
+//!   came more than `max(late_min, late_mad_k * 1.4826 * MAD)` after the
+//!   median arrival of the other members (the MAD of theirs: robust to one
+//!   outlier, and with two members only the floor counts), less its own
+//!   usual offset at that function (the median of its on-time ones: a
+//!   pipeline stage that always enters later is not late). A member is
+//!   judged once it entered the function `WARMUP_OPS` times on the
+//!   communicator (start-up skew): a rank slow from its first step has
+//!   no on-time baseline and is not found.
+//! - `slow_rank`: a rank late at `slow_rank_persist` or more of the last
+//!   `2 * slow_rank_persist` operations of a communicator (a rank that
+//!   persistently makes its peers wait). Its start is its first late
+//!   arrival in that window; the evidence compares its delays with its own
+//!   offset in earlier, on-time operations.
+//! - `late_arrival`: a late arrival that did not become a `slow_rank`
+//!   (reported once it left the window, or at the end).
+//! - `slow_link`: operations of at least `link_min_bytes` (bandwidth, not
+//!   latency, sets their time) whose time from the last arrival to the
+//!   members' syncs, per bus byte, is `slow_link_ratio` times that of the
+//!   fastest communicator, nobody arriving late. Its ranks are those in
+//!   every slow communicator and in no fast one (where a link slows every
+//!   operation through it); the members of the slow ones when that leaves
+//!   none. It needs a fast communicator to compare with: a job with one
+//!   communicator has no `slow_link`.
+//!
+//! Step: the number of all-reduces the rank entered before the operation on
+//! its data-parallel communicator (the all-reduce communicator with the
+//! fewest, one per step: the gradients), as `analysis::steps` anchors steps.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use serde_json::json;
+use xpuscope_probes::catalog::{CallKind, Collective, Library};
+use xpuscope_probes::decode::args::CallArgs;
+
+use super::Ranks;
+use crate::model::finding::comm_name;
+use crate::model::{DeviceCallRecord, Finding, FindingKind};
+
+type CommKey = (Library, u64);
+
+/// Operations waiting for members, per communicator (oldest dropped:
+/// a member that is not traced never arrives).
+const MAX_OPEN_OPS: usize = 256;
+/// All-reduce entries kept per rank and communicator (for steps).
+const MAX_ALLREDUCES: usize = 1 << 20;
+/// Link samples kept per communicator (the most recent).
+const MAX_LINK_SAMPLES: usize = 4096;
+/// On-time offsets kept per member and function (its own baseline).
+const MAX_BASELINE: usize = 64;
+/// Operations of a function a member must have entered before its
+/// arrival is judged (start-up skew; its own baseline needs them).
+const WARMUP_OPS: usize = 2;
+
+/// Thresholds of the collective detectors (`DetectConfig`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveConfig {
+    pub late_min: Duration,
+    pub late_mad_k: u32,
+    pub slow_rank_persist: u32,
+    pub slow_link_ratio: u32,
+    pub link_min_bytes: u64,
+    pub link_min_ops: u32,
+}
+
+impl Default for CollectiveConfig {
+    fn default() -> Self {
+        Self {
+            late_min: Duration::from_millis(10),
+            late_mad_k: 5,
+            slow_rank_persist: 3,
+            slow_link_ratio: 3,
+            link_min_bytes: 1 << 20,
+            link_min_ops: 5,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Arrival {
+    enter: u64,
+    done: Option<u64>,
+}
+
+#[derive(Default)]
+struct Op {
+    size: u32,
+    members: HashMap<u32, Arrival>,
+    bus_bytes: u64,
+    function: &'static str,
+    /// Late arrival analysed (once every member entered).
+    arrivals_done: bool,
+    late: bool,
+}
+
+/// A late arrival not yet reported.
+#[derive(Clone, Debug)]
+struct Late {
+    index: u64,
+    seq: u64,
+    enter: u64,
+    delay_ns: u64,
+    threshold_ns: u64,
+    peers_wait_ns: u64,
+    function: &'static str,
+}
+
+#[derive(Default)]
+struct MemberHistory {
+    /// Late (true) or not, for the last `2 * persist` operations.
+    window: VecDeque<bool>,
+    pending: Vec<Late>,
+    /// Offsets (ns after the others' median) of on-time operations, per
+    /// function (a pipeline stage enters an all-gather later than its
+    /// peers every step, by design).
+    baseline: HashMap<&'static str, VecDeque<i64>>,
+}
+
+#[derive(Default)]
+struct CommOps {
+    open: BTreeMap<u64, Op>,
+    analysed: u64,
+    history: HashMap<u32, MemberHistory>,
+    /// ns per bus byte of clean, large operations.
+    link: VecDeque<f64>,
+    members: HashSet<u32>,
+}
+
+pub struct CollectiveDetector {
+    cfg: CollectiveConfig,
+    comms: HashMap<CommKey, CommOps>,
+    /// tid -> collectives waiting for the thread's next sync.
+    awaiting_sync: HashMap<u32, Vec<(CommKey, u64)>>,
+    /// tgid -> all-reduce communicator -> entry times.
+    allreduces: HashMap<u32, HashMap<CommKey, Vec<u64>>>,
+    slow_reported: HashSet<u32>,
+    link_reported: bool,
+}
+
+fn median_u64(v: &mut [u64]) -> u64 {
+    v.sort_unstable();
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        v[n / 2 - 1] / 2 + v[n / 2] / 2
+    }
+}
+
+fn median_f64(v: &mut [f64]) -> f64 {
+    v.sort_unstable_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn ms(ns: u64) -> f64 {
+    (ns as f64 / 1e4).round() / 100.0
+}
+
+/// NCCL's bus-bandwidth factor: the bytes each link carries.
+fn bus_bytes(op: Collective, bytes: u64, n: u32) -> u64 {
+    let n = u64::from(n.max(1));
+    match op {
+        Collective::AllReduce => bytes * 2 * (n - 1) / n,
+        Collective::AllGather | Collective::ReduceScatter => bytes * (n - 1),
+        Collective::Broadcast | Collective::Reduce => bytes,
+        Collective::Barrier => 0,
+    }
+}
+
+impl CollectiveDetector {
+    pub fn new(cfg: CollectiveConfig) -> Self {
+        Self {
+            cfg,
+            comms: HashMap::new(),
+            awaiting_sync: HashMap::new(),
+            allreduces: HashMap::new(),
+            slow_reported: HashSet::new(),
+            link_reported: false,
+        }
+    }
+
+    fn window_len(&self) -> usize {
+        2 * self.cfg.slow_rank_persist.max(1) as usize
+    }
+
+    pub fn device_call(&mut self, c: &DeviceCallRecord, ranks: &Ranks, out: &mut Vec<Finding>) {
+        let call = &c.call;
+        match call.kind {
+            CallKind::Collective(op) => {
+                let Some(cc) = &call.comm else { return };
+                let (Some(hash), Some(seq), true, Some(size)) =
+                    (cc.id_hash, cc.seq, cc.seq_exact, cc.size)
+                else {
+                    return;
+                };
+                if size < 2 {
+                    return;
+                }
+                let key = (call.library, hash);
+                if op == Collective::AllReduce {
+                    let v = self
+                        .allreduces
+                        .entry(call.tgid)
+                        .or_default()
+                        .entry(key)
+                        .or_default();
+                    if v.len() < MAX_ALLREDUCES {
+                        v.push(call.start_ts);
+                    }
+                }
+                let bytes = match &call.args {
+                    CallArgs::Collective(a) => a.bytes.unwrap_or(0),
+                    _ => 0,
+                };
+                let comm = self.comms.entry(key).or_default();
+                comm.members.insert(call.tgid);
+                let o = comm.open.entry(seq).or_default();
+                o.size = size;
+                o.function = call.function;
+                o.bus_bytes = o.bus_bytes.max(bus_bytes(op, bytes, size));
+                o.members.entry(call.tgid).or_insert(Arrival {
+                    enter: call.start_ts,
+                    done: None,
+                });
+                while comm.open.len() > MAX_OPEN_OPS {
+                    comm.open.pop_first();
+                }
+                let waiting = self.awaiting_sync.entry(call.tid).or_default();
+                waiting.push((key, seq));
+                // A thread that never syncs: keep its latest only.
+                if waiting.len() > MAX_OPEN_OPS {
+                    waiting.remove(0);
+                }
+                self.try_close(key, seq, ranks, out);
+            }
+            CallKind::Sync(_) => {
+                let Some(end) = call.end_ts else { return };
+                for (key, seq) in self.awaiting_sync.remove(&call.tid).unwrap_or_default() {
+                    if let Some(a) = self
+                        .comms
+                        .get_mut(&key)
+                        .and_then(|c| c.open.get_mut(&seq))
+                        .and_then(|o| o.members.get_mut(&call.tgid))
+                    {
+                        a.done = Some(end);
+                    }
+                    self.try_close(key, seq, ranks, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn try_close(&mut self, key: CommKey, seq: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
+        let Some(comm) = self.comms.get_mut(&key) else {
+            return;
+        };
+        let Some(op) = comm.open.get_mut(&seq) else {
+            return;
+        };
+        if op.members.len() < op.size as usize {
+            return;
+        }
+        if !op.arrivals_done {
+            op.arrivals_done = true;
+            self.arrivals(key, seq, ranks, out);
+        }
+        let comm = self.comms.get_mut(&key).expect("present");
+        let op = comm.open.get(&seq).expect("present");
+        if op.members.values().all(|a| a.done.is_some()) {
+            let op = comm.open.remove(&seq).expect("present");
+            if !op.late && op.bus_bytes >= self.cfg.link_min_bytes {
+                let last = op.members.values().map(|a| a.enter).max().unwrap_or(0);
+                let mut done: Vec<u64> = op.members.values().filter_map(|a| a.done).collect();
+                let post = median_u64(&mut done).saturating_sub(last);
+                comm.link.push_back(post as f64 / op.bus_bytes as f64);
+                if comm.link.len() > MAX_LINK_SAMPLES {
+                    comm.link.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Every member entered `seq`: was the last one late?
+    fn arrivals(&mut self, key: CommKey, seq: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
+        let window = self.window_len();
+        let persist = self.cfg.slow_rank_persist.max(1) as usize;
+        let late_min = self.cfg.late_min.as_nanos() as u64;
+        let k = f64::from(self.cfg.late_mad_k);
+        let comm = self.comms.get_mut(&key).expect("present");
+        let index = comm.analysed;
+        comm.analysed += 1;
+        let op = comm.open.get_mut(&seq).expect("present");
+        let mut by_time: Vec<(u64, u32)> = op.members.iter().map(|(t, a)| (a.enter, *t)).collect();
+        by_time.sort_unstable();
+        let (last_enter, last) = *by_time.last().expect("two or more members");
+        let mut others: Vec<u64> = by_time[..by_time.len() - 1].iter().map(|p| p.0).collect();
+        let med = median_u64(&mut others);
+        let mut dev: Vec<u64> = others.iter().map(|&a| a.abs_diff(med)).collect();
+        let mad = median_u64(&mut dev);
+        let threshold = late_min.max((k * 1.4826 * mad as f64) as u64);
+        // Compared with its own on-time offset at this function: a member
+        // that always enters this operation later is not late by it.
+        let own = comm
+            .history
+            .get(&last)
+            .and_then(|h| h.baseline.get(op.function))
+            .filter(|b| b.len() >= WARMUP_OPS)
+            .map(|b| {
+                let mut v: Vec<i64> = b.iter().copied().collect();
+                v.sort_unstable();
+                v[v.len() / 2].max(0) as u64
+            });
+        let delay = last_enter.saturating_sub(med);
+        let late = own.is_some_and(|own| delay.saturating_sub(own) > threshold);
+        op.late = late;
+        let function = op.function;
+        let peers_wait: u64 = others.iter().map(|&a| last_enter - a).sum();
+        let members: Vec<(u32, u64)> = op.members.iter().map(|(t, a)| (*t, a.enter)).collect();
+        for (tgid, enter) in members {
+            let h = comm.history.entry(tgid).or_default();
+            let is_late = late && tgid == last;
+            h.window.push_back(is_late);
+            if h.window.len() > window {
+                h.window.pop_front();
+            }
+            if is_late {
+                h.pending.push(Late {
+                    index,
+                    seq,
+                    enter: last_enter,
+                    delay_ns: delay,
+                    threshold_ns: threshold,
+                    peers_wait_ns: peers_wait,
+                    function,
+                });
+            } else if tgid == last || !late {
+                // Its own offset from the others' median, when on time.
+                let b = h.baseline.entry(function).or_default();
+                b.push_back(enter as i64 - med as i64);
+                if b.len() > MAX_BASELINE {
+                    b.pop_front();
+                }
+            }
+        }
+        // A rank late often enough in the window: slow.
+        let h = comm.history.get(&last).expect("present");
+        let late_in_window = h.window.iter().filter(|l| **l).count();
+        if late && late_in_window >= persist && !self.slow_reported.contains(&last) {
+            self.slow_reported.insert(last);
+            let h = comm.history.get_mut(&last).expect("present");
+            let lates: Vec<Late> = h
+                .pending
+                .iter()
+                .filter(|l| l.index + window as u64 > index)
+                .cloned()
+                .collect();
+            let mut earlier: Vec<f64> = h
+                .baseline
+                .get(function)
+                .into_iter()
+                .flatten()
+                .map(|&o| o as f64)
+                .collect();
+            let earlier_ms = (!earlier.is_empty()).then(|| median_f64(&mut earlier) / 1e6);
+            h.pending.clear();
+            let first = lates.first().expect("late now");
+            let mut delays: Vec<u64> = lates.iter().map(|l| l.delay_ns).collect();
+            let med_delay = median_u64(&mut delays);
+            let max_delay = lates.iter().map(|l| l.delay_ns).max().unwrap_or(0);
+            let wait: u64 = lates.iter().map(|l| l.peers_wait_ns).sum();
+            let who = ranks.describe(last);
+            let cname = comm_name(key.0.name(), key.1);
+            let earlier_words = match earlier_ms {
+                Some(e) => format!(" (its own median offset in on-time operations: {e:.2} ms)"),
+                None => String::new(),
+            };
+            out.push(Finding {
+                kind: FindingKind::SlowRank,
+                ranks: ranks.of(last).into_iter().collect(),
+                comm: Some(cname.clone()),
+                seq: Some(first.seq),
+                step: step_in(&self.allreduces, last, first.enter),
+                start_ns: first.enter,
+                end_ns: None,
+                summary: format!(
+                    "{who} is a slow rank: it arrived last at {late_in_window} of the last {} \
+                     collectives on {cname}, a median {:.2} ms (max {:.2} ms) after its peers, \
+                     above the {:.2} ms threshold{earlier_words}; its peers waited {:.1} ms in all",
+                    h_window_len(window, index),
+                    ms(med_delay),
+                    ms(max_delay),
+                    ms(first.threshold_ns),
+                    ms(wait),
+                ),
+                evidence: json!({
+                    "late_ops": late_in_window,
+                    "window_ops": h_window_len(window, index),
+                    "median_delay_ms": ms(med_delay),
+                    "max_delay_ms": ms(max_delay),
+                    "threshold_ms": ms(first.threshold_ns),
+                    "earlier_offset_ms": earlier_ms,
+                    "peers_wait_ms": ms(wait),
+                    "first_seq": first.seq,
+                    "seqs": lates.iter().map(|l| l.seq).collect::<Vec<_>>(),
+                }),
+                detected_ns: last_enter,
+            });
+        }
+        // Late arrivals that left the window without making a slow rank.
+        let mut expired = Vec::new();
+        for (tgid, h) in comm.history.iter_mut() {
+            let (old, keep): (Vec<Late>, Vec<Late>) = h
+                .pending
+                .drain(..)
+                .partition(|l| l.index + window as u64 <= index);
+            h.pending = keep;
+            if !self.slow_reported.contains(tgid) {
+                expired.extend(old.into_iter().map(|l| (*tgid, l)));
+            }
+        }
+        for (tgid, l) in expired {
+            out.push(self.late_finding(key, tgid, &l, ranks));
+        }
+    }
+
+    fn late_finding(&self, key: CommKey, tgid: u32, l: &Late, ranks: &Ranks) -> Finding {
+        let who = ranks.describe(tgid);
+        let cname = comm_name(key.0.name(), key.1);
+        let step = step_in(&self.allreduces, tgid, l.enter);
+        let at = match step {
+            Some(s) => format!(" in step {s}"),
+            None => String::new(),
+        };
+        Finding {
+            kind: FindingKind::LateArrival,
+            ranks: ranks.of(tgid).into_iter().collect(),
+            comm: Some(cname.clone()),
+            seq: Some(l.seq),
+            step,
+            start_ns: l.enter.saturating_sub(l.delay_ns),
+            end_ns: Some(l.enter),
+            summary: format!(
+                "{who} arrived {:.2} ms late at {} #{} on {cname}{at} (threshold {:.2} ms); \
+                 its peers waited {:.1} ms in all",
+                ms(l.delay_ns),
+                l.function,
+                l.seq,
+                ms(l.threshold_ns),
+                ms(l.peers_wait_ns),
+            ),
+            evidence: json!({
+                "delay_ms": ms(l.delay_ns),
+                "threshold_ms": ms(l.threshold_ns),
+                "peers_wait_ms": ms(l.peers_wait_ns),
+                "function": l.function,
+            }),
+            detected_ns: l.enter,
+        }
+    }
+
+    /// Time passed: enough operations for a `slow_link` verdict?
+    pub fn tick(&mut self, now: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
+        if self.link_reported {
+            return;
+        }
+        let min_ops = self.cfg.link_min_ops.max(1) as usize;
+        let mut per_comm: Vec<(CommKey, f64, usize)> = self
+            .comms
+            .iter()
+            .filter(|(_, c)| c.link.len() >= min_ops)
+            .map(|(k, c)| {
+                let mut v: Vec<f64> = c.link.iter().copied().collect();
+                (*k, median_f64(&mut v), v.len())
+            })
+            .collect();
+        if per_comm.len() < 2 {
+            return;
+        }
+        per_comm.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let fastest = per_comm[0].1.max(1e-12);
+        let ratio = f64::from(self.cfg.slow_link_ratio.max(1));
+        let (slow, fast): (Vec<&(CommKey, f64, usize)>, Vec<_>) =
+            per_comm.iter().partition(|c| c.1 >= ratio * fastest);
+        if slow.is_empty() {
+            return;
+        }
+        self.link_reported = true;
+        let members = |k: &CommKey| self.comms[k].members.clone();
+        let mut candidates = members(&slow[0].0);
+        for c in &slow[1..] {
+            let m = members(&c.0);
+            candidates.retain(|t| m.contains(t));
+        }
+        for c in &fast {
+            for t in members(&c.0) {
+                candidates.remove(&t);
+            }
+        }
+        let localized = !candidates.is_empty();
+        if !localized {
+            candidates = slow.iter().flat_map(|c| members(&c.0)).collect();
+        }
+        let mut rank_ids: Vec<u32> = candidates.iter().filter_map(|t| ranks.of(*t)).collect();
+        rank_ids.sort_unstable();
+        rank_ids.dedup();
+        let names: Vec<String> = slow
+            .iter()
+            .map(|c| comm_name(c.0.0.name(), c.0.1))
+            .collect();
+        let worst = slow.last().expect("one");
+        let who = match rank_ids.as_slice() {
+            [r] => format!("rank {r}"),
+            rs => format!(
+                "ranks {}",
+                rs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        out.push(Finding {
+            kind: FindingKind::SlowLink,
+            ranks: rank_ids.clone(),
+            comm: Some(names[0].clone()),
+            seq: None,
+            step: None,
+            start_ns: now,
+            end_ns: None,
+            summary: format!(
+                "slow link through {who}: collectives on {} take {:.1}x the time per byte of the \
+                 fastest communicator (threshold {ratio}x) with every member on time{}",
+                names.join(", "),
+                worst.1 / fastest,
+                if localized {
+                    ""
+                } else {
+                    "; not localized to one rank (no rank is in only the slow communicators)"
+                },
+            ),
+            evidence: json!({
+                "slow_comms": slow.iter().map(|c| json!({
+                    "comm": comm_name(c.0.0.name(), c.0.1),
+                    "ns_per_byte": c.1,
+                    "ops": c.2,
+                })).collect::<Vec<_>>(),
+                "fastest_ns_per_byte": fastest,
+                "ratio": worst.1 / fastest,
+                "threshold_ratio": ratio,
+                "localized": localized,
+            }),
+            detected_ns: now,
+        });
+    }
+
+    /// The end: late arrivals still pending are reported.
+    pub fn finish(&mut self, end: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
+        self.tick(end, ranks, out);
+        let mut keys: Vec<CommKey> = self.comms.keys().copied().collect();
+        keys.sort_unstable_by_key(|k| k.1);
+        for key in keys {
+            let mut pend: Vec<(u32, Late)> = Vec::new();
+            for (tgid, h) in self
+                .comms
+                .get_mut(&key)
+                .expect("present")
+                .history
+                .iter_mut()
+            {
+                if !self.slow_reported.contains(tgid) {
+                    pend.extend(h.pending.drain(..).map(|l| (*tgid, l)));
+                }
+            }
+            pend.sort_by_key(|p| p.1.enter);
+            for (tgid, l) in pend {
+                out.push(self.late_finding(key, tgid, &l, ranks));
+            }
+        }
+    }
+
+    /// A process ended: its late arrivals not yet reported are (with the
+    /// step it knew), and its state goes.
+    pub fn process_ended(&mut self, tgid: u32, ranks: &Ranks, out: &mut Vec<Finding>) {
+        let mut pend: Vec<(CommKey, Late)> = Vec::new();
+        for (key, comm) in self.comms.iter_mut() {
+            if let Some(h) = comm.history.remove(&tgid)
+                && !self.slow_reported.contains(&tgid)
+            {
+                pend.extend(h.pending.into_iter().map(|l| (*key, l)));
+            }
+            comm.members.remove(&tgid);
+        }
+        pend.sort_by_key(|p| p.1.enter);
+        for (key, l) in pend {
+            out.push(self.late_finding(key, tgid, &l, ranks));
+        }
+        self.allreduces.remove(&tgid);
+        self.awaiting_sync.remove(&tgid);
+        self.slow_reported.remove(&tgid);
+        // Communicators no live member uses any more (their link samples
+        // were taken into account by the last tick).
+        self.comms.retain(|_, c| !c.members.is_empty());
+    }
+
+    #[cfg(test)]
+    pub fn forgot(&self, tgid: u32) -> bool {
+        !self.allreduces.contains_key(&tgid)
+            && self.comms.values().all(|c| !c.members.contains(&tgid))
+    }
+}
+
+/// The rank's step at `ts`: all-reduces it entered before, on its
+/// data-parallel communicator (the one with the fewest).
+fn step_in(
+    allreduces: &HashMap<u32, HashMap<CommKey, Vec<u64>>>,
+    tgid: u32,
+    ts: u64,
+) -> Option<u64> {
+    let dp = allreduces
+        .get(&tgid)?
+        .values()
+        .filter(|v| !v.is_empty())
+        .min_by_key(|v| v.len())?;
+    Some(dp.partition_point(|&t| t < ts) as u64)
+}
+
+fn h_window_len(window: usize, index: u64) -> u64 {
+    (window as u64).min(index + 1)
+}

@@ -1,0 +1,346 @@
+//! `slow_rank`, `late_arrival` and `slow_link` on synthetic records: ranks
+//! (pid 200 + rank) entering all-reduces on communicators, each followed by
+//! a stream sync on the same thread that ends when the operation is done.
+
+use std::time::Duration;
+
+use xpuscope_probes::catalog::{CallKind, Collective, Library, SyncKind};
+use xpuscope_probes::decode::DeviceCall;
+use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
+use xpuscope_probes::decode::comm::CommContext;
+
+use super::*;
+use crate::events::{Comm, Exit};
+use crate::model::{DeviceCallRecord, FindingKind};
+
+const MS: u64 = 1_000_000;
+const MB: u64 = 1 << 20;
+
+fn pid(rank: u32) -> u32 {
+    200 + rank
+}
+
+fn identity(rank: u32) -> Record {
+    Record::Identity {
+        tgid: pid(rank),
+        identity: Box::new(RankIdentity::from_environ(
+            format!("RANK={rank}\0WORLD_SIZE=8\0").as_bytes(),
+        )),
+    }
+}
+
+fn base(rank: u32, kind: CallKind, function: &'static str, start: u64, end: u64) -> DeviceCall {
+    DeviceCall {
+        library: Library::Nccl,
+        function,
+        kind,
+        tgid: pid(rank),
+        tid: pid(rank),
+        start_ts: start,
+        end_ts: Some(end),
+        args: CallArgs::None,
+        ret: Some(0),
+        error: false,
+        name: function.into(),
+        comm: None,
+        memory: None,
+        site: None,
+    }
+}
+
+/// One member's all-reduce #seq on `comm` (members `size`), entered at
+/// `enter`, then its stream sync ending at `done`.
+fn member(
+    comm: u64,
+    rank: u32,
+    size: u32,
+    seq: u64,
+    enter: u64,
+    done: u64,
+    bytes: u64,
+) -> [Record; 2] {
+    let mut c = base(
+        rank,
+        CallKind::Collective(Collective::AllReduce),
+        "ncclAllReduce",
+        enter,
+        enter + 10_000,
+    );
+    c.comm = Some(CommContext {
+        handle: comm ^ u64::from(rank),
+        id_hash: Some(comm),
+        rank: Some(rank),
+        size: Some(size),
+        seq: Some(seq),
+        seq_exact: true,
+    });
+    c.args = CallArgs::Collective(CollectiveArgs {
+        op: Collective::AllReduce,
+        count: Some(bytes / 4),
+        dtype: None,
+        bytes: Some(bytes),
+        red_op: None,
+        root: None,
+        send: None,
+        recv: None,
+        comm: comm ^ u64::from(rank),
+        stream: Some(1),
+    });
+    let mut s = base(
+        rank,
+        CallKind::Sync(SyncKind::Stream),
+        "cudaStreamSynchronize",
+        enter + 20_000,
+        done,
+    );
+    s.library = Library::Cudart;
+    [
+        Record::DeviceCall(Box::new(DeviceCallRecord::new(c))),
+        Record::DeviceCall(Box::new(DeviceCallRecord::new(s))),
+    ]
+}
+
+/// `ops` all-reduces on one communicator of `ranks`, one per 100 ms step,
+/// members arriving `jitter(rank, op)` ns after the step start, the
+/// operation taking `xfer` ns after the last arrival.
+fn job(
+    comm: u64,
+    ranks: &[u32],
+    ops: u64,
+    bytes: u64,
+    xfer: u64,
+    late: impl Fn(u32, u64) -> u64,
+) -> Vec<(u64, Record)> {
+    let mut out = Vec::new();
+    for op in 0..ops {
+        let t0 = op * 100 * MS;
+        let enters: Vec<u64> = ranks
+            .iter()
+            .map(|&r| t0 + (u64::from(r) * 7 + op * 3) % 11 * 10_000 + late(r, op))
+            .collect();
+        let done = enters.iter().max().unwrap() + xfer;
+        for (i, &r) in ranks.iter().enumerate() {
+            for rec in member(comm, r, ranks.len() as u32, op, enters[i], done, bytes) {
+                out.push((enters[i], rec));
+            }
+        }
+    }
+    out
+}
+
+fn run(world: u32, cfg: DetectConfig, jobs: Vec<Vec<(u64, Record)>>) -> Vec<Finding> {
+    let mut d = Detectors::new(cfg);
+    let mut out = Vec::new();
+    for r in 0..world {
+        d.record(&identity(r), &mut out);
+    }
+    let mut all: Vec<(u64, Record)> = jobs.into_iter().flatten().collect();
+    // Stream order: by time (stable: a call before its sync).
+    all.sort_by_key(|p| p.0);
+    for (_, r) in &all {
+        d.record(r, &mut out);
+    }
+    d.finish(10_000 * MS, &mut out);
+    out
+}
+
+fn kinds(f: &[Finding]) -> Vec<FindingKind> {
+    f.iter().map(|f| f.kind).collect()
+}
+
+#[test]
+fn a_clean_job_has_no_findings() {
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job(0xa, &[0, 1, 2, 3], 30, 8 * MB, 2 * MS, |_, _| 0)],
+    );
+    assert!(f.is_empty(), "{f:#?}");
+}
+
+#[test]
+fn one_late_arrival_names_rank_step_and_delay() {
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, |r, op| {
+            if (r, op) == (2, 7) { 40 * MS } else { 0 }
+        })],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
+    let l = &f[0];
+    assert_eq!(l.ranks, vec![2]);
+    assert_eq!(l.seq, Some(7));
+    assert_eq!(l.step, Some(7));
+    assert_eq!(l.comm.as_deref(), Some("nccl:000000000000000a"));
+    let delay = l.evidence["delay_ms"].as_f64().unwrap();
+    assert!((39.0..41.0).contains(&delay), "{delay}");
+    assert!(l.summary.contains("rank 2 arrived 39.9"), "{}", l.summary);
+    assert!(l.summary.contains("threshold 10.00 ms"), "{}", l.summary);
+}
+
+#[test]
+fn a_persistently_late_rank_is_slow_from_its_first_late_step() {
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, |r, op| {
+            if r == 1 && op >= 6 { 30 * MS } else { 0 }
+        })],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::SlowRank], "{f:#?}");
+    let s = &f[0];
+    assert_eq!(s.ranks, vec![1]);
+    assert_eq!(s.step, Some(6));
+    assert_eq!(s.seq, Some(6));
+    assert_eq!(s.evidence["late_ops"], 3);
+    assert_eq!(
+        s.evidence["median_delay_ms"].as_f64().unwrap().round(),
+        30.0
+    );
+    // Compared with its own earlier, on-time operations (about 0 ms).
+    assert!(s.evidence["earlier_offset_ms"].as_f64().unwrap().abs() < 1.0);
+    assert!(s.summary.contains("rank 1 is a slow rank"), "{}", s.summary);
+}
+
+/// The MAD of the others: members with a wide spread raise the bar (no
+/// finding for a delay within it), and the floor holds for two members.
+#[test]
+fn the_threshold_follows_the_spread_of_the_others() {
+    let wide = |r: u32, op: u64| u64::from(r) * ((op % 3) * 8 * MS);
+    let f = run(
+        6,
+        DetectConfig::default(),
+        vec![job(0xb, &[0, 1, 2, 3, 4, 5], 12, 8 * MB, 2 * MS, wide)],
+    );
+    assert!(f.is_empty(), "{f:#?}");
+    let f = run(
+        2,
+        DetectConfig::default(),
+        vec![job(0xc, &[0, 1], 12, 8 * MB, 2 * MS, |r, op| {
+            if (r, op) == (1, 4) {
+                12 * MS
+            } else if (r, op) == (0, 8) {
+                8 * MS
+            } else {
+                0
+            }
+        })],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
+    assert_eq!((f[0].ranks.clone(), f[0].seq), (vec![1], Some(4)));
+}
+
+/// Ranks 0-3 in a ring of two-member communicators; rank 1's link makes
+/// its two communicators 4x slower: the finding names rank 1 alone.
+#[test]
+fn a_slow_link_is_localized_to_the_rank_in_every_slow_communicator() {
+    let ring = [
+        (0xa0, [0, 1]),
+        (0xa1, [1, 2]),
+        (0xa2, [2, 3]),
+        (0xa3, [3, 0]),
+    ];
+    let jobs = ring
+        .iter()
+        .map(|(c, m)| {
+            let xfer = if m.contains(&1) { 8 * MS } else { 2 * MS };
+            job(*c, m, 10, 8 * MB, xfer, |_, _| 0)
+        })
+        .collect();
+    let f = run(4, DetectConfig::default(), jobs);
+    assert_eq!(kinds(&f), vec![FindingKind::SlowLink], "{f:#?}");
+    assert_eq!(f[0].ranks, vec![1]);
+    assert_eq!(f[0].evidence["localized"], true);
+    let ratio = f[0].evidence["ratio"].as_f64().unwrap();
+    assert!((3.5..4.5).contains(&ratio), "{ratio}");
+    // Small operations (latency-bound) are not compared.
+    let jobs = ring
+        .iter()
+        .map(|(c, m)| {
+            let xfer = if m.contains(&1) { 8 * MS } else { 2 * MS };
+            job(*c, m, 10, 64 << 10, xfer, |_, _| 0)
+        })
+        .collect();
+    assert!(run(4, DetectConfig::default(), jobs).is_empty());
+}
+
+#[test]
+fn thresholds_come_from_the_config() {
+    let cfg = DetectConfig {
+        collective: collective::CollectiveConfig {
+            late_min: Duration::from_millis(50),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let f = run(
+        4,
+        cfg,
+        vec![job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, |r, op| {
+            if (r, op) == (2, 7) { 40 * MS } else { 0 }
+        })],
+    );
+    assert!(f.is_empty(), "{f:#?}");
+}
+
+#[test]
+fn a_process_end_reports_its_pending_late_arrival_and_forgets_it() {
+    let mut d = Detectors::new(DetectConfig::default());
+    let mut out = Vec::new();
+    for r in 0..2 {
+        d.record(&identity(r), &mut out);
+    }
+    let mut all = job(0xd, &[0, 1], 4, 8 * MB, 2 * MS, |r, op| {
+        if (r, op) == (1, 3) { 20 * MS } else { 0 }
+    });
+    all.sort_by_key(|p| p.0);
+    for (_, r) in &all {
+        d.record(r, &mut out);
+    }
+    assert!(out.is_empty());
+    d.record(
+        &Record::Exit {
+            exit: Exit {
+                cpu: 0,
+                ts: 0,
+                tid: pid(1),
+                tgid: pid(1),
+                prio: 120,
+                comm: Comm(*b"sim_rank_nvidia\0"),
+                group_dead: true,
+                group_known: true,
+                exit_code: Some(0),
+            },
+            process_ended: true,
+        },
+        &mut out,
+    );
+    assert_eq!(kinds(&out), vec![FindingKind::LateArrival]);
+    assert_eq!((out[0].ranks.clone(), out[0].step), (vec![1], Some(3)));
+    assert!(d.hang_state_is_empty_for(pid(1)));
+}
+
+/// A member that always enters 20 ms after its peers (a later pipeline
+/// stage) is judged against its own usual offset: late only beyond it.
+#[test]
+fn a_member_is_compared_with_its_own_usual_offset() {
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job(
+            0xe,
+            &[0, 1, 2, 3],
+            16,
+            8 * MB,
+            2 * MS,
+            |r, op| match (r, op) {
+                (3, 9) => 60 * MS,
+                (3, _) => 20 * MS,
+                _ => 0,
+            },
+        )],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
+    assert_eq!((f[0].ranks.clone(), f[0].seq), (vec![3], Some(9)));
+}
