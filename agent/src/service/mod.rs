@@ -21,6 +21,7 @@ pub mod control;
 pub mod discovery;
 #[cfg(test)]
 mod fuzzing;
+pub mod heap;
 pub mod http;
 pub mod kernel_side;
 pub mod metrics_endpoint;

@@ -366,6 +366,8 @@ where
 
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut ticks = 0u32;
+    let mut trim = tokio::time::interval(super::heap::TRIM_EVERY);
+    trim.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(stop);
     let failure = loop {
         tokio::select! {
@@ -376,6 +378,17 @@ where
                     Ok(Ok(v)) => tracing::info!("configuration reloaded: {v}"),
                     Ok(Err(e)) => tracing::error!("reload refused, the old configuration stays: {e}"),
                     Err(e) => tracing::error!("reload failed: {e}"),
+                }
+            }
+            _ = trim.tick() => {
+                // Off the runtime's thread: a trim of a large heap takes
+                // milliseconds, and the control socket waits meanwhile.
+                if let Ok(t) = tokio::task::spawn_blocking(super::heap::trim).await {
+                    tracing::debug!(
+                        released = t.released,
+                        took_us = t.took.as_micros() as u64,
+                        "heap trimmed"
+                    );
                 }
             }
             _ = tick.tick() => {

@@ -9,12 +9,14 @@
 //! address) and per kernel address, so steady-state cost is a hash lookup.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use blazesym::symbolize::evict::{self, Evict};
 use blazesym::symbolize::source::{Elf, Kernel, Process, Source};
 use blazesym::symbolize::{Input, Symbolized, Symbolizer};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use xpuscope_probes::maps::ProcessMaps;
 
 use crate::model::SymFrame;
@@ -47,6 +49,12 @@ pub struct StackSymbolizer {
     /// Processes forked (not exec'd) from another: same address space at
     /// fork, so the parent can stand in once the child is gone.
     forked_from: HashMap<u32, u32>,
+    /// Per process: the paths blazesym was given for it (its mappings'
+    /// `/proc/PID/map_files/START-END`, files read after it exited).
+    /// blazesym keeps each file open, mapped and parsed for as long as any
+    /// path names it, so they are evicted with the process: a service
+    /// tracing job after job would otherwise hold every binary it ever saw.
+    files: FxHashMap<u32, FxHashSet<PathBuf>>,
     kernel_name: Arc<str>,
     pub lookups: u64,
     pub cache_hits: u64,
@@ -66,6 +74,7 @@ impl StackSymbolizer {
             user: FxHashMap::default(),
             maps: HashMap::new(),
             forked_from: HashMap::new(),
+            files: FxHashMap::default(),
             kernel_name: Arc::from("kernel"),
             lookups: 0,
             cache_hits: 0,
@@ -158,6 +167,7 @@ impl StackSymbolizer {
         self.cache_hits += (addrs.len() - missing.len()) as u64;
         if !missing.is_empty() {
             let pid = self.live_stand_in(tgid, missing[0]);
+            self.note_map_files(pid, &missing);
             let src = Source::Process(Process::new(pid.into()));
             let lookup: Vec<u64> = missing.iter().map(|a| a.saturating_sub(1)).collect();
             let names: Vec<Option<String>> = self
@@ -191,7 +201,7 @@ impl StackSymbolizer {
                     Some(Some(name)) => Some(name.clone()),
                     _ => mapping
                         .as_ref()
-                        .and_then(|m| self.symbol_in_file(m, rel_pc.saturating_sub(1))),
+                        .and_then(|m| self.symbol_in_file_for(pid, m, rel_pc.saturating_sub(1))),
                 };
                 let function: Arc<str> = match name {
                     Some(name) => Arc::from(name.as_str()),
@@ -221,6 +231,39 @@ impl StackSymbolizer {
 }
 
 impl StackSymbolizer {
+    /// The files blazesym opens for `pid`'s addresses: it names each by
+    /// `/proc/PID/map_files/START-END` of the mapping it is in.
+    fn note_map_files(&mut self, pid: u32, addrs: &[u64]) {
+        let Some(maps) = self.maps.get(&pid).map(|c| &c.maps) else {
+            return;
+        };
+        let paths: Vec<PathBuf> = addrs
+            .iter()
+            .filter_map(|a| maps.find(a.saturating_sub(1)))
+            .filter(|m| m.path.starts_with('/'))
+            .map(|m| PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)))
+            .collect();
+        self.files.entry(pid).or_default().extend(paths);
+    }
+
+    /// [`Self::symbol_in_file`] on behalf of process `pid` (the file is
+    /// evicted with it).
+    fn symbol_in_file_for(
+        &mut self,
+        pid: u32,
+        m: &xpuscope_probes::maps::Mapping,
+        file_offset: u64,
+    ) -> Option<String> {
+        let name = self.symbol_in_file(m, file_offset);
+        if m.path.starts_with('/') {
+            self.files
+                .entry(pid)
+                .or_default()
+                .insert(PathBuf::from(&m.path));
+        }
+        name
+    }
+
     /// The function at `file_offset` of the file `m` maps, read from disk:
     /// for a process that has exited (its `/proc` entry is gone) whose
     /// mappings were cached. Only while the path still holds the mapped file
@@ -251,6 +294,22 @@ impl StackSymbolizer {
         self.maps.remove(&tgid);
         self.forked_from.remove(&tgid);
         self.user.remove(&tgid);
+        for path in self.files.remove(&tgid).unwrap_or_default() {
+            // Never an error (nothing cached is not one); a file another
+            // process still names stays open.
+            let _ = self.symbolizer.evict(&Evict::Elf(evict::Elf::new(path)));
+        }
+    }
+
+    /// Sizes of the per-process tables (processes in each).
+    #[cfg(test)]
+    pub fn table_sizes(&self) -> [(&'static str, usize); 4] {
+        [
+            ("symbol_frames", self.user.len()),
+            ("maps", self.maps.len()),
+            ("forked_from", self.forked_from.len()),
+            ("files", self.files.len()),
+        ]
     }
 
     /// `child` was forked from `parent` (without exec, so far).
@@ -336,6 +395,52 @@ mod tests {
         // A return address points just past the call: look up addr + 1.
         let frames = s.user_frames(gone, &[addr + 1]);
         assert_eq!(frames.len(), 1);
+        assert_eq!(&*frames[0].function, "xpuscope_symbolize_probe_target");
+    }
+
+    #[test]
+    fn per_process_tables_are_empty_after_many_processes_come_and_go() {
+        let mut s = StackSymbolizer::new();
+        let addr = xpuscope_symbolize_probe_target as *const () as u64;
+        let maps = ProcessMaps::read(std::process::id()).expect("own maps");
+        // Stand-ins for 40 processes of the same binary, gone by the time
+        // their stacks are symbolized (through the mapped file), some
+        // forked from others; then ended.
+        let first = u32::MAX - 1000;
+        for i in 0..40u32 {
+            let pid = first + i;
+            s.remember_maps(pid, maps.clone());
+            if i % 2 == 1 {
+                s.process_forked(pid, pid - 1);
+            }
+            let frames = s.user_frames(pid, &[addr + 1]);
+            assert_eq!(&*frames[0].function, "xpuscope_symbolize_probe_target");
+            assert!(
+                s.table_sizes().iter().all(|(_, n)| *n <= 2),
+                "{:?}",
+                s.table_sizes()
+            );
+            if i % 2 == 1 {
+                s.forget_process(pid);
+                s.forget_process(pid - 1);
+            }
+        }
+        // A live process (this one) too: its map_files paths are noted and
+        // evicted with it.
+        let own = std::process::id();
+        s.user_frames(own, &[addr + 1]);
+        assert!(s.files.get(&own).is_some_and(|f| {
+            f.iter()
+                .any(|p| p.starts_with(format!("/proc/{own}/map_files/")))
+        }));
+        s.forget_process(own);
+        assert!(
+            s.table_sizes().iter().all(|(_, n)| *n == 0),
+            "{:?}",
+            s.table_sizes()
+        );
+        // Evicted files are opened again when needed.
+        let frames = s.user_frames(own, &[addr + 1]);
         assert_eq!(&*frames[0].function, "xpuscope_symbolize_probe_target");
     }
 

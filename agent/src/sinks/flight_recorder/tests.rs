@@ -575,3 +575,30 @@ fn a_finding_dumps_the_window_and_the_summary_names_it() {
     assert_eq!(slices.len(), 2, "both findings in the dump's trace");
     assert_eq!((slices[0].ts, slices[0].end), (3 * S, Some(5 * S)));
 }
+
+#[test]
+fn record_sizes_count_boxes_and_the_allocators_share() {
+    use super::state::{alloc, heap_bytes};
+    // A boxed process start: the box, its name and command line, each an
+    // allocation of its own (header and rounding included).
+    let r = child_process(S, 7);
+    let Record::NewTask {
+        process: Some(p), ..
+    } = &r
+    else {
+        panic!("child_process makes a NewTask with its process");
+    };
+    assert!(
+        heap_bytes(&r)
+            >= alloc(std::mem::size_of::<ProcessStart>())
+                + alloc(p.name.capacity())
+                + alloc(p.cmdline.capacity() * std::mem::size_of::<String>()),
+        "{}",
+        heap_bytes(&r)
+    );
+    assert_eq!(alloc(0), 0);
+    assert_eq!(alloc(1), 32);
+    assert_eq!(alloc(24), 32);
+    assert_eq!(alloc(25), 48);
+    assert_eq!(alloc(1000), 1008);
+}
