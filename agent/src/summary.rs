@@ -74,6 +74,9 @@ pub struct RunSummary {
     pub stacks: u64,
     pub stack_errors: u64,
     pub stacks_unmatched: u64,
+    /// User stacks (off-CPU and allocating) unwound from the code's CFI
+    /// (the rest kept their frame-pointer walk).
+    pub user_stacks_cfi: u64,
     pub preemptions: u64,
     pub offcpu_ns: u64,
     pub offcpu_with_stack_ns: u64,
@@ -290,6 +293,7 @@ impl RunSummary {
             stacks: interpret.stacks,
             stack_errors: interpret.stack_errors,
             stacks_unmatched: interpret.stacks_unmatched,
+            user_stacks_cfi: interpret.user_stacks_cfi,
             preemptions: totals.preemptions,
             offcpu_ns: totals.offcpu.total_ns,
             offcpu_with_stack_ns: totals.offcpu.with_stack_ns,

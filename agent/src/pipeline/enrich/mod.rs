@@ -11,19 +11,26 @@
 //! records arrive in order), so a reused pid starts clean.
 
 pub mod symbolize;
+pub mod unwind;
 
 use xpuscope_probes::activity::names::RemoteStrings;
 use xpuscope_probes::maps::ProcessMaps;
 
+use crate::events::UserCopy;
 use crate::model::SymFrame;
 use crate::procfs;
 use symbolize::StackSymbolizer;
+use unwind::CfiUnwind;
 
 /// What interpretation may ask of the live system.
 pub trait Enrich {
     fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame>;
     /// Frames of `addrs` (leaf first) in process `tgid`.
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame>;
+    /// Addresses (leaf first) unwound from the code's CFI over a copy of
+    /// the top of a stack of process `tgid` taken at `ts`; `None` leaves
+    /// the frame-pointer stack taken with it.
+    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<Vec<u64>>;
     /// A NUL-terminated string at `ptr` in process `tgid` (kernel names).
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String>;
     /// argv of process `pid` (empty when gone).
@@ -46,6 +53,7 @@ pub trait Enrich {
 pub struct LiveEnricher {
     symbolizer: StackSymbolizer,
     strings: RemoteStrings,
+    unwind: CfiUnwind,
 }
 
 impl Enrich for LiveEnricher {
@@ -55,6 +63,10 @@ impl Enrich for LiveEnricher {
 
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
         self.symbolizer.user_frames(tgid, addrs)
+    }
+
+    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<Vec<u64>> {
+        self.unwind.unwind(tgid, ts, copy)
     }
 
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
@@ -79,11 +91,13 @@ impl Enrich for LiveEnricher {
     fn process_exec(&mut self, tgid: u32) {
         self.symbolizer.forget_process(tgid);
         self.strings.forget_process(tgid);
+        self.unwind.forget_process(tgid);
     }
 
     fn process_ended(&mut self, tgid: u32) {
         self.symbolizer.forget_process(tgid);
         self.strings.forget_process(tgid);
+        self.unwind.forget_process(tgid);
     }
 
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps) {
@@ -126,6 +140,15 @@ pub mod fake {
         }
         fn user_frames(&mut self, _tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
             addrs.iter().map(|a| frame("/bin/app", *a)).collect()
+        }
+        fn unwind_user(&mut self, _tgid: u32, _ts: u64, copy: &UserCopy) -> Option<Vec<u64>> {
+            // A copy's "unwind" in tests: its ip, then the words of its
+            // stack as return addresses.
+            let bytes = copy.stack.as_ref().ok()?;
+            let words = bytes
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+            Some(std::iter::once(copy.ip).chain(words).collect())
         }
         fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
             self.strings

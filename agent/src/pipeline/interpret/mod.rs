@@ -17,7 +17,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch};
+use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, UserCopy};
 use crate::kernel::probes::TableUpdate;
 use crate::model::{
     InFlightSnapshot, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack, ThreadNow,
@@ -38,6 +38,9 @@ pub struct InterpretCounters {
     pub stacks: u64,
     pub stack_errors: u64,
     pub stacks_unmatched: u64,
+    /// User stacks (off-CPU and allocating) whose frames came from the CFI
+    /// unwind of the stack copy rather than the frame-pointer walk.
+    pub user_stacks_cfi: u64,
     /// Distinct threads seen.
     pub threads_seen: u64,
     /// Allocating stacks taken, and those the kernel could not take.
@@ -57,6 +60,32 @@ pub struct InterpretCounters {
     /// the device work).
     pub cupti_reads: u64,
     pub mspti_reads: u64,
+}
+
+/// A user stack's addresses, leaf first: the CFI unwind of the stack copy
+/// where there is one, else the frame-pointer walk taken with it. The walk
+/// wins only where it agrees with the unwind and reaches further (code with
+/// frame pointers whose stack outgrew the copy); in code without frame
+/// pointers it stops early or goes astray, and the unwind is right.
+pub(crate) fn user_addrs(
+    en: &mut dyn Enrich,
+    tgid: u32,
+    ts: u64,
+    frame_pointer: &Result<Vec<u64>, i32>,
+    copy: Option<&UserCopy>,
+    c: &mut InterpretCounters,
+) -> Result<Vec<u64>, i32> {
+    let Some(cfi) = copy.and_then(|copy| en.unwind_user(tgid, ts, copy)) else {
+        return frame_pointer.clone();
+    };
+    if let Ok(fp) = frame_pointer
+        && fp.len() > cfi.len()
+        && fp.starts_with(&cfi)
+    {
+        return Ok(fp.clone());
+    }
+    c.user_stacks_cfi += 1;
+    Ok(cfi)
 }
 
 /// Raw events in, records out.
@@ -311,8 +340,15 @@ impl Interpreter {
             Ok(addrs) => en.kernel_frames(addrs),
             Err(_) => Vec::new(),
         };
-        let user = match &s.user {
-            Ok(addrs) => en.user_frames(s.tgid, addrs),
+        let user = match user_addrs(
+            en,
+            s.tgid,
+            s.ts,
+            &s.user,
+            s.user_copy.as_ref(),
+            &mut self.counters,
+        ) {
+            Ok(addrs) => en.user_frames(s.tgid, &addrs),
             Err(_) => Vec::new(),
         };
         if !self
@@ -338,5 +374,66 @@ impl Interpreter {
     #[cfg(test)]
     pub fn threads_alive(&self) -> usize {
         self.threads.len()
+    }
+}
+
+#[cfg(test)]
+mod user_stack_tests {
+    use super::*;
+    use crate::pipeline::enrich::fake::FakeEnricher;
+
+    fn copy(ip: u64, words: &[u64]) -> UserCopy {
+        UserCopy {
+            ip,
+            sp: 0x7000,
+            bp: 0,
+            stack: Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect()),
+        }
+    }
+
+    #[test]
+    fn the_cfi_unwind_wins_unless_the_frame_pointer_walk_extends_it() {
+        let mut en = FakeEnricher::default();
+        let mut c = InterpretCounters::default();
+        // Without frame pointers the walk stops at the libc wrapper; the
+        // unwind (the fake's: ip, then the copy's words) has the callers.
+        let got = user_addrs(
+            &mut en,
+            1,
+            0,
+            &Ok(vec![0x10]),
+            Some(&copy(0x10, &[0x20, 0x30])),
+            &mut c,
+        );
+        assert_eq!(got, Ok(vec![0x10, 0x20, 0x30]));
+        assert_eq!(c.user_stacks_cfi, 1);
+        // The walk agrees and goes further (the copy ended first): the walk.
+        let got = user_addrs(
+            &mut en,
+            1,
+            0,
+            &Ok(vec![0x10, 0x20, 0x30, 0x40]),
+            Some(&copy(0x10, &[0x20])),
+            &mut c,
+        );
+        assert_eq!(got, Ok(vec![0x10, 0x20, 0x30, 0x40]));
+        assert_eq!(c.user_stacks_cfi, 1);
+        // A longer walk that disagrees (garbage in rbp) loses.
+        let got = user_addrs(
+            &mut en,
+            1,
+            0,
+            &Ok(vec![0x10, 0x99, 0x98, 0x97]),
+            Some(&copy(0x10, &[0x20])),
+            &mut c,
+        );
+        assert_eq!(got, Ok(vec![0x10, 0x20]));
+        // Nothing copied: the walk, or its error, stays.
+        let mut failed = copy(0x10, &[]);
+        failed.stack = Err(-14);
+        let got = user_addrs(&mut en, 1, 0, &Err(-14), Some(&failed), &mut c);
+        assert_eq!(got, Err(-14));
+        let got = user_addrs(&mut en, 1, 0, &Ok(vec![0x10]), None, &mut c);
+        assert_eq!(got, Ok(vec![0x10]));
     }
 }

@@ -126,7 +126,7 @@ impl DeviceInterpreter {
     /// record): interned as a site the call and its bytes are charged to.
     pub fn call_stack(&mut self, s: &CallStack, en: &mut dyn Enrich, c: &mut InterpretCounters) {
         c.alloc_stacks += 1;
-        let addrs = match &s.user {
+        let addrs = match super::user_addrs(en, s.tgid, s.ts, &s.user, s.user_copy.as_ref(), c) {
             Ok(a) if !a.is_empty() => a,
             _ => {
                 c.alloc_stack_errors += 1;
@@ -135,7 +135,7 @@ impl DeviceInterpreter {
         };
         let site = self
             .sites
-            .intern(s.tgid, addrs, || en.user_frames(s.tgid, addrs));
+            .intern(s.tgid, &addrs, || en.user_frames(s.tgid, &addrs));
         c.alloc_sites_over_limit = self.sites.over_limit;
         if let Some(site) = site {
             self.decoder.on_call_site(s.tgid, s.tid, s.probe_ip, site);
