@@ -379,7 +379,7 @@ const _: () = assert!(core::mem::size_of::<ProcessExit>() == 56);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<LinkMapChange>() == 24);
 const _: () = assert!(core::mem::size_of::<UserStackCopy>() == 32 + USER_STACK_COPY);
-const _: () = assert!(USER_STACK_COPY % USER_STACK_CHUNK == 0);
+const _: () = assert!(USER_STACK_COPY.is_multiple_of(USER_STACK_CHUNK));
 const _: () = assert!(
     core::mem::size_of::<OffCpuStack>()
         == 32 + 2 * 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
