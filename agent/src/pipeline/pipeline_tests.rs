@@ -305,7 +305,7 @@ impl super::enrich::Enrich for PanickingEnricher {
         tgid: u32,
         ts: u64,
         copy: &crate::events::UserCopy,
-    ) -> Option<Vec<u64>> {
+    ) -> Option<super::enrich::UnwoundUser> {
         self.0.unwind_user(tgid, ts, copy)
     }
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {

@@ -22,6 +22,16 @@ use crate::procfs;
 use symbolize::StackSymbolizer;
 use unwind::CfiUnwind;
 
+/// A user stack unwound from the CFI.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnwoundUser {
+    /// The sampled ip, then return addresses, leaf first.
+    pub frames: Vec<u64>,
+    /// The walk stopped before the outermost frame (the stack is deeper
+    /// than the copy, or a rule failed).
+    pub truncated: bool,
+}
+
 /// What interpretation may ask of the live system.
 pub trait Enrich {
     fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame>;
@@ -30,7 +40,7 @@ pub trait Enrich {
     /// Addresses (leaf first) unwound from the code's CFI over a copy of
     /// the top of a stack of process `tgid` taken at `ts`; `None` leaves
     /// the frame-pointer stack taken with it.
-    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<Vec<u64>>;
+    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser>;
     /// A NUL-terminated string at `ptr` in process `tgid` (kernel names).
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String>;
     /// argv of process `pid` (empty when gone).
@@ -65,7 +75,7 @@ impl Enrich for LiveEnricher {
         self.symbolizer.user_frames(tgid, addrs)
     }
 
-    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<Vec<u64>> {
+    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
         self.unwind.unwind(tgid, ts, copy)
     }
 
@@ -141,14 +151,23 @@ pub mod fake {
         fn user_frames(&mut self, _tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
             addrs.iter().map(|a| frame("/bin/app", *a)).collect()
         }
-        fn unwind_user(&mut self, _tgid: u32, _ts: u64, copy: &UserCopy) -> Option<Vec<u64>> {
+        fn unwind_user(&mut self, _tgid: u32, _ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
             // A copy's "unwind" in tests: its ip, then the words of its
-            // stack as return addresses.
+            // stack as return addresses up to a 0 (the outermost frame);
+            // without a 0 the stack is deeper than the copy.
             let bytes = copy.stack.as_ref().ok()?;
-            let words = bytes
+            let mut words = bytes
                 .chunks_exact(8)
                 .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
-            Some(std::iter::once(copy.ip).chain(words).collect())
+            let mut frames = vec![copy.ip];
+            let truncated = loop {
+                match words.next() {
+                    Some(0) => break false,
+                    Some(w) => frames.push(w),
+                    None => break true,
+                }
+            };
+            Some(UnwoundUser { frames, truncated })
         }
         fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
             self.strings

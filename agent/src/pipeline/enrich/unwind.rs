@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::unwind::{ProcessUnwinder, StackCopy, Unwinder, UserRegs};
 
+use super::UnwoundUser;
 use crate::events::UserCopy;
 
 /// Deepest stack kept (the frame-pointer walk keeps 64 as well).
@@ -55,7 +56,7 @@ impl CfiUnwind {
     /// sampled ip, then return addresses, leaf first), or `None` when no
     /// unwind is possible (nothing copied, the process gone before its
     /// maps were read): the caller keeps the frame-pointer stack.
-    pub fn unwind(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<Vec<u64>> {
+    pub fn unwind(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
         let Ok(bytes) = &copy.stack else {
             self.fallbacks += 1;
             return None;
@@ -93,7 +94,10 @@ impl CfiUnwind {
             unwound = entry.unwinder.unwind(regs, &stack, MAX_FRAMES);
         }
         self.unwound += 1;
-        Some(unwound.frames)
+        Some(UnwoundUser {
+            frames: unwound.frames,
+            truncated: unwound.truncated,
+        })
     }
 
     fn rebuild(&mut self, tgid: u32) {
@@ -172,7 +176,7 @@ mod tests {
         let pid = std::process::id();
         let mut u = CfiUnwind::default();
         let (copy, caller) = caller_of_own_copy();
-        let frames = u.unwind(pid, 0, &copy).expect("unwound");
+        let frames = u.unwind(pid, 0, &copy).expect("unwound").frames;
         assert_eq!(frames[0], copy.ip);
         // The return address into caller_of_own_copy is found, whatever
         // this build's frame pointers.
