@@ -53,6 +53,8 @@ pub trait Enrich {
     fn process_exec(&mut self, tgid: u32);
     /// `tgid` ended and its records are out: forget it.
     fn process_ended(&mut self, tgid: u32);
+    /// `tgid`'s loader changed its link map (libraries mapped or unmapped).
+    fn link_map_changed(&mut self, _tgid: u32) {}
     /// `tgid`'s memory map, read while it certainly lived (at probe
     /// planning), for stacks that arrive after it exited.
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps);
@@ -112,6 +114,10 @@ impl Enrich for LiveEnricher {
 
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps) {
         self.symbolizer.remember_maps(tgid, maps);
+    }
+
+    fn link_map_changed(&mut self, tgid: u32) {
+        self.unwind.link_map_changed(tgid);
     }
 }
 

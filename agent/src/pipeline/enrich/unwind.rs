@@ -23,6 +23,10 @@ use crate::events::UserCopy;
 /// Deepest stack kept (the frame-pointer walk keeps 64 as well).
 const MAX_FRAMES: usize = xpuscope_common::MAX_STACK_DEPTH;
 
+/// Least time between two re-reads of a process's maps for a stack that
+/// leads into unmapped code.
+const MISS_REREAD_NS: u64 = 1_000_000_000;
+
 struct ProcessEntry {
     unwinder: ProcessUnwinder,
     maps: ProcessMaps,
@@ -74,8 +78,14 @@ impl CfiUnwind {
             base: copy.sp,
             bytes,
         };
-        // Maps read before the stack was taken may lack code it runs.
-        let stale = |e: &ProcessEntry, addr: u64| e.maps.find(addr).is_none() && e.read_at < ts;
+        // Maps read before the stack was taken may lack code it runs. A
+        // library mapped by the loader is announced (`link_map_changed`);
+        // this catches the rest (a plain mmap of code), at most once a
+        // second per process: a walk that goes astray in code without CFI
+        // must not re-read the maps at every stack.
+        let stale = |e: &ProcessEntry, addr: u64| {
+            e.maps.find(addr).is_none() && ts > e.read_at.saturating_add(MISS_REREAD_NS)
+        };
         if self.processes.get(&tgid).is_none_or(|e| stale(e, copy.ip)) {
             self.rebuild(tgid);
         }
@@ -116,6 +126,12 @@ impl CfiUnwind {
                 read_at,
             },
         );
+    }
+
+    /// `tgid`'s loader changed its link map (start-up, `dlopen`,
+    /// `dlclose`): its next stack gets an unwinder from fresh maps.
+    pub fn link_map_changed(&mut self, tgid: u32) {
+        self.processes.remove(&tgid);
     }
 
     /// `tgid` ended or exec'd: its unwinder describes nothing now.

@@ -199,7 +199,10 @@ impl Interpreter {
             Event::ProbeEntry(e) => self.device.entry(&e, en, &mut self.counters, out),
             Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
-            Event::LinkMap(l) => out.push(Record::LinkMapChanged(l)),
+            Event::LinkMap(l) => {
+                en.link_map_changed(l.tgid);
+                out.push(Record::LinkMapChanged(l));
+            }
         }
     }
 
