@@ -190,7 +190,7 @@ pub struct AttachArgs {
     /// Larger absorbs longer reader stalls at bursts of calls; past the CPU
     /// caches each traced call costs more. Like --ring-size it costs about
     /// twice its size in memory.
-    #[arg(long, value_parser = config::parse_ring_size, default_value = "256K")]
+    #[arg(long, value_parser = config::parse_ring_size, default_value = "2M")]
     pub device_ring_size: u32,
     /// Kernel ring buffer size for switches between two untraced tasks
     /// (power of two): what ran between the traced threads on their CPUs

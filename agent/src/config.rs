@@ -82,10 +82,13 @@ pub struct AttachConfig {
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
-/// Small enough that the ring stays in the CPU caches between the probes
+/// Small enough that the ring stays near the CPU caches between the probes
 /// writing a line and the agent reading it (a 32 MiB ring made each traced
-/// call ~100-180 ns dearer: `cargo xtask bench probes`); ~570 calls of room.
-pub const DEFAULT_DEVICE_RING_BYTES: u32 = 256 << 10;
+/// call ~100-180 ns dearer: `cargo xtask bench probes`), large enough for
+/// a burst of allocations with their stack copies (8.8 KB each: a 256 KiB
+/// ring lost records of a 16-rank job's start). Was 256 KiB before stack
+/// copies; the probe-cost bench has not been re-run at 2 MiB.
+pub const DEFAULT_DEVICE_RING_BYTES: u32 = 2 << 20;
 /// Room for the switches between untraced tasks on the traced threads'
 /// CPUs. A pinned pipe ping-pong makes ~500k of them a second (88 bytes
 /// each, ~44 MB/s); the reader drains every 10 ms or at a quarter full, so

@@ -5,7 +5,7 @@ use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
     COMM_LEN, EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind,
     LinkMapChange, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit, ProcessFork,
-    SchedSwitch, SchedWaking, TaskRename, switch_flags,
+    SchedSwitch, SchedWaking, TaskRename, USER_STACK_COPY, UserStackCopy, switch_flags,
 };
 
 /// A task name as the kernel stores it (NUL-padded, not always UTF-8).
@@ -173,7 +173,38 @@ pub struct StackCapture {
     pub tgid: u32,
     /// Kernel addresses, or the negative errno the kernel returned.
     pub kernel: Result<Vec<u64>, i32>,
+    /// User addresses by frame pointers (the fallback of `user_copy`).
     pub user: Result<Vec<u64>, i32>,
+    /// Registers and stack top for the CFI unwind.
+    pub user_copy: Option<UserCopy>,
+}
+
+/// A thread's user registers and a copy of the top of its user stack (from
+/// `sp` up), to unwind from the code's CFI.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UserCopy {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// The bytes from `sp` up, or the negative errno of the first read.
+    pub stack: Result<Vec<u8>, i32>,
+}
+
+impl UserCopy {
+    fn decode(c: &UserStackCopy) -> Self {
+        let stack = if c.stack_len < 0 {
+            Err(c.stack_len)
+        } else {
+            let n = (c.stack_len as usize).min(USER_STACK_COPY);
+            Ok(c.stack[..n].to_vec())
+        };
+        UserCopy {
+            ip: c.ip,
+            sp: c.sp,
+            bp: c.bp,
+            stack,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -204,8 +235,12 @@ pub struct CallStack {
     pub tid: u32,
     pub tgid: u32,
     pub probe_ip: u64,
-    /// Addresses, or the negative errno the kernel returned.
+    /// Addresses by frame pointers, or the negative errno the kernel
+    /// returned (the fallback of `user_copy`).
     pub user: Result<Vec<u64>, i32>,
+    /// Registers (the caller's, at the return) and stack top for the CFI
+    /// unwind.
+    pub user_copy: Option<UserCopy>,
 }
 
 impl Event {
@@ -392,6 +427,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 tgid: r.tgid,
                 kernel: stack(r.kernel_bytes, &r.kernel),
                 user: stack(r.user_bytes, &r.user),
+                user_copy: Some(UserCopy::decode(&r.copy)),
             }))
         }
         EventKind::UprobeEntry => Event::ProbeEntry(Box::new(read(bytes, kind)?)),
@@ -404,6 +440,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 tgid: r.tgid,
                 probe_ip: r.probe_ip,
                 user: stack(r.user_bytes, &r.user),
+                user_copy: Some(UserCopy::decode(&r.copy)),
             }))
         }
     })
@@ -544,6 +581,14 @@ mod tests {
             user_bytes: -14,
             kernel: [0; MAX_STACK_DEPTH],
             user: [0; MAX_STACK_DEPTH],
+            copy: UserStackCopy {
+                ip: 0x4000,
+                sp: 0x7ff0_0000,
+                bp: 0x7ff0_0040,
+                stack_len: 2048,
+                _pad: 0,
+                stack: [0xab; USER_STACK_COPY],
+            },
         };
         rec.kernel[0] = 0xffff_ffff_8100_0000;
         rec.kernel[1] = 0xffff_ffff_8100_0100;
@@ -556,6 +601,24 @@ mod tests {
             Ok(vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_0100])
         );
         assert_eq!(s.user, Err(-14));
+        let copy = s.user_copy.as_ref().expect("a stack copy");
+        assert_eq!(
+            (copy.ip, copy.sp, copy.bp),
+            (0x4000, 0x7ff0_0000, 0x7ff0_0040)
+        );
+        assert_eq!(copy.stack, Ok(vec![0xab; 2048]), "only the bytes copied");
+
+        rec.copy.stack_len = -14;
+        let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(s.user_copy.unwrap().stack, Err(-14));
+        // A length beyond the buffer (a kernel bug) is capped, not trusted.
+        rec.copy.stack_len = i32::MAX;
+        let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(s.user_copy.unwrap().stack.unwrap().len(), USER_STACK_COPY);
     }
 
     #[test]

@@ -74,6 +74,12 @@ pub struct RunSummary {
     pub stacks: u64,
     pub stack_errors: u64,
     pub stacks_unmatched: u64,
+    /// User stacks (off-CPU and allocating) unwound from the code's CFI
+    /// (the rest kept their frame-pointer walk).
+    pub user_stacks_cfi: u64,
+    /// Of those, stacks deeper than the kernel's copy (their root end is
+    /// missing; they end in a `[truncated: ...]` frame).
+    pub user_stacks_truncated: u64,
     pub preemptions: u64,
     pub offcpu_ns: u64,
     pub offcpu_with_stack_ns: u64,
@@ -290,6 +296,8 @@ impl RunSummary {
             stacks: interpret.stacks,
             stack_errors: interpret.stack_errors,
             stacks_unmatched: interpret.stacks_unmatched,
+            user_stacks_cfi: interpret.user_stacks_cfi,
+            user_stacks_truncated: interpret.user_stacks_truncated,
             preemptions: totals.preemptions,
             offcpu_ns: totals.offcpu.total_ns,
             offcpu_with_stack_ns: totals.offcpu.with_stack_ns,

@@ -6,7 +6,9 @@
 //! (its own child: no root needed), takes what the kernel side would copy
 //! (rip, rsp, rbp and 16 KiB of stack from rsp), unwinds that copy, and
 //! checks the result against the fixture's symbol table and against gdb's
-//! backtrace of the same stopped program.
+//! backtrace of the same stopped program. The last test runs the same
+//! chains under `agent attach` (root, eBPF): the kernel's copies unwound
+//! by the agent.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -476,4 +478,172 @@ fn unwind_cost_against_frame_pointers() {
         figures.insert(label, cfi_ns);
     }
     assert_eq!(figures.len(), 3);
+}
+
+/// The fixture's own functions of a trace stack (root first), by the
+/// mapping each frame names: the fixture binary's (less the C runtime's
+/// `_start`, linked into it).
+fn own_frames(frames: &[String], mappings: &[String]) -> Vec<String> {
+    frames
+        .iter()
+        .zip(mappings)
+        .filter(|(f, m)| m.ends_with("xpuscope-unwind-chain") && *f != "_start")
+        .map(|(f, _)| f.clone())
+        .collect()
+}
+
+/// End to end (root, eBPF): the same chains under `agent attach`. The
+/// kernel copies each off-CPU and allocating stack's registers and top,
+/// the agent unwinds them from the CFI: every function of each chain (the
+/// frames the ptrace tests above check against gdb's `bt`) is in the
+/// trace's stacks, in order, for code without frame pointers, through
+/// glibc's blocking calls, through the real libnccl and libcudart, and
+/// for allocations; the summary's off-CPU reasons name the fixture's
+/// functions, not glibc's wrappers.
+#[test]
+fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
+    use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
+    use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+
+    let _serial = exclusive();
+    let (nccl, cudart) = (nvidia_lib(NCCL), nvidia_lib(CUDART));
+    // (child spec, its own functions innermost first, a library its stack
+    // passes through)
+    let blocking: Vec<(String, Vec<&str>, Option<&str>)> = vec![
+        ("nanosleep".into(), own_chain(&[]), None),
+        ("mutex".into(), own_chain(&[]), None),
+        ("condvar".into(), own_chain(&[]), None),
+        ("pipe".into(), own_chain(&["block_on_pipe"]), None),
+        (
+            format!("dlcall:{nccl}:ncclGetUniqueId"),
+            own_chain(&["block_on_pipe", "getenv", "call_library"]),
+            Some("libnccl.so.2"),
+        ),
+        (
+            format!("dlcall:{cudart}:cudaGetDeviceCount"),
+            own_chain(&["block_on_pipe", "dlopen", "call_library"]),
+            Some("libcudart.so.12"),
+        ),
+    ];
+    let alloc_spec = format!("alloc:{cudart}");
+    let mut args: Vec<&str> = vec!["forks"];
+    args.extend(blocking.iter().map(|(spec, _, _)| spec.as_str()));
+    args.push(&alloc_spec);
+
+    let dir = TempDir::new("unwind-attach");
+    let mut fx = Proc::spawn(
+        "unwind fixture",
+        Command::new(fixture())
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = fx.stdin();
+    let mut out = Lines::new(fx.stdout());
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &fx.pid().to_string(), "--stacks", "all"],
+    );
+    go(&mut stdin);
+    let mut pids = Vec::new();
+    for i in 0..=blocking.len() {
+        let line = out.wait_for(&format!("ready {i} "), Duration::from_secs(30));
+        let pid: i32 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("pid in {line:?}"));
+        pids.push(pid);
+    }
+    // The allocating child goes on calling cudaMalloc (every 50 ms) while
+    // its probes are attached after its dlopen.
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(stdin); // the fixture kills its children and exits
+    let done = rec.finish(Duration::from_secs(30));
+    assert!(
+        done.stderr.contains("stopped (target exited)"),
+        "{}",
+        done.stderr
+    );
+    let trace = decode(&done.trace).expect("decodes with the official schema");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+
+    for ((spec, expected, library), &pid) in blocking.iter().zip(&pids) {
+        let want: Vec<&str> = expected.iter().rev().copied().collect();
+        let samples: Vec<_> = tl.stack_samples.iter().filter(|s| s.tid == pid).collect();
+        assert!(!samples.is_empty(), "{spec}: no off-CPU stacks of {pid}");
+        let found = samples.iter().find(|s| {
+            own_frames(&s.frames, &s.mappings) == want && s.mappings.iter().any(|m| m == "kernel")
+        });
+        let Some(found) = found else {
+            panic!(
+                "{spec}: no off-CPU stack of {pid} holds the chain {want:?}; its stacks:\n{:#?}",
+                samples
+                    .iter()
+                    .map(|s| s
+                        .frames
+                        .iter()
+                        .zip(&s.mappings)
+                        .map(|(f, m)| format!("{f} ({m})"))
+                        .collect::<Vec<_>>()
+                        .join(" > "))
+                    .collect::<Vec<_>>()
+            );
+        };
+        if let Some(lib) = library {
+            // Library frames sit between the fixture's caller of the
+            // library and the fixture's function the library called.
+            let at = |name: &str| found.frames.iter().position(|f| f == name).unwrap();
+            let (caller, callee) = (at("call_library"), at(want[want.len() - 2]));
+            assert!(
+                found.mappings[caller + 1..callee]
+                    .iter()
+                    .any(|m| m.ends_with(lib)),
+                "{spec}: no {lib} frame between call_library and {}: {:?}",
+                want[want.len() - 2],
+                found.frames.iter().zip(&found.mappings).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    // Allocating stacks (taken as cudaMalloc returns, in its caller).
+    let alloc_pid = pids[blocking.len()];
+    let want: Vec<&str> = own_chain(&["allocate_in_loop"]).into_iter().rev().collect();
+    let mallocs: Vec<_> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaMalloc"))
+        .filter(|s| xpuscope_tests::device::thread_of(&tl, s).is_some_and(|(p, _)| p == alloc_pid))
+        .collect();
+    assert!(!mallocs.is_empty(), "cudaMalloc calls of {alloc_pid}");
+    for s in &mallocs {
+        let cs = s.callstack.as_ref().expect("a stack on each allocation");
+        let own: Vec<&str> = cs
+            .iter()
+            .map(String::as_str)
+            .filter(|f| want.contains(f))
+            .collect();
+        assert_eq!(own, want, "allocating stack {cs:?}");
+    }
+
+    // Stacks came from the CFI unwind, and the summary's top off-CPU
+    // reasons name the fixture's functions.
+    assert!(
+        done.stats["user_stacks_cfi"].as_u64().unwrap() > 0,
+        "{}",
+        done.stats
+    );
+    let top: Vec<&str> = done.stats["top_offcpu"]
+        .as_array()
+        .expect("top_offcpu")
+        .iter()
+        .filter_map(|r| r["what"].as_str())
+        .collect();
+    for own in ["block_in_libc", "block_on_pipe"] {
+        assert!(
+            top.iter().any(|w| w.ends_with(&format!("<- {own}"))),
+            "no top off-CPU reason ends in {own}: {top:?}"
+        );
+    }
 }

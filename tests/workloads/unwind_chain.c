@@ -14,6 +14,18 @@
  *              blocks in read(2) on a pipe, so the stack runs fixture ->
  *              LIB -> fixture -> libc (the real libnccl from PyPI reads its
  *              settings with getenv, libcudart dlopens the driver).
+ *   alloc LIB  calls cudaMalloc in LIB (dlopen) every 50 ms, forever
+ *              (allocating stacks; without a GPU the call fails at once).
+ *
+ * Or, for the agent's end-to-end test (the stacks must be taken after the
+ * agent attached, so nothing may block before it says so):
+ *
+ *   forks SPEC...
+ *              waits for a line on stdin, then forks a child per SPEC
+ *              (a mode above, its arguments joined with ':', e.g.
+ *              dlcall:LIB:SYMBOL) that runs the chain from main; each says
+ *              "ready INDEX PID". At end of stdin the children are killed
+ *              and reaped and the parent exits.
  *
  * It prints "ready" on stdout just before blocking; the test then stops it
  * with ptrace and unwinds. Every chain function does work after its call,
@@ -23,6 +35,9 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,8 +51,14 @@ volatile int sink;
 static int block_pipe[2];
 static volatile int block_in_getenv;
 
+/* forks mode: which SPEC this child runs (-1: not forked). */
+static int fork_index = -1;
+
 static void say_ready(void) {
-    fputs("ready\n", stdout);
+    if (fork_index >= 0)
+        printf("ready %d %d\n", fork_index, (int)getpid());
+    else
+        fputs("ready\n", stdout);
     fflush(stdout);
 }
 
@@ -103,6 +124,29 @@ NOINLINE int call_library(const char *lib, const char *symbol) {
     return r;
 }
 
+/* Allocates 1 MiB with LIB's cudaMalloc every 50 ms, forever. */
+NOINLINE int allocate_in_loop(const char *lib) {
+    void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "dlopen %s: %s\n", lib, dlerror());
+        exit(2);
+    }
+    int (*cuda_malloc)(void **, size_t) = (int (*)(void **, size_t))dlsym(h, "cudaMalloc");
+    if (!cuda_malloc) {
+        fprintf(stderr, "dlsym cudaMalloc: %s\n", dlerror());
+        exit(2);
+    }
+    for (int i = 0;; i++) {
+        void *p = NULL;
+        sink += cuda_malloc(&p, 1 << 20);
+        if (i == 0)
+            say_ready();
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
 NOINLINE int block_in_libc(char **argv) {
     const char *kind = argv[1];
     int r = 0;
@@ -125,8 +169,10 @@ NOINLINE int block_in_libc(char **argv) {
         r = block_on_pipe();
     } else if (!strcmp(kind, "dlcall") && argv[2] && argv[3]) {
         r = call_library(argv[2], argv[3]);
+    } else if (!strcmp(kind, "alloc") && argv[2]) {
+        r = allocate_in_loop(argv[2]);
     } else {
-        fprintf(stderr, "usage: %s nanosleep|mutex|condvar|pipe|dlcall LIB SYMBOL\n", argv[0]);
+        fprintf(stderr, "usage: %s nanosleep|mutex|condvar|pipe|dlcall LIB SYMBOL|alloc LIB\n", argv[0]);
         exit(2);
     }
     sink += r;
@@ -151,14 +197,55 @@ NOINLINE int chain_outer(char **argv) {
     return r - 1;
 }
 
+/* forks mode, in the parent: the children's pids. */
+#define MAX_FORKS 16
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s nanosleep|mutex|condvar|pipe|dlcall LIB SYMBOL\n", argv[0]);
+        fprintf(stderr, "usage: %s nanosleep|mutex|condvar|pipe|dlcall LIB SYMBOL|alloc LIB\n", argv[0]);
+        fprintf(stderr, "       %s forks SPEC...\n", argv[0]);
         return 2;
     }
     if (pipe(block_pipe) != 0) {
         perror("pipe");
         return 1;
+    }
+    char *child_argv[5] = {argv[0], NULL, NULL, NULL, NULL};
+    if (!strcmp(argv[1], "forks")) {
+        pid_t pids[MAX_FORKS];
+        int n = 0;
+        char line[64];
+        if (!fgets(line, sizeof line, stdin))
+            return 1;
+        for (int i = 2; i < argc && n < MAX_FORKS; i++) {
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid < 0) {
+                perror("fork");
+                break;
+            }
+            if (pid == 0) {
+                /* Never outlive a parent killed by a failing test. */
+                prctl(PR_SET_PDEATHSIG, SIGKILL);
+                fork_index = i - 2;
+                /* SPEC -> mode and its arguments (split in place). */
+                int k = 1;
+                for (char *tok = strtok(argv[i], ":"); tok && k < 4; tok = strtok(NULL, ":"))
+                    child_argv[k++] = tok;
+                argv = child_argv;
+                break;
+            }
+            pids[n++] = pid;
+        }
+        if (fork_index < 0) {
+            while (fgets(line, sizeof line, stdin))
+                ;
+            for (int i = 0; i < n; i++)
+                kill(pids[i], SIGKILL);
+            for (int i = 0; i < n; i++)
+                waitpid(pids[i], NULL, 0);
+            return 0;
+        }
     }
     int r = chain_outer(argv);
     sink += r;

@@ -45,6 +45,8 @@ enum Variant {
     /// The default policy under the `--compare-agent` binary (e.g. a build
     /// of the previous version), interleaved with the others.
     CompareSampled,
+    /// A stack at every switch under the `--compare-agent` binary.
+    CompareAll,
 }
 
 impl Variant {
@@ -55,6 +57,7 @@ impl Variant {
             Variant::Sampled => "agent, sampled stacks (default)",
             Variant::AllStacks => "agent, stack at every switch",
             Variant::CompareSampled => "compare build, sampled stacks",
+            Variant::CompareAll => "compare build, stack at every switch",
         }
     }
     fn stacks_arg(self) -> Option<&'static str> {
@@ -64,6 +67,7 @@ impl Variant {
             Variant::Sampled => Some("sampled"),
             Variant::AllStacks => Some("all"),
             Variant::CompareSampled => Some("sampled"),
+            Variant::CompareAll => Some("all"),
         }
     }
 }
@@ -94,7 +98,7 @@ fn pingpong(
     let mut agent = None;
     if let Some(stacks) = variant.stacks_arg() {
         let binary = match (variant, compare) {
-            (Variant::CompareSampled, Some(c)) => c.to_path_buf(),
+            (Variant::CompareSampled | Variant::CompareAll, Some(c)) => c.to_path_buf(),
             _ => build::agent_binary(),
         };
         let mut child = Command::new(binary)
@@ -246,11 +250,15 @@ pub fn run(
     ];
     if compare.is_some() {
         variants.push(Variant::CompareSampled);
+        variants.push(Variant::CompareAll);
     }
     let rounds = 3;
     let mut per_variant: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut drops = vec![0u64; variants.len()];
+    // The agent's own CPU per stack it took (all of its work, divided by
+    // the stacks: with stacks at every switch, mostly the stacks' cost).
+    let mut cpu_per_stack: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for round in 0..rounds {
         for (i, v) in variants.iter().enumerate() {
             let r = pingpong(iters, *v, &dir, compare)?;
@@ -264,6 +272,11 @@ pub fn run(
                 let events = s["events"].as_f64().unwrap_or(0.0);
                 rates[i].push(events / r.seconds);
                 drops[i] += s["dropped"].as_u64().unwrap_or(0);
+                let stacks = s["stacks"].as_f64().unwrap_or(0.0);
+                if stacks > 0.0 {
+                    let cpu = s["agent_cpu_seconds"].as_f64().unwrap_or(0.0);
+                    cpu_per_stack[i].push(cpu / stacks);
+                }
             }
         }
     }
@@ -272,8 +285,10 @@ pub fn run(
     println!(
         "\n## Scheduling capture overhead (pinned pipe ping-pong, {iters} round trips, median of {rounds}, interleaved)\n"
     );
-    println!("| variant | us per round trip | ratio to no agent | agent events/s | dropped |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| variant | us per round trip | ratio to no agent | agent events/s | dropped | agent CPU us per stack |"
+    );
+    println!("|---|---|---|---|---|---|");
     for (i, v) in variants.iter().enumerate() {
         let m = median(per_variant[i].clone());
         let rate = if rates[i].is_empty() {
@@ -281,8 +296,13 @@ pub fn run(
         } else {
             median(rates[i].clone())
         };
+        let per_stack = if cpu_per_stack[i].is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.1}", median(cpu_per_stack[i].clone()) * 1e6)
+        };
         println!(
-            "| {} | {:.2} | {:.2}x | {} | {} |",
+            "| {} | {:.2} | {:.2}x | {} | {} | {per_stack} |",
             v.name(),
             m / 1e3,
             m / base,

@@ -132,6 +132,7 @@ fn story() -> Vec<PipelineMsg> {
                 tgid: APP,
                 kernel: Ok(vec![0xffff_ffff_8100_0000 + i]),
                 user: Ok(vec![0x4000]),
+                user_copy: None,
             })),
             switch(t + 3_000, 0, APP, false, true),
         ];
@@ -298,6 +299,14 @@ impl super::enrich::Enrich for PanickingEnricher {
     }
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<crate::model::SymFrame> {
         self.0.user_frames(tgid, addrs)
+    }
+    fn unwind_user(
+        &mut self,
+        tgid: u32,
+        ts: u64,
+        copy: &crate::events::UserCopy,
+    ) -> Option<super::enrich::UnwoundUser> {
+        self.0.unwind_user(tgid, ts, copy)
     }
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
         self.0.remote_string(tgid, ptr)

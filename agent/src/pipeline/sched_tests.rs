@@ -86,6 +86,7 @@ fn events_become_what_the_ui_shows() {
             tgid: 100,
             kernel: Ok(vec![0xffff_ffff_8100_0010]),
             user: Ok(vec![0x1000]),
+            user_copy: None,
         })),
         Event::Waking(Waking {
             cpu: 0,

@@ -28,6 +28,16 @@ pub const MAX_TARGETS: u32 = 16384;
 pub const TARGET_GEN_KERNEL: u32 = 0;
 pub const TARGET_GEN_AGENT: u32 = 1;
 
+/// Bytes of the user stack copied from `sp` with each user stack
+/// ([`UserStackCopy`]), for the agent to unwind from the code's CFI: the
+/// deepest fixture stack measured (through the real libcudart, 18 frames)
+/// needed 2,520 bytes.
+pub const USER_STACK_COPY: usize = 8192;
+/// The copy is read in chunks of this size, so a stack that ends less than
+/// [`USER_STACK_COPY`] above `sp` still yields every whole chunk below its
+/// end (a failed read copies nothing).
+pub const USER_STACK_CHUNK: usize = 1024;
+
 /// Most threads with a stack-sampling budget at once (LRU).
 pub const MAX_STACK_BUDGETS: u32 = 65536;
 
@@ -255,6 +265,27 @@ pub struct OffCpuStack {
     pub kernel: [u64; MAX_STACK_DEPTH],
     /// Leaf first.
     pub user: [u64; MAX_STACK_DEPTH],
+    /// Registers and stack top for the CFI unwind (the frame-pointer walk
+    /// in `user` is the fallback).
+    pub copy: UserStackCopy,
+}
+
+/// The user registers of a thread and a copy of the top of its user stack
+/// (from `sp` up), taken with a frame-pointer stack: the agent unwinds it
+/// from the CFI of the mapped files (code built without frame pointers).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UserStackCopy {
+    /// User `ip`, `sp`, `bp` (the task's saved user registers).
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Bytes of `stack` copied from `sp` (whole chunks; less than
+    /// [`USER_STACK_COPY`] when the stack ended before), or a negative
+    /// errno when nothing could be read.
+    pub stack_len: i32,
+    pub _pad: u32,
+    pub stack: [u8; USER_STACK_COPY],
 }
 
 /// A traced thread called its dynamic loader's debugger hook
@@ -347,7 +378,12 @@ const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExit>() == 56);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<LinkMapChange>() == 24);
-const _: () = assert!(core::mem::size_of::<OffCpuStack>() == 32 + 2 * 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<UserStackCopy>() == 32 + USER_STACK_COPY);
+const _: () = assert!(USER_STACK_COPY.is_multiple_of(USER_STACK_CHUNK));
+const _: () = assert!(
+    core::mem::size_of::<OffCpuStack>()
+        == 32 + 2 * 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
+);
 const _: () = assert!(core::mem::size_of::<Config>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);
 

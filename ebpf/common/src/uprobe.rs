@@ -11,7 +11,7 @@
 //! back to (library, symbol). The kernel copies raw machine state;
 //! `xpuscope-probes` decodes it into meaning using the catalog.
 
-use crate::{EventHeader, MAX_STACK_DEPTH};
+use crate::{EventHeader, MAX_STACK_DEPTH, UserStackCopy};
 
 /// Words copied from the stack at entry: `sp[0]` (the return address when
 /// the probe sits on the function's first instruction) and the stack-passed
@@ -170,9 +170,15 @@ pub struct UprobeStack {
     pub user_bytes: i32,
     pub _pad: u32,
     pub user: [u64; MAX_STACK_DEPTH],
+    /// Registers and stack top at the return (in the caller) for the CFI
+    /// unwind; `user` is the fallback.
+    pub copy: UserStackCopy,
 }
 
-const _: () = assert!(core::mem::size_of::<UprobeStack>() == 16 + 8 + 8 + 8 + 8 * MAX_STACK_DEPTH);
+const _: () = assert!(
+    core::mem::size_of::<UprobeStack>()
+        == 16 + 8 + 8 + 8 + 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
+);
 const _: () = assert!(core::mem::size_of::<UprobeEntry>() == 16 + 16 + 48 + 8 + 64 + 8 + 128);
 const _: () = assert!(core::mem::size_of::<UprobeReturn>() == 16 + 16 + 8 + 8 + 128);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 16);

@@ -2,10 +2,17 @@
 //! of kernel and user stacks straight into a ring-buffer record (no
 //! STACK_TRACE map: nothing to collide, evict or look up later).
 
-use aya_ebpf::{EbpfContext, bindings::BPF_F_USER_STACK, helpers::generated::bpf_get_stack};
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_F_USER_STACK, pt_regs},
+    helpers::{
+        bpf_probe_read_kernel,
+        generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs},
+    },
+};
 use xpuscope_common::{
     Config, DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH, OffCpuStack, StackBudget,
-    stack_mode,
+    USER_STACK_CHUNK, USER_STACK_COPY, UserStackCopy, stack_mode,
 };
 
 use crate::{
@@ -96,6 +103,66 @@ pub fn capture_off_cpu<C: EbpfContext>(
         }
         (*rec).kernel_bytes = kernel as i32;
         (*rec).user_bytes = user as i32;
+        copy_current_user_stack(&mut (*rec).copy);
     }
     submit(Ring::Sched, entry, cfg);
+}
+
+/// `-EFAULT`: no user registers or stack could be read.
+const EFAULT: i32 = -14;
+
+/// Copies the current task's saved user registers (its `pt_regs`: where it
+/// entered the kernel) and the top of its user stack.
+#[inline(always)]
+fn copy_current_user_stack(copy: &mut UserStackCopy) {
+    // SAFETY: helpers on the current task, which is a user task being
+    // switched out (kernel threads are never traced); the pt_regs pointer
+    // is only read through bpf_probe_read_kernel.
+    unsafe {
+        let task = bpf_get_current_task_btf();
+        let regs = bpf_task_pt_regs(task) as *const pt_regs;
+        let read = |field: *const u64| bpf_probe_read_kernel(field).unwrap_or(0);
+        copy.ip = read(core::ptr::addr_of!((*regs).rip));
+        copy.sp = read(core::ptr::addr_of!((*regs).rsp));
+        copy.bp = read(core::ptr::addr_of!((*regs).rbp));
+    }
+    copy_user_stack(copy);
+}
+
+/// Copies the stack from `copy.sp` up, chunk by chunk until a read fails
+/// (the stack's mapping ended), and says how much was copied.
+#[inline(always)]
+pub fn copy_user_stack(copy: &mut UserStackCopy) {
+    copy._pad = 0;
+    if copy.sp == 0 {
+        copy.stack_len = EFAULT;
+        return;
+    }
+    let mut copied: i32 = 0;
+    let mut i = 0;
+    while i < USER_STACK_COPY / USER_STACK_CHUNK {
+        let off = i * USER_STACK_CHUNK;
+        // SAFETY: the destination is `USER_STACK_CHUNK` bytes at `off` of
+        // `copy.stack`, inside it since `off + USER_STACK_CHUNK <=
+        // USER_STACK_COPY`; the source is user memory, read by the helper.
+        let r = unsafe {
+            bpf_probe_read_user(
+                copy.stack.as_mut_ptr().add(off).cast(),
+                USER_STACK_CHUNK as u32,
+                copy.sp.wrapping_add(off as u64) as *const _,
+            )
+        };
+        if r < 0 {
+            if i == 0 {
+                copied = r as i32;
+            }
+            break;
+        }
+        copied += USER_STACK_CHUNK as i32;
+        i += 1;
+    }
+    copy.stack_len = copied;
+    if copied < 0 {
+        count_drop(DROP_SLOT_STACK_ERRORS);
+    }
 }

@@ -274,6 +274,13 @@ fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32
             count_drop(DROP_SLOT_STACK_ERRORS);
         }
         (*rec).user_bytes = n as i32;
+        // At a return probe the registers are the caller's, just after
+        // the call: the CFI unwind starts there.
+        let regs = ctx.regs;
+        (*rec).copy.ip = (*regs).rip;
+        (*rec).copy.sp = (*regs).rsp;
+        (*rec).copy.bp = (*regs).rbp;
+        crate::stacks::copy_user_stack(&mut (*rec).copy);
     }
     submit(Ring::Device, entry, &config());
 }

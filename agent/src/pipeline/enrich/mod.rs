@@ -11,19 +11,36 @@
 //! records arrive in order), so a reused pid starts clean.
 
 pub mod symbolize;
+pub mod unwind;
 
 use xpuscope_probes::activity::names::RemoteStrings;
 use xpuscope_probes::maps::ProcessMaps;
 
+use crate::events::UserCopy;
 use crate::model::SymFrame;
 use crate::procfs;
 use symbolize::StackSymbolizer;
+use unwind::CfiUnwind;
+
+/// A user stack unwound from the CFI.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnwoundUser {
+    /// The sampled ip, then return addresses, leaf first.
+    pub frames: Vec<u64>,
+    /// The walk stopped before the outermost frame (the stack is deeper
+    /// than the copy, or a rule failed).
+    pub truncated: bool,
+}
 
 /// What interpretation may ask of the live system.
 pub trait Enrich {
     fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame>;
     /// Frames of `addrs` (leaf first) in process `tgid`.
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame>;
+    /// Addresses (leaf first) unwound from the code's CFI over a copy of
+    /// the top of a stack of process `tgid` taken at `ts`; `None` leaves
+    /// the frame-pointer stack taken with it.
+    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser>;
     /// A NUL-terminated string at `ptr` in process `tgid` (kernel names).
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String>;
     /// argv of process `pid` (empty when gone).
@@ -36,6 +53,8 @@ pub trait Enrich {
     fn process_exec(&mut self, tgid: u32);
     /// `tgid` ended and its records are out: forget it.
     fn process_ended(&mut self, tgid: u32);
+    /// `tgid`'s loader changed its link map (libraries mapped or unmapped).
+    fn link_map_changed(&mut self, _tgid: u32) {}
     /// `tgid`'s memory map, read while it certainly lived (at probe
     /// planning), for stacks that arrive after it exited.
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps);
@@ -46,6 +65,7 @@ pub trait Enrich {
 pub struct LiveEnricher {
     symbolizer: StackSymbolizer,
     strings: RemoteStrings,
+    unwind: CfiUnwind,
 }
 
 impl Enrich for LiveEnricher {
@@ -55,6 +75,10 @@ impl Enrich for LiveEnricher {
 
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
         self.symbolizer.user_frames(tgid, addrs)
+    }
+
+    fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
+        self.unwind.unwind(tgid, ts, copy)
     }
 
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
@@ -79,15 +103,21 @@ impl Enrich for LiveEnricher {
     fn process_exec(&mut self, tgid: u32) {
         self.symbolizer.forget_process(tgid);
         self.strings.forget_process(tgid);
+        self.unwind.forget_process(tgid);
     }
 
     fn process_ended(&mut self, tgid: u32) {
         self.symbolizer.forget_process(tgid);
         self.strings.forget_process(tgid);
+        self.unwind.forget_process(tgid);
     }
 
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps) {
         self.symbolizer.remember_maps(tgid, maps);
+    }
+
+    fn link_map_changed(&mut self, tgid: u32) {
+        self.unwind.link_map_changed(tgid);
     }
 }
 
@@ -126,6 +156,24 @@ pub mod fake {
         }
         fn user_frames(&mut self, _tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
             addrs.iter().map(|a| frame("/bin/app", *a)).collect()
+        }
+        fn unwind_user(&mut self, _tgid: u32, _ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
+            // A copy's "unwind" in tests: its ip, then the words of its
+            // stack as return addresses up to a 0 (the outermost frame);
+            // without a 0 the stack is deeper than the copy.
+            let bytes = copy.stack.as_ref().ok()?;
+            let mut words = bytes
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+            let mut frames = vec![copy.ip];
+            let truncated = loop {
+                match words.next() {
+                    Some(0) => break false,
+                    Some(w) => frames.push(w),
+                    None => break true,
+                }
+            };
+            Some(UnwoundUser { frames, truncated })
         }
         fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
             self.strings

@@ -17,10 +17,11 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch};
+use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, UserCopy};
 use crate::kernel::probes::TableUpdate;
 use crate::model::{
-    InFlightSnapshot, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack, ThreadNow,
+    InFlightSnapshot, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack, SymFrame,
+    ThreadNow,
 };
 use crate::pipeline::enrich::Enrich;
 use crate::procfs::ProcessEntry;
@@ -38,6 +39,11 @@ pub struct InterpretCounters {
     pub stacks: u64,
     pub stack_errors: u64,
     pub stacks_unmatched: u64,
+    /// User stacks (off-CPU and allocating) whose frames came from the CFI
+    /// unwind of the stack copy rather than the frame-pointer walk.
+    pub user_stacks_cfi: u64,
+    /// Of those, stacks whose unwind stopped early (deeper than the copy).
+    pub user_stacks_truncated: u64,
     /// Distinct threads seen.
     pub threads_seen: u64,
     /// Allocating stacks taken, and those the kernel could not take.
@@ -57,6 +63,68 @@ pub struct InterpretCounters {
     /// the device work).
     pub cupti_reads: u64,
     pub mspti_reads: u64,
+}
+
+/// A user stack's addresses, leaf first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct UserAddrs {
+    pub addrs: Vec<u64>,
+    /// The CFI unwind stopped before the outermost frame (the stack is
+    /// deeper than the kernel's copy): the root end is missing.
+    pub truncated: bool,
+}
+
+/// A user stack's addresses: the CFI unwind of the stack copy where there
+/// is one, else the frame-pointer walk taken with it. The walk wins only
+/// where it agrees with the unwind and reaches further (code with frame
+/// pointers whose stack outgrew the copy); in code without frame pointers
+/// it stops early or goes astray, and the unwind is right.
+pub(crate) fn user_addrs(
+    en: &mut dyn Enrich,
+    tgid: u32,
+    ts: u64,
+    frame_pointer: &Result<Vec<u64>, i32>,
+    copy: Option<&UserCopy>,
+    c: &mut InterpretCounters,
+) -> Result<UserAddrs, i32> {
+    let walk = |fp: &Vec<u64>| UserAddrs {
+        addrs: fp.clone(),
+        truncated: false,
+    };
+    let Some(cfi) = copy.and_then(|copy| en.unwind_user(tgid, ts, copy)) else {
+        return frame_pointer.as_ref().map(walk).map_err(|e| *e);
+    };
+    if let Ok(fp) = frame_pointer
+        && fp.len() > cfi.frames.len()
+        && fp.starts_with(&cfi.frames)
+    {
+        return Ok(walk(fp));
+    }
+    c.user_stacks_cfi += 1;
+    if cfi.truncated {
+        c.user_stacks_truncated += 1;
+    }
+    Ok(UserAddrs {
+        addrs: cfi.frames,
+        truncated: cfi.truncated,
+    })
+}
+
+/// The frame a truncated user stack ends with (at its root end), so a
+/// flamegraph says the callers are missing rather than showing a partial
+/// stack as whole.
+pub(crate) fn with_truncation(mut frames: Vec<SymFrame>, truncated: bool) -> Vec<SymFrame> {
+    if truncated {
+        frames.push(SymFrame {
+            function: Arc::from("[truncated: stack deeper than the kernel's copy]"),
+            module: Arc::from("[unwind]"),
+            module_start: 0,
+            module_end: 0,
+            module_offset: 0,
+            rel_pc: 0,
+        });
+    }
+    frames
 }
 
 /// Raw events in, records out.
@@ -131,7 +199,10 @@ impl Interpreter {
             Event::ProbeEntry(e) => self.device.entry(&e, en, &mut self.counters, out),
             Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
-            Event::LinkMap(l) => out.push(Record::LinkMapChanged(l)),
+            Event::LinkMap(l) => {
+                en.link_map_changed(l.tgid);
+                out.push(Record::LinkMapChanged(l));
+            }
         }
     }
 
@@ -311,8 +382,15 @@ impl Interpreter {
             Ok(addrs) => en.kernel_frames(addrs),
             Err(_) => Vec::new(),
         };
-        let user = match &s.user {
-            Ok(addrs) => en.user_frames(s.tgid, addrs),
+        let user = match user_addrs(
+            en,
+            s.tgid,
+            s.ts,
+            &s.user,
+            s.user_copy.as_ref(),
+            &mut self.counters,
+        ) {
+            Ok(u) => with_truncation(en.user_frames(s.tgid, &u.addrs), u.truncated),
             Err(_) => Vec::new(),
         };
         if !self
@@ -338,5 +416,84 @@ impl Interpreter {
     #[cfg(test)]
     pub fn threads_alive(&self) -> usize {
         self.threads.len()
+    }
+}
+
+#[cfg(test)]
+mod user_stack_tests {
+    use super::*;
+    use crate::pipeline::enrich::fake::FakeEnricher;
+
+    fn copy(ip: u64, words: &[u64]) -> UserCopy {
+        UserCopy {
+            ip,
+            sp: 0x7000,
+            bp: 0,
+            stack: Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect()),
+        }
+    }
+
+    #[test]
+    fn the_cfi_unwind_wins_unless_the_frame_pointer_walk_extends_it() {
+        let mut en = FakeEnricher::default();
+        let mut c = InterpretCounters::default();
+        // Without frame pointers the walk stops at the libc wrapper; the
+        // unwind (the fake's: ip, then the copy's words) has the callers.
+        let got = user_addrs(
+            &mut en,
+            1,
+            0,
+            &Ok(vec![0x10]),
+            Some(&copy(0x10, &[0x20, 0x30, 0])),
+            &mut c,
+        );
+        assert_eq!(got.unwrap().addrs, vec![0x10, 0x20, 0x30]);
+        assert_eq!(c.user_stacks_cfi, 1);
+        // The walk agrees and goes further (the copy ended first): the walk.
+        let got = user_addrs(
+            &mut en,
+            1,
+            0,
+            &Ok(vec![0x10, 0x20, 0x30, 0x40]),
+            Some(&copy(0x10, &[0x20])),
+            &mut c,
+        );
+        assert_eq!(
+            got,
+            Ok(UserAddrs {
+                addrs: vec![0x10, 0x20, 0x30, 0x40],
+                truncated: false
+            })
+        );
+        assert_eq!(c.user_stacks_cfi, 1);
+        assert_eq!(c.user_stacks_truncated, 0);
+        // A longer walk that disagrees (garbage in rbp) loses.
+        let got = user_addrs(
+            &mut en,
+            1,
+            0,
+            &Ok(vec![0x10, 0x99, 0x98, 0x97]),
+            Some(&copy(0x10, &[0x20])),
+            &mut c,
+        );
+        // ... and the unwind that ran out of copy says so.
+        assert_eq!(
+            got,
+            Ok(UserAddrs {
+                addrs: vec![0x10, 0x20],
+                truncated: true
+            })
+        );
+        assert_eq!(c.user_stacks_truncated, 1);
+        let frames = with_truncation(Vec::new(), true);
+        assert!(frames[0].function.starts_with("[truncated"));
+        assert!(with_truncation(Vec::new(), false).is_empty());
+        // Nothing copied: the walk, or its error, stays.
+        let mut failed = copy(0x10, &[]);
+        failed.stack = Err(-14);
+        let got = user_addrs(&mut en, 1, 0, &Err(-14), Some(&failed), &mut c);
+        assert_eq!(got, Err(-14));
+        let got = user_addrs(&mut en, 1, 0, &Ok(vec![0x10]), None, &mut c);
+        assert_eq!(got.unwrap().addrs, vec![0x10]);
     }
 }
