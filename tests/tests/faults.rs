@@ -118,10 +118,10 @@ fn dying_threads_take_no_stack() {
     assert!(stats["threads"].as_u64().unwrap() > 2000, "{stats}");
     assert!(stats["stacks"].as_u64().unwrap() >= 2000, "{stats}");
     assert_eq!(stats["stacks_unmatched"], 0, "{stats}");
-    // The rings' memory is stated (defaults: 32 MiB + 256 KiB + 8 MiB).
+    // The rings' memory is stated (defaults: 32 MiB + 2 MiB + 8 MiB).
     assert_eq!(
         stats["ring_bytes"].as_u64(),
-        Some((32 << 20) + (256 << 10) + (8 << 20)),
+        Some((32 << 20) + (2 << 20) + (8 << 20)),
         "{stats}"
     );
     assert!(
