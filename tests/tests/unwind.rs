@@ -368,10 +368,13 @@ fn own_chain(prefix: &[&'static str]) -> Vec<&'static str> {
 
 #[test]
 fn omit_frame_pointer_chain_through_glibc_blocking_calls() {
-    // Not while the attach test's agent runs: its uretprobes on the same
-    // library files would put the kernel's return trampoline ([uprobes])
-    // on this fixture's stack, where gdb and the unwinder then differ.
+    // Not while the attach test's agent runs, nor before its closer (the
+    // process that detaches its probes) is gone: its uretprobes on the
+    // same library files would put the kernel's return trampoline
+    // ([uprobes]) on this fixture's stack, where gdb and the unwinder
+    // then differ.
     let _serial = xpuscope_tests::agent::exclusive();
+    xpuscope_tests::device::wait_for_closers();
     for mode in ["nanosleep", "mutex", "condvar"] {
         check_mode(&[mode], &own_chain(&[]), None);
     }
@@ -390,10 +393,13 @@ const CUDART: &str = "nvidia/cuda_runtime/lib/libcudart.so.12";
 
 #[test]
 fn callers_beyond_real_libnccl_and_libcudart() {
-    // Not while the attach test's agent runs: its uretprobes on the same
-    // library files would put the kernel's return trampoline ([uprobes])
-    // on this fixture's stack, where gdb and the unwinder then differ.
+    // Not while the attach test's agent runs, nor before its closer (the
+    // process that detaches its probes) is gone: its uretprobes on the
+    // same library files would put the kernel's return trampoline
+    // ([uprobes]) on this fixture's stack, where gdb and the unwinder
+    // then differ.
     let _serial = xpuscope_tests::agent::exclusive();
+    xpuscope_tests::device::wait_for_closers();
     let nccl = nvidia_lib(NCCL);
     check_mode(
         &["dlcall", &nccl, "ncclGetUniqueId"],
@@ -413,10 +419,13 @@ fn callers_beyond_real_libnccl_and_libcudart() {
 /// every repeat gives the first unwind's frames.
 #[test]
 fn unwind_cost_against_frame_pointers() {
-    // Not while the attach test's agent runs: its uretprobes on the same
-    // library files would put the kernel's return trampoline ([uprobes])
-    // on this fixture's stack, where gdb and the unwinder then differ.
+    // Not while the attach test's agent runs, nor before its closer (the
+    // process that detaches its probes) is gone: its uretprobes on the
+    // same library files would put the kernel's return trampoline
+    // ([uprobes]) on this fixture's stack, where gdb and the unwinder
+    // then differ.
     let _serial = xpuscope_tests::agent::exclusive();
+    xpuscope_tests::device::wait_for_closers();
     let cases: Vec<(&str, Vec<String>, Vec<&'static str>)> = vec![
         (
             "fixture nanosleep",
