@@ -99,7 +99,13 @@ fn a_bystander_switch_storm_costs_the_target_none_of_its_records() {
     // target lives.
     std::thread::sleep(Duration::from_millis(300));
     rec.agent.signal(libc::SIGINT);
-    let done = rec.finish(Duration::from_secs(60));
+    // Normally ~1 s. Under this storm, closing the agent's uprobe perf
+    // events waits in the kernel for RCU grace periods (synchronize_rcu in
+    // perf_uprobe_destroy), which the pinned ping-pong starves: stops of
+    // over 60 s were seen. A slow stop, not a lost one: the trace is
+    // written before; the wait is bounded here, and the slowness is an
+    // open defect (README, issue 12's note).
+    let done = rec.finish(Duration::from_secs(180));
     drop(target_in);
     drop(storm);
     check(&done, target_pid as i32, storm_pid as i32);
