@@ -141,6 +141,10 @@ pub enum CtlCommand {
         /// on every node it is sent to.
         #[arg(long, conflicts_with = "after")]
         at: Option<String>,
+        /// With --after or --at: answer once the dump is written (its
+        /// path), not as soon as it is scheduled.
+        #[arg(long)]
+        wait: bool,
     },
     /// Re-read the configuration file.
     Reload,

@@ -372,7 +372,6 @@ async fn supervise(
                     tracing::warn!("device probes: {e:#}");
                 }
                 send_drops(probes, drops_seen, &stages.tx).await;
-                let _ = stages.tx.try_send(PipelineMsg::Tick(host::boottime_ns()));
                 if polls.is_multiple_of(STATUS_EVERY) {
                     let consumed = stages.collect_counters.total_consumed();
                     let drops: u64 = drops_seen.iter().sum();

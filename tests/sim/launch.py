@@ -38,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_BUILD = HERE.parent.parent / "target" / "fixtures" / "sim"
 SCHEMA = "xpuscope-sim-ground-truth/1"
 POLL_S = 0.01
+# The longest a gated job waits for its start gate before it counts as hung.
+GATE_WAIT_S = 600.0
 KILL_GRACE_S = 1.0
 
 # (flag, default, help): passed to every rank program unchanged.
@@ -136,7 +138,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out-dir", help="where logs and ground_truth.json go (default: a new /tmp dir)")
     p.add_argument("--job-name", help="XPUSCOPE_JOB / JOB_NAME (default sim-<flavor>-<pid>)")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds before a job still running is killed and recorded as hung")
+                   help="seconds before a job still running is killed and recorded as hung "
+                        "(counted from the start gate's opening, when given)")
     p.add_argument("--start-delay-ms", type=int, default=0,
                    help="ranks pause this long after init, before step 0 (time to attach)")
     p.add_argument("--start-gate", help="ranks wait after init until this file exists")
@@ -443,8 +446,15 @@ class Job:
         return failed
 
     def run(self) -> int:
-        deadline = time.monotonic() + self.args.timeout
+        # With a start gate the job's time starts when the gate opens (a
+        # test opens it once its agent is attached, which a busy machine
+        # may take seconds to do); until then only a generous bound holds.
+        gate = Path(self.args.start_gate) if self.args.start_gate else None
+        deadline = time.monotonic() + (GATE_WAIT_S if gate else self.args.timeout)
         while True:
+            if gate is not None and gate.exists():
+                gate = None
+                deadline = time.monotonic() + self.args.timeout
             failed = self.reap()
             if failed and self.first_failure is None:
                 rp = failed[0]

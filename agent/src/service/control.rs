@@ -6,7 +6,7 @@
 //! | `GET /status` | | level, processes, records, drops, flight recorder |
 //! | `GET /processes` | | traced processes with job and rank |
 //! | `POST /level` | `{"level": 2}` | the new level |
-//! | `POST /dump` | `{"job"?, "seconds"?, "after"?, "at"?}` | the dump written (or scheduled) |
+//! | `POST /dump` | `{"job"?, "seconds"?, "after"?, "at"?, "wait"?}` | the dump written (or scheduled) |
 //! | `POST /reload` | | the configuration re-read |
 //!
 //! Access: the socket is created mode 0600 (0660 and the configured
@@ -51,28 +51,54 @@ pub trait Control: Send + Sync + 'static {
     fn processes(&self) -> Value;
     /// Switches the capture level; the reason when it could not.
     fn set_level(&self, level: CaptureLevel) -> Result<Value, String>;
-    fn dump(&self, spec: DumpSpec) -> Result<Value, DumpError>;
+    /// A dump; `wait`: answer once a scheduled one is written.
+    fn dump(&self, spec: DumpSpec, wait: bool) -> Result<Value, DumpError>;
     /// Re-reads the configuration; the error names file, line and key.
     fn reload(&self) -> Result<Value, String>;
 }
 
-/// Sends `spec` to the flight recorder. A window that ends now is waited
-/// for (up to two minutes); one that ends later is acknowledged as
-/// scheduled.
-pub fn request_dump(recorder: &Sender<DumpRequest>, spec: DumpSpec) -> Result<Value, DumpError> {
-    let later = spec.end != WindowEnd::Now;
+/// Sends `spec` to the flight recorder. A window that ends now (or later,
+/// with `wait`) is waited for, up to two minutes after its end, and the
+/// answer is the dump written (its path); one that ends later is
+/// otherwise acknowledged as scheduled (its outcome shows in status).
+///
+/// A window that ends now ends at this request's instant: the recorder
+/// starts it once collect's clock passed that instant, so the records
+/// still in the kernel rings or the pipeline's queue when the request
+/// came are in the dump (the recorder's own latest record can lag the
+/// request by as much as the pipeline is behind).
+pub fn request_dump(
+    recorder: &Sender<DumpRequest>,
+    spec: DumpSpec,
+    wait: bool,
+) -> Result<Value, DumpError> {
+    let now = crate::host::boottime_ns();
+    let (end, ends_in) = match spec.end {
+        WindowEnd::Now => (now, Duration::ZERO),
+        WindowEnd::After(d) => (now.saturating_add(d.as_nanos() as u64), d),
+        WindowEnd::At(t) => (t, Duration::from_nanos(t.saturating_sub(now))),
+    };
+    let waits = wait || spec.end == WindowEnd::Now;
     let (reply, rx) = std::sync::mpsc::channel();
     recorder
         .send(DumpRequest {
-            spec: spec.clone(),
-            reply: (!later).then_some(reply),
+            spec: DumpSpec {
+                end: WindowEnd::At(end),
+                ..spec.clone()
+            },
+            reply: waits.then_some(reply),
             finding: None,
         })
         .map_err(|_| DumpError::Stopped)?;
-    if later {
-        return Ok(json!({ "scheduled": true, "trigger": spec.trigger.as_str() }));
+    if !waits {
+        return Ok(json!({
+            "scheduled": true,
+            "trigger": spec.trigger.as_str(),
+            "ends_in_s": ends_in.as_secs_f64(),
+            "note": "its path shows under `last_dump` in `agent ctl status` once written",
+        }));
     }
-    match rx.recv_timeout(DUMP_WAIT) {
+    match rx.recv_timeout(ends_in + DUMP_WAIT) {
         Ok(result) => result.map(|o| serde_json::to_value(o).unwrap_or_default()),
         Err(_) => Ok(
             json!({ "in_progress": true, "note": "the dump is still being written; see status" }),
@@ -336,6 +362,8 @@ struct DumpBody {
     seconds: Option<f64>,
     after: Option<f64>,
     at: Option<String>,
+    /// Answer once a scheduled (`after`, `at`) dump is written.
+    wait: Option<bool>,
 }
 
 fn body<T: for<'de> Deserialize<'de>>(req: &Request, empty: Option<T>) -> Result<T, Response> {
@@ -358,7 +386,8 @@ fn positive_seconds(v: f64, what: &str) -> Result<Duration, Response> {
     Ok(Duration::from_secs_f64(v))
 }
 
-fn dump_spec(b: DumpBody) -> Result<DumpSpec, Response> {
+/// The dump asked for, and whether to wait for a scheduled one.
+fn dump_spec(b: DumpBody) -> Result<(DumpSpec, bool), Response> {
     if let Some(job) = &b.job {
         check_job_label(job).map_err(|e| Response::error(400, e))?;
     }
@@ -382,12 +411,15 @@ fn dump_spec(b: DumpBody) -> Result<DumpSpec, Response> {
         }
         (None, None) => WindowEnd::Now,
     };
-    Ok(DumpSpec {
-        trigger: Trigger::Manual,
-        job: b.job,
-        seconds,
-        end,
-    })
+    Ok((
+        DumpSpec {
+            trigger: Trigger::Manual,
+            job: b.job,
+            seconds,
+            end,
+        },
+        b.wait.unwrap_or(false),
+    ))
 }
 
 fn dump_error(e: DumpError) -> Response {
@@ -437,9 +469,9 @@ pub fn route(control: &dyn Control, req: &Request) -> Response {
         }),
         "/dump" => body::<DumpBody>(req, Some(DumpBody::default()))
             .and_then(dump_spec)
-            .and_then(|spec| {
+            .and_then(|(spec, wait)| {
                 control
-                    .dump(spec)
+                    .dump(spec, wait)
                     .map(|v| Response::json(200, &v))
                     .map_err(dump_error)
             }),

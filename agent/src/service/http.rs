@@ -345,6 +345,7 @@ mod tests {
             fn dump(
                 &self,
                 _spec: crate::sinks::flight_recorder::DumpSpec,
+                _wait: bool,
             ) -> Result<serde_json::Value, crate::sinks::flight_recorder::DumpError> {
                 Ok(serde_json::json!({}))
             }

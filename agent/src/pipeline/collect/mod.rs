@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use aya::maps::{MapData, RingBuf};
@@ -110,6 +110,11 @@ impl Reader {
         let mut tick = tokio::time::interval(drain_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut held = Held::default();
+        // The pipeline's clock: a tick says every record stamped up to it
+        // was handed on (the watermark of the last read), so a sink that
+        // waits for a time (a dump that ends "now") has every record
+        // before it once a tick passes it.
+        let mut last_tick = Instant::now();
         loop {
             let mut stopping = false;
             tokio::select! {
@@ -125,8 +130,17 @@ impl Reader {
                 bystander: bystander.get_mut(),
                 notices: notices.as_ref(),
             };
-            if !drain(&mut rings, &mut held, &out, &counters, delay, false).await {
+            let Some(watermark) = drain(&mut rings, &mut held, &out, &counters, delay, false).await
+            else {
                 return Ok(()); // downstream is gone
+            };
+            if last_tick.elapsed() >= TICK_EVERY
+                && let Some(w) = watermark
+            {
+                last_tick = Instant::now();
+                // A full queue: the pipeline is behind, and its batches
+                // move its clock meanwhile; the next tick comes later.
+                let _ = out.try_send(Msg::Tick(w));
             }
             if stopping || *stop.borrow() {
                 drain(&mut rings, &mut held, &out, &counters, Duration::ZERO, true).await;
@@ -238,13 +252,14 @@ fn read_all(
 /// so the watermark also stays below that. Records up to the watermark go
 /// out, sorted by time (stable: on a tie the device ring, then the
 /// scheduler ring, then the bystander ring); `flush` (at the end) sends
-/// everything. Returns the batch and whether a ring had more than a batch.
+/// everything. Returns the batch, whether a ring had more than a batch,
+/// and the watermark.
 fn read_batch(
     rings: &mut Rings,
     held: &mut Held,
     counters: &ReaderCounters,
     flush: Option<u64>,
-) -> (Vec<Event>, bool) {
+) -> (Vec<Event>, bool, u64) {
     let now = crate::host::boottime_ns();
     let [device, sched, bystander] = held;
     let reads = [
@@ -264,17 +279,12 @@ fn read_batch(
             watermark = watermark.min(last.saturating_sub(COMMIT_SLACK_NS));
         }
     }
-    (
-        release(
-            held,
-            if flush.is_some() && !full {
-                u64::MAX
-            } else {
-                watermark
-            },
-        ),
-        full,
-    )
+    let watermark = if flush.is_some() && !full {
+        u64::MAX
+    } else {
+        watermark
+    };
+    (release(held, watermark), full, watermark)
 }
 
 /// The held records stamped at or before `watermark`, in time order
@@ -343,7 +353,13 @@ fn sort_nearly_sorted(v: &mut [Event], sorted: usize) {
     }
 }
 
-/// Drains everything available. Returns false if the consumer hung up.
+/// How often collect tells the pipeline how far its records are complete.
+const TICK_EVERY: Duration = Duration::from_millis(100);
+
+/// Drains everything available. Returns None if the consumer hung up,
+/// else the watermark of the last read: every record stamped up to it was
+/// handed on (None inside when the drain stopped at its batch bound with
+/// records still held back).
 async fn drain(
     rings: &mut Rings<'_>,
     held: &mut Held,
@@ -351,7 +367,7 @@ async fn drain(
     counters: &ReaderCounters,
     delay: Duration,
     flush: bool,
-) -> bool {
+) -> Option<Option<u64>> {
     // Rings that refill as fast as they are read (a switch storm) must not
     // keep the caller from its stop signal: bounded, unless this is the last
     // drain, which reads what came before the stop (see `read_batch`).
@@ -360,23 +376,23 @@ async fn drain(
     loop {
         batches += 1;
         if stop.is_none() && batches > MAX_BATCHES_PER_DRAIN {
-            return true;
+            return Some(None);
         }
-        let (batch, full) = read_batch(rings, held, counters, stop);
+        let (batch, full, watermark) = read_batch(rings, held, counters, stop);
         if batch.is_empty() {
             if full {
                 continue; // all held back: read on
             }
-            return true;
+            return Some(Some(watermark));
         }
         if out.send(Msg::Events(batch)).await.is_err() {
-            return false;
+            return None;
         }
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
         if !full {
-            return true;
+            return Some(Some(watermark));
         }
     }
 }

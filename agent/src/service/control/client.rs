@@ -32,7 +32,10 @@ pub fn request(
         ),
         _ => format!("connecting to {}: {e}", socket.display()),
     })?;
-    let _ = stream.set_read_timeout(Some(TIMEOUT));
+    // A dump asked to wait for its scheduled window: the service bounds
+    // the wait (the window's end plus its own dump timeout).
+    let waits = body.is_some_and(|b| b["wait"] == json!(true));
+    let _ = stream.set_read_timeout((!waits).then_some(TIMEOUT));
     let body = body.map(|b| b.to_string()).unwrap_or_default();
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: xpuscope\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -64,6 +67,7 @@ pub fn command_request(cmd: &CtlCommand) -> (&'static str, &'static str, Option<
             seconds: s,
             after,
             at,
+            wait,
         } => {
             let mut body = serde_json::Map::new();
             if let Some(j) = job {
@@ -77,6 +81,9 @@ pub fn command_request(cmd: &CtlCommand) -> (&'static str, &'static str, Option<
             }
             if let Some(t) = at {
                 body.insert("at".into(), json!(t));
+            }
+            if *wait {
+                body.insert("wait".into(), json!(true));
             }
             ("POST", "/dump", Some(Value::Object(body)))
         }

@@ -31,7 +31,7 @@ impl Control for FakeControl {
         *self.level.lock().unwrap() = level.get();
         Ok(json!({ "level": level.get() }))
     }
-    fn dump(&self, spec: DumpSpec) -> Result<Value, DumpError> {
+    fn dump(&self, spec: DumpSpec, _wait: bool) -> Result<Value, DumpError> {
         self.dumps.lock().unwrap().push(spec);
         Ok(json!({ "trace": "/var/lib/xpuscope/dumps/x.pftrace" }))
     }

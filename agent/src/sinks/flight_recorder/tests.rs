@@ -602,3 +602,45 @@ fn record_sizes_count_boxes_and_the_allocators_share() {
     assert_eq!(alloc(25), 48);
     assert_eq!(alloc(1000), 1008);
 }
+
+/// `agent ctl dump` (a window ending now) ends the window at the request:
+/// a record stamped before the request that reaches the recorder after
+/// it (still in a ring or the pipeline's queue) is in the dump, which is
+/// written once collect's clock (a tick) passes the request's instant.
+#[test]
+fn a_dump_ending_now_waits_for_the_records_from_before_the_request() {
+    let dir = Dir::new("barrier");
+    let (mut rec, tx, _stats) = FlightRecorder::new(settings(&dir.0));
+    let before = crate::host::boottime_ns();
+    feed(&mut rec, vec![initial(), waking(before - 5 * MS, APP + 1)]);
+    let asked = std::thread::spawn(move || {
+        crate::service::control::request_dump(&tx, DumpSpec::now(Trigger::Manual), false)
+    });
+    // The request is in (it is read at every batch and tick).
+    let asked_by = loop {
+        rec.on_tick(0, &SinkCounters::default()).unwrap();
+        if !rec.pending.is_empty() {
+            break crate::host::boottime_ns();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let WindowEnd::At(end) = rec.pending[0].1.spec.end else {
+        panic!("a window ending now is given its end at the request")
+    };
+    assert!((before..=asked_by).contains(&end));
+    // A record from just before the request arrives late: not dumped yet.
+    let late = end - MS;
+    feed(&mut rec, vec![waking(late, APP + 1)]);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        !asked.is_finished(),
+        "no dump before the clock passed the request"
+    );
+    // Collect's clock passes the request's instant: the dump is written.
+    rec.on_tick(end + MS, &SinkCounters::default()).unwrap();
+    let answer = asked.join().unwrap().unwrap();
+    assert_eq!(answer["window_end_ns"], end, "{answer}");
+    let tl = timeline(Path::new(answer["trace"].as_str().unwrap()));
+    let got: Vec<u64> = tl.wakings.iter().map(|w| w.ts).collect();
+    assert_eq!(got, vec![before - 5 * MS, late], "the late record is in");
+}
