@@ -456,24 +456,28 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
         ],
     );
     assert_eq!(truth["status"], "completed", "{truth:#}");
-    // Scraped after the job's end.
-    std::thread::sleep(Duration::from_secs(2));
-    let counts = prom.query(
-        "sum by (rank) (xpuscope_collective_duration_seconds_count{job=\"promjob\",op=\"allreduce\"})",
-    );
-    let by_rank: std::collections::BTreeMap<String, f64> = counts
-        .iter()
-        .map(|(m, v)| (m["rank"].as_str().unwrap_or_default().to_string(), *v))
-        .collect();
-    assert_eq!(
-        by_rank,
-        [
-            ("0".to_string(), STEPS as f64),
-            ("1".to_string(), STEPS as f64)
-        ]
-        .into(),
-        "{counts:?}"
-    );
+    // Scraped after the job's end: each rank's count, once both have all
+    // (a loaded machine may take a few scrapes to get there).
+    let want: std::collections::BTreeMap<String, f64> = [
+        ("0".to_string(), STEPS as f64),
+        ("1".to_string(), STEPS as f64),
+    ]
+    .into();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let (counts, by_rank) = loop {
+        let counts = prom.query(
+            "sum by (rank) (xpuscope_collective_duration_seconds_count{job=\"promjob\",op=\"allreduce\"})",
+        );
+        let by_rank: std::collections::BTreeMap<String, f64> = counts
+            .iter()
+            .map(|(m, v)| (m["rank"].as_str().unwrap_or_default().to_string(), *v))
+            .collect();
+        if by_rank == want || std::time::Instant::now() > end {
+            break (counts, by_rank);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert_eq!(by_rank, want, "{counts:?}");
     // A slow rank does not lag in host-side numbers (collectives are
     // enqueued; the wait is in the stream sync on every rank alike). A rank
     // that never joins does: rank 1 stops before step 2's all-reduce.

@@ -387,6 +387,11 @@ struct Sample {
     evicted: u64,
     processes: u64,
     load1: f64,
+    /// The service's own account (status `memory.resident`): anonymous
+    /// memory, file-backed, and of that the ring buffers' double mapping.
+    anon: u64,
+    file: u64,
+    rings: u64,
 }
 
 /// Steps per job so that it trains about `seconds`, from a short job.
@@ -407,7 +412,7 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
     let mut samples: Vec<Sample> = Vec::new();
     let mut csv = String::from(
         "seconds,cpu_percent,rss_bytes,recorder_bytes,recorder_records,expired_records,\
-         evicted_records,processes,load1\n",
+         evicted_records,processes,load1,anon_bytes,file_bytes,ring_mapped_bytes\n",
     );
     let mut jobs = 0u64;
     let mut traced_steps: Vec<f64> = Vec::new();
@@ -450,6 +455,11 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
                 evicted: fr["evicted_records"].as_u64().unwrap_or(0),
                 processes: st["processes"].as_u64().unwrap_or(0),
                 load1: load_1min(),
+                anon: st["memory"]["resident"]["anon_bytes"].as_u64().unwrap_or(0),
+                file: st["memory"]["resident"]["file_bytes"].as_u64().unwrap_or(0),
+                rings: st["memory"]["resident"]["ring_mapped_bytes"]
+                    .as_u64()
+                    .unwrap_or(0),
             };
             dumps_auto = ["hang", "oom", "signal"]
                 .iter()
@@ -457,7 +467,7 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
                 .sum();
             (last_cpu, last_t) = (cpu, t);
             csv += &format!(
-                "{:.1},{:.2},{},{},{},{},{},{},{:.2}\n",
+                "{:.1},{:.2},{},{},{},{},{},{},{:.2},{},{},{}\n",
                 s.t,
                 s.cpu_percent,
                 s.rss,
@@ -466,7 +476,10 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
                 s.expired,
                 s.evicted,
                 s.processes,
-                s.load1
+                s.load1,
+                s.anon,
+                s.file,
+                s.rings
             );
             if samples.len().is_multiple_of(30) {
                 eprintln!(
@@ -537,6 +550,11 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
         "traced_step_ms_median": if traced_steps.is_empty() { 0.0 } else { median(traced_steps) / 1e6 },
         "load1_mean": loads.iter().sum::<f64>() / loads.len() as f64,
         "load1_max": loads.iter().cloned().fold(0.0, f64::max),
+        "anon_max_mb": samples.iter().map(|s| s.anon).max().unwrap_or(0) as f64 / 1e6,
+        "anon_last_mb": samples.last().unwrap().anon as f64 / 1e6,
+        "file_last_mb": samples.last().unwrap().file as f64 / 1e6,
+        "ring_mapped_mb": samples.last().unwrap().rings as f64 / 1e6,
+        "heap_trim": status["memory"]["heap_trim"].clone(),
         "final_status": status,
     }))
 }
@@ -664,6 +682,17 @@ pub fn run(out: &Path, minutes: u64) -> Result<Value> {
         } else {
             "NOT met"
         }
+    );
+    println!(
+        "of which at the end: anonymous {:.1} MB (max {:.1}), file-backed {:.1} MB, the rings' double mapping {:.1} MB",
+        f(&s["anon_last_mb"]),
+        f(&s["anon_max_mb"]),
+        f(&s["file_last_mb"]),
+        f(&s["ring_mapped_mb"])
+    );
+    println!(
+        "heap trims: {} (mean {} us, max {} us)",
+        s["heap_trim"]["trims"], s["heap_trim"]["mean_trim_us"], s["heap_trim"]["max_trim_us"]
     );
     match s["recorder_full"].as_object() {
         Some(full) => println!(

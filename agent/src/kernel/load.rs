@@ -116,6 +116,10 @@ pub struct Kernel {
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     /// Loader files (device, inode) whose debugger hook was tried.
     loader_hooks: std::collections::HashSet<(u64, u64)>,
+    /// The loader hooks' links, owned here so the stop hands them to the
+    /// closer (closing a uprobe waits for RCU grace periods, which a
+    /// switch storm starves: stops of over a minute were seen).
+    loader_links: Vec<aya::programs::uprobe::UProbeLink>,
 }
 
 pub struct LoadOptions<'a> {
@@ -213,6 +217,7 @@ impl Kernel {
             bpf,
             logger,
             loader_hooks: Default::default(),
+            loader_links: Vec::new(),
         })
     }
 
@@ -251,13 +256,18 @@ impl Kernel {
             location: offset.into(),
             cookie: None,
         };
-        program
+        let id = program
             .attach(
                 point,
                 path,
                 aya::programs::uprobe::UProbeScope::AllProcesses,
             )
             .with_context(|| format!("attaching {LOADER_PROGRAM} at {path}+{offset:#x}"))?;
+        self.loader_links.push(
+            program
+                .take_link(id)
+                .with_context(|| format!("taking the link of {LOADER_PROGRAM} at {path}"))?,
+        );
         tracing::info!("loader hook: {path}+{offset:#x} ({LOADER_HOOK})");
         Ok(true)
     }
@@ -270,6 +280,10 @@ impl Kernel {
     /// Detaches and unloads every tracepoint program and the loader hook
     /// (maps stay readable).
     pub fn detach_all(&mut self) {
+        // The hook's links close in the closer, after the agent exits (the
+        // program, unloaded below, stays alive with them until then; what
+        // it pushes meanwhile nobody reads).
+        crate::kernel::probes::closer::close_after_exit(std::mem::take(&mut self.loader_links));
         if let Some(program) = self.bpf.program_mut(LOADER_PROGRAM)
             && program.fd().is_ok()
             && let Ok(up) = <&mut aya::programs::UProbe>::try_from(program)

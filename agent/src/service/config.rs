@@ -118,6 +118,31 @@ pub struct DiscoveryConfig {
     pub env: Vec<String>,
 }
 
+/// The kernel ring buffers' sizes (powers of two). Each ring's pages are
+/// mapped into the agent twice (the kernel maps a ring's data twice, back
+/// to back, so a record that wraps reads as one), so the resident size
+/// shows about twice their sum.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RingsConfig {
+    pub scheduler: u32,
+    pub device: u32,
+    pub bystander: u32,
+}
+
+impl Default for RingsConfig {
+    /// Smaller than `agent attach`'s (32M, 2M, 8M): the service traces the
+    /// training processes only, never a whole machine's storm, and drains
+    /// every 10 ms; 8 MiB of scheduler ring is ~90k records, half a second
+    /// of 8 busy ranks at level 1 behind a stalled reader.
+    fn default() -> Self {
+        Self {
+            scheduler: 8 << 20,
+            device: crate::config::DEFAULT_DEVICE_RING_BYTES,
+            bystander: 4 << 20,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct LabelsConfig {
     /// Environment variables naming the job, in order of preference.
@@ -137,6 +162,7 @@ pub struct ServiceConfig {
     pub control: ControlConfig,
     pub discovery: DiscoveryConfig,
     pub labels: LabelsConfig,
+    pub rings: RingsConfig,
 }
 
 impl Default for ServiceConfig {
@@ -171,6 +197,7 @@ impl Default for ServiceConfig {
                     .map(String::from)
                     .to_vec(),
             },
+            rings: RingsConfig::default(),
         }
     }
 }
@@ -322,6 +349,23 @@ impl ServiceConfig {
                     ));
                 }
                 cfg.flight_recorder.max_bytes = n;
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("rings")? {
+            let mut s = Section::new(&ctx, "rings", &t);
+            let r = &mut cfg.rings;
+            for (key, field) in [
+                ("scheduler", &mut r.scheduler),
+                ("device", &mut r.device),
+                ("bystander", &mut r.bystander),
+            ] {
+                if let Some(v) = s.take(key) {
+                    let name = format!("rings.{key}");
+                    let n = ctx.size(&v, &name)?;
+                    *field = crate::config::parse_ring_size(&n.to_string())
+                        .map_err(|m| ctx.value_error(&v, &name, m))?;
+                }
             }
             s.finish()?;
         }
@@ -774,6 +818,10 @@ slow_rank_persist = 4
 [flight_recorder]
 seconds = "10m"
 max_bytes = "64M"
+[rings]
+scheduler = "32M"
+device = 1048576
+bystander = "16M"
 [metrics]
 listen = "off"
 [control]
@@ -814,6 +862,21 @@ job_env = ["MY_JOB"]
         );
         assert_eq!(cfg.flight_recorder.seconds, Duration::from_secs(600));
         assert_eq!(cfg.flight_recorder.max_bytes, 64 << 20);
+        assert_eq!(
+            cfg.rings,
+            RingsConfig {
+                scheduler: 32 << 20,
+                device: 1 << 20,
+                bystander: 16 << 20
+            }
+        );
+        let e = parse("[rings]\nscheduler = \"3M\"\n").unwrap_err();
+        assert!(
+            e.contains("agent.toml:2")
+                && e.contains("rings.scheduler")
+                && e.contains("power of two"),
+            "{e}"
+        );
         assert_eq!(cfg.metrics.listen, None);
         assert_eq!(cfg.control.group.as_deref(), Some("xpuscope"));
         assert_eq!(

@@ -131,7 +131,12 @@ impl LevelSwitch for KernelLevels {
 pub fn load(cfg: &ServiceConfig) -> Result<Kernel> {
     preflight::check_object(EBPF_OBJECT)?;
     preflight::check_privileges()?;
-    let tuning = AttachConfig::default();
+    let tuning = AttachConfig {
+        ring_bytes: cfg.rings.scheduler,
+        device_ring_bytes: cfg.rings.device,
+        bystander_ring_bytes: cfg.rings.bystander,
+        ..AttachConfig::default()
+    };
     let btf = Btf::from_file(&tuning.kernel_btf)?;
     let offsets = btf::task_offsets(&btf)?;
     let level = KernelLevel::of(cfg.level);

@@ -78,6 +78,7 @@ struct ServiceControl {
     sinks: Vec<(&'static str, Arc<SinkCounters>)>,
     traced: Arc<Mutex<BTreeMap<u32, Value>>>,
     started: Instant,
+    trims: Arc<super::heap::TrimStats>,
 }
 
 impl ServiceControl {
@@ -116,6 +117,10 @@ impl Control for ServiceControl {
                 "expired_records": s.expired_records.load(Ordering::Relaxed),
                 "dumps": dumps,
                 "last_dump": last,
+            },
+            "memory": {
+                "resident": super::heap::resident(),
+                "heap_trim": self.trims.json(),
             },
             "sinks": self.sinks.iter().map(|(name, c)| json!({
                 "name": name,
@@ -159,6 +164,7 @@ impl Control for ServiceControl {
                 ("dump_dir", old.dump_dir != new.dump_dir),
                 ("discovery", old.discovery != new.discovery),
                 ("detect", old.detect != new.detect),
+                ("rings", old.rings != new.rings),
             ];
             restart = differs.iter().filter(|d| d.1).map(|d| d.0).collect();
             *old = new;
@@ -288,6 +294,7 @@ where
         ));
     }
     let traced = Arc::new(Mutex::new(BTreeMap::new()));
+    let trims = Arc::new(super::heap::TrimStats::default());
     let control: Arc<dyn Control> = Arc::new(ServiceControl {
         config_path,
         config: Mutex::new(cfg.clone()),
@@ -302,6 +309,7 @@ where
         ],
         traced: traced.clone(),
         started: Instant::now(),
+        trims: trims.clone(),
     });
     let group = cfg
         .control
@@ -384,6 +392,7 @@ where
                 // Off the runtime's thread: a trim of a large heap takes
                 // milliseconds, and the control socket waits meanwhile.
                 if let Ok(t) = tokio::task::spawn_blocking(super::heap::trim).await {
+                    trims.add(t);
                     tracing::debug!(
                         released = t.released,
                         took_us = t.took.as_micros() as u64,

@@ -13,6 +13,9 @@
 /// Hands `links` (anything holding the links' descriptors) to the closer
 /// child; if it cannot be started they are closed here, slowly.
 pub fn close_after_exit<T>(links: Vec<T>) {
+    if links.is_empty() {
+        return;
+    }
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 writes two descriptors into the array we own.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
