@@ -1,7 +1,8 @@
-//! End to end: the service's level 0 turns the scheduler programs'
-//! records of the traced processes off at runtime (device calls still
-//! recorded), and level 1 turns them back on, same agent. Root and eBPF;
-//! never skipped.
+//! End to end: a running service switched 0 -> 2 -> 1. Level 0 turns the
+//! scheduler programs' records of the traced processes off at runtime
+//! (device calls still recorded), level 2 turns them back on and adds
+//! kernel launches, level 1 keeps scheduling and drops the launches again;
+//! same agent throughout. Root and eBPF; never skipped.
 
 use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::{thread_of, wait_for_closers};
@@ -18,8 +19,8 @@ fn dump(svc: &Service) -> Timeline {
     Timeline::new(&trace)
 }
 
-/// (switches onto the rank's threads, its all-reduces) in `tl`.
-fn counts(tl: &Timeline, pid: i32) -> (usize, usize) {
+/// (switches onto the rank's threads, its all-reduces, its launches) in `tl`.
+fn counts(tl: &Timeline, pid: i32) -> (usize, usize, usize) {
     let tids: Vec<i32> = tl
         .threads
         .iter()
@@ -32,17 +33,18 @@ fn counts(tl: &Timeline, pid: i32) -> (usize, usize) {
         .iter()
         .filter(|s| tids.contains(&s.next_pid) || tids.contains(&s.prev_pid))
         .count();
-    let reduces = tl
-        .slices
-        .iter()
-        .filter(|s| s.name.starts_with("ncclAllReduce"))
-        .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
-        .count();
-    (switches, reduces)
+    let calls = |prefix: &str| {
+        tl.slices
+            .iter()
+            .filter(|s| s.name.starts_with(prefix))
+            .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
+            .count()
+    };
+    (switches, calls("ncclAllReduce"), calls("cudaLaunchKernel"))
 }
 
 #[test]
-fn level_0_records_no_scheduling_and_level_1_does_again() {
+fn levels_0_2_1_switch_scheduling_and_launches_at_runtime() {
     let _serial = exclusive();
     wait_for_closers();
     fixtures::build_all();
@@ -58,21 +60,31 @@ fn level_0_records_no_scheduling_and_level_1_does_again() {
             .map(|r| r["pid"].as_i64().unwrap() as i32)
             .collect()
     };
-    assert_eq!(svc.ctl(&["level", "0"])["level"], 0);
-    let truth = run_untold_job(dir.path(), "lvl0", &["--steps", "4"]);
-    let tl = dump(&svc);
-    for pid in pids(&truth) {
-        let (switches, reduces) = counts(&tl, pid);
-        assert_eq!(switches, 0, "rank pid {pid}: no scheduling at level 0");
-        assert_eq!(reduces, 4, "rank pid {pid}: its all-reduces at level 0");
-    }
-    assert_eq!(svc.ctl(&["level", "1"])["level"], 1);
-    let truth = run_untold_job(dir.path(), "lvl1", &["--steps", "4"]);
-    let tl = dump(&svc);
-    for pid in pids(&truth) {
-        let (switches, reduces) = counts(&tl, pid);
-        assert!(switches > 0, "rank pid {pid}: scheduling at level 1");
-        assert_eq!(reduces, 4, "rank pid {pid}");
+    // (level, scheduling expected, launches expected)
+    for (level, sched, launches) in [("0", false, false), ("2", true, true), ("1", true, false)] {
+        assert_eq!(
+            svc.ctl(&["level", level])["level"],
+            level.parse::<u64>().unwrap()
+        );
+        let truth = run_untold_job(dir.path(), &format!("lvl{level}"), &["--steps", "4"]);
+        let tl = dump(&svc);
+        for pid in pids(&truth) {
+            let (switches, reduces, launched) = counts(&tl, pid);
+            assert_eq!(
+                switches > 0,
+                sched,
+                "rank pid {pid} at level {level}: {switches} switches"
+            );
+            assert_eq!(
+                reduces, 4,
+                "rank pid {pid}: its all-reduces at level {level}"
+            );
+            assert_eq!(
+                launched > 0,
+                launches,
+                "rank pid {pid} at level {level}: {launched} launches"
+            );
+        }
     }
     assert_eq!(svc.agent.pid(), agent_pid, "same agent, no restart");
     svc.stop();
