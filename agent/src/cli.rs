@@ -256,6 +256,11 @@ pub struct AttachArgs {
     /// communicator's, nobody late, are a slow link.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=1000))]
     pub slow_link_ratio: u32,
+    /// A rank whose compute kernels per step take this percentage of its
+    /// data-parallel peers' or more, --slow-rank-persist steps in a row, is
+    /// a slow rank (needs activity records: --probe-level 2).
+    #[arg(long, default_value_t = 150, value_parser = clap::value_parser!(u32).range(101..=100_000))]
+    pub slow_compute_pct: u32,
     /// Testing aid: switch the device level while recording, e.g.
     /// `0,1@1s` (level 0 from the start, 1 after 1 s).
     #[arg(long, hide = true, value_parser = config::parse_level_schedule)]
@@ -335,6 +340,7 @@ impl AttachArgs {
                 late_min: self.late_min,
                 slow_rank_persist: self.slow_rank_persist,
                 slow_link_ratio: self.slow_link_ratio,
+                slow_compute_pct: self.slow_compute_pct,
                 ..Default::default()
             },
             loader_hook: !self.no_loader_hook,

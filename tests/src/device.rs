@@ -236,6 +236,69 @@ pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str
     }
 }
 
+/// A simulated 2-rank job (dp 2) recorded from before its ranks exist:
+/// `agent attach` (with `agent_extra`) on the launcher, which spawns the
+/// ranks once the agent is attached (`--spawn-gate`), so the agent sees
+/// every communicator's set-up (identities and exact sequence numbers, as
+/// the collective detectors need). `launcher_extra` goes to `launch.py`.
+pub fn run_from_spawn(tag: &str, launcher_extra: &[&str], agent_extra: &[&str]) -> SimRun {
+    wait_for_closers();
+    let fx = fixtures::build_all();
+    let dir = TempDir::new(tag);
+    let job_dir = dir.path().join("job");
+    let gate = dir.path().join("spawn.go");
+    let mut launcher = GroupGuard(
+        Command::new("python3")
+            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+            .arg("--out-dir")
+            .arg(&job_dir)
+            .arg("--build-dir")
+            .arg(fx.join("sim"))
+            .args(["--job-name", tag, "--quiet"])
+            .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
+            .args(["--init-delay-ms", "500", "--timeout", "60"])
+            .arg("--spawn-gate")
+            .arg(&gate)
+            .args(launcher_extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("start the launcher"),
+    );
+    let pid = launcher.0.id().to_string();
+    let mut args = vec!["--pid", pid.as_str()];
+    args.extend_from_slice(agent_extra);
+    let rec = Recording::start(dir.path(), &args);
+    std::fs::write(&gate, b"").expect("open the spawn gate");
+    let done = rec.finish(Duration::from_secs(60));
+    let status = launcher.0.wait().expect("launcher status");
+    let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+    let rank_pids = gt["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["rank"].as_u64().unwrap(),
+                r["pid"].as_i64().unwrap() as i32,
+            )
+        })
+        .collect();
+    let trace = decode(&done.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    SimRun {
+        _dir: dir,
+        job_dir,
+        rank_pids,
+        ground_truth: gt,
+        stats: done.stats,
+        stderr: done.stderr,
+        tl: Timeline::new(&trace),
+        status,
+    }
+}
+
 /// The tracks under process `pid`'s track whose names start with `prefix`.
 pub fn device_tracks<'a>(tl: &'a Timeline, pid: i32, prefix: &str) -> Vec<&'a Track> {
     let Some(process) = tl

@@ -1309,3 +1309,58 @@ fn a_device_call_flood_is_summarized() {
         single.len()
     );
 }
+
+/// `--probe-level 2`, the `slow` fault (rank 1's device computes 4x slower
+/// from step 3), with the arrival-based detector's threshold out of reach
+/// (`--late-min 1s`: a real NCCL rank enqueues on time; the simulator's
+/// host waits for its device before each all-reduce): its compute kernels
+/// in the activity records are 4x its peer's, so the findings name rank 1
+/// a slow rank on the device from step 3, and no slow rank besides. Both
+/// flavors.
+#[test]
+fn a_slow_device_is_a_slow_rank_from_its_activity_records() {
+    let _serial = exclusive();
+    for flavor in ["nvidia", "ascend"] {
+        let run = run_from_spawn(
+            &format!("slowdev-{flavor}"),
+            &[
+                "--flavor",
+                flavor,
+                "--steps",
+                "10",
+                "--host-us",
+                "20000",
+                "--fault",
+                "slow:rank=1,factor=4,from_step=3",
+            ],
+            &["--probe-level", "2", "--late-min", "1s"],
+        );
+        assert!(run.status.success(), "{flavor}: the job failed");
+        let findings = run.stats["findings"]["findings"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{}", run.stats["findings"]));
+        let slow: Vec<&Value> = findings
+            .iter()
+            .filter(|f| f["kind"] == "slow_rank")
+            .collect();
+        assert_eq!(slow.len(), 1, "{flavor}: {findings:#?}");
+        let f = slow[0];
+        assert_eq!(f["ranks"], serde_json::json!([1]), "{flavor}: {f:#}");
+        let step = f["step"].as_u64().expect("a step");
+        assert!(
+            (3..=5).contains(&step),
+            "{flavor}: step {step} for a fault from step 3: {f:#}"
+        );
+        assert!(
+            f["summary"]
+                .as_str()
+                .unwrap()
+                .contains("slow rank on the device"),
+            "{flavor}: {f:#}"
+        );
+        assert!(
+            f["evidence"]["ratio"][0].as_f64().is_some_and(|r| r > 2.0),
+            "{flavor}: {f:#}"
+        );
+    }
+}

@@ -113,11 +113,27 @@ pub struct StreamTrack {
     pub estimated: bool,
 }
 
+/// What a piece of device work is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkKind {
+    /// A compute kernel (the model's own work).
+    Compute,
+    /// A copy on the copy engines.
+    Copy,
+    /// A collective's device side: NCCL's kernels, HCCL's operations (its
+    /// time includes waiting for the other members).
+    Communication,
+    /// Estimated from launches and syncs (no activity records).
+    Estimated,
+    Other,
+}
+
 /// One piece of device work (a kernel, a copy, a collective, an estimate),
 /// in start order per stream.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceWork {
     pub track: StreamTrack,
+    pub kind: WorkKind,
     pub start: u64,
     pub end: u64,
     pub name: String,

@@ -320,6 +320,7 @@ impl ServiceConfig {
                 ("slow_rank_persist", &mut c.slow_rank_persist, 1, 1000),
                 ("slow_link_ratio", &mut c.slow_link_ratio, 2, 1000),
                 ("link_min_ops", &mut c.link_min_ops, 1, 100_000),
+                ("slow_compute_pct", &mut c.slow_compute_pct, 101, 100_000),
             ] {
                 if let Some(v) = s.take(key) {
                     let name = format!("detect.{key}");

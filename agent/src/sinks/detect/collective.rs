@@ -69,6 +69,10 @@ pub struct CollectiveConfig {
     pub slow_link_ratio: u32,
     pub link_min_bytes: u64,
     pub link_min_ops: u32,
+    /// A rank whose compute kernels take this percentage of its peers'
+    /// (median) or more, `slow_rank_persist` steps in a row, is a slow
+    /// rank (`device_compute`; needs activity records).
+    pub slow_compute_pct: u32,
 }
 
 impl Default for CollectiveConfig {
@@ -80,6 +84,7 @@ impl Default for CollectiveConfig {
             slow_link_ratio: 3,
             link_min_bytes: 1 << 20,
             link_min_ops: 5,
+            slow_compute_pct: 150,
         }
     }
 }
@@ -141,7 +146,9 @@ pub struct CollectiveDetector {
     awaiting_sync: HashMap<u32, Vec<(CommKey, u64)>>,
     /// tgid -> all-reduce communicator -> entry times.
     allreduces: HashMap<u32, HashMap<CommKey, Vec<u64>>>,
-    slow_reported: HashSet<u32>,
+    /// Processes named slow ranks (by this or the device-compute
+    /// detector: one finding per rank).
+    pub(super) slow_reported: HashSet<u32>,
     link_reported: bool,
 }
 

@@ -344,3 +344,173 @@ fn a_member_is_compared_with_its_own_usual_offset() {
     assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
     assert_eq!((f[0].ranks.clone(), f[0].seq), (vec![3], Some(9)));
 }
+
+/// Rank `rank`'s kernels of op `op`: five compute kernels of `each` ns
+/// from 10 ms into the step, and a collective kernel (NCCL's) that waits
+/// `wait` ns; stamped at `seen` (activity records come late, in buffers).
+fn kernels(rank: u32, op: u64, each: u64, wait: u64, seen: u64) -> Vec<(u64, Record)> {
+    use crate::model::{DeviceWork, StreamTrack, WorkKind};
+    let t0 = op * 100 * MS + 10 * MS;
+    let work = |kind, start: u64, end: u64, name: &str| {
+        Record::DeviceWork(Box::new(DeviceWork {
+            track: StreamTrack {
+                tgid: pid(rank),
+                name: "GPU 0 stream 7".into(),
+                estimated: false,
+            },
+            kind,
+            start,
+            end,
+            name: name.into(),
+            fields: Vec::new(),
+            flows: Vec::new(),
+        }))
+    };
+    let mut v: Vec<(u64, Record)> = (0..5)
+        .map(|k| {
+            let s = t0 + k * each;
+            (seen, work(WorkKind::Compute, s, s + each, "gemm"))
+        })
+        .collect();
+    let c = t0 + 5 * each;
+    v.push((
+        seen,
+        work(
+            WorkKind::Communication,
+            c,
+            c + wait,
+            "ncclDevKernel_AllReduce",
+        ),
+    ));
+    v
+}
+
+/// A device 4x slower from op 4 on: its host arrives on time (no
+/// late_arrival), its kernels are 4x longer than its peers', and its peers'
+/// collective kernels wait for it (longer, but not compute). Found as a
+/// slow rank from the first slow step, once three steps in a row show it.
+#[test]
+fn a_slow_device_is_a_slow_rank_from_its_compute_kernels() {
+    let ranks = [0, 1, 2, 3];
+    let mut records = job(0xd, &ranks, 12, 8 * MB, 2 * MS, |_, _| 0);
+    for op in 0..12 {
+        for &r in &ranks {
+            let slow = r == 2 && op >= 4;
+            let each = if slow { 8 * MS } else { 2 * MS };
+            let wait = if slow { MS } else { 31 * MS };
+            // Delivered 150 ms late: after later steps' calls.
+            records.extend(kernels(r, op, each, wait, (op * 100 + 150) * MS + 1));
+        }
+    }
+    let f = run(4, DetectConfig::default(), vec![records]);
+    assert_eq!(kinds(&f), vec![FindingKind::SlowRank], "{f:#?}");
+    let slow = &f[0];
+    assert_eq!(slow.ranks, vec![2]);
+    // Op 4's kernels end in the window the all-reduce of op 5 closes.
+    assert_eq!(slow.step, Some(5), "{slow:#?}");
+    assert_eq!(slow.evidence["steps"], serde_json::json!([5, 6, 7]));
+    assert_eq!(slow.evidence["ratio"][0], 4.0);
+    assert!(
+        slow.summary.contains("rank 2 is a slow rank on the device"),
+        "{}",
+        slow.summary
+    );
+
+    // The same job with every device alike: nothing.
+    let mut clean = job(0xd, &ranks, 12, 8 * MB, 2 * MS, |_, _| 0);
+    for op in 0..12 {
+        for &r in &ranks {
+            clean.extend(kernels(
+                r,
+                op,
+                2 * MS + u64::from(r) * 100_000,
+                2 * MS,
+                (op * 100 + 150) * MS + 1,
+            ));
+        }
+    }
+    let f = run(4, DetectConfig::default(), vec![clean]);
+    assert!(f.is_empty(), "{f:#?}");
+}
+
+/// A rank that exits is forgotten by the device-compute detector too.
+#[test]
+fn device_compute_state_goes_with_the_process() {
+    let mut d = Detectors::new(DetectConfig::default());
+    let mut out = Vec::new();
+    let mut records = job(0xe, &[0, 1], 3, 8 * MB, 2 * MS, |_, _| 0);
+    records.extend(kernels(0, 0, MS, MS, 1));
+    records.sort_by_key(|p| p.0);
+    for (_, r) in &records {
+        d.record(r, &mut out);
+    }
+    assert!(!d.hang_state_is_empty_for(pid(0)));
+    for r in [0, 1] {
+        d.record(
+            &Record::Exit {
+                exit: Exit {
+                    cpu: 0,
+                    ts: 400 * MS,
+                    tid: pid(r),
+                    tgid: pid(r),
+                    prio: 120,
+                    comm: Comm::default(),
+                    group_dead: true,
+                    group_known: true,
+                    exit_code: Some(0),
+                },
+                process_ended: true,
+            },
+            &mut out,
+        );
+        assert!(d.hang_state_is_empty_for(pid(r)));
+    }
+}
+
+/// The agent writes a stream's activity at the process's exit (or every
+/// 4,096 pieces of work): the peer that exits first is judged with the one
+/// that exits later, from what it left behind.
+#[test]
+fn a_slow_device_is_found_when_the_activity_comes_at_each_exit() {
+    let ranks = [0, 1];
+    let mut records = job(0xf, &ranks, 10, 8 * MB, 2 * MS, |_, _| 0);
+    let exit = |r: u32, ts: u64| Record::Exit {
+        exit: Exit {
+            cpu: 0,
+            ts,
+            tid: pid(r),
+            tgid: pid(r),
+            prio: 120,
+            comm: Comm::default(),
+            group_dead: true,
+            group_known: true,
+            exit_code: Some(0),
+        },
+        process_ended: true,
+    };
+    for r in ranks {
+        let at = 2_000 * MS + u64::from(r) * 100 * MS;
+        for op in 0..10 {
+            let each = if r == 1 && op >= 2 { 6 * MS } else { 2 * MS };
+            records.extend(kernels(r, op, each, MS, at));
+        }
+        records.push((at + 1, exit(r, at + 1)));
+    }
+    let mut d = Detectors::new(DetectConfig::default());
+    let mut out = Vec::new();
+    for r in 0..2 {
+        d.record(&identity(r), &mut out);
+    }
+    records.sort_by_key(|p| p.0);
+    for (_, r) in &records {
+        d.record(r, &mut out);
+    }
+    let slow: Vec<&Finding> = out
+        .iter()
+        .filter(|f| f.kind == FindingKind::SlowRank)
+        .collect();
+    assert_eq!(slow.len(), 1, "{out:#?}");
+    assert_eq!(slow[0].ranks, vec![1]);
+    assert_eq!(slow[0].step, Some(3));
+    assert!(d.hang_state_is_empty_for(pid(0)) && d.hang_state_is_empty_for(pid(1)));
+}

@@ -14,6 +14,9 @@
 //!   [`memory_leak`].
 //! - [`collective`]: `slow_rank`, `late_arrival` and `slow_link`, from
 //!   the members' arrivals at each collective (communicator + seq).
+//! - [`device_compute`]: `slow_rank` from the device activity: a rank
+//!   whose compute kernels take longer than its peers' (the host cannot
+//!   see it).
 //!
 //! The detectors are pure ([`Detectors`]: records and ticks in, findings
 //! out). The sink sends each new finding back to the pipeline, which puts
@@ -25,6 +28,7 @@ pub mod collective;
 mod collective_tests;
 pub mod crash;
 pub mod dataloader_stall;
+pub mod device_compute;
 pub mod hang;
 pub mod host;
 pub mod host_contention;
@@ -103,6 +107,7 @@ pub struct Detectors {
     crash: crash::CrashDetector,
     host: host::HostDetectors,
     collective: collective::CollectiveDetector,
+    device_compute: device_compute::DeviceComputeDetector,
 }
 
 impl Detectors {
@@ -113,6 +118,10 @@ impl Detectors {
             oom: oom::OomDetector,
             crash: crash::CrashDetector,
             host: host::HostDetectors::new(cfg.host),
+            device_compute: device_compute::DeviceComputeDetector::new(
+                cfg.collective.slow_compute_pct,
+                cfg.collective.slow_rank_persist,
+            ),
             collective: collective::CollectiveDetector::new(cfg.collective),
         }
     }
@@ -127,6 +136,16 @@ impl Detectors {
                 self.hang.device_call(c);
                 self.oom.device_call(c, &self.ranks, out);
                 self.collective.device_call(c, &self.ranks, out);
+                self.device_compute.device_call(
+                    c,
+                    &self.ranks,
+                    &mut self.collective.slow_reported,
+                    out,
+                );
+            }
+            Record::DeviceWork(w) => {
+                self.device_compute
+                    .device_work(w, &mut self.collective.slow_reported, out)
             }
             Record::InFlight(s) => self.hang.snapshot(s),
             Record::Exit {
@@ -135,6 +154,12 @@ impl Detectors {
             } => {
                 self.crash.process_ended(exit, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
+                // Before the collective detector forgets who was slow.
+                self.device_compute.process_ended(
+                    exit.tgid,
+                    &mut self.collective.slow_reported,
+                    out,
+                );
                 self.collective.process_ended(exit.tgid, &self.ranks, out);
                 self.ranks.by_tgid.remove(&exit.tgid);
             }
@@ -147,6 +172,7 @@ impl Detectors {
         self.hang.forgot(tgid)
             && self.collective.forgot(tgid)
             && self.host.forgot(tgid)
+            && self.device_compute.forgot(tgid)
             && self.ranks.of(tgid).is_none()
     }
 

@@ -24,7 +24,7 @@ use crate::events::{CallStack, Exit};
 use crate::kernel::probes::TableUpdate;
 use crate::model::{
     DeviceCallRecord, DeviceWork, EnqueueMarker, Field, FieldValue, InFlightCall, MemoryHeld,
-    Record, device::HeldAt,
+    Record, WorkKind, device::HeldAt,
 };
 use crate::pipeline::enrich::Enrich;
 use xpuscope_probes::decode::table::ProbeTarget;
@@ -460,7 +460,9 @@ impl DeviceInterpreter {
             name: streams::stream_track_name(ascend, a.device, a.stream),
             estimated: false,
         };
+        let kind = work_kind(a.kind, &name);
         let work = Work {
+            kind,
             start: a.start,
             end: a.end.max(a.start),
             name,
@@ -547,6 +549,7 @@ impl DeviceInterpreter {
                 args: streams::estimated_args(w.launches),
                 correlation: None,
                 collective_view: None,
+                kind: WorkKind::Estimated,
             };
             if self.streams.push(key.clone(), work) {
                 self.flush_stream(&key, out);
@@ -591,6 +594,7 @@ impl DeviceInterpreter {
             }
             out.push(Record::DeviceWork(Box::new(DeviceWork {
                 track: key.clone(),
+                kind: w.kind,
                 start: w.start,
                 end: w.end,
                 name: w.name,
@@ -598,5 +602,24 @@ impl DeviceInterpreter {
                 flows,
             })));
         }
+    }
+}
+
+/// What an activity record's work is. NCCL's collectives run as kernels
+/// named after the library (`ncclDevKernel_AllReduce...`,
+/// `ncclKernel_...`); HCCL's come as their own record kinds.
+fn work_kind(kind: ActivityKind, name: &str) -> WorkKind {
+    match kind {
+        ActivityKind::Memcpy => WorkKind::Copy,
+        ActivityKind::Hccl | ActivityKind::Communication => WorkKind::Communication,
+        ActivityKind::Kernel => {
+            let lower = name.get(..4).map(str::to_ascii_lowercase);
+            if matches!(lower.as_deref(), Some("nccl" | "hccl")) {
+                WorkKind::Communication
+            } else {
+                WorkKind::Compute
+            }
+        }
+        _ => WorkKind::Other,
     }
 }

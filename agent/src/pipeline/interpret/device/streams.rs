@@ -54,6 +54,7 @@ pub struct Work {
     /// communication record with its element count, type and correlation
     /// id), and the two become one slice.
     pub collective_view: Option<CollectiveView>,
+    pub kind: crate::model::WorkKind,
 }
 
 /// The two MSPTI record kinds that describe one HCCL operation.
@@ -265,6 +266,7 @@ mod tests {
                 .collect(),
             correlation: (v == CollectiveView::Communication).then_some(9),
             collective_view: Some(v),
+            kind: crate::model::WorkKind::Communication,
         }
     }
 
