@@ -80,6 +80,12 @@ pub struct RunSummary {
     /// Of those, stacks deeper than the kernel's copy (their root end is
     /// missing; they end in a `[truncated: ...]` frame).
     pub user_stacks_truncated: u64,
+    /// Off-CPU stacks of CPython threads with their Python frames
+    /// interleaved; those whose Python frames could not be read (native
+    /// frames only); the mean time a read took (us).
+    pub python_stacks: u64,
+    pub python_stack_errors: u64,
+    pub python_read_us_mean: f64,
     pub preemptions: u64,
     pub offcpu_ns: u64,
     pub offcpu_with_stack_ns: u64,
@@ -298,6 +304,15 @@ impl RunSummary {
             stacks_unmatched: interpret.stacks_unmatched,
             user_stacks_cfi: interpret.user_stacks_cfi,
             user_stacks_truncated: interpret.user_stacks_truncated,
+            python_stacks: interpret.python_stacks,
+            python_stack_errors: interpret.python_stack_errors,
+            python_read_us_mean: if interpret.python_stacks + interpret.python_stack_errors > 0 {
+                interpret.python_read_ns as f64
+                    / 1e3
+                    / (interpret.python_stacks + interpret.python_stack_errors) as f64
+            } else {
+                0.0
+            },
             preemptions: totals.preemptions,
             offcpu_ns: totals.offcpu.total_ns,
             offcpu_with_stack_ns: totals.offcpu.with_stack_ns,

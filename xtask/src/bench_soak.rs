@@ -461,7 +461,7 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
                     .as_u64()
                     .unwrap_or(0),
             };
-            dumps_auto = ["hang", "oom", "signal"]
+            dumps_auto = ["hang", "oom", "signal", "slowdown"]
                 .iter()
                 .map(|t| fr["dumps"][t]["written"].as_u64().unwrap_or(0))
                 .sum();

@@ -10,6 +10,7 @@
 //! process ended (every earlier record of it has been enriched by then:
 //! records arrive in order), so a reused pid starts clean.
 
+pub mod python;
 pub mod symbolize;
 pub mod unwind;
 
@@ -19,6 +20,7 @@ use xpuscope_probes::maps::ProcessMaps;
 use crate::events::UserCopy;
 use crate::model::SymFrame;
 use crate::procfs;
+use python::{PyOutcome, PythonStacks};
 use symbolize::StackSymbolizer;
 use unwind::CfiUnwind;
 
@@ -37,6 +39,21 @@ pub trait Enrich {
     fn kernel_frames(&mut self, addrs: &[u64]) -> Vec<SymFrame>;
     /// Frames of `addrs` (leaf first) in process `tgid`.
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame>;
+    /// Frames of thread `tid`'s stack `addrs` (leaf first): with its Python
+    /// frames in place of the interpreter's evaluation frames where it is
+    /// a CPython thread ([`python`]).
+    fn thread_user_frames(
+        &mut self,
+        tgid: u32,
+        _tid: u32,
+        addrs: &[u64],
+    ) -> (Vec<SymFrame>, PyOutcome) {
+        (self.user_frames(tgid, addrs), PyOutcome::Native)
+    }
+    /// Time spent reading Python frames so far (ns).
+    fn python_read_ns(&self) -> u64 {
+        0
+    }
     /// Addresses (leaf first) unwound from the code's CFI over a copy of
     /// the top of a stack of process `tgid` taken at `ts`; `None` leaves
     /// the frame-pointer stack taken with it.
@@ -66,6 +83,7 @@ pub struct LiveEnricher {
     symbolizer: StackSymbolizer,
     strings: RemoteStrings,
     unwind: CfiUnwind,
+    python: PythonStacks,
 }
 
 impl Enrich for LiveEnricher {
@@ -75,6 +93,20 @@ impl Enrich for LiveEnricher {
 
     fn user_frames(&mut self, tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
         self.symbolizer.user_frames(tgid, addrs)
+    }
+
+    fn thread_user_frames(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        addrs: &[u64],
+    ) -> (Vec<SymFrame>, PyOutcome) {
+        let frames = self.symbolizer.user_frames(tgid, addrs);
+        self.python.mix(tgid, tid, addrs, frames)
+    }
+
+    fn python_read_ns(&self) -> u64 {
+        self.python.read_ns
     }
 
     fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
@@ -104,12 +136,14 @@ impl Enrich for LiveEnricher {
         self.symbolizer.forget_process(tgid);
         self.strings.forget_process(tgid);
         self.unwind.forget_process(tgid);
+        self.python.forget(tgid);
     }
 
     fn process_ended(&mut self, tgid: u32) {
         self.symbolizer.forget_process(tgid);
         self.strings.forget_process(tgid);
         self.unwind.forget_process(tgid);
+        self.python.forget(tgid);
     }
 
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps) {

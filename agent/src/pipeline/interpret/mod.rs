@@ -24,6 +24,7 @@ use crate::model::{
     ThreadNow,
 };
 use crate::pipeline::enrich::Enrich;
+use crate::pipeline::enrich::python::PyOutcome;
 use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
 use device::DeviceInterpreter;
@@ -44,6 +45,11 @@ pub struct InterpretCounters {
     pub user_stacks_cfi: u64,
     /// Of those, stacks whose unwind stopped early (deeper than the copy).
     pub user_stacks_truncated: u64,
+    /// Off-CPU stacks with Python frames interleaved, those whose Python
+    /// frames could not be read, and the time spent reading them (ns).
+    pub python_stacks: u64,
+    pub python_stack_errors: u64,
+    pub python_read_ns: u64,
     /// Distinct threads seen.
     pub threads_seen: u64,
     /// Allocating stacks taken, and those the kernel could not take.
@@ -390,7 +396,16 @@ impl Interpreter {
             s.user_copy.as_ref(),
             &mut self.counters,
         ) {
-            Ok(u) => with_truncation(en.user_frames(s.tgid, &u.addrs), u.truncated),
+            Ok(u) => {
+                let (frames, py) = en.thread_user_frames(s.tgid, s.tid, &u.addrs);
+                match py {
+                    PyOutcome::Mixed => self.counters.python_stacks += 1,
+                    PyOutcome::Failed => self.counters.python_stack_errors += 1,
+                    PyOutcome::Native => {}
+                }
+                self.counters.python_read_ns = en.python_read_ns();
+                with_truncation(frames, u.truncated)
+            }
             Err(_) => Vec::new(),
         };
         if !self

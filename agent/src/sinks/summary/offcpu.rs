@@ -47,11 +47,13 @@ pub fn reason(interval: &OffCpuInterval) -> String {
         .iter()
         .find(|f| !is_scheduler_frame(&f.function));
     // The innermost frame of the program itself says more than the C
-    // library's syscall wrapper it went through.
+    // library's syscall wrapper it went through; in a Python thread, the
+    // innermost Python function more than the interpreter's C code.
     let user = stack
         .user
         .iter()
-        .find(|f| !is_system_library(&f.module))
+        .find(|f| crate::pipeline::enrich::python::is_python_frame(f))
+        .or_else(|| stack.user.iter().find(|f| !is_system_library(&f.module)))
         .or(stack.user.first());
     match (kernel, user) {
         (Some(k), Some(u)) => format!("{state} in {} <- {}", k.function, u.function),

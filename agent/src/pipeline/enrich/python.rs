@@ -1,0 +1,135 @@
+//! Python frames in user stacks: for a thread of a CPython process
+//! (3.10-3.13), its Python frames (function, file, line) read from the
+//! process's memory (`xpuscope_probes::python`) and put in place of the
+//! interpreter's evaluation frames of the native stack ("mixed" stacks, as
+//! py-spy `--native` shows them).
+//!
+//! When: as the pipeline enriches an off-CPU stack, milliseconds after the
+//! thread left its CPU. A thread blocked that long (a sleep, a lock, a
+//! collective's sync: the waits worth naming) still has those frames; one
+//! that already ran again may show newer ones, which the interleave keeps
+//! only where the native stack has evaluation frames for them.
+//! Allocation stacks stay native: they are interned per native stack, and
+//! one native stack serves many Python callers.
+//!
+//! A process is looked at once, at its first stack (not at exec: a
+//! launcher's children exec python only later); one that is not CPython
+//! costs that look, cached. Forgotten at exit (pids are reused).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcesses, interleave};
+
+use crate::model::SymFrame;
+
+/// The mapping name of Python frames (a flamegraph groups them; the
+/// summary's off-CPU reasons prefer them).
+pub const PYTHON_MODULE_PREFIX: &str = "[python] ";
+
+/// How one stack went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PyOutcome {
+    /// Not a Python process, or a thread without Python frames.
+    Native,
+    /// Python frames were interleaved.
+    Mixed,
+    /// The frames could not be read (the native stack stands).
+    Failed,
+}
+
+#[derive(Default)]
+pub struct PythonStacks {
+    procs: PythonProcesses,
+    /// Time spent reading Python frames, for the summary.
+    pub read_ns: u64,
+    pub reads: u64,
+}
+
+impl PythonStacks {
+    /// `native` symbolized (`frames`, one per address, leaf first) with
+    /// thread `tid`'s Python frames in place of its evaluation frames.
+    pub fn mix(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        native: &[u64],
+        frames: Vec<SymFrame>,
+    ) -> (Vec<SymFrame>, PyOutcome) {
+        if frames.len() != native.len() {
+            return (frames, PyOutcome::Native);
+        }
+        let proc = match self.procs.get(tgid) {
+            Ok(Some(p)) => p,
+            Ok(None) => return (frames, PyOutcome::Native),
+            Err(e) => {
+                tracing::debug!("python frames of pid {tgid}: {e}");
+                return (frames, PyOutcome::Failed);
+            }
+        };
+        if !native
+            .iter()
+            .any(|a| proc.is_eval_frame(a.saturating_sub(1)))
+        {
+            return (frames, PyOutcome::Native);
+        }
+        let started = Instant::now();
+        let py = proc.frames(tid);
+        self.read_ns += started.elapsed().as_nanos() as u64;
+        self.reads += 1;
+        let py = match py {
+            Ok(py) if !py.is_empty() => py,
+            Ok(_) => return (frames, PyOutcome::Native),
+            Err(e) => {
+                tracing::debug!("python frames of thread {tid}: {e}");
+                return (frames, PyOutcome::Failed);
+            }
+        };
+        // A return address points after the call: the frame is the byte
+        // before it (an eval function ending in a call would else miss).
+        let mixed = interleave(native, &py, |a| proc.is_eval_frame(a.saturating_sub(1)));
+        let by_addr: Vec<(u64, SymFrame)> = native.iter().copied().zip(frames).collect();
+        let mut next = 0;
+        let out = mixed
+            .into_iter()
+            .map(|m| match m {
+                MixedFrame::Native(addr) => {
+                    // In order: the interleave keeps the natives' order.
+                    while next < by_addr.len() && by_addr[next].0 != addr {
+                        next += 1;
+                    }
+                    let f = by_addr[next.min(by_addr.len() - 1)].1.clone();
+                    next += 1;
+                    f
+                }
+                MixedFrame::Python(f) => python_frame(&f),
+            })
+            .collect();
+        (out, PyOutcome::Mixed)
+    }
+
+    pub fn forget(&mut self, tgid: u32) {
+        self.procs.forget(tgid);
+    }
+}
+
+/// `forward (model.py:12)` in mapping `[python] /path/model.py`.
+pub fn python_frame(f: &PyFrame) -> SymFrame {
+    let base = f.file.rsplit('/').next().unwrap_or(&f.file);
+    let function = match f.line {
+        Some(line) => format!("{} ({base}:{line})", f.function),
+        None => format!("{} ({base})", f.function),
+    };
+    SymFrame {
+        function: Arc::from(function),
+        module: Arc::from(format!("{PYTHON_MODULE_PREFIX}{}", f.file)),
+        module_start: 0,
+        module_end: 0,
+        module_offset: 0,
+        rel_pc: f.line.map_or(0, u64::from),
+    }
+}
+
+pub fn is_python_frame(f: &SymFrame) -> bool {
+    f.module.starts_with(PYTHON_MODULE_PREFIX)
+}

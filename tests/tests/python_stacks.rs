@@ -1,0 +1,128 @@
+//! End to end: `agent attach` on a running CPython 3.11 process (no
+//! restart, no LD_PRELOAD) writes off-CPU stacks with the Python frames in
+//! place of the interpreter's evaluation frames ("mixed" stacks): the main
+//! thread's `train_step -> forward` around `time.sleep`, the loader
+//! thread's `loader -> fetch_batch` around a lock wait, each with its file
+//! and line, innermost first below the native frames of the wait; and
+//! the summary's top off-CPU reasons name the Python function. Root and
+//! eBPF; never skipped.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
+use xpuscope_tests::fixtures;
+use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+
+/// The line of `tests/workloads/py_offcpu.py` marked `# MARK <mark>`.
+fn line_of(script: &str, mark: &str) -> usize {
+    script
+        .lines()
+        .position(|l| l.contains(&format!("# MARK {mark}")))
+        .unwrap_or_else(|| panic!("no MARK {mark}"))
+        + 1
+}
+
+#[test]
+fn attach_shows_python_frames_in_off_cpu_stacks() {
+    let _serial = exclusive();
+    let python = std::path::Path::new("/usr/bin/python3.11");
+    if !python.exists() && std::env::var("CI").is_ok_and(|v| v == "true") {
+        let _ = Command::new("apt-get")
+            .args(["install", "-y", "python3.11"])
+            .status();
+    }
+    assert!(
+        python.exists(),
+        "/usr/bin/python3.11 is missing (apt-get install python3.11)"
+    );
+    let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
+    let script = std::fs::read_to_string(&script_path).expect("the fixture");
+    let dir = TempDir::new("pystacks");
+    let mut py = Proc::spawn(
+        "python",
+        Command::new(python)
+            .arg(&script_path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = py.stdin();
+    let mut out = Lines::new(py.stdout());
+    out.wait_for("pid ", Duration::from_secs(20));
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &py.pid().to_string(), "--stacks", "all"],
+    );
+    go(&mut stdin);
+    let done = rec.finish(Duration::from_secs(60));
+    let trace = decode(&done.trace).expect("decodes with the official schema");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+
+    let file = "py_offcpu.py";
+    // Innermost first, as the chain must appear (root first in samples).
+    let chains = [
+        vec![
+            format!("forward ({file}:{})", line_of(&script, "forward-sleep")),
+            format!(
+                "train_step ({file}:{})",
+                line_of(&script, "train_step-call")
+            ),
+        ],
+        vec![
+            format!("fetch_batch ({file}:{})", line_of(&script, "fetch-wait")),
+            format!("loader ({file}:{})", line_of(&script, "loader-call")),
+        ],
+    ];
+    let pid = py.pid() as i32;
+    let samples: Vec<_> = tl.stack_samples.iter().filter(|s| s.pid == pid).collect();
+    assert!(
+        !samples.is_empty(),
+        "no off-CPU stacks of the Python process"
+    );
+    for chain in &chains {
+        let found = samples.iter().any(|s| {
+            // Root first in the sample: the chain reversed, the innermost
+            // Python frames, above the kernel's frames of the wait.
+            let want: Vec<&str> = chain.iter().rev().map(String::as_str).collect();
+            let python_frames: Vec<&str> = s
+                .frames
+                .iter()
+                .zip(&s.mappings)
+                .filter(|(_, m)| m.starts_with("[python]"))
+                .map(|(f, _)| f.as_str())
+                .collect();
+            python_frames.ends_with(&want) && s.mappings.iter().any(|m| m == "kernel")
+        });
+        assert!(
+            found,
+            "no off-CPU stack holds {chain:?}; the Python process's stacks:\n{:#?}",
+            samples
+                .iter()
+                .take(12)
+                .map(|s| s
+                    .frames
+                    .iter()
+                    .zip(&s.mappings)
+                    .map(|(f, m)| format!("{f} ({m})"))
+                    .collect::<Vec<_>>()
+                    .join(" > "))
+                .collect::<Vec<_>>()
+        );
+    }
+    let stats = &done.stats;
+    assert!(stats["python_stacks"].as_u64().unwrap() > 0, "{stats}");
+    // The summary names the Python function a thread waited in.
+    let reasons: Vec<&str> = stats["top_offcpu"]
+        .as_array()
+        .expect("top_offcpu")
+        .iter()
+        .filter_map(|r| r["what"].as_str())
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains(&chains[0][0]) || r.contains(&chains[1][0])),
+        "{reasons:?}"
+    );
+}
