@@ -353,6 +353,23 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
         exit_code: btf
             .offset_of("task_struct", "exit_code")
             .unwrap_or(TaskOffsets::ABSENT),
+        // Only stacks inside return-probed calls need these (the real
+        // return addresses behind the uretprobe trampoline): optional.
+        utask: btf
+            .offset_of("task_struct", "utask")
+            .unwrap_or(TaskOffsets::ABSENT),
+        return_instances: btf
+            .offset_of("uprobe_task", "return_instances")
+            .unwrap_or(TaskOffsets::ABSENT),
+        ri_stack: btf
+            .offset_of("return_instance", "stack")
+            .unwrap_or(TaskOffsets::ABSENT),
+        ri_orig_ret_vaddr: btf
+            .offset_of("return_instance", "orig_ret_vaddr")
+            .unwrap_or(TaskOffsets::ABSENT),
+        ri_next: btf
+            .offset_of("return_instance", "next")
+            .unwrap_or(TaskOffsets::ABSENT),
     })
 }
 

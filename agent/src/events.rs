@@ -4,8 +4,9 @@
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
     COMM_LEN, EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind,
-    LinkMapChange, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit, ProcessFork,
-    SchedSwitch, SchedWaking, TaskRename, USER_STACK_COPY, UserStackCopy, switch_flags,
+    LinkMapChange, MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit,
+    ProcessFork, SchedSwitch, SchedWaking, TaskRename, USER_STACK_COPY, UserStackCopy,
+    switch_flags,
 };
 
 /// A task name as the kernel stores it (NUL-padded, not always UTF-8).
@@ -188,21 +189,38 @@ pub struct UserCopy {
     pub bp: u64,
     /// The bytes from `sp` up, or the negative errno of the first read.
     pub stack: Result<Vec<u8>, i32>,
+    /// Return addresses put back where the uretprobe trampoline stood.
+    pub restored_returns: u32,
 }
 
 impl UserCopy {
+    /// The copy as the thread's stack really is: each pending
+    /// return-probed call's return address, which the kernel replaced with
+    /// its uretprobe trampoline in the copied slot, put back (the unwind
+    /// would stop at the trampoline, which has no CFI).
     fn decode(c: &UserStackCopy) -> Self {
+        let mut restored = 0;
         let stack = if c.stack_len < 0 {
             Err(c.stack_len)
         } else {
             let n = (c.stack_len as usize).min(USER_STACK_COPY);
-            Ok(c.stack[..n].to_vec())
+            let mut bytes = c.stack[..n].to_vec();
+            let pending = (c.returns_len as usize).min(MAX_PENDING_RETURNS);
+            for &[slot, ret] in &c.returns[..pending] {
+                let at = slot.wrapping_sub(c.sp) as usize;
+                if slot >= c.sp && at.checked_add(8).is_some_and(|end| end <= n) {
+                    bytes[at..at + 8].copy_from_slice(&ret.to_le_bytes());
+                    restored += 1;
+                }
+            }
+            Ok(bytes)
         };
         UserCopy {
             ip: c.ip,
             sp: c.sp,
             bp: c.bp,
             stack,
+            restored_returns: restored,
         }
     }
 }
@@ -586,7 +604,8 @@ mod tests {
                 sp: 0x7ff0_0000,
                 bp: 0x7ff0_0040,
                 stack_len: 2048,
-                _pad: 0,
+                returns_len: 0,
+                returns: [[0; 2]; MAX_PENDING_RETURNS],
                 stack: [0xab; USER_STACK_COPY],
             },
         };
@@ -607,6 +626,28 @@ mod tests {
             (0x4000, 0x7ff0_0000, 0x7ff0_0040)
         );
         assert_eq!(copy.stack, Ok(vec![0xab; 2048]), "only the bytes copied");
+
+        // Two pending return-probed calls: their real return addresses go
+        // back into their slots; a slot outside the copy (or a count past
+        // the array: a kernel bug) changes nothing.
+        rec.copy.returns_len = 7;
+        rec.copy.returns = [
+            [0x7ff0_0010, 0x5555_1234],
+            [0x7ff0_0100, 0x5555_5678],
+            [0x7fef_0000, 0x1],
+            [0x7ff0_0000 + 2048 - 4, 0x2],
+        ];
+        let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!()
+        };
+        let stack = s.user_copy.unwrap().stack.unwrap();
+        let word = |at: usize| u64::from_le_bytes(stack[at..at + 8].try_into().unwrap());
+        assert_eq!((word(0x10), word(0x100)), (0x5555_1234, 0x5555_5678));
+        let mut rest = stack.clone();
+        rest[0x10..0x18].fill(0xab);
+        rest[0x100..0x108].fill(0xab);
+        assert_eq!(rest, vec![0xab; 2048], "nothing else changed");
+        rec.copy.returns_len = 0;
 
         rec.copy.stack_len = -14;
         let Event::Stack(s) = decode(&as_bytes(&rec)).unwrap() else {

@@ -80,6 +80,10 @@ pub struct RunSummary {
     /// Of those, stacks deeper than the kernel's copy (their root end is
     /// missing; they end in a `[truncated: ...]` frame).
     pub user_stacks_truncated: u64,
+    /// Of those, stacks taken inside a call the agent return-probes (a
+    /// collective, a sync), unwound past the kernel's uretprobe trampoline
+    /// with the real return address the record carries.
+    pub user_stacks_past_uretprobes: u64,
     /// Off-CPU stacks of CPython threads with their Python frames
     /// interleaved; those whose Python frames could not be read (native
     /// frames only); the mean time a read took (us).
@@ -304,6 +308,7 @@ impl RunSummary {
             stacks_unmatched: interpret.stacks_unmatched,
             user_stacks_cfi: interpret.user_stacks_cfi,
             user_stacks_truncated: interpret.user_stacks_truncated,
+            user_stacks_past_uretprobes: interpret.user_stacks_past_uretprobes,
             python_stacks: interpret.python_stacks,
             python_stack_errors: interpret.python_stack_errors,
             python_read_us_mean: if interpret.python_stacks + interpret.python_stack_errors > 0 {

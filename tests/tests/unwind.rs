@@ -518,8 +518,8 @@ fn own_frames(frames: &[String], mappings: &[String]) -> Vec<String> {
 /// the agent unwinds them from the CFI: every function of each chain (the
 /// frames the ptrace tests above check against gdb's `bt`) is in the
 /// trace's stacks, in order, for code without frame pointers, through
-/// glibc's blocking calls, through the real libcudart, and
-/// for allocations; the summary's off-CPU reasons name the fixture's
+/// glibc's blocking calls, through the real libnccl (inside a call the
+/// agent return-probes) and libcudart, and for allocations; the summary's off-CPU reasons name the fixture's
 /// functions, not glibc's wrappers.
 #[test]
 fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
@@ -527,7 +527,7 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
     use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
     let _serial = exclusive();
-    let cudart = nvidia_lib(CUDART);
+    let (nccl, cudart) = (nvidia_lib(NCCL), nvidia_lib(CUDART));
     // (child spec, its own functions innermost first, a library its stack
     // passes through)
     let blocking: Vec<(String, Vec<&str>, Option<&str>)> = vec![
@@ -535,14 +535,17 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         ("mutex".into(), own_chain(&[]), None),
         ("condvar".into(), own_chain(&[]), None),
         ("pipe".into(), own_chain(&["block_on_pipe"]), None),
-        // Not libnccl's ncclGetUniqueId here: the agent probes it, and a
-        // stack taken inside a call whose return probe is pending holds the
-        // kernel's return trampoline ([uprobes]) instead of the caller's
-        // address, which the CFI unwind cannot see past (the kernel keeps
-        // the real one; carrying it in the record is not done yet). Whether
-        // the probe is live before the child's call is a race, so the case
-        // would pass or fail by chance. The ptrace test above checks the
-        // unwind through the real libnccl against gdb.
+        // Inside libnccl's ncclGetUniqueId, which the agent return-probes
+        // (the child waits 300 ms after its dlopen: the probes are live
+        // before the call): the stack holds the kernel's uretprobe
+        // trampoline where the caller's return address was, and the record
+        // carries the real one, which the agent puts back before the CFI
+        // unwind.
+        (
+            format!("dlcall:{nccl}:ncclGetUniqueId"),
+            own_chain(&["block_on_pipe", "getenv", "call_library"]),
+            Some("libnccl.so.2"),
+        ),
         (
             format!("dlcall:{cudart}:cudaGetDeviceCount"),
             own_chain(&["block_on_pipe", "dlopen", "call_library"]),
@@ -559,6 +562,7 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         "unwind fixture",
         Command::new(fixture())
             .args(&args)
+            .env("UNWIND_CHAIN_DELAY_MS", "300")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped()),
     );
@@ -592,6 +596,14 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
     let trace = decode(&done.trace).expect("decodes with the official schema");
     check_importer_rules(&trace).expect("importer rules hold");
     let tl = Timeline::new(&trace);
+    // The libnccl child's stacks were taken inside a return-probed call.
+    assert!(
+        done.stats["user_stacks_past_uretprobes"]
+            .as_u64()
+            .is_some_and(|n| n > 0),
+        "no stack unwound past a uretprobe trampoline: {}",
+        done.stats
+    );
 
     for ((spec, expected, library), &pid) in blocking.iter().zip(&pids) {
         let want: Vec<&str> = expected.iter().rev().copied().collect();

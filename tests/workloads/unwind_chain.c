@@ -13,7 +13,9 @@
  *              and dlopen() interposed: the library's first call of either
  *              blocks in read(2) on a pipe, so the stack runs fixture ->
  *              LIB -> fixture -> libc (the real libnccl from PyPI reads its
- *              settings with getenv, libcudart dlopens the driver).
+ *              settings with getenv, libcudart dlopens the driver). With
+ *              UNWIND_CHAIN_DELAY_MS set, waits that long between the
+ *              dlopen and the call.
  *   alloc LIB  calls cudaMalloc in LIB (dlopen) every 50 ms, forever
  *              (allocating stacks; without a GPU the call fails at once).
  *
@@ -110,6 +112,11 @@ NOINLINE int call_library(const char *lib, const char *symbol) {
         fprintf(stderr, "dlsym %s: %s\n", symbol, dlerror());
         exit(2);
     }
+    /* UNWIND_CHAIN_DELAY_MS: time for an agent following this process to
+     * probe the library it just loaded before the call. */
+    const char *delay = getenv("UNWIND_CHAIN_DELAY_MS");
+    if (delay)
+        usleep((useconds_t)atoi(delay) * 1000);
     char scratch[256];
     memset(scratch, 0, sizeof scratch);
     block_in_getenv = 1;

@@ -33,6 +33,9 @@ pub const TARGET_GEN_AGENT: u32 = 1;
 /// deepest fixture stack measured (through the real libcudart, 18 frames)
 /// needed 2,520 bytes.
 pub const USER_STACK_COPY: usize = 8192;
+/// Pending return-probed calls of a thread recorded with its stack copy
+/// (a thread blocked in a collective has one or two).
+pub const MAX_PENDING_RETURNS: usize = 4;
 /// The copy is read in chunks of this size, so a stack that ends less than
 /// [`USER_STACK_COPY`] above `sp` still yields every whole chunk below its
 /// end (a failed read copies nothing).
@@ -284,7 +287,13 @@ pub struct UserStackCopy {
     /// [`USER_STACK_COPY`] when the stack ended before), or a negative
     /// errno when nothing could be read.
     pub stack_len: i32,
-    pub _pad: u32,
+    /// Entries of `returns` filled.
+    pub returns_len: u32,
+    /// The thread's pending return-probed calls, innermost first: (the
+    /// stack slot of the return address, the real return address). The
+    /// kernel replaced the return address in that slot with its uretprobe
+    /// trampoline; the agent puts the real one back before unwinding.
+    pub returns: [[u64; 2]; MAX_PENDING_RETURNS],
     pub stack: [u8; USER_STACK_COPY],
 }
 
@@ -314,6 +323,15 @@ pub struct TaskOffsets {
     pub cpu: u32,
     /// `exit_code`; [`TaskOffsets::ABSENT`] if missing.
     pub exit_code: u32,
+    /// `task_struct.utask`, `uprobe_task.return_instances`, and
+    /// `return_instance.{stack, orig_ret_vaddr, next}`: the return
+    /// addresses the kernel's uretprobe trampoline stands in for
+    /// ([`UserStackCopy::returns`]); [`TaskOffsets::ABSENT`] if missing.
+    pub utask: u32,
+    pub return_instances: u32,
+    pub ri_stack: u32,
+    pub ri_orig_ret_vaddr: u32,
+    pub ri_next: u32,
 }
 
 impl TaskOffsets {
@@ -378,14 +396,16 @@ const _: () = assert!(core::mem::size_of::<ProcessExec>() == 48);
 const _: () = assert!(core::mem::size_of::<ProcessExit>() == 56);
 const _: () = assert!(core::mem::size_of::<TaskRename>() == 56);
 const _: () = assert!(core::mem::size_of::<LinkMapChange>() == 24);
-const _: () = assert!(core::mem::size_of::<UserStackCopy>() == 32 + USER_STACK_COPY);
+const _: () = assert!(
+    core::mem::size_of::<UserStackCopy>() == 32 + 16 * MAX_PENDING_RETURNS + USER_STACK_COPY
+);
 const _: () = assert!(USER_STACK_COPY.is_multiple_of(USER_STACK_CHUNK));
 const _: () = assert!(
     core::mem::size_of::<OffCpuStack>()
         == 32 + 2 * 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
 );
 const _: () = assert!(core::mem::size_of::<Config>() == 48);
-const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 24);
+const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 44);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -97,6 +97,11 @@ pub static TASK_OFFSETS: TaskOffsets = TaskOffsets {
     comm: 0,
     cpu: TaskOffsets::ABSENT,
     exit_code: TaskOffsets::ABSENT,
+    utask: TaskOffsets::ABSENT,
+    return_instances: TaskOffsets::ABSENT,
+    ri_stack: TaskOffsets::ABSENT,
+    ri_orig_ret_vaddr: TaskOffsets::ABSENT,
+    ri_next: TaskOffsets::ABSENT,
 };
 
 #[inline(always)]

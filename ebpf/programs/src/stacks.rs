@@ -11,8 +11,8 @@ use aya_ebpf::{
     },
 };
 use xpuscope_common::{
-    Config, DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH, OffCpuStack, StackBudget,
-    USER_STACK_CHUNK, USER_STACK_COPY, UserStackCopy, stack_mode,
+    Config, DROP_SLOT_STACK_ERRORS, EventKind, MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStack,
+    StackBudget, TaskOffsets, USER_STACK_CHUNK, USER_STACK_COPY, UserStackCopy, stack_mode,
 };
 
 use crate::{
@@ -125,15 +125,50 @@ fn copy_current_user_stack(copy: &mut UserStackCopy) {
         copy.ip = read(core::ptr::addr_of!((*regs).rip));
         copy.sp = read(core::ptr::addr_of!((*regs).rsp));
         copy.bp = read(core::ptr::addr_of!((*regs).rbp));
+        copy_user_stack(copy);
+        copy_pending_returns(task as *const u8, copy);
     }
-    copy_user_stack(copy);
+}
+
+/// The task's pending uretprobe return instances, innermost first: where
+/// each return address was on the stack and what it was (see
+/// [`UserStackCopy::returns`]).
+#[inline(always)]
+fn copy_pending_returns(task: *const u8, copy: &mut UserStackCopy) {
+    let off = crate::maps::offsets();
+    if off.utask == TaskOffsets::ABSENT
+        || off.return_instances == TaskOffsets::ABSENT
+        || off.ri_stack == TaskOffsets::ABSENT
+        || off.ri_orig_ret_vaddr == TaskOffsets::ABSENT
+        || off.ri_next == TaskOffsets::ABSENT
+    {
+        return;
+    }
+    // SAFETY: kernel pointers only read through bpf_probe_read_kernel,
+    // which fails cleanly on a bad one.
+    let read = |at: u64| unsafe { bpf_probe_read_kernel(at as *const u64).unwrap_or(0) };
+    let utask = read(task as u64 + u64::from(off.utask));
+    if utask == 0 {
+        return;
+    }
+    let mut ri = read(utask + u64::from(off.return_instances));
+    let mut n = 0;
+    while n < MAX_PENDING_RETURNS && ri != 0 {
+        copy.returns[n] = [
+            read(ri + u64::from(off.ri_stack)),
+            read(ri + u64::from(off.ri_orig_ret_vaddr)),
+        ];
+        n += 1;
+        ri = read(ri + u64::from(off.ri_next));
+    }
+    copy.returns_len = n as u32;
 }
 
 /// Copies the stack from `copy.sp` up, chunk by chunk until a read fails
 /// (the stack's mapping ended), and says how much was copied.
 #[inline(always)]
 pub fn copy_user_stack(copy: &mut UserStackCopy) {
-    copy._pad = 0;
+    copy.returns_len = 0;
     if copy.sp == 0 {
         copy.stack_len = EFAULT;
         return;

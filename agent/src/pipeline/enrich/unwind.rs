@@ -178,6 +178,7 @@ mod tests {
             sp,
             bp,
             stack: Ok(bytes),
+            restored_returns: 0,
         }
     }
 
@@ -214,6 +215,7 @@ mod tests {
             sp: 0x2000,
             bp: 0,
             stack: Err(-14),
+            restored_returns: 0,
         };
         assert_eq!(u.unwind(std::process::id(), 0, &copy), None);
         assert_eq!(u.fallbacks, 1);

@@ -45,6 +45,9 @@ pub struct InterpretCounters {
     pub user_stacks_cfi: u64,
     /// Of those, stacks whose unwind stopped early (deeper than the copy).
     pub user_stacks_truncated: u64,
+    /// Of those, stacks taken inside a return-probed call, unwound past it
+    /// with the real return address the kernel's trampoline stood for.
+    pub user_stacks_past_uretprobes: u64,
     /// Off-CPU stacks with Python frames interleaved, those whose Python
     /// frames could not be read, and the time spent reading them (ns).
     pub python_stacks: u64,
@@ -107,6 +110,9 @@ pub(crate) fn user_addrs(
         return Ok(walk(fp));
     }
     c.user_stacks_cfi += 1;
+    if copy.is_some_and(|c| c.restored_returns > 0) {
+        c.user_stacks_past_uretprobes += 1;
+    }
     if cfi.truncated {
         c.user_stacks_truncated += 1;
     }
@@ -445,6 +451,7 @@ mod user_stack_tests {
             sp: 0x7000,
             bp: 0,
             stack: Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect()),
+            restored_returns: 0,
         }
     }
 
