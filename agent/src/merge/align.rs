@@ -15,6 +15,18 @@
 //! than the median over repeated runs of the simulated job on a loaded
 //! 2-CPU VM (figures in the README). A few rounds let nodes that share
 //! collectives only with some others settle.
+//!
+//! Then the job's causality bounds it: no member of an all-reduce (all-
+//! gather, reduce-scatter) sees it end before its last member entered, so
+//! for nodes k and j and every such operation both record,
+//! `o_k - o_j <= end_j - entry_k` (node j's earliest sync end, node k's
+//! latest entry, each in its own clock). Over many operations the tightest
+//! of these on both sides leave an interval for each node's offset whose
+//! width is about twice the fastest a member saw an operation end after
+//! the last entry; its midpoint is the offset, unless the bounds do not
+//! meet (then the estimate above stands). Wake-up tails that are heavy on
+//! one node bias the centre of the end differences by their size, the
+//! interval's midpoint by half of what the quickest wake-up took.
 
 use std::collections::HashMap;
 
@@ -25,6 +37,9 @@ pub struct NodeClock<'a> {
     pub snapshot: Option<ClockSnapshot>,
     /// (communicator hash, seq) -> end time in the node's BOOTTIME.
     pub ends: &'a HashMap<(u64, u64), u64>,
+    /// (communicator hash, seq) -> latest entry among the node's ranks, for
+    /// operations whose members all wait for each other.
+    pub entries: &'a HashMap<(u64, u64), u64>,
 }
 
 /// How a node's offset was found.
@@ -35,6 +50,8 @@ pub enum Method {
     Reference,
     /// REALTIME, refined from shared collectives.
     Collectives,
+    /// The midpoint of the interval the collectives' causality leaves.
+    Bounds,
     /// REALTIME only (no collectives shared with other nodes).
     Realtime,
     /// Nothing to align with: offset 0.
@@ -56,6 +73,9 @@ pub struct Alignment {
     pub residual_median_ns: Option<u64>,
     pub residual_p90_ns: Option<u64>,
     pub method: Method,
+    /// The interval the collectives' causality leaves for the offset
+    /// (lower, upper), when both sides are bounded.
+    pub bounds_ns: Option<(i64, i64)>,
 }
 
 fn median(v: &mut [i64]) -> Option<i64> {
@@ -127,6 +147,32 @@ fn interquartile_mean(v: &mut [i64]) -> Option<i64> {
     Some((2 * sum + n).div_euclid(2 * n) as i64)
 }
 
+/// For node k, given the others' offsets: the (lowest, highest) offset
+/// the collectives' causality allows.
+fn bounds(nodes: &[NodeClock<'_>], offsets: &[i64], k: usize) -> (Option<i64>, Option<i64>) {
+    let (mut lo, mut hi): (Option<i64>, Option<i64>) = (None, None);
+    for (j, n) in nodes.iter().enumerate() {
+        if j == k {
+            continue;
+        }
+        // o_k <= end_j + o_j - entry_k
+        for (key, &entry_k) in nodes[k].entries {
+            if let Some(&end_j) = n.ends.get(key) {
+                let b = end_j as i64 + offsets[j] - entry_k as i64;
+                hi = Some(hi.map_or(b, |h| h.min(b)));
+            }
+        }
+        // o_k >= entry_j + o_j - end_k
+        for (key, &end_k) in nodes[k].ends {
+            if let Some(&entry_j) = n.entries.get(key) {
+                let b = entry_j as i64 + offsets[j] - end_k as i64;
+                lo = Some(lo.map_or(b, |l| l.max(b)));
+            }
+        }
+    }
+    (lo, hi)
+}
+
 fn realtime_offset(
     snapshot: Option<ClockSnapshot>,
     reference: Option<ClockSnapshot>,
@@ -162,6 +208,27 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
             break;
         }
     }
+    // The causality bounds, node by node until they settle (each node's
+    // interval moves with the others' offsets).
+    let mut bounded: Vec<Option<(i64, i64)>> = vec![None; n];
+    for _round in 0..60 {
+        let mut moved = 0i64;
+        for k in 1..n {
+            if let (Some(lo), Some(hi)) = bounds(nodes, &offsets, k)
+                && lo <= hi
+            {
+                let mid = lo + (hi - lo) / 2;
+                moved = moved.max((mid - offsets[k]).abs());
+                offsets[k] = mid;
+                bounded[k] = Some((lo, hi));
+            } else {
+                bounded[k] = None;
+            }
+        }
+        if moved < 1 {
+            break;
+        }
+    }
     (0..n)
         .map(|k| {
             let mut d = differences(nodes, &offsets, k);
@@ -173,6 +240,8 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
             };
             let method = if k == 0 {
                 Method::Reference
+            } else if bounded[k].is_some() {
+                Method::Bounds
             } else if matched > 0 {
                 Method::Collectives
             } else if rt[k].is_some() {
@@ -188,6 +257,7 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
                 residual_median_ns: pct(0.5),
                 residual_p90_ns: pct(0.9),
                 method,
+                bounds_ns: bounded[k],
             }
         })
         .collect()
@@ -196,6 +266,9 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    static NO_ENTRIES: std::sync::LazyLock<HashMap<(u64, u64), u64>> =
+        std::sync::LazyLock::new(HashMap::new);
 
     fn snap(boot: u64, real: u64) -> Option<ClockSnapshot> {
         Some(ClockSnapshot {
@@ -229,10 +302,12 @@ mod tests {
             NodeClock {
                 snapshot: snap(1_000, 10_000_000_000),
                 ends: &a,
+                entries: &NO_ENTRIES,
             },
             NodeClock {
                 snapshot: snap(3_000_001_000, 10_040_000_000),
                 ends: &b,
+                entries: &NO_ENTRIES,
             },
         ];
         let al = align(&nodes);
@@ -256,6 +331,7 @@ mod tests {
             .map(|e| NodeClock {
                 snapshot: snap(0, 0),
                 ends: e,
+                entries: &NO_ENTRIES,
             })
             .collect();
         let al = align(&nodes);
@@ -293,15 +369,87 @@ mod tests {
             NodeClock {
                 snapshot: snap(0, 0),
                 ends: &a,
+                entries: &NO_ENTRIES,
             },
             NodeClock {
                 snapshot: snap(0, 0),
                 ends: &b,
+                entries: &NO_ENTRIES,
             },
         ];
         let al = align(&nodes);
         let err = al[1].offset_ns + 500_000_000;
         assert!(err.abs() <= 5_000, "off by {err} ns");
+    }
+
+    /// Node 1 is loaded: its ranks see every all-reduce end 100-300 us
+    /// late, node 0's 5-20 us; the last member to enter is on either node.
+    /// The centre of the end differences is off by the tail (~200 us);
+    /// the causality bounds' midpoint by half the quickest wake-up.
+    #[test]
+    fn causality_bounds_undo_one_sided_wakeup_tails() {
+        const D: i64 = 500_000_000;
+        let rnd = |s: u64, salt: u64, m: u64| {
+            ((s ^ (salt << 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % m
+        };
+        let (mut e0, mut e1, mut n0, mut n1) = (
+            HashMap::new(),
+            HashMap::new(),
+            HashMap::new(),
+            HashMap::new(),
+        );
+        for s in 0..400u64 {
+            let t = 1_000_000_000 + s * 1_000_000;
+            let (a0, a1) = (t + rnd(s, 1, 200_000), t + rnd(s, 2, 200_000));
+            let done = a0.max(a1) + 5_000;
+            let key = (7, s);
+            e0.insert(key, done + 5_000 + rnd(s, 3, 15_000));
+            e1.insert(
+                key,
+                (done + 100_000 + rnd(s, 4, 200_000)) as i64 as u64 + D as u64,
+            );
+            n0.insert(key, a0);
+            n1.insert(key, a1 + D as u64);
+        }
+        let none = HashMap::new();
+        let centre = align(&[
+            NodeClock {
+                snapshot: snap(0, 0),
+                ends: &e0,
+                entries: &none,
+            },
+            NodeClock {
+                snapshot: snap(0, 0),
+                ends: &e1,
+                entries: &none,
+            },
+        ]);
+        let centre_err = centre[1].offset_ns + D;
+        assert!(
+            centre_err.abs() > 100_000,
+            "the centre alone: {centre_err} ns"
+        );
+        let al = align(&[
+            NodeClock {
+                snapshot: snap(0, 0),
+                ends: &e0,
+                entries: &n0,
+            },
+            NodeClock {
+                snapshot: snap(0, 0),
+                ends: &e1,
+                entries: &n1,
+            },
+        ]);
+        assert_eq!(al[1].method, Method::Bounds);
+        let err = al[1].offset_ns + D;
+        assert!(
+            err.abs() <= 60_000,
+            "bounds: off by {err} ns ({:?})",
+            al[1].bounds_ns
+        );
+        let (lo, hi) = al[1].bounds_ns.unwrap();
+        assert!(lo <= -D && -D <= hi, "the true offset is inside {lo}..{hi}");
     }
 
     #[test]
@@ -325,14 +473,17 @@ mod tests {
             NodeClock {
                 snapshot: snap(100, 1_000),
                 ends: &none,
+                entries: &NO_ENTRIES,
             },
             NodeClock {
                 snapshot: snap(50, 1_100),
                 ends: &none,
+                entries: &NO_ENTRIES,
             },
             NodeClock {
                 snapshot: None,
                 ends: &none,
+                entries: &NO_ENTRIES,
             },
         ];
         let al = align(&nodes);

@@ -133,36 +133,74 @@ pub fn collective_key_hash(comm_hash: u64, seq: u64) -> u64 {
 }
 
 /// Collective ends of one node: (communicator, seq) -> earliest end seen
-/// among its ranks (ranks that leave late are the noise).
+/// among its ranks (ranks that leave late are the noise), and for
+/// collectives (not send/receive) the latest entry among its ranks: no
+/// member can see an operation end before its last member entered it,
+/// which bounds the clock offsets between nodes (`align`).
 #[derive(Default)]
 pub struct EndSample {
-    by_hash: BTreeMap<u64, ((u64, u64), u64)>,
+    by_hash: BTreeMap<u64, Sampled>,
+}
+
+struct Sampled {
+    key: (u64, u64),
+    end: Option<u64>,
+    entry: Option<u64>,
 }
 
 impl EndSample {
-    pub fn insert(&mut self, key: (u64, u64), end: u64) {
+    /// The sample's slot for `key`, if the key is in the sample (the same
+    /// keys on every node: the lowest hashes).
+    fn slot(&mut self, key: (u64, u64)) -> Option<&mut Sampled> {
         let h = collective_key_hash(key.0, key.1);
         if self.by_hash.len() >= MAX_END_SAMPLES
             && let Some((&last, _)) = self.by_hash.last_key_value()
         {
             if h > last {
-                return;
+                return None;
             }
             if !self.by_hash.contains_key(&h) {
                 self.by_hash.pop_last();
             }
         }
-        let e = self.by_hash.entry(h).or_insert((key, end));
-        e.1 = e.1.min(end);
+        Some(self.by_hash.entry(h).or_insert(Sampled {
+            key,
+            end: None,
+            entry: None,
+        }))
+    }
+
+    pub fn insert(&mut self, key: (u64, u64), end: u64) {
+        if let Some(s) = self.slot(key) {
+            s.end = Some(s.end.map_or(end, |e| e.min(end)));
+        }
+    }
+
+    /// A rank entered collective `key` at `ts`.
+    pub fn insert_entry(&mut self, key: (u64, u64), ts: u64) {
+        if let Some(s) = self.slot(key) {
+            s.entry = Some(s.entry.map_or(ts, |e| e.max(ts)));
+        }
     }
 
     pub fn len(&self) -> usize {
-        self.by_hash.len()
+        self.by_hash.values().filter(|s| s.end.is_some()).count()
     }
 
     /// (communicator, seq) -> end.
     pub fn ends(&self) -> HashMap<(u64, u64), u64> {
-        self.by_hash.values().map(|(k, e)| (*k, *e)).collect()
+        self.by_hash
+            .values()
+            .filter_map(|s| Some((s.key, s.end?)))
+            .collect()
+    }
+
+    /// (communicator, seq) -> latest entry, for collectives.
+    pub fn entries(&self) -> HashMap<(u64, u64), u64> {
+        self.by_hash
+            .values()
+            .filter_map(|s| Some((s.key, s.entry?)))
+            .collect()
     }
 }
 
@@ -207,6 +245,16 @@ impl CollectiveTracker {
                     key: self.key(&call),
                     call,
                 });
+                // Operations where no member finishes before every member
+                // entered (a broadcast's or reduce's members need not wait
+                // for each other).
+                if let Some(o) = &observed
+                    && let Some(k) = o.key
+                    && o.call.p2p.is_none()
+                    && matches!(o.call.op, "all_reduce" | "all_gather" | "reduce_scatter")
+                {
+                    ends.insert_entry(k, event.ts);
+                }
                 let open = match (&observed, sync_stream(event)) {
                     (Some(o), _) => Open::Collective(o.key, o.call.stream),
                     (None, Some(stream)) => Open::Sync(stream),

@@ -200,12 +200,15 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
         );
     }
     let samples: Vec<HashMap<(u64, u64), u64>> = scans.iter().map(|s| s.ends.ends()).collect();
+    let entries: Vec<HashMap<(u64, u64), u64>> = scans.iter().map(|s| s.ends.entries()).collect();
     let clocks: Vec<NodeClock<'_>> = scans
         .iter()
         .zip(&samples)
-        .map(|(s, e)| NodeClock {
+        .zip(&entries)
+        .map(|((s, e), en)| NodeClock {
             snapshot: s.first_clock,
             ends: e,
+            entries: en,
         })
         .collect();
     let alignments = align::align(&clocks);
@@ -219,7 +222,7 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
                 "{}: no clock snapshot and no shared collectives: its clock is taken as is (offset 0)",
                 s.path.display()
             )),
-            align::Method::Collectives if s.first_clock.is_none() => warnings.push(format!(
+            align::Method::Collectives | align::Method::Bounds if s.first_clock.is_none() => warnings.push(format!(
                 "{}: no clock snapshot: aligned by its collectives alone",
                 s.path.display()
             )),
