@@ -257,6 +257,7 @@ pub fn diagnose(traces: &[PathBuf], cfg: DetectConfig) -> Result<Vec<Finding>> {
             &Record::InFlight(Box::new(InFlightSnapshot {
                 ts: end,
                 calls: open,
+                main_threads: Vec::new(),
             })),
             &mut found,
         );

@@ -371,11 +371,12 @@ class Job:
         if self.args.spawn_gate:
             self.write_ground_truth()  # the launcher's pid and layout, before any rank
             gate = Path(self.args.spawn_gate)
-            deadline = time.monotonic() + self.args.timeout
+            # The job's own time (--timeout) starts with its ranks.
+            deadline = time.monotonic() + GATE_WAIT_S
             while not gate.exists():
                 if time.monotonic() > deadline:
                     raise sim_nodes.NodeError(f"--spawn-gate {gate} did not appear within "
-                                              f"{self.args.timeout} s")
+                                              f"{GATE_WAIT_S} s")
                 time.sleep(POLL_S)
         self.launch_clock = clock_pair()
         for rp in self.ranks:

@@ -244,6 +244,7 @@ pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str
 pub fn run_from_spawn(tag: &str, launcher_extra: &[&str], agent_extra: &[&str]) -> SimRun {
     wait_for_closers();
     let fx = fixtures::build_all();
+    let _ = crate::agent::agent_bin(); // built before the launcher waits for it
     let dir = TempDir::new(tag);
     let job_dir = dir.path().join("job");
     let gate = dir.path().join("spawn.go");

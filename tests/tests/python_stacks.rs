@@ -126,3 +126,67 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
         "{reasons:?}"
     );
 }
+
+/// The simulator's Python flavor, rank 1 stuck before step 2's
+/// all-reduce (`hang` fault), recorded from before the ranks start: the
+/// hang finding says where rank 1's main thread waits, in Python
+/// (`stuck_before_collective` called from `train_step`, with rank.py's
+/// lines), and rank 0's off-CPU stacks in its collectives' syncs show its
+/// Python callers.
+#[test]
+fn a_python_rank_that_hangs_is_found_where_it_waits() {
+    let _serial = exclusive();
+    let run = xpuscope_tests::device::run_from_spawn(
+        "pyhang",
+        &[
+            "--lang",
+            "python",
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=1,step=2",
+            "--timeout",
+            "8",
+        ],
+        &["--hang-timeout", "1s"],
+    );
+    let findings = run.stats["findings"]["findings"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}", run.stats["findings"]));
+    let hang = findings
+        .iter()
+        .find(|f| f["kind"] == "hang")
+        .unwrap_or_else(|| panic!("no hang: {findings:#?}"));
+    assert_eq!(hang["ranks"], serde_json::json!([1]), "{hang:#}");
+    let summary = hang["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("rank 1's main thread")
+            && summary.contains("stuck_before_collective (rank.py:")
+            && summary.contains("train_step (rank.py:"),
+        "{summary}"
+    );
+    let waits = &hang["evidence"]["never_entered_main_threads"][0];
+    assert!(
+        waits["frames"][0]
+            .as_str()
+            .is_some_and(|f| f.starts_with("stuck_before_collective (rank.py:")),
+        "{waits:#}"
+    );
+    // Rank 0 waits in its syncs; its off-CPU stacks name its Python code.
+    let rank0 = run.rank_pids[&0];
+    let with_train_step = run
+        .tl
+        .stack_samples
+        .iter()
+        .filter(|s| s.pid == rank0)
+        .filter(|s| {
+            s.frames
+                .iter()
+                .any(|f| f.starts_with("train_step (rank.py:"))
+        })
+        .count();
+    assert!(
+        with_train_step > 0,
+        "rank 0 has no stack through train_step"
+    );
+}

@@ -204,4 +204,16 @@ pub struct OpenCall {
 pub struct InFlightSnapshot {
     pub ts: u64,
     pub calls: Vec<OpenCall>,
+    /// The main thread of every process with a rank identity: what it is
+    /// doing, and the stack it left its CPU with if it is off CPU now (a
+    /// rank that never joins a collective sits there).
+    pub main_threads: Vec<MainThreadNow>,
+}
+
+/// A process's main thread at a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MainThreadNow {
+    pub tgid: u32,
+    pub thread: ThreadNow,
+    pub stack: Option<std::sync::Arc<super::Stack>>,
 }

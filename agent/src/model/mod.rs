@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 pub use device::{
     CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, InFlightSnapshot,
-    LiveSiteRow, MemoryHeld, OpenCall, StreamTrack, ThreadNow, WorkKind,
+    LiveSiteRow, MainThreadNow, MemoryHeld, OpenCall, StreamTrack, ThreadNow, WorkKind,
 };
 pub use finding::{Finding, FindingKind};
 pub use identity::RankIdentity;

@@ -36,6 +36,87 @@ impl Stack {
     pub fn leaf_first(&self) -> impl Iterator<Item = &SymFrame> {
         self.kernel.iter().chain(self.user.iter())
     }
+
+    /// The kernel function the task waits in (past the scheduler's own).
+    pub fn kernel_wait(&self) -> Option<&SymFrame> {
+        self.kernel
+            .iter()
+            .find(|f| !is_scheduler_frame(&f.function))
+    }
+
+    /// The job's own frames, innermost first: the Python frames where the
+    /// stack has them, else the user frames outside the C library and the
+    /// loader (wrappers, not the reason for a wait).
+    pub fn own_frames(&self) -> Vec<&SymFrame> {
+        let python: Vec<&SymFrame> = self.user.iter().filter(|f| is_python_frame(f)).collect();
+        if !python.is_empty() {
+            return python;
+        }
+        self.user
+            .iter()
+            .filter(|f| !is_system_library(&f.module))
+            .collect()
+    }
+
+    /// "in do_nanosleep <- stuck_before_collective (rank.py:274) <-
+    /// train_step (rank.py:404)": where the task waits, and up to `depth`
+    /// of the job's own frames.
+    pub fn wait_words(&self, depth: usize) -> String {
+        let own: Vec<&str> = self
+            .own_frames()
+            .into_iter()
+            .take(depth)
+            .map(|f| &*f.function)
+            .collect();
+        let mut words = match self.kernel_wait() {
+            Some(k) => format!("in {}", k.function),
+            None => String::new(),
+        };
+        for f in own {
+            if words.is_empty() {
+                words.push_str("in ");
+                words.push_str(f);
+            } else {
+                words.push_str(" <- ");
+                words.push_str(f);
+            }
+        }
+        words
+    }
+}
+
+/// Kernel frames of the scheduler itself, skipped when naming a wait.
+pub fn is_scheduler_frame(name: &str) -> bool {
+    matches!(
+        name,
+        "__schedule" | "schedule" | "__switch_to" | "__switch_to_asm" | "preempt_schedule_common"
+    ) || name.starts_with("schedule_")
+        || name.starts_with("preempt_schedule")
+        || name.starts_with("__cond_resched")
+        || name.starts_with("entry_SYSCALL")
+        || name.starts_with("do_syscall")
+}
+
+/// The C library and the dynamic loader: wrappers, not the reason for a wait.
+pub fn is_system_library(module: &str) -> bool {
+    let file = module.rsplit('/').next().unwrap_or(module);
+    [
+        "libc.so",
+        "libc-",
+        "libpthread",
+        "ld-linux",
+        "libm.so",
+        "librt",
+    ]
+    .iter()
+    .any(|p| file.starts_with(p))
+}
+
+/// The mapping name prefix of Python frames (`[python] /path/file.py`).
+pub const PYTHON_MODULE_PREFIX: &str = "[python] ";
+
+pub fn is_python_frame(f: &SymFrame) -> bool {
+    f.module.starts_with(PYTHON_MODULE_PREFIX)
 }
 
 /// A device-memory allocation site: a distinct user stack of a process that

@@ -153,7 +153,7 @@ impl<E: Enrich> Pipeline<E> {
                 if now.saturating_sub(self.last_tick) >= SINK_TICK_NS {
                     self.last_tick = now;
                     // What still runs, before the sinks' clocks move on.
-                    self.interpreter.in_flight(now, &mut out);
+                    self.interpreter.in_flight(now, en, &mut out);
                     self.take_findings(&mut out);
                     self.fanout.send(std::mem::take(&mut out));
                     self.fanout.tick(now);

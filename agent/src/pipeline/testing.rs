@@ -103,7 +103,8 @@ impl TestPipeline {
     /// The interpret stage's in-flight snapshot at `now` (delivered too).
     pub fn in_flight(&mut self, now: u64) -> Vec<Record> {
         let mut out = Vec::new();
-        self.interpreter.in_flight(now, &mut out);
+        self.interpreter
+            .in_flight(now, &mut self.enricher, &mut out);
         self.deliver(out.clone());
         out
     }

@@ -54,6 +54,12 @@ pub trait Enrich {
     fn python_read_ns(&self) -> u64 {
         0
     }
+    /// Thread `tid`'s Python frames now (innermost first), where process
+    /// `tgid` is CPython and the thread runs Python: what a thread off CPU
+    /// without a stack sampled is doing (hang evidence).
+    fn python_frames_now(&mut self, _tgid: u32, _tid: u32) -> Option<Vec<SymFrame>> {
+        None
+    }
     /// Addresses (leaf first) unwound from the code's CFI over a copy of
     /// the top of a stack of process `tgid` taken at `ts`; `None` leaves
     /// the frame-pointer stack taken with it.
@@ -107,6 +113,10 @@ impl Enrich for LiveEnricher {
 
     fn python_read_ns(&self) -> u64 {
         self.python.read_ns
+    }
+
+    fn python_frames_now(&mut self, tgid: u32, tid: u32) -> Option<Vec<SymFrame>> {
+        self.python.frames_now(tgid, tid)
     }
 
     fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {

@@ -23,9 +23,7 @@ use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcesses, interleave};
 
 use crate::model::SymFrame;
 
-/// The mapping name of Python frames (a flamegraph groups them; the
-/// summary's off-CPU reasons prefer them).
-pub const PYTHON_MODULE_PREFIX: &str = "[python] ";
+use crate::model::stack::PYTHON_MODULE_PREFIX;
 
 /// How one stack went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,6 +106,17 @@ impl PythonStacks {
         (out, PyOutcome::Mixed)
     }
 
+    /// Thread `tid`'s Python frames as they are now, innermost first.
+    pub fn frames_now(&mut self, tgid: u32, tid: u32) -> Option<Vec<SymFrame>> {
+        let proc = self.procs.get(tgid).ok()??;
+        let started = Instant::now();
+        let py = proc.frames(tid);
+        self.read_ns += started.elapsed().as_nanos() as u64;
+        self.reads += 1;
+        let py = py.ok().filter(|p| !p.is_empty())?;
+        Some(py.iter().map(python_frame).collect())
+    }
+
     pub fn forget(&mut self, tgid: u32) {
         self.procs.forget(tgid);
     }
@@ -128,8 +137,4 @@ pub fn python_frame(f: &PyFrame) -> SymFrame {
         module_offset: 0,
         rel_pc: f.line.map_or(0, u64::from),
     }
-}
-
-pub fn is_python_frame(f: &SymFrame) -> bool {
-    f.module.starts_with(PYTHON_MODULE_PREFIX)
 }

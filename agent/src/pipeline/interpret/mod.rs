@@ -20,8 +20,8 @@ use serde::Serialize;
 use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, UserCopy};
 use crate::kernel::probes::TableUpdate;
 use crate::model::{
-    InFlightSnapshot, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack, SymFrame,
-    ThreadNow,
+    InFlightSnapshot, MainThreadNow, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack,
+    SymFrame, ThreadNow,
 };
 use crate::pipeline::enrich::Enrich;
 use crate::pipeline::enrich::python::PyOutcome;
@@ -221,12 +221,18 @@ impl Interpreter {
     /// The blocking calls running at `now`, each with what its thread is
     /// doing (called about once a second): sent while there are any, and
     /// once more, empty, when the last returned.
-    pub fn in_flight(&mut self, now: u64, out: &mut Vec<Record>) {
+    pub fn in_flight(&mut self, now: u64, en: &mut dyn Enrich, out: &mut Vec<Record>) {
         let open = self.device.open_blocking();
         if open.is_empty() && !self.in_flight_shown {
             return;
         }
+        let open_any = !open.is_empty();
         self.in_flight_shown = !open.is_empty();
+        let thread_now = |tid: u32| match self.offcpu.off_since(tid) {
+            Some((state, since)) => ThreadNow::Off { state, since },
+            None if self.switched.contains(&tid) => ThreadNow::OnCpu,
+            None => ThreadNow::Unknown,
+        };
         let calls = open
             .into_iter()
             .map(|c| OpenCall {
@@ -237,16 +243,42 @@ impl Interpreter {
                 kind: c.kind,
                 start_ts: c.start_ts,
                 comm: c.context,
-                thread: match self.offcpu.off_since(c.tid) {
-                    Some((state, since)) => ThreadNow::Off { state, since },
-                    None if self.switched.contains(&c.tid) => ThreadNow::OnCpu,
-                    None => ThreadNow::Unknown,
-                },
+                thread: thread_now(c.tid),
             })
             .collect();
+        let mut main_threads: Vec<MainThreadNow> = if open_any {
+            self.device
+                .identified()
+                .map(|tgid| {
+                    let thread = thread_now(tgid);
+                    // Off CPU without a stack sampled at its switch-out:
+                    // a Python thread's frames can still be read now.
+                    let stack = self.offcpu.stack_of(tgid).or_else(|| {
+                        matches!(thread, ThreadNow::Off { .. })
+                            .then(|| en.python_frames_now(tgid, tgid))
+                            .flatten()
+                            .map(|user| {
+                                Arc::new(Stack {
+                                    kernel: Vec::new(),
+                                    user,
+                                })
+                            })
+                    });
+                    MainThreadNow {
+                        tgid,
+                        thread,
+                        stack,
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        main_threads.sort_by_key(|m| m.tgid);
         out.push(Record::InFlight(Box::new(InFlightSnapshot {
             ts: now,
             calls,
+            main_threads,
         })));
     }
 

@@ -53,6 +53,11 @@ impl OffCpuTracker {
         self.open.get(&tid).map(|o| (o.state, o.start))
     }
 
+    /// The stack thread `tid` left its CPU with, while it is off CPU.
+    pub fn stack_of(&self, tid: u32) -> Option<Arc<Stack>> {
+        self.open.get(&tid).and_then(|o| o.stack.clone())
+    }
+
     /// The stack taken at the switch-out at `ts`.
     pub fn stack_taken(&mut self, tid: u32, ts: u64, stack: Arc<Stack>) -> bool {
         match self.open.get_mut(&tid) {

@@ -16,6 +16,12 @@
 //! members that never entered it; when every member entered and none left,
 //! all members; when members are not traced (fewer seen than the size),
 //! the stuck ranks. Without any communicator identity, the stuck rank(s).
+//!
+//! Why a member never entered: the snapshot also carries each rank's main
+//! thread, its state and the stack it left its CPU with; the finding says
+//! where that thread waits (`sleeping for 9.2 s in do_nanosleep <-
+//! stuck_before_collective (rank.py:274) <- train_step (rank.py:404)`,
+//! Python frames where it is a Python process).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -26,7 +32,9 @@ use xpuscope_probes::decode::comm::CommContext;
 
 use super::Ranks;
 use crate::model::finding::comm_name;
-use crate::model::{DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, OpenCall, ThreadNow};
+use crate::model::{
+    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, MainThreadNow, OpenCall, ThreadNow,
+};
 
 /// A communicator across processes: its library and identity hash.
 type CommKey = (Library, u64);
@@ -58,7 +66,12 @@ pub struct HangDetector {
     open: Vec<OpenCall>,
     reported_calls: HashSet<(u32, u32, u64)>,
     reported_ops: HashSet<(CommKey, u64)>,
+    /// The last snapshot's main threads, by process.
+    main_threads: HashMap<u32, MainThreadNow>,
 }
+
+/// The job's own frames named for a waiting main thread.
+const WAIT_DEPTH: usize = 4;
 
 fn key_of(library: Library, cc: &CommContext) -> Option<CommKey> {
     cc.id_hash.map(|h| (library, h))
@@ -92,6 +105,38 @@ fn thread_json(t: ThreadNow, now: u64) -> Value {
     }
 }
 
+/// "rank 1's main thread sleeping for 9.2 s in do_nanosleep <-
+/// stuck_before_collective (rank.py:274) <- train_step (rank.py:404)".
+fn main_thread_words(who: String, m: &MainThreadNow, now: u64) -> String {
+    let state = thread_words(m.thread, now);
+    match (&m.stack, m.thread) {
+        (Some(stack), ThreadNow::Off { .. }) => {
+            format!(
+                "{who}'s main thread {state} {}",
+                stack.wait_words(WAIT_DEPTH)
+            )
+        }
+        _ => format!("{who}'s main thread {state}"),
+    }
+}
+
+fn main_thread_json(rank: Option<u32>, m: &MainThreadNow, now: u64) -> Value {
+    let mut v = thread_json(m.thread, now);
+    v["rank"] = json!(rank);
+    v["pid"] = json!(m.tgid);
+    if let (Some(stack), ThreadNow::Off { .. }) = (&m.stack, m.thread) {
+        v["waits_in"] = json!(stack.kernel_wait().map(|f| f.function.to_string()));
+        v["frames"] = json!(
+            stack
+                .own_frames()
+                .iter()
+                .map(|f| f.function.to_string())
+                .collect::<Vec<_>>()
+        );
+    }
+    v
+}
+
 /// "rank 1", "ranks 0, 2", or "no rank".
 fn rank_list(ranks: &[u32]) -> String {
     match ranks {
@@ -117,6 +162,7 @@ impl HangDetector {
             open: Vec::new(),
             reported_calls: HashSet::new(),
             reported_ops: HashSet::new(),
+            main_threads: HashMap::new(),
         }
     }
 
@@ -158,6 +204,7 @@ impl HangDetector {
 
     pub fn snapshot(&mut self, s: &InFlightSnapshot) {
         self.open = s.calls.clone();
+        self.main_threads = s.main_threads.iter().map(|m| (m.tgid, m.clone())).collect();
         for c in &s.calls {
             if let Some(cc) = &c.comm {
                 self.member(c.tgid, c.library, c.kind, c.function, cc);
@@ -170,6 +217,7 @@ impl HangDetector {
 
     pub fn process_ended(&mut self, tgid: u32) {
         self.open.retain(|c| c.tgid != tgid);
+        self.main_threads.remove(&tgid);
         for key in self.of_process.remove(&tgid).unwrap_or_default() {
             if let Some(comm) = self.comms.get_mut(&key) {
                 comm.members.remove(&tgid);
@@ -183,6 +231,7 @@ impl HangDetector {
     #[cfg(test)]
     pub fn forgot(&self, tgid: u32) -> bool {
         !self.of_process.contains_key(&tgid)
+            && !self.main_threads.contains_key(&tgid)
             && self.comms.values().all(|c| !c.members.contains_key(&tgid))
             && self.open.iter().all(|c| c.tgid != tgid)
     }
@@ -337,8 +386,17 @@ impl HangDetector {
             )
         };
         let first = stuck.iter().min_by_key(|s| s.start_ts);
+        // Where the members that never entered wait.
+        let waiting: Vec<(u32, &MainThreadNow)> = never
+            .iter()
+            .filter_map(|t| self.main_threads.get(t).map(|m| (*t, m)))
+            .collect();
+        let waiting_words: String = waiting
+            .iter()
+            .map(|(t, m)| format!("; {}", main_thread_words(ranks.describe(*t), m, now)))
+            .collect();
         let summary = format!(
-            "hang: {op} #{seq} on {name} ({size} ranks) {what}{}",
+            "hang: {op} #{seq} on {name} ({size} ranks) {what}{waiting_words}{}",
             first
                 .map(|c| format!("; {}", self.stuck_words(c, now, ranks)))
                 .unwrap_or_default()
@@ -363,6 +421,10 @@ impl HangDetector {
                 "in_flight_s": first.map_or(0.0, |c| now.saturating_sub(c.start_ts) as f64 / 1e9),
                 "hang_timeout_s": self.timeout_ns as f64 / 1e9,
                 "stuck": stuck.iter().map(|c| self.stuck_json(c, now, ranks)).collect::<Vec<_>>(),
+                "never_entered_main_threads": waiting
+                    .iter()
+                    .map(|(t, m)| main_thread_json(ranks.of(*t), m, now))
+                    .collect::<Vec<_>>(),
             }),
             detected_ns: now,
         }

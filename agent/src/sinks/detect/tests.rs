@@ -107,7 +107,11 @@ fn open_sync(rank: u32, start: u64) -> OpenCall {
 }
 
 fn snapshot(ts: u64, calls: Vec<OpenCall>) -> Record {
-    Record::InFlight(Box::new(InFlightSnapshot { ts, calls }))
+    Record::InFlight(Box::new(InFlightSnapshot {
+        ts,
+        calls,
+        main_threads: Vec::new(),
+    }))
 }
 
 fn feed(d: &mut Detectors, records: &[Record]) -> Vec<Finding> {
@@ -414,4 +418,81 @@ fn the_sink_feeds_findings_back_and_returns_them() {
     assert_eq!(back.len(), 1);
     let all = sink.finish(10 * S, &lost).unwrap();
     assert_eq!(all, back);
+}
+
+/// The rank that never entered: where its main thread waits, from the
+/// stack it left its CPU with (Python frames where it has them), in the
+/// summary and the evidence.
+#[test]
+fn a_hang_says_where_the_missing_rank_waits() {
+    use crate::model::{MainThreadNow, Stack, SymFrame};
+    let frame = |function: &str, module: &str| SymFrame {
+        function: Arc::from(function),
+        module: Arc::from(module),
+        module_start: 0,
+        module_end: 0,
+        module_offset: 0,
+        rel_pc: 0,
+    };
+    let stack = Stack {
+        kernel: vec![
+            frame("__schedule", "kernel"),
+            frame("do_nanosleep", "kernel"),
+        ],
+        user: vec![
+            frame("clock_nanosleep", "/usr/lib/x86_64-linux-gnu/libc.so.6"),
+            frame("_PyEval_EvalFrameDefault", "/usr/bin/python3.11"),
+            frame(
+                "stuck_before_collective (rank.py:274)",
+                "[python] /sim/rank.py",
+            ),
+            frame("before_collective (rank.py:180)", "[python] /sim/rank.py"),
+            frame("train_step (rank.py:404)", "[python] /sim/rank.py"),
+            frame("main (rank.py:500)", "[python] /sim/rank.py"),
+        ],
+    };
+    let mut d = detectors(10);
+    let mut records: Vec<Record> = (0..2).map(|r| identity(100 + r, r)).collect();
+    for seq in 0..3 {
+        for r in 0..2 {
+            records.push(allreduce(r, 2, seq, seq * S));
+        }
+    }
+    records.push(Record::InFlight(Box::new(InFlightSnapshot {
+        ts: 16 * S,
+        calls: vec![open_allreduce(0, 2, 3, 4 * S)],
+        main_threads: vec![
+            MainThreadNow {
+                tgid: 100,
+                thread: ThreadNow::OnCpu,
+                stack: None,
+            },
+            MainThreadNow {
+                tgid: 101,
+                thread: ThreadNow::Off {
+                    state: crate::state::report_state(1, false),
+                    since: 4 * S,
+                },
+                stack: Some(Arc::new(stack)),
+            },
+        ],
+    })));
+    let mut out = feed(&mut d, &records);
+    d.tick(16 * S, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    let f = &out[0];
+    assert_eq!(f.ranks, vec![1]);
+    assert!(
+        f.summary.contains(
+            "; rank 1's main thread sleeping for 12.0 s in do_nanosleep <- \
+             stuck_before_collective (rank.py:274) <- before_collective (rank.py:180) <- \
+             train_step (rank.py:404) <- main (rank.py:500)"
+        ),
+        "{}",
+        f.summary
+    );
+    let waits = &f.evidence["never_entered_main_threads"][0];
+    assert_eq!(waits["rank"], 1);
+    assert_eq!(waits["waits_in"], "do_nanosleep");
+    assert_eq!(waits["frames"][0], "stuck_before_collective (rank.py:274)");
 }

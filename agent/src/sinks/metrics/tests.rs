@@ -349,8 +349,13 @@ fn the_hang_gauge_and_findings() {
         comm: None,
         thread: ThreadNow::Unknown,
     };
-    let snap =
-        |ts: u64, calls: Vec<OpenCall>| Record::InFlight(Box::new(InFlightSnapshot { ts, calls }));
+    let snap = |ts: u64, calls: Vec<OpenCall>| {
+        Record::InFlight(Box::new(InFlightSnapshot {
+            ts,
+            calls,
+            main_threads: Vec::new(),
+        }))
+    };
     let text = handle.render();
     let rank0 = "xpuscope_in_flight_oldest_seconds{job=\"llama\",rank=\"0\",local_rank=\"0\",node=\"node-a\"}";
     assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 0.0);

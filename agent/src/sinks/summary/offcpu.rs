@@ -8,33 +8,6 @@ use rustc_hash::FxHashMap;
 use crate::events::Comm;
 use crate::model::OffCpuInterval;
 
-/// Kernel frames of the scheduler itself, skipped when naming a wait.
-fn is_scheduler_frame(name: &str) -> bool {
-    matches!(
-        name,
-        "__schedule" | "schedule" | "__switch_to" | "__switch_to_asm" | "preempt_schedule_common"
-    ) || name.starts_with("schedule_")
-        || name.starts_with("preempt_schedule")
-        || name.starts_with("__cond_resched")
-        || name.starts_with("entry_SYSCALL")
-        || name.starts_with("do_syscall")
-}
-
-/// The C library and the dynamic loader: wrappers, not the reason for a wait.
-fn is_system_library(module: &str) -> bool {
-    let file = module.rsplit('/').next().unwrap_or(module);
-    [
-        "libc.so",
-        "libc-",
-        "libpthread",
-        "ld-linux",
-        "libm.so",
-        "librt",
-    ]
-    .iter()
-    .any(|p| file.starts_with(p))
-}
-
 /// A short human reason for an off-CPU interval: its state, the kernel
 /// function it waited in, and the innermost user function.
 pub fn reason(interval: &OffCpuInterval) -> String {
@@ -42,19 +15,11 @@ pub fn reason(interval: &OffCpuInterval) -> String {
     let Some(stack) = &interval.stack else {
         return format!("{state} (no stack sampled)");
     };
-    let kernel = stack
-        .kernel
-        .iter()
-        .find(|f| !is_scheduler_frame(&f.function));
+    let kernel = stack.kernel_wait();
     // The innermost frame of the program itself says more than the C
     // library's syscall wrapper it went through; in a Python thread, the
     // innermost Python function more than the interpreter's C code.
-    let user = stack
-        .user
-        .iter()
-        .find(|f| crate::pipeline::enrich::python::is_python_frame(f))
-        .or_else(|| stack.user.iter().find(|f| !is_system_library(&f.module)))
-        .or(stack.user.first());
+    let user = stack.own_frames().first().copied().or(stack.user.first());
     match (kernel, user) {
         (Some(k), Some(u)) => format!("{state} in {} <- {}", k.function, u.function),
         (Some(k), None) => format!("{state} in {}", k.function),

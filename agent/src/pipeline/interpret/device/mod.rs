@@ -201,6 +201,11 @@ impl DeviceInterpreter {
     /// The blocking calls entered and not returned (collectives,
     /// point-to-point, synchronizations; not launches, which return at
     /// once), oldest first.
+    /// Processes with a rank identity (probed device processes).
+    pub fn identified(&self) -> impl Iterator<Item = u32> + '_ {
+        self.identified.keys().copied()
+    }
+
     pub fn open_blocking(&self) -> Vec<InFlight> {
         let mut open: Vec<InFlight> = self
             .decoder
