@@ -129,6 +129,13 @@ impl Unwinder {
         self.files.len()
     }
 
+    /// Keeps only the files `keep(path, inode)` says are still mapped by
+    /// some process (the cache would otherwise hold every binary an
+    /// always-on agent ever unwound).
+    pub fn retain_files(&mut self, keep: impl Fn(&str, u64) -> bool) {
+        self.files.retain(|k, _| keep(&k.path, k.inode));
+    }
+
     /// An unwinder for one process, from its mappings. Paths in `maps` are
     /// opened under `root` (`/` for the agent's own namespace,
     /// `/proc/PID/root` for a process in another mount namespace). A file

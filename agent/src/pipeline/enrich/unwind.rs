@@ -136,7 +136,25 @@ impl CfiUnwind {
 
     /// `tgid` ended or exec'd: its unwinder describes nothing now.
     pub fn forget_process(&mut self, tgid: u32) {
-        self.processes.remove(&tgid);
+        if self.processes.remove(&tgid).is_none() {
+            return;
+        }
+        // Files no remaining process maps leave the CFI cache.
+        let mapped: std::collections::HashSet<(&str, u64)> = self
+            .processes
+            .values()
+            .flat_map(|e| e.maps.mappings().iter())
+            .filter(|m| m.is_executable() && m.is_file())
+            .map(|m| (m.path.as_str(), m.inode))
+            .collect();
+        self.files
+            .retain_files(|path, inode| mapped.contains(&(path, inode)));
+    }
+
+    /// Files whose CFI is cached (tests).
+    #[cfg(test)]
+    pub fn cached_files(&self) -> usize {
+        self.files.cached_files()
     }
 
     /// Processes with an unwinder (tests).
@@ -203,8 +221,10 @@ mod tests {
         );
         assert!(frames.len() > 3, "{frames:#x?}");
         assert_eq!(u.processes(), 1);
+        assert!(u.cached_files() > 0, "the test binary's CFI is cached");
         u.forget_process(pid);
         assert_eq!(u.processes(), 0);
+        assert_eq!(u.cached_files(), 0, "no process maps them: the CFI goes");
     }
 
     #[test]
