@@ -340,6 +340,8 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
         btf.offset_of("task_struct", path)
             .ok_or_else(|| BtfError::MissingField(format!("task_struct.{path}")))
     };
+    let optional =
+        |strukt: &str, path: &str| btf.offset_of(strukt, path).unwrap_or(TaskOffsets::ABSENT);
     Ok(TaskOffsets {
         pid: field("pid")?,
         tgid: field("tgid")?,
@@ -350,26 +352,14 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
             .or_else(|| btf.offset_of("task_struct", "cpu"))
             .unwrap_or(TaskOffsets::ABSENT),
         // Only the crash detector needs it: its absence is not an error.
-        exit_code: btf
-            .offset_of("task_struct", "exit_code")
-            .unwrap_or(TaskOffsets::ABSENT),
+        exit_code: optional("task_struct", "exit_code"),
         // Only stacks inside return-probed calls need these (the real
         // return addresses behind the uretprobe trampoline): optional.
-        utask: btf
-            .offset_of("task_struct", "utask")
-            .unwrap_or(TaskOffsets::ABSENT),
-        return_instances: btf
-            .offset_of("uprobe_task", "return_instances")
-            .unwrap_or(TaskOffsets::ABSENT),
-        ri_stack: btf
-            .offset_of("return_instance", "stack")
-            .unwrap_or(TaskOffsets::ABSENT),
-        ri_orig_ret_vaddr: btf
-            .offset_of("return_instance", "orig_ret_vaddr")
-            .unwrap_or(TaskOffsets::ABSENT),
-        ri_next: btf
-            .offset_of("return_instance", "next")
-            .unwrap_or(TaskOffsets::ABSENT),
+        utask: optional("task_struct", "utask"),
+        return_instances: optional("uprobe_task", "return_instances"),
+        ri_stack: optional("return_instance", "stack"),
+        ri_orig_ret_vaddr: optional("return_instance", "orig_ret_vaddr"),
+        ri_next: optional("return_instance", "next"),
     })
 }
 

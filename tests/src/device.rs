@@ -181,17 +181,7 @@ pub fn start_gated_job(
         })
     });
     let ground_truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    let rank_pids: BTreeMap<u64, i32> = ground_truth["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|r| {
-            (
-                r["rank"].as_u64().unwrap(),
-                r["pid"].as_i64().unwrap() as i32,
-            )
-        })
-        .collect();
+    let rank_pids = rank_pids(&ground_truth);
     assert_eq!(rank_pids.len(), 2);
     GatedJob {
         launcher,
@@ -236,6 +226,21 @@ pub fn run_sim_job_any_outcome(tag: &str, level: &str, steps: u64, extra: &[&str
     }
 }
 
+/// rank -> pid, from a simulated job's `ground_truth.json`.
+pub fn rank_pids(ground_truth: &Value) -> BTreeMap<u64, i32> {
+    ground_truth["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|r| {
+            (
+                r["rank"].as_u64().unwrap(),
+                r["pid"].as_i64().unwrap() as i32,
+            )
+        })
+        .collect()
+}
+
 /// A simulated 2-rank job (dp 2) recorded from before its ranks exist:
 /// `agent attach` (with `agent_extra`) on the launcher, which spawns the
 /// ranks once the agent is attached (`--spawn-gate`), so the agent sees
@@ -275,17 +280,7 @@ pub fn run_from_spawn(tag: &str, launcher_extra: &[&str], agent_extra: &[&str]) 
     let done = rec.finish(Duration::from_secs(60));
     let status = launcher.0.wait().expect("launcher status");
     let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    let rank_pids = gt["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|r| {
-            (
-                r["rank"].as_u64().unwrap(),
-                r["pid"].as_i64().unwrap() as i32,
-            )
-        })
-        .collect();
+    let rank_pids = rank_pids(&gt);
     let trace = decode(&done.trace).expect("decodes");
     check_importer_rules(&trace).expect("importer rules hold");
     SimRun {

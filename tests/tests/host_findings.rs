@@ -10,15 +10,10 @@
 //! ranks and the noisy neighbour the launcher starts.
 //! Root and eBPF; these never skip.
 
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
-use std::time::Duration;
-
 use serde_json::Value;
-use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
-use xpuscope_tests::device::{GroupGuard, read_json, wait_for_closers};
-use xpuscope_tests::fixtures;
-use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+use xpuscope_tests::agent::{TempDir, exclusive};
+use xpuscope_tests::device::run_from_spawn;
+use xpuscope_tests::trace_check::Timeline;
 
 const HOST_KINDS: [&str; 3] = ["host_contention", "dataloader_stall", "memory_leak"];
 
@@ -33,45 +28,21 @@ struct Run {
 /// A 2-rank job (dp 2) of `flavor` with `extra` launcher options,
 /// recorded by `agent attach` from before its ranks start.
 fn run_job(tag: &str, flavor: &str, extra: &[&str]) -> Run {
-    wait_for_closers();
-    let fx = fixtures::build_all();
-    let _ = agent_bin();
-    let dir = TempDir::new(tag);
-    let job_dir = dir.path().join("job");
-    let gate = dir.path().join("spawn.go");
-    let launcher = Command::new("python3")
-        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-        .arg("--out-dir")
-        .arg(&job_dir)
-        .arg("--build-dir")
-        .arg(fx.join("sim"))
-        .args(["--job-name", tag, "--quiet", "--flavor", flavor])
-        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
-        .args(["--init-delay-ms", "500", "--timeout", "30"])
-        .arg("--spawn-gate")
-        .arg(&gate)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("start the launcher");
-    let mut launcher = GroupGuard(launcher);
-    let pid = launcher.0.id().to_string();
-    let rec = Recording::start(dir.path(), &["--pid", pid.as_str()]);
-    std::fs::write(&gate, b"").expect("open the spawn gate");
-    let done = rec.finish(Duration::from_secs(60));
-    let status = launcher.0.wait().expect("launcher status");
-    let truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    assert!(status.success(), "the job failed: {status}\n{truth:#}");
-    let trace = decode(&done.trace).expect("decodes");
-    check_importer_rules(&trace).expect("importer rules hold");
+    let mut args = vec!["--flavor", flavor, "--timeout", "30"];
+    args.extend_from_slice(extra);
+    let run = run_from_spawn(tag, &args, &[]);
+    assert!(
+        run.status.success(),
+        "the job failed: {}\n{:#}",
+        run.status,
+        run.ground_truth
+    );
     Run {
-        _dir: dir,
-        truth,
-        stats: done.stats,
-        stderr: done.stderr,
-        tl: Timeline::new(&trace),
+        _dir: run._dir,
+        truth: run.ground_truth,
+        stats: run.stats,
+        stderr: run.stderr,
+        tl: run.tl,
     }
 }
 

@@ -81,17 +81,7 @@ fn run_spawn_gated(tag: &str, world: u32, extra: &[&str]) -> EarlyRun {
         done.stderr
     );
     let gt = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    let rank_pids: BTreeMap<u64, i32> = gt["ranks"]
-        .as_array()
-        .expect("ranks")
-        .iter()
-        .map(|r| {
-            (
-                r["rank"].as_u64().unwrap(),
-                r["pid"].as_i64().unwrap() as i32,
-            )
-        })
-        .collect();
+    let rank_pids: BTreeMap<u64, i32> = xpuscope_tests::device::rank_pids(&gt);
     assert_eq!(rank_pids.len(), world as usize, "{gt}");
     let trace = decode(&done.trace).expect("decodes");
     check_importer_rules(&trace).expect("importer rules hold");

@@ -152,7 +152,7 @@ pub struct CollectiveDetector {
     link_reported: bool,
 }
 
-fn median_u64(v: &mut [u64]) -> u64 {
+pub(super) fn median_u64(v: &mut [u64]) -> u64 {
     v.sort_unstable();
     let n = v.len();
     if n % 2 == 1 {

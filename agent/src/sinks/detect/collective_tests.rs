@@ -446,24 +446,26 @@ fn device_compute_state_goes_with_the_process() {
     }
     assert!(!d.hang_state_is_empty_for(pid(0)));
     for r in [0, 1] {
-        d.record(
-            &Record::Exit {
-                exit: Exit {
-                    cpu: 0,
-                    ts: 400 * MS,
-                    tid: pid(r),
-                    tgid: pid(r),
-                    prio: 120,
-                    comm: Comm::default(),
-                    group_dead: true,
-                    group_known: true,
-                    exit_code: Some(0),
-                },
-                process_ended: true,
-            },
-            &mut out,
-        );
+        d.record(&exit_of(r, 400 * MS), &mut out);
         assert!(d.hang_state_is_empty_for(pid(r)));
+    }
+}
+
+/// Rank `rank`'s process exits at `ts`.
+fn exit_of(rank: u32, ts: u64) -> Record {
+    Record::Exit {
+        exit: Exit {
+            cpu: 0,
+            ts,
+            tid: pid(rank),
+            tgid: pid(rank),
+            prio: 120,
+            comm: Comm::default(),
+            group_dead: true,
+            group_known: true,
+            exit_code: Some(0),
+        },
+        process_ended: true,
     }
 }
 
@@ -474,27 +476,13 @@ fn device_compute_state_goes_with_the_process() {
 fn a_slow_device_is_found_when_the_activity_comes_at_each_exit() {
     let ranks = [0, 1];
     let mut records = job(0xf, &ranks, 10, 8 * MB, 2 * MS, |_, _| 0);
-    let exit = |r: u32, ts: u64| Record::Exit {
-        exit: Exit {
-            cpu: 0,
-            ts,
-            tid: pid(r),
-            tgid: pid(r),
-            prio: 120,
-            comm: Comm::default(),
-            group_dead: true,
-            group_known: true,
-            exit_code: Some(0),
-        },
-        process_ended: true,
-    };
     for r in ranks {
         let at = 2_000 * MS + u64::from(r) * 100 * MS;
         for op in 0..10 {
             let each = if r == 1 && op >= 2 { 6 * MS } else { 2 * MS };
             records.extend(kernels(r, op, each, MS, at));
         }
-        records.push((at + 1, exit(r, at + 1)));
+        records.push((at + 1, exit_of(r, at + 1)));
     }
     let mut d = Detectors::new(DetectConfig::default());
     let mut out = Vec::new();

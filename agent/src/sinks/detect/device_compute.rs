@@ -279,13 +279,7 @@ fn median(v: &mut [u64]) -> u64 {
     if v.is_empty() {
         return 0;
     }
-    v.sort_unstable();
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        v[n / 2 - 1] / 2 + v[n / 2] / 2
-    }
+    super::collective::median_u64(v)
 }
 
 fn ms(ns: u64) -> f64 {
