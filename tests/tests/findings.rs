@@ -5,13 +5,12 @@
 //! set-up is seen and sequence numbers are exact across ranks.
 //! Root and eBPF; these never skip.
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
 use xpuscope_tests::service_run::{Service, http_get, run_untold_job, try_http_get};
@@ -28,49 +27,17 @@ struct Run {
 /// A 2-rank job (dp 2) with `extra` launcher options, recorded by
 /// `agent attach` with `agent_args` from before its ranks start.
 fn run_job(tag: &str, extra: &[&str], agent_args: &[&str]) -> Run {
-    wait_for_closers();
-    let fx = fixtures::build_all();
-    // Built before the launcher starts: its timeout runs from its start.
-    let _ = agent_bin();
-    let dir = TempDir::new(tag);
-    let job_dir = dir.path().join("job");
-    let gate = dir.path().join("spawn.go");
-    let launcher = Command::new("python3")
-        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-        .arg("--out-dir")
-        .arg(&job_dir)
-        .arg("--build-dir")
-        .arg(fx.join("sim"))
-        .args(["--job-name", tag, "--quiet"])
-        .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
-        // The agent finds a new rank's libraries by rescanning maps every
-        // 500 ms: communicator set-up waits for the probes.
-        .args(["--init-delay-ms", "1500"])
-        .arg("--spawn-gate")
-        .arg(&gate)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("start the launcher");
-    let mut launcher = GroupGuard(launcher);
-    let pid = launcher.0.id().to_string();
-    let mut args = vec!["--pid", pid.as_str()];
-    args.extend_from_slice(agent_args);
-    let rec = Recording::start(dir.path(), &args);
-    std::fs::write(&gate, b"").expect("open the spawn gate");
-    let done = rec.finish(Duration::from_secs(60));
-    let _ = launcher.0.wait();
-    let truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    let trace = decode(&done.trace).expect("decodes");
-    check_importer_rules(&trace).expect("importer rules hold");
+    // The agent finds a new rank's libraries by rescanning maps every
+    // 500 ms: communicator set-up waits for the probes.
+    let mut args = vec!["--init-delay-ms", "1500"];
+    args.extend_from_slice(extra);
+    let run = run_from_spawn(tag, &args, agent_args);
     Run {
-        _dir: dir,
-        truth,
-        stats: done.stats,
-        stderr: done.stderr,
-        tl: Timeline::new(&trace),
+        _dir: run._dir,
+        truth: run.ground_truth,
+        stats: run.stats,
+        stderr: run.stderr,
+        tl: run.tl,
     }
 }
 
