@@ -14,12 +14,15 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use xpuscope_perfetto::rewrite::{EventKind, Interning, Packet, PacketReader, TrackView};
+use xpuscope_perfetto::rewrite::{
+    ArgRef, EventKind, EventView, Interning, Packet, PacketReader, TrackView,
+};
 use xpuscope_probes::catalog::{CallKind, Collective, Library, SyncKind};
 use xpuscope_probes::decode::DeviceCall;
 use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
 use xpuscope_probes::decode::comm::CommContext;
 
+use crate::events::{Comm, Exit};
 use crate::merge::collectives::{collective, sync_stream};
 use crate::model::finding::FindingsDoc;
 use crate::model::{
@@ -27,6 +30,8 @@ use crate::model::{
     ThreadNow,
 };
 use crate::sinks::detect::{DetectConfig, Detectors};
+use crate::sinks::perfetto::PROCESS_EXIT_EVENT;
+use xpuscope_common::COMM_LEN;
 
 pub struct DiagnoseOptions {
     pub traces: Vec<PathBuf>,
@@ -83,12 +88,13 @@ fn read_trace(
     path: &Path,
     names: &mut Names,
     out: &mut Vec<(u64, Record)>,
-    open: &mut Vec<OpenCall>,
+    open: &mut Vec<Stuck>,
 ) -> Result<u64> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut reader = PacketReader::new(file);
     let mut interning = Interning::default();
     let mut threads: HashMap<u64, (i32, i32)> = HashMap::new();
+    let mut processes: HashMap<u64, i32> = HashMap::new();
     let mut stacks: HashMap<u64, Vec<Begun>> = HashMap::new();
     let mut ranked: HashMap<i32, u32> = HashMap::new();
     let mut last = 0u64;
@@ -112,19 +118,25 @@ fn read_trace(
         }
         match packet.track() {
             Some(TrackView::Process { pid, labels, .. }) => {
+                if let Some(uuid) = packet.track_uuid() {
+                    processes.insert(uuid, pid);
+                }
                 let rank = labels
                     .iter()
                     .find_map(|l| l.strip_prefix("rank=")?.parse::<u32>().ok());
+                let job = labels.iter().find_map(|l| l.strip_prefix("job="));
                 if let Some(r) = rank
                     && ranked.insert(pid, r) != Some(r)
                 {
+                    let mut environ = format!("RANK={r}\0");
+                    if let Some(j) = job {
+                        environ.push_str(&format!("XPUSCOPE_JOB={j}\0"));
+                    }
                     out.push((
                         0,
                         Record::Identity {
                             tgid: job_pid(index, pid),
-                            identity: Box::new(RankIdentity::from_environ(
-                                format!("RANK={r}\0").as_bytes(),
-                            )),
+                            identity: Box::new(RankIdentity::from_environ(environ.as_bytes())),
                         },
                     ));
                 }
@@ -139,70 +151,26 @@ fn read_trace(
         let Some(event) = interning.event(&packet) else {
             continue;
         };
+        if let Some(&pid) = processes.get(&event.track) {
+            if let Some(exit) = process_exit(&event, job_pid(index, pid)) {
+                out.push((
+                    exit.ts,
+                    Record::Exit {
+                        exit,
+                        process_ended: true,
+                    },
+                ));
+            }
+            continue;
+        }
         let Some(&(pid, tid)) = threads.get(&event.track) else {
             continue;
         };
         let stack = stacks.entry(event.track).or_default();
+        let (tgid, tid) = (job_pid(index, pid), job_pid(index, tid));
         match event.kind {
             EventKind::Begin => {
-                let library = library_of(match event.arg("library") {
-                    Some(xpuscope_perfetto::rewrite::ArgRef::Str(s)) => Some(s),
-                    _ => None,
-                });
-                let base = |kind: CallKind, function: &'static str| DeviceCall {
-                    library,
-                    function,
-                    kind,
-                    tgid: job_pid(index, pid),
-                    tid: job_pid(index, tid),
-                    start_ts: event.ts,
-                    end_ts: None,
-                    args: CallArgs::None,
-                    ret: None,
-                    error: false,
-                    name: function.into(),
-                    comm: None,
-                    memory: None,
-                    site: None,
-                };
-                let function = names.get(
-                    event
-                        .name
-                        .unwrap_or("")
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or(""),
-                );
-                let call = if let Some(c) = collective(&event) {
-                    collective_kind(c.op).map(|op| {
-                        let mut d = base(CallKind::Collective(op), function);
-                        d.comm = Some(CommContext {
-                            handle: c.comm.unwrap_or(0),
-                            id_hash: c.comm_hash,
-                            rank: c.comm_rank,
-                            size: c.size,
-                            seq: c.seq,
-                            seq_exact: c.seq_exact,
-                        });
-                        d.args = CallArgs::Collective(CollectiveArgs {
-                            op,
-                            count: None,
-                            dtype: None,
-                            bytes: event.arg("bytes").and_then(|v| v.as_u64()),
-                            red_op: None,
-                            root: None,
-                            send: None,
-                            recv: None,
-                            comm: c.comm.unwrap_or(0),
-                            stream: c.stream,
-                        });
-                        d
-                    })
-                } else if sync_stream(&event).is_some() {
-                    Some(base(CallKind::Sync(SyncKind::Stream), function))
-                } else {
-                    None
-                };
+                let call = call_of(&event, tgid, tid, names);
                 stack.push(Begun { call });
             }
             EventKind::End => {
@@ -215,25 +183,142 @@ fn read_trace(
                     ));
                 }
             }
+            // A call its thread or process died in (the Perfetto sink marks
+            // it at its start): in flight until that death.
+            EventKind::Instant if event.arg("unmatched").is_some() => {
+                let mut begin = event.clone();
+                begin.kind = EventKind::Begin;
+                if let Some(c) = call_of(&begin, tgid, tid, names) {
+                    open.push(Stuck {
+                        call: open_call(c),
+                        died: true,
+                    });
+                }
+            }
             _ => {}
         }
     }
     // Calls never ended: in flight when the recording stopped.
     for begun in stacks.into_values().flatten() {
         if let Some(c) = begun.call {
-            open.push(OpenCall {
-                tgid: c.tgid,
-                tid: c.tid,
-                library: c.library,
-                function: c.function,
-                kind: c.kind,
-                start_ts: c.start_ts,
-                comm: c.comm,
-                thread: ThreadNow::Unknown,
+            open.push(Stuck {
+                call: open_call(c),
+                died: false,
             });
         }
     }
     Ok(last)
+}
+
+/// The collective or stream sync a slice's begin (or a died-in-call
+/// instant read as one) records, with the communicator arguments.
+fn call_of(event: &EventView, tgid: u32, tid: u32, names: &mut Names) -> Option<DeviceCall> {
+    let library = library_of(match event.arg("library") {
+        Some(ArgRef::Str(s)) => Some(s),
+        _ => None,
+    });
+    let function = names.get(
+        event
+            .name
+            .unwrap_or("")
+            .split_whitespace()
+            .next()
+            .unwrap_or(""),
+    );
+    let base = |kind: CallKind| DeviceCall {
+        library,
+        function,
+        kind,
+        tgid,
+        tid,
+        start_ts: event.ts,
+        end_ts: None,
+        args: CallArgs::None,
+        ret: None,
+        error: false,
+        name: function.into(),
+        comm: None,
+        memory: None,
+        site: None,
+    };
+    if let Some(c) = collective(event) {
+        let op = collective_kind(c.op)?;
+        let mut d = base(CallKind::Collective(op));
+        d.comm = Some(CommContext {
+            handle: c.comm.unwrap_or(0),
+            id_hash: c.comm_hash,
+            rank: c.comm_rank,
+            size: c.size,
+            seq: c.seq,
+            seq_exact: c.seq_exact,
+        });
+        d.args = CallArgs::Collective(CollectiveArgs {
+            op,
+            count: None,
+            dtype: None,
+            bytes: event.arg("bytes").and_then(|v| v.as_u64()),
+            red_op: None,
+            root: None,
+            send: None,
+            recv: None,
+            comm: c.comm.unwrap_or(0),
+            stream: c.stream,
+        });
+        Some(d)
+    } else if sync_stream(event).is_some() {
+        Some(base(CallKind::Sync(SyncKind::Stream)))
+    } else {
+        None
+    }
+}
+
+fn open_call(c: DeviceCall) -> OpenCall {
+    OpenCall {
+        tgid: c.tgid,
+        tid: c.tid,
+        library: c.library,
+        function: c.function,
+        kind: c.kind,
+        start_ts: c.start_ts,
+        comm: c.comm,
+        thread: ThreadNow::Unknown,
+    }
+}
+
+/// A call that never returned: open when the trace ended, or running when
+/// its thread or process died.
+struct Stuck {
+    call: OpenCall,
+    died: bool,
+}
+
+/// A process's end, from its process track's exit instant (the Perfetto
+/// sink's [`PROCESS_EXIT_EVENT`]).
+fn process_exit(event: &EventView, tgid: u32) -> Option<Exit> {
+    if event.kind != EventKind::Instant || !event.name?.starts_with(PROCESS_EXIT_EVENT) {
+        return None;
+    }
+    let int = |name: &str| match event.arg(name)? {
+        ArgRef::Int(v) => Some(v),
+        ArgRef::Uint(v) => i64::try_from(v).ok(),
+        _ => None,
+    };
+    let mut comm = [0u8; COMM_LEN];
+    if let Some(ArgRef::Str(s)) = event.arg("comm") {
+        let n = s.len().min(COMM_LEN - 1);
+        comm[..n].copy_from_slice(&s.as_bytes()[..n]);
+    }
+    Some(Exit {
+        cpu: 0,
+        ts: event.ts,
+        tid: int("tid").map_or(tgid, |t| (tgid & !0x3f_ffff) | (t as u32 & 0x3f_ffff)),
+        tgid,
+        prio: 0,
+        comm: Comm(comm),
+        group_dead: true,
+        group_known: true,
+        exit_code: int("exit_code").and_then(|c| i32::try_from(c).ok()),
+    })
 }
 
 /// Every trace through the detectors: the findings, most important first.
@@ -245,22 +330,52 @@ pub fn diagnose(traces: &[PathBuf], cfg: DetectConfig) -> Result<Vec<Finding>> {
     for (i, path) in traces.iter().enumerate() {
         end = end.max(read_trace(i, path, &mut names, &mut records, &mut open)?);
     }
+    // The calls that never returned, as the snapshot the live agent takes
+    // of what runs: taken just before the first of them ended (its
+    // process died; or the trace's end), holding every one begun by then.
+    // Its age against the hang timeout decides, as it would live.
+    let mut stuck_end = end;
+    for s in &open {
+        if s.died {
+            let death = records
+                .iter()
+                .filter_map(|(ts, r)| match r {
+                    Record::Exit { exit, .. }
+                        if exit.tgid == s.call.tgid && *ts >= s.call.start_ts =>
+                    {
+                        Some(*ts)
+                    }
+                    _ => None,
+                })
+                .min();
+            stuck_end = stuck_end.min(death.unwrap_or(end));
+        }
+    }
+    let snapshot_at = stuck_end.saturating_sub(1);
+    let calls: Vec<OpenCall> = open
+        .into_iter()
+        .map(|s| s.call)
+        .filter(|c| c.start_ts <= snapshot_at)
+        .collect();
+    if !calls.is_empty() {
+        records.push((
+            snapshot_at,
+            Record::InFlight(Box::new(InFlightSnapshot {
+                ts: snapshot_at,
+                calls,
+                main_threads: Vec::new(),
+            })),
+        ));
+    }
     // Identities first (time 0), then calls as they returned.
     records.sort_by_key(|r| r.0);
     let mut d = Detectors::new(cfg);
     let mut found = Vec::new();
-    for (_, r) in &records {
+    for (ts, r) in &records {
         d.record(r, &mut found);
-    }
-    if !open.is_empty() {
-        d.record(
-            &Record::InFlight(Box::new(InFlightSnapshot {
-                ts: end,
-                calls: open,
-                main_threads: Vec::new(),
-            })),
-            &mut found,
-        );
+        if matches!(r, Record::InFlight(_)) {
+            d.tick(*ts, &mut found);
+        }
     }
     d.finish(end, &mut found);
     found.sort_by_key(|f| (importance(f.kind), f.start_ns));
@@ -288,7 +403,7 @@ pub fn run(opts: &DiagnoseOptions) -> Result<usize> {
         println!("no findings in {} trace(s)", opts.traces.len());
     }
     for f in &found {
-        println!("{}: {}", f.kind.as_str(), f.summary);
+        println!("{}", f.headline());
         println!("    evidence: {}", f.evidence);
     }
     if let Some(path) = &opts.json {

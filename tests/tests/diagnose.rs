@@ -165,3 +165,122 @@ fn a_clean_8_rank_job_has_no_findings() {
     assert!(clean.online.is_empty(), "{:#?}", clean.online);
     assert!(text.starts_with("no findings"), "{text}");
 }
+
+/// A 2-rank job (dp 2) of `flavor` with one launcher `fault`.
+fn two_ranks(flavor: &str, fault: &str, timeout_s: &str) -> Vec<String> {
+    [
+        "--flavor",
+        flavor,
+        "--world-size",
+        "2",
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--steps",
+        "6",
+        "--fault",
+        fault,
+        "--timeout",
+        timeout_s,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Rank 1 never joins step 2's all-reduce; the launcher stops the job at
+/// its timeout (SIGTERM to both ranks). Offline, from the trace alone
+/// (rank 0's all-reduce or sync running when its process died), and
+/// online: one `hang` naming rank 1, the communicator and the all-reduce's
+/// number per ground truth; the ranks the launcher stopped after it are no
+/// `crash`. Both flavors.
+#[test]
+fn a_hang_is_found_offline_from_the_calls_running_when_the_job_was_stopped() {
+    let _serial = exclusive();
+    for flavor in ["nvidia", "ascend"] {
+        let tag = format!("diaghang{flavor}");
+        let run = run_job(
+            &tag,
+            &strs(&two_ranks(flavor, "hang:rank=1,step=2", "5")),
+            &["--hang-timeout", "1s"],
+        );
+        let expected = &run.truth["faults"][0]["expected"];
+        let (found, text) = diagnose(&run, &["--hang-timeout", "1s"]);
+        for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+            let hangs = of_kind(fs, "hang");
+            assert_eq!(hangs.len(), 1, "{flavor} {driver}: {fs:#?}\n{text}");
+            let h = hangs[0];
+            assert_eq!(
+                h["ranks"],
+                serde_json::json!([1]),
+                "{flavor} {driver}: {h:#}"
+            );
+            assert_eq!(
+                h["seq"], expected["seq"],
+                "{flavor} {driver}: {h:#} vs {expected}"
+            );
+            assert!(
+                h["comm"].as_str().is_some_and(|c| c.contains(':')),
+                "{flavor} {driver}: the communicator's kind and hash: {h:#}"
+            );
+            assert!(
+                of_kind(fs, "crash").is_empty(),
+                "{flavor} {driver}: the launcher's SIGTERMs are no crash: {fs:#?}"
+            );
+        }
+        assert_eq!(found[0]["comm"], run.online[0]["comm"], "{flavor}");
+        assert!(text.starts_with("hang: "), "{flavor}: {text}");
+    }
+}
+
+/// Rank 1 kills itself with its fault's signal at step 2; the launcher
+/// then stops rank 0 (SIGTERM). Offline (the trace's process-exit
+/// instants) and online: one `crash`, rank 1, the signal, at step 2
+/// (within 2); rank 0's stop is no second crash. Both flavors.
+#[test]
+fn a_crash_is_found_offline_with_its_signal_and_step_and_the_stopped_peer_is_not() {
+    let _serial = exclusive();
+    for flavor in ["nvidia", "ascend"] {
+        let tag = format!("diagcrash{flavor}");
+        let run = run_job(
+            &tag,
+            &strs(&two_ranks(flavor, "crash:rank=1,step=2", "20")),
+            &[],
+        );
+        let expected = &run.truth["faults"][0]["expected"];
+        let (found, text) = diagnose(&run, &[]);
+        for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+            assert_eq!(fs.len(), 1, "{flavor} {driver}: {fs:#?}\n{text}");
+            let c = &fs[0];
+            assert_eq!(c["kind"], "crash", "{flavor} {driver}: {c:#}");
+            assert_eq!(
+                c["ranks"],
+                serde_json::json!([1]),
+                "{flavor} {driver}: {c:#}"
+            );
+            assert_eq!(c["evidence"]["signal"], expected["signal"], "{c:#}");
+            assert_eq!(
+                c["evidence"]["signal_name"], expected["signal_name"],
+                "{c:#}"
+            );
+            assert!(
+                near(&c["step"], &expected["step"], 2),
+                "{flavor} {driver}: {c:#} vs {expected}"
+            );
+        }
+        assert!(
+            text.starts_with("crash: rank 1 (pid ")
+                && text.contains(&format!(
+                    ") was killed by {} in step ",
+                    expected["signal_name"].as_str().unwrap()
+                )),
+            "{flavor}: {text}"
+        );
+    }
+}

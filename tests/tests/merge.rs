@@ -461,6 +461,61 @@ fn faults_on_one_node_show_in_the_merged_step_breakdown() {
         ],
     );
     check_merge(&run, TOLERANCE_NS);
+    check_diagnose_parity(&run);
+}
+
+/// `agent diagnose` over the node traces (one agent per node) gives the
+/// findings it gives over the one trace of every rank (ranks matched
+/// across traces by communicator hash and number): the same kinds, ranks,
+/// communicators, numbers and steps, with rank 2's late arrival at step 5
+/// (ground truth) among them.
+fn check_diagnose_parity(run: &ClusterRun) {
+    let diagnose = |traces: &[&Path]| -> Vec<(String, String, String, String, String)> {
+        let json = run.dir.path().join("findings.json");
+        let out = std::process::Command::new(xpuscope_tests::agent::agent_bin())
+            .arg("diagnose")
+            .arg("--json")
+            .arg(&json)
+            // Above the 2-vCPU machine's scheduling noise of 16 ranks and 3
+            // agents (the late arrival is 150 ms).
+            .args(["--late-min", "60ms"])
+            .args(traces)
+            .output()
+            .expect("run agent diagnose");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("the findings")).unwrap();
+        let mut found: Vec<_> = doc["findings"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|f| {
+                (
+                    f["kind"].to_string(),
+                    f["ranks"].to_string(),
+                    f["comm"].to_string(),
+                    f["seq"].to_string(),
+                    f["step"].to_string(),
+                )
+            })
+            .collect();
+        found.sort();
+        found
+    };
+    let nodes: Vec<&Path> = run.node_traces.iter().map(|p| p.as_path()).collect();
+    let per_node = diagnose(&nodes);
+    let all = diagnose(&[run.all_trace.as_path()]);
+    assert_eq!(per_node, all, "node traces against the trace of all ranks");
+    let late = per_node
+        .iter()
+        .find(|f| f.0 == "\"late_arrival\"" && f.1 == "[2]")
+        .unwrap_or_else(|| panic!("rank 2's late arrival: {per_node:#?}"));
+    let step: u64 = late.4.parse().expect("a step");
+    assert!(step.abs_diff(5) <= 2, "{late:?}");
 }
 
 #[test]

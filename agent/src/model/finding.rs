@@ -86,6 +86,18 @@ pub struct Finding {
     pub detected_ns: u64,
 }
 
+impl Finding {
+    /// The summary as a line that starts with the kind ("hang: ..."):
+    /// most summaries begin with it, the rest ("rank 1 arrived ...") get it.
+    pub fn headline(&self) -> String {
+        let kind = self.kind.as_str();
+        match self.summary.strip_prefix(kind) {
+            Some(rest) if rest.starts_with(": ") => self.summary.clone(),
+            _ => format!("{kind}: {}", self.summary),
+        }
+    }
+}
+
 /// The findings JSON document.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct FindingsDoc<'a> {

@@ -619,6 +619,11 @@ impl CollectiveDetector {
         self.comms.retain(|_, c| !c.members.is_empty());
     }
 
+    /// `tgid`'s training step at `ts` (see [`step_in`]), while it lives.
+    pub fn step_of(&self, tgid: u32, ts: u64) -> Option<u64> {
+        step_in(&self.allreduces, tgid, ts)
+    }
+
     #[cfg(test)]
     pub fn forgot(&self, tgid: u32) -> bool {
         !self.allreduces.contains_key(&tgid)

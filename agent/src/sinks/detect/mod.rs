@@ -77,17 +77,42 @@ impl Default for DetectConfig {
 #[derive(Default)]
 pub struct Ranks {
     by_tgid: HashMap<u32, u32>,
+    /// Its job label (`XPUSCOPE_JOB`, `JOB_NAME`), where it has one.
+    jobs: HashMap<u32, String>,
 }
 
 impl Ranks {
-    fn identity(&mut self, tgid: u32, id: &RankIdentity) {
+    /// Records `tgid`'s identity; whether it is new (not a repeat).
+    fn identity(&mut self, tgid: u32, id: &RankIdentity) -> bool {
+        let mut new = false;
         if let Some(r) = id.rank.as_deref().and_then(|r| r.trim().parse().ok()) {
-            self.by_tgid.insert(tgid, r);
+            new = self.by_tgid.insert(tgid, r) != Some(r);
         }
+        if let Some(j) = &id.job {
+            self.jobs.insert(tgid, j.clone());
+        }
+        new
     }
 
     pub fn of(&self, tgid: u32) -> Option<u32> {
         self.by_tgid.get(&tgid).copied()
+    }
+
+    /// The job label of `tgid` ("" for a process without one: the
+    /// unlabelled processes are taken as one job).
+    pub fn job_of(&self, tgid: u32) -> &str {
+        self.jobs.get(&tgid).map(String::as_str).unwrap_or("")
+    }
+
+    /// The job label of the process with global rank `rank`.
+    pub fn job_of_rank(&self, rank: u32) -> Option<&str> {
+        let tgid = self.by_tgid.iter().find(|(_, r)| **r == rank)?.0;
+        Some(self.job_of(*tgid))
+    }
+
+    fn forget(&mut self, tgid: u32) {
+        self.by_tgid.remove(&tgid);
+        self.jobs.remove(&tgid);
     }
 
     /// "rank 3" or "pid 1234" when the process has no rank.
@@ -116,7 +141,7 @@ impl Detectors {
             ranks: Ranks::default(),
             hang: hang::HangDetector::new(cfg.hang_timeout),
             oom: oom::OomDetector,
-            crash: crash::CrashDetector,
+            crash: crash::CrashDetector::default(),
             host: host::HostDetectors::new(cfg.host),
             device_compute: device_compute::DeviceComputeDetector::new(
                 cfg.collective.slow_compute_pct,
@@ -127,8 +152,12 @@ impl Detectors {
     }
 
     pub fn record(&mut self, r: &Record, out: &mut Vec<Finding>) {
-        if let Record::Identity { tgid, identity } = r {
-            self.ranks.identity(*tgid, identity);
+        let first_new = out.len();
+        if let Record::Identity { tgid, identity } = r
+            && self.ranks.identity(*tgid, identity)
+        {
+            // A new rank of a job that was in trouble: the job restarted.
+            self.crash.job_restarted(self.ranks.job_of(*tgid));
         }
         self.host.record(r, &self.ranks, out);
         match r {
@@ -152,7 +181,8 @@ impl Detectors {
                 exit,
                 process_ended: true,
             } => {
-                self.crash.process_ended(exit, &self.ranks, out);
+                let step = self.collective.step_of(exit.tgid, exit.ts);
+                self.crash.process_ended(exit, step, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
                 // Before the collective detector forgets who was slow.
                 self.device_compute.process_ended(
@@ -161,9 +191,17 @@ impl Detectors {
                     out,
                 );
                 self.collective.process_ended(exit.tgid, &self.ranks, out);
-                self.ranks.by_tgid.remove(&exit.tgid);
             }
             _ => {}
+        }
+        self.crash.note_trouble(&out[first_new..], &self.ranks);
+        if let Record::Exit {
+            exit,
+            process_ended: true,
+        } = r
+        {
+            // Last: the findings above named it by its rank and job.
+            self.ranks.forget(exit.tgid);
         }
     }
 
@@ -178,8 +216,10 @@ impl Detectors {
 
     /// Time passed: detectors that fire on a duration look again.
     pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
+        let first_new = out.len();
         self.hang.tick(now, &self.ranks, out);
         self.collective.tick(now, &self.ranks, out);
+        self.crash.note_trouble(&out[first_new..], &self.ranks);
     }
 
     /// The end: what waits for more evidence is reported as it stands.

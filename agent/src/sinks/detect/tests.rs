@@ -368,8 +368,104 @@ fn a_process_killed_by_a_signal_is_a_crash() {
     assert_eq!(f.evidence["signal_name"], "SIGABRT");
     assert_eq!(
         f.summary,
-        "crash: rank 1 (sim_rank_nvidia) was killed by SIGABRT, core dumped"
+        "crash: rank 1 (pid 100) was killed by SIGABRT, core dumped"
     );
+}
+
+fn identity_in(tgid: u32, rank: u32, job: &str) -> Record {
+    Record::Identity {
+        tgid,
+        identity: Box::new(RankIdentity::from_environ(
+            format!("RANK={rank}\0XPUSCOPE_JOB={job}\0").as_bytes(),
+        )),
+    }
+}
+
+/// A crash says at which step (all-reduces entered before, on the DP
+/// communicator); the launcher then stops the other ranks with SIGTERM and
+/// SIGKILL: consequences of the crash, not more crashes (counted).
+#[test]
+fn ranks_stopped_after_a_crash_are_not_more_crashes() {
+    let mut d = detectors(300);
+    let mut records = vec![identity(100, 0), identity(101, 1), identity(102, 2)];
+    for seq in 1..=3 {
+        for rank in 0..3 {
+            records.push(allreduce(rank, 3, seq, seq * S + u64::from(rank)));
+        }
+    }
+    records.extend([
+        exit(101, Some(libc::SIGSEGV)),
+        exit(100, Some(libc::SIGTERM)),
+        exit(102, Some(libc::SIGKILL)),
+    ]);
+    let out = feed(&mut d, &records);
+    assert_eq!(out.len(), 1, "{out:#?}");
+    assert_eq!(
+        (out[0].kind, out[0].ranks.clone()),
+        (FindingKind::Crash, vec![1])
+    );
+    assert_eq!(out[0].step, Some(3), "three all-reduces entered before");
+    assert_eq!(out[0].evidence["stop_signal"], false);
+    assert!(
+        out[0].summary.contains("killed by SIGSEGV in step 3"),
+        "{}",
+        out[0].summary
+    );
+    assert_eq!(d.crash.stopped_after_trouble, 2);
+}
+
+/// A hang puts its job in trouble too; a stop signal with no trouble
+/// before it is reported once (the first rank stopped; the rest of that
+/// stop follow it); another job's ranks are judged on their own, and a
+/// job that gets a new rank (restarted) is judged afresh.
+#[test]
+fn stop_signals_are_judged_per_job() {
+    let mut d = detectors(1);
+    let mut out = feed(
+        &mut d,
+        &[
+            identity_in(100, 0, "a"),
+            identity_in(101, 1, "a"),
+            identity_in(200, 0, "b"),
+            identity_in(201, 1, "b"),
+            snapshot(5 * S, vec![open_allreduce(0, 2, 4, S)]),
+        ],
+    );
+    d.tick(5 * S, &mut out);
+    assert_eq!(
+        out.iter().map(|f| f.kind).collect::<Vec<_>>(),
+        [FindingKind::Hang]
+    );
+    out.extend(feed(
+        &mut d,
+        &[
+            exit(100, Some(libc::SIGTERM)),
+            exit(101, Some(libc::SIGTERM)),
+            // Job b, in no trouble: its first stopped rank is reported.
+            exit(200, Some(libc::SIGTERM)),
+            exit(201, Some(libc::SIGKILL)),
+        ],
+    ));
+    let crashes: Vec<&Finding> = out
+        .iter()
+        .filter(|f| f.kind == FindingKind::Crash)
+        .collect();
+    assert_eq!(crashes.len(), 1, "{out:#?}");
+    assert_eq!(crashes[0].evidence["pid"], 200);
+    assert_eq!(crashes[0].evidence["stop_signal"], true);
+    assert!(
+        crashes[0]
+            .summary
+            .contains("usually sent by another process")
+    );
+    assert_eq!(d.crash.stopped_after_trouble, 3);
+    // Job b restarts: a new rank; a later stop is reported again.
+    let out = feed(
+        &mut d,
+        &[identity_in(300, 0, "b"), exit(300, Some(libc::SIGTERM))],
+    );
+    assert_eq!(out.len(), 1, "{out:#?}");
+    assert_eq!(out[0].evidence["pid"], 300);
 }
 
 /// A process that ended leaves nothing behind: its membership goes, so a

@@ -26,7 +26,7 @@ use crate::model::{
 pub struct DeviceTracks {
     memory: HashMap<(u32, Vendor, u32), TrackUuid>,
     /// Process tracks written, with the rank identity as labels.
-    processes: HashMap<u32, TrackUuid>,
+    pub(super) processes: HashMap<u32, TrackUuid>,
     /// Lane tracks of each device stream and where each lane's last slice
     /// ends.
     lanes: HashMap<StreamTrack, Vec<(TrackUuid, u64)>>,
@@ -301,7 +301,7 @@ impl<W: Write> PerfettoSink<W> {
         Ok(())
     }
 
-    fn device_process_track(&mut self, tgid: u32) -> Result<TrackUuid> {
+    pub(super) fn device_process_track(&mut self, tgid: u32) -> Result<TrackUuid> {
         if let Some(t) = self.device.processes.get(&tgid) {
             return Ok(*t);
         }

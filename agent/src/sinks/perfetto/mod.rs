@@ -35,13 +35,16 @@ use xpuscope_perfetto::{
 };
 
 use super::{Sink, SinkCounters};
-use crate::events::{Exec, Fork, Rename, Switch, Waking};
+use crate::events::{Exec, Exit, Fork, Rename, Switch, Waking};
 use crate::model::{Field, FieldValue, OffCpuInterval, Preemption, ProcessStart, Record, SymFrame};
 use crate::procfs::ProcessEntry;
 
 const CLONE_THREAD_FLAGS: u64 = 0x0001_0000 | 0x0000_0100 | 0x0000_0800; // THREAD|VM|SIGHAND
 const SIGCHLD: u64 = 17;
 const CLOCK_SNAPSHOT_EVERY: Duration = Duration::from_secs(10);
+/// The name (before its ": ...") of the instant that says how a process
+/// ended (`agent diagnose` looks for it).
+pub const PROCESS_EXIT_EVENT: &str = "process exited";
 
 /// What the Perfetto sink hands back.
 pub struct Written<W> {
@@ -140,6 +143,7 @@ impl<W: Write> PerfettoSink<W> {
                 )?;
                 self.thread_gone(exit.tid)?;
                 if *process_ended {
+                    self.process_exited(exit)?;
                     self.device.process_ended(exit.tgid);
                 }
             }
@@ -161,6 +165,37 @@ impl<W: Write> PerfettoSink<W> {
             // early are what the trace shows.
             Record::LinkMapChanged(_) => {}
         }
+        Ok(())
+    }
+
+    /// How a process ended, as an instant on its process track: for a
+    /// process killed by a signal, and for every process with device
+    /// tracks (a rank). `agent diagnose` reads crashes back from it.
+    fn process_exited(&mut self, exit: &Exit) -> Result<()> {
+        let Some(code) = exit.exit_code else {
+            return Ok(());
+        };
+        let killed_by = exit.killed_by();
+        if killed_by.is_none() && !self.device.processes.contains_key(&exit.tgid) {
+            return Ok(());
+        }
+        let track = self.device_process_track(exit.tgid)?;
+        let name = match killed_by {
+            Some(sig) => format!(
+                "{PROCESS_EXIT_EVENT}: killed by {}",
+                crate::sinks::detect::crash::signal_name(sig)
+            ),
+            None => format!("{PROCESS_EXIT_EVENT}: status {}", (code >> 8) & 0xff),
+        };
+        let mut args = vec![
+            Arg::new("exit_code", ArgValue::Int(i64::from(code))),
+            Arg::new("tid", ArgValue::Uint(u64::from(exit.tid))),
+            Arg::new("comm", ArgValue::Str(exit.comm.as_str().into_owned())),
+        ];
+        if let Some(sig) = killed_by {
+            args.push(Arg::new("signal", ArgValue::Int(i64::from(sig))));
+        }
+        self.writer.instant(track, exit.ts, &name, &args, None)?;
         Ok(())
     }
 
