@@ -39,6 +39,9 @@ pub struct DiagnoseOptions {
     pub detect: DetectConfig,
 }
 
+/// How often the live pipeline snapshots the calls in flight (ns).
+const OFFLINE_TICK_NS: u64 = 1_000_000_000;
+
 /// One trace's pid as the detectors see it: unique across traces.
 fn job_pid(trace: usize, pid: i32) -> u32 {
     ((trace as u32) << 22) | (pid as u32 & 0x3f_ffff)
@@ -330,42 +333,60 @@ pub fn diagnose(traces: &[PathBuf], cfg: DetectConfig) -> Result<Vec<Finding>> {
     for (i, path) in traces.iter().enumerate() {
         end = end.max(read_trace(i, path, &mut names, &mut records, &mut open)?);
     }
-    // The calls that never returned, as the snapshot the live agent takes
-    // of what runs: taken just before the first of them ended (its
-    // process died; or the trace's end), holding every one begun by then.
-    // Its age against the hang timeout decides, as it would live.
-    let mut stuck_end = end;
-    for s in &open {
-        if s.died {
-            let death = records
-                .iter()
-                .filter_map(|(ts, r)| match r {
-                    Record::Exit { exit, .. }
-                        if exit.tgid == s.call.tgid && *ts >= s.call.start_ts =>
-                    {
-                        Some(*ts)
-                    }
-                    _ => None,
-                })
-                .min();
-            stuck_end = stuck_end.min(death.unwrap_or(end));
+    // The calls that never returned, as the snapshots the live agent takes
+    // of what runs (once a second, from when the oldest is past the hang
+    // timeout): each holds the calls begun by then and not yet ended, a
+    // call ending when its process died (or with the trace). Their age
+    // against the timeout decides, as it would live.
+    let until = |s: &Stuck| -> u64 {
+        if !s.died {
+            return end;
         }
-    }
-    let snapshot_at = stuck_end.saturating_sub(1);
-    let calls: Vec<OpenCall> = open
+        records
+            .iter()
+            .filter_map(|(ts, r)| match r {
+                Record::Exit { exit, .. } if exit.tgid == s.call.tgid && *ts >= s.call.start_ts => {
+                    Some(*ts)
+                }
+                _ => None,
+            })
+            .min()
+            .unwrap_or(end)
+    };
+    let stuck: Vec<(OpenCall, u64)> = open
         .into_iter()
-        .map(|s| s.call)
-        .filter(|c| c.start_ts <= snapshot_at)
+        .map(|s| {
+            let u = until(&s);
+            (s.call, u)
+        })
         .collect();
-    if !calls.is_empty() {
-        records.push((
-            snapshot_at,
-            Record::InFlight(Box::new(InFlightSnapshot {
-                ts: snapshot_at,
-                calls,
-                main_threads: Vec::new(),
-            })),
-        ));
+    let timeout = cfg.hang_timeout.as_nanos() as u64;
+    if let (Some(oldest), Some(last)) = (
+        stuck.iter().map(|(c, _)| c.start_ts).min(),
+        stuck.iter().map(|(_, u)| *u).max(),
+    ) {
+        let mut at = oldest.saturating_add(timeout);
+        let mut snapshots = 0u64;
+        while at < last {
+            let calls: Vec<OpenCall> = stuck
+                .iter()
+                .filter(|(c, u)| c.start_ts <= at && *u > at)
+                .map(|(c, _)| c.clone())
+                .collect();
+            if !calls.is_empty() {
+                records.push((
+                    at,
+                    Record::InFlight(Box::new(InFlightSnapshot {
+                        ts: at,
+                        calls,
+                        main_threads: Vec::new(),
+                    })),
+                ));
+            }
+            // A second apart, as live; further apart past an hour of them.
+            snapshots += 1;
+            at += OFFLINE_TICK_NS * (1 + snapshots / 3600);
+        }
     }
     // Identities first (time 0), then calls as they returned.
     records.sort_by_key(|r| r.0);

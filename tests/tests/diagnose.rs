@@ -284,3 +284,51 @@ fn a_crash_is_found_offline_with_its_signal_and_step_and_the_stopped_peer_is_not
         );
     }
 }
+
+/// A hang given by communicator and number (rank 1 never joins dp0's
+/// all-reduce #5): the hang names rank 1 and #5; a collective that hangs
+/// inside (rank 1's stand-in library blocks in dp0's all-reduce #4, so
+/// every member entered it and none left): one hang naming both members
+/// and #4. Offline and online alike, both flavors; no crash from the
+/// launcher stopping the job after.
+#[test]
+fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_online() {
+    let _serial = exclusive();
+    for flavor in ["nvidia", "ascend"] {
+        for (fault, ranks) in [
+            ("hang:rank=1,comm=dp0,seq=5", serde_json::json!([1])),
+            ("hang_inside:rank=1,seq=4", serde_json::json!([0, 1])),
+        ] {
+            let tag = format!("diaghang2{flavor}");
+            let run = run_job(
+                &tag,
+                &strs(&two_ranks(flavor, fault, "6")),
+                &["--hang-timeout", "1s"],
+            );
+            let injected = &run.truth["faults"][0]["injected"][0];
+            let (found, text) = diagnose(&run, &["--hang-timeout", "1s"]);
+            for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+                let what = format!("{flavor} {fault} {driver}: {fs:#?}\n{text}");
+                assert_eq!(fs.len(), 1, "{what}");
+                let h = &fs[0];
+                assert_eq!(h["kind"], "hang", "{what}");
+                assert_eq!(h["ranks"], ranks, "{what}");
+                assert_eq!(h["seq"], injected["seq"], "{what}\n{injected}");
+                assert!(
+                    h["comm"].as_str().is_some_and(|c| c.contains(':')),
+                    "{what}"
+                );
+                if ranks.as_array().unwrap().len() == 2 {
+                    assert!(
+                        h["summary"]
+                            .as_str()
+                            .unwrap()
+                            .contains("entered by every member, and none left"),
+                        "{what}"
+                    );
+                }
+            }
+            assert_eq!(found[0]["comm"], run.online[0]["comm"], "{flavor} {fault}");
+        }
+    }
+}

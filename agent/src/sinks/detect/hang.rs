@@ -49,6 +49,8 @@ struct Member {
     last_seq: Option<u64>,
     /// The function of that collective.
     last_function: Option<&'static str>,
+    /// When it entered that collective (CLOCK_BOOTTIME ns).
+    last_entered: u64,
 }
 
 #[derive(Default)]
@@ -175,6 +177,7 @@ impl HangDetector {
         kind: CallKind,
         function: &'static str,
         cc: &CommContext,
+        entered: u64,
     ) {
         let Some(key) = key_of(library, cc) else {
             return;
@@ -187,6 +190,7 @@ impl HangDetector {
         {
             m.last_seq = Some(seq);
             m.last_function = Some(function);
+            m.last_entered = entered;
         }
         self.of_process.entry(tgid).or_default().insert(key);
     }
@@ -194,7 +198,14 @@ impl HangDetector {
     pub fn device_call(&mut self, c: &DeviceCallRecord) {
         let call = &c.call;
         if let Some(cc) = &call.comm {
-            self.member(call.tgid, call.library, call.kind, call.function, cc);
+            self.member(
+                call.tgid,
+                call.library,
+                call.kind,
+                call.function,
+                cc,
+                call.start_ts,
+            );
         }
         if c.unmatched.is_none() {
             self.open
@@ -207,7 +218,7 @@ impl HangDetector {
         self.main_threads = s.main_threads.iter().map(|m| (m.tgid, m.clone())).collect();
         for c in &s.calls {
             if let Some(cc) = &c.comm {
-                self.member(c.tgid, c.library, c.kind, c.function, cc);
+                self.member(c.tgid, c.library, c.kind, c.function, cc, c.start_ts);
             }
         }
         // Calls no longer running need no memory of being reported.
@@ -237,8 +248,39 @@ impl HangDetector {
     }
 
     /// The operation a stuck call waits for: (communicator, sequence
-    /// number), when it can be told.
-    fn op_of(&self, c: &OpenCall) -> Option<(CommKey, u64)> {
+    /// number), when it can be told: its own collective; else the
+    /// collective its process entered that a peer has not (it waits for
+    /// that peer); else, when every member of one of its communicators
+    /// entered the same last collective and every one is still in a call
+    /// (`hung`: processes with a call in flight), that collective, the one
+    /// entered last: it never completed.
+    fn op_of(&self, c: &OpenCall, hung: &HashSet<u32>) -> Option<(CommKey, u64)> {
+        self.awaited_op(c)
+            .or_else(|| self.op_all_stuck_in(c.tgid, hung))
+    }
+
+    fn op_all_stuck_in(&self, tgid: u32, hung: &HashSet<u32>) -> Option<(CommKey, u64)> {
+        self.of_process
+            .get(&tgid)?
+            .iter()
+            .filter_map(|key| {
+                let comm = &self.comms[key];
+                let mine = comm.members.get(&tgid)?;
+                let seq = mine.last_seq?;
+                let whole = comm.size.is_none_or(|n| n as usize == comm.members.len());
+                let all_in = comm.members.len() >= 2
+                    && whole
+                    && comm
+                        .members
+                        .iter()
+                        .all(|(t, m)| m.last_seq == Some(seq) && hung.contains(t));
+                all_in.then_some((mine.last_entered, *key, seq))
+            })
+            .max_by_key(|(entered, key, _)| (*entered, key.1))
+            .map(|(_, key, seq)| (key, seq))
+    }
+
+    fn awaited_op(&self, c: &OpenCall) -> Option<(CommKey, u64)> {
         if let (CallKind::Collective(_), Some(cc)) = (c.kind, &c.comm)
             && cc.seq_exact
             && let (Some(key), Some(seq)) = (key_of(c.library, cc), cc.seq)
@@ -273,17 +315,23 @@ impl HangDetector {
             .filter(|c| !self.reported_calls.contains(&call_id(c)))
             .cloned()
             .collect();
+        // Processes in a call now (past the timeout or not yet): a
+        // collective every member entered last, with every member still
+        // in a call, never completed.
+        let hung_tgids: HashSet<u32> = self.open.iter().map(|c| c.tgid).collect();
         for c in &hung {
             if self.reported_calls.contains(&call_id(c)) {
                 continue;
             }
-            match self.op_of(c) {
+            match self.op_of(c, &hung_tgids) {
                 Some(op) if self.reported_ops.contains(&op) => {
                     self.reported_calls.insert(call_id(c));
                 }
                 Some(op) => {
-                    let stuck: Vec<&OpenCall> =
-                        hung.iter().filter(|h| self.op_of(h) == Some(op)).collect();
+                    let stuck: Vec<&OpenCall> = hung
+                        .iter()
+                        .filter(|h| self.op_of(h, &hung_tgids) == Some(op))
+                        .collect();
                     out.push(self.collective_finding(op, &stuck, now, ranks));
                     let ids: Vec<_> = stuck.iter().map(|s| call_id(s)).collect();
                     self.reported_calls.extend(ids);

@@ -372,6 +372,58 @@ fn a_process_killed_by_a_signal_is_a_crash() {
     );
 }
 
+/// Both members entered all-reduce #4 and both wait in their stream sync
+/// past the timeout: the all-reduce never completed (it hangs inside);
+/// one finding names it, with every member. With one member not stuck,
+/// its peer's wait is a call of its own (no collective to blame).
+#[test]
+fn a_collective_every_member_entered_and_none_left_is_one_hang() {
+    let mut d = detectors(2);
+    let mut records = vec![identity(100, 0), identity(101, 1)];
+    for seq in 1..=4 {
+        for rank in 0..2 {
+            records.push(allreduce(rank, 2, seq, seq * S + u64::from(rank)));
+        }
+    }
+    // Rank 1 began its wait later: not past the timeout at the first tick,
+    // still one finding (then none more).
+    records.push(snapshot(
+        8 * S,
+        vec![open_sync(0, 4 * S + 5_000), open_sync(1, 7 * S)],
+    ));
+    let mut out = feed(&mut d, &records);
+    d.tick(8 * S, &mut out);
+    let mut later = feed(
+        &mut d,
+        &[snapshot(
+            10 * S,
+            vec![open_sync(0, 4 * S + 5_000), open_sync(1, 7 * S)],
+        )],
+    );
+    d.tick(10 * S, &mut later);
+    assert!(later.is_empty(), "{later:#?}");
+    assert_eq!(out.len(), 1, "{out:#?}");
+    let f = &out[0];
+    assert_eq!(
+        (f.kind, f.ranks.clone(), f.seq),
+        (FindingKind::Hang, vec![0, 1], Some(4))
+    );
+    assert!(f.comm.is_some(), "{f:?}");
+    assert!(
+        f.summary.contains("entered by every member, and none left"),
+        "{}",
+        f.summary
+    );
+
+    let mut d = detectors(2);
+    records.pop();
+    records.push(snapshot(8 * S, vec![open_sync(0, 4 * S + 5_000)]));
+    let mut out = feed(&mut d, &records);
+    d.tick(8 * S, &mut out);
+    assert_eq!(out.len(), 1, "{out:#?}");
+    assert_eq!((out[0].comm.clone(), out[0].ranks.clone()), (None, vec![0]));
+}
+
 fn identity_in(tgid: u32, rank: u32, job: &str) -> Record {
     Record::Identity {
         tgid,
