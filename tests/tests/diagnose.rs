@@ -110,43 +110,41 @@ const LATE_MIN: &str = "40ms";
 
 /// Rank 1 arrives 120 ms late at step 5's gradient all-reduce (dp 2): one
 /// `late_arrival` naming rank 1 and step 5 (within 2), offline and online,
-/// and nothing else; the printed sentence gives the delay.
+/// and nothing else; the printed sentence gives the delay. Both flavors.
 #[test]
 fn a_late_arrival_is_found_offline_and_online() {
     let _serial = exclusive();
-    let run = run_job(
-        "diaglate",
-        &[
-            "--world-size",
-            "2",
-            "--dp",
-            "2",
-            "--tp",
-            "1",
-            "--pp",
-            "1",
-            "--steps",
-            "10",
-            "--fault",
-            "delay:rank=1,ms=120,step=5",
-        ],
-        &["--late-min", LATE_MIN],
-    );
-    let expected = &run.truth["faults"][0]["expected"];
-    let (found, text) = diagnose(&run, &["--late-min", LATE_MIN]);
-    for fs in [&found, &run.online] {
-        let late = of_kind(fs, "late_arrival");
-        assert_eq!(late.len(), 1, "{fs:#?}\n{text}");
-        assert_eq!(late[0]["ranks"], serde_json::json!([1]), "{fs:#?}");
-        assert!(
-            near(&late[0]["step"], &expected["step"], 2),
-            "{fs:#?} vs {expected}"
+    for flavor in ["nvidia", "ascend"] {
+        let mut args = two_ranks(flavor, "delay:rank=1,ms=120,step=5", "60");
+        args.extend(["--steps", "10"].map(String::from));
+        let run = run_job(
+            &format!("diaglate{flavor}"),
+            &strs(&args),
+            &["--late-min", LATE_MIN],
         );
-        let delay = late[0]["evidence"]["delay_ms"].as_f64().unwrap();
-        assert!((100.0..300.0).contains(&delay), "{delay}");
-        assert_eq!(fs.len(), 1, "no other finding: {fs:#?}");
+        let expected = &run.truth["faults"][0]["expected"];
+        let (found, text) = diagnose(&run, &["--late-min", LATE_MIN]);
+        for fs in [&found, &run.online] {
+            let late = of_kind(fs, "late_arrival");
+            assert_eq!(late.len(), 1, "{flavor}: {fs:#?}\n{text}");
+            assert_eq!(
+                late[0]["ranks"],
+                serde_json::json!([1]),
+                "{flavor}: {fs:#?}"
+            );
+            assert!(
+                near(&late[0]["step"], &expected["step"], 2),
+                "{flavor}: {fs:#?} vs {expected}"
+            );
+            let delay = late[0]["evidence"]["delay_ms"].as_f64().unwrap();
+            assert!((100.0..300.0).contains(&delay), "{flavor}: {delay}");
+            assert_eq!(fs.len(), 1, "{flavor}: no other finding: {fs:#?}");
+        }
+        assert!(
+            text.starts_with("late_arrival: rank 1 arrived"),
+            "{flavor}: {text}"
+        );
     }
-    assert!(text.starts_with("late_arrival: rank 1 arrived"), "{text}");
 }
 
 /// A clean job of 8 ranks (tp 2, pp 2, dp 2: pipeline stages enter some

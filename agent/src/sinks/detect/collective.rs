@@ -42,8 +42,9 @@ use xpuscope_probes::catalog::{CallKind, Collective, Library};
 use xpuscope_probes::decode::args::CallArgs;
 
 use super::Ranks;
+use crate::model::device::FlowId;
 use crate::model::finding::comm_name;
-use crate::model::{DeviceCallRecord, Finding, FindingKind};
+use crate::model::{DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, WorkKind};
 
 type CommKey = (Library, u64);
 
@@ -136,8 +137,26 @@ struct CommOps {
     history: HashMap<u32, MemberHistory>,
     /// ns per bus byte of clean, large operations.
     link: VecDeque<f64>,
+    /// The same from the device (activity records): the shortest member
+    /// kernel of each operation (the last member to arrive waits for no
+    /// one: its kernel is the transfer alone).
+    device_link: VecDeque<f64>,
     members: HashSet<u32>,
 }
+
+/// A large collective whose device work is still to come, by the flow from
+/// its host call to that work.
+#[derive(Clone, Copy)]
+struct DeviceOp {
+    key: CommKey,
+    seq: u64,
+    size: u32,
+    bus_bytes: u64,
+}
+
+/// Flows (and operations) remembered for their device work; cleared past
+/// this (activity records lost or never enabled).
+const MAX_DEVICE_OPS: usize = 16_384;
 
 pub struct CollectiveDetector {
     cfg: CollectiveConfig,
@@ -150,7 +169,17 @@ pub struct CollectiveDetector {
     /// detector: one finding per rank).
     pub(super) slow_reported: HashSet<u32>,
     link_reported: bool,
+    /// Flow id -> the large collective its host call enqueued.
+    device_ops: HashMap<FlowId, DeviceOp>,
+    /// (communicator, seq) -> its members' kernel durations so far.
+    device_kernels: HashMap<(CommKey, u64), Vec<u64>>,
+    /// tid -> its latest large collectives (start, end, tgid, op): an
+    /// enqueue marker inside one is that collective's device work.
+    recent_calls: HashMap<u32, VecDeque<(u64, u64, u32, DeviceOp)>>,
 }
+
+/// Large collectives remembered per thread for their enqueue markers.
+const RECENT_CALLS: usize = 64;
 
 pub(super) fn median_u64(v: &mut [u64]) -> u64 {
     v.sort_unstable();
@@ -196,6 +225,9 @@ impl CollectiveDetector {
             allreduces: HashMap::new(),
             slow_reported: HashSet::new(),
             link_reported: false,
+            device_ops: HashMap::new(),
+            device_kernels: HashMap::new(),
+            recent_calls: HashMap::new(),
         }
     }
 
@@ -245,6 +277,25 @@ impl CollectiveDetector {
                 while comm.open.len() > MAX_OPEN_OPS {
                     comm.open.pop_first();
                 }
+                let bus = bus_bytes(op, bytes, size);
+                if bus >= self.cfg.link_min_bytes {
+                    let dop = DeviceOp {
+                        key,
+                        seq,
+                        size,
+                        bus_bytes: bus,
+                    };
+                    for &flow in &c.flows {
+                        self.device_op(flow, dop);
+                    }
+                    if let Some(end) = call.end_ts {
+                        let recent = self.recent_calls.entry(call.tid).or_default();
+                        recent.push_back((call.start_ts, end, call.tgid, dop));
+                        if recent.len() > RECENT_CALLS {
+                            recent.pop_front();
+                        }
+                    }
+                }
                 let waiting = self.awaiting_sync.entry(call.tid).or_default();
                 waiting.push((key, seq));
                 // A thread that never syncs: keep its latest only.
@@ -268,6 +319,59 @@ impl CollectiveDetector {
                 }
             }
             _ => {}
+        }
+    }
+
+    fn device_op(&mut self, flow: FlowId, op: DeviceOp) {
+        if self.device_ops.len() >= MAX_DEVICE_OPS {
+            self.device_ops.clear();
+        }
+        self.device_ops.insert(flow, op);
+    }
+
+    /// A host thread enqueued device work (an API record): inside one of
+    /// its large collectives, that work is the collective's.
+    pub fn enqueued(&mut self, m: &EnqueueMarker) {
+        let op = self.recent_calls.get(&m.tid).and_then(|calls| {
+            calls
+                .iter()
+                .rev()
+                .find(|(start, end, tgid, _)| *tgid == m.tgid && (*start..=*end).contains(&m.ts))
+                .map(|c| c.3)
+        });
+        if let Some(op) = op {
+            self.device_op(m.flow, op);
+        }
+    }
+
+    /// A collective's kernel on a member's device (activity records with
+    /// the flow from its host call): once every member's is in, the
+    /// shortest is the operation's transfer time.
+    pub fn device_work(&mut self, w: &DeviceWork) {
+        if w.kind != WorkKind::Communication {
+            return;
+        }
+        for flow in &w.flows {
+            let Some(op) = self.device_ops.remove(flow) else {
+                continue;
+            };
+            if self.device_kernels.len() >= MAX_DEVICE_OPS {
+                self.device_kernels.clear();
+            }
+            let kernels = self.device_kernels.entry((op.key, op.seq)).or_default();
+            kernels.push(w.end.saturating_sub(w.start));
+            if kernels.len() < op.size as usize {
+                continue;
+            }
+            let shortest = kernels.iter().copied().min().unwrap_or(0);
+            self.device_kernels.remove(&(op.key, op.seq));
+            if let Some(comm) = self.comms.get_mut(&op.key) {
+                comm.device_link
+                    .push_back(shortest as f64 / op.bus_bytes as f64);
+                if comm.device_link.len() > MAX_LINK_SAMPLES {
+                    comm.device_link.pop_front();
+                }
+            }
         }
     }
 
@@ -485,15 +589,25 @@ impl CollectiveDetector {
             return;
         }
         let min_ops = self.cfg.link_min_ops.max(1) as usize;
-        let mut per_comm: Vec<(CommKey, f64, usize)> = self
-            .comms
-            .iter()
-            .filter(|(_, c)| c.link.len() >= min_ops)
-            .map(|(k, c)| {
-                let mut v: Vec<f64> = c.link.iter().copied().collect();
-                (*k, median_f64(&mut v), v.len())
-            })
-            .collect();
+        let per_comm_of = |samples: fn(&CommOps) -> &VecDeque<f64>| -> Vec<(CommKey, f64, usize)> {
+            self.comms
+                .iter()
+                .filter(|(_, c)| samples(c).len() >= min_ops)
+                .map(|(k, c)| {
+                    let mut v: Vec<f64> = samples(c).iter().copied().collect();
+                    (*k, median_f64(&mut v), v.len())
+                })
+                .collect()
+        };
+        // The device's own timing where activity records give it (the
+        // host's time after the last arrival also holds the compute queued
+        // before the collective); the host's otherwise.
+        let mut source = "device";
+        let mut per_comm = per_comm_of(|c| &c.device_link);
+        if per_comm.len() < 2 {
+            source = "host";
+            per_comm = per_comm_of(|c| &c.link);
+        }
         if per_comm.len() < 2 {
             return;
         }
@@ -565,6 +679,7 @@ impl CollectiveDetector {
                 "ratio": worst.1 / fastest,
                 "threshold_ratio": ratio,
                 "localized": localized,
+                "source": source,
             }),
             detected_ns: now,
         });
@@ -612,6 +727,10 @@ impl CollectiveDetector {
             out.push(self.late_finding(key, tgid, &l, ranks));
         }
         self.allreduces.remove(&tgid);
+        self.recent_calls.retain(|_, calls| {
+            calls.retain(|c| c.2 != tgid);
+            !calls.is_empty()
+        });
         self.awaiting_sync.remove(&tgid);
         self.slow_reported.remove(&tgid);
         // Communicators no live member uses any more (their link samples

@@ -11,7 +11,9 @@ use xpuscope_probes::decode::comm::CommContext;
 
 use super::*;
 use crate::events::{Comm, Exit};
-use crate::model::{DeviceCallRecord, FindingKind};
+use crate::model::{
+    DeviceCallRecord, DeviceWork, EnqueueMarker, FindingKind, StreamTrack, WorkKind,
+};
 
 const MS: u64 = 1_000_000;
 const MB: u64 = 1 << 20;
@@ -501,4 +503,78 @@ fn a_slow_device_is_found_when_the_activity_comes_at_each_exit() {
     assert_eq!(slow[0].ranks, vec![1]);
     assert_eq!(slow[0].step, Some(3));
     assert!(d.hang_state_is_empty_for(pid(0)) && d.hang_state_is_empty_for(pid(1)));
+}
+
+/// The host's view hides the link (20 ms of queued compute after every
+/// last arrival, on every communicator); the device's does not: each
+/// member's collective kernel (activity records, linked to its host call
+/// by the API record inside it) lasts its wait plus the transfer, and the
+/// shortest member's is the transfer alone: 4x on the communicators
+/// through rank 1. The slow link is found from the device, localized.
+#[test]
+fn a_slow_link_is_found_from_the_collective_kernels_on_the_device() {
+    let ring = [
+        (0xa0, [0, 1]),
+        (0xa1, [1, 2]),
+        (0xa2, [2, 3]),
+        (0xa3, [3, 0]),
+    ];
+    let mut flow = 0u64;
+    let jobs = ring
+        .iter()
+        .map(|(c, m)| {
+            let xfer = if m.contains(&1) { 8 * MS } else { 2 * MS };
+            let mut v = job(*c, m, 10, 8 * MB, 20 * MS, |_, _| 0);
+            let calls: Vec<(u64, u32)> = v
+                .iter()
+                .filter_map(|(ts, r)| match r {
+                    Record::DeviceCall(d) if d.call.function == "ncclAllReduce" => {
+                        Some((*ts, d.call.tgid))
+                    }
+                    _ => None,
+                })
+                .collect();
+            for (i, (enter, tgid)) in calls.into_iter().enumerate() {
+                flow += 1;
+                // The second member of each operation waited 1 ms for the
+                // first; reported once the step's sync is over.
+                let wait = if i % 2 == 1 { MS } else { 0 };
+                let seen = enter + 30 * MS;
+                v.push((
+                    seen,
+                    Record::Enqueued(EnqueueMarker {
+                        tgid,
+                        tid: tgid,
+                        ts: enter + 5_000,
+                        correlation: flow,
+                        flow,
+                    }),
+                ));
+                v.push((
+                    seen,
+                    Record::DeviceWork(Box::new(DeviceWork {
+                        track: StreamTrack {
+                            tgid,
+                            name: "GPU 0 stream 1".into(),
+                            estimated: false,
+                        },
+                        kind: WorkKind::Communication,
+                        start: enter + 20_000,
+                        end: enter + 20_000 + wait + xfer,
+                        name: "ncclDevKernel_AllReduce_Sum_f32_RING_LL".into(),
+                        fields: Vec::new(),
+                        flows: vec![flow],
+                    })),
+                ));
+            }
+            v
+        })
+        .collect();
+    let f = run(4, DetectConfig::default(), jobs);
+    assert_eq!(kinds(&f), vec![FindingKind::SlowLink], "{f:#?}");
+    assert_eq!(f[0].ranks, vec![1]);
+    assert_eq!(f[0].evidence["source"], "device");
+    assert_eq!(f[0].evidence["localized"], true);
+    let ratio = f[0].evidence["ratio"].as_f64().unwrap();
+    assert!((3.5..4.5).contains(&ratio), "{ratio}");
 }

@@ -173,9 +173,11 @@ impl Detectors {
                 );
             }
             Record::DeviceWork(w) => {
+                self.collective.device_work(w);
                 self.device_compute
                     .device_work(w, &mut self.collective.slow_reported, out)
             }
+            Record::Enqueued(m) => self.collective.enqueued(m),
             Record::InFlight(s) => self.hang.snapshot(s),
             Record::Exit {
                 exit,
