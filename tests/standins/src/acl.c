@@ -553,7 +553,11 @@ API int __standin_acl_stream_enqueue(void *stream, const char *kernel_name_,
     if (op == NULL) {
         return ACL_ERROR_RT_INTERNAL_ERROR;
     }
-    uint64_t corr = next_correlation();
+    /* HCCL launches its tasks through the runtime: its operation's records
+     * come with an API record of the same correlation id, made inside the
+     * collective's call. */
+    struct api_call c = api_begin("aclrtLaunchKernel");
+    uint64_t corr = c.corr;
     op->fn = fn;
     op->arg = arg;
     if (kernel_name_ != NULL) {
@@ -567,5 +571,5 @@ API int __standin_acl_stream_enqueue(void *stream, const char *kernel_name_,
         info->correlation_id = corr;
     }
     sd_stream_enqueue(s, op);
-    return ACL_SUCCESS;
+    return api_end(&c, ACL_SUCCESS);
 }

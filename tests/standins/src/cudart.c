@@ -1001,7 +1001,12 @@ API int __standin_cuda_stream_enqueue(void *stream, int per_thread, const char *
     if (op == NULL) {
         return cudaErrorMemoryAllocation;
     }
-    uint32_t corr = next_correlation();
+    /* NCCL launches its kernels through the runtime (cudaLaunchKernel /
+     * cudaLaunchKernelExC): a kernel comes with a RUNTIME API record of the
+     * same correlation id, made inside the collective's call. */
+    struct api_call c = api_begin(kernel_name_ != NULL ? CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000
+                                                       : CUPTI_RUNTIME_TRACE_CBID_INVALID);
+    uint32_t corr = c.corr;
     op->fn = fn;
     op->arg = arg;
     if (kernel_name_ != NULL) {
@@ -1019,5 +1024,5 @@ API int __standin_cuda_stream_enqueue(void *stream, int per_thread, const char *
         info->correlation_id = corr;
     }
     sd_stream_enqueue(s, op);
-    return cudaSuccess;
+    return api_end(&c, cudaSuccess);
 }

@@ -34,7 +34,7 @@
 //! its data-parallel communicator (the all-reduce communicator with the
 //! fewest, one per step: the gradients), as `analysis::steps` anchors steps.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use serde_json::json;
@@ -142,7 +142,25 @@ struct CommOps {
     /// one: its kernel is the transfer alone).
     device_link: VecDeque<f64>,
     members: HashSet<u32>,
+    /// The global ranks of every member seen (for a verdict after they
+    /// ended).
+    member_ranks: BTreeSet<u32>,
 }
+
+/// A communicator whose members all ended, with its link samples: judged
+/// with the live ones for [`ENDED_LINK_KEEP_NS`] (a job's activity records
+/// come in batches, the last at each rank's exit: the device's samples
+/// may all arrive as the job ends).
+struct EndedLink {
+    key: CommKey,
+    ended: u64,
+    link: VecDeque<f64>,
+    device_link: VecDeque<f64>,
+    ranks: BTreeSet<u32>,
+}
+
+const ENDED_LINK_KEEP_NS: u64 = 60_000_000_000;
+const MAX_ENDED_LINKS: usize = 256;
 
 /// A large collective whose device work is still to come, by the flow from
 /// its host call to that work.
@@ -173,6 +191,8 @@ pub struct CollectiveDetector {
     device_ops: HashMap<FlowId, DeviceOp>,
     /// (communicator, seq) -> its members' kernel durations so far.
     device_kernels: HashMap<(CommKey, u64), Vec<u64>>,
+    /// Communicators that ended, with their link samples.
+    ended_links: VecDeque<EndedLink>,
     /// tid -> its latest large collectives (start, end, tgid, op): an
     /// enqueue marker inside one is that collective's device work.
     recent_calls: HashMap<u32, VecDeque<(u64, u64, u32, DeviceOp)>>,
@@ -228,6 +248,7 @@ impl CollectiveDetector {
             device_ops: HashMap::new(),
             device_kernels: HashMap::new(),
             recent_calls: HashMap::new(),
+            ended_links: VecDeque::new(),
         }
     }
 
@@ -266,6 +287,7 @@ impl CollectiveDetector {
                 };
                 let comm = self.comms.entry(key).or_default();
                 comm.members.insert(call.tgid);
+                comm.member_ranks.extend(ranks.of(call.tgid));
                 let o = comm.open.entry(seq).or_default();
                 o.size = size;
                 o.function = call.function;
@@ -589,13 +611,34 @@ impl CollectiveDetector {
             return;
         }
         let min_ops = self.cfg.link_min_ops.max(1) as usize;
-        let per_comm_of = |samples: fn(&CommOps) -> &VecDeque<f64>| -> Vec<(CommKey, f64, usize)> {
-            self.comms
+        self.ended_links
+            .retain(|e| now.saturating_sub(e.ended) <= ENDED_LINK_KEEP_NS);
+        // (communicator, its members' ranks, device samples, host samples),
+        // live and recently ended.
+        let mut comms: Vec<(CommKey, BTreeSet<u32>, &VecDeque<f64>, &VecDeque<f64>)> = self
+            .comms
+            .iter()
+            .map(|(k, c)| {
+                let mut r = c.member_ranks.clone();
+                r.extend(c.members.iter().filter_map(|t| ranks.of(*t)));
+                (*k, r, &c.device_link, &c.link)
+            })
+            .collect();
+        comms.extend(
+            self.ended_links
                 .iter()
-                .filter(|(_, c)| samples(c).len() >= min_ops)
-                .map(|(k, c)| {
-                    let mut v: Vec<f64> = samples(c).iter().copied().collect();
-                    (*k, median_f64(&mut v), v.len())
+                .map(|e| (e.key, e.ranks.clone(), &e.device_link, &e.link)),
+        );
+        let per_comm_of = |device: bool| -> Vec<(CommKey, f64, usize, BTreeSet<u32>)> {
+            comms
+                .iter()
+                .filter_map(|(k, r, dev, host)| {
+                    let samples = if device { *dev } else { *host };
+                    if samples.len() < min_ops {
+                        return None;
+                    }
+                    let mut v: Vec<f64> = samples.iter().copied().collect();
+                    Some((*k, median_f64(&mut v), v.len(), r.clone()))
                 })
                 .collect()
         };
@@ -603,41 +646,39 @@ impl CollectiveDetector {
         // host's time after the last arrival also holds the compute queued
         // before the collective); the host's otherwise.
         let mut source = "device";
-        let mut per_comm = per_comm_of(|c| &c.device_link);
+        let mut per_comm = per_comm_of(true);
         if per_comm.len() < 2 {
             source = "host";
-            per_comm = per_comm_of(|c| &c.link);
+            per_comm = per_comm_of(false);
         }
+        drop(comms);
         if per_comm.len() < 2 {
             return;
         }
         per_comm.sort_by(|a, b| a.1.total_cmp(&b.1));
         let fastest = per_comm[0].1.max(1e-12);
         let ratio = f64::from(self.cfg.slow_link_ratio.max(1));
-        let (slow, fast): (Vec<&(CommKey, f64, usize)>, Vec<_>) =
+        type Judged = (CommKey, f64, usize, BTreeSet<u32>);
+        let (slow, fast): (Vec<&Judged>, Vec<&Judged>) =
             per_comm.iter().partition(|c| c.1 >= ratio * fastest);
         if slow.is_empty() {
             return;
         }
         self.link_reported = true;
-        let members = |k: &CommKey| self.comms[k].members.clone();
-        let mut candidates = members(&slow[0].0);
+        let mut candidates = slow[0].3.clone();
         for c in &slow[1..] {
-            let m = members(&c.0);
-            candidates.retain(|t| m.contains(t));
+            candidates.retain(|r| c.3.contains(r));
         }
         for c in &fast {
-            for t in members(&c.0) {
-                candidates.remove(&t);
+            for r in &c.3 {
+                candidates.remove(r);
             }
         }
         let localized = !candidates.is_empty();
         if !localized {
-            candidates = slow.iter().flat_map(|c| members(&c.0)).collect();
+            candidates = slow.iter().flat_map(|c| c.3.iter().copied()).collect();
         }
-        let mut rank_ids: Vec<u32> = candidates.iter().filter_map(|t| ranks.of(*t)).collect();
-        rank_ids.sort_unstable();
-        rank_ids.dedup();
+        let rank_ids: Vec<u32> = candidates.into_iter().collect();
         let names: Vec<String> = slow
             .iter()
             .map(|c| comm_name(c.0.0.name(), c.0.1))
@@ -712,7 +753,7 @@ impl CollectiveDetector {
 
     /// A process ended: its late arrivals not yet reported are (with the
     /// step it knew), and its state goes.
-    pub fn process_ended(&mut self, tgid: u32, ranks: &Ranks, out: &mut Vec<Finding>) {
+    pub fn process_ended(&mut self, tgid: u32, now: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
         let mut pend: Vec<(CommKey, Late)> = Vec::new();
         for (key, comm) in self.comms.iter_mut() {
             if let Some(h) = comm.history.remove(&tgid)
@@ -733,9 +774,30 @@ impl CollectiveDetector {
         });
         self.awaiting_sync.remove(&tgid);
         self.slow_reported.remove(&tgid);
-        // Communicators no live member uses any more (their link samples
-        // were taken into account by the last tick).
-        self.comms.retain(|_, c| !c.members.is_empty());
+        // Communicators no live member uses any more: their link samples
+        // stay a while, for the verdict.
+        let ended: Vec<CommKey> = self
+            .comms
+            .iter()
+            .filter(|(_, c)| c.members.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
+        for key in ended {
+            let c = self.comms.remove(&key).expect("listed");
+            if c.link.is_empty() && c.device_link.is_empty() {
+                continue;
+            }
+            if self.ended_links.len() >= MAX_ENDED_LINKS {
+                self.ended_links.pop_front();
+            }
+            self.ended_links.push_back(EndedLink {
+                key,
+                ended: now,
+                link: c.link,
+                device_link: c.device_link,
+                ranks: c.member_ranks,
+            });
+        }
     }
 
     /// `tgid`'s training step at `ts` (see [`step_in`]), while it lives.

@@ -192,7 +192,8 @@ impl Detectors {
                     &mut self.collective.slow_reported,
                     out,
                 );
-                self.collective.process_ended(exit.tgid, &self.ranks, out);
+                self.collective
+                    .process_ended(exit.tgid, exit.ts, &self.ranks, out);
             }
             _ => {}
         }
