@@ -241,6 +241,12 @@ pub fn rank_pids(ground_truth: &Value) -> BTreeMap<u64, i32> {
         .collect()
 }
 
+/// Launcher options of a 2-rank, data-parallel-only job.
+pub const DP2: &[&str] = &["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"];
+/// Launcher options of an 8-rank job with every kind of parallelism
+/// (tensor 2, pipeline 2, data 2).
+pub const TP2_PP2_DP2: &[&str] = &["--world-size", "8", "--tp", "2", "--pp", "2", "--dp", "2"];
+
 /// A simulated 2-rank job (dp 2) recorded from before its ranks exist:
 /// `agent attach` (with `agent_extra`) on the launcher, which spawns the
 /// ranks once the agent is attached (`--spawn-gate`), so the agent sees

@@ -166,26 +166,21 @@ fn a_clean_8_rank_job_has_no_findings() {
 
 /// A 2-rank job (dp 2) of `flavor` with one launcher `fault`.
 fn two_ranks(flavor: &str, fault: &str, timeout_s: &str) -> Vec<String> {
-    [
-        "--flavor",
-        flavor,
-        "--world-size",
-        "2",
-        "--dp",
-        "2",
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--steps",
-        "6",
-        "--fault",
-        fault,
-        "--timeout",
-        timeout_s,
-    ]
-    .map(String::from)
-    .to_vec()
+    let mut args: Vec<String> = DP2.iter().map(|s| s.to_string()).collect();
+    args.extend(
+        [
+            "--flavor",
+            flavor,
+            "--steps",
+            "6",
+            "--fault",
+            fault,
+            "--timeout",
+            timeout_s,
+        ]
+        .map(String::from),
+    );
+    args
 }
 
 fn strs(v: &[String]) -> Vec<&str> {

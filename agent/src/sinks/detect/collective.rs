@@ -22,9 +22,12 @@
 //! - `late_arrival`: a late arrival that did not become a `slow_rank`
 //!   (reported once it left the window, or at the end).
 //! - `slow_link`: operations of at least `link_min_bytes` (bandwidth, not
-//!   latency, sets their time) whose time from the last arrival to the
-//!   members' syncs, per bus byte, is `slow_link_ratio` times that of the
-//!   fastest communicator, nobody arriving late. Its ranks are those in
+//!   latency, sets their time) whose transfer time per bus byte is
+//!   `slow_link_ratio` times that of a typical communicator (the lower
+//!   median of them): from the device where activity records link each
+//!   member's collective kernel to its host call (the shortest member's
+//!   kernel is the transfer), else from the host (the time from the last
+//!   arrival to the members' syncs, nobody arriving late). Its ranks are those in
 //!   every slow communicator and in no fast one (where a link slows every
 //!   operation through it); the members of the slow ones when that leaves
 //!   none. It needs a fast communicator to compare with: a job with one
@@ -656,11 +659,15 @@ impl CollectiveDetector {
             return;
         }
         per_comm.sort_by(|a, b| a.1.total_cmp(&b.1));
-        let fastest = per_comm[0].1.max(1e-12);
+        // The reference is a typical communicator (the lower median: a
+        // healthy one while fewer than half are slow), not the fastest: one
+        // communicator that happened to be quick would make the others look
+        // slow.
+        let reference = per_comm[(per_comm.len() - 1) / 2].1.max(1e-12);
         let ratio = f64::from(self.cfg.slow_link_ratio.max(1));
         type Judged = (CommKey, f64, usize, BTreeSet<u32>);
         let (slow, fast): (Vec<&Judged>, Vec<&Judged>) =
-            per_comm.iter().partition(|c| c.1 >= ratio * fastest);
+            per_comm.iter().partition(|c| c.1 >= ratio * reference);
         if slow.is_empty() {
             return;
         }
@@ -701,9 +708,14 @@ impl CollectiveDetector {
             end_ns: None,
             summary: format!(
                 "slow link through {who}: collectives on {} take {:.1}x the time per byte of the \
-                 fastest communicator (threshold {ratio}x) with every member on time{}",
+                 typical communicator (threshold {ratio}x){}{}",
                 names.join(", "),
-                worst.1 / fastest,
+                worst.1 / reference,
+                if source == "host" {
+                    " with every member on time"
+                } else {
+                    ", from the device"
+                },
                 if localized {
                     ""
                 } else {
@@ -716,8 +728,8 @@ impl CollectiveDetector {
                     "ns_per_byte": c.1,
                     "ops": c.2,
                 })).collect::<Vec<_>>(),
-                "fastest_ns_per_byte": fastest,
-                "ratio": worst.1 / fastest,
+                "reference_ns_per_byte": reference,
+                "ratio": worst.1 / reference,
                 "threshold_ratio": ratio,
                 "localized": localized,
                 "source": source,

@@ -522,19 +522,23 @@ fn a_slow_link_is_found_from_the_collective_kernels_on_the_device() {
     let mut flow = 0u64;
     let jobs = ring
         .iter()
-        .map(|(c, m)| {
+        .enumerate()
+        .map(|(k, (c, m))| {
             let xfer = if m.contains(&1) { 8 * MS } else { 2 * MS };
             let mut v = job(*c, m, 10, 8 * MB, 20 * MS, |_, _| 0);
-            let calls: Vec<(u64, u32)> = v
-                .iter()
-                .filter_map(|(ts, r)| match r {
-                    Record::DeviceCall(d) if d.call.function == "ncclAllReduce" => {
-                        Some((*ts, d.call.tgid))
-                    }
-                    _ => None,
-                })
-                .collect();
-            for (i, (enter, tgid)) in calls.into_iter().enumerate() {
+            // Each communicator's calls on a thread of their own (the
+            // synthetic job has a rank's two communicators' calls at the
+            // same instant, which one thread cannot make).
+            let mut calls: Vec<(u64, u32, u32)> = Vec::new();
+            for (ts, r) in v.iter_mut() {
+                if let Record::DeviceCall(d) = r
+                    && d.call.function == "ncclAllReduce"
+                {
+                    d.call.tid = d.call.tgid * 10 + k as u32;
+                    calls.push((*ts, d.call.tgid, d.call.tid));
+                }
+            }
+            for (i, (enter, tgid, tid)) in calls.into_iter().enumerate() {
                 flow += 1;
                 // The second member of each operation waited 1 ms for the
                 // first; reported once the step's sync is over.
@@ -544,7 +548,7 @@ fn a_slow_link_is_found_from_the_collective_kernels_on_the_device() {
                     seen,
                     Record::Enqueued(EnqueueMarker {
                         tgid,
-                        tid: tgid,
+                        tid,
                         ts: enter + 5_000,
                         correlation: flow,
                         flow,
