@@ -618,7 +618,8 @@ impl CollectiveDetector {
             .retain(|e| now.saturating_sub(e.ended) <= ENDED_LINK_KEEP_NS);
         // (communicator, its members' ranks, device samples, host samples),
         // live and recently ended.
-        let mut comms: Vec<(CommKey, BTreeSet<u32>, &VecDeque<f64>, &VecDeque<f64>)> = self
+        type Samples<'a> = (CommKey, BTreeSet<u32>, &'a VecDeque<f64>, &'a VecDeque<f64>);
+        let mut comms: Vec<Samples> = self
             .comms
             .iter()
             .map(|(k, c)| {
