@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use xpuscope_perfetto::rewrite::{
@@ -21,13 +22,14 @@ use xpuscope_probes::catalog::{CallKind, Collective, Library, SyncKind};
 use xpuscope_probes::decode::DeviceCall;
 use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
 use xpuscope_probes::decode::comm::CommContext;
+use xpuscope_probes::decode::memory::{Device, MemoryEffect};
 
 use crate::events::{Comm, Exit};
 use crate::merge::collectives::{collective, sync_stream};
 use crate::model::finding::FindingsDoc;
 use crate::model::{
-    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, OpenCall, RankIdentity, Record,
-    ThreadNow,
+    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, LiveSiteRow, OpenCall, RankIdentity,
+    Record, Site, ThreadNow,
 };
 use crate::sinks::detect::{DetectConfig, Detectors};
 use crate::sinks::perfetto::PROCESS_EXIT_EVENT;
@@ -186,6 +188,13 @@ fn read_trace(
                     ));
                 }
             }
+            // A failed device allocation (the Perfetto sink's "<function>
+            // failed" instant, with the request and the live sites).
+            EventKind::Instant if event.arg("requested").is_some() => {
+                if let Some(c) = failed_allocation(&event, tgid, tid, names) {
+                    out.push((event.ts, Record::DeviceCall(Box::new(c))));
+                }
+            }
             // A call its thread or process died in (the Perfetto sink marks
             // it at its start): in flight until that death.
             EventKind::Instant if event.arg("unmatched").is_some() => {
@@ -273,6 +282,88 @@ fn call_of(event: &EventView, tgid: u32, tid: u32, names: &mut Names) -> Option<
     } else {
         None
     }
+}
+
+/// A failed device allocation read back from its instant: the request,
+/// what the device held, the allocating stack and the largest live sites
+/// (as labels: the trace keeps the frames on the instant's callstack).
+fn failed_allocation(
+    event: &EventView,
+    tgid: u32,
+    tid: u32,
+    names: &mut Names,
+) -> Option<DeviceCallRecord> {
+    let function = names.get(event.name?.strip_suffix(" failed")?);
+    let library = Library::ALL
+        .into_iter()
+        .find(|l| l.functions().iter().any(|f| f.name == function))?;
+    let uint = |name: &str| event.arg(name).and_then(|v| v.as_u64());
+    let text = |name: &str| match event.arg(name) {
+        Some(ArgRef::Str(s)) => Some(s.to_string()),
+        _ => None,
+    };
+    let device = Device {
+        vendor: library.vendor(),
+        index: uint("device").unwrap_or(0) as u32,
+    };
+    let site = |label: String| {
+        (label != "(unknown)").then(|| {
+            Arc::new(Site {
+                id: 0,
+                tgid,
+                frames: Vec::new(),
+                label,
+            })
+        })
+    };
+    let mut rows = Vec::new();
+    for n in 1.. {
+        let Some(bytes) = uint(&format!("live_sites.{n}.bytes")) else {
+            break;
+        };
+        rows.push(LiveSiteRow {
+            device,
+            bytes,
+            allocations: uint(&format!("live_sites.{n}.allocations")).unwrap_or(0),
+            site: text(&format!("live_sites.{n}.stack")).and_then(site),
+        });
+    }
+    let ret = match event.arg("return") {
+        Some(ArgRef::Int(v)) => Some(v),
+        Some(v) => v.as_u64().and_then(|v| i64::try_from(v).ok()),
+        None => None,
+    };
+    let call = DeviceCall {
+        library,
+        function,
+        kind: library
+            .functions()
+            .iter()
+            .find(|f| f.name == function)
+            .map(|f| f.kind)?,
+        tgid,
+        tid,
+        start_ts: event.ts,
+        end_ts: Some(event.ts),
+        args: CallArgs::None,
+        ret,
+        error: true,
+        name: function.into(),
+        comm: None,
+        memory: Some(MemoryEffect {
+            device,
+            delta: 0,
+            held_after: uint("device_bytes_held").unwrap_or(0),
+            failed_request: uint("requested"),
+            untracked: false,
+            site: None,
+        }),
+        site: None,
+    };
+    let mut r = DeviceCallRecord::new(call);
+    r.site = text("stack").and_then(site);
+    r.oom = Some(rows);
+    Some(r)
 }
 
 fn open_call(c: DeviceCall) -> OpenCall {

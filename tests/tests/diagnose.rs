@@ -325,3 +325,53 @@ fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_on
         }
     }
 }
+
+/// Rank 0 leaks 256 MiB of device memory a step from step 1 on a 2 GiB
+/// device until an allocation fails (the simulator then exits the rank;
+/// the launcher stops rank 1). Offline (the trace's failed-allocation
+/// instant) and online: one `device_oom`, rank 0, the request, the
+/// allocating stack and the largest live site; rank 1's stop is no crash.
+/// Both flavors.
+#[test]
+fn a_device_oom_is_found_offline_with_its_stack_and_live_sites() {
+    let _serial = exclusive();
+    for flavor in ["nvidia", "ascend"] {
+        let mut args = two_ranks(
+            flavor,
+            "mem_leak:rank=0,mb=256,from_step=1,device_mem_mb=2048",
+            "60",
+        );
+        args.extend(["--steps", "20"].map(String::from));
+        let run = run_job(&format!("diagoom{flavor}"), &strs(&args), &[]);
+        let (found, text) = diagnose(&run, &[]);
+        for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+            let what = format!("{flavor} {driver}: {fs:#?}\n{text}");
+            let ooms = of_kind(fs, "device_oom");
+            assert_eq!(ooms.len(), 1, "{what}");
+            let o = ooms[0];
+            assert_eq!(o["ranks"], serde_json::json!([0]), "{what}");
+            assert!(
+                o["evidence"]["requested_bytes"]
+                    .as_u64()
+                    .is_some_and(|b| b >= 256 << 20),
+                "{what}"
+            );
+            assert!(
+                o["evidence"]["largest_live_sites"]
+                    .as_array()
+                    .is_some_and(|s| !s.is_empty()),
+                "{what}"
+            );
+            assert!(of_kind(fs, "crash").is_empty(), "{what}");
+        }
+        let evidence = |fs: &[Value]| {
+            let o = of_kind(fs, "device_oom")[0].clone();
+            (
+                o["evidence"]["stack"].clone(),
+                o["evidence"]["requested_bytes"].clone(),
+                o["evidence"]["largest_live_sites"][0]["stack"].clone(),
+            )
+        };
+        assert_eq!(evidence(&found), evidence(&run.online), "{flavor}");
+    }
+}

@@ -4,8 +4,8 @@
 //! A job in trouble is stopped from outside: after one rank crashed or a
 //! collective hung, the launcher (torchrun, mpirun, the scheduler) sends
 //! its other ranks SIGTERM, then SIGKILL. Those deaths are the
-//! consequence, not more crashes: once a job has a `hang` or `crash`
-//! finding, its ranks killed by a stop signal (SIGTERM, SIGINT, SIGHUP,
+//! consequence, not more crashes: once a job has a `hang`, `crash` or
+//! `device_oom` finding, its ranks killed by a stop signal (SIGTERM, SIGINT, SIGHUP,
 //! SIGKILL) are counted in `stopped_after_trouble`, not reported. A fault
 //! signal (SIGSEGV, SIGABRT, SIGBUS, ...) is always a crash. The trouble
 //! ends when the job gets a new rank (an elastic restart).
@@ -20,8 +20,8 @@ use crate::model::{Finding, FindingKind};
 
 #[derive(Default)]
 pub struct CrashDetector {
-    /// Jobs (by label, see [`Ranks::job_of`]) with a hang or crash
-    /// finding: the finding's kind and ranks.
+    /// Jobs (by label, see [`Ranks::job_of`]) with a hang, crash or
+    /// device OOM finding: the finding's kind and ranks.
     troubled: HashMap<String, (FindingKind, Vec<u32>)>,
     /// Ranks killed by a stop signal in a troubled job (not reported).
     pub stopped_after_trouble: u64,
@@ -63,10 +63,14 @@ pub fn signal_name(sig: i32) -> String {
 }
 
 impl CrashDetector {
-    /// New findings: a `hang` or `crash` puts its job in trouble.
+    /// New findings: a `hang`, `crash` or `device_oom` puts its job in
+    /// trouble.
     pub fn note_trouble(&mut self, new: &[Finding], ranks: &Ranks) {
         for f in new {
-            if !matches!(f.kind, FindingKind::Hang | FindingKind::Crash) {
+            if !matches!(
+                f.kind,
+                FindingKind::Hang | FindingKind::Crash | FindingKind::DeviceOom
+            ) {
                 continue;
             }
             // A crash names its process; a hang its stuck members.
