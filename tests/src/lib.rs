@@ -6,6 +6,7 @@
 //! - [`steps`]: a step breakdown checked against the simulated ranks' logs.
 //! - [`fixtures`]: builds the native fixtures (workloads, stand-in device
 //!   libraries, the simulated training job) from source, once per test run.
+//! - [`packages`]: Debian packages a test needs, installed when missing.
 //! - [`trace_check`]: decodes a trace with the official Perfetto schema (the
 //!   `perfetto_protos` crate, independent of the writer's prost types) and
 //!   checks the trace-processor importer's rules.
@@ -14,6 +15,7 @@ pub mod agent;
 pub mod cluster;
 pub mod device;
 pub mod fixtures;
+pub mod packages;
 pub mod service_run;
 pub mod steps;
 pub mod trace_check;

@@ -41,14 +41,10 @@ fn yaml_documents(path: &str) -> Vec<Value> {
             .is_ok_and(|s| s.success())
     };
     if !have_yaml() {
-        let status = Command::new("apt-get")
-            .args(["install", "-y", "-q", "python3-yaml"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .expect("run apt-get");
+        xpuscope_tests::packages::apt_install(&["python3-yaml"]);
         assert!(
-            status.success() && have_yaml(),
-            "installing python3-yaml failed"
+            have_yaml(),
+            "python3-yaml is not importable after installing it"
         );
     }
     let out = Command::new(python())

@@ -241,13 +241,15 @@ fn a_crash_is_found_offline_with_its_signal_and_step_and_the_stopped_peer_is_not
     let _serial = exclusive();
     for flavor in ["nvidia", "ascend"] {
         let tag = format!("diagcrash{flavor}");
+        // Above the CI machine's scheduling noise (late arrivals).
+        let args = ["--late-min", LATE_MIN];
         let run = run_job(
             &tag,
             &strs(&two_ranks(flavor, "crash:rank=1,step=2", "20")),
-            &[],
+            &args,
         );
         let expected = &run.truth["faults"][0]["expected"];
-        let (found, text) = diagnose(&run, &[]);
+        let (found, text) = diagnose(&run, &args);
         for (driver, fs) in [("offline", &found), ("online", &run.online)] {
             assert_eq!(fs.len(), 1, "{flavor} {driver}: {fs:#?}\n{text}");
             let c = &fs[0];
@@ -293,18 +295,23 @@ fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_on
             ("hang_inside:rank=1,seq=4", serde_json::json!([0, 1])),
         ] {
             let tag = format!("diaghang2{flavor}");
-            let run = run_job(
-                &tag,
-                &strs(&two_ranks(flavor, fault, "6")),
-                &["--hang-timeout", "1s"],
-            );
+            // Above the CI machine's scheduling noise (a 10.8 ms "late
+            // arrival" at the 10 ms default was seen once).
+            let args = ["--hang-timeout", "1s", "--late-min", LATE_MIN];
+            let run = run_job(&tag, &strs(&two_ranks(flavor, fault, "6")), &args);
             let injected = &run.truth["faults"][0]["injected"][0];
-            let (found, text) = diagnose(&run, &["--hang-timeout", "1s"]);
+            let (found, text) = diagnose(&run, &args);
             for (driver, fs) in [("offline", &found), ("online", &run.online)] {
                 let what = format!("{flavor} {fault} {driver}: {fs:#?}\n{text}");
-                assert_eq!(fs.len(), 1, "{what}");
-                let h = &fs[0];
-                assert_eq!(h["kind"], "hang", "{what}");
+                // One hang and no crash; what a loaded machine adds besides
+                // (a late arrival past the floor) is shown, not graded.
+                let hangs = of_kind(fs, "hang");
+                assert_eq!(hangs.len(), 1, "{what}");
+                assert!(of_kind(fs, "crash").is_empty(), "{what}");
+                if fs.len() > 1 {
+                    eprintln!("besides the hang: {what}");
+                }
+                let h = hangs[0];
                 assert_eq!(h["ranks"], ranks, "{what}");
                 assert_eq!(h["seq"], injected["seq"], "{what}\n{injected}");
                 assert!(
@@ -321,7 +328,11 @@ fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_on
                     );
                 }
             }
-            assert_eq!(found[0]["comm"], run.online[0]["comm"], "{flavor} {fault}");
+            assert_eq!(
+                of_kind(&found, "hang")[0]["comm"],
+                of_kind(&run.online, "hang")[0]["comm"],
+                "{flavor} {fault}"
+            );
         }
     }
 }

@@ -187,12 +187,7 @@ fn ensure_bpftool() {
     {
         return;
     }
-    let ok = Command::new("apt-get")
-        .args(["install", "-y", "-q", "bpftool"])
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "installing bpftool (apt-get install bpftool) failed");
+    xpuscope_tests::packages::apt_install(&["bpftool"]);
 }
 
 /// SIGKILL of the agent while it records device calls: the kernel frees

@@ -304,13 +304,7 @@ fn prometheus_bin() -> &'static str {
             .is_ok_and(|s| s.success())
     };
     if !have() {
-        let st = Command::new("apt-get")
-            .args(["install", "-y", "prometheus"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdout(Stdio::null())
-            .status()
-            .expect("run apt-get");
-        assert!(st.success(), "apt-get install -y prometheus failed: {st}");
+        xpuscope_tests::packages::apt_install(&["prometheus"]);
     }
     assert!(have(), "prometheus is not runnable after installing it");
     "prometheus"

@@ -45,15 +45,8 @@ impl Drop for Killed {
 
 fn interpreters() -> Vec<PathBuf> {
     let system = PathBuf::from("/usr/bin/python3.11");
-    if !system.exists() {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-        assert!(
-            !ci || Command::new("apt-get")
-                .args(["install", "-y", "python3.11"])
-                .status()
-                .is_ok_and(|s| s.success()),
-            "installing python3.11 failed"
-        );
+    if !system.exists() && std::env::var("CI").is_ok_and(|v| v == "true") {
+        xpuscope_tests::packages::apt_install(&["python3.11"]);
     }
     assert!(
         system.exists(),

@@ -28,9 +28,7 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
     let _serial = exclusive();
     let python = std::path::Path::new("/usr/bin/python3.11");
     if !python.exists() && std::env::var("CI").is_ok_and(|v| v == "true") {
-        let _ = Command::new("apt-get")
-            .args(["install", "-y", "python3.11"])
-            .status();
+        xpuscope_tests::packages::apt_install(&["python3.11"]);
     }
     assert!(
         python.exists(),

@@ -24,12 +24,7 @@ const STEPS: u64 = 5;
 /// missing): (id, name, pids of the processes holding it).
 fn bpf_programs() -> Vec<(u64, String, Vec<u64>)> {
     if Command::new("bpftool").arg("version").output().is_err() {
-        let status = Command::new("apt-get")
-            .args(["install", "-y", "-q", "bpftool"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .expect("run apt-get");
-        assert!(status.success(), "installing Debian's bpftool failed");
+        xpuscope_tests::packages::apt_install(&["bpftool"]);
     }
     let out = Command::new("bpftool")
         .args(["-j", "prog", "show"])

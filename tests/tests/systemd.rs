@@ -79,12 +79,7 @@ fn require(program: &str, package: &str) {
     if found {
         return;
     }
-    let status = Command::new("apt-get")
-        .args(["install", "-y", "-q", package])
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .status()
-        .expect("run apt-get");
-    assert!(status.success(), "installing Debian's {package} failed");
+    xpuscope_tests::packages::apt_install(&[package]);
 }
 
 /// Ids in the `key:` lines of a process's descriptors' fdinfo (`prog_id`
