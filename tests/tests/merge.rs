@@ -144,7 +144,41 @@ fn stats(path: &Path) -> Value {
 
 /// Merges node 0's trace and node 1's shifted by D (REALTIME by E), the
 /// rest as recorded, and checks the result against the one-agent trace.
+/// How far apart two agents stamp the same calls on this machine, measured
+/// in this run: node 0's trace and the all-ranks trace hold the same calls
+/// of node 0's ranks on one clock (node 0 is never shifted), so their
+/// differences are the probes' stamping alone (each agent's uprobe runs
+/// in turn on every call; on a slow machine they are tens of microseconds
+/// apart). (90th percentile, maximum) of |difference|, start and end.
+fn stamping_skew(run: &ClusterRun, all: &Timeline) -> (i64, i64) {
+    let node0 = collectives(&timeline(&run.node_traces[0]));
+    let all = collectives(all);
+    let mut d: Vec<i64> = node0
+        .iter()
+        .filter_map(|(k, (ts, end))| {
+            let (ats, aend) = all.get(k)?;
+            Some([
+                (*ts as i64 - *ats as i64).abs(),
+                (*end as i64 - *aend as i64).abs(),
+            ])
+        })
+        .flatten()
+        .collect();
+    assert!(
+        d.len() > 20,
+        "node 0's collectives in both traces: {}",
+        d.len()
+    );
+    d.sort_unstable();
+    (d[d.len() * 9 / 10], *d.last().unwrap())
+}
+
 fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
+    let all_tl = timeline(&run.all_trace);
+    let (skew_p90, skew_max) = stamping_skew(run, &all_tl);
+    eprintln!("two agents' stamps of one call: p90 {skew_p90} ns, max {skew_max} ns");
+    // The alignment bound holds over the machine's own stamping noise.
+    let tolerance_ns = tolerance_ns + skew_p90;
     let dir = run.dir.path();
     let mut inputs = run.node_traces.clone();
     let shifted = dir.join("node1-shifted.pftrace");
@@ -247,7 +281,7 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
     // The merged trace: ranks named by rank, groups and node; the same
     // collectives as the one-agent trace, at the same times.
     let merged = timeline(&out);
-    let all = timeline(&run.all_trace);
+    let all = all_tl;
     let by_pid = ranks(&merged);
     assert_eq!(by_pid.len(), truth.len(), "one process per rank");
     for (rank, name, labels) in by_pid.values() {
@@ -291,9 +325,10 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
             .max((*end as i64 - aend as i64).abs());
     }
     // A node's alignment error, plus two agents' probes on one call
-    // stamping it a few microseconds apart.
+    // stamping it apart (measured above; a few microseconds on a quick
+    // machine).
     assert!(
-        worst < max_err + 50_000,
+        worst < max_err + 50_000.max(skew_max),
         "a merged collective is {worst} ns away from the one-agent trace's \
          (alignment error up to {max_err} ns)"
     );
