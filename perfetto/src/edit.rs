@@ -67,6 +67,14 @@ pub enum TrackView {
     },
 }
 
+/// A process tree packet: its processes and threads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessTreeView {
+    pub pids: Vec<i32>,
+    /// (tid, tgid)
+    pub threads: Vec<(i32, i32)>,
+}
+
 /// `TrackEvent.type`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
@@ -219,6 +227,60 @@ impl Packet {
             let pid = c.switch_next_pid.get(i).copied().unwrap_or(0);
             f(cpu, ts, state, pid);
         }
+    }
+
+    /// Like [`for_each_switch`](Self::for_each_switch), with the comm of
+    /// the task switched to.
+    pub fn for_each_switch_to(&self, mut f: impl FnMut(u32, u64, i64, i32, &str)) {
+        let Some(b) = &self.p.ftrace_events else {
+            return;
+        };
+        let Some(c) = &b.compact_sched else {
+            return;
+        };
+        let cpu = b.cpu.unwrap_or(0);
+        let mut ts = 0u64;
+        for (i, dt) in c.switch_timestamp.iter().enumerate() {
+            ts = ts.wrapping_add(*dt);
+            let state = c.switch_prev_state.get(i).copied().unwrap_or(0);
+            let pid = c.switch_next_pid.get(i).copied().unwrap_or(0);
+            let comm = c
+                .switch_next_comm_index
+                .get(i)
+                .and_then(|&k| c.intern_table.get(k as usize))
+                .map_or("", String::as_str);
+            f(cpu, ts, state, pid, comm);
+        }
+    }
+
+    /// Calls `f(parent_tid, child_tid, clone_flags)` for each new task
+    /// (`task_newtask`) of the packet's scheduler bundle.
+    pub fn for_each_new_task(&self, mut f: impl FnMut(i32, i32, u64)) {
+        let Some(b) = &self.p.ftrace_events else {
+            return;
+        };
+        for e in &b.event {
+            if let Some(t) = &e.task_newtask {
+                f(
+                    e.pid.unwrap_or(0) as i32,
+                    t.pid.unwrap_or(0),
+                    t.clone_flags.unwrap_or(0),
+                );
+            }
+        }
+    }
+
+    /// The packet's process tree, if it has one.
+    pub fn process_tree(&self) -> Option<ProcessTreeView> {
+        let t = self.p.process_tree.as_ref()?;
+        Some(ProcessTreeView {
+            pids: t.processes.iter().filter_map(|p| p.pid).collect(),
+            threads: t
+                .threads
+                .iter()
+                .filter_map(|th| Some((th.tid?, th.tgid?)))
+                .collect(),
+        })
     }
 
     pub fn track_uuid(&self) -> Option<u64> {

@@ -102,8 +102,8 @@ pub use writer::TraceWriter;
 /// Reading and rewriting traces this crate wrote (merging nodes).
 pub mod rewrite {
     pub use crate::edit::{
-        ArgRef, DecodeError, EventKind, EventView, IdMap, Interning, Packet, SampleView,
-        SystemInfoView, TrackView,
+        ArgRef, DecodeError, EventKind, EventView, IdMap, Interning, Packet, ProcessTreeView,
+        SampleView, SystemInfoView, TrackView,
     };
     pub use crate::read::{MAX_PACKET_BYTES, PacketReader, ReadError, Truncated};
 }

@@ -4,6 +4,9 @@
 //! runs, graded against its ground truth: the right kind, rank and step
 //! (within 2), with the evidence naming the noisy neighbour, the stalled
 //! wait and the leaking allocation site; a clean job has none of them.
+//! `agent diagnose` over the recorded trace finds the same (graded the
+//! same way): the scheduler's switches, off-CPU stacks, preemption marks
+//! and memory calls in the trace are what the detectors need.
 //! One job per flavor carries all three faults (on different ranks and
 //! steps), so each run checks several findings. The agent attaches to the
 //! launcher before it starts its ranks (spawn gate), so it follows the
@@ -11,7 +14,7 @@
 //! Root and eBPF; these never skip.
 
 use serde_json::Value;
-use xpuscope_tests::agent::{TempDir, exclusive};
+use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::run_from_spawn;
 use xpuscope_tests::trace_check::Timeline;
 
@@ -46,14 +49,40 @@ fn run_job(tag: &str, flavor: &str, extra: &[&str]) -> Run {
     }
 }
 
-fn findings(run: &Run) -> Vec<Value> {
-    let doc = &run.stats["findings"];
+/// Where the findings come from: the live agent (attach's stats JSON) or
+/// `agent diagnose` over its trace afterwards.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Driver {
+    Online,
+    Offline,
+}
+
+fn findings(run: &Run, driver: Driver) -> Vec<Value> {
+    let doc = match driver {
+        Driver::Online => run.stats["findings"].clone(),
+        Driver::Offline => {
+            let json = run._dir.path().join("offline.json");
+            let out = std::process::Command::new(agent_bin())
+                .arg("diagnose")
+                .arg("--json")
+                .arg(&json)
+                .arg(run._dir.path().join("trace.pftrace"))
+                .output()
+                .expect("run agent diagnose");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            serde_json::from_slice(&std::fs::read(&json).expect("the findings")).unwrap()
+        }
+    };
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
     doc["findings"].as_array().expect("a list").clone()
 }
 
-fn host_findings(run: &Run) -> Vec<Value> {
-    findings(run)
+fn host_findings(run: &Run, driver: Driver) -> Vec<Value> {
+    findings(run, driver)
         .into_iter()
         .filter(|f| HOST_KINDS.iter().any(|k| f["kind"] == *k))
         .collect()
@@ -100,8 +129,8 @@ fn elsewhere(run: &Run, f: &Value) -> bool {
 }
 
 /// The host findings, less those from [`elsewhere`] (printed).
-fn job_findings(run: &Run) -> Vec<Value> {
-    let (other, job): (Vec<Value>, Vec<Value>) = host_findings(run)
+fn job_findings(run: &Run, driver: Driver) -> Vec<Value> {
+    let (other, job): (Vec<Value>, Vec<Value>) = host_findings(run, driver)
         .into_iter()
         .partition(|f| elsewhere(run, f));
     for f in other {
@@ -111,10 +140,15 @@ fn job_findings(run: &Run) -> Vec<Value> {
 }
 
 /// Every injected fault found once, at its rank and step (within 2), with
-/// its evidence; nothing else of the host kinds.
+/// its evidence; nothing else of the host kinds. Both drivers.
 fn grade(run: &Run) {
-    let found = job_findings(run);
-    let all = || format!("{:#}\n{}", run.stats["findings"], run.stderr);
+    grade_driver(run, Driver::Online);
+    grade_driver(run, Driver::Offline);
+}
+
+fn grade_driver(run: &Run, driver: Driver) {
+    let found = job_findings(run, driver);
+    let all = || format!("{driver:?}: {found:#?}\n{}", run.stderr);
     let faults = run.truth["faults"].as_array().expect("faults");
     assert_eq!(
         found.len(),
@@ -178,12 +212,14 @@ fn grade(run: &Run) {
                 );
             }
         }
-        let summary = f["summary"].as_str().unwrap();
-        assert!(run.stderr.contains(summary), "{summary}\n{}", run.stderr);
-        assert!(
-            slices.iter().any(|s| s == kind),
-            "{kind} on the findings track: {slices:?}"
-        );
+        if driver == Driver::Online {
+            let summary = f["summary"].as_str().unwrap();
+            assert!(run.stderr.contains(summary), "{summary}\n{}", run.stderr);
+            assert!(
+                slices.iter().any(|s| s == kind),
+                "{kind} on the findings track: {slices:?}"
+            );
+        }
     }
 }
 
@@ -216,13 +252,15 @@ fn host_faults_are_found_at_their_rank_and_step_and_a_clean_job_has_none() {
         "nvidia",
         &["--steps", "24", "--host-us", "10000"],
     );
-    assert_eq!(
-        job_findings(&clean),
-        Vec::<Value>::new(),
-        "{}",
-        clean.stderr
-    );
-    if host_findings(&clean).is_empty() {
+    for driver in [Driver::Online, Driver::Offline] {
+        assert_eq!(
+            job_findings(&clean, driver),
+            Vec::<Value>::new(),
+            "{driver:?}: {}",
+            clean.stderr
+        );
+    }
+    if host_findings(&clean, Driver::Online).is_empty() {
         assert!(clean.stderr.contains("findings: none"), "{}", clean.stderr);
     }
 }

@@ -17,16 +17,30 @@
 //! collectives only with some others settle.
 //!
 //! Then the job's causality bounds it: no member of an all-reduce (all-
-//! gather, reduce-scatter) sees it end before its last member entered, so
-//! for nodes k and j and every such operation both record,
-//! `o_k - o_j <= end_j - entry_k` (node j's earliest sync end, node k's
-//! latest entry, each in its own clock). Over many operations the tightest
-//! of these on both sides leave an interval for each node's offset whose
-//! width is about twice the fastest a member saw an operation end after
-//! the last entry; its midpoint is the offset, unless the bounds do not
-//! meet (then the estimate above stands). Wake-up tails that are heavy on
-//! one node bias the centre of the end differences by their size, the
-//! interval's midpoint by half of what the quickest wake-up took.
+//! gather, reduce-scatter) sees it end before its last member entered, and
+//! no receive ends before its send was called, so for nodes k and j and
+//! every such operation both record, `o_k - o_j <= end_j - entry_k` (node
+//! j's earliest sync end, node k's latest entry, each in its own clock).
+//! Over many operations the tightest of these on both sides leave an
+//! interval for `o_k - o_j` whose width is about twice the fastest a member
+//! saw an operation end after the last entry (the transfer itself and the
+//! quickest wake-up); its midpoint is off by half the difference of the
+//! two sides' quickest wake-ups, where the centre of the end differences
+//! is off by the whole of a one-sided wake-up tail. Each pair's midpoint is
+//! weighted by its interval's tightness and the offsets that fit them all
+//! best are taken: in a layout where pipeline sends join nodes tightly
+//! (0-2, 1-3) and milli-second all-reduces join them loosely (0-1, 2-3),
+//! the loose midpoints are what places one tight group against the other.
+//! Pairs whose bounds do not meet are left out (operations matched wrongly
+//! or not waiting as assumed); a node no pair bounds keeps the estimate
+//! above. Send/receive matter twice: pipeline stages are often the only
+//! groups that cross nodes (tp and dp inside a node), and a send's and its
+//! receive's ends are not one instant, so the end differences alone are
+//! off by how much later receives end than sends.
+//!
+//! Bounds only relate the nodes they join: a group of nodes bounded among
+//! themselves but not to the first node keeps the mean position the end
+//! differences gave it.
 
 use std::collections::HashMap;
 
@@ -173,6 +187,167 @@ fn bounds(nodes: &[NodeClock<'_>], offsets: &[i64], k: usize) -> (Option<i64>, O
     (lo, hi)
 }
 
+/// What the causality says about `o_k - o_j` from the operations nodes k
+/// and j both record: (lowest, highest), when both sides are bounded.
+fn pair_interval(nodes: &[NodeClock<'_>], k: usize, j: usize) -> Option<(i64, i64)> {
+    // o_k - o_j <= end_j - entry_k
+    let hi = nodes[k]
+        .entries
+        .iter()
+        .filter_map(|(key, &entry_k)| Some(*nodes[j].ends.get(key)? as i64 - entry_k as i64))
+        .min();
+    // o_k - o_j >= entry_j - end_k
+    let lo = nodes[k]
+        .ends
+        .iter()
+        .filter_map(|(key, &end_k)| Some(*nodes[j].entries.get(key)? as i64 - end_k as i64))
+        .max();
+    Some((lo?, hi?))
+}
+
+/// Two nodes the causality bounds on both sides: their offsets' difference
+/// is most likely the interval's midpoint, give or take its half width.
+struct Edge {
+    k: usize,
+    j: usize,
+    /// Midpoint for `o_k - o_j`.
+    mid: f64,
+    /// 1 / half width squared: a tight interval outweighs a loose one.
+    weight: f64,
+}
+
+fn edges(nodes: &[NodeClock<'_>]) -> Vec<Edge> {
+    let n = nodes.len();
+    let mut out = Vec::new();
+    for k in 0..n {
+        for j in k + 1..n {
+            // An interval that does not meet says the operations matched
+            // wrongly or broke the assumption: it bounds nothing.
+            if let Some((lo, hi)) = pair_interval(nodes, k, j)
+                && lo <= hi
+            {
+                let half = (hi - lo) as f64 / 2.0;
+                out.push(Edge {
+                    k,
+                    j,
+                    mid: lo as f64 + half,
+                    weight: 1.0 / (half * half).max(1.0),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The offsets that fit every pair's midpoint best, each weighted by how
+/// tight its interval is (weighted least squares over the graph of
+/// bounded pairs, by conjugate gradients). A pair joined only by loose
+/// intervals (two nodes that share all-reduces lasting milliseconds)
+/// still places one group of tightly joined nodes against another, which
+/// taking each node's tightest interval alone would not. Node 0, and in
+/// a group of nodes not joined to it the lowest one, stay where they are;
+/// such a group is then put back at the mean position `offsets` gave it.
+/// Returns which nodes the bounds placed.
+fn fit_bounded(offsets: &mut [i64], edges: &[Edge]) -> Vec<bool> {
+    let n = offsets.len();
+    let mut group: Vec<Option<usize>> = vec![None; n];
+    for start in 0..n {
+        if group[start].is_some() {
+            continue;
+        }
+        group[start] = Some(start);
+        let mut stack = vec![start];
+        while let Some(a) = stack.pop() {
+            for e in edges {
+                let other = if e.k == a {
+                    e.j
+                } else if e.j == a {
+                    e.k
+                } else {
+                    continue;
+                };
+                if group[other].is_none() {
+                    group[other] = Some(start);
+                    stack.push(other);
+                }
+            }
+        }
+    }
+    let placed: Vec<bool> = (0..n)
+        .map(|a| edges.iter().any(|e| e.k == a || e.j == a))
+        .collect();
+    // Fixed: node 0 and each group's first node (group ids are the first).
+    let free: Vec<bool> = (0..n).map(|a| a != 0 && group[a] != Some(a)).collect();
+    let start: Vec<f64> = offsets.iter().map(|&o| o as f64).collect();
+    let mut x = start.clone();
+    // A x = b over the free nodes: A is the weighted graph Laplacian.
+    let apply = |v: &[f64]| -> Vec<f64> {
+        let mut out = vec![0.0; n];
+        for e in edges {
+            let d = e.weight * (v[e.k] - v[e.j]);
+            if free[e.k] {
+                out[e.k] += d;
+            }
+            if free[e.j] {
+                out[e.j] -= d;
+            }
+        }
+        out
+    };
+    let mut b = vec![0.0; n];
+    for e in edges {
+        if free[e.k] {
+            b[e.k] += e.weight * e.mid;
+        }
+        if free[e.j] {
+            b[e.j] -= e.weight * e.mid;
+        }
+    }
+    let ax = apply(&x);
+    let mut r: Vec<f64> = (0..n)
+        .map(|a| if free[a] { b[a] - ax[a] } else { 0.0 })
+        .collect();
+    let mut p = r.clone();
+    let mut rr: f64 = r.iter().map(|v| v * v).sum();
+    let scale: f64 = b.iter().map(|v| v * v).sum::<f64>().max(1e-30);
+    for _ in 0..(4 * n + 50) {
+        if rr <= scale * 1e-26 {
+            break;
+        }
+        let ap = apply(&p);
+        let pap: f64 = (0..n).map(|a| p[a] * ap[a]).sum();
+        if pap <= 0.0 {
+            break;
+        }
+        let alpha = rr / pap;
+        for a in 0..n {
+            x[a] += alpha * p[a];
+            r[a] -= alpha * ap[a];
+        }
+        let next: f64 = r.iter().map(|v| v * v).sum();
+        for a in 0..n {
+            p[a] = r[a] + next / rr * p[a];
+        }
+        rr = next;
+    }
+    for g in 1..n {
+        if group[g] != Some(g) || group[0] == Some(g) {
+            continue;
+        }
+        let members: Vec<usize> = (0..n).filter(|&a| group[a] == Some(g)).collect();
+        let drift = members.iter().map(|&a| start[a] - x[a]).sum::<f64>() / members.len() as f64;
+        for &a in &members {
+            x[a] += drift;
+        }
+    }
+    for a in 1..n {
+        if placed[a] {
+            offsets[a] = x[a].round() as i64;
+        }
+    }
+    placed
+}
+
 fn realtime_offset(
     snapshot: Option<ClockSnapshot>,
     reference: Option<ClockSnapshot>,
@@ -208,18 +383,20 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
             break;
         }
     }
-    // The causality bounds, node by node until they settle (each node's
-    // interval moves with the others' offsets).
+    // The causality bounds: the best fit of every bounded pair's
+    // midpoint, then each node moved into its own interval if the fit
+    // left it outside (the intervals move with the others' offsets).
+    let placed = fit_bounded(&mut offsets, &edges(nodes));
     let mut bounded: Vec<Option<(i64, i64)>> = vec![None; n];
     for _round in 0..60 {
         let mut moved = 0i64;
-        for k in 1..n {
+        for k in (1..n).filter(|&k| placed[k]) {
             if let (Some(lo), Some(hi)) = bounds(nodes, &offsets, k)
                 && lo <= hi
             {
-                let mid = lo + (hi - lo) / 2;
-                moved = moved.max((mid - offsets[k]).abs());
-                offsets[k] = mid;
+                let inside = offsets[k].clamp(lo, hi);
+                moved = moved.max((inside - offsets[k]).abs());
+                offsets[k] = inside;
                 bounded[k] = Some((lo, hi));
             } else {
                 bounded[k] = None;
@@ -240,7 +417,7 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
             };
             let method = if k == 0 {
                 Method::Reference
-            } else if bounded[k].is_some() {
+            } else if placed[k] {
                 Method::Bounds
             } else if matched > 0 {
                 Method::Collectives
@@ -450,6 +627,103 @@ mod tests {
         );
         let (lo, hi) = al[1].bounds_ns.unwrap();
         assert!(lo <= -D && -D <= hi, "the true offset is inside {lo}..{hi}");
+    }
+
+    #[test]
+    fn nodes_bounded_only_among_themselves_keep_their_place() {
+        // Nodes 1 and 2 share all-reduces (entries and ends); node 0 shares
+        // only broadcasts with them (ends, no bounds). Node 2 wakes slowly
+        // after the all-reduces, so their midpoint puts node 2 about 47 us
+        // early relative to node 1; the pair must still sit where the
+        // broadcasts put it, the error split between them.
+        let rnd = |s: u64, salt: u64, m: u64| {
+            ((s ^ (salt << 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % m
+        };
+        let mut ends = [HashMap::new(), HashMap::new(), HashMap::new()];
+        let mut entries = [HashMap::new(), HashMap::new(), HashMap::new()];
+        for s in 0..200u64 {
+            let t = 1_000_000_000 + s * 1_000_000;
+            for (k, e) in ends.iter_mut().enumerate() {
+                e.insert((8, s), t + rnd(s, 10 + k as u64, 2_000));
+            }
+            let (a1, a2) = (t + 500_000, t + 500_000 + rnd(s, 1, 100_000));
+            let done = a1.max(a2) + 5_000;
+            entries[1].insert((7, s), a1);
+            entries[2].insert((7, s), a2);
+            ends[1].insert((7, s), done + 5_000 + rnd(s, 3, 5_000));
+            ends[2].insert((7, s), done + 100_000 + rnd(s, 4, 5_000));
+        }
+        let nodes: Vec<NodeClock<'_>> = (0..3)
+            .map(|k| NodeClock {
+                snapshot: snap(0, 0),
+                ends: &ends[k],
+                entries: &entries[k],
+            })
+            .collect();
+        let al = align(&nodes);
+        assert_eq!(al[1].method, Method::Bounds);
+        assert_eq!(al[2].method, Method::Bounds);
+        let (o1, o2) = (al[1].offset_ns, al[2].offset_ns);
+        assert!((o1 + o2).abs() <= 4_000, "the pair's mean: {o1} {o2}");
+        assert!(
+            (30_000..=60_000).contains(&(o1 - o2)),
+            "the bounds' midpoint inside the pair: {o1} {o2}"
+        );
+        let (lo, hi) = al[2].bounds_ns.unwrap();
+        assert!(lo <= o2 && o2 <= hi, "{lo} {o2} {hi}");
+    }
+
+    #[test]
+    fn loose_intervals_place_tightly_joined_groups() {
+        // The 16-rank layout over 4 nodes: pipeline sends join 0-2 and 1-3
+        // tightly (a receive ends 240 us after its send), all-reduces of 7.7
+        // ms join 0-1 and 2-3 loosely. Nodes 1 and 3 mostly wake late after
+        // an all-reduce, which pulls the end differences' centre ~100 us
+        // off; only the loose intervals' midpoints place the pair 1-3.
+        let rnd = |s: u64, salt: u64, m: u64| {
+            ((s ^ (salt << 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % m
+        };
+        let wake = |s: u64, node: u64| -> u64 {
+            let slow = node % 2 == 1 && rnd(s, 50 + node, 1000) >= 300;
+            5_000
+                + rnd(s, 60 + node, 10_000)
+                + if slow {
+                    100_000 + rnd(s, 70 + node, 300_000)
+                } else {
+                    0
+                }
+        };
+        let mut ends: [HashMap<(u64, u64), u64>; 4] = Default::default();
+        let mut entries: [HashMap<(u64, u64), u64>; 4] = Default::default();
+        for s in 0..100u64 {
+            let t = 1_000_000_000 + s * 20_000_000;
+            for (a, b, comm) in [(0usize, 1usize, 1u64), (2, 3, 3)] {
+                let (ea, eb) = (t + rnd(s, comm, 200_000), t + rnd(s, comm + 10, 200_000));
+                let done = ea.max(eb) + 7_700_000;
+                entries[a].insert((comm, s), ea);
+                entries[b].insert((comm, s), eb);
+                ends[a].insert((comm, s), done + wake(s, a as u64));
+                ends[b].insert((comm, s), done + wake(s, b as u64));
+            }
+            for (from, to, comm) in [(0usize, 2usize, 20u64), (2, 0, 21), (1, 3, 30), (3, 1, 31)] {
+                let sent = t + 9_000_000 + rnd(s, comm, 500_000);
+                entries[from].insert((comm, s), sent);
+                ends[from].insert((comm, s), sent + 20_000);
+                ends[to].insert((comm, s), sent + 240_000 + rnd(s, comm + 5, 30_000));
+            }
+        }
+        let nodes: Vec<NodeClock<'_>> = (0..4)
+            .map(|k| NodeClock {
+                snapshot: snap(0, 0),
+                ends: &ends[k],
+                entries: &entries[k],
+            })
+            .collect();
+        let al = align(&nodes);
+        for (k, a) in al.iter().enumerate().skip(1) {
+            assert_eq!(a.method, Method::Bounds, "node {k}");
+            assert!(a.offset_ns.abs() <= 20_000, "node {k}: {a:?}");
+        }
     }
 
     #[test]

@@ -133,10 +133,11 @@ pub fn collective_key_hash(comm_hash: u64, seq: u64) -> u64 {
 }
 
 /// Collective ends of one node: (communicator, seq) -> earliest end seen
-/// among its ranks (ranks that leave late are the noise), and for
-/// collectives (not send/receive) the latest entry among its ranks: no
-/// member can see an operation end before its last member entered it,
-/// which bounds the clock offsets between nodes (`align`).
+/// among its ranks (ranks that leave late are the noise), and the latest
+/// entry among its ranks for all-reduce, all-gather and reduce-scatter
+/// (no member can see one end before its last member entered it) and for
+/// sends (no receive ends before its send was called): these bound the
+/// clock offsets between nodes (`align`).
 #[derive(Default)]
 pub struct EndSample {
     by_hash: BTreeMap<u64, Sampled>,
@@ -247,11 +248,15 @@ impl CollectiveTracker {
                 });
                 // Operations where no member finishes before every member
                 // entered (a broadcast's or reduce's members need not wait
-                // for each other).
+                // for each other), and sends: their receive cannot finish
+                // before the send was called (the send itself may finish
+                // first, buffered, so a receive's entry bounds nothing).
                 if let Some(o) = &observed
                     && let Some(k) = o.key
-                    && o.call.p2p.is_none()
-                    && matches!(o.call.op, "all_reduce" | "all_gather" | "reduce_scatter")
+                    && match o.call.p2p {
+                        None => matches!(o.call.op, "all_reduce" | "all_gather" | "reduce_scatter"),
+                        Some(_) => o.call.op == "send",
+                    }
                 {
                     ends.insert_entry(k, event.ts);
                 }
@@ -440,6 +445,23 @@ mod tests {
             "the other direction"
         );
         assert_eq!(s1.id().as_deref(), Some("00000000000000cd:p2p0>1:1"));
+    }
+
+    #[test]
+    fn a_send_records_its_entry_and_a_receive_does_not() {
+        let (mut a, mut b) = (CollectiveTracker::default(), CollectiveTracker::default());
+        let (mut sender, mut receiver) = (EndSample::default(), EndSample::default());
+        let s = a
+            .observe(&p2p(10, "ncclSend 1 MiB to 1", 0, 1), &mut sender)
+            .unwrap();
+        b.observe(&p2p(5, "ncclRecv 1 MiB from 0", 1, 0), &mut receiver)
+            .unwrap();
+        let key = s.key.unwrap();
+        assert_eq!(sender.entries().get(&key), Some(&10));
+        assert!(
+            receiver.entries().is_empty(),
+            "a send may finish before its receive is called"
+        );
     }
 
     #[test]

@@ -369,7 +369,7 @@ impl MergeReport {
         for n in &self.nodes {
             let a = &n.alignment;
             println!(
-                "    {:<12} ranks {:<12} offset {:>16}  correction over REALTIME {:>12}  residual median {} p90 {} over {} collectives ({:?})",
+                "    {:<12} ranks {:<12} offset {:>16}  correction over REALTIME {:>12}  residual median {} p90 {} over {} collectives ({:?}{})",
                 n.hostname,
                 format!("{:?}", n.ranks),
                 us(a.offset_ns),
@@ -377,7 +377,13 @@ impl MergeReport {
                 a.residual_median_ns.map_or("-".into(), |v| us(v as i64)),
                 a.residual_p90_ns.map_or("-".into(), |v| us(v as i64)),
                 a.matched_collectives,
-                a.method
+                a.method,
+                // The causality interval's half width: the most the
+                // offset can be off, given the others'.
+                a.bounds_ns.map_or(String::new(), |(lo, hi)| format!(
+                    ", within {}",
+                    us((hi - lo) / 2)
+                ))
             );
         }
         let g = &self.groups;

@@ -245,6 +245,14 @@ fn call_args(call: &DeviceCall) -> Vec<Arg> {
     if let Some(m) = &call.memory {
         push("device", ArgValue::Uint(m.device.index.into()));
         push("device_bytes_held", ArgValue::Uint(m.held_after));
+        // What the call added or released, and at which allocation site:
+        // `agent diagnose` rebuilds each site's live bytes from these.
+        if m.delta != 0 {
+            push("device_bytes_delta", ArgValue::Int(m.delta));
+        }
+        if let Some(site) = m.site {
+            push("alloc_site", ArgValue::Uint(site));
+        }
     }
     if let Some(r) = call.ret {
         push("return", ArgValue::Int(r));
@@ -356,7 +364,15 @@ impl<W: Write> PerfettoSink<W> {
             )?;
             return Ok(());
         }
-        let args = call_args(call);
+        let mut args = call_args(call);
+        if call.memory.as_ref().is_some_and(|m| m.delta > 0) && r.site.is_some() {
+            // The site's name on every allocation (a dump of a window may
+            // not hold the site's first one).
+            args.push(Arg::new(
+                "alloc_stack",
+                ArgValue::Str(site_label(r.site.as_ref())),
+            ));
+        }
         let end = r.end_ts();
         let stack = self.site_frames(r.site.as_ref());
         self.writer.slice_begin(

@@ -45,6 +45,9 @@ const CLOCK_SNAPSHOT_EVERY: Duration = Duration::from_secs(10);
 /// The name (before its ": ...") of the instant that says how a process
 /// ended (`agent diagnose` looks for it).
 pub const PROCESS_EXIT_EVENT: &str = "process exited";
+/// The name of the instant marking a preemption by an outsider (followed
+/// by its comm); `agent diagnose` reads it back with its `by_pid`.
+pub const PREEMPTED_BY_EVENT: &str = "preempted by ";
 
 /// What the Perfetto sink hands back.
 pub struct Written<W> {
@@ -343,7 +346,7 @@ impl<W: Write> PerfettoSink<W> {
         self.writer.instant(
             track,
             p.ts,
-            &format!("preempted by {}", by.comm.as_str()),
+            &format!("{PREEMPTED_BY_EVENT}{}", by.comm.as_str()),
             &args,
             None,
         )?;

@@ -32,8 +32,11 @@ use crate::model::{
     Record, Site, ThreadNow,
 };
 use crate::sinks::detect::{DetectConfig, Detectors};
-use crate::sinks::perfetto::PROCESS_EXIT_EVENT;
+use crate::sinks::perfetto::{PREEMPTED_BY_EVENT, PROCESS_EXIT_EVENT};
+use offcpu::MainThreadSwitches;
 use xpuscope_common::COMM_LEN;
+
+mod offcpu;
 
 pub struct DiagnoseOptions {
     pub traces: Vec<PathBuf>,
@@ -85,6 +88,8 @@ impl Names {
 /// A call begun on a thread track, not yet ended.
 struct Begun {
     call: Option<DeviceCall>,
+    /// An allocation's site, by its id and name.
+    site: Option<Arc<Site>>,
 }
 
 /// Reads one trace into (time, record) pairs; returns its last timestamp.
@@ -102,6 +107,10 @@ fn read_trace(
     let mut processes: HashMap<u64, i32> = HashMap::new();
     let mut stacks: HashMap<u64, Vec<Begun>> = HashMap::new();
     let mut ranked: HashMap<i32, u32> = HashMap::new();
+    let mut switches = MainThreadSwitches::default();
+    for pid in ranked_pids(path)? {
+        switches.follow(pid);
+    }
     let mut last = 0u64;
     loop {
         let n = reader.packets();
@@ -121,11 +130,27 @@ fn read_trace(
         if let Some(ts) = packet.timestamp() {
             last = last.max(ts);
         }
+        if let Some(sample) = interning.sample(&packet) {
+            switches.stack(sample.pid, sample.tid, sample.ts, &sample.functions);
+        }
+        packet.for_each_new_task(|parent, child, flags| switches.new_task(parent, child, flags));
+        packet.for_each_switch_to(|cpu, ts, state, next, comm| {
+            switches.switch(cpu, ts, state, next, comm)
+        });
+        if let Some(tree) = packet.process_tree() {
+            for pid in tree.pids {
+                switches.thread(pid, pid);
+            }
+            for (tid, pid) in tree.threads {
+                switches.thread(pid, tid);
+            }
+        }
         match packet.track() {
             Some(TrackView::Process { pid, labels, .. }) => {
                 if let Some(uuid) = packet.track_uuid() {
                     processes.insert(uuid, pid);
                 }
+                switches.thread(pid, pid);
                 let rank = labels
                     .iter()
                     .find_map(|l| l.strip_prefix("rank=")?.parse::<u32>().ok());
@@ -150,6 +175,7 @@ fn read_trace(
                 if let Some(uuid) = packet.track_uuid() {
                     threads.insert(uuid, (pid, tid));
                 }
+                switches.thread(pid, tid);
             }
             _ => {}
         }
@@ -171,21 +197,52 @@ fn read_trace(
         let Some(&(pid, tid)) = threads.get(&event.track) else {
             continue;
         };
+        if event.kind == EventKind::Instant
+            && event
+                .name
+                .is_some_and(|n| n.starts_with(PREEMPTED_BY_EVENT))
+            && let (Some(by_pid), Some(ArgRef::Str(by_comm))) = (
+                event.arg("by_pid").and_then(|v| v.as_u64()),
+                event.arg("by_comm"),
+            )
+        {
+            switches.preempted(pid, tid, event.ts, by_pid as u32, by_comm);
+            continue;
+        }
         let stack = stacks.entry(event.track).or_default();
         let (tgid, tid) = (job_pid(index, pid), job_pid(index, tid));
         match event.kind {
             EventKind::Begin => {
                 let call = call_of(&event, tgid, tid, names);
-                stack.push(Begun { call });
+                let site = match (
+                    call.as_ref().and_then(|c| c.memory),
+                    event.arg("alloc_stack"),
+                ) {
+                    (Some(MemoryEffect { site: Some(id), .. }), Some(ArgRef::Str(label))) => {
+                        Some(Arc::new(Site {
+                            id,
+                            tgid,
+                            frames: Vec::new(),
+                            label: label.to_string(),
+                        }))
+                    }
+                    _ => None,
+                };
+                stack.push(Begun { call, site });
             }
             EventKind::End => {
-                if let Some(Begun { call: Some(mut c) }) = stack.pop() {
+                if let Some(Begun {
+                    call: Some(mut c),
+                    site,
+                }) = stack.pop()
+                {
                     c.end_ts = Some(event.ts);
-                    c.ret = Some(0);
-                    out.push((
-                        event.ts,
-                        Record::DeviceCall(Box::new(DeviceCallRecord::new(c))),
-                    ));
+                    if c.ret.is_none() {
+                        c.ret = Some(0);
+                    }
+                    let mut r = DeviceCallRecord::new(c);
+                    r.site = site;
+                    out.push((event.ts, Record::DeviceCall(Box::new(r))));
                 }
             }
             // A failed device allocation (the Perfetto sink's "<function>
@@ -210,6 +267,7 @@ fn read_trace(
             _ => {}
         }
     }
+    switches.into_records(|p| job_pid(index, p), out);
     // Calls never ended: in flight when the recording stopped.
     for begun in stacks.into_values().flatten() {
         if let Some(c) = begun.call {
@@ -220,6 +278,35 @@ fn read_trace(
         }
     }
     Ok(last)
+}
+
+/// The processes of a trace that have a rank (first pass: the scheduler's
+/// switches of their main threads are kept from the trace's start).
+fn ranked_pids(path: &Path) -> Result<Vec<i32>> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut reader = PacketReader::new(file);
+    let mut pids = Vec::new();
+    loop {
+        let n = reader.packets();
+        let Some(bytes) = reader
+            .next_packet()
+            .with_context(|| format!("reading {}", path.display()))?
+        else {
+            break;
+        };
+        let packet = Packet::decode(bytes, n).with_context(|| {
+            format!(
+                "reading {}: not an xpuscope trace (agent attach output)?",
+                path.display()
+            )
+        })?;
+        if let Some(TrackView::Process { pid, labels, .. }) = packet.track()
+            && labels.iter().any(|l| l.starts_with("rank="))
+        {
+            pids.push(pid);
+        }
+    }
+    Ok(pids)
 }
 
 /// The collective or stream sync a slice's begin (or a died-in-call
@@ -280,7 +367,39 @@ fn call_of(event: &EventView, tgid: u32, tid: u32, names: &mut Names) -> Option<
     } else if sync_stream(event).is_some() {
         Some(base(CallKind::Sync(SyncKind::Stream)))
     } else {
-        None
+        // Any other call of a catalog library (launches, copies, memory):
+        // the main thread's calls frame its steps, and memory calls carry
+        // what they added or released at which allocation site.
+        event.arg("library")?;
+        let kind = library
+            .functions()
+            .iter()
+            .find(|f| f.name == function)?
+            .kind;
+        let mut d = base(kind);
+        let uint = |name: &str| event.arg(name).and_then(|v| v.as_u64());
+        if let Some(held) = uint("device_bytes_held") {
+            d.memory = Some(MemoryEffect {
+                device: Device {
+                    vendor: library.vendor(),
+                    index: uint("device").unwrap_or(0) as u32,
+                },
+                delta: match event.arg("device_bytes_delta") {
+                    Some(ArgRef::Int(v)) => v,
+                    Some(v) => v.as_u64().and_then(|v| i64::try_from(v).ok()).unwrap_or(0),
+                    None => 0,
+                },
+                held_after: held,
+                failed_request: None,
+                untracked: false,
+                site: uint("alloc_site"),
+            });
+        }
+        if let Some(ArgRef::Int(r)) = event.arg("return") {
+            d.ret = Some(r);
+        }
+        d.error = event.arg("error").is_some();
+        Some(d)
     }
 }
 
