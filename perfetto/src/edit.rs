@@ -283,6 +283,18 @@ impl Packet {
         })
     }
 
+    /// The flows the packet's track event starts and ends (`flow_ids`,
+    /// then `terminating_flow_ids`).
+    pub fn flows(&self) -> Vec<u64> {
+        self.p.track_event.as_ref().map_or_else(Vec::new, |e| {
+            e.flow_ids
+                .iter()
+                .chain(&e.terminating_flow_ids)
+                .copied()
+                .collect()
+        })
+    }
+
     pub fn track_uuid(&self) -> Option<u64> {
         self.p.track_descriptor.as_ref()?.uuid
     }

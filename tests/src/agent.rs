@@ -235,7 +235,8 @@ impl Finished {
     }
 }
 
-/// A scratch directory removed on drop.
+/// A scratch directory removed on drop (kept, and named on stderr, when
+/// `XPUSCOPE_TEST_KEEP` is set: a failed run's traces to look at).
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
@@ -254,6 +255,10 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        if std::env::var_os("XPUSCOPE_TEST_KEEP").is_some() {
+            eprintln!("kept {}", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

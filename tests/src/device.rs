@@ -84,6 +84,29 @@ pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// `agent diagnose --json` (with `extra` flags) over `dir/trace.pftrace`
+/// (where `agent attach` wrote it): the document's findings.
+pub fn offline_findings(dir: &Path, extra: &[&str]) -> Vec<Value> {
+    let json = dir.join("offline-findings.json");
+    let out = Command::new(crate::agent::agent_bin())
+        .arg("diagnose")
+        .arg("--json")
+        .arg(&json)
+        .args(extra)
+        .arg(dir.join("trace.pftrace"))
+        .output()
+        .expect("run agent diagnose");
+    assert!(
+        out.status.success(),
+        "agent diagnose: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&std::fs::read(&json).expect("the findings"))
+        .expect("findings JSON");
+    assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
+    doc["findings"].as_array().expect("a list").clone()
+}
+
 pub fn read_json(path: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
@@ -103,6 +126,12 @@ pub struct SimRun {
 }
 
 impl SimRun {
+    /// `agent diagnose` (with `extra` flags) over this run's trace: the
+    /// findings of the offline driver, to grade as the online ones.
+    pub fn offline_findings(&self, extra: &[&str]) -> Vec<Value> {
+        offline_findings(self._dir.path(), extra)
+    }
+
     /// The activity records rank `rank`'s CUPTI/MSPTI consumer read, in
     /// the order it read them (the job must run with `--activity-log`).
     pub fn activity_log(&self, rank: u64) -> Vec<Value> {

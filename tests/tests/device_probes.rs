@@ -1361,32 +1361,41 @@ fn a_slow_device_is_a_slow_rank_from_its_activity_records() {
             &["--probe-level", "2", "--late-min", "1s"],
         );
         assert!(run.status.success(), "{flavor}: the job failed");
-        let findings = run.stats["findings"]["findings"]
+        let online = run.stats["findings"]["findings"]
             .as_array()
-            .unwrap_or_else(|| panic!("{}", run.stats["findings"]));
-        let slow: Vec<&Value> = findings
-            .iter()
-            .filter(|f| f["kind"] == "slow_rank")
-            .collect();
-        assert_eq!(slow.len(), 1, "{flavor}: {findings:#?}");
-        let f = slow[0];
-        assert_eq!(f["ranks"], serde_json::json!([1]), "{flavor}: {f:#}");
-        let step = f["step"].as_u64().expect("a step");
-        assert!(
-            (3..=5).contains(&step),
-            "{flavor}: step {step} for a fault from step 3: {f:#}"
-        );
-        assert!(
-            f["summary"]
-                .as_str()
-                .unwrap()
-                .contains("slow rank on the device"),
-            "{flavor}: {f:#}"
-        );
-        assert!(
-            f["evidence"]["ratio"][0].as_f64().is_some_and(|r| r > 2.0),
-            "{flavor}: {f:#}"
-        );
+            .unwrap_or_else(|| panic!("{}", run.stats["findings"]))
+            .clone();
+        // The same from the trace afterwards (its device work slices).
+        let offline = run.offline_findings(&["--late-min", "1s"]);
+        for (driver, findings) in [("online", online), ("offline", offline)] {
+            let slow: Vec<&Value> = findings
+                .iter()
+                .filter(|f| f["kind"] == "slow_rank")
+                .collect();
+            assert_eq!(slow.len(), 1, "{flavor} {driver}: {findings:#?}");
+            let f = slow[0];
+            assert_eq!(
+                f["ranks"],
+                serde_json::json!([1]),
+                "{flavor} {driver}: {f:#}"
+            );
+            let step = f["step"].as_u64().expect("a step");
+            assert!(
+                (3..=5).contains(&step),
+                "{flavor} {driver}: step {step} for a fault from step 3: {f:#}"
+            );
+            assert!(
+                f["summary"]
+                    .as_str()
+                    .unwrap()
+                    .contains("slow rank on the device"),
+                "{flavor} {driver}: {f:#}"
+            );
+            assert!(
+                f["evidence"]["ratio"][0].as_f64().is_some_and(|r| r > 2.0),
+                "{flavor} {driver}: {f:#}"
+            );
+        }
     }
 }
 
@@ -1428,24 +1437,36 @@ fn a_slow_link_is_found_from_the_collectives_device_work() {
             &["--probe-level", "2", "--late-min", "1s"],
         );
         assert!(run.status.success(), "{flavor}: the job failed");
-        let findings = run.stats["findings"]["findings"]
+        let online = run.stats["findings"]["findings"]
             .as_array()
             .unwrap_or_else(|| panic!("{}", run.stats["findings"]))
             .clone();
-        let links: Vec<&Value> = findings
-            .iter()
-            .filter(|f| f["kind"] == "slow_link")
-            .collect();
-        assert_eq!(links.len(), 1, "{flavor}: {findings:#?}");
-        let f = links[0];
-        assert_eq!(f["evidence"]["source"], "device", "{flavor}: {f:#}");
-        assert_eq!(f["ranks"], serde_json::json!([2]), "{flavor}: {f:#}");
-        assert_eq!(f["evidence"]["localized"], true, "{flavor}: {f:#}");
-        assert!(
-            f["evidence"]["slow_comms"].as_array().unwrap().len() >= 2,
-            "rank 2's DP and TP communicators: {flavor}: {f:#}"
-        );
-        let ratio = f["evidence"]["ratio"].as_f64().unwrap();
-        assert!((3.0..12.0).contains(&ratio), "{flavor}: {f:#}");
+        // The same from the trace afterwards (the collectives' device work
+        // and the enqueue markers linking it to their calls).
+        let offline = run.offline_findings(&["--late-min", "1s"]);
+        for (driver, findings) in [("online", online), ("offline", offline)] {
+            let links: Vec<&Value> = findings
+                .iter()
+                .filter(|f| f["kind"] == "slow_link")
+                .collect();
+            assert_eq!(links.len(), 1, "{flavor} {driver}: {findings:#?}");
+            let f = links[0];
+            assert_eq!(
+                f["evidence"]["source"], "device",
+                "{flavor} {driver}: {f:#}"
+            );
+            assert_eq!(
+                f["ranks"],
+                serde_json::json!([2]),
+                "{flavor} {driver}: {f:#}"
+            );
+            assert_eq!(f["evidence"]["localized"], true, "{flavor} {driver}: {f:#}");
+            assert!(
+                f["evidence"]["slow_comms"].as_array().unwrap().len() >= 2,
+                "rank 2's DP and TP communicators: {flavor} {driver}: {f:#}"
+            );
+            let ratio = f["evidence"]["ratio"].as_f64().unwrap();
+            assert!((3.0..12.0).contains(&ratio), "{flavor} {driver}: {f:#}");
+        }
     }
 }

@@ -14,8 +14,8 @@
 //! Root and eBPF; these never skip.
 
 use serde_json::Value;
-use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
-use xpuscope_tests::device::run_from_spawn;
+use xpuscope_tests::agent::{TempDir, exclusive};
+use xpuscope_tests::device::{offline_findings, run_from_spawn};
 use xpuscope_tests::trace_check::Timeline;
 
 const HOST_KINDS: [&str; 3] = ["host_contention", "dataloader_stall", "memory_leak"];
@@ -61,20 +61,7 @@ fn findings(run: &Run, driver: Driver) -> Vec<Value> {
     let doc = match driver {
         Driver::Online => run.stats["findings"].clone(),
         Driver::Offline => {
-            let json = run._dir.path().join("offline.json");
-            let out = std::process::Command::new(agent_bin())
-                .arg("diagnose")
-                .arg("--json")
-                .arg(&json)
-                .arg(run._dir.path().join("trace.pftrace"))
-                .output()
-                .expect("run agent diagnose");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            serde_json::from_slice(&std::fs::read(&json).expect("the findings")).unwrap()
+            return offline_findings(run._dir.path(), &[]);
         }
     };
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");

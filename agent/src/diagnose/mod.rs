@@ -1,13 +1,18 @@
 //! `agent diagnose`: the detectors over recorded traces (the offline
 //! driver; `agent attach` and the service are the online one). Each
-//! trace's slices are read back into the records the detectors take
-//! (rank identities from the process tracks, collective and sync calls
-//! from the thread tracks' slices with their communicator arguments,
-//! calls still open at the end as an in-flight snapshot) and fed, in time
-//! order, into the same [`Detectors`]. Several traces of one job (one per
-//! node) meet on communicator hash + sequence number; process ids are kept
-//! apart per trace. The clocks of different nodes are taken as they are
-//! (arrival delays across nodes include their offset).
+//! trace is read back into the records the detectors take: rank
+//! identities from the process tracks; every catalog call from the thread
+//! tracks' slices (collectives with their communicator arguments, memory
+//! calls with what they added or released at which site); exits and
+//! failed allocations from their instants; calls still open at the end as
+//! in-flight snapshots; the main threads' off-CPU intervals from the
+//! scheduler's switches ([`offcpu`]); device work from the stream tracks,
+//! tied to its calls by the enqueue markers' flows. They are fed, in the
+//! order the live agent gets them, into the same [`Detectors`]. Several
+//! traces of one job (one per node) meet on communicator hash + sequence
+//! number; process ids are kept apart per trace. The clocks of different
+//! nodes are taken as they are (arrival delays across nodes include their
+//! offset).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -28,11 +33,13 @@ use crate::events::{Comm, Exit};
 use crate::merge::collectives::{collective, sync_stream};
 use crate::model::finding::FindingsDoc;
 use crate::model::{
-    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, LiveSiteRow, OpenCall, RankIdentity,
-    Record, Site, ThreadNow,
+    DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, InFlightSnapshot,
+    LiveSiteRow, OpenCall, RankIdentity, Record, Site, StreamTrack, ThreadNow, WorkKind,
 };
 use crate::sinks::detect::{DetectConfig, Detectors};
-use crate::sinks::perfetto::{PREEMPTED_BY_EVENT, PROCESS_EXIT_EVENT};
+use crate::sinks::perfetto::{
+    ENQUEUED_EVENT, PREEMPTED_BY_EVENT, PROCESS_EXIT_EVENT, WORK_KIND_ARG, work_kind_of,
+};
 use offcpu::MainThreadSwitches;
 use xpuscope_common::COMM_LEN;
 
@@ -92,6 +99,54 @@ struct Begun {
     site: Option<Arc<Site>>,
 }
 
+/// Device work and the markers of where it was enqueued, handed on in the
+/// order the live agent gets them: a marker (an API record, written when
+/// the record came, after its call) after the call it falls in, the work
+/// after its marker.
+#[derive(Default)]
+struct DeviceSide {
+    work: Vec<DeviceWork>,
+    markers: Vec<EnqueueMarker>,
+    /// Per thread: (start, end) of its calls.
+    calls: HashMap<u32, Vec<(u64, u64)>>,
+}
+
+impl DeviceSide {
+    fn into_records(mut self, out: &mut Vec<(u64, Record)>) {
+        let mut marked: HashMap<u64, u64> = HashMap::new();
+        for calls in self.calls.values_mut() {
+            calls.sort_unstable();
+        }
+        for m in self.markers {
+            let at = self
+                .calls
+                .get(&m.tid)
+                .and_then(|calls| {
+                    let i = calls.partition_point(|(s, _)| *s <= m.ts);
+                    // The innermost call holding it: the latest begun
+                    // (calls nest, a few deep at most).
+                    calls[..i]
+                        .iter()
+                        .rev()
+                        .take(8)
+                        .find(|(_, e)| *e >= m.ts)
+                        .map(|(_, e)| *e)
+                })
+                .unwrap_or(m.ts);
+            marked.insert(m.flow, at);
+            out.push((at, Record::Enqueued(m)));
+        }
+        for w in self.work {
+            let at = w
+                .flows
+                .iter()
+                .filter_map(|f| marked.get(f))
+                .fold(w.end, |a, &b| a.max(b));
+            out.push((at, Record::DeviceWork(Box::new(w))));
+        }
+    }
+}
+
 /// Reads one trace into (time, record) pairs; returns its last timestamp.
 fn read_trace(
     index: usize,
@@ -107,6 +162,11 @@ fn read_trace(
     let mut processes: HashMap<u64, i32> = HashMap::new();
     let mut stacks: HashMap<u64, Vec<Begun>> = HashMap::new();
     let mut ranked: HashMap<i32, u32> = HashMap::new();
+    // Device stream tracks (children of a process track): uuid -> (pid,
+    // stream name), and the work begun on each.
+    let mut streams: HashMap<u64, (i32, String)> = HashMap::new();
+    let mut work: HashMap<u64, Vec<(u64, String, Option<WorkKind>)>> = HashMap::new();
+    let mut device = DeviceSide::default();
     let mut switches = MainThreadSwitches::default();
     for pid in ranked_pids(path)? {
         switches.follow(pid);
@@ -177,11 +237,51 @@ fn read_trace(
                 }
                 switches.thread(pid, tid);
             }
+            Some(TrackView::Other {
+                parent: Some(parent),
+                name: Some(name),
+            }) => {
+                if let (Some(uuid), Some(&pid)) = (packet.track_uuid(), processes.get(&parent)) {
+                    streams.insert(uuid, (pid, stream_name(&name).to_owned()));
+                }
+            }
             _ => {}
         }
         let Some(event) = interning.event(&packet) else {
             continue;
         };
+        if let Some((pid, stream)) = streams.get(&event.track) {
+            let begun = work.entry(event.track).or_default();
+            match event.kind {
+                EventKind::Begin => begun.push((
+                    event.ts,
+                    event.name.unwrap_or("").to_owned(),
+                    match event.arg(WORK_KIND_ARG) {
+                        Some(ArgRef::Str(k)) => work_kind_of(k),
+                        _ => None,
+                    },
+                )),
+                EventKind::End => {
+                    if let Some((start, name, Some(kind))) = begun.pop() {
+                        device.work.push(DeviceWork {
+                            track: StreamTrack {
+                                tgid: job_pid(index, *pid),
+                                name: stream.clone(),
+                                estimated: kind == WorkKind::Estimated,
+                            },
+                            kind,
+                            start,
+                            end: event.ts,
+                            name,
+                            fields: Vec::new(),
+                            flows: packet.flows(),
+                        });
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
         if let Some(&pid) = processes.get(&event.track) {
             if let Some(exit) = process_exit(&event, job_pid(index, pid)) {
                 out.push((
@@ -209,8 +309,25 @@ fn read_trace(
             switches.preempted(pid, tid, event.ts, by_pid as u32, by_comm);
             continue;
         }
-        let stack = stacks.entry(event.track).or_default();
         let (tgid, tid) = (job_pid(index, pid), job_pid(index, tid));
+        // Where an API record says this call enqueued device work: the
+        // flow to that work starts here.
+        if event.kind == EventKind::Begin
+            && event.name == Some(ENQUEUED_EVENT)
+            && let (Some(correlation), Some(&flow)) = (
+                event.arg("correlation_id").and_then(|v| v.as_u64()),
+                packet.flows().first(),
+            )
+        {
+            device.markers.push(EnqueueMarker {
+                tgid,
+                tid,
+                ts: event.ts,
+                correlation,
+                flow,
+            });
+        }
+        let stack = stacks.entry(event.track).or_default();
         match event.kind {
             EventKind::Begin => {
                 let call = call_of(&event, tgid, tid, names);
@@ -240,6 +357,11 @@ fn read_trace(
                     if c.ret.is_none() {
                         c.ret = Some(0);
                     }
+                    device
+                        .calls
+                        .entry(tid)
+                        .or_default()
+                        .push((c.start_ts, event.ts));
                     let mut r = DeviceCallRecord::new(c);
                     r.site = site;
                     out.push((event.ts, Record::DeviceCall(Box::new(r))));
@@ -268,6 +390,7 @@ fn read_trace(
         }
     }
     switches.into_records(|p| job_pid(index, p), out);
+    device.into_records(out);
     // Calls never ended: in flight when the recording stopped.
     for begun in stacks.into_values().flatten() {
         if let Some(c) = begun.call {
@@ -278,6 +401,15 @@ fn read_trace(
         }
     }
     Ok(last)
+}
+
+/// A stream track's name without its lane (`GPU 0 stream 7 #2`: the
+/// second lane of stream 7, where its work overlapped).
+fn stream_name(track: &str) -> &str {
+    match track.rsplit_once(" #") {
+        Some((base, lane)) if !lane.is_empty() && lane.bytes().all(|b| b.is_ascii_digit()) => base,
+        _ => track,
+    }
 }
 
 /// The processes of a trace that have a rank (first pass: the scheduler's
@@ -642,4 +774,60 @@ pub fn run(opts: &DiagnoseOptions) -> Result<usize> {
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(found.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_track_is_named_without_its_lane() {
+        assert_eq!(stream_name("GPU 0 stream 7 #2"), "GPU 0 stream 7");
+        assert_eq!(stream_name("GPU 0 stream 7"), "GPU 0 stream 7");
+        assert_eq!(stream_name("NPU 1 stream #x"), "NPU 1 stream #x");
+    }
+
+    #[test]
+    fn device_work_comes_after_its_marker_and_the_marker_after_its_call() {
+        let mut d = DeviceSide::default();
+        // The call 100..500 on thread 7 enqueued work (API record at 200);
+        // the work ran 300..400, before the call returned.
+        d.calls.insert(7, vec![(600, 700), (100, 500), (150, 160)]);
+        d.markers.push(EnqueueMarker {
+            tgid: 7,
+            tid: 7,
+            ts: 200,
+            correlation: 1,
+            flow: 99,
+        });
+        d.work.push(DeviceWork {
+            track: StreamTrack {
+                tgid: 7,
+                name: "GPU 0 stream 7".into(),
+                estimated: false,
+            },
+            kind: WorkKind::Communication,
+            start: 300,
+            end: 400,
+            name: "ncclDevKernel_AllReduce".into(),
+            fields: Vec::new(),
+            flows: vec![99],
+        });
+        let mut out = Vec::new();
+        d.into_records(&mut out);
+        let at: Vec<(u64, &str)> = out
+            .iter()
+            .map(|(ts, r)| {
+                (
+                    *ts,
+                    match r {
+                        Record::Enqueued(_) => "marker",
+                        Record::DeviceWork(_) => "work",
+                        _ => "other",
+                    },
+                )
+            })
+            .collect();
+        assert_eq!(at, [(500, "marker"), (500, "work")]);
+    }
 }

@@ -18,7 +18,7 @@ use xpuscope_probes::decode::{DeviceCall, OpenReason};
 use super::{PerfettoSink, args};
 use crate::model::{
     CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow,
-    MemoryHeld, RankIdentity, Site, StreamTrack, site_label,
+    MemoryHeld, RankIdentity, Site, StreamTrack, WorkKind, site_label,
 };
 
 /// Tracks written for device records, per process.
@@ -50,6 +50,33 @@ impl DeviceTracks {
     pub fn thread_ended(&mut self, tid: u32) {
         self.threads.remove(&tid);
     }
+}
+
+/// The argument naming a piece of device work's kind.
+pub const WORK_KIND_ARG: &str = "work";
+/// The name of the zero-length slice marking where a host call enqueued
+/// device work (an API record).
+pub const ENQUEUED_EVENT: &str = "device work enqueued";
+
+pub fn work_kind_name(kind: WorkKind) -> &'static str {
+    match kind {
+        WorkKind::Compute => "compute",
+        WorkKind::Copy => "copy",
+        WorkKind::Communication => "communication",
+        WorkKind::Estimated => "estimated",
+        WorkKind::Other => "other",
+    }
+}
+
+pub fn work_kind_of(name: &str) -> Option<WorkKind> {
+    Some(match name {
+        "compute" => WorkKind::Compute,
+        "copy" => WorkKind::Copy,
+        "communication" => WorkKind::Communication,
+        "estimated" => WorkKind::Estimated,
+        "other" => WorkKind::Other,
+        _ => return None,
+    })
 }
 
 /// The lane for work starting at `start` given each lane's last end: the
@@ -497,7 +524,7 @@ impl<W: Write> PerfettoSink<W> {
         self.writer.slice_begin(
             t,
             m.ts,
-            "device work enqueued",
+            ENQUEUED_EVENT,
             Some("device"),
             &args,
             &[m.flow],
@@ -532,15 +559,15 @@ impl<W: Write> PerfettoSink<W> {
         let (track, last_end) = &mut lanes[lane];
         *last_end = w.end;
         let track = *track;
-        self.writer.slice_begin(
-            track,
-            w.start,
-            &w.name,
-            Some("device"),
-            &args(&w.fields),
-            &[],
-            None,
-        )?;
+        let mut args = args(&w.fields);
+        // What the work is (a communication kernel or the model's own):
+        // `agent diagnose` judges device time from it.
+        args.push(Arg::new(
+            WORK_KIND_ARG,
+            ArgValue::Str(work_kind_name(w.kind).into()),
+        ));
+        self.writer
+            .slice_begin(track, w.start, &w.name, Some("device"), &args, &[], None)?;
         self.writer.slice_end(track, w.end, &w.flows)?;
         Ok(())
     }

@@ -19,6 +19,8 @@
 mod device;
 mod findings;
 
+pub use device::{ENQUEUED_EVENT, WORK_KIND_ARG, work_kind_of};
+
 #[cfg(test)]
 pub use findings::FINDINGS_TRACK;
 
