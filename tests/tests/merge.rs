@@ -586,6 +586,34 @@ fn four_nodes_of_a_16_rank_job_merge_with_their_groups() {
         ],
     );
     check_merge(&run, TOLERANCE_16_RANKS_NS);
+    check_clean(&run);
+}
+
+/// A clean job: `agent diagnose` finds nothing, over the node traces and
+/// over the trace of all ranks (late arrivals from 40 ms: sixteen ranks
+/// and five agents on two CPUs delay a rank by 10-20 ms now and then).
+fn check_clean(run: &ClusterRun) {
+    let mut sets: Vec<Vec<&Path>> = vec![run.node_traces.iter().map(|p| p.as_path()).collect()];
+    sets.push(vec![run.all_trace.as_path()]);
+    for traces in sets {
+        let out = std::process::Command::new(xpuscope_tests::agent::agent_bin())
+            .arg("diagnose")
+            .args(["--late-min", "40ms"])
+            .args(&traces)
+            .output()
+            .expect("run agent diagnose");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.starts_with("no findings"),
+            "a clean job over {} trace(s): {stdout}",
+            traces.len()
+        );
+    }
 }
 
 #[test]

@@ -148,6 +148,9 @@ struct CommOps {
     /// The global ranks of every member seen (for a verdict after they
     /// ended).
     member_ranks: BTreeSet<u32>,
+    /// The job its members belong to (their job label): each job's
+    /// communicators are judged among themselves.
+    job: String,
 }
 
 /// A communicator whose members all ended, with its link samples: judged
@@ -156,10 +159,121 @@ struct CommOps {
 /// may all arrive as the job ends).
 struct EndedLink {
     key: CommKey,
+    job: String,
     ended: u64,
     link: VecDeque<f64>,
     device_link: VecDeque<f64>,
     ranks: BTreeSet<u32>,
+}
+
+/// (communicator, its members' ranks, device samples, host samples).
+type LinkSamples<'a> = (CommKey, BTreeSet<u32>, &'a VecDeque<f64>, &'a VecDeque<f64>);
+
+/// The `slow_link` verdict over one job's communicators, if one is slow.
+fn judge_links(cfg: &CollectiveConfig, comms: &[LinkSamples<'_>], now: u64) -> Option<Finding> {
+    let min_ops = cfg.link_min_ops.max(1) as usize;
+    let per_comm_of = |device: bool| -> Vec<(CommKey, f64, usize, BTreeSet<u32>)> {
+        comms
+            .iter()
+            .filter_map(|(k, r, dev, host)| {
+                let samples = if device { *dev } else { *host };
+                if samples.len() < min_ops {
+                    return None;
+                }
+                let mut v: Vec<f64> = samples.iter().copied().collect();
+                Some((*k, median_f64(&mut v), v.len(), r.clone()))
+            })
+            .collect()
+    };
+    // The device's own timing where activity records give it (the
+    // host's time after the last arrival also holds the compute queued
+    // before the collective); the host's otherwise.
+    let mut source = "device";
+    let mut per_comm = per_comm_of(true);
+    if per_comm.len() < 2 {
+        source = "host";
+        per_comm = per_comm_of(false);
+    }
+    if per_comm.len() < 2 {
+        return None;
+    }
+    per_comm.sort_by(|a, b| a.1.total_cmp(&b.1));
+    // The reference is a typical communicator (the lower median: a
+    // healthy one while fewer than half are slow), not the fastest: one
+    // communicator that happened to be quick would make the others look
+    // slow.
+    let reference = per_comm[(per_comm.len() - 1) / 2].1.max(1e-12);
+    let ratio = f64::from(cfg.slow_link_ratio.max(1));
+    type Judged = (CommKey, f64, usize, BTreeSet<u32>);
+    let (slow, fast): (Vec<&Judged>, Vec<&Judged>) =
+        per_comm.iter().partition(|c| c.1 >= ratio * reference);
+    if slow.is_empty() {
+        return None;
+    }
+    let mut candidates = slow[0].3.clone();
+    for c in &slow[1..] {
+        candidates.retain(|r| c.3.contains(r));
+    }
+    for c in &fast {
+        for r in &c.3 {
+            candidates.remove(r);
+        }
+    }
+    let localized = !candidates.is_empty();
+    if !localized {
+        candidates = slow.iter().flat_map(|c| c.3.iter().copied()).collect();
+    }
+    let rank_ids: Vec<u32> = candidates.into_iter().collect();
+    let names: Vec<String> = slow
+        .iter()
+        .map(|c| comm_name(c.0.0.name(), c.0.1))
+        .collect();
+    let worst = slow.last().expect("one");
+    let who = match rank_ids.as_slice() {
+        [r] => format!("rank {r}"),
+        rs => format!(
+            "ranks {}",
+            rs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+        ),
+    };
+    Some(Finding {
+        kind: FindingKind::SlowLink,
+        ranks: rank_ids.clone(),
+        comm: Some(names[0].clone()),
+        seq: None,
+        step: None,
+        start_ns: now,
+        end_ns: None,
+        summary: format!(
+            "slow link through {who}: collectives on {} take {:.1}x the time per byte of the \
+             typical communicator (threshold {ratio}x){}{}",
+            names.join(", "),
+            worst.1 / reference,
+            if source == "host" {
+                " with every member on time"
+            } else {
+                ", from the device"
+            },
+            if localized {
+                ""
+            } else {
+                "; not localized to one rank (no rank is in only the slow communicators)"
+            },
+        ),
+        evidence: json!({
+            "slow_comms": slow.iter().map(|c| json!({
+                "comm": comm_name(c.0.0.name(), c.0.1),
+                "ns_per_byte": c.1,
+                "ops": c.2,
+            })).collect::<Vec<_>>(),
+            "reference_ns_per_byte": reference,
+            "ratio": worst.1 / reference,
+            "threshold_ratio": ratio,
+            "localized": localized,
+            "source": source,
+        }),
+        detected_ns: now,
+    })
 }
 
 const ENDED_LINK_KEEP_NS: u64 = 60_000_000_000;
@@ -189,7 +303,9 @@ pub struct CollectiveDetector {
     /// Processes named slow ranks (by this or the device-compute
     /// detector: one finding per rank).
     pub(super) slow_reported: HashSet<u32>,
-    link_reported: bool,
+    /// Jobs given their `slow_link` verdict (one per job; forgotten once
+    /// none of the job's communicators is left).
+    link_reported: HashSet<String>,
     /// Flow id -> the large collective its host call enqueued.
     device_ops: HashMap<FlowId, DeviceOp>,
     /// (communicator, seq) -> its members' kernel durations so far.
@@ -247,7 +363,7 @@ impl CollectiveDetector {
             awaiting_sync: HashMap::new(),
             allreduces: HashMap::new(),
             slow_reported: HashSet::new(),
-            link_reported: false,
+            link_reported: HashSet::new(),
             device_ops: HashMap::new(),
             device_kernels: HashMap::new(),
             recent_calls: HashMap::new(),
@@ -289,7 +405,9 @@ impl CollectiveDetector {
                     _ => 0,
                 };
                 let comm = self.comms.entry(key).or_default();
-                comm.members.insert(call.tgid);
+                if comm.members.insert(call.tgid) && comm.job.is_empty() {
+                    comm.job = ranks.job_of(call.tgid).to_owned();
+                }
                 comm.member_ranks.extend(ranks.of(call.tgid));
                 let o = comm.open.entry(seq).or_default();
                 o.size = size;
@@ -608,135 +726,42 @@ impl CollectiveDetector {
         }
     }
 
-    /// Time passed: enough operations for a `slow_link` verdict?
+    /// Time passed: enough operations for a `slow_link` verdict? Each
+    /// job's communicators are judged among themselves, once per job.
     pub fn tick(&mut self, now: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
-        if self.link_reported {
-            return;
-        }
-        let min_ops = self.cfg.link_min_ops.max(1) as usize;
         self.ended_links
             .retain(|e| now.saturating_sub(e.ended) <= ENDED_LINK_KEEP_NS);
         // (communicator, its members' ranks, device samples, host samples),
-        // live and recently ended.
-        type Samples<'a> = (CommKey, BTreeSet<u32>, &'a VecDeque<f64>, &'a VecDeque<f64>);
-        let mut comms: Vec<Samples> = self
-            .comms
-            .iter()
-            .map(|(k, c)| {
-                let mut r = c.member_ranks.clone();
-                r.extend(c.members.iter().filter_map(|t| ranks.of(*t)));
-                (*k, r, &c.device_link, &c.link)
-            })
-            .collect();
-        comms.extend(
-            self.ended_links
-                .iter()
-                .map(|e| (e.key, e.ranks.clone(), &e.device_link, &e.link)),
-        );
-        let per_comm_of = |device: bool| -> Vec<(CommKey, f64, usize, BTreeSet<u32>)> {
-            comms
-                .iter()
-                .filter_map(|(k, r, dev, host)| {
-                    let samples = if device { *dev } else { *host };
-                    if samples.len() < min_ops {
-                        return None;
-                    }
-                    let mut v: Vec<f64> = samples.iter().copied().collect();
-                    Some((*k, median_f64(&mut v), v.len(), r.clone()))
-                })
-                .collect()
-        };
-        // The device's own timing where activity records give it (the
-        // host's time after the last arrival also holds the compute queued
-        // before the collective); the host's otherwise.
-        let mut source = "device";
-        let mut per_comm = per_comm_of(true);
-        if per_comm.len() < 2 {
-            source = "host";
-            per_comm = per_comm_of(false);
+        // live and recently ended, per job.
+        let mut jobs: BTreeMap<&str, Vec<LinkSamples>> = BTreeMap::new();
+        for (k, c) in &self.comms {
+            let mut r = c.member_ranks.clone();
+            r.extend(c.members.iter().filter_map(|t| ranks.of(*t)));
+            jobs.entry(c.job.as_str())
+                .or_default()
+                .push((*k, r, &c.device_link, &c.link));
         }
-        drop(comms);
-        if per_comm.len() < 2 {
-            return;
+        for e in &self.ended_links {
+            jobs.entry(e.job.as_str()).or_default().push((
+                e.key,
+                e.ranks.clone(),
+                &e.device_link,
+                &e.link,
+            ));
         }
-        per_comm.sort_by(|a, b| a.1.total_cmp(&b.1));
-        // The reference is a typical communicator (the lower median: a
-        // healthy one while fewer than half are slow), not the fastest: one
-        // communicator that happened to be quick would make the others look
-        // slow.
-        let reference = per_comm[(per_comm.len() - 1) / 2].1.max(1e-12);
-        let ratio = f64::from(self.cfg.slow_link_ratio.max(1));
-        type Judged = (CommKey, f64, usize, BTreeSet<u32>);
-        let (slow, fast): (Vec<&Judged>, Vec<&Judged>) =
-            per_comm.iter().partition(|c| c.1 >= ratio * reference);
-        if slow.is_empty() {
-            return;
-        }
-        self.link_reported = true;
-        let mut candidates = slow[0].3.clone();
-        for c in &slow[1..] {
-            candidates.retain(|r| c.3.contains(r));
-        }
-        for c in &fast {
-            for r in &c.3 {
-                candidates.remove(r);
+        // A job none of whose communicators is left may be judged anew.
+        self.link_reported.retain(|j| jobs.contains_key(j.as_str()));
+        let mut judged = Vec::new();
+        for (job, comms) in &jobs {
+            if self.link_reported.contains(*job) {
+                continue;
+            }
+            if let Some(f) = judge_links(&self.cfg, comms, now) {
+                judged.push(job.to_string());
+                out.push(f);
             }
         }
-        let localized = !candidates.is_empty();
-        if !localized {
-            candidates = slow.iter().flat_map(|c| c.3.iter().copied()).collect();
-        }
-        let rank_ids: Vec<u32> = candidates.into_iter().collect();
-        let names: Vec<String> = slow
-            .iter()
-            .map(|c| comm_name(c.0.0.name(), c.0.1))
-            .collect();
-        let worst = slow.last().expect("one");
-        let who = match rank_ids.as_slice() {
-            [r] => format!("rank {r}"),
-            rs => format!(
-                "ranks {}",
-                rs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
-            ),
-        };
-        out.push(Finding {
-            kind: FindingKind::SlowLink,
-            ranks: rank_ids.clone(),
-            comm: Some(names[0].clone()),
-            seq: None,
-            step: None,
-            start_ns: now,
-            end_ns: None,
-            summary: format!(
-                "slow link through {who}: collectives on {} take {:.1}x the time per byte of the \
-                 typical communicator (threshold {ratio}x){}{}",
-                names.join(", "),
-                worst.1 / reference,
-                if source == "host" {
-                    " with every member on time"
-                } else {
-                    ", from the device"
-                },
-                if localized {
-                    ""
-                } else {
-                    "; not localized to one rank (no rank is in only the slow communicators)"
-                },
-            ),
-            evidence: json!({
-                "slow_comms": slow.iter().map(|c| json!({
-                    "comm": comm_name(c.0.0.name(), c.0.1),
-                    "ns_per_byte": c.1,
-                    "ops": c.2,
-                })).collect::<Vec<_>>(),
-                "reference_ns_per_byte": reference,
-                "ratio": worst.1 / reference,
-                "threshold_ratio": ratio,
-                "localized": localized,
-                "source": source,
-            }),
-            detected_ns: now,
-        });
+        self.link_reported.extend(judged);
     }
 
     /// The end: late arrivals still pending are reported.
@@ -805,6 +830,7 @@ impl CollectiveDetector {
             }
             self.ended_links.push_back(EndedLink {
                 key,
+                job: c.job,
                 ended: now,
                 link: c.link,
                 device_link: c.device_link,

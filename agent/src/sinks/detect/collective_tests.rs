@@ -582,3 +582,69 @@ fn a_slow_link_is_found_from_the_collective_kernels_on_the_device() {
     let ratio = f[0].evidence["ratio"].as_f64().unwrap();
     assert!((3.5..4.5).contains(&ratio), "{ratio}");
 }
+
+/// Two jobs on one node (ranks 0-3 of job "a", 4-7 of job "b"): each
+/// job's communicators are judged among themselves. Job b's network is
+/// uniformly 4x slower than job a's (other hardware): no finding for it;
+/// a slow link in each job: one finding per job, each naming its rank.
+#[test]
+fn each_job_gets_its_own_slow_link_verdict() {
+    let identities = |d: &mut Detectors, out: &mut Vec<Finding>| {
+        for r in 0..8u32 {
+            let job = if r < 4 { "a" } else { "b" };
+            d.record(
+                &Record::Identity {
+                    tgid: pid(r),
+                    identity: Box::new(RankIdentity::from_environ(
+                        format!("RANK={r}\0WORLD_SIZE=4\0XPUSCOPE_JOB={job}\0").as_bytes(),
+                    )),
+                },
+                out,
+            );
+        }
+    };
+    let rings = |slow_a: Option<u32>, slow_b: Option<u32>| -> Vec<Vec<(u64, Record)>> {
+        let mut jobs = Vec::new();
+        for (base, slow, typical) in [(0u32, slow_a, 2 * MS), (4, slow_b, 8 * MS)] {
+            for i in 0..4u32 {
+                let m = [base + i, base + (i + 1) % 4];
+                let xfer = if slow.is_some_and(|s| m.contains(&s)) {
+                    4 * typical
+                } else {
+                    typical
+                };
+                jobs.push(job(
+                    0xb0 + u64::from(base + i),
+                    &m,
+                    10,
+                    8 * MB,
+                    xfer,
+                    |_, _| 0,
+                ));
+            }
+        }
+        jobs
+    };
+    let judge = |jobs: Vec<Vec<(u64, Record)>>| {
+        let mut d = Detectors::new(DetectConfig::default());
+        let mut out = Vec::new();
+        identities(&mut d, &mut out);
+        let mut all: Vec<(u64, Record)> = jobs.into_iter().flatten().collect();
+        all.sort_by_key(|p| p.0);
+        for (_, r) in &all {
+            d.record(r, &mut out);
+        }
+        d.finish(10_000 * MS, &mut out);
+        out
+    };
+    let f = judge(rings(None, None));
+    assert!(f.is_empty(), "a slower job is not a slow link: {f:#?}");
+    let mut f = judge(rings(Some(1), Some(6)));
+    f.sort_by_key(|f| f.ranks.clone());
+    assert_eq!(
+        kinds(&f),
+        vec![FindingKind::SlowLink, FindingKind::SlowLink],
+        "{f:#?}"
+    );
+    assert_eq!((f[0].ranks.clone(), f[1].ranks.clone()), (vec![1], vec![6]));
+}
