@@ -84,6 +84,73 @@ pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The finding each simulated fault should give.
+pub fn finding_kind_of(fault: &str) -> &'static str {
+    match fault {
+        "slow" => "slow_rank",
+        "hang" | "hang_inside" => "hang",
+        "delay" => "late_arrival",
+        "dataloader_stall" => "dataloader_stall",
+        "mem_leak" => "memory_leak",
+        "crash" => "crash",
+        "slow_link" => "slow_link",
+        "cpu_contention" => "host_contention",
+        _ => "?",
+    }
+}
+
+/// Prints, per injected fault of the ground truth, the time from its
+/// first injection (the rank's or launcher's `boot_ns`) to the online
+/// finding of `kind` (`finding_kind_of`, or `kind` where given) on the
+/// trace's findings track (its `detected_ns`: when the detector fired, in
+/// the records' time; the pipeline's lag of ~0.1 s comes on top). A
+/// measurement for the README, not a pass/fail bound.
+pub fn print_time_to_finding(what: &str, tl: &Timeline, truth: &Value, kind: Option<&str>) {
+    let findings: Vec<u64> = tl
+        .tracks
+        .values()
+        .filter(|t| t.name.as_deref() == Some("xpuscope findings"))
+        .map(|t| t.uuid)
+        .collect();
+    for fault in truth["faults"].as_array().into_iter().flatten() {
+        let fk = fault["kind"].as_str().unwrap_or("?");
+        // A leak that ends in a failed allocation is a device OOM.
+        let wants = match (kind, fk) {
+            (Some(k), _) => vec![k],
+            (None, "mem_leak") => vec!["memory_leak", "device_oom"],
+            (None, _) => vec![finding_kind_of(fk)],
+        };
+        let injected = fault["injected"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|i| i["boot_ns"].as_u64())
+            .min();
+        let mut measured = false;
+        for want in &wants {
+            let detected = tl
+                .slices
+                .iter()
+                .filter(|s| findings.contains(&s.track) && s.name == *want)
+                .filter_map(|s| match s.arg("detected_ns") {
+                    Some(ArgValue::Uint(v)) => Some(*v),
+                    _ => None,
+                })
+                .min();
+            if let (Some(i), Some(d)) = (injected, detected) {
+                measured = true;
+                eprintln!(
+                    "time to finding: {what}: {fk} -> {want}: {:.0} ms",
+                    (d as f64 - i as f64) / 1e6
+                );
+            }
+        }
+        if !measured {
+            eprintln!("time to finding: {what}: {fk}: not measured (injected at {injected:?})");
+        }
+    }
+}
+
 /// `agent diagnose --json` (with `extra` flags) over `dir/trace.pftrace`
 /// (where `agent attach` wrote it): the document's findings.
 pub fn offline_findings(dir: &Path, extra: &[&str]) -> Vec<Value> {

@@ -1365,6 +1365,7 @@ fn a_slow_device_is_a_slow_rank_from_its_activity_records() {
             .as_array()
             .unwrap_or_else(|| panic!("{}", run.stats["findings"]))
             .clone();
+        print_time_to_finding(flavor, &run.tl, &run.ground_truth, None);
         // The same from the trace afterwards (its device work slices).
         let offline = run.offline_findings(&["--late-min", "1s"]);
         for (driver, findings) in [("online", online), ("offline", offline)] {
@@ -1441,6 +1442,7 @@ fn a_slow_link_is_found_from_the_collectives_device_work() {
             .as_array()
             .unwrap_or_else(|| panic!("{}", run.stats["findings"]))
             .clone();
+        print_time_to_finding(flavor, &run.tl, &run.ground_truth, None);
         // The same from the trace afterwards (the collectives' device work
         // and the enqueue markers linking it to their calls).
         let offline = run.offline_findings(&["--late-min", "1s"]);

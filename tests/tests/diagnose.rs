@@ -15,6 +15,7 @@ use serde_json::Value;
 use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
+use xpuscope_tests::trace_check::{Timeline, decode};
 
 struct Run {
     dir: TempDir,
@@ -58,6 +59,8 @@ fn run_job(tag: &str, launcher_args: &[&str], agent_args: &[&str]) -> Run {
     let done = rec.finish(Duration::from_secs(60));
     let _ = launcher.0.wait();
     let truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
+    let tl = Timeline::new(&decode(&std::fs::read(&trace).expect("the trace")).expect("decodes"));
+    print_time_to_finding(tag, &tl, &truth, None);
     let doc = &done.stats["findings"];
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
     let online = doc["findings"].as_array().expect("a list").clone();

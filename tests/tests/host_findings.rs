@@ -15,12 +15,13 @@
 
 use serde_json::Value;
 use xpuscope_tests::agent::{TempDir, exclusive};
-use xpuscope_tests::device::{offline_findings, run_from_spawn};
+use xpuscope_tests::device::{offline_findings, print_time_to_finding, run_from_spawn};
 use xpuscope_tests::trace_check::Timeline;
 
 const HOST_KINDS: [&str; 3] = ["host_contention", "dataloader_stall", "memory_leak"];
 
 struct Run {
+    flavor: String,
     _dir: TempDir,
     truth: Value,
     stats: Value,
@@ -41,6 +42,7 @@ fn run_job(tag: &str, flavor: &str, extra: &[&str]) -> Run {
         run.ground_truth
     );
     Run {
+        flavor: flavor.to_owned(),
         _dir: run._dir,
         truth: run.ground_truth,
         stats: run.stats,
@@ -134,6 +136,9 @@ fn grade(run: &Run) {
 }
 
 fn grade_driver(run: &Run, driver: Driver) {
+    if driver == Driver::Online {
+        print_time_to_finding(&run.flavor, &run.tl, &run.truth, None);
+    }
     let found = job_findings(run, driver);
     let all = || format!("{driver:?}: {found:#?}\n{}", run.stderr);
     let faults = run.truth["faults"].as_array().expect("faults");
