@@ -84,6 +84,21 @@ pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The `xpuscope findings` track's slice names.
+pub fn finding_slices(tl: &Timeline) -> Vec<String> {
+    let tracks: Vec<u64> = tl
+        .tracks
+        .values()
+        .filter(|t| t.name.as_deref() == Some("xpuscope findings"))
+        .map(|t| t.uuid)
+        .collect();
+    tl.slices
+        .iter()
+        .filter(|s| tracks.contains(&s.track))
+        .map(|s| s.name.clone())
+        .collect()
+}
+
 /// The finding each simulated fault should give.
 pub fn finding_kind_of(fault: &str) -> &'static str {
     match fault {

@@ -69,8 +69,8 @@ fn attach_summary_breaks_each_ranks_steps_down_through_faults() {
     );
     assert!(
         ["preempted_ns", "comm_wait_ns", "compute_wait_ns", "host_ns"]
-                .iter()
-                .all(|p| stalled.parts[*p] < data),
+            .iter()
+            .all(|p| stalled.parts[*p] < data),
         "{:?}",
         stalled.parts
     );

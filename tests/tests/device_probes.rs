@@ -1366,6 +1366,10 @@ fn a_slow_device_is_a_slow_rank_from_its_activity_records() {
             .unwrap_or_else(|| panic!("{}", run.stats["findings"]))
             .clone();
         print_time_to_finding(flavor, &run.tl, &run.ground_truth, None);
+        assert!(
+            finding_slices(&run.tl).iter().any(|s| s == "slow_rank"),
+            "{flavor}: on the trace's findings track"
+        );
         // The same from the trace afterwards (its device work slices).
         let offline = run.offline_findings(&["--late-min", "1s"]);
         for (driver, findings) in [("online", online), ("offline", offline)] {
@@ -1443,6 +1447,11 @@ fn a_slow_link_is_found_from_the_collectives_device_work() {
             .unwrap_or_else(|| panic!("{}", run.stats["findings"]))
             .clone();
         print_time_to_finding(flavor, &run.tl, &run.ground_truth, None);
+        // Judged as the job ended: on the trace's findings track too.
+        assert!(
+            finding_slices(&run.tl).iter().any(|s| s == "slow_link"),
+            "{flavor}: on the trace's findings track"
+        );
         // The same from the trace afterwards (the collectives' device work
         // and the enqueue markers linking it to their calls).
         let offline = run.offline_findings(&["--late-min", "1s"]);

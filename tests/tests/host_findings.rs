@@ -15,7 +15,9 @@
 
 use serde_json::Value;
 use xpuscope_tests::agent::{TempDir, exclusive};
-use xpuscope_tests::device::{offline_findings, print_time_to_finding, run_from_spawn};
+use xpuscope_tests::device::{
+    finding_slices, offline_findings, print_time_to_finding, run_from_spawn,
+};
 use xpuscope_tests::trace_check::Timeline;
 
 const HOST_KINDS: [&str; 3] = ["host_contention", "dataloader_stall", "memory_leak"];
@@ -74,21 +76,6 @@ fn host_findings(run: &Run, driver: Driver) -> Vec<Value> {
     findings(run, driver)
         .into_iter()
         .filter(|f| HOST_KINDS.iter().any(|k| f["kind"] == *k))
-        .collect()
-}
-
-/// The `xpuscope findings` track's slice names.
-fn finding_slices(tl: &Timeline) -> Vec<String> {
-    let tracks: Vec<u64> = tl
-        .tracks
-        .values()
-        .filter(|t| t.name.as_deref() == Some("xpuscope findings"))
-        .map(|t| t.uuid)
-        .collect();
-    tl.slices
-        .iter()
-        .filter(|s| tracks.contains(&s.track))
-        .map(|s| s.name.clone())
         .collect()
 }
 

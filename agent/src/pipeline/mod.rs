@@ -186,7 +186,16 @@ impl<E: Enrich> Pipeline<E> {
         self.interpreter.finish(end, &mut out);
         self.take_findings(&mut out);
         self.fanout.send(out);
-        self.fanout.finish(end);
+        // The detectors' verdicts at the end (pending late arrivals, a
+        // slow link judged on the last records) go into the trace too.
+        let findings = self.findings.as_ref();
+        self.fanout.finish_with(end, || {
+            findings.map_or_else(Vec::new, |rx| {
+                rx.try_iter()
+                    .map(|f| Record::Finding(Box::new(f)))
+                    .collect()
+            })
+        });
         self.interpreter.counters
     }
 

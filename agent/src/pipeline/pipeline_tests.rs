@@ -489,3 +489,62 @@ fn announcements_are_read_before_queued_batches() {
     let counts = counting.join().unwrap();
     assert_eq!(counts.calls_per_function["ncclAllReduce"], 3, "{counts:?}");
 }
+
+/// An inline sink with a verdict only at the end (as the detectors'
+/// pending late arrivals): it sends it back to the pipeline as it finishes.
+struct VerdictAtEnd(std_mpsc::Sender<crate::model::Finding>);
+
+impl Sink for VerdictAtEnd {
+    type Output = ();
+    fn on_batch(&mut self, _batch: &[Record], _lost: &SinkCounters) -> Result<()> {
+        Ok(())
+    }
+    fn finish(self, end: u64, _lost: &SinkCounters) -> Result<()> {
+        let _ = self.0.send(crate::model::Finding {
+            kind: crate::model::FindingKind::SlowLink,
+            ranks: vec![2],
+            comm: None,
+            seq: None,
+            step: None,
+            start_ns: end,
+            end_ns: None,
+            summary: "slow link through rank 2".into(),
+            evidence: serde_json::json!({}),
+            detected_ns: end,
+        });
+        Ok(())
+    }
+}
+
+#[test]
+fn findings_made_as_the_recording_ends_reach_the_trace() {
+    let (tx, rx) = std_mpsc::channel();
+    let mut fanout = FanOut::default();
+    let trace = fanout.add("trace", trace_sink(), 64).unwrap();
+    let counting = fanout.add("count", CountingSink::default(), 64).unwrap();
+    let _verdict = fanout.add_inline("detect", VerdictAtEnd(tx));
+    let (msg_tx, msg_rx) = mpsc::channel(4);
+    let pipeline = std::thread::spawn(move || {
+        Pipeline::new(FakeEnricher::default(), fanout)
+            .with_findings(rx)
+            .run(msg_rx, || 1_000_000_000)
+    });
+    for m in story() {
+        msg_tx.blocking_send(m).unwrap();
+    }
+    drop(msg_tx);
+    pipeline.join().unwrap().unwrap();
+    assert_eq!(counting.join().unwrap().per_kind.get("finding"), Some(&1));
+    let tl = Timeline::new(&decode(&trace.join().unwrap().out).unwrap());
+    let findings: Vec<&str> = tl
+        .slices
+        .iter()
+        .filter(|s| {
+            tl.tracks
+                .get(&s.track)
+                .is_some_and(|t| t.name.as_deref() == Some("xpuscope findings"))
+        })
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(findings, ["slow_link"]);
+}

@@ -351,12 +351,31 @@ impl FanOut {
     /// Tells every sink the recording ended at `end` (waiting for room:
     /// the end is never lost), then closes the queues.
     pub fn finish(&mut self, end: u64) {
+        self.finish_with(end, Vec::new);
+    }
+
+    /// As [`finish`](Self::finish), handing the queued sinks one last
+    /// batch made once the inline sinks finished (`last`: the detectors'
+    /// findings at the end, which the trace must carry too), waiting for
+    /// room.
+    pub fn finish_with(&mut self, end: u64, last: impl FnOnce() -> Vec<Record>) {
         for s in &mut self.inline {
             tracing::debug!("finishing the {} sink", s.name());
             s.finish(end);
         }
+        let last = last();
+        let n = last.len() as u64;
+        let last: Batch = Arc::new(last);
         for q in &mut self.queues {
             if let Some(tx) = q.tx.take() {
+                if n > 0 {
+                    if tx.send(SinkMsg::Batch(last.clone())).is_ok() {
+                        q.counters.delivered_records.fetch_add(n, Ordering::Relaxed);
+                    } else {
+                        q.counters.dropped_records.fetch_add(n, Ordering::Relaxed);
+                        q.counters.dropped_batches.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 let _ = tx.send(SinkMsg::Finish(end));
             }
         }
