@@ -153,6 +153,12 @@ impl Detectors {
 
     pub fn record(&mut self, r: &Record, out: &mut Vec<Finding>) {
         let first_new = out.len();
+        self.record_inner(r, out);
+        note_step_source(&mut out[first_new..]);
+    }
+
+    fn record_inner(&mut self, r: &Record, out: &mut Vec<Finding>) {
+        let first_new = out.len();
         if let Record::Identity { tgid, identity } = r
             && self.ranks.identity(*tgid, identity)
         {
@@ -223,12 +229,30 @@ impl Detectors {
         self.hang.tick(now, &self.ranks, out);
         self.collective.tick(now, &self.ranks, out);
         self.crash.note_trouble(&out[first_new..], &self.ranks);
+        note_step_source(&mut out[first_new..]);
     }
 
     /// The end: what waits for more evidence is reported as it stands.
     pub fn finish(&mut self, end: u64, out: &mut Vec<Finding>) {
         self.tick(end, out);
+        let first_new = out.len();
         self.collective.finish(end, &self.ranks, out);
+        note_step_source(&mut out[first_new..]);
+    }
+}
+
+/// Where the findings' step numbers come from (evidence `step_source`):
+/// the job's own pattern, its gradient all-reduces. The detectors count a
+/// rank's steps by the all-reduces it entered on its data-parallel
+/// communicator; the agent reads no step markers of the job (mstx ranges,
+/// a named Python function) yet.
+pub const STEP_SOURCE: &str = "all-reduces on the rank's data-parallel communicator";
+
+fn note_step_source(found: &mut [Finding]) {
+    for f in found.iter_mut().filter(|f| f.step.is_some()) {
+        if let Some(e) = f.evidence.as_object_mut() {
+            e.entry("step_source").or_insert_with(|| STEP_SOURCE.into());
+        }
     }
 }
 

@@ -457,6 +457,11 @@ fn ranks_stopped_after_a_crash_are_not_more_crashes() {
         (FindingKind::Crash, vec![1])
     );
     assert_eq!(out[0].step, Some(3), "three all-reduces entered before");
+    assert_eq!(
+        out[0].evidence["step_source"], STEP_SOURCE,
+        "{:#}",
+        out[0].evidence
+    );
     assert_eq!(out[0].evidence["stop_signal"], false);
     assert!(
         out[0].summary.contains("killed by SIGSEGV in step 3"),
