@@ -85,6 +85,11 @@ impl MainThreadSwitches {
     /// A switch on `cpu` at `ts` to `next` (named `next_comm`); the task
     /// leaving was in `state` (report format).
     pub fn switch(&mut self, cpu: u32, ts: u64, state: i64, next: i32, next_comm: &str) {
+        // A trace file's CPU number sizes a table: past Perfetto's limit
+        // (the agent never writes one) it is not a CPU.
+        if cpu >= xpuscope_common::MAX_CPUS {
+            return;
+        }
         let slot = cpu as usize;
         if slot >= self.running.len() {
             self.running.resize(slot + 1, None);

@@ -158,6 +158,11 @@ impl TraceSteps {
     /// A context switch on `cpu` at `ts` to `next`; the task leaving was
     /// in `prev_state`.
     pub fn switch(&mut self, cpu: u32, ts: u64, prev_state: i64, next: i32) {
+        // A trace file's CPU number sizes a table: past Perfetto's limit
+        // (the agent never writes one) it is not a CPU.
+        if cpu >= xpuscope_common::MAX_CPUS {
+            return;
+        }
         let slot = cpu as usize;
         if slot >= self.running.len() {
             self.running.resize(slot + 1, None);

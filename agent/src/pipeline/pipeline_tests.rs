@@ -548,3 +548,43 @@ fn findings_made_as_the_recording_ends_reach_the_trace() {
         .collect();
     assert_eq!(findings, ["slow_link"]);
 }
+
+/// `agent diagnose` reads trace files a user hands it: a trace of this
+/// pipeline, then thousands of seeded mutations of it (bytes flipped,
+/// overwritten, cut), each read back without a panic (an error is fine)
+/// and without growing without bound.
+#[test]
+fn diagnose_survives_mutated_traces() {
+    let mut fanout = FanOut::default();
+    let trace = fanout.add("trace", trace_sink(), 64).unwrap();
+    run_pipeline(fanout, story(), FakeEnricher::default()).unwrap();
+    let good = trace.join().unwrap().out;
+    let dir = std::env::temp_dir().join(format!("xpuscope-diag-fuzz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.pftrace");
+    std::fs::write(&path, &good).unwrap();
+    let found = crate::diagnose::diagnose(std::slice::from_ref(&path), Default::default());
+    assert!(found.is_ok(), "the unmutated trace: {found:?}");
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..1_500 {
+        let mut bytes = good.clone();
+        for _ in 0..1 + next() % 8 {
+            let at = (next() % bytes.len() as u64) as usize;
+            match next() % 4 {
+                0 => bytes[at] ^= 1 << (next() % 8),
+                1 => bytes[at] = 0xff,
+                2 => bytes[at] = next() as u8,
+                _ => bytes.truncate(at.max(1)),
+            }
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let _ = crate::diagnose::diagnose(std::slice::from_ref(&path), Default::default());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
