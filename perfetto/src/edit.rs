@@ -213,20 +213,7 @@ impl Packet {
     /// Calls `f(cpu, ts, prev_state, next_pid)` for each switch of the
     /// packet's scheduler bundle, in order (delta chains decoded).
     pub fn for_each_switch(&self, mut f: impl FnMut(u32, u64, i64, i32)) {
-        let Some(b) = &self.p.ftrace_events else {
-            return;
-        };
-        let Some(c) = &b.compact_sched else {
-            return;
-        };
-        let cpu = b.cpu.unwrap_or(0);
-        let mut ts = 0u64;
-        for (i, dt) in c.switch_timestamp.iter().enumerate() {
-            ts = ts.wrapping_add(*dt);
-            let state = c.switch_prev_state.get(i).copied().unwrap_or(0);
-            let pid = c.switch_next_pid.get(i).copied().unwrap_or(0);
-            f(cpu, ts, state, pid);
-        }
+        self.for_each_switch_to(|cpu, ts, state, pid, _| f(cpu, ts, state, pid));
     }
 
     /// Like [`for_each_switch`](Self::for_each_switch), with the comm of

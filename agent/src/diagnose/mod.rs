@@ -29,7 +29,7 @@ use xpuscope_probes::decode::args::{CallArgs, CollectiveArgs};
 use xpuscope_probes::decode::comm::CommContext;
 use xpuscope_probes::decode::memory::{Device, MemoryEffect};
 
-use crate::events::{Comm, Exit};
+use crate::events::Exit;
 use crate::merge::collectives::{collective, sync_stream};
 use crate::model::finding::FindingsDoc;
 use crate::model::{
@@ -41,7 +41,6 @@ use crate::sinks::perfetto::{
     ENQUEUED_EVENT, PREEMPTED_BY_EVENT, PROCESS_EXIT_EVENT, WORK_KIND_ARG, work_kind_of,
 };
 use offcpu::MainThreadSwitches;
-use xpuscope_common::COMM_LEN;
 
 mod offcpu;
 
@@ -147,6 +146,29 @@ impl DeviceSide {
     }
 }
 
+fn open_trace(path: &Path) -> Result<PacketReader<File>> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(PacketReader::new(file))
+}
+
+/// The trace's next packet, decoded.
+fn next_packet(reader: &mut PacketReader<File>, path: &Path) -> Result<Option<Packet>> {
+    let n = reader.packets();
+    let Some(bytes) = reader
+        .next_packet()
+        .with_context(|| format!("reading {}", path.display()))?
+    else {
+        return Ok(None);
+    };
+    let packet = Packet::decode(bytes, n).with_context(|| {
+        format!(
+            "reading {}: not an xpuscope trace (agent attach output)?",
+            path.display()
+        )
+    })?;
+    Ok(Some(packet))
+}
+
 /// Reads one trace into (time, record) pairs; returns its last timestamp.
 fn read_trace(
     index: usize,
@@ -155,8 +177,7 @@ fn read_trace(
     out: &mut Vec<(u64, Record)>,
     open: &mut Vec<Stuck>,
 ) -> Result<u64> {
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut reader = PacketReader::new(file);
+    let mut reader = open_trace(path)?;
     let mut interning = Interning::default();
     let mut threads: HashMap<u64, (i32, i32)> = HashMap::new();
     let mut processes: HashMap<u64, i32> = HashMap::new();
@@ -172,20 +193,7 @@ fn read_trace(
         switches.follow(pid);
     }
     let mut last = 0u64;
-    loop {
-        let n = reader.packets();
-        let Some(bytes) = reader
-            .next_packet()
-            .with_context(|| format!("reading {}", path.display()))?
-        else {
-            break;
-        };
-        let packet = Packet::decode(bytes, n).with_context(|| {
-            format!(
-                "reading {}: not an xpuscope trace (agent attach output)?",
-                path.display()
-            )
-        })?;
+    while let Some(packet) = next_packet(&mut reader, path)? {
         interning.observe(&packet);
         if let Some(ts) = packet.timestamp() {
             last = last.max(ts);
@@ -415,23 +423,9 @@ fn stream_name(track: &str) -> &str {
 /// The processes of a trace that have a rank (first pass: the scheduler's
 /// switches of their main threads are kept from the trace's start).
 fn ranked_pids(path: &Path) -> Result<Vec<i32>> {
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut reader = PacketReader::new(file);
+    let mut reader = open_trace(path)?;
     let mut pids = Vec::new();
-    loop {
-        let n = reader.packets();
-        let Some(bytes) = reader
-            .next_packet()
-            .with_context(|| format!("reading {}", path.display()))?
-        else {
-            break;
-        };
-        let packet = Packet::decode(bytes, n).with_context(|| {
-            format!(
-                "reading {}: not an xpuscope trace (agent attach output)?",
-                path.display()
-            )
-        })?;
+    while let Some(packet) = next_packet(&mut reader, path)? {
         if let Some(TrackView::Process { pid, labels, .. }) = packet.track()
             && labels.iter().any(|l| l.starts_with("rank="))
         {
@@ -648,18 +642,17 @@ fn process_exit(event: &EventView, tgid: u32) -> Option<Exit> {
         ArgRef::Uint(v) => i64::try_from(v).ok(),
         _ => None,
     };
-    let mut comm = [0u8; COMM_LEN];
-    if let Some(ArgRef::Str(s)) = event.arg("comm") {
-        let n = s.len().min(COMM_LEN - 1);
-        comm[..n].copy_from_slice(&s.as_bytes()[..n]);
-    }
+    let comm = match event.arg("comm") {
+        Some(ArgRef::Str(s)) => offcpu::comm(s),
+        _ => offcpu::comm(""),
+    };
     Some(Exit {
         cpu: 0,
         ts: event.ts,
         tid: int("tid").map_or(tgid, |t| (tgid & !0x3f_ffff) | (t as u32 & 0x3f_ffff)),
         tgid,
         prio: 0,
-        comm: Comm(comm),
+        comm,
         group_dead: true,
         group_known: true,
         exit_code: int("exit_code").and_then(|c| i32::try_from(c).ok()),

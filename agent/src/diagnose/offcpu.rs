@@ -53,7 +53,8 @@ pub struct MainThreadSwitches {
     running: Vec<Option<i32>>,
 }
 
-fn comm(s: &str) -> Comm {
+/// A task name as the kernel's fixed-size, NUL-terminated `comm`.
+pub(super) fn comm(s: &str) -> Comm {
     let mut c = [0u8; COMM_LEN];
     let n = s.len().min(COMM_LEN - 1);
     c[..n].copy_from_slice(&s.as_bytes()[..n]);
