@@ -331,11 +331,14 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
     }
     // A node's alignment error, plus two agents' probes on one call
     // stamping it apart (measured above; a few microseconds on a quick
-    // machine).
+    // machine). A merged call is its node's stamp moved by the node's
+    // offset, so it is off by exactly that sum when the call with the
+    // largest skew errs the same way as its node's offset (seen in CI:
+    // 21,376 + 53,770 = 75,146 ns): the bound includes it.
     assert!(
-        worst < max_err + 50_000.max(skew_max),
+        worst <= max_err + 50_000.max(skew_max),
         "a merged collective is {worst} ns away from the one-agent trace's \
-         (alignment error up to {max_err} ns)"
+         (alignment error up to {max_err} ns, stamping skew up to {skew_max} ns)"
     );
     let order = |c: &BTreeMap<(String, u64), (u64, u64)>| {
         let mut per: BTreeMap<u64, Vec<(u64, String)>> = BTreeMap::new();
