@@ -1384,9 +1384,13 @@ fn a_slow_device_is_a_slow_rank_from_its_activity_records() {
                 serde_json::json!([1]),
                 "{flavor} {driver}: {f:#}"
             );
+            // Within 2 steps, as the issue grades: a step's window runs
+            // from one gradient all-reduce to the next, so the fault's onset
+            // can fall inside step 2's (1.7x its peers' compute there once
+            // in CI).
             let step = f["step"].as_u64().expect("a step");
             assert!(
-                (3..=5).contains(&step),
+                step.abs_diff(3) <= 2,
                 "{flavor} {driver}: step {step} for a fault from step 3: {f:#}"
             );
             assert!(
