@@ -48,7 +48,7 @@ fn findings(run: &Run) -> Vec<Value> {
 }
 
 /// The trace's `xpuscope findings` slices: (name, args as text).
-fn finding_slices(tl: &Timeline) -> Vec<(String, Vec<(String, String)>)> {
+fn finding_slices_with_args(tl: &Timeline) -> Vec<(String, Vec<(String, String)>)> {
     let tracks: Vec<u64> = tl
         .tracks
         .values()
@@ -128,7 +128,7 @@ fn a_hang_is_found_while_it_lasts_and_names_the_rank_that_never_joined() {
         "{summary}"
     );
     assert!(run.stderr.contains(summary), "{}", run.stderr);
-    let slices = finding_slices(&run.tl);
+    let slices = finding_slices_with_args(&run.tl);
     let hang = slices
         .iter()
         .find(|(n, _)| n == "hang")
@@ -177,7 +177,9 @@ fn a_crash_names_the_rank_and_signal_and_a_clean_job_has_no_findings() {
         expected["signal_name"]
     );
     assert!(
-        finding_slices(&run.tl).iter().any(|(n, _)| n == "crash"),
+        finding_slices_with_args(&run.tl)
+            .iter()
+            .any(|(n, _)| n == "crash"),
         "the crash on the findings track"
     );
 
@@ -254,7 +256,7 @@ fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
             .all(|s| format!("nccl:{}", arg_text(s, "comm_hash")) == comm),
         "{comm}"
     );
-    let slices = finding_slices(&tl);
+    let slices = finding_slices_with_args(&tl);
     assert!(
         slices.iter().any(|(n, args)| n == "hang"
             && args
