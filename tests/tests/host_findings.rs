@@ -239,9 +239,23 @@ fn host_faults_are_found_at_their_rank_and_step_and_a_clean_job_has_none() {
             clean.stderr
         );
     }
-    if host_findings(&clean, Driver::Online).is_empty() {
-        assert!(clean.stderr.contains("findings: none"), "{}", clean.stderr);
+    // Findings of other kinds (a rank that arrived late at an all-reduce
+    // because this 2-vCPU machine was busy) are real observations of the
+    // run, not host faults: printed, not graded. The summary reports what
+    // the stats hold, either way.
+    let all = findings(&clean, Driver::Online);
+    for f in &all {
+        eprintln!(
+            "clean job, not a host finding (not graded): {}",
+            f["summary"]
+        );
     }
+    let line = if all.is_empty() {
+        "findings: none".to_owned()
+    } else {
+        format!("findings: {} (on the trace", all.len())
+    };
+    assert!(clean.stderr.contains(&line), "{line}\n{}", clean.stderr);
 }
 
 #[test]
