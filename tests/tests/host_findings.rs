@@ -158,6 +158,14 @@ fn grade_driver(run: &Run, driver: Driver) {
             "{kind} at step {at}, injected at {step}: {f:#}"
         );
         let ev = &f["evidence"];
+        // The Ascend ranks mark their steps (mstx ranges `step N`): their
+        // findings are numbered by those, in both drivers (the trace keeps
+        // the markers); the NVIDIA ranks' by their gradient all-reduces.
+        let source = ev["step_source"].as_str().unwrap_or_default();
+        match run.flavor.as_str() {
+            "ascend" => assert!(source.contains("mstx"), "{f:#}"),
+            _ => assert!(source.contains("all-reduces"), "{f:#}"),
+        }
         match kind {
             "host_contention" => {
                 // The neighbour took the most (on a busy machine others

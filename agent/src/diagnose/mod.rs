@@ -504,6 +504,19 @@ fn call_of(event: &EventView, tgid: u32, tid: u32, names: &mut Names) -> Option<
             .kind;
         let mut d = base(kind);
         let uint = |name: &str| event.arg(name).and_then(|v| v.as_u64());
+        if matches!(
+            kind,
+            CallKind::Mark | CallKind::RangeStart | CallKind::RangeEnd
+        ) {
+            // The job's step markers date its steps.
+            d.args = CallArgs::Marker {
+                message: match event.arg("message") {
+                    Some(ArgRef::Str(m)) => Some(m.to_string()),
+                    _ => None,
+                },
+                range_id: uint("range_id"),
+            };
+        }
         if let Some(held) = uint("device_bytes_held") {
             d.memory = Some(MemoryEffect {
                 device: Device {

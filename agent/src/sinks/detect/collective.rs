@@ -45,6 +45,7 @@ use xpuscope_probes::catalog::{CallKind, Collective, Library};
 use xpuscope_probes::decode::args::CallArgs;
 
 use super::Ranks;
+use super::step_marks::{STEP_SOURCE_ALLREDUCE, STEP_SOURCE_MARKERS};
 use crate::model::device::FlowId;
 use crate::model::finding::comm_name;
 use crate::model::{DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, WorkKind};
@@ -647,7 +648,9 @@ impl CollectiveDetector {
                 ranks: ranks.of(last).into_iter().collect(),
                 comm: Some(cname.clone()),
                 seq: Some(first.seq),
-                step: step_in(&self.allreduces, last, first.enter),
+                step: ranks
+                    .marked_step(last, first.enter)
+                    .or_else(|| step_in(&self.allreduces, last, first.enter)),
                 start_ns: first.enter,
                 end_ns: None,
                 summary: format!(
@@ -661,6 +664,7 @@ impl CollectiveDetector {
                     ms(wait),
                 ),
                 evidence: json!({
+                    "step_source": step_source(last, ranks),
                     "late_ops": late_in_window,
                     "window_ops": h_window_len(window, index),
                     "median_delay_ms": ms(med_delay),
@@ -694,7 +698,7 @@ impl CollectiveDetector {
     fn late_finding(&self, key: CommKey, tgid: u32, l: &Late, ranks: &Ranks) -> Finding {
         let who = ranks.describe(tgid);
         let cname = comm_name(key.0.name(), key.1);
-        let step = step_in(&self.allreduces, tgid, l.enter);
+        let step = self.step_of(tgid, l.enter, ranks);
         let at = match step {
             Some(s) => format!(" in step {s}"),
             None => String::new(),
@@ -717,6 +721,7 @@ impl CollectiveDetector {
                 ms(l.peers_wait_ns),
             ),
             evidence: json!({
+                "step_source": step_source(tgid, ranks),
                 "delay_ms": ms(l.delay_ns),
                 "threshold_ms": ms(l.threshold_ns),
                 "peers_wait_ms": ms(l.peers_wait_ns),
@@ -839,15 +844,28 @@ impl CollectiveDetector {
         }
     }
 
-    /// `tgid`'s training step at `ts` (see [`step_in`]), while it lives.
-    pub fn step_of(&self, tgid: u32, ts: u64) -> Option<u64> {
-        step_in(&self.allreduces, tgid, ts)
+    /// `tgid`'s training step at `ts`, while it lives: by its own step
+    /// markers where it has them (the finding's evidence says so:
+    /// [`step_source`]), otherwise by its all-reduces ([`step_in`]).
+    pub fn step_of(&self, tgid: u32, ts: u64, ranks: &Ranks) -> Option<u64> {
+        ranks
+            .marked_step(tgid, ts)
+            .or_else(|| step_in(&self.allreduces, tgid, ts))
     }
 
     #[cfg(test)]
     pub fn forgot(&self, tgid: u32) -> bool {
         !self.allreduces.contains_key(&tgid)
             && self.comms.values().all(|c| !c.members.contains(&tgid))
+    }
+}
+
+/// Where [`CollectiveDetector::step_of`] takes `tgid`'s steps from.
+pub fn step_source(tgid: u32, ranks: &Ranks) -> &'static str {
+    if ranks.marks.marks(tgid) {
+        STEP_SOURCE_MARKERS
+    } else {
+        STEP_SOURCE_ALLREDUCE
     }
 }
 

@@ -648,3 +648,57 @@ fn each_job_gets_its_own_slow_link_verdict() {
     );
     assert_eq!((f[0].ranks.clone(), f[1].ranks.clone()), (vec![1], vec![6]));
 }
+
+/// Each rank's mstx range `step N` around the step at `t0` (N from 100).
+fn step_ranges(ranks: &[u32], ops: u64) -> Vec<(u64, Record)> {
+    let mut out = Vec::new();
+    for &r in ranks {
+        for op in 0..ops {
+            let t0 = op * 100 * MS;
+            let mut start = base(r, CallKind::RangeStart, "mstxRangeStartA", t0, t0 + 1_000);
+            start.library = Library::Mspti;
+            start.args = CallArgs::Marker {
+                message: Some(format!("step {}", 100 + op)),
+                range_id: Some(op + 1),
+            };
+            let mut end = base(
+                r,
+                CallKind::RangeEnd,
+                "mstxRangeEnd",
+                t0 + 95 * MS,
+                t0 + 95 * MS,
+            );
+            end.library = Library::Mspti;
+            end.args = CallArgs::Marker {
+                message: None,
+                range_id: Some(op + 1),
+            };
+            for (ts, c) in [(t0, start), (t0 + 95 * MS, end)] {
+                out.push((ts, Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_late_arrival_in_a_marked_step_carries_the_jobs_step_number() {
+    let ranks = [0, 1, 2, 3];
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![
+            step_ranges(&ranks, 20),
+            job(0xa, &ranks, 20, 8 * MB, 2 * MS, |r, op| {
+                if (r, op) == (2, 7) { 40 * MS } else { 0 }
+            }),
+        ],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
+    assert_eq!((f[0].seq, f[0].step), (Some(7), Some(107)));
+    assert!(f[0].summary.contains("in step 107"), "{}", f[0].summary);
+    assert_eq!(
+        f[0].evidence["step_source"],
+        super::step_marks::STEP_SOURCE_MARKERS
+    );
+}

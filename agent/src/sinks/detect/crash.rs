@@ -139,6 +139,7 @@ impl CrashDetector {
                 }
             ),
             evidence: json!({
+                "step_source": super::collective::step_source(exit.tgid, ranks),
                 "pid": exit.tgid,
                 "tid": exit.tid,
                 // The last thread to exit (not necessarily the one the

@@ -7,7 +7,9 @@
 //! optimizer's) and the step's first collective or sync, counting intervals
 //! asleep outside a device call, or whose off-CPU stack is in a data loader.
 //! A late arrival (sleeping just before the all-reduce) or a wait inside a
-//! sync is not in that stretch.
+//! sync is not in that stretch. In a step the job marked (an mstx range
+//! `step N`, [`step_marks`](super::step_marks)) the stretch starts at the
+//! range's start: the step begins with its data wait.
 //!
 //! It fires on a step whose wait is at least `stall_min` and at least
 //! `stall_factor` times the rank's usual wait (the median of its previous
@@ -21,6 +23,7 @@ use serde_json::json;
 use super::Ranks;
 use super::host::HostDetectConfig;
 use super::host_steps::{CallShape, Window};
+use super::step_marks::StepSource;
 use crate::model::{Finding, FindingKind};
 
 /// Steps of a rank whose waits make its usual wait.
@@ -41,6 +44,10 @@ pub struct StallDetector {
 
 /// The step's data wait: (ns, of which with a data-loader stack).
 pub fn data_wait(w: &Window) -> (u64, u64) {
+    // A marked step starts with its data wait.
+    if w.source == StepSource::Markers {
+        return wait_between(w, w.start);
+    }
     // The previous step ends at the second sync after its all-reduce (the
     // optimizer's), or the first when there is one before the next call.
     let syncs: Vec<_> = w
@@ -51,7 +58,11 @@ pub fn data_wait(w: &Window) -> (u64, u64) {
         .filter(|c| c.shape == CallShape::Sync)
         .take(2)
         .collect();
-    let from = syncs.last().map_or(w.start, |c| c.end);
+    wait_between(w, syncs.last().map_or(w.start, |c| c.end))
+}
+
+/// The data wait from `from` to the step's first collective or sync.
+fn wait_between(w: &Window, from: u64) -> (u64, u64) {
     let to = w
         .calls
         .iter()

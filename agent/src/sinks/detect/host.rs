@@ -9,8 +9,9 @@ use std::time::Duration;
 use super::Ranks;
 use super::dataloader_stall::StallDetector;
 use super::host_contention::ContentionDetector;
-use super::host_steps::StepClock;
+use super::host_steps::{StepClock, Window};
 use super::memory_leak::LeakDetector;
+use super::step_marks::StepMark;
 use crate::analysis::steps::in_data_loader;
 use crate::model::{Finding, Record};
 
@@ -90,9 +91,7 @@ impl HostDetectors {
             Record::DeviceCall(c) => {
                 self.leak.device_call(c, ranks.of(c.call.tgid).is_some());
                 if let Some(w) = self.clock.device_call(c) {
-                    self.contention.step_ended(&w, &self.cfg, ranks, out);
-                    self.stall.step_ended(&w, &self.cfg, ranks, out);
-                    self.leak.step_ended(&w, &self.cfg, ranks, out);
+                    self.step_ended(&w, ranks, out);
                 }
             }
             Record::OffCpu(i) if i.tid == i.tgid => {
@@ -112,6 +111,28 @@ impl HostDetectors {
                 self.leak.forget(exit.tgid);
             }
             _ => {}
+        }
+    }
+
+    /// Step boundaries the job marked (before the call that marked them
+    /// reaches [`record`](Self::record)).
+    pub fn step_marks(&mut self, marks: &[StepMark], ranks: &Ranks, out: &mut Vec<Finding>) {
+        for m in marks {
+            if let Some(w) = self.clock.step_mark(m) {
+                self.step_ended(&w, ranks, out);
+            }
+        }
+    }
+
+    fn step_ended(&mut self, w: &Window, ranks: &Ranks, out: &mut Vec<Finding>) {
+        let first_new = out.len();
+        self.contention.step_ended(w, &self.cfg, ranks, out);
+        self.stall.step_ended(w, &self.cfg, ranks, out);
+        self.leak.step_ended(w, &self.cfg, ranks, out);
+        for f in &mut out[first_new..] {
+            if let Some(e) = f.evidence.as_object_mut() {
+                e.insert("step_source".into(), w.source.describe().into());
+            }
         }
     }
 

@@ -15,6 +15,12 @@
 //! arrives every call and off-CPU interval of the window before it has
 //! arrived too: the window is handed to the detectors then.
 //!
+//! Where the job marks its steps (mstx ranges named `step N`:
+//! [`step_marks`](super::step_marks)), a rank's windows are its marked
+//! steps instead, numbered as the job numbers them: from the start of the
+//! step range to its end, calls and off-CPU intervals in between. The first
+//! marked step switches the rank to its markers for good.
+//!
 //! Memory: a window's calls and intervals, per rank, bounded by
 //! [`MAX_WINDOW_ITEMS`] (a window past it loses its oldest: a rank that
 //! stopped all-reducing does not grow the agent).
@@ -23,6 +29,7 @@ use std::collections::HashMap;
 
 use xpuscope_probes::catalog::CallKind;
 
+use super::step_marks::{StepMark, StepSource};
 use crate::analysis::op_kind;
 use crate::model::{DeviceCallRecord, OffCpuInterval};
 
@@ -75,11 +82,14 @@ pub struct MainOffCpu {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Window {
     pub tgid: u32,
-    /// 0-based: the number of anchor all-reduces before the one closing it.
+    /// 0-based: the number of anchor all-reduces before the one closing it;
+    /// or the number the job's step marker gave it.
     pub step: u64,
+    pub source: StepSource,
     pub start: u64,
     pub end: u64,
-    /// In start order; the first is the previous anchor all-reduce.
+    /// In start order; the first is the previous anchor all-reduce (for
+    /// steps from all-reduces).
     pub calls: Vec<MainCall>,
     /// In start order.
     pub off_cpu: Vec<MainOffCpu>,
@@ -97,8 +107,13 @@ struct RankClock {
     anchor: Option<u64>,
     /// Anchor all-reduces seen.
     anchors: u64,
-    /// The open window's start (the last anchor all-reduce's start).
+    /// The open window's start (the last anchor all-reduce's start, or
+    /// the open step range's).
     open: Option<u64>,
+    /// Steps come from the job's markers (from the first one on).
+    source: StepSource,
+    /// The open marked step's number.
+    marked_step: u64,
     calls: Vec<MainCall>,
     off_cpu: Vec<MainOffCpu>,
 }
@@ -134,7 +149,13 @@ impl StepClock {
     /// anchor all-reduce.
     pub fn device_call(&mut self, c: &DeviceCallRecord) -> Option<Window> {
         let call = &c.call;
-        if c.unmatched.is_some() || call.tid != call.tgid {
+        if c.unmatched.is_some()
+            || call.tid != call.tgid
+            || matches!(
+                call.kind,
+                CallKind::Mark | CallKind::RangeStart | CallKind::RangeEnd
+            )
+        {
             return None;
         }
         let r = self.ranks.get_mut(&call.tgid)?;
@@ -153,7 +174,7 @@ impl StepClock {
             end: c.end_ts(),
             shape,
         };
-        if shape != (CallShape::Collective { anchor: true }) {
+        if r.source == StepSource::Markers || shape != (CallShape::Collective { anchor: true }) {
             if r.open.is_some() {
                 push_bounded(&mut r.calls, me);
             }
@@ -170,6 +191,7 @@ impl StepClock {
             Window {
                 tgid: call.tgid,
                 step: r.anchors,
+                source: StepSource::AllReduces,
                 start,
                 end: me.start,
                 calls,
@@ -180,6 +202,49 @@ impl StepClock {
         r.open = Some(me.start);
         r.calls.push(me);
         closed
+    }
+
+    /// A step boundary the job marked; the window of the step it ends.
+    pub fn step_mark(&mut self, m: &StepMark) -> Option<Window> {
+        match *m {
+            StepMark::Begin { tgid, step, ts } => {
+                let r = self.ranks.get_mut(&tgid)?;
+                // What came before the step's start is not the step's.
+                r.source = StepSource::Markers;
+                r.calls.clear();
+                r.off_cpu.clear();
+                r.open = Some(ts);
+                r.marked_step = step;
+                None
+            }
+            StepMark::End {
+                tgid,
+                step,
+                start,
+                end,
+            } => {
+                let r = self.ranks.get_mut(&tgid)?;
+                if r.open != Some(start) || r.marked_step != step {
+                    return None;
+                }
+                r.open = None;
+                let mut calls = std::mem::take(&mut r.calls);
+                calls.retain(|c| c.start < end);
+                calls.sort_by_key(|c| c.start);
+                let mut off_cpu = std::mem::take(&mut r.off_cpu);
+                off_cpu.retain(|i| i.start < end);
+                off_cpu.sort_by_key(|i| i.start);
+                Some(Window {
+                    tgid,
+                    step,
+                    source: StepSource::Markers,
+                    start,
+                    end,
+                    calls,
+                    off_cpu,
+                })
+            }
+        }
     }
 
     /// A finished off-CPU interval (kept when it is a followed rank's main

@@ -45,6 +45,9 @@ struct Job {
     t: u64,
     records: Vec<(u64, Record)>,
     held: u64,
+    /// The job marks each step with an mstx range `step N`, N from this.
+    marked_from: Option<u64>,
+    steps: u64,
 }
 
 fn device_call(kind: CallKind, function: &'static str, start: u64, end: u64) -> DeviceCall {
@@ -83,6 +86,8 @@ impl Job {
             t: 1_000 * MS,
             records: vec![(0, identity(PID, 0))],
             held: 0,
+            marked_from: None,
+            steps: 0,
         }
     }
 
@@ -158,8 +163,28 @@ impl Job {
 
     /// One step: batch wait, copy, forward (sync), host work, all-reduce,
     /// its sync, the optimizer's sync.
+    fn marker(&mut self, kind: CallKind, at: u64, message: Option<String>, range_id: u64) {
+        let function = match kind {
+            CallKind::RangeStart => "mstxRangeStartA",
+            _ => "mstxRangeEnd",
+        };
+        let mut c = device_call(kind, function, at, at + 5_000);
+        c.library = Library::Mspti;
+        c.args = CallArgs::Marker {
+            message,
+            range_id: Some(range_id),
+        };
+        self.call(c);
+    }
+
     fn step(&mut self, s: &StepShape) {
         let b = self.t;
+        let range = self.marked_from.map(|from| {
+            let (n, id) = (from + self.steps, 1_000 + self.steps);
+            self.marker(CallKind::RangeStart, b, Some(format!("step {n}")), id);
+            id
+        });
+        self.steps += 1;
         let mut t = b + MS / 10;
         // The data wait: asleep in the loader's queue.
         let wait = s.data_wait.max(MS / 10);
@@ -242,6 +267,9 @@ impl Job {
         self.sync(t, t + MS);
         t += MS + MS / 10;
         self.sync(t, t + MS / 2);
+        if let Some(id) = range {
+            self.marker(CallKind::RangeEnd, t + MS / 2 + MS / 20, None, id);
+        }
         self.t = t + MS / 2 + MS / 10;
     }
 
@@ -524,4 +552,45 @@ fn thresholds_come_from_the_config() {
             (FindingKind::MemoryLeak, Some(6))
         ]
     );
+}
+
+/// The job marks its steps (mstx ranges `step 500`, `step 501`, ...: it
+/// was attached to in the middle of its run): the findings carry the job's
+/// own step numbers and say so; the all-reduce count would say 12 and 3.
+#[test]
+fn marked_steps_number_the_findings_as_the_job_does() {
+    let mut job = Job::new();
+    job.marked_from = Some(500);
+    job.steps(30, |k| StepShape {
+        data_wait: if k == 12 { 300 * MS } else { MS / 2 },
+        loader_stack: k == 12,
+        leak: if k >= 3 { 16 << 20 } else { 0 },
+        ..StepShape::default()
+    });
+    let found = job.run(DetectConfig::default());
+    let stalls = of_kind(&found, FindingKind::DataloaderStall);
+    assert_eq!(stalls.len(), 1, "{found:#?}");
+    assert_eq!(stalls[0].step, Some(512), "{:#?}", stalls[0]);
+    assert!(
+        stalls[0].summary.contains("at step 512"),
+        "{}",
+        stalls[0].summary
+    );
+    let wait = stalls[0].evidence["wait_ms"].as_f64().unwrap();
+    assert!(
+        (299.0..=301.0).contains(&wait),
+        "the marked step's wait: {wait}"
+    );
+    let leaks = of_kind(&found, FindingKind::MemoryLeak);
+    assert_eq!(leaks.len(), 1, "{found:#?}");
+    let from = leaks[0].step.unwrap();
+    assert!((503..=505).contains(&from), "{:#?}", leaks[0]);
+    for f in [stalls[0], leaks[0]] {
+        assert_eq!(
+            f.evidence["step_source"],
+            super::super::step_marks::STEP_SOURCE_MARKERS,
+            "{f:#?}"
+        );
+    }
+    assert_eq!(found.len(), 2, "nothing else: {found:#?}");
 }

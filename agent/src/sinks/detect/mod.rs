@@ -35,6 +35,7 @@ pub mod host_contention;
 pub mod host_steps;
 pub mod memory_leak;
 pub mod oom;
+pub mod step_marks;
 #[cfg(test)]
 mod tests;
 
@@ -73,12 +74,15 @@ impl Default for DetectConfig {
     }
 }
 
-/// Who a process is in the job: its global rank, from its environment.
+/// Who a process is in the job: its global rank, from its environment;
+/// and where it is in the job, by its own step markers.
 #[derive(Default)]
 pub struct Ranks {
     by_tgid: HashMap<u32, u32>,
     /// Its job label (`XPUSCOPE_JOB`, `JOB_NAME`), where it has one.
     jobs: HashMap<u32, String>,
+    /// The job's step markers, per process.
+    pub marks: step_marks::StepMarks,
 }
 
 impl Ranks {
@@ -113,6 +117,12 @@ impl Ranks {
     fn forget(&mut self, tgid: u32) {
         self.by_tgid.remove(&tgid);
         self.jobs.remove(&tgid);
+        self.marks.forget(tgid);
+    }
+
+    /// `tgid`'s step at `ts` by its own markers, when it marks them.
+    pub fn marked_step(&self, tgid: u32, ts: u64) -> Option<u64> {
+        self.marks.step_at(tgid, ts)
     }
 
     /// "rank 3" or "pid 1234" when the process has no rank.
@@ -133,6 +143,8 @@ pub struct Detectors {
     host: host::HostDetectors,
     collective: collective::CollectiveDetector,
     device_compute: device_compute::DeviceComputeDetector,
+    /// Step boundaries of the record at hand (scratch).
+    marks: Vec<step_marks::StepMark>,
 }
 
 impl Detectors {
@@ -148,6 +160,7 @@ impl Detectors {
                 cfg.collective.slow_rank_persist,
             ),
             collective: collective::CollectiveDetector::new(cfg.collective),
+            marks: Vec::new(),
         }
     }
 
@@ -164,6 +177,11 @@ impl Detectors {
         {
             // A new rank of a job that was in trouble: the job restarted.
             self.crash.job_restarted(self.ranks.job_of(*tgid));
+        }
+        if let Record::DeviceCall(c) = r {
+            self.marks.clear();
+            self.ranks.marks.device_call(c, &mut self.marks);
+            self.host.step_marks(&self.marks, &self.ranks, out);
         }
         self.host.record(r, &self.ranks, out);
         match r {
@@ -189,7 +207,7 @@ impl Detectors {
                 exit,
                 process_ended: true,
             } => {
-                let step = self.collective.step_of(exit.tgid, exit.ts);
+                let step = self.collective.step_of(exit.tgid, exit.ts, &self.ranks);
                 self.crash.process_ended(exit, step, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
                 // Before the collective detector forgets who was slow.
@@ -242,16 +260,20 @@ impl Detectors {
 }
 
 /// Where the findings' step numbers come from (evidence `step_source`):
-/// the job's own pattern, its gradient all-reduces. The detectors count a
-/// rank's steps by the all-reduces it entered on its data-parallel
-/// communicator; the agent reads no step markers of the job (mstx ranges,
-/// a named Python function) yet.
-pub const STEP_SOURCE: &str = "all-reduces on the rank's data-parallel communicator";
+/// the job's own step markers where the rank has them (the detector that
+/// dated the finding by them says so), otherwise its gradient all-reduces:
+/// the detectors count a rank's steps by the all-reduces it entered on its
+/// data-parallel communicator.
+pub const STEP_SOURCE: &str = step_marks::STEP_SOURCE_ALLREDUCE;
 
 fn note_step_source(found: &mut [Finding]) {
-    for f in found.iter_mut().filter(|f| f.step.is_some()) {
+    for f in found.iter_mut() {
         if let Some(e) = f.evidence.as_object_mut() {
-            e.entry("step_source").or_insert_with(|| STEP_SOURCE.into());
+            if f.step.is_some() {
+                e.entry("step_source").or_insert_with(|| STEP_SOURCE.into());
+            } else {
+                e.remove("step_source");
+            }
         }
     }
 }
