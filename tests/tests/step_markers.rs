@@ -30,9 +30,20 @@ const BEFORE_ATTACH: u64 = 15;
 
 #[test]
 fn an_attach_in_the_middle_of_a_run_numbers_steps_by_the_jobs_markers() {
+    attach_mid_run("c");
+}
+
+/// The same with the simulator's Python ranks (their markers go through
+/// ctypes, as a PyTorch script's `mstx` calls do).
+#[test]
+fn python_ranks_steps_come_from_their_markers_too() {
+    attach_mid_run("python");
+}
+
+fn attach_mid_run(lang: &str) {
     let _serial = exclusive();
     wait_for_closers();
-    let dir = TempDir::new("stepmarks");
+    let dir = TempDir::new(&format!("stepmarks-{lang}"));
     let stall = format!("dataloader_stall:rank=1,step={STALL_STEP},ms=500");
     let job = start_gated_job(
         dir.path(),
@@ -42,6 +53,8 @@ fn an_attach_in_the_middle_of_a_run_numbers_steps_by_the_jobs_markers() {
         &[
             "--flavor",
             "ascend",
+            "--lang",
+            lang,
             "--host-us",
             "10000",
             "--fault",
@@ -62,7 +75,7 @@ fn an_attach_in_the_middle_of_a_run_numbers_steps_by_the_jobs_markers() {
     let done = rec.finish(Duration::from_secs(60));
     let mut launcher = job.launcher;
     assert!(launcher.0.wait().expect("launcher status").success());
-    eprintln!("attached after step {attached_at} of rank 1");
+    eprintln!("{lang}: attached after step {attached_at} of rank 1");
 
     let online = done.stats["findings"]["findings"]
         .as_array()
@@ -76,25 +89,30 @@ fn an_attach_in_the_middle_of_a_run_numbers_steps_by_the_jobs_markers() {
             .iter()
             .filter(|f| f["kind"] == "dataloader_stall")
             .collect();
-        assert_eq!(stalls.len(), 1, "{driver}: {found:#?}\n{}", done.stderr);
+        assert_eq!(
+            stalls.len(),
+            1,
+            "{lang} {driver}: {found:#?}\n{}",
+            done.stderr
+        );
         let f = stalls[0];
-        assert_eq!(f["ranks"], serde_json::json!([1]), "{driver}: {f:#}");
+        assert_eq!(f["ranks"], serde_json::json!([1]), "{lang} {driver}: {f:#}");
         // The job's own number; all-reduces counted from the attach would
         // say about STALL_STEP - attached_at.
         let step = f["step"].as_u64().expect("a step");
         assert!(
             step.abs_diff(STALL_STEP) <= 1,
-            "{driver}: step {step}, the job's {STALL_STEP} (attached after {attached_at}): {f:#}"
+            "{lang} {driver}: step {step}, the job's {STALL_STEP} (attached after {attached_at}): {f:#}"
         );
         assert!(
             f["summary"]
                 .as_str()
                 .is_some_and(|s| s.contains(&format!("at step {step}"))),
-            "{driver}: {f:#}"
+            "{lang} {driver}: {f:#}"
         );
         assert_eq!(
             f["evidence"]["step_source"], "the job's mstx step markers (\"step N\")",
-            "{driver}: {f:#}"
+            "{lang} {driver}: {f:#}"
         );
     }
 }

@@ -236,16 +236,17 @@ pub(super) const MSPTI: &[FunctionSpec] = &[
         &[reg(ActivityKind, 0)],
     ),
     // mstx markers: in CANN they live in libms_tools_ext.so; the stand-in
-    // libmspti exports them.
-    f("mstxMarkA", Mark, Level::L1, MARK)
+    // libmspti exports them. Level 0: the job's `step N` ranges number its
+    // steps for the detectors, and a job makes a few per step.
+    f("mstxMarkA", Mark, Level::L0, MARK)
         .entry_string(0, MESSAGE_BYTES)
         .returns(RetKind::Void)
         .optional(),
-    f("mstxRangeStartA", RangeStart, Level::L1, MARK)
+    f("mstxRangeStartA", RangeStart, Level::L0, MARK)
         .entry_string(0, MESSAGE_BYTES)
         .returns(RetKind::Value)
         .optional(),
-    f("mstxRangeEnd", RangeEnd, Level::L1, &[reg(RangeId, 0)])
+    f("mstxRangeEnd", RangeEnd, Level::L0, &[reg(RangeId, 0)])
         .returns(RetKind::Void)
         .optional(),
 ];

@@ -159,9 +159,10 @@ impl Library {
 /// Capture level: L0 is always on and cheap; higher levels add volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Level {
-    /// Collectives, synchronisation, memory, communicator set-up.
+    /// Collectives, synchronisation, memory, communicator set-up, the
+    /// job's markers (mstx: a few per step, and they number its steps).
     L0,
-    /// Kernel launches, copies, events, markers.
+    /// Kernel launches, copies, events.
     L1,
     /// Activity records (device timestamps) and their plumbing.
     L2,

@@ -702,3 +702,30 @@ fn a_late_arrival_in_a_marked_step_carries_the_jobs_step_number() {
         super::step_marks::STEP_SOURCE_MARKERS
     );
 }
+
+/// The slow device of [`a_slow_device_is_a_slow_rank_from_its_compute_kernels`]
+/// in a job that marks its steps (from 100): named by the job's numbers.
+#[test]
+fn a_slow_device_in_a_marked_job_is_named_by_the_jobs_steps() {
+    let ranks = [0, 1, 2, 3];
+    let mut records = job(0xd, &ranks, 12, 8 * MB, 2 * MS, |_, _| 0);
+    records.extend(step_ranges(&ranks, 12));
+    for op in 0..12 {
+        for &r in &ranks {
+            let slow = r == 2 && op >= 4;
+            let each = if slow { 8 * MS } else { 2 * MS };
+            let wait = if slow { MS } else { 31 * MS };
+            records.extend(kernels(r, op, each, wait, (op * 100 + 150) * MS + 1));
+        }
+    }
+    let f = run(4, DetectConfig::default(), vec![records]);
+    assert_eq!(kinds(&f), vec![FindingKind::SlowRank], "{f:#?}");
+    // The all-reduce closing the anchor step 5 is in the marked step 105.
+    assert_eq!(f[0].step, Some(105), "{:#?}", f[0]);
+    assert_eq!(f[0].evidence["steps"], serde_json::json!([105, 106, 107]));
+    assert_eq!(
+        f[0].evidence["step_source"],
+        super::step_marks::STEP_SOURCE_MARKERS
+    );
+    assert!(f[0].summary.contains("from step 105"), "{}", f[0].summary);
+}

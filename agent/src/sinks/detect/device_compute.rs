@@ -17,7 +17,9 @@
 //!   all-reduce's start to the next) holds its end. With async enqueue a
 //!   step's last kernels can end after the host entered its all-reduce, so
 //!   a window holds the tail of one step and most of the next; the same on
-//!   every member, so they stay comparable.
+//!   every member, so they stay comparable. Where the job marks its steps
+//!   (`step_marks`), a step is named by the marked step its closing
+//!   all-reduce fell in (the job's own number).
 //! - A step is judged once every member's anchor all-reduces and kernels
 //!   (activity records come in buffers, later than calls) are past the
 //!   window after it. A member is slow at a step when its compute is at
@@ -32,6 +34,7 @@ use serde_json::json;
 use xpuscope_probes::catalog::{CallKind, Collective, Library};
 
 use super::Ranks;
+use super::step_marks::StepSource;
 use crate::model::finding::comm_name;
 use crate::model::{DeviceCallRecord, DeviceWork, Finding, FindingKind, WorkKind};
 
@@ -54,6 +57,9 @@ struct RankCompute {
     anchor: Option<CommKey>,
     /// Start times of the anchor all-reduces from step `base` on.
     anchors: Vec<u64>,
+    /// The step the job's markers were in at each anchor (parallel to
+    /// `anchors`), where it marks its steps.
+    marked: Vec<Option<u64>>,
     base: u64,
     /// Compute ns per step.
     per_step: BTreeMap<u64, u64>,
@@ -75,6 +81,13 @@ impl RankCompute {
     /// Anchor all-reduces seen so far (steps closed).
     fn closed(&self) -> u64 {
         self.base + self.anchors.len() as u64
+    }
+
+    /// The job's own number of `step` (the marked step its closing anchor
+    /// fell in), where the job marks its steps.
+    fn marked_step(&self, step: u64) -> Option<u64> {
+        step.checked_sub(self.base)
+            .and_then(|i| self.marked.get(i as usize).copied().flatten())
     }
 
     fn anchor_start(&self, step: u64) -> Option<u64> {
@@ -148,8 +161,10 @@ impl DeviceComputeDetector {
             return;
         }
         r.anchors.push(call.start_ts);
+        r.marked.push(ranks.marked_step(call.tgid, call.start_ts));
         if r.anchors.len() > MAX_ANCHORS {
             r.anchors.drain(..MAX_ANCHORS / 2);
+            r.marked.drain(..MAX_ANCHORS / 2);
             r.base += (MAX_ANCHORS / 2) as u64;
         }
         self.groups.entry(key).or_default().live.insert(call.tgid);
@@ -242,6 +257,7 @@ impl DeviceComputeDetector {
                 r.per_step.remove(&step);
                 let drop = (keep_from.saturating_sub(r.base) as usize).min(r.anchors.len());
                 r.anchors.drain(..drop);
+                r.marked.drain(..drop.min(r.marked.len()));
                 r.base += drop as u64;
             }
             g.next = step + 1;
@@ -300,7 +316,14 @@ fn finding(r: &RankCompute, key: CommKey, start: u64, pct: u32) -> Finding {
     let mut sorted = ratios.clone();
     sorted.sort_by(f64::total_cmp);
     let median_ratio = sorted[sorted.len() / 2];
-    let (first_step, c, m) = run[0];
+    let (first, c, m) = run[0];
+    let marked = r.marked_step(first);
+    let first_step = marked.unwrap_or(first);
+    let source = if marked.is_some() {
+        StepSource::Markers
+    } else {
+        StepSource::AllReduces
+    };
     Finding {
         kind: FindingKind::SlowRank,
         ranks: r.rank.into_iter().collect(),
@@ -320,7 +343,11 @@ fn finding(r: &RankCompute, key: CommKey, start: u64, pct: u32) -> Finding {
         ),
         evidence: json!({
             "source": "device activity (compute kernels per step)",
-            "steps": run.iter().map(|(s, _, _)| s).collect::<Vec<_>>(),
+            "step_source": source.describe(),
+            "steps": run
+                .iter()
+                .map(|(s, _, _)| r.marked_step(*s).unwrap_or(*s))
+                .collect::<Vec<_>>(),
             "compute_ms": run.iter().map(|(_, c, _)| ms(*c)).collect::<Vec<_>>(),
             "peers_median_ms": run.iter().map(|(_, _, m)| ms(*m)).collect::<Vec<_>>(),
             "ratio": ratios,
