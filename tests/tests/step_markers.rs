@@ -77,6 +77,22 @@ fn attach_mid_run(lang: &str) {
     assert!(launcher.0.wait().expect("launcher status").success());
     eprintln!("{lang}: attached after step {attached_at} of rank 1");
 
+    // The step table numbers the steps the same way: the stalled step is
+    // the job's 120th there too, mostly data wait.
+    let rows = done.stats["steps"].as_array().expect("step rows");
+    let stalled = rows
+        .iter()
+        .find(|r| r["rank"] == 1 && r["step"] == STALL_STEP)
+        .unwrap_or_else(|| panic!("{lang}: no row of rank 1 step {STALL_STEP}: {rows:#?}"));
+    assert_eq!(
+        stalled["step_source"], "the job's mstx step markers (\"step N\")",
+        "{lang}: {stalled:#}"
+    );
+    assert!(
+        stalled["data_wait_ns"].as_u64().unwrap() > 250_000_000,
+        "{lang}: {stalled:#}"
+    );
+
     let online = done.stats["findings"]["findings"]
         .as_array()
         .expect("findings")

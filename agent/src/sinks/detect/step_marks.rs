@@ -168,19 +168,44 @@ impl StepMarks {
     /// The step process `tgid` was in at `ts` by its markers: the last one
     /// begun at or before `ts` (between steps: the one that just ended).
     pub fn step_at(&self, tgid: u32, ts: u64) -> Option<u64> {
-        let starts = &self.procs.get(&tgid)?.starts;
-        let i = starts.partition_point(|&(s, _)| s <= ts);
-        Some(starts.get(i.checked_sub(1)?)?.1)
+        step_in(&self.procs.get(&tgid)?.starts, ts)
     }
 
     pub fn forget(&mut self, tgid: u32) {
         self.procs.remove(&tgid);
     }
 
+    /// Forgets process `tgid`, handing over its steps' starts (for a step
+    /// table made after it ended).
+    pub fn take(&mut self, tgid: u32) -> MarkedSteps {
+        MarkedSteps(
+            self.procs
+                .remove(&tgid)
+                .map(|p| p.starts)
+                .unwrap_or_default(),
+        )
+    }
+
     #[cfg(test)]
     pub fn forgot(&self, tgid: u32) -> bool {
         !self.procs.contains_key(&tgid)
     }
+}
+
+/// One process's marked steps' starts, kept past its exit.
+#[derive(Clone, Debug, Default)]
+pub struct MarkedSteps(VecDeque<(u64, u64)>);
+
+impl MarkedSteps {
+    /// As [`StepMarks::step_at`].
+    pub fn step_at(&self, ts: u64) -> Option<u64> {
+        step_in(&self.0, ts)
+    }
+}
+
+fn step_in(starts: &VecDeque<(u64, u64)>, ts: u64) -> Option<u64> {
+    let i = starts.partition_point(|&(s, _)| s <= ts);
+    Some(starts.get(i.checked_sub(1)?)?.1)
 }
 
 /// The step number a marker's message names, if it names one: a word of

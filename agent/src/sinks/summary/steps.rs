@@ -20,6 +20,7 @@ use crate::analysis::steps::{
     CallKind, CommSteps, OffCpuKind, Step, StepTracker, dp_comm_by_rank, in_data_loader, rank_steps,
 };
 use crate::model::{DeviceCallRecord, OffCpuInterval, Record};
+use crate::sinks::detect::step_marks::{MarkedSteps, StepMark, StepMarks, StepSource};
 
 /// One step of one rank, as the summary reports it (times in BOOTTIME).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -28,6 +29,10 @@ pub struct RankStep {
     pub pid: u32,
     #[serde(flatten)]
     pub step: Step,
+    /// Where `step`'s number comes from: the job's step markers (the
+    /// marked step the step's end falls in) or the count of the rank's
+    /// gradient all-reduces, as the findings say it.
+    pub step_source: &'static str,
 }
 
 /// Calls a rank's main thread keeps before its finished steps are
@@ -40,8 +45,13 @@ pub struct RecordSteps {
     ranks: BTreeMap<u32, u32>,
     /// Communicators seen (by hash), members as global ranks.
     comms: BTreeMap<u64, CommInfo>,
-    /// Ranks whose process ended: (pid, rank, steps per communicator).
-    ended: Vec<(u32, u32, CommSteps)>,
+    /// Ranks whose process ended: (pid, rank, steps per communicator,
+    /// its marked steps).
+    ended: Vec<(u32, u32, CommSteps, MarkedSteps)>,
+    /// The job's step markers (they number the steps where a rank has
+    /// them, as the detectors do).
+    marks: StepMarks,
+    scratch: Vec<StepMark>,
 }
 
 impl Default for RecordSteps {
@@ -51,6 +61,8 @@ impl Default for RecordSteps {
             ranks: BTreeMap::new(),
             comms: BTreeMap::new(),
             ended: Vec::new(),
+            marks: StepMarks::default(),
+            scratch: Vec::new(),
         }
     }
 }
@@ -70,10 +82,11 @@ impl RecordSteps {
                 exit,
                 process_ended: true,
             } => {
+                let marked = self.marks.take(exit.tgid);
                 if let Some(rank) = self.ranks.remove(&exit.tgid)
                     && let Some(steps) = self.tracker.finish_process(exit.tgid as i32)
                 {
-                    self.ended.push((exit.tgid, rank, steps));
+                    self.ended.push((exit.tgid, rank, steps, marked));
                 }
             }
             _ => {}
@@ -85,6 +98,8 @@ impl RecordSteps {
         let Some(&rank) = self.ranks.get(&call.tgid) else {
             return;
         };
+        self.scratch.clear();
+        self.marks.device_call(c, &mut self.scratch);
         let op = call.comm.as_ref().and_then(|_| op_kind(call.function));
         if let (Some(comm), Some(op)) = (&call.comm, op)
             && let Some(hash) = comm.id_hash
@@ -153,19 +168,36 @@ impl RecordSteps {
     pub fn finish(mut self) -> Vec<RankStep> {
         for (pid, steps) in std::mem::take(&mut self.tracker).finish() {
             if let Some(rank) = self.ranks.get(&(pid as u32)) {
-                self.ended.push((pid as u32, *rank, steps));
+                let marked = self.marks.take(pid as u32);
+                self.ended.push((pid as u32, *rank, steps, marked));
             }
         }
-        let ranks: BTreeSet<u32> = self.ended.iter().map(|(_, r, _)| *r).collect();
+        let ranks: BTreeSet<u32> = self.ended.iter().map(|(_, r, _, _)| *r).collect();
         let comms: Vec<CommInfo> = self.comms.into_values().collect();
         let dp = dp_comm_by_rank(&groups::infer(&comms, &ranks));
         let mut rows: Vec<RankStep> = self
             .ended
             .into_iter()
-            .flat_map(|(pid, rank, steps)| {
+            .flat_map(|(pid, rank, steps, marked)| {
                 rank_steps(steps, dp.get(&rank).copied())
                     .into_iter()
-                    .map(move |step| RankStep { rank, pid, step })
+                    .map(move |mut step| {
+                        // The step's end (its optimizer's sync) is in the
+                        // step the job marked.
+                        let source = match marked.step_at(step.end_ns.saturating_sub(1)) {
+                            Some(n) => {
+                                step.step = n;
+                                StepSource::Markers
+                            }
+                            None => StepSource::AllReduces,
+                        };
+                        RankStep {
+                            rank,
+                            pid,
+                            step,
+                            step_source: source.describe(),
+                        }
+                    })
             })
             .collect();
         rows.sort_by_key(|r| (r.rank, r.step.start_ns));
@@ -185,6 +217,7 @@ mod tests {
     use super::*;
     use crate::events::{Comm, Exit};
     use crate::model::{RankIdentity, Stack, SymFrame};
+    use crate::sinks::detect::step_marks::{STEP_SOURCE_ALLREDUCE, STEP_SOURCE_MARKERS};
 
     const MS: u64 = 1_000_000;
     const US: u64 = 1_000;
@@ -388,5 +421,66 @@ mod tests {
                 }
             );
         }
+    }
+
+    fn marker(pid: u32, kind: ProbeCallKind, at: u64, message: Option<String>, id: u64) -> Record {
+        let mut c = call(pid, pid, at, at + 2 * US, "mstxRangeStartA");
+        c.library = Library::Mspti;
+        c.kind = kind;
+        c.args = CallArgs::Marker {
+            message,
+            range_id: Some(id),
+        };
+        record(c)
+    }
+
+    /// Rank 0 marks its steps (`step 50` ..), as a job attached to in the
+    /// middle of its run: its rows carry the job's numbers; rank 1 marks
+    /// none: its rows are counted.
+    #[test]
+    fn marked_steps_are_numbered_as_the_job_numbers_them() {
+        let mut s = RecordSteps::default();
+        s.record(&identity(10, Some("0")));
+        s.record(&identity(20, Some("1")));
+        for k in 0..4 {
+            let base = 100 * MS + k * 10 * MS;
+            s.record(&marker(
+                10,
+                ProbeCallKind::RangeStart,
+                base,
+                Some(format!("step {}", 50 + k)),
+                k + 1,
+            ));
+            for pid in [10, 20] {
+                for r in step(pid, pid / 10 - 1, base) {
+                    s.record(&r);
+                }
+            }
+            s.record(&marker(
+                10,
+                ProbeCallKind::RangeEnd,
+                base + 9 * MS,
+                None,
+                k + 1,
+            ));
+        }
+        s.record(&exit(10));
+        let rows = s.finish();
+        let got: Vec<(u32, u64, &str)> = rows
+            .iter()
+            .map(|r| (r.rank, r.step.step, r.step_source))
+            .collect();
+        let (m, a) = (STEP_SOURCE_MARKERS, STEP_SOURCE_ALLREDUCE);
+        assert_eq!(
+            got,
+            vec![
+                (0, 51, m),
+                (0, 52, m),
+                (0, 53, m),
+                (1, 1, a),
+                (1, 2, a),
+                (1, 3, a)
+            ]
+        );
     }
 }
