@@ -48,7 +48,11 @@ pub fn read_step_log(path: &Path, rank: u64, logged: &mut BTreeMap<(u64, u64), V
 /// within 5% or 200 us; on these 2-vCPU machines a wakeup now and then
 /// comes late by more than that (a 10 ms step, 0.6 ms off, in one of three
 /// clean CI-like runs), so at most one row in 50 (and at least one) may be
-/// off by up to three times the tolerance, and is printed.
+/// off by up to three times the tolerance, and is printed. A gradient sync
+/// the rank's own clock makes longer than ours is such a row whatever the
+/// difference: the rank brackets the all-reduce and its sync with clock
+/// reads, so a preemption between a read and the call (16 ranks on 2
+/// vCPUs: 4 ms once) lengthens only its figure.
 pub fn check_step_rows(
     what: &str,
     rows: &[StepRow],
@@ -85,7 +89,8 @@ pub fn check_step_rows(
             let line = format!(
                 "{what}: rank {rank} step {step} {field}: {ours} ns, the rank logged {theirs} ns"
             );
-            assert!(diff <= 3 * tolerance, "{line}");
+            let rank_clock_longer = field == "grad_sync_ns" && theirs > ours;
+            assert!(diff <= 3 * tolerance || rank_clock_longer, "{line}");
             if diff > tolerance {
                 outliers.push(line);
             }

@@ -717,9 +717,10 @@ fn bad_inputs(run: &ClusterRun) {
     };
     assert_eq!(device(&tl), 2 * device(&once));
 
-    // Cut in the middle of a packet.
+    // Cut in the middle of a packet (two thirds in, moved off a packet's
+    // first byte: a cut on a packet boundary is a whole, shorter trace).
     let cut = dir.join("cut.pftrace");
-    std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    std::fs::write(&cut, &bytes[..mid_packet(&bytes, bytes.len() * 2 / 3)]).unwrap();
     let cut_out = dir.join("cut-merged.pftrace");
     let (status, stdout, stderr) = merge(&[
         OsStr::new("-o"),
@@ -772,4 +773,29 @@ fn bad_inputs(run: &ClusterRun) {
     let (status, _, stderr) = merge(&[OsStr::new("-o"), out.as_os_str(), json.as_os_str()]);
     assert!(!status.success());
     assert!(stderr.contains("not a native Perfetto trace"), "{stderr}");
+}
+
+/// An offset at or after `at` strictly inside a packet of the trace
+/// `bytes` (a `Trace` message: each packet is field 1, length-delimited).
+fn mid_packet(bytes: &[u8], at: usize) -> usize {
+    let mut pos = 0;
+    while pos < bytes.len() {
+        assert_eq!(bytes[pos], 0x0a, "a packet (field 1, bytes) at {pos}");
+        let (mut len, mut shift, mut i) = (0usize, 0, pos + 1);
+        loop {
+            let b = bytes[i];
+            len |= usize::from(b & 0x7f) << shift;
+            shift += 7;
+            i += 1;
+            if b & 0x80 == 0 {
+                break;
+            }
+        }
+        let end = i + len;
+        if end > at {
+            return at.max(pos + 1);
+        }
+        pos = end;
+    }
+    panic!("no packet past {at}");
 }
