@@ -2,7 +2,9 @@
 //! thread's slices paired into calls, its off-CPU intervals rebuilt from
 //! the scheduler's switches, each classified by the off-CPU stack taken at
 //! the same switch. The breakdown itself is `analysis::steps`, shared with
-//! `agent attach`.
+//! `agent attach`. A rank that marks its steps (mstx `step N` ranges or
+//! marks, `sinks::detect::step_marks`) has them numbered as it numbers
+//! them, as `agent attach` and the detectors do.
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -12,6 +14,7 @@ pub use crate::analysis::steps::StepCandidates;
 use crate::analysis::steps::{CallKind, OffCpuKind, SLEEPING, StepTracker, in_data_loader};
 
 use super::collectives::{Observed, sync_stream};
+use crate::sinks::detect::step_marks::{MarkedSteps, step_number};
 
 /// Marks a rank keeps before its finished steps are computed (as
 /// `agent attach` does): bounds the tracker's memory.
@@ -90,6 +93,8 @@ pub struct TraceSteps {
     cpu_last: Vec<u64>,
     latest: u64,
     flushed_at: u64,
+    /// The followed ranks' marked steps.
+    marks: HashMap<i32, MarkedSteps>,
 }
 
 impl Default for TraceSteps {
@@ -101,6 +106,7 @@ impl Default for TraceSteps {
             cpu_last: Vec::new(),
             latest: 0,
             flushed_at: 0,
+            marks: HashMap::default(),
         }
     }
 }
@@ -114,6 +120,12 @@ impl TraceSteps {
 
     /// A device call event on thread `tid` of process `pid`.
     pub fn event(&mut self, pid: i32, tid: i32, event: &EventView<'_>, call: Option<&Observed>) {
+        if event.kind == EventKind::Begin
+            && self.threads.contains_key(&pid)
+            && let Some(step) = marked_step(event)
+        {
+            self.marks.entry(pid).or_default().began(step, event.ts);
+        }
         if pid != tid {
             return;
         }
@@ -232,7 +244,24 @@ impl TraceSteps {
     /// Steps finished since the last call: pid -> all-reduce communicator
     /// -> steps.
     pub fn take_finished(&mut self) -> StepCandidates {
-        self.tracker.take_finished()
+        let mut finished = self.tracker.take_finished();
+        self.number_marked(&mut finished);
+        finished
+    }
+
+    /// Steps of a rank that marks them take the marked step their end
+    /// falls in (as `agent attach`'s step table).
+    fn number_marked(&self, finished: &mut StepCandidates) {
+        for (pid, per_comm) in finished.iter_mut() {
+            let Some(marks) = self.marks.get(pid) else {
+                continue;
+            };
+            for step in per_comm.values_mut().flatten() {
+                if let Some(n) = marks.step_at(step.end_ns.saturating_sub(1)) {
+                    step.step = n;
+                }
+            }
+        }
     }
 
     /// Calls, switches, stacks, marks and intervals held (for tests of
@@ -246,7 +275,21 @@ impl TraceSteps {
     /// communicator it all-reduced on: pid -> comm hash -> steps.
     pub fn finish(mut self) -> StepCandidates {
         self.flush(u64::MAX);
-        self.tracker.finish()
+        let mut finished = std::mem::take(&mut self.tracker).finish();
+        self.number_marked(&mut finished);
+        finished
+    }
+}
+
+/// The step an mstx range's start or mark names (`message` "step N").
+fn marked_step(event: &EventView<'_>) -> Option<u64> {
+    let function = event.name?.split_whitespace().next()?;
+    if !matches!(function, "mstxRangeStartA" | "mstxMarkA") {
+        return None;
+    }
+    match event.arg("message") {
+        Some(xpuscope_perfetto::rewrite::ArgRef::Str(m)) => step_number(m),
+        _ => None,
     }
 }
 
@@ -370,6 +413,35 @@ mod tests {
             assert_eq!(s.data_wait_ns, 35, "step {k}: asleep 5..40");
             assert_eq!(s.dur_ns, 1_000_000);
         }
+    }
+
+    /// The rank marks each step (`step 300` ..) with an mstx range at its
+    /// start: its steps carry those numbers.
+    #[test]
+    fn marked_steps_keep_the_jobs_numbers() {
+        let mut t = TraceSteps::default();
+        t.follow(42);
+        t.switch(0, 10, 0, 42);
+        for k in 0..6 {
+            let b = 1_000_000 * (k + 1);
+            let message = format!("step {}", 300 + k);
+            let mut start = view(
+                EventKind::Begin,
+                b + 1,
+                vec![("message", ArgRef::Str(&message))],
+            );
+            start.name = Some("mstxRangeStartA step");
+            t.event(42, 42, &start, None);
+            t.event(42, 42, &view(EventKind::End, b + 2, vec![]), None);
+            step(&mut t, k, b);
+        }
+        let steps = t
+            .finish()
+            .remove(&42)
+            .and_then(|mut c| c.remove(&9))
+            .unwrap();
+        let numbers: Vec<u64> = steps.iter().map(|s| s.step).collect();
+        assert_eq!(numbers, vec![301, 302, 303, 304, 305]);
     }
 
     #[test]

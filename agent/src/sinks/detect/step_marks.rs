@@ -79,18 +79,12 @@ struct ProcessMarks {
     /// The step a `step N` mark opened: (step, start).
     marked: Option<(u64, u64)>,
     /// (start, step), in start order.
-    starts: VecDeque<(u64, u64)>,
+    starts: MarkedSteps,
 }
 
 impl ProcessMarks {
     fn began(&mut self, step: u64, ts: u64) {
-        if self.starts.len() >= MAX_STARTS {
-            self.starts.pop_front();
-        }
-        // Records arrive in time order per thread; a step range opened on
-        // another thread may come a little out of order.
-        let at = self.starts.partition_point(|&(s, _)| s <= ts);
-        self.starts.insert(at, (ts, step));
+        self.starts.began(step, ts);
     }
 }
 
@@ -162,13 +156,15 @@ impl StepMarks {
 
     /// Whether process `tgid` marks its steps.
     pub fn marks(&self, tgid: u32) -> bool {
-        self.procs.get(&tgid).is_some_and(|p| !p.starts.is_empty())
+        self.procs
+            .get(&tgid)
+            .is_some_and(|p| !p.starts.0.is_empty())
     }
 
     /// The step process `tgid` was in at `ts` by its markers: the last one
     /// begun at or before `ts` (between steps: the one that just ended).
     pub fn step_at(&self, tgid: u32, ts: u64) -> Option<u64> {
-        step_in(&self.procs.get(&tgid)?.starts, ts)
+        self.procs.get(&tgid)?.starts.step_at(ts)
     }
 
     pub fn forget(&mut self, tgid: u32) {
@@ -178,12 +174,10 @@ impl StepMarks {
     /// Forgets process `tgid`, handing over its steps' starts (for a step
     /// table made after it ended).
     pub fn take(&mut self, tgid: u32) -> MarkedSteps {
-        MarkedSteps(
-            self.procs
-                .remove(&tgid)
-                .map(|p| p.starts)
-                .unwrap_or_default(),
-        )
+        self.procs
+            .remove(&tgid)
+            .map(|p| p.starts)
+            .unwrap_or_default()
     }
 
     #[cfg(test)]
@@ -197,15 +191,21 @@ impl StepMarks {
 pub struct MarkedSteps(VecDeque<(u64, u64)>);
 
 impl MarkedSteps {
+    /// Step `step` began at `ts` (the oldest is dropped past
+    /// [`MAX_STARTS`]).
+    pub fn began(&mut self, step: u64, ts: u64) {
+        if self.0.len() >= MAX_STARTS {
+            self.0.pop_front();
+        }
+        let at = self.0.partition_point(|&(s, _)| s <= ts);
+        self.0.insert(at, (ts, step));
+    }
+
     /// As [`StepMarks::step_at`].
     pub fn step_at(&self, ts: u64) -> Option<u64> {
-        step_in(&self.0, ts)
+        let i = self.0.partition_point(|&(s, _)| s <= ts);
+        Some(self.0.get(i.checked_sub(1)?)?.1)
     }
-}
-
-fn step_in(starts: &VecDeque<(u64, u64)>, ts: u64) -> Option<u64> {
-    let i = starts.partition_point(|&(s, _)| s <= ts);
-    Some(starts.get(i.checked_sub(1)?)?.1)
 }
 
 /// The step number a marker's message names, if it names one: a word of
@@ -378,7 +378,7 @@ mod tests {
         }
         let p = &m.procs[&7];
         assert_eq!(p.open.len(), MAX_OPEN);
-        assert_eq!(p.starts.len(), MAX_STARTS);
+        assert_eq!(p.starts.0.len(), MAX_STARTS);
         // An end whose start was dropped ends nothing.
         out.clear();
         m.device_call(
