@@ -387,6 +387,22 @@ fn kernels(rank: u32, op: u64, each: u64, wait: u64, seen: u64) -> Vec<(u64, Rec
     v
 }
 
+/// 12 all-reduces of `ranks` on one communicator, rank 2's device 4x
+/// slower from op 4 on; each op's kernels delivered 150 ms late (after
+/// later steps' calls, as activity records come).
+fn slow_device_job(ranks: &[u32]) -> Vec<(u64, Record)> {
+    let mut records = job(0xd, ranks, 12, 8 * MB, 2 * MS, |_, _| 0);
+    for op in 0..12 {
+        for &r in ranks {
+            let slow = r == 2 && op >= 4;
+            let each = if slow { 8 * MS } else { 2 * MS };
+            let wait = if slow { MS } else { 31 * MS };
+            records.extend(kernels(r, op, each, wait, (op * 100 + 150) * MS + 1));
+        }
+    }
+    records
+}
+
 /// A device 4x slower from op 4 on: its host arrives on time (no
 /// late_arrival), its kernels are 4x longer than its peers', and its peers'
 /// collective kernels wait for it (longer, but not compute). Found as a
@@ -394,17 +410,7 @@ fn kernels(rank: u32, op: u64, each: u64, wait: u64, seen: u64) -> Vec<(u64, Rec
 #[test]
 fn a_slow_device_is_a_slow_rank_from_its_compute_kernels() {
     let ranks = [0, 1, 2, 3];
-    let mut records = job(0xd, &ranks, 12, 8 * MB, 2 * MS, |_, _| 0);
-    for op in 0..12 {
-        for &r in &ranks {
-            let slow = r == 2 && op >= 4;
-            let each = if slow { 8 * MS } else { 2 * MS };
-            let wait = if slow { MS } else { 31 * MS };
-            // Delivered 150 ms late: after later steps' calls.
-            records.extend(kernels(r, op, each, wait, (op * 100 + 150) * MS + 1));
-        }
-    }
-    let f = run(4, DetectConfig::default(), vec![records]);
+    let f = run(4, DetectConfig::default(), vec![slow_device_job(&ranks)]);
     assert_eq!(kinds(&f), vec![FindingKind::SlowRank], "{f:#?}");
     let slow = &f[0];
     assert_eq!(slow.ranks, vec![2]);
@@ -708,16 +714,8 @@ fn a_late_arrival_in_a_marked_step_carries_the_jobs_step_number() {
 #[test]
 fn a_slow_device_in_a_marked_job_is_named_by_the_jobs_steps() {
     let ranks = [0, 1, 2, 3];
-    let mut records = job(0xd, &ranks, 12, 8 * MB, 2 * MS, |_, _| 0);
+    let mut records = slow_device_job(&ranks);
     records.extend(step_ranges(&ranks, 12));
-    for op in 0..12 {
-        for &r in &ranks {
-            let slow = r == 2 && op >= 4;
-            let each = if slow { 8 * MS } else { 2 * MS };
-            let wait = if slow { MS } else { 31 * MS };
-            records.extend(kernels(r, op, each, wait, (op * 100 + 150) * MS + 1));
-        }
-    }
     let f = run(4, DetectConfig::default(), vec![records]);
     assert_eq!(kinds(&f), vec![FindingKind::SlowRank], "{f:#?}");
     // The all-reduce closing the anchor step 5 is in the marked step 105.
