@@ -1400,8 +1400,17 @@ fn a_slow_device_is_a_slow_rank_from_its_activity_records() {
                     .contains("slow rank on the device"),
                 "{flavor} {driver}: {f:#}"
             );
+            // The slow steps' compute against their peers': the first
+            // window can hold the fault's onset only in part (1.87x once in
+            // CI, against 3.3-3.4x for the whole steps after it).
+            let ratios: Vec<f64> = f["evidence"]["ratio"]
+                .as_array()
+                .expect("ratios")
+                .iter()
+                .filter_map(Value::as_f64)
+                .collect();
             assert!(
-                f["evidence"]["ratio"][0].as_f64().is_some_and(|r| r > 2.0),
+                ratios.iter().all(|&r| r >= 1.5) && ratios.iter().any(|&r| r > 2.0),
                 "{flavor} {driver}: {f:#}"
             );
         }
