@@ -6,6 +6,10 @@
 //! It waits when the pipeline is behind (the kernel rings are the buffer and
 //! count what they cannot hold); sinks never hold it up (see `sinks`).
 
+mod floors;
+mod positions;
+
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,6 +23,8 @@ use xpuscope_common::DROP_SLOTS;
 use super::PipelineMsg as Msg;
 use crate::events::{self, Event};
 use crate::kernel::KernelRings;
+use floors::{Floors, ReadEnd, RingRead};
+use positions::RingPositions;
 
 /// Records per batch sent downstream.
 const BATCH: usize = 4096;
@@ -104,12 +110,22 @@ impl Reader {
             unsafe { AsyncFd::register(ring) }
                 .map_err(|e| anyhow::anyhow!("registering a ring buffer with the runtime: {e}"))
         };
+        let positions = |ring: &RingBuf<MapData>| {
+            RingPositions::new(ring.as_fd())
+                .map_err(|e| anyhow::anyhow!("mapping a ring buffer's positions: {e}"))
+        };
+        let positions = [
+            positions(&device)?,
+            positions(&sched)?,
+            positions(&bystander)?,
+        ];
         let mut sched = register(sched)?;
         let mut device = register(device)?;
         let mut bystander = register(bystander)?;
         let mut tick = tokio::time::interval(drain_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut held = Held::default();
+        let mut floors = Floors::default();
         // The pipeline's clock: a tick says every record stamped up to it
         // was handed on (the watermark of the last read), so a sink that
         // waits for a time (a dump that ends "now") has every record
@@ -128,6 +144,8 @@ impl Reader {
                 sched: sched.get_mut(),
                 device: device.get_mut(),
                 bystander: bystander.get_mut(),
+                positions: &positions,
+                floors: &mut floors,
                 notices: notices.as_ref(),
             };
             let Some(watermark) = drain(&mut rings, &mut held, &out, &counters, delay, false).await
@@ -154,6 +172,9 @@ struct Rings<'a> {
     sched: &'a mut RingBuf<MapData>,
     device: &'a mut RingBuf<MapData>,
     bystander: &'a mut RingBuf<MapData>,
+    /// Device, scheduler, bystander (the order of `Held`).
+    positions: &'a [RingPositions; 3],
+    floors: &'a mut Floors,
     notices: Option<&'a mpsc::Sender<LoaderNotice>>,
 }
 
@@ -202,26 +223,15 @@ fn read_ring(
     }
 }
 
-/// How long after a record's timestamp it is surely in its ring: a
-/// program stamps, reserves and commits a record within microseconds and
-/// cannot be preempted meanwhile; a millisecond leaves a wide margin.
-const COMMIT_SLACK_NS: u64 = 1_000_000;
-
 /// The records read but not handed on yet (see [`read_batch`]), per ring
 /// (device, scheduler, bystander: the order ties are broken in), each in
 /// time order.
 pub(crate) type Held = [Vec<Event>; 3];
 
-/// What one read of a ring saw.
-struct RingRead {
-    /// Read to empty.
-    drained: bool,
-    /// The timestamp of the last record read (in ring order), if any.
-    last_ts: Option<u64>,
-}
-
+/// Reads up to a batch from `ring` into `into` (kept in time order).
 fn read_all(
     ring: &mut RingBuf<MapData>,
+    positions: &RingPositions,
     into: &mut Vec<Event>,
     counters: &ReaderCounters,
     notices: Option<&mpsc::Sender<LoaderNotice>>,
@@ -233,59 +243,89 @@ fn read_all(
     let last_ts = (n > 0).then(|| into[into.len() - 1].ts());
     // The held part is sorted already; the new records join it.
     sort_nearly_sorted(into, before.saturating_sub(1));
-    RingRead {
-        drained: n < BATCH,
-        last_ts,
-    }
+    let end = if n == BATCH {
+        ReadEnd::BatchFull
+    } else if positions.unread() {
+        ReadEnd::Blocked
+    } else {
+        ReadEnd::Empty
+    };
+    RingRead { end, last_ts }
 }
 
 /// One batch from the three rings, in time order: every CPU's records
 /// (switches above all: a CPU's track must never go back in time) and a
 /// thread's device calls before its exit, whichever ring they came in.
 ///
-/// Records are held until no ring can still hold an earlier one. `now` is
-/// taken before the rings are read, so every record stamped before
-/// `now - COMMIT_SLACK_NS` was in its ring by then, and a ring read to
-/// empty gave all of them; a ring that had more than a batch can still
-/// give records from just before its last record read (a later record in
-/// a ring was reserved later, so it was stamped at most the slack earlier),
-/// so the watermark also stays below that. Records up to the watermark go
-/// out, sorted by time (stable: on a tie the device ring, then the
-/// scheduler ring, then the bystander ring); `flush` (at the end) sends
-/// everything. Returns the batch, whether a ring had more than a batch,
-/// and the watermark.
+/// Records are held until no ring can still hold an earlier one: up to the
+/// [`Floors`]' watermark (`now` is taken before the rings are read). They
+/// go out sorted by time (stable: on a tie the device ring, then the
+/// scheduler ring, then the bystander ring). At the end (`flush`)
+/// everything goes, once no ring has more to give: a whole batch read, or
+/// (while `flush.settle` lasts) a record being filled.
 fn read_batch(
     rings: &mut Rings,
     held: &mut Held,
     counters: &ReaderCounters,
-    flush: Option<u64>,
-) -> (Vec<Event>, bool, u64) {
+    flush: Option<Flush>,
+) -> BatchRead {
     let now = crate::host::boottime_ns();
     let [device, sched, bystander] = held;
+    let [pos_device, pos_sched, pos_bystander] = rings.positions;
     let reads = [
-        read_all(rings.device, device, counters, None),
-        read_all(rings.sched, sched, counters, rings.notices),
-        read_all(rings.bystander, bystander, counters, None),
+        read_all(rings.device, pos_device, device, counters, None),
+        read_all(rings.sched, pos_sched, sched, counters, rings.notices),
+        read_all(rings.bystander, pos_bystander, bystander, counters, None),
     ];
-    // At the end (`flush`: the stop time), a ring that refills as fast as
-    // it is read (a switch storm) is read until its records are from after
-    // the stop: those belong to no recording.
-    let full = reads
-        .iter()
-        .any(|r| !r.drained && flush.is_none_or(|stop| r.last_ts.is_none_or(|t| t <= stop)));
-    let mut watermark = now.saturating_sub(COMMIT_SLACK_NS);
-    for r in reads.iter().filter(|r| !r.drained) {
-        if let Some(last) = r.last_ts {
-            watermark = watermark.min(last.saturating_sub(COMMIT_SLACK_NS));
-        }
+    for (ring, read) in reads.iter().enumerate() {
+        rings.floors.note(ring, *read, now);
     }
-    let watermark = if flush.is_some() && !full {
+    // At the end, a ring that refills as fast as it is read (a switch
+    // storm) is read until its records are from after the stop: those
+    // belong to no recording.
+    let read_on = reads.iter().any(|r| {
+        r.end == ReadEnd::BatchFull && flush.is_none_or(|f| r.last_ts.is_none_or(|t| t <= f.stop))
+    });
+    let blocked = reads.iter().any(|r| r.end == ReadEnd::Blocked);
+    let settling = flush.is_some_and(|f| f.settle) && blocked;
+    let watermark = if flush.is_some() && !read_on && !settling {
         u64::MAX
     } else {
-        watermark
+        rings.floors.watermark()
     };
-    (release(held, watermark), full, watermark)
+    BatchRead {
+        events: release(held, watermark),
+        read_on,
+        settling,
+        watermark,
+    }
 }
+
+/// The last drain's terms (see [`read_batch`]).
+#[derive(Clone, Copy)]
+struct Flush {
+    /// When the recording stopped.
+    stop: u64,
+    /// Whether to wait for records being filled yet.
+    settle: bool,
+}
+
+/// What [`read_batch`] gives.
+struct BatchRead {
+    /// Records in time order, up to `watermark`.
+    events: Vec<Event>,
+    /// A ring had a whole batch: read again at once.
+    read_on: bool,
+    /// The last drain waits for a record being filled.
+    settling: bool,
+    /// Every record stamped up to it was read.
+    watermark: u64,
+}
+
+/// How long the last drain waits for records still being filled (their
+/// programs finish within microseconds, or the few milliseconds a
+/// hypervisor holds a virtual CPU).
+const FLUSH_SETTLE: Duration = Duration::from_millis(50);
 
 /// The held records stamped at or before `watermark`, in time order
 /// (stable; on a tie, in ring order); the rest stay held. Each ring's
@@ -372,27 +412,36 @@ async fn drain(
     // keep the caller from its stop signal: bounded, unless this is the last
     // drain, which reads what came before the stop (see `read_batch`).
     let stop = flush.then(crate::host::boottime_ns);
+    let settle_until = Instant::now() + FLUSH_SETTLE;
     let mut batches = 0;
     loop {
         batches += 1;
         if stop.is_none() && batches > MAX_BATCHES_PER_DRAIN {
             return Some(None);
         }
-        let (batch, full, watermark) = read_batch(rings, held, counters, stop);
-        if batch.is_empty() {
-            if full {
+        let flush = stop.map(|stop| Flush {
+            stop,
+            settle: Instant::now() < settle_until,
+        });
+        let read = read_batch(rings, held, counters, flush);
+        if read.events.is_empty() {
+            if read.read_on {
                 continue; // all held back: read on
             }
-            return Some(Some(watermark));
+            if read.settling {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                continue;
+            }
+            return Some(Some(read.watermark));
         }
-        if out.send(Msg::Events(batch)).await.is_err() {
+        if out.send(Msg::Events(read.events)).await.is_err() {
             return None;
         }
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
-        if !full {
-            return Some(Some(watermark));
+        if !read.read_on && !read.settling {
+            return Some(Some(read.watermark));
         }
     }
 }
