@@ -30,7 +30,9 @@ use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::python::layout::Layout;
 use xpuscope_probes::python::memory::ProcMem;
 use xpuscope_probes::python::walk::{FrameReader, KnownTypes};
-use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcess, PythonProcesses, interleave};
+use xpuscope_probes::python::{
+    MixedFrame, PyFrame, PythonProcess, PythonProcesses, interleave, step_of,
+};
 use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
 use xpuscope_tests::fixtures;
 
@@ -188,6 +190,16 @@ fn check_interpreter(python: &Path) {
         );
         let functions: Vec<&str> = frames.iter().map(|f| f.function.as_str()).collect();
         assert!(functions.contains(&"train_step"), "{functions:?}");
+        // The step counter: `step`, the argument of train_step (and of the
+        // model's methods), an int in two threads; a bool and a negative
+        // number are not step counts.
+        let step = step_of(&frames).map(|s| (s.name, s.value));
+        let want_step = match who.as_str() {
+            "main" => Some(("step", 7)),
+            "backward" => Some(("step", (1 << 35) + 3)),
+            _ => None,
+        };
+        assert_eq!(step, want_step, "{} thread {who}", python.display());
     }
     let native = report["native_tid"].as_u64().expect("native tid") as u32;
     assert_eq!(

@@ -41,6 +41,18 @@ pub enum EntryMark {
     CStackOwner { owner: u64, cstack: u8 },
 }
 
+/// How an `int` (`PyLongObject`) says its sign and digit count; its
+/// 30-bit digits follow at [`INT_DIGITS`] in every version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IntLayout {
+    /// 3.10, 3.11: `ob_size` is the digit count, negative for a negative
+    /// number.
+    SignedSize,
+    /// 3.12+: `long_value.lv_tag`: the digit count shifted left by 3, the
+    /// sign in the low 2 bits (0 positive, 1 zero, 2 negative).
+    Tagged,
+}
+
 /// Offsets (bytes) of one minor version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
@@ -81,6 +93,16 @@ pub struct Layout {
     /// Bytes of a code object read at once.
     pub code_size: usize,
     pub linetable: LineTableFormat,
+    /// The names of the frame's local variables (and cells), a tuple of
+    /// `str` whose order is the frame's slots': 3.11+
+    /// `co_localsplusnames`, 3.10 `co_varnames`.
+    pub code_local_names: u64,
+    /// Where a frame's local variable slots start: 3.11+ `localsplus`
+    /// (right after the `_PyInterpreterFrame` fields), 3.10 the frame
+    /// object's `f_localsplus`.
+    pub frame_locals: u64,
+    /// How an `int` keeps its sign and size.
+    pub int_layout: IntLayout,
     /// Size of `PyASCIIObject` (compact ASCII data follows it).
     pub ascii_header: u64,
     /// Size of `PyCompactUnicodeObject` (other compact data follows it).
@@ -90,6 +112,13 @@ pub struct Layout {
 /// `PyVarObject.ob_size` and `PyBytesObject.ob_sval`, the same in 3.10-3.13.
 pub const BYTES_SIZE: u64 = 16;
 pub const BYTES_DATA: u64 = 32;
+/// `PyTupleObject`: `ob_size`, then the items.
+pub const TUPLE_SIZE: u64 = 16;
+pub const TUPLE_ITEMS: u64 = 24;
+/// `PyLongObject`: `ob_size` (3.10, 3.11) or `lv_tag` (3.12+), then the
+/// digits.
+pub const INT_SIZE: u64 = 16;
+pub const INT_DIGITS: u64 = 24;
 /// `PyASCIIObject.length` and `.state`.
 pub const UNICODE_LENGTH: u64 = 16;
 pub const UNICODE_STATE: u64 = 32;
@@ -138,6 +167,9 @@ pub const PY310: Layout = Layout {
     code_instructions: None,
     code_size: 128,
     linetable: LineTableFormat::Pairs310,
+    code_local_names: 72,
+    frame_locals: 352,
+    int_layout: IntLayout::SignedSize,
     ascii_header: 48,
     compact_header: 72,
 };
@@ -168,6 +200,9 @@ pub const PY311: Layout = Layout {
     code_instructions: Some(184),
     code_size: 144,
     linetable: LineTableFormat::Locations311,
+    code_local_names: 96,
+    frame_locals: 72,
+    int_layout: IntLayout::SignedSize,
     ascii_header: 48,
     compact_header: 72,
 };
@@ -201,6 +236,9 @@ pub const PY312: Layout = Layout {
     code_instructions: Some(192),
     code_size: 144,
     linetable: LineTableFormat::Locations311,
+    code_local_names: 96,
+    frame_locals: 72,
+    int_layout: IntLayout::Tagged,
     ascii_header: 40,
     compact_header: 56,
 };
@@ -233,6 +271,9 @@ pub const PY313: Layout = Layout {
     code_instructions: Some(0xc8),
     code_size: 0x90,
     linetable: LineTableFormat::Locations311,
+    code_local_names: 96,
+    frame_locals: 72,
+    int_layout: IntLayout::Tagged,
     ascii_header: 40,
     compact_header: 56,
 };

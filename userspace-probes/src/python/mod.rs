@@ -61,6 +61,33 @@ pub struct PyFrame {
     /// The first frame of its `_PyEval_EvalFrameDefault` call (its caller
     /// is native code): where a run of Python frames ends in a mixed stack.
     pub entry: bool,
+    /// The frame's step counter: a local of [`STEP_LOCALS`] holding a
+    /// non-negative `int` (the training loop's `for step in ...`).
+    pub step: Option<StepLocal>,
+}
+
+/// Local variable names a training loop counts its steps in, preferred
+/// first when a function has several.
+pub const STEP_LOCALS: [&str; 6] = [
+    "global_step",
+    "step",
+    "iteration",
+    "step_idx",
+    "train_step",
+    "iter_num",
+];
+
+/// A frame's step counter and its value when the frames were read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepLocal {
+    pub name: &'static str,
+    pub value: u64,
+}
+
+/// The step counter of a stack (innermost first): the outermost frame's
+/// that has one (the training loop, not a helper's own `step`).
+pub fn step_of(frames: &[PyFrame]) -> Option<StepLocal> {
+    frames.iter().rev().find_map(|f| f.step)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -366,6 +393,8 @@ fn symbols_of(maps: &ProcessMaps, root: &Path, path: &str) -> Option<Found> {
             "PyCode_Type" => types.code = Some(addr),
             "PyUnicode_Type" => types.unicode = Some(addr),
             "PyBytes_Type" => types.bytes = Some(addr),
+            "PyLong_Type" => types.int = Some(addr),
+            "PyTuple_Type" => types.tuple = Some(addr),
             _ => {}
         }
     }
@@ -396,6 +425,7 @@ mod tests {
             file: "f.py".into(),
             line: Some(1),
             entry,
+            step: None,
         }
     }
 

@@ -9,12 +9,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::layout::{
-    BYTES_DATA, BYTES_SIZE, EntryMark, FrameRoot, Layout, PTHREAD_SELF, PTHREAD_TID,
-    UNICODE_LENGTH, UNICODE_STATE,
+    BYTES_DATA, BYTES_SIZE, EntryMark, FrameRoot, INT_DIGITS, INT_SIZE, IntLayout, Layout,
+    PTHREAD_SELF, PTHREAD_TID, TUPLE_ITEMS, TUPLE_SIZE, UNICODE_LENGTH, UNICODE_STATE,
 };
 use super::linetable;
 use super::memory::{Memory, ReadError};
-use super::{PyError, PyFrame};
+use super::{PyError, PyFrame, STEP_LOCALS, StepLocal};
 use crate::bytes::{i32_at, u32_at, u64_at};
 
 /// The deepest Python stack returned (recursion limit is 1,000 by
@@ -27,6 +27,9 @@ const MAX_THREADS: usize = 65_536;
 const MAX_STRING_CHARS: u64 = 4096;
 /// Largest line table read (bytes).
 const MAX_LINETABLE: u64 = 1 << 20;
+/// Local variable names looked through for a step counter: the training
+/// loop's own locals come first in its code's names.
+const MAX_LOCAL_NAMES: u64 = 64;
 /// Code objects remembered per process before the cache starts over.
 const MAX_CACHED_CODE: usize = 16_384;
 /// During one stack walk, memory is read by whole pages and kept: the
@@ -47,6 +50,10 @@ pub struct KnownTypes {
     pub code: Option<u64>,
     pub unicode: Option<u64>,
     pub bytes: Option<u64>,
+    /// `PyLong_Type`: a step counter must be an exact `int` (not a `bool`,
+    /// not a subclass).
+    pub int: Option<u64>,
+    pub tuple: Option<u64>,
 }
 
 /// One thread state of the thread list.
@@ -65,6 +72,9 @@ struct CodeInfo {
     file: String,
     firstlineno: i32,
     linetable: Vec<u8>,
+    /// The slot and name of the code's step counter local, if it has one
+    /// (the first of [`STEP_LOCALS`] among its local names).
+    step_local: Option<(u64, &'static str)>,
 }
 
 /// The fields of a code object header that identify what was cached: a
@@ -254,6 +264,7 @@ impl<M: Memory> FrameReader<M> {
             if addr == 0 || out.len() >= MAX_PY_FRAMES {
                 break;
             }
+            let frame_addr = addr;
             let raw = self.read_vec(addr, l.frame_size)?;
             addr = field(&raw, l.frame_previous)?;
             let owner = l.frame_owner.and_then(|o| raw.get(o as usize).copied());
@@ -302,11 +313,20 @@ impl<M: Memory> FrameReader<M> {
                 EntryMark::IsEntryByte(off) => raw.get(off as usize).is_some_and(|&b| b != 0),
                 EntryMark::CStackOwner { .. } => false,
             };
+            let step = match code.step_local {
+                Some((slot, name)) => self
+                    .step_value(frame_addr, slot)
+                    .ok()
+                    .flatten()
+                    .map(|value| StepLocal { name, value }),
+                None => None,
+            };
             out.push(PyFrame {
                 function: code.function.clone(),
                 file: code.file.clone(),
                 line,
                 entry,
+                step,
             });
         }
         Ok(out)
@@ -345,12 +365,82 @@ impl<M: Memory> FrameReader<M> {
             file: self.string(key.filename)?,
             firstlineno,
             linetable: self.bytes(key.linetable)?,
+            // A step counter is extra: names that do not read leave the
+            // frame without one, not the walk without the frame.
+            step_local: field(&raw, l.code_local_names)
+                .and_then(|names| self.step_local(names))
+                .ok()
+                .flatten(),
         });
         if self.code.len() >= MAX_CACHED_CODE {
             self.code.clear();
         }
         self.code.insert(key, info.clone());
         Ok(Some(info))
+    }
+
+    /// The slot of the first of [`STEP_LOCALS`] among a code object's
+    /// local names (the tuple at `names`; its first [`MAX_LOCAL_NAMES`]).
+    fn step_local(&self, names: u64) -> Result<Option<(u64, &'static str)>, PyError> {
+        let head = self.read_vec(names, TUPLE_ITEMS as usize)?;
+        if let Some(ty) = self.types.tuple
+            && field(&head, 8)? != ty
+        {
+            return Err(PyError::Malformed("local names that are not a tuple"));
+        }
+        let n = field(&head, TUPLE_SIZE)?.min(MAX_LOCAL_NAMES);
+        let items = self.read_vec(add(names, TUPLE_ITEMS)?, (n * 8) as usize)?;
+        let mut best: Option<(usize, u64)> = None;
+        for slot in 0..n {
+            let name = self.string(field(&items, slot * 8)?)?;
+            if let Some(rank) = STEP_LOCALS.iter().position(|w| *w == name)
+                && best.is_none_or(|(r, _)| rank < r)
+            {
+                best = Some((rank, slot));
+            }
+        }
+        Ok(best.map(|(rank, slot)| (slot, STEP_LOCALS[rank])))
+    }
+
+    /// The value of the frame's local in `slot` when it is a non-negative
+    /// `int` below 2^60 (two digits); `None` for anything else (unset, a
+    /// cell, another type).
+    fn step_value(&self, frame: u64, slot: u64) -> Result<Option<u64>, PyError> {
+        let l = self.layout;
+        let at = add(add(frame, l.frame_locals)?, slot * 8)?;
+        let obj = self.read_u64(at)?;
+        if obj == 0 {
+            return Ok(None);
+        }
+        let head = self.read_vec(obj, (INT_DIGITS + 8) as usize)?;
+        match self.types.int {
+            Some(ty) if field(&head, 8)? != ty => return Ok(None),
+            _ => {}
+        }
+        let size = field(&head, INT_SIZE)?;
+        let digits = match l.int_layout {
+            IntLayout::SignedSize => {
+                let size = size as i64;
+                if size < 0 {
+                    return Ok(None);
+                }
+                size as u64
+            }
+            IntLayout::Tagged => match size & 3 {
+                0 => size >> 3,
+                1 => 0,
+                _ => return Ok(None),
+            },
+        };
+        let digit = |i: usize| {
+            u32_at(&head, INT_DIGITS as usize + 4 * i).map(|d| u64::from(d & ((1 << 30) - 1)))
+        };
+        Ok(match digits {
+            0 => Some(0),
+            1 => digit(0),
+            2 => Some(digit(0).unwrap_or(0) | digit(1).unwrap_or(0) << 30),
+            _ => None,
+        })
     }
 
     /// A `str` object's text (compact strings: every string a code object
