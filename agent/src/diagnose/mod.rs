@@ -34,13 +34,15 @@ use crate::merge::collectives::{collective, sync_stream};
 use crate::model::finding::FindingsDoc;
 use crate::model::{
     DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, InFlightSnapshot,
-    LiveSiteRow, OpenCall, RankIdentity, Record, Site, StreamTrack, ThreadNow, WorkKind,
+    LiveSiteRow, OpenCall, RankIdentity, Record, Site, StepSeen, StreamTrack, ThreadNow, WorkKind,
 };
 use crate::sinks::detect::{DetectConfig, Detectors};
 use crate::sinks::perfetto::{
-    ENQUEUED_EVENT, PREEMPTED_BY_EVENT, PROCESS_EXIT_EVENT, WORK_KIND_ARG, work_kind_of,
+    ENQUEUED_EVENT, PREEMPTED_BY_EVENT, PROCESS_EXIT_EVENT, PYTHON_STEP_EVENT, WORK_KIND_ARG,
+    work_kind_of,
 };
 use offcpu::MainThreadSwitches;
+use xpuscope_probes::python::STEP_LOCALS;
 
 mod offcpu;
 
@@ -318,6 +320,10 @@ fn read_trace(
             continue;
         }
         let (tgid, tid) = (job_pid(index, pid), job_pid(index, tid));
+        if let Some(seen) = step_seen(&event, tgid, tid) {
+            out.push((event.ts, Record::StepSeen(seen)));
+            continue;
+        }
         // Where an API record says this call enqueued device work: the
         // flow to that work starts here.
         if event.kind == EventKind::Begin
@@ -409,6 +415,28 @@ fn read_trace(
         }
     }
     Ok(last)
+}
+
+/// A rank's Python step counter, from the Perfetto sink's `python step N`
+/// instant.
+fn step_seen(event: &EventView, tgid: u32, tid: u32) -> Option<StepSeen> {
+    if event.kind != EventKind::Instant || !event.name?.starts_with(PYTHON_STEP_EVENT) {
+        return None;
+    }
+    let step = event.arg("step")?.as_u64()?;
+    // The sink writes one of the known names; anything else reads as the
+    // plain `step`.
+    let local = match event.arg("local") {
+        Some(ArgRef::Str(l)) => STEP_LOCALS.iter().copied().find(|w| *w == l),
+        _ => None,
+    };
+    Some(StepSeen {
+        tgid,
+        tid,
+        ts: event.ts,
+        local: local.unwrap_or("step"),
+        step,
+    })
 }
 
 /// A stream track's name without its lane (`GPU 0 stream 7 #2`: the

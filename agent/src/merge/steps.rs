@@ -15,6 +15,7 @@ use crate::analysis::steps::{CallKind, OffCpuKind, SLEEPING, StepTracker, in_dat
 
 use super::collectives::{Observed, sync_stream};
 use crate::sinks::detect::step_marks::{MarkedSteps, step_number};
+use crate::sinks::perfetto::PYTHON_STEP_EVENT;
 
 /// Marks a rank keeps before its finished steps are computed (as
 /// `agent attach` does): bounds the tracker's memory.
@@ -124,7 +125,13 @@ impl TraceSteps {
             && self.threads.contains_key(&pid)
             && let Some(step) = marked_step(event)
         {
-            self.marks.entry(pid).or_default().began(step, event.ts);
+            self.marks.entry(pid).or_default().marker(step, event.ts);
+        }
+        if event.kind == EventKind::Instant
+            && self.threads.contains_key(&pid)
+            && let Some(step) = python_step(event)
+        {
+            self.marks.entry(pid).or_default().counter(step, event.ts);
         }
         if pid != tid {
             return;
@@ -291,6 +298,15 @@ fn marked_step(event: &EventView<'_>) -> Option<u64> {
         Some(xpuscope_perfetto::rewrite::ArgRef::Str(m)) => step_number(m),
         _ => None,
     }
+}
+
+/// The step a rank's Python step counter showed (the `python step N`
+/// instant the agent writes where it first saw N).
+fn python_step(event: &EventView<'_>) -> Option<u64> {
+    if !event.name?.starts_with(PYTHON_STEP_EVENT) {
+        return None;
+    }
+    event.arg("step")?.as_u64()
 }
 
 /// Whether a call enqueued device work, by the arguments the agent gives

@@ -50,6 +50,20 @@ impl Field {
     }
 }
 
+/// A rank's step counter as its Python frames showed it, when it first
+/// showed a new value: the training loop's `step` (or `global_step`, ...;
+/// `xpuscope_probes::python::STEP_LOCALS`) read off a thread's frames
+/// with an off-CPU stack taken at `ts`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepSeen {
+    pub tgid: u32,
+    pub tid: u32,
+    pub ts: u64,
+    /// The local's name.
+    pub local: &'static str,
+    pub step: u64,
+}
+
 /// Who took the CPU from a thread that was still runnable.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Preemptor {
@@ -163,6 +177,8 @@ pub enum Record {
     /// A traced process's dynamic loader changed its link map (start-up,
     /// `dlopen`, `dlclose`): the supervisor has rescanned its maps.
     LinkMapChanged(LinkMap),
+    /// A rank's Python step counter showed a new value.
+    StepSeen(StepSeen),
     /// Events were lost on these CPUs; `total` lost so far.
     Drops {
         ts: u64,
@@ -179,7 +195,7 @@ pub enum Record {
 
 impl Record {
     /// Number of kinds ([`Record::kind_index`] is below it).
-    pub const KINDS: usize = 20;
+    pub const KINDS: usize = 21;
     /// The kinds' short names, by [`Record::kind_index`].
     pub const KIND_NAMES: [&'static str; Record::KINDS] = [
         "initial_processes",
@@ -202,6 +218,7 @@ impl Record {
         "in_flight",
         "finding",
         "link_map_changed",
+        "step_seen",
     ];
 
     /// A dense index per kind (counting per kind without a map lookup).
@@ -227,6 +244,7 @@ impl Record {
             Record::InFlight(_) => 17,
             Record::Finding(_) => 18,
             Record::LinkMapChanged(_) => 19,
+            Record::StepSeen(_) => 20,
         }
     }
 

@@ -19,7 +19,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use xpuscope_probes::python::{MixedFrame, PyFrame, PythonProcesses, interleave};
+use xpuscope_probes::python::{
+    MixedFrame, PyFrame, PythonProcesses, StepLocal, interleave, step_of,
+};
 
 use crate::model::SymFrame;
 
@@ -30,8 +32,8 @@ use crate::model::stack::PYTHON_MODULE_PREFIX;
 pub enum PyOutcome {
     /// Not a Python process, or a thread without Python frames.
     Native,
-    /// Python frames were interleaved.
-    Mixed,
+    /// Python frames were interleaved; the step counter they showed.
+    Mixed(Option<StepLocal>),
     /// The frames could not be read (the native stack stands).
     Failed,
 }
@@ -85,6 +87,7 @@ impl PythonStacks {
         };
         // A return address points after the call: the frame is the byte
         // before it (an eval function ending in a call would else miss).
+        let step = step_of(&py);
         let mixed = interleave(native, &py, |a| proc.is_eval_frame(a.saturating_sub(1)));
         let by_addr: Vec<(u64, SymFrame)> = native.iter().copied().zip(frames).collect();
         let mut next = 0;
@@ -103,7 +106,7 @@ impl PythonStacks {
                 MixedFrame::Python(f) => python_frame(&f),
             })
             .collect();
-        (out, PyOutcome::Mixed)
+        (out, PyOutcome::Mixed(step))
     }
 
     /// Thread `tid`'s Python frames as they are now, innermost first.

@@ -21,7 +21,7 @@ use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch,
 use crate::kernel::probes::TableUpdate;
 use crate::model::{
     InFlightSnapshot, MainThreadNow, OpenCall, Preemption, Preemptor, ProcessStart, Record, Stack,
-    SymFrame, ThreadNow,
+    StepSeen, SymFrame, ThreadNow,
 };
 use crate::pipeline::enrich::Enrich;
 use crate::pipeline::enrich::python::PyOutcome;
@@ -30,6 +30,7 @@ use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
 use device::DeviceInterpreter;
 use offcpu::OffCpuTracker;
 use xpuscope_probes::decode::table::ProbeTarget;
+use xpuscope_probes::python::StepLocal;
 
 /// What interpretation counted that no record carries (the rest of the
 /// summary is counted from the records themselves).
@@ -152,6 +153,8 @@ pub struct Interpreter {
     /// The last in-flight snapshot had calls (one more, empty, says they
     /// all returned).
     in_flight_shown: bool,
+    /// The last Python step counter value seen per process.
+    steps_seen: FxHashMap<u32, u64>,
     pub counters: InterpretCounters,
 }
 
@@ -207,7 +210,7 @@ impl Interpreter {
             Event::Exec(e) => self.exec(e, en, out),
             Event::Exit(e) => self.exit(e, en, out),
             Event::Rename(r) => self.rename(r, out),
-            Event::Stack(s) => self.stack(&s, en),
+            Event::Stack(s) => self.stack(&s, en, out),
             Event::ProbeEntry(e) => self.device.entry(&e, en, &mut self.counters, out),
             Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
@@ -405,6 +408,7 @@ impl Interpreter {
             // Every earlier record of the process is out: what is cached
             // about it goes (its pid may come back as another process).
             en.process_ended(e.tgid);
+            self.steps_seen.remove(&e.tgid);
         }
         out.push(Record::Exit {
             exit: e,
@@ -417,7 +421,7 @@ impl Interpreter {
         out.push(Record::Rename(r));
     }
 
-    fn stack(&mut self, s: &StackCapture, en: &mut dyn Enrich) {
+    fn stack(&mut self, s: &StackCapture, en: &mut dyn Enrich, out: &mut Vec<Record>) {
         self.counters.stacks += 1;
         if s.kernel.is_err() || s.user.is_err() {
             self.counters.stack_errors += 1;
@@ -437,7 +441,12 @@ impl Interpreter {
             Ok(u) => {
                 let (frames, py) = en.thread_user_frames(s.tgid, s.tid, &u.addrs);
                 match py {
-                    PyOutcome::Mixed => self.counters.python_stacks += 1,
+                    PyOutcome::Mixed(step) => {
+                        self.counters.python_stacks += 1;
+                        if let Some(step) = step {
+                            self.step_seen(s, step, out);
+                        }
+                    }
                     PyOutcome::Failed => self.counters.python_stack_errors += 1,
                     PyOutcome::Native => {}
                 }
@@ -452,6 +461,22 @@ impl Interpreter {
         {
             self.counters.stacks_unmatched += 1;
         }
+    }
+
+    /// A process's Python step counter, passed on when it changes (the
+    /// first stack of each step). Read after the stack was taken, the
+    /// value can be a step ahead where the thread ran on meanwhile.
+    fn step_seen(&mut self, s: &StackCapture, step: StepLocal, out: &mut Vec<Record>) {
+        if self.steps_seen.insert(s.tgid, step.value) == Some(step.value) {
+            return;
+        }
+        out.push(Record::StepSeen(StepSeen {
+            tgid: s.tgid,
+            tid: s.tid,
+            ts: s.ts,
+            local: step.name,
+            step: step.value,
+        }));
     }
 
     /// Decoder output straight into the device interpretation (tests).

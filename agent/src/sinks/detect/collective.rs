@@ -45,7 +45,7 @@ use xpuscope_probes::catalog::{CallKind, Collective, Library};
 use xpuscope_probes::decode::args::CallArgs;
 
 use super::Ranks;
-use super::step_marks::{STEP_SOURCE_ALLREDUCE, STEP_SOURCE_MARKERS};
+use super::step_marks::StepSource;
 use crate::model::device::FlowId;
 use crate::model::finding::comm_name;
 use crate::model::{DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, WorkKind};
@@ -862,11 +862,11 @@ impl CollectiveDetector {
 
 /// Where [`CollectiveDetector::step_of`] takes `tgid`'s steps from.
 pub fn step_source(tgid: u32, ranks: &Ranks) -> &'static str {
-    if ranks.marks.marks(tgid) {
-        STEP_SOURCE_MARKERS
-    } else {
-        STEP_SOURCE_ALLREDUCE
-    }
+    ranks
+        .marks
+        .source(tgid)
+        .unwrap_or(StepSource::AllReduces)
+        .describe()
 }
 
 /// The rank's step at `ts`: all-reduces it entered before, on its

@@ -60,6 +60,8 @@ struct RankCompute {
     /// The step the job's markers were in at each anchor (parallel to
     /// `anchors`), where it marks its steps.
     marked: Vec<Option<u64>>,
+    /// What numbered the marked steps (markers or the Python step counter).
+    marked_source: StepSource,
     base: u64,
     /// Compute ns per step.
     per_step: BTreeMap<u64, u64>,
@@ -161,7 +163,12 @@ impl DeviceComputeDetector {
             return;
         }
         r.anchors.push(call.start_ts);
-        r.marked.push(ranks.marked_step(call.tgid, call.start_ts));
+        // Its return: the rank is in the all-reduce's step then, by a
+        // marker (which encloses the call) or its Python step counter.
+        r.marked.push(ranks.marked_step(call.tgid, c.end_ts()));
+        if let Some(source) = ranks.marks.source(call.tgid) {
+            r.marked_source = source;
+        }
         if r.anchors.len() > MAX_ANCHORS {
             r.anchors.drain(..MAX_ANCHORS / 2);
             r.marked.drain(..MAX_ANCHORS / 2);
@@ -320,7 +327,7 @@ fn finding(r: &RankCompute, key: CommKey, start: u64, pct: u32) -> Finding {
     let marked = r.marked_step(first);
     let first_step = marked.unwrap_or(first);
     let source = if marked.is_some() {
-        StepSource::Markers
+        r.marked_source
     } else {
         StepSource::AllReduces
     };

@@ -11,7 +11,7 @@ use super::dataloader_stall::StallDetector;
 use super::host_contention::ContentionDetector;
 use super::host_steps::{StepClock, Window};
 use super::memory_leak::LeakDetector;
-use super::step_marks::StepMark;
+use super::step_marks::{StepMark, StepSource};
 use crate::analysis::steps::in_data_loader;
 use crate::model::{Finding, Record};
 
@@ -125,6 +125,25 @@ impl HostDetectors {
     }
 
     fn step_ended(&mut self, w: &Window, ranks: &Ranks, out: &mut Vec<Finding>) {
+        // A rank whose Python step counter numbers its steps: the window
+        // the all-reduces bound takes that number.
+        let renamed;
+        let w = match ranks.marks.source(w.tgid) {
+            Some(StepSource::PythonCounter) if w.source == StepSource::AllReduces => {
+                match ranks.marked_step(w.tgid, w.named_at) {
+                    Some(step) => {
+                        renamed = Window {
+                            step,
+                            source: StepSource::PythonCounter,
+                            ..w.clone()
+                        };
+                        &renamed
+                    }
+                    None => w,
+                }
+            }
+            _ => w,
+        };
         let first_new = out.len();
         self.contention.step_ended(w, &self.cfg, ranks, out);
         self.stall.step_ended(w, &self.cfg, ranks, out);

@@ -88,6 +88,10 @@ pub struct Window {
     pub source: StepSource,
     pub start: u64,
     pub end: u64,
+    /// When the closing anchor all-reduce returned (steps from
+    /// all-reduces; else `end`): the rank is surely in the step then, so
+    /// its Python step counter's value then names the window.
+    pub named_at: u64,
     /// In start order; the first is the previous anchor all-reduce (for
     /// steps from all-reduces).
     pub calls: Vec<MainCall>,
@@ -194,6 +198,7 @@ impl StepClock {
                 source: StepSource::AllReduces,
                 start,
                 end: me.start,
+                named_at: me.end,
                 calls,
                 off_cpu,
             }
@@ -240,6 +245,7 @@ impl StepClock {
                     source: StepSource::Markers,
                     start,
                     end,
+                    named_at: end,
                     calls,
                     off_cpu,
                 })

@@ -17,7 +17,7 @@ use super::super::{DetectConfig, Detectors};
 use crate::events::Comm;
 use crate::model::{
     DeviceCallRecord, Finding, FindingKind, OffCpuInterval, Preemptor, Record, Site, Stack,
-    SymFrame,
+    StepSeen, SymFrame,
 };
 
 const MS: u64 = 1_000_000;
@@ -47,6 +47,8 @@ struct Job {
     held: u64,
     /// The job marks each step with an mstx range `step N`, N from this.
     marked_from: Option<u64>,
+    /// The job's Python step counter, seen from this step on (no markers).
+    counted_from: Option<u64>,
     steps: u64,
 }
 
@@ -87,6 +89,7 @@ impl Job {
             records: vec![(0, identity(PID, 0))],
             held: 0,
             marked_from: None,
+            counted_from: None,
             steps: 0,
         }
     }
@@ -188,6 +191,19 @@ impl Job {
         let mut t = b + MS / 10;
         // The data wait: asleep in the loader's queue.
         let wait = s.data_wait.max(MS / 10);
+        if let Some(from) = self.counted_from {
+            // Its off-CPU stack shows the training loop's `step`.
+            self.records.push((
+                t,
+                Record::StepSeen(StepSeen {
+                    tgid: PID,
+                    tid: PID,
+                    ts: t,
+                    local: "step",
+                    step: from + self.steps - 1,
+                }),
+            ));
+        }
         let stack = s.loader_stack.then(|| {
             Arc::new(Stack {
                 kernel: vec![frame("futex_wait")],
@@ -552,6 +568,42 @@ fn thresholds_come_from_the_config() {
             (FindingKind::MemoryLeak, Some(6))
         ]
     );
+}
+
+/// A Python rank without markers: its training loop's `step` (read off
+/// its stacks, first at each step's data wait) numbers the steps the
+/// all-reduces bound, and the findings say so.
+#[test]
+fn a_python_step_counter_numbers_the_findings_as_the_job_does() {
+    let mut job = Job::new();
+    job.counted_from = Some(500);
+    job.steps(30, |k| StepShape {
+        data_wait: if k == 12 { 300 * MS } else { MS / 2 },
+        loader_stack: k == 12,
+        leak: if k >= 3 { 16 << 20 } else { 0 },
+        ..StepShape::default()
+    });
+    let found = job.run(DetectConfig::default());
+    let stalls = of_kind(&found, FindingKind::DataloaderStall);
+    assert_eq!(stalls.len(), 1, "{found:#?}");
+    assert_eq!(stalls[0].step, Some(512), "{:#?}", stalls[0]);
+    assert!(
+        stalls[0].summary.contains("at step 512"),
+        "{}",
+        stalls[0].summary
+    );
+    let leaks = of_kind(&found, FindingKind::MemoryLeak);
+    assert_eq!(leaks.len(), 1, "{found:#?}");
+    let from = leaks[0].step.unwrap();
+    assert!((503..=505).contains(&from), "{:#?}", leaks[0]);
+    for f in [stalls[0], leaks[0]] {
+        assert_eq!(
+            f.evidence["step_source"],
+            super::super::step_marks::STEP_SOURCE_PYTHON,
+            "{f:#?}"
+        );
+    }
+    assert_eq!(found.len(), 2, "nothing else: {found:#?}");
 }
 
 /// The job marks its steps (mstx ranges `step 500`, `step 501`, ...: it

@@ -178,6 +178,9 @@ impl Detectors {
             // A new rank of a job that was in trouble: the job restarted.
             self.crash.job_restarted(self.ranks.job_of(*tgid));
         }
+        if let Record::StepSeen(seen) = r {
+            self.ranks.marks.step_seen(seen);
+        }
         if let Record::DeviceCall(c) = r {
             self.marks.clear();
             self.ranks.marks.device_call(c, &mut self.marks);

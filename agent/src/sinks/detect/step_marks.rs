@@ -14,6 +14,14 @@
 //! step range (the training thread does); ranges nest with others freely.
 //! A mark `step N` starts step N and ends the previous marked step.
 //!
+//! Python ranks without markers number their steps by their Python step
+//! counter ([`StepSeen`]: the training loop's `step`, `global_step`, ...
+//! read off the frames of the rank's off-CPU stacks): a step starts where
+//! a new value is first seen. That dates steps to the first wait of each
+//! (a rank waits in every step: for its data, its device, its peers), so
+//! it numbers what the all-reduces bound; markers, where a rank has both,
+//! win (they bound steps exactly).
+//!
 //! Memory: per process, the open step ranges (at most [`MAX_OPEN`]) and
 //! the starts of its last [`MAX_STARTS`] steps (to date a finding at a
 //! time); forgotten when the process exits.
@@ -23,7 +31,7 @@ use std::collections::{HashMap, VecDeque};
 use xpuscope_probes::catalog::CallKind;
 use xpuscope_probes::decode::args::CallArgs;
 
-use crate::model::DeviceCallRecord;
+use crate::model::{DeviceCallRecord, StepSeen};
 
 /// Where a finding's step number comes from (evidence `step_source`): the
 /// rank's gradient all-reduces (the n-th on its data-parallel communicator
@@ -31,6 +39,9 @@ use crate::model::DeviceCallRecord;
 pub const STEP_SOURCE_ALLREDUCE: &str = "all-reduces on the rank's data-parallel communicator";
 /// ... or the job's own step markers.
 pub const STEP_SOURCE_MARKERS: &str = "the job's mstx step markers (\"step N\")";
+/// ... or the job's own step counter in its Python frames.
+pub const STEP_SOURCE_PYTHON: &str =
+    "the job's Python step counter (its training loop's step, global_step, iteration, ...)";
 
 /// The words a step marker starts with (any case).
 pub const STEP_WORDS: [&str; 5] = ["global_step", "train_step", "iteration", "step", "iter"];
@@ -47,6 +58,7 @@ pub enum StepSource {
     #[default]
     AllReduces,
     Markers,
+    PythonCounter,
 }
 
 impl StepSource {
@@ -54,6 +66,7 @@ impl StepSource {
         match self {
             StepSource::AllReduces => STEP_SOURCE_ALLREDUCE,
             StepSource::Markers => STEP_SOURCE_MARKERS,
+            StepSource::PythonCounter => STEP_SOURCE_PYTHON,
         }
     }
 }
@@ -84,7 +97,7 @@ struct ProcessMarks {
 
 impl ProcessMarks {
     fn began(&mut self, step: u64, ts: u64) {
-        self.starts.began(step, ts);
+        self.starts.marker(step, ts);
     }
 }
 
@@ -154,11 +167,23 @@ impl StepMarks {
         }
     }
 
-    /// Whether process `tgid` marks its steps.
-    pub fn marks(&self, tgid: u32) -> bool {
+    /// A rank's Python step counter showed a new value: its step from
+    /// there on, unless it has markers.
+    pub fn step_seen(&mut self, s: &StepSeen) {
+        self.procs
+            .entry(s.tgid)
+            .or_default()
+            .starts
+            .counter(s.step, s.ts);
+    }
+
+    /// Where process `tgid`'s steps are numbered from, if it numbers them
+    /// itself (markers, or its Python step counter).
+    pub fn source(&self, tgid: u32) -> Option<StepSource> {
         self.procs
             .get(&tgid)
-            .is_some_and(|p| !p.starts.0.is_empty())
+            .filter(|p| !p.starts.starts.is_empty())
+            .map(|p| p.starts.source)
     }
 
     /// The step process `tgid` was in at `ts` by its markers: the last one
@@ -188,23 +213,52 @@ impl StepMarks {
 
 /// One process's marked steps' starts, kept past its exit.
 #[derive(Clone, Debug, Default)]
-pub struct MarkedSteps(VecDeque<(u64, u64)>);
+pub struct MarkedSteps {
+    /// (start, step), in start order.
+    starts: VecDeque<(u64, u64)>,
+    source: StepSource,
+}
 
 impl MarkedSteps {
+    /// What numbered them (markers or the Python step counter).
+    pub fn source(&self) -> StepSource {
+        self.source
+    }
+
+    /// A marker began step `step` at `ts`. Markers replace what the
+    /// Python step counter numbered (they bound steps exactly).
+    pub fn marker(&mut self, step: u64, ts: u64) {
+        if self.source != StepSource::Markers {
+            self.starts.clear();
+            self.source = StepSource::Markers;
+        }
+        self.began(step, ts);
+    }
+
+    /// The Python step counter first showed `step` at `ts` (ignored where
+    /// markers number the steps).
+    pub fn counter(&mut self, step: u64, ts: u64) {
+        if self.source == StepSource::Markers {
+            return;
+        }
+        self.source = StepSource::PythonCounter;
+        self.began(step, ts);
+    }
+
     /// Step `step` began at `ts` (the oldest is dropped past
     /// [`MAX_STARTS`]).
-    pub fn began(&mut self, step: u64, ts: u64) {
-        if self.0.len() >= MAX_STARTS {
-            self.0.pop_front();
+    fn began(&mut self, step: u64, ts: u64) {
+        if self.starts.len() >= MAX_STARTS {
+            self.starts.pop_front();
         }
-        let at = self.0.partition_point(|&(s, _)| s <= ts);
-        self.0.insert(at, (ts, step));
+        let at = self.starts.partition_point(|&(s, _)| s <= ts);
+        self.starts.insert(at, (ts, step));
     }
 
     /// As [`StepMarks::step_at`].
     pub fn step_at(&self, ts: u64) -> Option<u64> {
-        let i = self.0.partition_point(|&(s, _)| s <= ts);
-        Some(self.0.get(i.checked_sub(1)?)?.1)
+        let i = self.starts.partition_point(|&(s, _)| s <= ts);
+        Some(self.starts.get(i.checked_sub(1)?)?.1)
     }
 }
 
@@ -319,7 +373,8 @@ mod tests {
                 },
             ]
         );
-        assert!(m.marks(7) && !m.marks(8));
+        assert_eq!(m.source(7), Some(StepSource::Markers));
+        assert_eq!(m.source(8), None);
         assert_eq!(m.step_at(7, 99), None);
         assert_eq!(m.step_at(7, 100), Some(41));
         assert_eq!(
@@ -363,6 +418,47 @@ mod tests {
         assert!(m.forgot(7) && m.step_at(7, 500).is_none());
     }
 
+    fn seen(tgid: u32, step: u64, ts: u64) -> StepSeen {
+        StepSeen {
+            tgid,
+            tid: tgid,
+            ts,
+            local: "step",
+            step,
+        }
+    }
+
+    /// A Python rank's step counter numbers its steps from where each
+    /// value was first seen; a repeat (an epoch's counter starting over)
+    /// is a new start; markers, once a rank has them, win for good.
+    #[test]
+    fn the_python_step_counter_numbers_steps_until_markers_come() {
+        let mut m = StepMarks::default();
+        assert_eq!(m.source(7), None);
+        for (step, ts) in [(120, 1_000), (121, 2_000), (0, 3_000)] {
+            m.step_seen(&seen(7, step, ts));
+        }
+        assert_eq!(m.source(7), Some(StepSource::PythonCounter));
+        assert_eq!(m.step_at(7, 999), None, "before the first value seen");
+        assert_eq!(m.step_at(7, 1_500), Some(120));
+        assert_eq!(m.step_at(7, 2_999), Some(121));
+        assert_eq!(m.step_at(7, 3_000), Some(0), "the counter started over");
+        // Markers replace the counter's numbering...
+        let mut out = Vec::new();
+        m.device_call(
+            &marker(CallKind::Mark, Some("step 500"), None, 4_000),
+            &mut out,
+        );
+        assert_eq!(m.source(7), Some(StepSource::Markers));
+        assert_eq!(m.step_at(7, 3_500), None, "the counter's starts are gone");
+        // ...and the counter no longer counts.
+        m.step_seen(&seen(7, 9, 5_000));
+        assert_eq!(m.step_at(7, 6_000), Some(500));
+        let taken = m.take(7);
+        assert_eq!(taken.source(), StepSource::Markers);
+        assert!(m.forgot(7));
+    }
+
     #[test]
     fn unended_ranges_and_history_are_bounded() {
         let mut m = StepMarks::default();
@@ -378,7 +474,7 @@ mod tests {
         }
         let p = &m.procs[&7];
         assert_eq!(p.open.len(), MAX_OPEN);
-        assert_eq!(p.starts.0.len(), MAX_STARTS);
+        assert_eq!(p.starts.starts.len(), MAX_STARTS);
         // An end whose start was dropped ends nothing.
         out.clear();
         m.device_call(

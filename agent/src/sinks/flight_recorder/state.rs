@@ -38,6 +38,7 @@ pub fn span(r: &Record) -> Option<(u64, u64)> {
         Record::InFlight(s) => at(s.ts),
         Record::Finding(f) => Some((f.start_ns.min(f.detected_ns), f.detected_ns)),
         Record::LinkMapChanged(l) => at(l.ts),
+        Record::StepSeen(s) => at(s.ts),
     }
 }
 
@@ -59,6 +60,7 @@ pub fn owner(r: &Record) -> Option<u32> {
         Record::MemoryHeld(m) => Some(m.tgid),
         Record::InFlightAtEnd(c) => Some(c.tgid),
         Record::LinkMapChanged(l) => Some(l.tgid),
+        Record::StepSeen(s) => Some(s.tgid),
         Record::InitialProcesses { .. }
         | Record::Switch { .. }
         | Record::Waking(_)
@@ -222,7 +224,8 @@ pub fn heap_bytes(r: &Record) -> usize {
         | Record::Preempted(_)
         | Record::Enqueued(_)
         | Record::InFlightAtEnd(_)
-        | Record::LinkMapChanged(_) => 0,
+        | Record::LinkMapChanged(_)
+        | Record::StepSeen(_) => 0,
     }
 }
 

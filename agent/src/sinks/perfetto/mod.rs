@@ -38,7 +38,9 @@ use xpuscope_perfetto::{
 
 use super::{Sink, SinkCounters};
 use crate::events::{Exec, Exit, Fork, Rename, Switch, Waking};
-use crate::model::{Field, FieldValue, OffCpuInterval, Preemption, ProcessStart, Record, SymFrame};
+use crate::model::{
+    Field, FieldValue, OffCpuInterval, Preemption, ProcessStart, Record, StepSeen, SymFrame,
+};
 use crate::procfs::ProcessEntry;
 
 const CLONE_THREAD_FLAGS: u64 = 0x0001_0000 | 0x0000_0100 | 0x0000_0800; // THREAD|VM|SIGHAND
@@ -50,6 +52,10 @@ pub const PROCESS_EXIT_EVENT: &str = "process exited";
 /// The name of the instant marking a preemption by an outsider (followed
 /// by its comm); `agent diagnose` reads it back with its `by_pid`.
 pub const PREEMPTED_BY_EVENT: &str = "preempted by ";
+/// An instant on a rank's thread where its Python step counter first
+/// showed a value: `python step 120` (args `step`, `local`). `agent
+/// diagnose` and `agent merge` number steps by it.
+pub const PYTHON_STEP_EVENT: &str = "python step ";
 
 /// What the Perfetto sink hands back.
 pub struct Written<W> {
@@ -169,6 +175,7 @@ impl<W: Write> PerfettoSink<W> {
             // Counted in the summary; the calls it let the agent probe
             // early are what the trace shows.
             Record::LinkMapChanged(_) => {}
+            Record::StepSeen(s) => self.step_seen(s)?,
         }
         Ok(())
     }
@@ -349,6 +356,22 @@ impl<W: Write> PerfettoSink<W> {
             track,
             p.ts,
             &format!("{PREEMPTED_BY_EVENT}{}", by.comm.as_str()),
+            &args,
+            None,
+        )?;
+        Ok(())
+    }
+
+    fn step_seen(&mut self, s: &StepSeen) -> Result<()> {
+        let track = self.thread_track(s.tid, s.tgid)?;
+        let args = [
+            Arg::new("step", ArgValue::Uint(s.step)),
+            Arg::new("local", ArgValue::Str(s.local.to_string())),
+        ];
+        self.writer.instant(
+            track,
+            s.ts,
+            &format!("{PYTHON_STEP_EVENT}{}", s.step),
             &args,
             None,
         )?;

@@ -78,6 +78,9 @@ impl RecordSteps {
             }
             Record::DeviceCall(c) if c.unmatched.is_none() => self.call(c),
             Record::OffCpu(i) => self.off_cpu(i),
+            Record::StepSeen(seen) if self.ranks.contains_key(&seen.tgid) => {
+                self.marks.step_seen(seen)
+            }
             Record::Exit {
                 exit,
                 process_ended: true,
@@ -187,7 +190,7 @@ impl RecordSteps {
                         let source = match marked.step_at(step.end_ns.saturating_sub(1)) {
                             Some(n) => {
                                 step.step = n;
-                                StepSource::Markers
+                                marked.source()
                             }
                             None => StepSource::AllReduces,
                         };
