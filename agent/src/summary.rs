@@ -90,6 +90,7 @@ pub struct RunSummary {
     pub python_stacks: u64,
     pub python_stack_errors: u64,
     pub python_read_us_mean: f64,
+
     pub preemptions: u64,
     pub offcpu_ns: u64,
     pub offcpu_with_stack_ns: u64,

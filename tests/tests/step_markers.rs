@@ -4,7 +4,8 @@
 //! saw those steps' all-reduces, so counting all-reduces would number the
 //! steps from the attach. The findings carry the job's own step numbers,
 //! from the markers, and say so (`step_source`), online and from
-//! `agent diagnose` over the trace.
+//! `agent diagnose` over the trace. Python ranks without markers are
+//! numbered by their training loop's step counter instead.
 //! Root and eBPF; these never skip.
 
 use std::time::Duration;
@@ -28,22 +29,34 @@ const STALL_STEP: u64 = 120;
 /// Steps the job has done before the agent attaches.
 const BEFORE_ATTACH: u64 = 15;
 
+const MARKERS: &str = "the job's mstx step markers (\"step N\")";
+const PYTHON_COUNTER: &str =
+    "the job's Python step counter (its training loop's step, global_step, iteration, ...)";
+
 #[test]
 fn an_attach_in_the_middle_of_a_run_numbers_steps_by_the_jobs_markers() {
-    attach_mid_run("c");
+    attach_mid_run("c", "ascend", MARKERS);
 }
 
 /// The same with the simulator's Python ranks (their markers go through
 /// ctypes, as a PyTorch script's `mstx` calls do).
 #[test]
 fn python_ranks_steps_come_from_their_markers_too() {
-    attach_mid_run("python");
+    attach_mid_run("python", "ascend", MARKERS);
 }
 
-fn attach_mid_run(lang: &str) {
+/// Python ranks without markers (the NVIDIA flavor: NVTX cannot be
+/// probed): their training loop's `for step in range(...)`, read off their
+/// off-CPU stacks, numbers the steps.
+#[test]
+fn python_ranks_without_markers_are_numbered_by_their_step_counter() {
+    attach_mid_run("python", "nvidia", PYTHON_COUNTER);
+}
+
+fn attach_mid_run(lang: &str, flavor: &str, source: &str) {
     let _serial = exclusive();
     wait_for_closers();
-    let dir = TempDir::new(&format!("stepmarks-{lang}"));
+    let dir = TempDir::new(&format!("stepmarks-{lang}-{flavor}"));
     let stall = format!("dataloader_stall:rank=1,step={STALL_STEP},ms=500");
     let job = start_gated_job(
         dir.path(),
@@ -52,7 +65,7 @@ fn attach_mid_run(lang: &str) {
         STEPS,
         &[
             "--flavor",
-            "ascend",
+            flavor,
             "--lang",
             lang,
             "--host-us",
@@ -84,10 +97,7 @@ fn attach_mid_run(lang: &str) {
         .iter()
         .find(|r| r["rank"] == 1 && r["step"] == STALL_STEP)
         .unwrap_or_else(|| panic!("{lang}: no row of rank 1 step {STALL_STEP}: {rows:#?}"));
-    assert_eq!(
-        stalled["step_source"], "the job's mstx step markers (\"step N\")",
-        "{lang}: {stalled:#}"
-    );
+    assert_eq!(stalled["step_source"], source, "{lang}: {stalled:#}");
     assert!(
         stalled["data_wait_ns"].as_u64().unwrap() > 250_000_000,
         "{lang}: {stalled:#}"
@@ -127,7 +137,7 @@ fn attach_mid_run(lang: &str) {
             "{lang} {driver}: {f:#}"
         );
         assert_eq!(
-            f["evidence"]["step_source"], "the job's mstx step markers (\"step N\")",
+            f["evidence"]["step_source"], source,
             "{lang} {driver}: {f:#}"
         );
     }

@@ -52,8 +52,9 @@ impl Field {
 
 /// A rank's step counter as its Python frames showed it, when it first
 /// showed a new value: the training loop's `step` (or `global_step`, ...;
-/// `xpuscope_probes::python::STEP_LOCALS`) read off a thread's frames
-/// with an off-CPU stack taken at `ts`.
+/// `xpuscope_probes::python::STEP_LOCALS`) read off its main thread's
+/// frames at `ts` (as an off-CPU stack was enriched: `ts` is the read's
+/// time, a little after the stack's, which is what the value is true at).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepSeen {
     pub tgid: u32,

@@ -54,6 +54,11 @@ pub trait Enrich {
     fn python_read_ns(&self) -> u64 {
         0
     }
+    /// The time now (CLOCK_BOOTTIME ns): when a read of the live process
+    /// was done.
+    fn clock_ns(&self) -> u64 {
+        crate::host::boottime_ns()
+    }
     /// Thread `tid`'s Python frames now (innermost first), where process
     /// `tgid` is CPython and the thread runs Python: what a thread off CPU
     /// without a stack sampled is doing (hang evidence).

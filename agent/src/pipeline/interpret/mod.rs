@@ -54,6 +54,7 @@ pub struct InterpretCounters {
     pub python_stacks: u64,
     pub python_stack_errors: u64,
     pub python_read_ns: u64,
+
     /// Distinct threads seen.
     pub threads_seen: u64,
     /// Allocating stacks taken, and those the kernel could not take.
@@ -155,6 +156,7 @@ pub struct Interpreter {
     in_flight_shown: bool,
     /// The last Python step counter value seen per process.
     steps_seen: FxHashMap<u32, u64>,
+
     pub counters: InterpretCounters,
 }
 
@@ -444,7 +446,8 @@ impl Interpreter {
                     PyOutcome::Mixed(step) => {
                         self.counters.python_stacks += 1;
                         if let Some(step) = step {
-                            self.step_seen(s, step, out);
+                            let read_at = en.clock_ns();
+                            self.step_seen(s, step, read_at, out);
                         }
                     }
                     PyOutcome::Failed => self.counters.python_stack_errors += 1,
@@ -463,17 +466,26 @@ impl Interpreter {
         }
     }
 
-    /// A process's Python step counter, passed on when it changes (the
-    /// first stack of each step). Read after the stack was taken, the
-    /// value can be a step ahead where the thread ran on meanwhile.
-    fn step_seen(&mut self, s: &StackCapture, step: StepLocal, out: &mut Vec<Record>) {
-        if self.steps_seen.insert(s.tgid, step.value) == Some(step.value) {
+    /// A rank's Python step counter, passed on when it changes. Dated when
+    /// it was read, not when the stack was taken: the pipeline enriches a
+    /// stack milliseconds after its switch-out (and more while it catches
+    /// up), and a thread that ran on meanwhile shows the step it is in at
+    /// the read. Only the main thread's counts (a training loop runs
+    /// there; a data loader's `step` is its own business).
+    fn step_seen(
+        &mut self,
+        s: &StackCapture,
+        step: StepLocal,
+        read_at: u64,
+        out: &mut Vec<Record>,
+    ) {
+        if s.tid != s.tgid || self.steps_seen.insert(s.tgid, step.value) == Some(step.value) {
             return;
         }
         out.push(Record::StepSeen(StepSeen {
             tgid: s.tgid,
             tid: s.tid,
-            ts: s.ts,
+            ts: read_at,
             local: step.name,
             step: step.value,
         }));
