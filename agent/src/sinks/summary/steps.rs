@@ -182,30 +182,58 @@ impl RecordSteps {
             .ended
             .into_iter()
             .flat_map(|(pid, rank, steps, marked)| {
-                rank_steps(steps, dp.get(&rank).copied())
+                number_by_marks(rank_steps(steps, dp.get(&rank).copied()), &marked)
                     .into_iter()
-                    .map(move |mut step| {
-                        // The step's end (its optimizer's sync) is in the
-                        // step the job marked.
-                        let source = match marked.step_at(step.end_ns.saturating_sub(1)) {
-                            Some(n) => {
-                                step.step = n;
-                                marked.source()
-                            }
-                            None => StepSource::AllReduces,
-                        };
-                        RankStep {
-                            rank,
-                            pid,
-                            step,
-                            step_source: source.describe(),
-                        }
+                    .map(move |(step, source)| RankStep {
+                        rank,
+                        pid,
+                        step,
+                        step_source: source.describe(),
                     })
             })
             .collect();
         rows.sort_by_key(|r| (r.rank, r.step.start_ns));
         rows
     }
+}
+
+/// A rank's steps (in order) numbered as the job numbers them where it
+/// does (markers, its Python step counter): each takes the job's step its
+/// end (its optimizer's sync) falls in. Steps before the first such
+/// number (the agent attached, or had not read the counter yet) count
+/// back from it, one per all-reduce; where the job numbers none, the
+/// all-reduce count stands.
+fn number_by_marks(steps: Vec<Step>, marked: &MarkedSteps) -> Vec<(Step, StepSource)> {
+    let numbers: Vec<Option<u64>> = steps
+        .iter()
+        .map(|s| marked.step_at(s.end_ns.saturating_sub(1)))
+        .collect();
+    let first = steps
+        .iter()
+        .zip(&numbers)
+        .find_map(|(s, n)| n.map(|n| n as i64 - s.step as i64));
+    let mut seen_first = false;
+    steps
+        .into_iter()
+        .zip(numbers)
+        .map(|(mut step, n)| {
+            seen_first |= n.is_some();
+            let job = match (n, first) {
+                (Some(n), _) => Some(n),
+                (None, Some(offset)) if !seen_first => {
+                    u64::try_from(step.step as i64 + offset).ok()
+                }
+                _ => None,
+            };
+            match job {
+                Some(n) => {
+                    step.step = n;
+                    (step, marked.source())
+                }
+                None => (step, StepSource::AllReduces),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -484,6 +512,44 @@ mod tests {
                 (1, 2, a),
                 (1, 3, a)
             ]
+        );
+    }
+
+    /// Steps before the first the job numbered count back from it; a rank
+    /// the job numbers nothing of keeps the all-reduce count.
+    #[test]
+    fn steps_before_the_first_numbered_one_count_back_from_it() {
+        let steps: Vec<Step> = (0..6)
+            .map(|k| Step {
+                step: k,
+                start_ns: k * 10 * MS,
+                end_ns: (k + 1) * 10 * MS,
+                ..Step::default()
+            })
+            .collect();
+        let mut marked = MarkedSteps::default();
+        // The counter was first read in the fourth step: 103.
+        marked.counter(103, 32 * MS);
+        marked.counter(104, 41 * MS);
+        marked.counter(105, 52 * MS);
+        let got: Vec<(u64, StepSource)> = number_by_marks(steps.clone(), &marked)
+            .into_iter()
+            .map(|(s, src)| (s.step, src))
+            .collect();
+        let p = StepSource::PythonCounter;
+        assert_eq!(
+            got,
+            vec![(100, p), (101, p), (102, p), (103, p), (104, p), (105, p)]
+        );
+        let plain: Vec<(u64, StepSource)> = number_by_marks(steps, &MarkedSteps::default())
+            .into_iter()
+            .map(|(s, src)| (s.step, src))
+            .collect();
+        assert_eq!(
+            plain,
+            (0..6)
+                .map(|k| (k, StepSource::AllReduces))
+                .collect::<Vec<_>>()
         );
     }
 }
