@@ -10,7 +10,10 @@
 //!   glibc's `struct pthread` on 3.10) and walks its frames (3.11+
 //!   `_PyInterpreterFrame`s, 3.10 frame objects), giving each frame's
 //!   function (`co_qualname`; 3.10 `co_name`), file and current line (from
-//!   the frame's instruction pointer and the code's line table).
+//!   the frame's instruction pointer and the code's line table), and its
+//!   step counter: the value of a local of [`STEP_LOCALS`] holding a
+//!   non-negative `int` ([`step_of`]: the outermost frame's, the training
+//!   loop's).
 //! - [`interleave`] merges them into a native stack at the interpreter's
 //!   evaluation frames ("mixed" stacks).
 //!
