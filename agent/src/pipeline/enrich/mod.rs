@@ -186,6 +186,10 @@ pub mod fake {
         pub cmdlines: HashMap<u32, Vec<String>>,
         /// Processes told to be forgotten.
         pub ended: Vec<u32>,
+        /// Per thread: the step counter its Python frames show.
+        pub python_steps: HashMap<u32, xpuscope_probes::python::StepLocal>,
+        /// The clock's reading ([`Enrich::clock_ns`]).
+        pub now: u64,
     }
 
     fn frame(module: &str, addr: u64) -> SymFrame {
@@ -205,6 +209,21 @@ pub mod fake {
         }
         fn user_frames(&mut self, _tgid: u32, addrs: &[u64]) -> Vec<SymFrame> {
             addrs.iter().map(|a| frame("/bin/app", *a)).collect()
+        }
+        fn thread_user_frames(
+            &mut self,
+            tgid: u32,
+            tid: u32,
+            addrs: &[u64],
+        ) -> (Vec<SymFrame>, PyOutcome) {
+            let frames = self.user_frames(tgid, addrs);
+            match self.python_steps.get(&tid) {
+                Some(step) => (frames, PyOutcome::Mixed(Some(*step))),
+                None => (frames, PyOutcome::Native),
+            }
+        }
+        fn clock_ns(&self) -> u64 {
+            self.now
         }
         fn unwind_user(&mut self, _tgid: u32, _ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
             // A copy's "unwind" in tests: its ip, then the words of its

@@ -510,6 +510,77 @@ impl Interpreter {
 }
 
 #[cfg(test)]
+mod step_seen_tests {
+    use super::*;
+    use crate::pipeline::enrich::fake::FakeEnricher;
+
+    fn stack(ts: u64, tid: u32, tgid: u32) -> Event {
+        Event::Stack(Box::new(StackCapture {
+            cpu: 0,
+            ts,
+            tid,
+            tgid,
+            kernel: Ok(vec![0xffff_ffff_8100_0010]),
+            user: Ok(vec![0x1000]),
+            user_copy: None,
+        }))
+    }
+
+    fn seen(out: &[Record]) -> Vec<(u32, u64, u64)> {
+        out.iter()
+            .filter_map(|r| match r {
+                Record::StepSeen(s) => Some((s.tgid, s.ts, s.step)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The main thread's counter, once per new value, dated by the read;
+    /// another thread's `step` (a data loader's) is not the job's; a pid
+    /// used again starts over.
+    #[test]
+    fn a_new_step_on_the_main_thread_is_passed_on_once_dated_by_its_read() {
+        let mut i = Interpreter::default();
+        let mut en = FakeEnricher::default();
+        let mut out = Vec::new();
+        let at = |value| StepLocal {
+            name: "step",
+            value,
+        };
+        for (ts, tid, value, read) in [
+            (1_000, 100, 7, 5_000),
+            (2_000, 100, 7, 6_000),
+            (3_000, 101, 99, 7_000),
+            (4_000, 100, 8, 9_000),
+        ] {
+            en.python_steps.insert(tid, at(value));
+            en.now = read;
+            i.event(stack(ts, tid, 100), &mut en, &mut out);
+        }
+        assert_eq!(seen(&out), vec![(100, 5_000, 7), (100, 9_000, 8)]);
+        out.clear();
+        i.event(
+            Event::Exit(Exit {
+                cpu: 0,
+                ts: 10_000,
+                tid: 100,
+                tgid: 100,
+                prio: 120,
+                comm: Comm::from_str_lossy("python3"),
+                group_dead: true,
+                group_known: true,
+                exit_code: Some(0),
+            }),
+            &mut en,
+            &mut out,
+        );
+        en.now = 12_000;
+        i.event(stack(11_000, 100, 100), &mut en, &mut out);
+        assert_eq!(seen(&out), vec![(100, 12_000, 8)], "a new process");
+    }
+}
+
+#[cfg(test)]
 mod user_stack_tests {
     use super::*;
     use crate::pipeline::enrich::fake::FakeEnricher;
