@@ -570,79 +570,57 @@ fn thresholds_come_from_the_config() {
     );
 }
 
+/// A job numbered from step 500 (attached to in the middle of its run),
+/// a stall at its 13th step and a leak from its 4th: the findings carry
+/// the job's own numbers (the all-reduce count would say 12 and 3) and say
+/// where they come from. Returns the stall.
+fn numbered_from_500(mut job: Job, source: &str) -> Finding {
+    job.steps(30, |k| StepShape {
+        data_wait: if k == 12 { 300 * MS } else { MS / 2 },
+        loader_stack: k == 12,
+        leak: if k >= 3 { 16 << 20 } else { 0 },
+        ..StepShape::default()
+    });
+    let found = job.run(DetectConfig::default());
+    let stalls = of_kind(&found, FindingKind::DataloaderStall);
+    assert_eq!(stalls.len(), 1, "{found:#?}");
+    assert_eq!(stalls[0].step, Some(512), "{:#?}", stalls[0]);
+    assert!(
+        stalls[0].summary.contains("at step 512"),
+        "{}",
+        stalls[0].summary
+    );
+    let leaks = of_kind(&found, FindingKind::MemoryLeak);
+    assert_eq!(leaks.len(), 1, "{found:#?}");
+    let from = leaks[0].step.unwrap();
+    assert!((503..=505).contains(&from), "{:#?}", leaks[0]);
+    for f in [stalls[0], leaks[0]] {
+        assert_eq!(f.evidence["step_source"], source, "{f:#?}");
+    }
+    assert_eq!(found.len(), 2, "nothing else: {found:#?}");
+    stalls[0].clone()
+}
+
 /// A Python rank without markers: its training loop's `step` (read off
 /// its stacks, first at each step's data wait) numbers the steps the
-/// all-reduces bound, and the findings say so.
+/// all-reduces bound.
 #[test]
 fn a_python_step_counter_numbers_the_findings_as_the_job_does() {
     let mut job = Job::new();
     job.counted_from = Some(500);
-    job.steps(30, |k| StepShape {
-        data_wait: if k == 12 { 300 * MS } else { MS / 2 },
-        loader_stack: k == 12,
-        leak: if k >= 3 { 16 << 20 } else { 0 },
-        ..StepShape::default()
-    });
-    let found = job.run(DetectConfig::default());
-    let stalls = of_kind(&found, FindingKind::DataloaderStall);
-    assert_eq!(stalls.len(), 1, "{found:#?}");
-    assert_eq!(stalls[0].step, Some(512), "{:#?}", stalls[0]);
-    assert!(
-        stalls[0].summary.contains("at step 512"),
-        "{}",
-        stalls[0].summary
-    );
-    let leaks = of_kind(&found, FindingKind::MemoryLeak);
-    assert_eq!(leaks.len(), 1, "{found:#?}");
-    let from = leaks[0].step.unwrap();
-    assert!((503..=505).contains(&from), "{:#?}", leaks[0]);
-    for f in [stalls[0], leaks[0]] {
-        assert_eq!(
-            f.evidence["step_source"],
-            super::super::step_marks::STEP_SOURCE_PYTHON,
-            "{f:#?}"
-        );
-    }
-    assert_eq!(found.len(), 2, "nothing else: {found:#?}");
+    numbered_from_500(job, super::super::step_marks::STEP_SOURCE_PYTHON);
 }
 
-/// The job marks its steps (mstx ranges `step 500`, `step 501`, ...: it
-/// was attached to in the middle of its run): the findings carry the job's
-/// own step numbers and say so; the all-reduce count would say 12 and 3.
+/// The job marks its steps (mstx ranges `step 500`, `step 501`, ...); the
+/// stall's wait is the marked step's.
 #[test]
 fn marked_steps_number_the_findings_as_the_job_does() {
     let mut job = Job::new();
     job.marked_from = Some(500);
-    job.steps(30, |k| StepShape {
-        data_wait: if k == 12 { 300 * MS } else { MS / 2 },
-        loader_stack: k == 12,
-        leak: if k >= 3 { 16 << 20 } else { 0 },
-        ..StepShape::default()
-    });
-    let found = job.run(DetectConfig::default());
-    let stalls = of_kind(&found, FindingKind::DataloaderStall);
-    assert_eq!(stalls.len(), 1, "{found:#?}");
-    assert_eq!(stalls[0].step, Some(512), "{:#?}", stalls[0]);
-    assert!(
-        stalls[0].summary.contains("at step 512"),
-        "{}",
-        stalls[0].summary
-    );
-    let wait = stalls[0].evidence["wait_ms"].as_f64().unwrap();
+    let stall = numbered_from_500(job, super::super::step_marks::STEP_SOURCE_MARKERS);
+    let wait = stall.evidence["wait_ms"].as_f64().unwrap();
     assert!(
         (299.0..=301.0).contains(&wait),
         "the marked step's wait: {wait}"
     );
-    let leaks = of_kind(&found, FindingKind::MemoryLeak);
-    assert_eq!(leaks.len(), 1, "{found:#?}");
-    let from = leaks[0].step.unwrap();
-    assert!((503..=505).contains(&from), "{:#?}", leaks[0]);
-    for f in [stalls[0], leaks[0]] {
-        assert_eq!(
-            f.evidence["step_source"],
-            super::super::step_marks::STEP_SOURCE_MARKERS,
-            "{f:#?}"
-        );
-    }
-    assert_eq!(found.len(), 2, "nothing else: {found:#?}");
 }
