@@ -460,6 +460,37 @@ mod tests {
         assert_eq!(numbers, vec![301, 302, 303, 304, 305]);
     }
 
+    /// A rank's Python step counter (the `python step N` instants the
+    /// agent wrote) numbers its steps too.
+    #[test]
+    fn python_counted_steps_keep_the_jobs_numbers() {
+        let mut t = TraceSteps::default();
+        t.follow(42);
+        t.switch(0, 10, 0, 42);
+        for k in 0..6 {
+            let b = 1_000_000 * (k + 1);
+            let name = format!("{PYTHON_STEP_EVENT}{}", 700 + k);
+            let mut seen = view(
+                EventKind::Instant,
+                b + 1,
+                vec![
+                    ("step", ArgRef::Uint(700 + k)),
+                    ("local", ArgRef::Str("step")),
+                ],
+            );
+            seen.name = Some(&name);
+            t.event(42, 42, &seen, None);
+            step(&mut t, k, b);
+        }
+        let steps = t
+            .finish()
+            .remove(&42)
+            .and_then(|mut c| c.remove(&9))
+            .unwrap();
+        let numbers: Vec<u64> = steps.iter().map(|s| s.step).collect();
+        assert_eq!(numbers, vec![701, 702, 703, 704, 705]);
+    }
+
     #[test]
     fn an_interval_takes_the_stack_of_its_own_switch() {
         let stacks = [(10_000, true), (50_000, false)];
