@@ -185,8 +185,8 @@ fn module_for(
 ) -> Module<Arc<[u8]>> {
     let info = ExplicitModuleSectionInfo {
         base_svma: 0,
-        text_svma: cfi.text_svma.clone(),
-        text: cfi.text.clone(),
+        text_svma: cfi.text.as_ref().map(|s| s.svma.clone()),
+        text: cfi.text.as_ref().map(|s| s.data.clone()),
         got_svma: cfi.got.clone(),
         eh_frame_svma: cfi.eh_frame.as_ref().map(|s| s.svma.clone()),
         eh_frame: cfi.eh_frame.as_ref().map(|s| s.data.clone()),
@@ -348,22 +348,7 @@ mod tests {
         let here = this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping as *const ()
             as usize as u64;
         let bias = cfi.load_bias(m.start, m.offset).expect("bias");
-        let text = cfi.text_svma.as_ref().expect(".text");
-        assert!(cfi.text.is_some(), "a test binary's code is under the cap");
-        assert_eq!(
-            cfi.text.as_ref().map(|t| t.len() as u64),
-            Some(text.end - text.start),
-            "the whole section"
-        );
-        // Over the cap: where the code is stays known, its bytes are not
-        // read, the CFI is.
-        let capped = FileCfi::read_with_text_limit(Path::new(&m.path), 0).expect("read");
-        assert_eq!(capped.text_svma.as_ref(), Some(text));
-        assert!(capped.text.is_none() && capped.has_cfi());
-        assert_eq!(
-            capped.eh_frame.as_ref().map(|s| s.data.len()),
-            cfi.eh_frame.as_ref().map(|s| s.data.len())
-        );
+        let text = &cfi.text.as_ref().expect(".text").svma;
         assert!(
             text.contains(&(here - bias)),
             "{here:#x} - {bias:#x} in {text:#x?}"
