@@ -431,24 +431,15 @@ mod tests {
         }
     }
 
-    /// The rank marks each step (`step 300` ..) with an mstx range at its
-    /// start: its steps carry those numbers.
-    #[test]
-    fn marked_steps_keep_the_jobs_numbers() {
+    /// Six steps of rank 42, `number_step(t, k, ts)` giving step k its
+    /// number at `ts` (just after its start); the step numbers of the rows.
+    fn numbered_steps(number_step: impl Fn(&mut TraceSteps, u64, u64)) -> Vec<u64> {
         let mut t = TraceSteps::default();
         t.follow(42);
         t.switch(0, 10, 0, 42);
         for k in 0..6 {
             let b = 1_000_000 * (k + 1);
-            let message = format!("step {}", 300 + k);
-            let mut start = view(
-                EventKind::Begin,
-                b + 1,
-                vec![("message", ArgRef::Str(&message))],
-            );
-            start.name = Some("mstxRangeStartA step");
-            t.event(42, 42, &start, None);
-            t.event(42, 42, &view(EventKind::End, b + 2, vec![]), None);
+            number_step(&mut t, k, b + 1);
             step(&mut t, k, b);
         }
         let steps = t
@@ -456,7 +447,24 @@ mod tests {
             .remove(&42)
             .and_then(|mut c| c.remove(&9))
             .unwrap();
-        let numbers: Vec<u64> = steps.iter().map(|s| s.step).collect();
+        steps.iter().map(|s| s.step).collect()
+    }
+
+    /// The rank marks each step (`step 300` ..) with an mstx range at its
+    /// start: its steps carry those numbers.
+    #[test]
+    fn marked_steps_keep_the_jobs_numbers() {
+        let numbers = numbered_steps(|t, k, ts| {
+            let message = format!("step {}", 300 + k);
+            let mut start = view(
+                EventKind::Begin,
+                ts,
+                vec![("message", ArgRef::Str(&message))],
+            );
+            start.name = Some("mstxRangeStartA step");
+            t.event(42, 42, &start, None);
+            t.event(42, 42, &view(EventKind::End, ts + 1, vec![]), None);
+        });
         assert_eq!(numbers, vec![301, 302, 303, 304, 305]);
     }
 
@@ -464,15 +472,11 @@ mod tests {
     /// agent wrote) numbers its steps too.
     #[test]
     fn python_counted_steps_keep_the_jobs_numbers() {
-        let mut t = TraceSteps::default();
-        t.follow(42);
-        t.switch(0, 10, 0, 42);
-        for k in 0..6 {
-            let b = 1_000_000 * (k + 1);
+        let numbers = numbered_steps(|t, k, ts| {
             let name = format!("{PYTHON_STEP_EVENT}{}", 700 + k);
             let mut seen = view(
                 EventKind::Instant,
-                b + 1,
+                ts,
                 vec![
                     ("step", ArgRef::Uint(700 + k)),
                     ("local", ArgRef::Str("step")),
@@ -480,14 +484,7 @@ mod tests {
             );
             seen.name = Some(&name);
             t.event(42, 42, &seen, None);
-            step(&mut t, k, b);
-        }
-        let steps = t
-            .finish()
-            .remove(&42)
-            .and_then(|mut c| c.remove(&9))
-            .unwrap();
-        let numbers: Vec<u64> = steps.iter().map(|s| s.step).collect();
+        });
         assert_eq!(numbers, vec![701, 702, 703, 704, 705]);
     }
 
