@@ -4,11 +4,13 @@
 //! and the load segments that turn a mapping into the file's load bias.
 //!
 //! Read once per file and shared (`Arc`) by every process that maps it. The
-//! file is read through [`ReadCache`], so only the sections named here are
-//! read: a 200 MB libnccl costs its CFI and `.text`, not its device code.
+//! file's headers are read through [`ReadCache`] and only the sections named
+//! here are read: a 200 MB libnccl costs its CFI and `.text`, not its device
+//! code; a `.text` over [`MAX_TEXT_BYTES`] is not read.
 
 use std::fs::File;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -32,6 +34,9 @@ pub enum CfiError {
     },
 }
 
+/// The largest `.text` read (see [`FileCfi::read`]).
+pub const MAX_TEXT_BYTES: u64 = 32 << 20;
+
 /// Section bytes shared between every module built from one file.
 pub(crate) type Bytes = Arc<[u8]>;
 
@@ -48,7 +53,9 @@ pub struct FileCfi {
     pub(crate) eh_frame_hdr: Option<Section>,
     pub(crate) eh_frame: Option<Section>,
     pub(crate) debug_frame: Option<Bytes>,
-    pub(crate) text: Option<Section>,
+    /// Where `.text` is, and its bytes (up to [`MAX_TEXT_BYTES`]).
+    pub(crate) text_svma: Option<Range<u64>>,
+    pub(crate) text: Option<Bytes>,
     pub(crate) got: Option<Range<u64>>,
     /// `(file offset, virtual address)` of each load segment, to find the
     /// load bias of a mapping from its file offset.
@@ -59,27 +66,60 @@ impl FileCfi {
     /// Reads the sections of `path` (as seen by the agent: for another
     /// mount namespace, `/proc/PID/root/<path>`).
     pub fn read(path: &Path) -> Result<Self, CfiError> {
+        Self::read_with_text_limit(path, MAX_TEXT_BYTES)
+    }
+
+    /// [`Self::read`], reading `.text` only up to `max_text` bytes.
+    pub(crate) fn read_with_text_limit(path: &Path, max_text: u64) -> Result<Self, CfiError> {
         let file = File::open(path).map_err(|source| CfiError::Open {
             path: path.to_path_buf(),
             source,
         })?;
-        let cache = ReadCache::new(file);
+        let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let cache = ReadCache::new(&file);
         let elf = object::File::parse(&cache).map_err(|source| CfiError::Parse {
             path: path.to_path_buf(),
             source,
         })?;
+        // A section the file claims but cannot deliver (truncated file,
+        // compressed .debug_frame) is treated as absent: the unwinder then
+        // falls back to frame pointers for that code, it does not fail the
+        // whole process.
+        let bytes = |s: &object::Section<'_, '_, &ReadCache<&File>>| -> Option<Bytes> {
+            // Uncompressed (every CFI and code section in practice): read
+            // straight into the shared buffer, not through the cache (which
+            // would hold a second copy until this returns).
+            let range = s.compressed_file_range().ok()?;
+            if range.format == object::CompressionFormat::None {
+                let end = range.offset.checked_add(range.uncompressed_size)?;
+                if end > file_len {
+                    return None;
+                }
+                let mut data = vec![0u8; usize::try_from(range.uncompressed_size).ok()?];
+                file.read_exact_at(&mut data, range.offset).ok()?;
+                return Some(Arc::from(data));
+            }
+            let data = s.uncompressed_data().ok()?;
+            Some(Arc::from(&*data))
+        };
         let section = |name: &str| -> Option<Section> {
             let s = elf.section_by_name(name)?;
-            // A section the file claims but cannot deliver (truncated file,
-            // compressed .debug_frame) is treated as absent: the unwinder
-            // then falls back to frame pointers for that code, it does not
-            // fail the whole process.
-            let data = s.uncompressed_data().ok()?;
             Some(Section {
                 svma: s.address()..s.address() + s.size(),
-                data: Arc::from(&*data),
+                data: bytes(&s)?,
             })
         };
+        // Code is read for the unwinder's look at the first frame's
+        // instructions (a prologue or epilogue where CFI is missing), and
+        // only up to MAX_TEXT_BYTES: PyTorch's libtorch_cuda and
+        // libtorch_cpu hold hundreds of MB of it, which read whole took
+        // 0.87 GB of the agent's heap on a GPU node (session 13). Bigger
+        // code unwinds by its CFI alone.
+        let text = elf.section_by_name(".text");
+        let text_svma = text.as_ref().map(|s| s.address()..s.address() + s.size());
+        let text = text
+            .filter(|s| s.size() <= max_text)
+            .and_then(|s| bytes(&s));
         let load_segments = elf
             .segments()
             .map(|seg| (seg.file_range().0, seg.address()))
@@ -88,7 +128,8 @@ impl FileCfi {
             eh_frame_hdr: section(".eh_frame_hdr"),
             eh_frame: section(".eh_frame"),
             debug_frame: section(".debug_frame").map(|s| s.data),
-            text: section(".text"),
+            text_svma,
+            text,
             got: elf
                 .section_by_name(".got")
                 .map(|s| s.address()..s.address() + s.size()),

@@ -185,8 +185,8 @@ fn module_for(
 ) -> Module<Arc<[u8]>> {
     let info = ExplicitModuleSectionInfo {
         base_svma: 0,
-        text_svma: cfi.text.as_ref().map(|s| s.svma.clone()),
-        text: cfi.text.as_ref().map(|s| s.data.clone()),
+        text_svma: cfi.text_svma.clone(),
+        text: cfi.text.clone(),
         got_svma: cfi.got.clone(),
         eh_frame_svma: cfi.eh_frame.as_ref().map(|s| s.svma.clone()),
         eh_frame: cfi.eh_frame.as_ref().map(|s| s.data.clone()),
@@ -333,6 +333,55 @@ mod tests {
     }
 
     #[test]
+    fn sections_read_straight_from_the_file_equal_the_whole_files_sections() {
+        // Every code file this process maps (the test binary, libc, ld.so):
+        // the sections FileCfi reads at their file offsets are byte for
+        // byte what a parse of the whole file (read into memory) holds.
+        use object::{Object, ObjectSection};
+        let maps = ProcessMaps::read(std::process::id()).expect("own maps");
+        let mut paths: Vec<&str> = maps
+            .mappings()
+            .iter()
+            .filter(|m| m.is_executable() && m.path.starts_with('/'))
+            .map(|m| m.path.as_str())
+            .collect();
+        paths.dedup();
+        assert!(paths.len() >= 2, "{paths:?}");
+        for path in paths {
+            let cfi = FileCfi::read(Path::new(path)).expect("read");
+            let whole = std::fs::read(path).expect("read whole");
+            let elf = object::File::parse(&*whole).expect("parse");
+            let of = |name: &str| {
+                elf.section_by_name(name)
+                    .map(|s| s.uncompressed_data().expect("data").into_owned())
+            };
+            let ours = |s: &Option<elf_cfi::Section>| s.as_ref().map(|s| s.data.to_vec());
+            assert_eq!(ours(&cfi.eh_frame), of(".eh_frame"), "{path} .eh_frame");
+            assert_eq!(
+                ours(&cfi.eh_frame_hdr),
+                of(".eh_frame_hdr"),
+                "{path} .eh_frame_hdr"
+            );
+            assert_eq!(
+                cfi.debug_frame.as_ref().map(|d| d.to_vec()),
+                of(".debug_frame"),
+                "{path} .debug_frame"
+            );
+            assert_eq!(
+                cfi.text.as_ref().map(|d| d.to_vec()),
+                of(".text"),
+                "{path} .text"
+            );
+            let text = elf.section_by_name(".text").expect(".text");
+            assert_eq!(
+                cfi.text_svma,
+                Some(text.address()..text.address() + text.size()),
+                "{path}"
+            );
+        }
+    }
+
+    #[test]
     fn this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping() {
         let maps = ProcessMaps::read(std::process::id()).expect("own maps");
         let exe = std::env::current_exe().expect("current_exe");
@@ -348,7 +397,22 @@ mod tests {
         let here = this_test_binary_has_cfi_and_a_load_bias_that_matches_its_mapping as *const ()
             as usize as u64;
         let bias = cfi.load_bias(m.start, m.offset).expect("bias");
-        let text = &cfi.text.as_ref().expect(".text").svma;
+        let text = cfi.text_svma.as_ref().expect(".text");
+        assert!(cfi.text.is_some(), "a test binary's code is under the cap");
+        assert_eq!(
+            cfi.text.as_ref().map(|t| t.len() as u64),
+            Some(text.end - text.start),
+            "the whole section"
+        );
+        // Over the cap: where the code is stays known, its bytes are not
+        // read, the CFI is.
+        let capped = FileCfi::read_with_text_limit(Path::new(&m.path), 0).expect("read");
+        assert_eq!(capped.text_svma.as_ref(), Some(text));
+        assert!(capped.text.is_none() && capped.has_cfi());
+        assert_eq!(
+            capped.eh_frame.as_ref().map(|s| s.data.len()),
+            cfi.eh_frame.as_ref().map(|s| s.data.len())
+        );
         assert!(
             text.contains(&(here - bias)),
             "{here:#x} - {bias:#x} in {text:#x?}"
