@@ -18,6 +18,11 @@
 //!    is the median step time (`dur_ns` of every rank's step log, the first
 //!    steps left out); each traced round counts against the mean of the
 //!    untraced rounds around it (`measure::paired_overhead`).
+//! 3. The same rounds again with the agent on a CPU of its own (CPU 0) and
+//!    the job's ranks on the others, traced and untraced alike: a node
+//!    where the training does not use every core. What is left is what the
+//!    probes cost the ranks themselves (the kernel programs run in their
+//!    context), not the agent's CPU taken from them. Not run on one CPU.
 //!
 //! Results: `target/bench/soak-results.json`.
 
@@ -51,6 +56,62 @@ const RSS_HEADROOM: u64 = 150_000_000;
 /// The default `flight_recorder.max_bytes` (deploy/agent.toml).
 const RECORDER_MAX_BYTES: u64 = 256 << 20;
 
+/// Where the overhead rounds run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Placement {
+    /// The ranks and the agent share every CPU (as in the soak).
+    Shared,
+    /// The agent alone on CPU 0, the ranks on the other CPUs.
+    AgentOwnCpu,
+}
+
+impl Placement {
+    /// The CPUs the job's ranks are pinned to (`launch.py --cpus`).
+    fn job_cpus(self) -> Option<String> {
+        match self {
+            Placement::Shared => None,
+            Placement::AgentOwnCpu => Some(
+                (1..host_cpus())
+                    .map(|c| c.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ),
+        }
+    }
+
+    /// The CPU the agent is held to.
+    fn agent_cpu(self) -> Option<usize> {
+        (self == Placement::AgentOwnCpu).then_some(0)
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            Placement::Shared => "shared",
+            Placement::AgentOwnCpu => "own-cpu",
+        }
+    }
+}
+
+fn host_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Holds the process about to exec to `cpu` (with its threads to come).
+fn pin_to(cmd: &mut Command, cpu: usize) {
+    // SAFETY: only sched_setaffinity, async-signal-safe, between fork and
+    // exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// A temporary directory, removed on drop.
 struct Scratch(PathBuf);
 
@@ -81,7 +142,7 @@ impl Service {
     /// Starts the service with a configuration of defaults except where
     /// files and endpoints go (all under `dir`), and waits until its
     /// control API answers.
-    fn start(dir: &Path, tag: &str) -> Result<Service> {
+    fn start(dir: &Path, tag: &str, cpu: Option<usize>) -> Result<Service> {
         wait_for_closers()?;
         let dir = dir.join(tag);
         std::fs::create_dir_all(&dir)?;
@@ -100,7 +161,11 @@ impl Service {
             ),
         )?;
         let log = dir.join("agent.log");
-        let child = Command::new(build::agent_binary())
+        let mut cmd = Command::new(build::agent_binary());
+        if let Some(cpu) = cpu {
+            pin_to(&mut cmd, cpu);
+        }
+        let child = cmd
             .arg("service")
             .arg("--config")
             .arg(&config)
@@ -208,7 +273,13 @@ struct Job {
 }
 
 impl Job {
-    fn start(dir: &Path, name: &str, steps: u64, gate: Option<&Path>) -> Result<Job> {
+    fn start(
+        dir: &Path,
+        name: &str,
+        steps: u64,
+        gate: Option<&Path>,
+        cpus: Option<&str>,
+    ) -> Result<Job> {
         let job_dir = dir.join(name);
         let timeout = (steps as f64 * 2.0).max(120.0) + 3.0 * SOAK_JOB_SECONDS;
         let mut cmd = Command::new("python3");
@@ -223,6 +294,9 @@ impl Job {
             .args(["--timeout", &format!("{timeout:.0}")]);
         if let Some(g) = gate {
             cmd.arg("--start-gate").arg(g);
+        }
+        if let Some(c) = cpus {
+            cmd.args(["--cpus", c]);
         }
         let child = cmd
             .stdin(Stdio::null())
@@ -395,14 +469,20 @@ struct Sample {
 }
 
 /// Steps per job so that it trains about `seconds`, from a short job.
-fn calibrate(dir: &Path) -> Result<f64> {
-    let mut job = Job::start(dir, "soak-calibrate", 20, None)?;
+fn calibrate(dir: &Path, placement: Placement) -> Result<f64> {
+    let mut job = Job::start(
+        dir,
+        &format!("calibrate-{}", placement.tag()),
+        20,
+        None,
+        placement.job_cpus().as_deref(),
+    )?;
     job.wait(Duration::from_secs(300))?;
     Ok(median(job.step_durations(WARMUP_STEPS)?) / 1e9)
 }
 
 fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
-    let svc = Service::start(dir, "soak")?;
+    let svc = Service::start(dir, "soak", None)?;
     let pid = svc.pid();
     let steps = ((SOAK_JOB_SECONDS / step_s) as u64).max(10);
     let started = Instant::now();
@@ -430,7 +510,7 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
             job = None;
         }
         if job.is_none() {
-            job = Some(Job::start(dir, &format!("soak-{jobs}"), steps, None)?);
+            job = Some(Job::start(dir, &format!("soak-{jobs}"), steps, None, None)?);
             jobs += 1;
         }
         let now = Instant::now();
@@ -561,16 +641,22 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
 
 /// One overhead round: the job, traced by a fresh service or not; its
 /// median step time (ns).
-fn round(dir: &Path, n: usize, steps: u64, traced: bool) -> Result<f64> {
+fn round(dir: &Path, placement: Placement, n: usize, steps: u64, traced: bool) -> Result<f64> {
+    let name = format!("round-{}-{n}", placement.tag());
     let svc = if traced {
-        Some(Service::start(dir, &format!("round-{n}"))?)
+        Some(Service::start(dir, &name, placement.agent_cpu())?)
     } else {
         wait_for_closers()?;
         None
     };
-    let name = format!("round-{n}");
     let gate = dir.join(format!("{name}.go"));
-    let mut job = Job::start(dir, &name, steps, Some(&gate))?;
+    let mut job = Job::start(
+        dir,
+        &name,
+        steps,
+        Some(&gate),
+        placement.job_cpus().as_deref(),
+    )?;
     job.wait_ready()?;
     if let Some(s) = &svc {
         // Every rank discovered before training starts.
@@ -601,20 +687,21 @@ fn round(dir: &Path, n: usize, steps: u64, traced: bool) -> Result<f64> {
     }
     let _ = std::fs::remove_dir_all(&job.dir);
     eprintln!(
-        "bench soak: round {n} {:<9} median step {:.3} ms",
+        "bench soak: {} round {n} {:<9} median step {:.3} ms",
+        placement.tag(),
         if traced { "traced" } else { "untraced" },
         m / 1e6
     );
     Ok(m)
 }
 
-fn overhead(dir: &Path, step_s: f64) -> Result<Value> {
+fn overhead(dir: &Path, placement: Placement, step_s: f64) -> Result<Value> {
     let steps = ((ROUND_SECONDS / step_s) as u64).max(WARMUP_STEPS + 10);
     let mut base = Vec::new();
     let mut traced = Vec::new();
     for n in 0..OVERHEAD_PAIRS * 2 + 1 {
         let is_traced = n % 2 == 1;
-        let m = round(dir, n, steps, is_traced)?;
+        let m = round(dir, placement, n, steps, is_traced)?;
         if is_traced {
             traced.push(m);
         } else {
@@ -623,6 +710,10 @@ fn overhead(dir: &Path, step_s: f64) -> Result<Value> {
     }
     let paired = paired_overhead(&base, &traced);
     Ok(json!({
+        "placement": placement.tag(),
+        "job_cpus": placement.job_cpus(),
+        "agent_cpu": placement.agent_cpu(),
+        "untraced_step_calibrated_ms": step_s * 1e3,
         "rounds_traced": traced.len(),
         "rounds_untraced": base.len(),
         "steps_per_round": steps,
@@ -641,18 +732,31 @@ pub fn run(out: &Path, minutes: u64) -> Result<Value> {
     let dir = scratch.0.as_path();
     let load_before = load_average();
     eprintln!("bench soak: load average before: {load_before}");
-    let step_s = calibrate(dir)?;
+    let step_s = calibrate(dir, Placement::Shared)?;
     eprintln!(
         "bench soak: untraced step {:.2} ms; soaking {minutes} min",
         step_s * 1e3
     );
     let soak = soak(dir, out, minutes, step_s)?;
-    let overhead = overhead(dir, step_s)?;
+    let shared = overhead(dir, Placement::Shared, step_s)?;
+    let cpus = host_cpus();
+    let own_cpu = if cpus >= 2 {
+        let step_s = calibrate(dir, Placement::AgentOwnCpu)?;
+        eprintln!(
+            "bench soak: untraced step with the ranks on CPUs {}: {:.2} ms",
+            Placement::AgentOwnCpu.job_cpus().unwrap_or_default(),
+            step_s * 1e3
+        );
+        overhead(dir, Placement::AgentOwnCpu, step_s)?
+    } else {
+        eprintln!("bench soak: one CPU: no rounds with the agent on a CPU of its own");
+        json!({"skipped": "one CPU: the agent cannot have a CPU of its own"})
+    };
     let load_after = load_average();
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let results = json!({
         "soak": soak,
-        "step_overhead": overhead,
+        "step_overhead": shared,
+        "step_overhead_agent_own_cpu": own_cpu,
         "world_size": WORLD,
         "host_cpus": cpus,
         "load_average_before": load_before,
@@ -723,6 +827,29 @@ pub fn run(out: &Path, minutes: u64) -> Result<Value> {
         f(&o["overhead"]["min_percent"]),
         f(&o["overhead"]["max_percent"])
     );
+    let o = &results["step_overhead_agent_own_cpu"];
+    if o["overhead"].is_object() {
+        println!(
+            "\n## Step-time overhead, the agent on CPU 0 and the ranks on CPUs {}: {} traced rounds between {} untraced ({} steps each)\n",
+            o["job_cpus"].as_str().unwrap_or(""),
+            o["rounds_traced"],
+            o["rounds_untraced"],
+            o["steps_per_round"]
+        );
+        println!(
+            "mean {:+.2}% (95% CI +/- {:.2}), median {:+.2}%, range {:+.2}% .. {:+.2}% (goal <= 0.5%)",
+            f(&o["overhead"]["mean_percent"]),
+            f(&o["overhead"]["ci95_percent"]),
+            f(&o["overhead"]["median_percent"]),
+            f(&o["overhead"]["min_percent"]),
+            f(&o["overhead"]["max_percent"])
+        );
+    } else {
+        println!(
+            "\n(no rounds with the agent on a CPU of its own: {})",
+            o["skipped"]
+        );
+    }
     println!(
         "load average before {load_before}, after {load_after} ({cpus} CPUs, shared with other work)"
     );
