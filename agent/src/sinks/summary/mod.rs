@@ -112,10 +112,10 @@ pub struct SummarySink {
 
 impl SummarySink {
     fn record(&mut self, r: &Record) {
-        let t = &mut self.totals;
         self.per_kind[r.kind_index()] += 1;
-        self.steps.record(r);
         match r {
+            // Most records: the step table reads neither kind.
+            Record::Waking(_) => return,
             Record::Switch { switch, .. } => {
                 let tid = switch.next_tid;
                 let slot = &mut self.recent[tid as usize % RECENT];
@@ -130,7 +130,13 @@ impl SummarySink {
                     }
                     self.cpus[cpu] = true;
                 }
+                return;
             }
+            _ => {}
+        }
+        self.steps.record(r);
+        let t = &mut self.totals;
+        match r {
             Record::OffCpu(i) => {
                 if i.preempted_by.is_some() {
                     t.preemptions += 1;
