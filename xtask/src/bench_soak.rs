@@ -724,6 +724,19 @@ fn overhead(dir: &Path, placement: Placement, step_s: f64) -> Result<Value> {
     }))
 }
 
+/// One overhead phase's paired figures (`measure::overhead_summary`).
+fn print_overhead(o: &Value) {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    println!(
+        "mean {:+.2}% (95% CI +/- {:.2}), median {:+.2}%, range {:+.2}% .. {:+.2}% (goal <= 0.5%)",
+        f(&o["mean_percent"]),
+        f(&o["ci95_percent"]),
+        f(&o["median_percent"]),
+        f(&o["min_percent"]),
+        f(&o["max_percent"])
+    );
+}
+
 pub fn run(out: &Path, minutes: u64) -> Result<Value> {
     if minutes == 0 {
         bail!("--minutes must be at least 1");
@@ -819,14 +832,7 @@ pub fn run(out: &Path, minutes: u64) -> Result<Value> {
         "\n## Step-time overhead: {} traced rounds between {} untraced ({} steps each)\n",
         o["rounds_traced"], o["rounds_untraced"], o["steps_per_round"]
     );
-    println!(
-        "mean {:+.2}% (95% CI +/- {:.2}), median {:+.2}%, range {:+.2}% .. {:+.2}% (goal <= 0.5%)",
-        f(&o["overhead"]["mean_percent"]),
-        f(&o["overhead"]["ci95_percent"]),
-        f(&o["overhead"]["median_percent"]),
-        f(&o["overhead"]["min_percent"]),
-        f(&o["overhead"]["max_percent"])
-    );
+    print_overhead(&o["overhead"]);
     let o = &results["step_overhead_agent_own_cpu"];
     if o["overhead"].is_object() {
         println!(
@@ -836,14 +842,7 @@ pub fn run(out: &Path, minutes: u64) -> Result<Value> {
             o["rounds_untraced"],
             o["steps_per_round"]
         );
-        println!(
-            "mean {:+.2}% (95% CI +/- {:.2}), median {:+.2}%, range {:+.2}% .. {:+.2}% (goal <= 0.5%)",
-            f(&o["overhead"]["mean_percent"]),
-            f(&o["overhead"]["ci95_percent"]),
-            f(&o["overhead"]["median_percent"]),
-            f(&o["overhead"]["min_percent"]),
-            f(&o["overhead"]["max_percent"])
-        );
+        print_overhead(&o["overhead"]);
     } else {
         println!(
             "\n(no rounds with the agent on a CPU of its own: {})",
