@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use xpuscope_tests::agent::{Finished, Lines};
 use xpuscope_tests::agent::{Proc, Recording, TempDir, exclusive, go, workload_bin};
+use xpuscope_tests::device::wait_for_closers;
 use xpuscope_tests::fixtures;
 use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
@@ -41,6 +42,11 @@ fn pin(pid: u32, cpu: usize) {
 #[test]
 fn a_bystander_switch_storm_costs_the_target_none_of_its_records() {
     let _serial = exclusive();
+    // An earlier test's agent may still be releasing its uprobes: the
+    // kernel serializes that with this agent's one attach (the loader
+    // hook), and with the storm on CPU 0 the release can outlast the 30 s
+    // the start is given (CI twice, right after step_markers' agents).
+    wait_for_closers();
     let dir = TempDir::new("storm");
 
     // The bystander: two threads pinned to CPU 0 passing a byte back and
