@@ -2,7 +2,8 @@
 //! has mapped and where each probed function's probe goes. Static unless
 //! `--duration`: then every probe is attached for that long with the
 //! capture levels off, so the kernel only counts each probe's hits (nothing
-//! is recorded), and the listing gains a hits column.
+//! is recorded), and the listing gains a hits column. Each probed row ends
+//! with the device capture level that probes the function.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use aya::EbpfLoader;
 use xpuscope_common::{Config, globals};
+use xpuscope_probes::catalog::Level;
 use xpuscope_probes::discover;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve;
@@ -76,6 +78,17 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
     Ok(hits)
 }
 
+/// The device capture level that probes a catalog function
+/// ([`DeviceLevel`]: `agent attach --probe-level`; the service probes
+/// device level N at its level N + 1, and level 0 at its level 0 too).
+fn device_level(level: Level) -> u8 {
+    match level {
+        Level::L0 => 0,
+        Level::L1 => 1,
+        Level::L2 => 2,
+    }
+}
+
 fn listing(pid: u32, hits: Option<&HashMap<u64, u64>>) -> Result<String> {
     let mut out = String::new();
     let maps = ProcessMaps::read(pid).with_context(|| format!("reading /proc/{pid}/maps"))?;
@@ -108,7 +121,7 @@ fn listing(pid: u32, hits: Option<&HashMap<u64, u64>>) -> Result<String> {
         };
         let _ = writeln!(
             out,
-            "  {:<36} {:>18} {:>10}  {:<24} {}placement",
+            "  {:<36} {:>18} {:>10}  {:<24} {}placement (capture level)",
             "function",
             "address",
             "offset",
@@ -129,13 +142,14 @@ fn listing(pid: u32, hits: Option<&HashMap<u64, u64>>) -> Result<String> {
             };
             let _ = writeln!(
                 out,
-                "  {:<36} {:>18} {:>#10x}  {:<24} {}{}",
+                "  {:<36} {:>18} {:>#10x}  {:<24} {}{}  (level {})",
                 p.function.name,
                 addr,
                 p.probe_file_offset(),
                 p.placement.first_insn,
                 hit_column,
-                p.placement
+                p.placement,
+                device_level(p.function.level)
             );
         }
         for s in &resolved.skipped {

@@ -17,7 +17,10 @@
 //!    job's start gate opens), untraced first and last. Each round's figure
 //!    is the median step time (`dur_ns` of every rank's step log, the first
 //!    steps left out); each traced round counts against the mean of the
-//!    untraced rounds around it (`measure::paired_overhead`).
+//!    untraced rounds around it (`measure::paired_overhead`). Between the
+//!    same untraced rounds a floor round runs the job with counting-only
+//!    programs where the service attaches its own (`bench_floor`): what
+//!    any eBPF tracer of these events costs the ranks on this machine.
 //! 3. The same rounds again with the agent on a CPU of its own (CPU 0) and
 //!    the job's ranks on the others, traced and untraced alike: a node
 //!    where the training does not use every core. What is left is what the
@@ -35,6 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
+use crate::bench_floor::{Floor, default_level_points};
 use crate::build;
 use crate::measure::{median, overhead_summary, paired_overhead, wait_for_closers};
 use crate::root;
@@ -270,6 +274,11 @@ impl Drop for Service {
 struct Job {
     child: Option<Child>,
     dir: PathBuf,
+    /// CPU seconds (user + system) of the launcher and its ranks, once
+    /// the job finished: the kernel programs and uprobe traps run in the
+    /// ranks' context, so this holds what tracing costs them, with far
+    /// less noise than their step times on a shared VM.
+    cpu_seconds: Option<f64>,
 }
 
 impl Job {
@@ -307,24 +316,40 @@ impl Job {
         Ok(Job {
             child: Some(child),
             dir: job_dir,
+            cpu_seconds: None,
         })
     }
 
     /// Whether it finished; fails if it failed.
+    /// Whether it finished; fails if it failed. Reaps the launcher with
+    /// `wait4` for its resource usage, which includes its ranks' (the
+    /// children it waited for): [`Job::cpu_seconds`].
     fn finished(&mut self) -> Result<bool> {
-        let Some(c) = self.child.as_mut() else {
+        let Some(c) = self.child.as_ref() else {
             return Ok(true);
         };
-        match c.try_wait()? {
-            None => Ok(false),
-            Some(s) if s.success() => {
+        let mut status = 0;
+        // SAFETY: rusage is plain integers, valid all zero.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: wait4 on our own child, with valid out-pointers.
+        let pid = unsafe { libc::wait4(c.id() as i32, &mut status, libc::WNOHANG, &mut usage) };
+        match pid {
+            0 => Ok(false),
+            p if p < 0 => Err(std::io::Error::last_os_error()).context("waiting for the job"),
+            _ => {
+                // Reaped here: the Child must not be waited for or killed.
                 self.child = None;
-                Ok(true)
+                let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+                self.cpu_seconds = Some(secs(usage.ru_utime) + secs(usage.ru_stime));
+                if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+                    Ok(true)
+                } else {
+                    bail!(
+                        "the simulated job failed (wait status {status:#x}); logs in {}",
+                        self.dir.display()
+                    )
+                }
             }
-            Some(s) => bail!(
-                "the simulated job failed ({s}); logs in {}",
-                self.dir.display()
-            ),
         }
     }
 
@@ -639,11 +664,46 @@ fn soak(dir: &Path, out: &Path, minutes: u64, step_s: f64) -> Result<Value> {
     }))
 }
 
-/// One overhead round: the job, traced by a fresh service or not; its
-/// median step time (ns).
-fn round(dir: &Path, placement: Placement, n: usize, steps: u64, traced: bool) -> Result<f64> {
+/// What runs alongside an overhead round's job.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RoundKind {
+    /// Nothing: no service, its probes released.
+    Untraced,
+    /// Counting-only programs where the service's default level attaches
+    /// its own (`bench_floor`): this machine's floor for any such tracer.
+    Floor,
+    /// A fresh `agent service` at its default level.
+    Traced,
+}
+
+impl RoundKind {
+    fn tag(self) -> &'static str {
+        match self {
+            RoundKind::Untraced => "untraced",
+            RoundKind::Floor => "floor",
+            RoundKind::Traced => "traced",
+        }
+    }
+}
+
+/// What one overhead round measured.
+struct RoundResult {
+    /// Median step time of all ranks (ns).
+    step_ns: f64,
+    /// CPU seconds of the job (launcher and ranks), start to end.
+    cpu_s: f64,
+}
+
+/// One overhead round: the job, with what `kind` names alongside.
+fn round(
+    dir: &Path,
+    placement: Placement,
+    n: usize,
+    steps: u64,
+    kind: RoundKind,
+) -> Result<RoundResult> {
     let name = format!("round-{}-{n}", placement.tag());
-    let svc = if traced {
+    let svc = if kind == RoundKind::Traced {
         Some(Service::start(dir, &name, placement.agent_cpu())?)
     } else {
         wait_for_closers()?;
@@ -658,9 +718,9 @@ fn round(dir: &Path, placement: Placement, n: usize, steps: u64, traced: bool) -
         placement.job_cpus().as_deref(),
     )?;
     job.wait_ready()?;
+    let pids = job.rank_pids()?;
     if let Some(s) = &svc {
         // Every rank discovered before training starts.
-        let pids = job.rank_pids()?;
         let end = Instant::now() + Duration::from_secs(10);
         loop {
             let listed: Vec<u64> = s
@@ -679,62 +739,112 @@ fn round(dir: &Path, placement: Placement, n: usize, steps: u64, traced: bool) -
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+    let floor = if kind == RoundKind::Floor {
+        Some(Floor::attach(&default_level_points(&pids)?)?)
+    } else {
+        None
+    };
     std::fs::write(&gate, b"")?;
     job.wait(Duration::from_secs_f64(ROUND_SECONDS * 10.0 + 120.0))?;
     let m = median(job.step_durations(WARMUP_STEPS)?);
+    let cpu_s = job.cpu_seconds.context("the job's CPU time")?;
+    let probes = floor.as_ref().map(|f| f.probes);
+    drop(floor);
     if let Some(s) = svc {
         s.stop()?;
     }
     let _ = std::fs::remove_dir_all(&job.dir);
     eprintln!(
-        "bench soak: {} round {n} {:<9} median step {:.3} ms",
+        "bench soak: {} round {n} {:<9} median step {:.3} ms, job CPU {cpu_s:.2} s{}",
         placement.tag(),
-        if traced { "traced" } else { "untraced" },
-        m / 1e6
+        kind.tag(),
+        m / 1e6,
+        probes.map_or(String::new(), |p| format!(" ({p} bare uprobe pairs)"))
     );
-    Ok(m)
+    Ok(RoundResult { step_ns: m, cpu_s })
 }
 
+/// Rounds of one placement: untraced first and last, and between each two
+/// untraced rounds a traced one and a floor one, so that each counts
+/// against the same pair of untraced rounds around it.
 fn overhead(dir: &Path, placement: Placement, step_s: f64) -> Result<Value> {
     let steps = ((ROUND_SECONDS / step_s) as u64).max(WARMUP_STEPS + 10);
     let mut base = Vec::new();
     let mut traced = Vec::new();
-    for n in 0..OVERHEAD_PAIRS * 2 + 1 {
-        let is_traced = n % 2 == 1;
-        let m = round(dir, placement, n, steps, is_traced)?;
-        if is_traced {
-            traced.push(m);
-        } else {
-            base.push(m);
+    let mut floor = Vec::new();
+    let mut n = 0;
+    base.push(round(dir, placement, n, steps, RoundKind::Untraced)?);
+    for _ in 0..OVERHEAD_PAIRS {
+        for (kind, into) in [
+            (RoundKind::Traced, &mut traced),
+            (RoundKind::Floor, &mut floor),
+        ] {
+            n += 1;
+            into.push(round(dir, placement, n, steps, kind)?);
         }
+        n += 1;
+        base.push(round(dir, placement, n, steps, RoundKind::Untraced)?);
     }
-    let paired = paired_overhead(&base, &traced);
+    let steps_ns = |v: &[RoundResult]| v.iter().map(|r| r.step_ns).collect::<Vec<_>>();
+    let cpu = |v: &[RoundResult]| v.iter().map(|r| r.cpu_s).collect::<Vec<_>>();
+    let paired = paired_overhead(&steps_ns(&base), &steps_ns(&traced));
+    let paired_floor = paired_overhead(&steps_ns(&base), &steps_ns(&floor));
+    let paired_cpu = paired_overhead(&cpu(&base), &cpu(&traced));
+    let paired_cpu_floor = paired_overhead(&cpu(&base), &cpu(&floor));
+    let ms = |v: &[RoundResult]| v.iter().map(|r| r.step_ns / 1e6).collect::<Vec<_>>();
     Ok(json!({
         "placement": placement.tag(),
         "job_cpus": placement.job_cpus(),
         "agent_cpu": placement.agent_cpu(),
         "untraced_step_calibrated_ms": step_s * 1e3,
         "rounds_traced": traced.len(),
+        "rounds_floor": floor.len(),
         "rounds_untraced": base.len(),
         "steps_per_round": steps,
-        "untraced_step_ms": base.iter().map(|v| v / 1e6).collect::<Vec<_>>(),
-        "traced_step_ms": traced.iter().map(|v| v / 1e6).collect::<Vec<_>>(),
+        "untraced_step_ms": ms(&base),
+        "traced_step_ms": ms(&traced),
+        "floor_step_ms": ms(&floor),
+        "untraced_job_cpu_s": cpu(&base),
+        "traced_job_cpu_s": cpu(&traced),
+        "floor_job_cpu_s": cpu(&floor),
         "per_round_percent": paired,
+        "floor_per_round_percent": paired_floor,
         "overhead": overhead_summary(&paired),
+        "floor_overhead": overhead_summary(&paired_floor),
+        "job_cpu_overhead": overhead_summary(&paired_cpu),
+        "floor_job_cpu_overhead": overhead_summary(&paired_cpu_floor),
     }))
 }
 
-/// One overhead phase's paired figures (`measure::overhead_summary`).
-fn print_overhead(o: &Value) {
+/// One overhead phase's paired figures (`measure::overhead_summary`): the
+/// agent's, and the floor's (counting programs on the same attach points).
+fn print_overhead(phase: &Value) {
     let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
-    println!(
-        "mean {:+.2}% (95% CI +/- {:.2}), median {:+.2}%, range {:+.2}% .. {:+.2}% (goal <= 0.5%)",
-        f(&o["mean_percent"]),
-        f(&o["ci95_percent"]),
-        f(&o["median_percent"]),
-        f(&o["min_percent"]),
-        f(&o["max_percent"])
-    );
+    for (label, o) in [
+        ("step time, agent service", &phase["overhead"]),
+        (
+            "step time, floor (counting programs only)",
+            &phase["floor_overhead"],
+        ),
+        (
+            "the job's CPU time, agent service",
+            &phase["job_cpu_overhead"],
+        ),
+        (
+            "the job's CPU time, floor",
+            &phase["floor_job_cpu_overhead"],
+        ),
+    ] {
+        println!(
+            "{label}: mean {:+.2}% (95% CI +/- {:.2}), median {:+.2}%, range {:+.2}% .. {:+.2}%",
+            f(&o["mean_percent"]),
+            f(&o["ci95_percent"]),
+            f(&o["median_percent"]),
+            f(&o["min_percent"]),
+            f(&o["max_percent"])
+        );
+    }
+    println!("(goal for the agent's step time: <= 0.5%)");
 }
 
 pub fn run(out: &Path, minutes: u64) -> Result<Value> {
@@ -829,20 +939,21 @@ pub fn run(out: &Path, minutes: u64) -> Result<Value> {
     );
     let o = &results["step_overhead"];
     println!(
-        "\n## Step-time overhead: {} traced rounds between {} untraced ({} steps each)\n",
-        o["rounds_traced"], o["rounds_untraced"], o["steps_per_round"]
+        "\n## Step-time overhead: {} traced and {} floor rounds between {} untraced ({} steps each)\n",
+        o["rounds_traced"], o["rounds_floor"], o["rounds_untraced"], o["steps_per_round"]
     );
-    print_overhead(&o["overhead"]);
+    print_overhead(o);
     let o = &results["step_overhead_agent_own_cpu"];
     if o["overhead"].is_object() {
         println!(
-            "\n## Step-time overhead, the agent on CPU 0 and the ranks on CPUs {}: {} traced rounds between {} untraced ({} steps each)\n",
+            "\n## Step-time overhead, the agent on CPU 0 and the ranks on CPUs {}: {} traced and {} floor rounds between {} untraced ({} steps each)\n",
             o["job_cpus"].as_str().unwrap_or(""),
             o["rounds_traced"],
+            o["rounds_floor"],
             o["rounds_untraced"],
             o["steps_per_round"]
         );
-        print_overhead(&o["overhead"]);
+        print_overhead(o);
     } else {
         println!(
             "\n(no rounds with the agent on a CPU of its own: {})",

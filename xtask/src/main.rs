@@ -13,6 +13,7 @@
 //!   configuration), or `--uninstall`.
 
 mod bench;
+mod bench_floor;
 mod bench_merge;
 mod bench_probes;
 mod bench_soak;

@@ -61,6 +61,31 @@ impl fmt::Display for CaptureLevel {
     }
 }
 
+/// Off-CPU stacks at levels 1 and 2: a per-thread token bucket (level 3
+/// takes one at every switch-out).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StacksConfig {
+    /// Stacks per second per thread, on average.
+    pub rate: u32,
+    /// Stacks a thread may take at once after a quiet spell.
+    pub burst: u32,
+}
+
+impl Default for StacksConfig {
+    /// A tenth of `agent attach`'s (100 per second, bursts of 20): a
+    /// capture costs the switching thread about 10-20 us (the kernel walk,
+    /// the frame-pointer walk and the 8 KiB stack copy), which the service,
+    /// always on, must not charge the training at every wait. Measured on
+    /// the 8-rank simulated job (README, "Soak"): 100 per second took half
+    /// of the programs' time in the ranks.
+    fn default() -> Self {
+        Self {
+            rate: 10,
+            burst: 10,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct FlightRecorderConfig {
     /// The window kept: the last this many seconds of records.
@@ -163,6 +188,7 @@ pub struct ServiceConfig {
     pub discovery: DiscoveryConfig,
     pub labels: LabelsConfig,
     pub rings: RingsConfig,
+    pub stacks: StacksConfig,
 }
 
 impl Default for ServiceConfig {
@@ -198,6 +224,7 @@ impl Default for ServiceConfig {
                     .to_vec(),
             },
             rings: RingsConfig::default(),
+            stacks: StacksConfig::default(),
         }
     }
 }
@@ -366,6 +393,23 @@ impl ServiceConfig {
                     let n = ctx.size(&v, &name)?;
                     *field = crate::config::parse_ring_size(&n.to_string())
                         .map_err(|m| ctx.value_error(&v, &name, m))?;
+                }
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("stacks")? {
+            let mut s = Section::new(&ctx, "stacks", &t);
+            let st = &mut cfg.stacks;
+            for (key, field, max) in [
+                ("rate", &mut st.rate, 10_000),
+                ("burst", &mut st.burst, 1_000),
+            ] {
+                if let Some(v) = s.take(key) {
+                    let name = format!("stacks.{key}");
+                    let n = ctx.integer(&v, &name)?;
+                    *field = u32::try_from(n).ok().filter(|n| *n <= max).ok_or_else(|| {
+                        ctx.value_error(&v, &name, format!("{n} must be between 0 and {max}"))
+                    })?;
                 }
             }
             s.finish()?;
@@ -823,6 +867,9 @@ max_bytes = "64M"
 scheduler = "32M"
 device = 1048576
 bystander = "16M"
+[stacks]
+rate = 50
+burst = 0
 [metrics]
 listen = "off"
 [control]
@@ -870,6 +917,12 @@ job_env = ["MY_JOB"]
                 device: 1 << 20,
                 bystander: 16 << 20
             }
+        );
+        assert_eq!(cfg.stacks, StacksConfig { rate: 50, burst: 0 });
+        let e = parse("[stacks]\nrate = -1\n").unwrap_err();
+        assert!(
+            e.contains("agent.toml:2") && e.contains("stacks.rate") && e.contains("between 0 and"),
+            "{e}"
         );
         let e = parse("[rings]\nscheduler = \"3M\"\n").unwrap_err();
         assert!(

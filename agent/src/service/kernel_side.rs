@@ -11,8 +11,8 @@
 //! | service level | device calls (`DeviceLevel`) | scheduling, off-CPU stacks |
 //! |---|---|---|
 //! | 0 | 0: collectives, syncs, memory, communicator set-up | off (`CONFIG.sched_off`) |
-//! | 1 (default) | 0 | on, sampled stacks |
-//! | 2 | 1: + launches and copies | on, sampled stacks |
+//! | 1 (default) | 0 | on, sampled stacks (`[stacks]`: 10/s per thread) |
+//! | 2 | 1: + launches and copies | on, sampled stacks (`[stacks]`) |
 //! | 3 | 2: + activity records | on, a stack at every switch-out |
 //!
 //! At level 0 the scheduler programs return at once for the traced
@@ -135,6 +135,8 @@ pub fn load(cfg: &ServiceConfig) -> Result<Kernel> {
         ring_bytes: cfg.rings.scheduler,
         device_ring_bytes: cfg.rings.device,
         bystander_ring_bytes: cfg.rings.bystander,
+        stack_rate: cfg.stacks.rate,
+        stack_burst: cfg.stacks.burst,
         ..AttachConfig::default()
     };
     let btf = Btf::from_file(&tuning.kernel_btf)?;

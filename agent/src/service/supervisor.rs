@@ -165,6 +165,7 @@ impl Control for ServiceControl {
                 ("discovery", old.discovery != new.discovery),
                 ("detect", old.detect != new.detect),
                 ("rings", old.rings != new.rings),
+                ("stacks", old.stacks != new.stacks),
             ];
             restart = differs.iter().filter(|d| d.1).map(|d| d.0).collect();
             *old = new;

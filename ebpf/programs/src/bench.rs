@@ -1,16 +1,20 @@
-//! The baseline of the device-probe benchmark (`cargo xtask bench probes`):
-//! a bare uprobe and uretprobe that only count, to compare the agent's real
-//! programs against on the same function. The agent never loads them.
+//! The benchmarks' baselines: programs that only count, on the agent's
+//! attach points, to measure the agent's real programs against what any
+//! program there costs on the same machine. A bare uprobe and uretprobe
+//! (`cargo xtask bench probes`: on one function; `bench soak`: on every
+//! function the service probes) and the scheduler tracepoints the agent
+//! uses (`bench soak`'s floor rounds). The agent never loads them.
 
 use aya_ebpf::{
-    macros::{map, uprobe, uretprobe},
+    macros::{btf_tracepoint, map, uprobe, uretprobe},
     maps::PerCpuArray,
-    programs::{ProbeContext, RetProbeContext},
+    programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 
-/// Slot 0: entries, slot 1: returns (per CPU).
+/// Slot 0: entries, slot 1: returns, slot 2: switches, slot 3: wakeups
+/// (per CPU).
 #[map]
-pub static BENCH_HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+pub static BENCH_HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(4, 0);
 
 #[inline(always)]
 fn count(slot: u32) {
@@ -30,5 +34,17 @@ pub fn bench_count_entry(_ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn bench_count_return(_ctx: RetProbeContext) -> u32 {
     count(1);
+    0
+}
+
+#[btf_tracepoint(function = "sched_switch")]
+pub fn bench_count_switch(_ctx: BtfTracePointContext) -> u32 {
+    count(2);
+    0
+}
+
+#[btf_tracepoint(function = "sched_waking")]
+pub fn bench_count_waking(_ctx: BtfTracePointContext) -> u32 {
+    count(3);
     0
 }

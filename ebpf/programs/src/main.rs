@@ -10,7 +10,7 @@
 //! - `uprobes`: device-library calls (one generic entry/return pair);
 //! - `loader`: the dynamic loader's debugger hook (a link map changed);
 //! - `ring`, `task`, `stacks`: shared plumbing;
-//! - `bench`: a bare counting uprobe, the benchmark's baseline only.
+//! - `bench`: bare counting programs, the benchmarks' baselines only.
 //!
 //! Requires a kernel with BTF (`tp_btf` programs); task fields are read at
 //! offsets the agent takes from `/sys/kernel/btf/vmlinux`.
