@@ -22,10 +22,10 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeScope};
-use aya::programs::{BtfTracePoint, ProgramError, UProbe};
+use aya::programs::{BtfTracePoint, ProgramError};
 use aya::{Btf, Ebpf, EbpfLoader};
 
-use crate::build;
+use crate::{bench_probes, build};
 
 /// The device level the service probes at its default level (1).
 const DEFAULT_DEVICE_LEVEL: u8 = 0;
@@ -68,7 +68,7 @@ impl Floor {
             p.attach().with_context(|| format!("attaching {name}"))?;
         }
         for name in ["bench_count_entry", "bench_count_return"] {
-            let p = uprobe(&mut bpf, name)?;
+            let p = bench_probes::program(&mut bpf, name)?;
             p.load().with_context(|| format!("loading {name}"))?;
             for point in points {
                 p.attach(
@@ -91,13 +91,6 @@ impl Floor {
             probes: points.len(),
         })
     }
-}
-
-fn uprobe<'a>(bpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
-    bpf.program_mut(name)
-        .with_context(|| format!("{name} missing from the eBPF object"))?
-        .try_into()
-        .map_err(|e: ProgramError| anyhow::anyhow!("{name}: {e}"))
 }
 
 /// Where the agent's default level probes the device libraries these

@@ -271,7 +271,8 @@ impl BareProbe {
     }
 }
 
-fn program<'a>(bpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
+/// The uprobe program `name` of the loaded eBPF object.
+pub(crate) fn program<'a>(bpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
     let p: &mut UProbe = bpf
         .program_mut(name)
         .with_context(|| format!("{name} missing from the eBPF object"))?
