@@ -93,6 +93,23 @@ pub fn resident() -> Value {
         "anon_bytes": kb("RssAnon:"),
         "file_bytes": kb("RssFile:"),
         "ring_mapped_bytes": ring_mapped(&smaps),
+        "heap": allocator(),
+    })
+}
+
+/// What glibc's allocator holds, to tell a leak (bytes in use grow) from
+/// fragmentation (arenas grow around free space): `in_use_bytes` are the
+/// live allocations, `free_bytes` the arenas' free chunks, `mmapped_bytes`
+/// the large blocks allocated with their own mapping.
+fn allocator() -> Value {
+    // SAFETY: mallinfo2 reads the allocator's statistics under its locks;
+    // no preconditions.
+    let m = unsafe { libc::mallinfo2() };
+    json!({
+        "in_use_bytes": m.uordblks + m.hblkhd,
+        "free_bytes": m.fordblks,
+        "mmapped_bytes": m.hblkhd,
+        "arena_bytes": m.arena,
     })
 }
 

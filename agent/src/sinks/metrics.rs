@@ -22,10 +22,14 @@
 //!   `xpuscope_flight_recorder_dumps_total` [trigger, outcome],
 //!   `xpuscope_metrics_series_folded_total` [family].
 //!
+//! The series of a rank whose processes all exited are served for
+//! [`EXITED_SERIES_RETENTION_NS`](series::EXITED_SERIES_RETENTION_NS) more (5 minutes), then removed (the
+//! bound's room with them).
+//!
 //! `comm` is the communicator's kind and identity (`nccl:1a2b3c4d`); `op`
 //! `allreduce`, `send`, ...; `dtype` `bf16`, ...
 //!
-//! Cardinality is bounded: each family keeps at most [`MAX_SERIES`] label
+//! Cardinality is bounded: each family keeps at most [`MAX_SERIES`](series::MAX_SERIES) label
 //! sets. Past that, a new label set is folded into one with `rank`,
 //! `local_rank`, `comm`, `op`, `dtype` and `device` set to `other` (its
 //! values still count), and `xpuscope_metrics_series_folded_total` counts
@@ -42,7 +46,7 @@
 //! Not yet here: algorithm bandwidth.
 
 use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -56,12 +60,13 @@ use prometheus_client::registry::Registry;
 use xpuscope_probes::catalog::{CallKind, Collective, Direction};
 use xpuscope_probes::decode::args::CallArgs;
 
+mod series;
+
+use self::series::{Admission, RankFamily, RankPart, RankSeries, SeriesBook};
 use super::flight_recorder::{RecorderStats, Trigger};
 use super::{Sink, SinkCounters};
 use crate::model::{DeviceCallRecord, InFlightSnapshot, OffCpuInterval, RankIdentity, Record};
 
-/// Most label sets per family.
-pub const MAX_SERIES: usize = 2_000;
 /// The pipeline is alive while the sink heard from it this recently.
 pub const LIVENESS_NS: u64 = 10_000_000_000;
 const FOLDED: &str = "other";
@@ -323,39 +328,6 @@ impl MetricsHandle {
     }
 }
 
-/// Label sets admitted per family, bounded.
-#[derive(Default)]
-struct SeriesBound {
-    seen: HashMap<&'static str, HashSet<u64>>,
-}
-
-impl SeriesBound {
-    /// `labels` if the family has room for them (or has them), else the
-    /// folded set `fold(labels)`, counted.
-    fn admit<L: Hash>(
-        &mut self,
-        family: &'static str,
-        labels: L,
-        fold: impl FnOnce(L) -> L,
-        folded: &Family<FamilyLabels, Counter>,
-    ) -> L {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        labels.hash(&mut h);
-        let key = h.finish();
-        let seen = self.seen.entry(family).or_default();
-        if seen.contains(&key) || seen.len() < MAX_SERIES {
-            seen.insert(key);
-            return labels;
-        }
-        folded
-            .get_or_create(&FamilyLabels {
-                family: family.into(),
-            })
-            .inc();
-        fold(labels)
-    }
-}
-
 /// Running totals turned into counter increments.
 #[derive(Default)]
 struct Deltas {
@@ -379,7 +351,14 @@ pub struct MetricsSink {
     /// Hang-gauge series set by the last snapshot (zeroed when their rank
     /// has nothing running).
     in_flight_series: HashSet<RankLabels>,
-    bound: SeriesBound,
+    /// The series per family and per rank, and which processes feed them.
+    book: SeriesBook,
+    /// Whether a process still runs (the sweep's backstop for an exit the
+    /// stream did not carry); a fake in tests.
+    alive: fn(u32) -> bool,
+    /// The latest CLOCK_BOOTTIME ns the sink was told of.
+    latest: u64,
+    next_sweep: u64,
     deltas: Deltas,
     sources: Arc<AgentSources>,
     last_heard: Arc<AtomicU64>,
@@ -399,7 +378,10 @@ impl MetricsSink {
             ranks: HashMap::new(),
             memory_series: HashMap::new(),
             in_flight_series: HashSet::new(),
-            bound: SeriesBound::default(),
+            book: SeriesBook::default(),
+            alive: process_alive,
+            latest: 0,
+            next_sweep: 0,
             deltas: Deltas::default(),
             sources: sources.clone(),
             last_heard: last_heard.clone(),
@@ -411,40 +393,149 @@ impl MetricsSink {
         (sink, handle, sources)
     }
 
-    fn rank(&self, tgid: u32) -> RankLabels {
-        self.ranks
-            .get(&tgid)
-            .cloned()
-            .unwrap_or_else(|| RankLabels {
-                node: self.node.clone(),
-                ..Default::default()
-            })
+    /// The labels of `tgid`'s rank (empty job and rank until its identity
+    /// is known); a process seen for the first time starts feeding them.
+    fn rank(&mut self, tgid: u32) -> RankLabels {
+        if let Some(r) = self.ranks.get(&tgid) {
+            return r.clone();
+        }
+        let r = RankLabels {
+            node: self.node.clone(),
+            ..Default::default()
+        };
+        self.book.feeds(tgid, &r);
+        self.ranks.insert(tgid, r.clone());
+        r
     }
 
     fn identity(&mut self, tgid: u32, id: &RankIdentity) {
         let v = |s: &Option<String>| s.clone().unwrap_or_default();
-        self.ranks.insert(
-            tgid,
-            RankLabels {
-                job: v(&id.job),
-                rank: v(&id.rank),
-                local_rank: v(&id.local_rank),
-                node: self.node.clone(),
-            },
-        );
+        let labels = RankLabels {
+            job: v(&id.job),
+            rank: v(&id.rank),
+            local_rank: v(&id.local_rank),
+            node: self.node.clone(),
+        };
+        if let Some(old) = self.ranks.get(&tgid)
+            && *old != labels
+        {
+            let old = old.clone();
+            self.book.stops_feeding(tgid, &old, self.latest);
+        }
+        self.book.feeds(tgid, &labels);
+        self.ranks.insert(tgid, labels);
     }
 
-    fn admit_rank(&mut self, family: &'static str, r: RankLabels) -> RankLabels {
-        self.bound.admit(
-            family,
+    /// `labels` if `family` has room for them (or has them), else the
+    /// folded set `fold(labels)`, counted; a new series is kept in its
+    /// rank's book with `keep`, and a process whose series fold feeds the
+    /// folded rank too.
+    fn admit<L: Hash + Clone + RankPart>(
+        &mut self,
+        tgid: u32,
+        family: &'static str,
+        labels: L,
+        fold: impl FnOnce(L) -> L,
+        keep: impl FnOnce(&mut RankSeries, &L),
+    ) -> L {
+        match self.book.admit(family, &labels) {
+            Admission::Known => labels,
+            Admission::New => {
+                keep(self.book.owner(labels.rank_part()), &labels);
+                labels
+            }
+            Admission::Full => {
+                self.f
+                    .folded
+                    .get_or_create(&FamilyLabels {
+                        family: family.into(),
+                    })
+                    .inc();
+                let folded = fold(labels);
+                let rank = folded.rank_part();
+                self.book.feeds(tgid, &rank);
+                keep(self.book.owner(rank), &folded);
+                folded
+            }
+        }
+    }
+
+    fn admit_rank(&mut self, tgid: u32, family: RankFamily, r: RankLabels) -> RankLabels {
+        self.admit(
+            tgid,
+            family.bound_name(),
             r,
             |r| RankLabels {
                 rank: FOLDED.into(),
                 local_rank: FOLDED.into(),
                 ..r
             },
-            &self.f.folded,
+            |o, _| {
+                if !o.rank_families.contains(&family) {
+                    o.rank_families.push(family);
+                }
+            },
         )
+    }
+
+    /// The last thread of `tgid` exited at `ts`.
+    fn process_ended(&mut self, tgid: u32, ts: u64) {
+        self.ranks.remove(&tgid);
+        for labels in self.memory_series.remove(&tgid).unwrap_or_default() {
+            self.f.memory.remove(&labels);
+        }
+        self.book.exited(tgid, ts);
+    }
+
+    /// Removes the series of ranks whose processes all exited longer than
+    /// the retention ago (every few seconds of `now`).
+    fn sweep(&mut self, now: u64) {
+        const EVERY_NS: u64 = 10_000_000_000;
+        if now < self.next_sweep {
+            return;
+        }
+        self.next_sweep = now + EVERY_NS;
+        let gone: Vec<u32> = self
+            .ranks
+            .keys()
+            .copied()
+            .filter(|t| !(self.alive)(*t))
+            .collect();
+        for tgid in gone {
+            self.process_ended(tgid, now);
+        }
+        for (rank, owner) in self.book.expire(now) {
+            let f = &self.f;
+            for family in owner.rank_families {
+                match family {
+                    RankFamily::Sync => {
+                        f.sync_seconds.remove(&rank);
+                    }
+                    RankFamily::Launches => {
+                        f.launches.remove(&rank);
+                    }
+                    RankFamily::OffCpu => {
+                        f.off_cpu.remove(&rank);
+                        f.runqueue.remove(&rank);
+                    }
+                    RankFamily::InFlightOldest => {
+                        f.in_flight_oldest.remove(&rank);
+                        self.in_flight_series.remove(&rank);
+                    }
+                }
+            }
+            for l in &owner.collective {
+                f.collective_seconds.remove(l);
+                f.collective_bytes.remove(l);
+            }
+            for l in &owner.comm {
+                f.last_seq.remove(l);
+            }
+            for l in &owner.device {
+                f.memory.remove(l);
+                f.ooms.remove(l);
+            }
+        }
     }
 
     fn record(&mut self, r: &Record) {
@@ -475,10 +566,8 @@ impl MetricsSink {
                 exit,
                 process_ended: true,
             } => {
-                self.ranks.remove(&exit.tgid);
-                for labels in self.memory_series.remove(&exit.tgid).unwrap_or_default() {
-                    self.f.memory.remove(&labels);
-                }
+                self.latest = self.latest.max(exit.ts);
+                self.process_ended(exit.tgid, exit.ts);
             }
             _ => {}
         }
@@ -503,12 +592,12 @@ impl MetricsSink {
                 a.bytes,
             ),
             (CallKind::Sync(_), _) => {
-                let labels = self.admit_rank("sync_duration", rank);
+                let labels = self.admit_rank(call.tgid, RankFamily::Sync, rank);
                 self.f.sync_seconds.get_or_create(&labels).observe(seconds);
                 return;
             }
             (CallKind::Launch(_), _) => {
-                let labels = self.admit_rank("launches", rank);
+                let labels = self.admit_rank(call.tgid, RankFamily::Launches, rank);
                 self.f.launches.get_or_create(&labels).inc();
                 return;
             }
@@ -534,7 +623,8 @@ impl MetricsSink {
             op: op.into(),
             dtype: dtype.into(),
         };
-        let labels = self.bound.admit(
+        let labels = self.admit(
+            call.tgid,
             "collective",
             labels,
             |l| CollectiveLabels {
@@ -545,7 +635,11 @@ impl MetricsSink {
                 dtype: FOLDED.into(),
                 ..l
             },
-            &self.f.folded,
+            |o, l| {
+                if !o.collective.contains(l) {
+                    o.collective.push(l.clone());
+                }
+            },
         );
         self.f
             .collective_seconds
@@ -562,7 +656,8 @@ impl MetricsSink {
                 node: rank.node,
                 comm,
             };
-            let labels = self.bound.admit(
+            let labels = self.admit(
+                call.tgid,
                 "last_seq",
                 labels,
                 |l| CommLabels {
@@ -571,7 +666,11 @@ impl MetricsSink {
                     comm: FOLDED.into(),
                     ..l
                 },
-                &self.f.folded,
+                |o, l| {
+                    if !o.comm.contains(l) {
+                        o.comm.push(l.clone());
+                    }
+                },
             );
             let g = self.f.last_seq.get_or_create(&labels);
             g.set(g.get().max(seq as i64));
@@ -593,7 +692,8 @@ impl MetricsSink {
             node: rank.node,
             device: format!("{vendor}{}", m.device.index),
         };
-        let labels = self.bound.admit(
+        let labels = self.admit(
+            tgid,
             "device_memory",
             labels,
             |l| DeviceLabels {
@@ -602,7 +702,11 @@ impl MetricsSink {
                 device: FOLDED.into(),
                 ..l
             },
-            &self.f.folded,
+            |o, l| {
+                if !o.device.contains(l) {
+                    o.device.push(l.clone());
+                }
+            },
         );
         if m.failed_request.is_some() {
             self.f.ooms.get_or_create(&labels).inc();
@@ -624,7 +728,8 @@ impl MetricsSink {
         }
         let mut now = HashSet::new();
         for (tgid, age) in oldest {
-            let labels = self.admit_rank("in_flight_oldest", self.rank(tgid));
+            let rank = self.rank(tgid);
+            let labels = self.admit_rank(tgid, RankFamily::InFlightOldest, rank);
             let g = self.f.in_flight_oldest.get_or_create(&labels);
             // Several processes folded into one series: the oldest wins.
             let seconds = age as f64 / 1e9;
@@ -641,7 +746,8 @@ impl MetricsSink {
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {
         let seconds = i.duration() as f64 / 1e9;
-        let rank = self.admit_rank("off_cpu", self.rank(i.tgid));
+        let rank = self.rank(i.tgid);
+        let rank = self.admit_rank(i.tgid, RankFamily::OffCpu, rank);
         self.f.off_cpu.get_or_create(&rank).inc_by(seconds);
         if i.preempted_by.is_some() && !i.truncated {
             self.f.runqueue.get_or_create(&rank).observe(seconds);
@@ -718,6 +824,11 @@ impl MetricsSink {
     }
 }
 
+/// Whether process `tgid` runs (its `/proc` entry is there).
+fn process_alive(tgid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{tgid}")).exists()
+}
+
 fn op_label(op: Collective) -> &'static str {
     match op {
         Collective::AllReduce => "allreduce",
@@ -766,7 +877,9 @@ impl Sink for MetricsSink {
         Ok(())
     }
 
-    fn on_tick(&mut self, _now: u64, lost: &SinkCounters) -> Result<()> {
+    fn on_tick(&mut self, now: u64, lost: &SinkCounters) -> Result<()> {
+        self.latest = self.latest.max(now);
+        self.sweep(now);
         self.agent(lost);
         self.last_heard
             .store(crate::host::boottime_ns(), Ordering::Relaxed);

@@ -9,6 +9,7 @@ use xpuscope_probes::decode::comm::CommContext;
 use xpuscope_probes::decode::enums::{DataType, RedOp};
 use xpuscope_probes::decode::memory::{Device, MemoryEffect};
 
+use super::series::MAX_SERIES;
 use super::*;
 use crate::events::{Comm, Exit};
 use crate::model::Preemptor;
@@ -400,4 +401,122 @@ fn the_hang_gauge_and_findings() {
     let text = handle.render();
     assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 1.0);
     assert_eq!(value(&text, "xpuscope_findings_total{kind=\"crash\"}"), 0.0);
+}
+
+fn exit(tgid: u32, ts: u64) -> Record {
+    Record::Exit {
+        exit: Exit {
+            cpu: 0,
+            ts,
+            tid: tgid,
+            tgid,
+            prio: 120,
+            comm: Comm::from_str_lossy("python"),
+            group_dead: true,
+            group_known: true,
+            exit_code: None,
+        },
+        process_ended: true,
+    }
+}
+
+/// A node runs job after job: a rank's series are served for the
+/// retention after its processes exit, then removed, while a live rank's
+/// stay; a process whose exit the stream lost is found gone by the sweep.
+#[test]
+fn series_of_exited_ranks_go_after_the_retention() {
+    use super::series::EXITED_SERIES_RETENTION_NS as RETAIN;
+    let (mut sink, handle, _) = MetricsSink::new("node-a");
+    // Process 12's exit never reaches the sink; 10 and 11 "run" until the
+    // records say otherwise.
+    sink.alive = |tgid| tgid != 12;
+    let lost = SinkCounters::default();
+    let mut batch = Vec::new();
+    for (tgid, rank) in [(10, 0), (11, 1), (12, 2)] {
+        batch.push(identity(tgid, rank));
+        batch.push(allreduce(tgid, MS, MS, 1, 0xabcd));
+        batch.push(sync(tgid, 3 * MS, MS));
+    }
+    sink.on_batch(&batch, &lost).unwrap();
+    let ranks_in = |text: &str| -> Vec<String> {
+        let mut r: Vec<String> = lines_with(text, "xpuscope_collective_duration_seconds_count{")
+            .iter()
+            .chain(lines_with(text, "xpuscope_sync_duration_seconds_count{").iter())
+            .chain(lines_with(text, "xpuscope_collective_last_seq{").iter())
+            .map(|l| {
+                let at = l.find("rank=\"").unwrap() + 6;
+                l[at..at + 1].to_string()
+            })
+            .collect();
+        r.sort();
+        r.dedup();
+        r
+    };
+    assert_eq!(ranks_in(&handle.render()), ["0", "1", "2"]);
+    assert_eq!(
+        lines_with(
+            &handle.render(),
+            "xpuscope_collective_duration_seconds_count{"
+        )
+        .len(),
+        3
+    );
+
+    sink.on_batch(&[exit(10, 1_000 * MS)], &lost).unwrap();
+    // The sweep finds 12 gone at 30 s.
+    sink.on_tick(30_000 * MS, &lost).unwrap();
+    sink.on_tick(1_000 * MS + RETAIN - MS, &lost).unwrap();
+    assert_eq!(
+        ranks_in(&handle.render()),
+        ["0", "1", "2"],
+        "still inside the retention"
+    );
+    sink.on_tick(1_000 * MS + RETAIN + 10_000 * MS, &lost)
+        .unwrap();
+    assert_eq!(ranks_in(&handle.render()), ["1", "2"], "rank 0 went");
+    sink.on_tick(30_000 * MS + RETAIN + 10_000 * MS, &lost)
+        .unwrap();
+    let text = handle.render();
+    assert_eq!(ranks_in(&text), ["1"], "rank 2 went too");
+    // Rank 1's series survive and go on counting.
+    sink.on_batch(&[allreduce(11, 5 * MS, MS, 2, 0xabcd)], &lost)
+        .unwrap();
+    let text = handle.render();
+    let count = lines_with(&text, "xpuscope_collective_duration_seconds_count{");
+    assert_eq!(count.len(), 1);
+    assert!(count[0].ends_with(" 2"), "{count:?}");
+    assert_eq!(sink.book.sizes(), (1, 1), "only rank 1 and process 11 kept");
+    // Counters of the agent itself are never removed.
+    assert_eq!(
+        value(&text, r#"xpuscope_agent_records_total{kind="device_call"}"#),
+        7.0
+    );
+}
+
+/// Removing a finished job's series gives their room under the bound back:
+/// the next job's series are not folded.
+#[test]
+fn the_bound_frees_the_room_of_removed_series() {
+    use super::series::EXITED_SERIES_RETENTION_NS as RETAIN;
+    let (mut sink, handle, _) = MetricsSink::new("node-a");
+    sink.alive = |_| true;
+    let lost = SinkCounters::default();
+    let batch: Vec<Record> = (0..MAX_SERIES as u64)
+        .map(|i| allreduce(10, i * MS, MS, i, 0x1000_0000 + i))
+        .collect();
+    sink.on_batch(&batch, &lost).unwrap();
+    sink.on_batch(&[exit(10, 10_000 * MS)], &lost).unwrap();
+    sink.on_tick(10_000 * MS + RETAIN, &lost).unwrap();
+    let text = handle.render();
+    assert!(lines_with(&text, "xpuscope_collective_duration_seconds_count{").is_empty());
+    assert!(lines_with(&text, "xpuscope_collective_last_seq{").is_empty());
+    // The next job: its first communicator is a series of its own.
+    sink.on_batch(&[identity(20, 3), allreduce(20, MS, MS, 1, 0xfeed)], &lost)
+        .unwrap();
+    let text = handle.render();
+    let count = lines_with(&text, "xpuscope_collective_duration_seconds_count{");
+    assert_eq!(count.len(), 1, "{count:?}");
+    assert!(count[0].contains(r#"rank="3""#), "{count:?}");
+    assert!(lines_with(&text, "xpuscope_metrics_series_folded_total{").is_empty());
+    assert_eq!(sink.book.sizes(), (1, 1));
 }
