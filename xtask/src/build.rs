@@ -144,6 +144,18 @@ pub fn test(extra: &[String]) -> Result<()> {
         clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
         "cargo fmt --check",
     )?;
+    // The kernel programs are a crate of their own (another target, outside
+    // the workspace): checked on their own.
+    run_checked(
+        clean_command("cargo").args([
+            "fmt",
+            "--manifest-path",
+            "ebpf/programs/Cargo.toml",
+            "--",
+            "--check",
+        ]),
+        "cargo fmt --check (ebpf/programs)",
+    )?;
     run_checked(
         clean_command("cargo").args([
             "clippy",

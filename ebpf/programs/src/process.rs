@@ -16,7 +16,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use xpuscope_common::{
-    EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventKind, ProcessExec, ProcessExit, ProcessFork, TaskRename,
+    EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventKind, ProcessExec, ProcessExit,
+    ProcessFork, TaskRename,
 };
 
 use crate::{

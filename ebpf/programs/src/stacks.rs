@@ -7,7 +7,9 @@ use aya_ebpf::{
     bindings::{BPF_F_USER_STACK, pt_regs},
     helpers::{
         bpf_probe_read_kernel,
-        generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs},
+        generated::{
+            bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_user, bpf_task_pt_regs,
+        },
     },
 };
 use xpuscope_common::{
@@ -77,7 +79,8 @@ pub fn capture_off_cpu<C: EbpfContext>(
     tid: u32,
     tgid: u32,
 ) {
-    let Some(mut entry) = reserve::<OffCpuStack>(Ring::Sched, EventKind::OffCpuStack, cpu, ts) else {
+    let Some(mut entry) = reserve::<OffCpuStack>(Ring::Sched, EventKind::OffCpuStack, cpu, ts)
+    else {
         return;
     };
     let rec = entry.as_mut_ptr();

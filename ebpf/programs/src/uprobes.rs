@@ -10,7 +10,10 @@ use aya_ebpf::{
     bindings::BPF_F_USER_STACK,
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_probe_read_user_buf,
-        generated::{bpf_get_attach_cookie, bpf_get_func_ip, bpf_get_stack, bpf_probe_read_user, bpf_probe_read_user_str},
+        generated::{
+            bpf_get_attach_cookie, bpf_get_func_ip, bpf_get_stack, bpf_probe_read_user,
+            bpf_probe_read_user_str,
+        },
     },
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
@@ -253,7 +256,8 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
 /// in the ring, so the agent has it when the call completes).
 #[inline(always)]
 fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32, probe_ip: u64) {
-    let Some(mut entry) = reserve::<UprobeStack>(Ring::Device, EventKind::UprobeStack, cpu, ts) else {
+    let Some(mut entry) = reserve::<UprobeStack>(Ring::Device, EventKind::UprobeStack, cpu, ts)
+    else {
         return;
     };
     let rec = entry.as_mut_ptr();
