@@ -1,76 +1,37 @@
-//! Giving the allocator's free pages back to the system.
+//! The agent's memory, as the allocator and the kernel see it.
 //!
-//! The flight recorder frees its oldest batches as new ones arrive, on
-//! another thread than the one that allocated them, and at a steady
-//! 100 k+ records per second. glibc keeps what a freed allocation held in
-//! the arena it came from and returns it to the system only from the top of
-//! the heap: measured in the soak (`malloc_stats` every minute), the bytes in
-//! use stayed flat (~450 MB) while the arenas' size grew 20 MB a minute, so
-//! the resident size grew with no leak behind it. `malloc_trim` hands every
-//! arena's free pages back (`MADV_DONTNEED` on whole free pages inside the
-//! heap, not only its top); the service calls it every [`TRIM_EVERY`].
-
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+//! The agent runs on jemalloc (see `main.rs`). Freed pages go back to the
+//! system as they age (jemalloc's decay, 10 s by default); the service
+//! turns on jemalloc's background thread so that this also happens while
+//! the service is idle (decay otherwise advances only when a thread
+//! allocates).
 
 use serde_json::{Value, json};
 
-/// How often the service trims: the growth it undoes is ~20 MB a minute,
-/// and a trim costs milliseconds.
-pub const TRIM_EVERY: Duration = Duration::from_secs(10);
-
-/// What one trim did.
-#[derive(Debug, Clone, Copy)]
-pub struct Trimmed {
-    /// Whether the allocator gave any memory back.
-    pub released: bool,
-    pub took: Duration,
+/// Purges freed pages from a thread of the allocator's own, even while no
+/// thread allocates.
+pub fn purge_in_background() -> Result<(), String> {
+    tikv_jemalloc_ctl::background_thread::write(true).map_err(|e| e.to_string())
 }
 
-/// Returns free heap pages of every arena to the system.
-pub fn trim() -> Trimmed {
-    let started = Instant::now();
-    // SAFETY: malloc_trim only walks the allocator's own free lists under
-    // its locks; it has no preconditions (pad 0: keep nothing spare).
-    let released = unsafe { libc::malloc_trim(0) } == 1;
-    Trimmed {
-        released,
-        took: started.elapsed(),
-    }
-}
-
-/// The trims so far, for `agent ctl status` (a trim holds the allocator's
-/// locks while it runs: a long one would stall every allocating thread).
-#[derive(Default)]
-pub struct TrimStats {
-    trims: AtomicU64,
-    released: AtomicU64,
-    last_us: AtomicU64,
-    max_us: AtomicU64,
-    total_us: AtomicU64,
-}
-
-impl TrimStats {
-    pub fn add(&self, t: Trimmed) {
-        let us = t.took.as_micros() as u64;
-        self.trims.fetch_add(1, Ordering::Relaxed);
-        self.released
-            .fetch_add(t.released as u64, Ordering::Relaxed);
-        self.last_us.store(us, Ordering::Relaxed);
-        self.max_us.fetch_max(us, Ordering::Relaxed);
-        self.total_us.fetch_add(us, Ordering::Relaxed);
-    }
-
-    pub fn json(&self) -> Value {
-        let n = self.trims.load(Ordering::Relaxed);
-        json!({
-            "trims": n,
-            "trims_that_released": self.released.load(Ordering::Relaxed),
-            "last_trim_us": self.last_us.load(Ordering::Relaxed),
-            "max_trim_us": self.max_us.load(Ordering::Relaxed),
-            "mean_trim_us": self.total_us.load(Ordering::Relaxed).checked_div(n).unwrap_or(0),
-        })
-    }
+/// What the allocator holds, to tell a leak (`allocated_bytes` grows) from
+/// fragmentation (`active_bytes` or `resident_bytes` grow around it):
+/// `allocated` is the live allocations, `active` the pages of the slabs and
+/// runs holding them, `resident` the allocator's pages in memory (its
+/// metadata included), `retained` virtual memory kept unmapped for reuse.
+pub fn allocator() -> Value {
+    // The statistics are a snapshot taken when the epoch advances.
+    let _ = tikv_jemalloc_ctl::epoch::advance();
+    use tikv_jemalloc_ctl::stats;
+    let read = |r: tikv_jemalloc_ctl::Result<usize>| r.map_or(0, |v| v as u64);
+    json!({
+        "allocated_bytes": read(stats::allocated::read()),
+        "active_bytes": read(stats::active::read()),
+        "resident_bytes": read(stats::resident::read()),
+        "metadata_bytes": read(stats::metadata::read()),
+        "retained_bytes": read(stats::retained::read()),
+        "background_purge": tikv_jemalloc_ctl::background_thread::read().unwrap_or(false),
+    })
 }
 
 /// The agent's resident memory by kind, from `/proc/self/status` and
@@ -93,23 +54,6 @@ pub fn resident() -> Value {
         "anon_bytes": kb("RssAnon:"),
         "file_bytes": kb("RssFile:"),
         "ring_mapped_bytes": ring_mapped(&smaps),
-        "heap": allocator(),
-    })
-}
-
-/// What glibc's allocator holds, to tell a leak (bytes in use grow) from
-/// fragmentation (arenas grow around free space): `in_use_bytes` are the
-/// live allocations, `free_bytes` the arenas' free chunks, `mmapped_bytes`
-/// the large blocks allocated with their own mapping.
-fn allocator() -> Value {
-    // SAFETY: mallinfo2 reads the allocator's statistics under its locks;
-    // no preconditions.
-    let m = unsafe { libc::mallinfo2() };
-    json!({
-        "in_use_bytes": m.uordblks + m.hblkhd,
-        "free_bytes": m.fordblks,
-        "mmapped_bytes": m.hblkhd,
-        "arena_bytes": m.arena,
     })
 }
 
@@ -140,16 +84,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn trim_gives_freed_memory_back() {
-        // Many live blocks, then every other one freed: holes in the heap
-        // that only a trim can return (the top is still in use).
-        let mut blocks: Vec<Vec<u8>> = (0..4096).map(|i| vec![i as u8; 16 * 1024]).collect();
-        for b in blocks.iter_mut().step_by(2) {
-            *b = Vec::new();
-        }
-        let t = trim();
-        assert!(t.released, "{t:?}");
-        assert_eq!(blocks[1][0], 1);
+    fn the_allocator_counts_what_is_allocated_and_freed() {
+        let allocated = || allocator()["allocated_bytes"].as_u64().unwrap();
+        let before = allocated();
+        // Large enough that other tests allocating meanwhile cannot hide it.
+        let block = vec![1u8; 256 << 20];
+        let during = allocated();
+        assert!(during >= before + (200 << 20), "{before} -> {during}");
+        drop(block);
+        let after = allocated();
+        assert!(after + (200 << 20) <= during, "{during} -> {after}");
+        assert!(allocator()["resident_bytes"].as_u64().unwrap() > 0);
+    }
+
+    #[test]
+    fn background_purging_turns_on() {
+        purge_in_background().unwrap();
+        assert_eq!(allocator()["background_purge"], true);
     }
 
     #[test]
@@ -168,28 +119,5 @@ Rss:                  12 kB
         assert_eq!(ring_mapped(smaps), 72 << 10);
         let here = resident();
         assert!(here["resident_bytes"].as_u64().unwrap() > 0, "{here}");
-    }
-
-    #[test]
-    fn trim_stats_sum_up() {
-        let s = TrimStats::default();
-        s.add(Trimmed {
-            released: true,
-            took: Duration::from_micros(300),
-        });
-        s.add(Trimmed {
-            released: false,
-            took: Duration::from_micros(100),
-        });
-        let j = s.json();
-        assert_eq!(
-            (
-                j["trims"].as_u64(),
-                j["max_trim_us"].as_u64(),
-                j["mean_trim_us"].as_u64()
-            ),
-            (Some(2), Some(300), Some(200))
-        );
-        assert_eq!(j["trims_that_released"], 1);
     }
 }

@@ -78,7 +78,6 @@ struct ServiceControl {
     sinks: Vec<(&'static str, Arc<SinkCounters>)>,
     traced: Arc<Mutex<BTreeMap<u32, Value>>>,
     started: Instant,
-    trims: Arc<super::heap::TrimStats>,
 }
 
 impl ServiceControl {
@@ -120,7 +119,7 @@ impl Control for ServiceControl {
             },
             "memory": {
                 "resident": super::heap::resident(),
-                "heap_trim": self.trims.json(),
+                "allocator": super::heap::allocator(),
             },
             "sinks": self.sinks.iter().map(|(name, c)| json!({
                 "name": name,
@@ -178,6 +177,13 @@ impl Control for ServiceControl {
 
 /// `agent service` until SIGTERM or SIGINT.
 pub fn run(config_path: PathBuf, cfg: ServiceConfig) -> Result<()> {
+    // The service runs for months and idles between jobs: freed pages go
+    // back to the system then too.
+    if let Err(e) = super::heap::purge_in_background() {
+        tracing::warn!(
+            "the allocator's background purging could not start ({e}): freed memory returns only while the agent allocates"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("xpuscope-io")
@@ -295,7 +301,6 @@ where
         ));
     }
     let traced = Arc::new(Mutex::new(BTreeMap::new()));
-    let trims = Arc::new(super::heap::TrimStats::default());
     let control: Arc<dyn Control> = Arc::new(ServiceControl {
         config_path,
         config: Mutex::new(cfg.clone()),
@@ -310,7 +315,6 @@ where
         ],
         traced: traced.clone(),
         started: Instant::now(),
-        trims: trims.clone(),
     });
     let group = cfg
         .control
@@ -375,8 +379,6 @@ where
 
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut ticks = 0u32;
-    let mut trim = tokio::time::interval(super::heap::TRIM_EVERY);
-    trim.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(stop);
     let failure = loop {
         tokio::select! {
@@ -387,18 +389,6 @@ where
                     Ok(Ok(v)) => tracing::info!("configuration reloaded: {v}"),
                     Ok(Err(e)) => tracing::error!("reload refused, the old configuration stays: {e}"),
                     Err(e) => tracing::error!("reload failed: {e}"),
-                }
-            }
-            _ = trim.tick() => {
-                // Off the runtime's thread: a trim of a large heap takes
-                // milliseconds, and the control socket waits meanwhile.
-                if let Ok(t) = tokio::task::spawn_blocking(super::heap::trim).await {
-                    trims.add(t);
-                    tracing::debug!(
-                        released = t.released,
-                        took_us = t.took.as_micros() as u64,
-                        "heap trimmed"
-                    );
                 }
             }
             _ = tick.tick() => {
