@@ -57,7 +57,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use xpuscope_probes::catalog::{CallKind, Collective, Direction};
+use rustc_hash::FxHashMap;
+use xpuscope_probes::catalog::{CallKind, Collective, Direction, Library};
 use xpuscope_probes::decode::args::CallArgs;
 
 mod series;
@@ -341,10 +342,42 @@ impl Deltas {
     }
 }
 
+/// The series one process feeds, resolved when first fed: a lookup by
+/// labels clones and hashes them, and the stream brings ~100 k records a
+/// second (a cached handle shares the series' value).
+#[derive(Default)]
+struct ProcessSeries {
+    off_cpu: Option<(Counter<f64, AtomicU64>, Histogram)>,
+    sync: Option<Histogram>,
+    launches: Option<Counter>,
+    collectives: FxHashMap<CollectiveKey, CollectiveSeries>,
+}
+
+/// A process's collectives of one communicator, op and dtype: the library,
+/// the communicator's identity hash (or its handle when unknown), op, dtype.
+type CollectiveKey = (
+    Library,
+    Option<u64>,
+    Option<u64>,
+    &'static str,
+    &'static str,
+);
+
+struct CollectiveSeries {
+    seconds: Histogram,
+    bytes: Counter,
+    /// The communicator's last collective number, once a call carried one.
+    last_seq: Option<Gauge>,
+}
+
 pub struct MetricsSink {
     f: Families,
     node: String,
     ranks: HashMap<u32, RankLabels>,
+    /// Per live process, the series it feeds (dropped with its labels).
+    resolved: FxHashMap<u32, ProcessSeries>,
+    /// `xpuscope_agent_records_total` per record kind, resolved once.
+    kind_counters: [Option<Counter>; Record::KINDS],
     /// Device-memory series per process (removed at its exit: a gauge of a
     /// gone process would read as memory still held).
     memory_series: HashMap<u32, HashSet<DeviceLabels>>,
@@ -376,6 +409,8 @@ impl MetricsSink {
             f,
             node: node.chars().take(128).collect(),
             ranks: HashMap::new(),
+            resolved: FxHashMap::default(),
+            kind_counters: std::array::from_fn(|_| None),
             memory_series: HashMap::new(),
             in_flight_series: HashSet::new(),
             book: SeriesBook::default(),
@@ -424,6 +459,8 @@ impl MetricsSink {
         }
         self.book.feeds(tgid, &labels);
         self.ranks.insert(tgid, labels);
+        // Its series are those of its new labels from now on.
+        self.resolved.remove(&tgid);
     }
 
     /// `labels` if `family` has room for them (or has them), else the
@@ -481,6 +518,7 @@ impl MetricsSink {
     /// The last thread of `tgid` exited at `ts`.
     fn process_ended(&mut self, tgid: u32, ts: u64) {
         self.ranks.remove(&tgid);
+        self.resolved.remove(&tgid);
         for labels in self.memory_series.remove(&tgid).unwrap_or_default() {
             self.f.memory.remove(&labels);
         }
@@ -539,10 +577,15 @@ impl MetricsSink {
     }
 
     fn record(&mut self, r: &Record) {
-        self.f
-            .records
-            .get_or_create(&KindLabels {
-                kind: r.kind().into(),
+        let kind = r.kind_index();
+        self.kind_counters[kind]
+            .get_or_insert_with(|| {
+                self.f
+                    .records
+                    .get_or_create(&KindLabels {
+                        kind: Record::KIND_NAMES[kind].into(),
+                    })
+                    .clone()
             })
             .inc();
         match r {
@@ -575,8 +618,8 @@ impl MetricsSink {
 
     fn device_call(&mut self, c: &DeviceCallRecord) {
         let call = &c.call;
+        let tgid = call.tgid;
         let seconds = c.end_ts().saturating_sub(call.start_ts) as f64 / 1e9;
-        let rank = self.rank(call.tgid);
         let (op, dtype, bytes) = match (&call.kind, &call.args) {
             (CallKind::Collective(op), CallArgs::Collective(a)) => (
                 op_label(*op),
@@ -592,21 +635,91 @@ impl MetricsSink {
                 a.bytes,
             ),
             (CallKind::Sync(_), _) => {
-                let labels = self.admit_rank(call.tgid, RankFamily::Sync, rank);
-                self.f.sync_seconds.get_or_create(&labels).observe(seconds);
+                if !self.resolved.get(&tgid).is_some_and(|p| p.sync.is_some()) {
+                    let rank = self.rank(tgid);
+                    let labels = self.admit_rank(tgid, RankFamily::Sync, rank);
+                    let h = self.f.sync_seconds.get_or_create(&labels).clone();
+                    self.resolved.entry(tgid).or_default().sync = Some(h);
+                }
+                if let Some(h) = self.resolved.get(&tgid).and_then(|p| p.sync.as_ref()) {
+                    h.observe(seconds);
+                }
                 return;
             }
             (CallKind::Launch(_), _) => {
-                let labels = self.admit_rank(call.tgid, RankFamily::Launches, rank);
-                self.f.launches.get_or_create(&labels).inc();
+                if !self
+                    .resolved
+                    .get(&tgid)
+                    .is_some_and(|p| p.launches.is_some())
+                {
+                    let rank = self.rank(tgid);
+                    let labels = self.admit_rank(tgid, RankFamily::Launches, rank);
+                    let h = self.f.launches.get_or_create(&labels).clone();
+                    self.resolved.entry(tgid).or_default().launches = Some(h);
+                }
+                if let Some(h) = self.resolved.get(&tgid).and_then(|p| p.launches.as_ref()) {
+                    h.inc();
+                }
                 return;
             }
             (CallKind::Malloc | CallKind::Free, _) => {
-                self.memory(call.tgid, rank, c);
+                let rank = self.rank(tgid);
+                self.memory(tgid, rank, c);
                 return;
             }
             _ => return,
         };
+        let key: CollectiveKey = (
+            call.library,
+            call.comm.as_ref().and_then(|cc| cc.id_hash),
+            call.comm
+                .as_ref()
+                .filter(|cc| cc.id_hash.is_none())
+                .map(|cc| cc.handle),
+            op,
+            dtype,
+        );
+        let seq = call.comm.as_ref().and_then(|cc| cc.seq);
+        let known = self
+            .resolved
+            .get(&tgid)
+            .and_then(|p| p.collectives.get(&key));
+        if known.is_none_or(|k| seq.is_some() && k.last_seq.is_none()) {
+            let series = self.resolve_collective(c, op, dtype, seq.is_some());
+            self.resolved
+                .entry(tgid)
+                .or_default()
+                .collectives
+                .insert(key, series);
+        }
+        let Some(series) = self
+            .resolved
+            .get(&tgid)
+            .and_then(|p| p.collectives.get(&key))
+        else {
+            return;
+        };
+        series.seconds.observe(seconds);
+        if let Some(b) = bytes {
+            series.bytes.inc_by(b);
+        }
+        if let (Some(seq), Some(g)) = (seq, &series.last_seq) {
+            g.set(g.get().max(seq as i64));
+        }
+    }
+
+    /// The series of a process's collectives on one communicator, op and
+    /// dtype (admitted under the bound), and of the communicator's last
+    /// collective number when `with_seq`.
+    fn resolve_collective(
+        &mut self,
+        c: &DeviceCallRecord,
+        op: &'static str,
+        dtype: &'static str,
+        with_seq: bool,
+    ) -> CollectiveSeries {
+        let call = &c.call;
+        let rank = self.rank(call.tgid);
         let comm = call.comm.as_ref().map_or_else(
             || format!("{}:unknown", call.library.name()),
             |cc| match cc.id_hash {
@@ -641,14 +754,9 @@ impl MetricsSink {
                 }
             },
         );
-        self.f
-            .collective_seconds
-            .get_or_create(&labels)
-            .observe(seconds);
-        if let Some(b) = bytes {
-            self.f.collective_bytes.get_or_create(&labels).inc_by(b);
-        }
-        if let Some(seq) = call.comm.as_ref().and_then(|cc| cc.seq) {
+        let seconds = self.f.collective_seconds.get_or_create(&labels).clone();
+        let bytes = self.f.collective_bytes.get_or_create(&labels).clone();
+        let last_seq = with_seq.then(|| {
             let labels = CommLabels {
                 job: rank.job,
                 rank: rank.rank,
@@ -672,8 +780,12 @@ impl MetricsSink {
                     }
                 },
             );
-            let g = self.f.last_seq.get_or_create(&labels);
-            g.set(g.get().max(seq as i64));
+            self.f.last_seq.get_or_create(&labels).clone()
+        });
+        CollectiveSeries {
+            seconds,
+            bytes,
+            last_seq,
         }
     }
 
@@ -746,11 +858,26 @@ impl MetricsSink {
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {
         let seconds = i.duration() as f64 / 1e9;
-        let rank = self.rank(i.tgid);
-        let rank = self.admit_rank(i.tgid, RankFamily::OffCpu, rank);
-        self.f.off_cpu.get_or_create(&rank).inc_by(seconds);
+        if !self
+            .resolved
+            .get(&i.tgid)
+            .is_some_and(|p| p.off_cpu.is_some())
+        {
+            let rank = self.rank(i.tgid);
+            let rank = self.admit_rank(i.tgid, RankFamily::OffCpu, rank);
+            let h = (
+                self.f.off_cpu.get_or_create(&rank).clone(),
+                self.f.runqueue.get_or_create(&rank).clone(),
+            );
+            self.resolved.entry(i.tgid).or_default().off_cpu = Some(h);
+        }
+        let Some((off_cpu, runqueue)) = self.resolved.get(&i.tgid).and_then(|p| p.off_cpu.as_ref())
+        else {
+            return;
+        };
+        off_cpu.inc_by(seconds);
         if i.preempted_by.is_some() && !i.truncated {
-            self.f.runqueue.get_or_create(&rank).observe(seconds);
+            runqueue.observe(seconds);
         }
     }
 

@@ -520,3 +520,71 @@ fn the_bound_frees_the_room_of_removed_series() {
     assert!(lines_with(&text, "xpuscope_metrics_series_folded_total{").is_empty());
     assert_eq!(sink.book.sizes(), (1, 1));
 }
+
+fn off_cpu(tgid: u32, ms: u64) -> Record {
+    Record::OffCpu(OffCpuInterval {
+        tid: tgid,
+        tgid,
+        cpu: 0,
+        start: 0,
+        end: ms * MS,
+        state: 0,
+        stack: None,
+        preempted_by: None,
+        truncated: false,
+    })
+}
+
+/// A process's series are resolved once and reused; when its identity
+/// arrives later, what it feeds from then on is its rank's series.
+#[test]
+fn a_process_feeds_its_new_rank_after_its_identity() {
+    let (mut sink, handle, _) = MetricsSink::new("node-a");
+    sink.alive = |_| true;
+    let lost = SinkCounters::default();
+    sink.on_batch(
+        &[off_cpu(10, 100), off_cpu(10, 100), sync(10, 0, MS)],
+        &lost,
+    )
+    .unwrap();
+    sink.on_batch(
+        &[
+            identity(10, 0),
+            off_cpu(10, 250),
+            sync(10, 0, MS),
+            sync(10, 0, MS),
+            allreduce(10, MS, MS, 7, 0xabcd),
+            allreduce(10, 3 * MS, MS, 8, 0xabcd),
+        ],
+        &lost,
+    )
+    .unwrap();
+    let text = handle.render();
+    let before = r#"job="",rank="",local_rank="",node="node-a""#;
+    let after = r#"job="llama",rank="0",local_rank="0",node="node-a""#;
+    assert_eq!(
+        value(&text, &format!("xpuscope_off_cpu_seconds_total{{{before}}}")),
+        0.2
+    );
+    assert_eq!(
+        value(&text, &format!("xpuscope_off_cpu_seconds_total{{{after}}}")),
+        0.25
+    );
+    assert_eq!(
+        value(&text, &format!("xpuscope_sync_duration_seconds_count{{{before}}}")),
+        1.0
+    );
+    assert_eq!(
+        value(&text, &format!("xpuscope_sync_duration_seconds_count{{{after}}}")),
+        2.0
+    );
+    let count = lines_with(&text, "xpuscope_collective_duration_seconds_count{");
+    assert_eq!(count.len(), 1, "{count:?}");
+    assert!(count[0].contains(after) && count[0].ends_with(" 2"), "{count:?}");
+    let seq = lines_with(&text, "xpuscope_collective_last_seq{");
+    assert!(seq.len() == 1 && seq[0].ends_with(" 8"), "{seq:?}");
+    assert_eq!(
+        value(&text, r#"xpuscope_agent_records_total{kind="off_cpu"}"#),
+        3.0
+    );
+}
