@@ -635,7 +635,7 @@ impl MetricsSink {
                 a.bytes,
             ),
             (CallKind::Sync(_), _) => {
-                if !self.resolved.get(&tgid).is_some_and(|p| p.sync.is_some()) {
+                if self.resolved.get(&tgid).is_none_or(|p| p.sync.is_none()) {
                     let rank = self.rank(tgid);
                     let labels = self.admit_rank(tgid, RankFamily::Sync, rank);
                     let h = self.f.sync_seconds.get_or_create(&labels).clone();
@@ -647,10 +647,10 @@ impl MetricsSink {
                 return;
             }
             (CallKind::Launch(_), _) => {
-                if !self
+                if self
                     .resolved
                     .get(&tgid)
-                    .is_some_and(|p| p.launches.is_some())
+                    .is_none_or(|p| p.launches.is_none())
                 {
                     let rank = self.rank(tgid);
                     let labels = self.admit_rank(tgid, RankFamily::Launches, rank);
@@ -858,10 +858,10 @@ impl MetricsSink {
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {
         let seconds = i.duration() as f64 / 1e9;
-        if !self
+        if self
             .resolved
             .get(&i.tgid)
-            .is_some_and(|p| p.off_cpu.is_some())
+            .is_none_or(|p| p.off_cpu.is_none())
         {
             let rank = self.rank(i.tgid);
             let rank = self.admit_rank(i.tgid, RankFamily::OffCpu, rank);

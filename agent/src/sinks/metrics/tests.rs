@@ -563,7 +563,10 @@ fn a_process_feeds_its_new_rank_after_its_identity() {
     let before = r#"job="",rank="",local_rank="",node="node-a""#;
     let after = r#"job="llama",rank="0",local_rank="0",node="node-a""#;
     assert_eq!(
-        value(&text, &format!("xpuscope_off_cpu_seconds_total{{{before}}}")),
+        value(
+            &text,
+            &format!("xpuscope_off_cpu_seconds_total{{{before}}}")
+        ),
         0.2
     );
     assert_eq!(
@@ -571,16 +574,25 @@ fn a_process_feeds_its_new_rank_after_its_identity() {
         0.25
     );
     assert_eq!(
-        value(&text, &format!("xpuscope_sync_duration_seconds_count{{{before}}}")),
+        value(
+            &text,
+            &format!("xpuscope_sync_duration_seconds_count{{{before}}}")
+        ),
         1.0
     );
     assert_eq!(
-        value(&text, &format!("xpuscope_sync_duration_seconds_count{{{after}}}")),
+        value(
+            &text,
+            &format!("xpuscope_sync_duration_seconds_count{{{after}}}")
+        ),
         2.0
     );
     let count = lines_with(&text, "xpuscope_collective_duration_seconds_count{");
     assert_eq!(count.len(), 1, "{count:?}");
-    assert!(count[0].contains(after) && count[0].ends_with(" 2"), "{count:?}");
+    assert!(
+        count[0].contains(after) && count[0].ends_with(" 2"),
+        "{count:?}"
+    );
     let seq = lines_with(&text, "xpuscope_collective_last_seq{");
     assert!(seq.len() == 1 && seq[0].ends_with(" 8"), "{seq:?}");
     assert_eq!(
