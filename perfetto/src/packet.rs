@@ -37,9 +37,11 @@ impl<W: Write> PacketSink<W> {
         packet.machine_id = self.machine_id;
         let before = self.buf.len();
         self.buf.push(TRACE_PACKET_TAG);
-        prost::encoding::encode_varint(packet.encoded_len() as u64, &mut self.buf);
+        // The length, then the packet: one pass computing the length (an
+        // explicit `encoded_len` then `encode` took two, each as costly as
+        // encoding a compact sched bundle's packed arrays).
         packet
-            .encode(&mut self.buf)
+            .encode_length_delimited(&mut self.buf)
             .map_err(|e| io::Error::other(format!("encoding a TracePacket: {e}")))?;
         self.written += (self.buf.len() - before) as u64;
         if self.buf.len() >= FLUSH_THRESHOLD {
