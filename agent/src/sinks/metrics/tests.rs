@@ -276,24 +276,7 @@ fn families_render_from_records() {
     assert!(text.ends_with("# EOF\n"));
 
     // A process that ends takes its memory gauge with it.
-    sink.on_batch(
-        &[Record::Exit {
-            exit: Exit {
-                cpu: 0,
-                ts: 1,
-                tid: 10,
-                tgid: 10,
-                prio: 120,
-                comm: Comm::from_str_lossy("python"),
-                group_dead: true,
-                group_known: true,
-                exit_code: None,
-            },
-            process_ended: true,
-        }],
-        &lost,
-    )
-    .unwrap();
+    sink.on_batch(&[exit(10, 1)], &lost).unwrap();
     assert!(lines_with(&handle.render(), "xpuscope_device_memory_bytes{").is_empty());
     assert!(handle.alive(crate::host::boottime_ns()));
     assert!(!handle.alive(crate::host::boottime_ns() + 2 * LIVENESS_NS));
