@@ -50,6 +50,23 @@ impl<W: Write> PacketSink<W> {
         Ok(())
     }
 
+    /// Appends a packet its caller encodes: `encode` gets the buffer, just
+    /// after the `Trace.packet` tag, and the machine id to stamp, and
+    /// appends the packet's length and bytes.
+    pub(crate) fn write_encoded(
+        &mut self,
+        encode: impl FnOnce(&mut Vec<u8>, Option<u32>),
+    ) -> io::Result<()> {
+        let before = self.buf.len();
+        self.buf.push(TRACE_PACKET_TAG);
+        encode(&mut self.buf, self.machine_id);
+        self.written += (self.buf.len() - before) as u64;
+        if self.buf.len() >= FLUSH_THRESHOLD {
+            self.flush_buffer()?;
+        }
+        Ok(())
+    }
+
     /// Bytes of complete packets produced so far (written or buffered).
     pub(crate) fn bytes_written(&self) -> u64 {
         self.written

@@ -7,7 +7,7 @@ use std::io::{self, Write};
 
 use crate::packet::PacketSink;
 use crate::proto::{self, FtraceEvent, TracePacket};
-use crate::sched::{CpuBundle, MAX_CPUS};
+use crate::sched::{CpuBundle, EncodeScratch, MAX_CPUS};
 use crate::sequence::{SYSTEM_SEQUENCE_ID, TrackSequence, sample_defaults};
 use crate::types::{
     ClockSnapshot, ProcessInfo, SampleFormat, SystemInfo, ThreadInfo, WriterOptions,
@@ -28,6 +28,8 @@ pub struct TraceWriter<W: Write> {
     pub(crate) sink: PacketSink<W>,
     /// Open bundle per CPU, indexed by cpu.
     cpus: Vec<CpuBundle>,
+    /// Buffers for encoding the bundles (kept: no allocation per bundle).
+    sched_scratch: EncodeScratch,
     bundle_events: usize,
     pub(crate) seq: TrackSequence,
     pub(crate) sample_format: SampleFormat,
@@ -50,6 +52,7 @@ impl<W: Write> TraceWriter<W> {
         TraceWriter {
             sink: PacketSink::new(out, options.machine_id),
             cpus: Vec::new(),
+            sched_scratch: EncodeScratch::default(),
             bundle_events: options.bundle_events.max(1),
             seq: TrackSequence::new(sample_defaults(options.sample_format), options.machine_id),
             sample_format: options.sample_format,
@@ -170,10 +173,11 @@ impl<W: Write> TraceWriter<W> {
         if !bundle.has_data() {
             return Ok(());
         }
-        let mut packet = bundle.take_packet(cpu);
-        packet.trusted_packet_sequence_id = Some(SYSTEM_SEQUENCE_ID);
-        let result = self.sink.write(&mut packet);
-        bundle.recycle(packet);
+        let scratch = &mut self.sched_scratch;
+        let result = self.sink.write_encoded(|out, machine_id| {
+            bundle.encode_packet(cpu, SYSTEM_SEQUENCE_ID, machine_id, scratch, out)
+        });
+        bundle.clear();
         result
     }
 
