@@ -243,13 +243,85 @@ pub enum DumpError {
     Stopped,
 }
 
-#[derive(Serialize)]
+#[derive(Debug, Default, Serialize)]
 struct ProcessRow {
     pid: u32,
     name: String,
     job: Option<String>,
     rank: Option<String>,
     local_rank: Option<String>,
+    /// The process ended within the window.
+    exited: bool,
+}
+
+/// The window's processes: those present at its start, and those that
+/// appear in it: forked or exec'd, or known only by their identity and
+/// scheduling, as a process the service discovered after it started is
+/// (its start came before the service looked). Exited ones stay, marked.
+fn window_processes(table: &ProcessTable, window: &[&Record]) -> Vec<ProcessRow> {
+    let mut rows: BTreeMap<u32, ProcessRow> = BTreeMap::new();
+    fn entry(rows: &mut BTreeMap<u32, ProcessRow>, pid: u32) -> &mut ProcessRow {
+        rows.entry(pid).or_insert_with(|| ProcessRow {
+            pid,
+            ..ProcessRow::default()
+        })
+    }
+    fn identify(row: &mut ProcessRow, id: &crate::model::RankIdentity) {
+        row.job = id.job.clone();
+        row.rank = id.rank.clone();
+        row.local_rank = id.local_rank.clone();
+    }
+    for p in table.processes.values() {
+        entry(&mut rows, p.pid).name = p.comm.clone();
+    }
+    for (tgid, id) in &table.identities {
+        identify(entry(&mut rows, *tgid), id);
+    }
+    for r in window {
+        match r {
+            Record::InitialProcesses { processes, .. } => {
+                for p in processes {
+                    entry(&mut rows, p.pid).name = p.comm.clone();
+                }
+            }
+            Record::NewTask {
+                process: Some(p), ..
+            } => entry(&mut rows, p.pid).name = p.name.clone(),
+            Record::Exec { process, .. } => {
+                entry(&mut rows, process.pid).name = process.name.clone()
+            }
+            Record::Identity { tgid, identity } => identify(entry(&mut rows, *tgid), identity),
+            Record::Exit {
+                exit,
+                process_ended: true,
+            } => entry(&mut rows, exit.tgid).exited = true,
+            _ => {}
+        }
+    }
+    // A process known by identity alone is named by its main thread as
+    // the scheduler saw it.
+    let mut unnamed: BTreeSet<u32> = rows
+        .values()
+        .filter(|r| r.name.is_empty())
+        .map(|r| r.pid)
+        .collect();
+    for r in window {
+        if unnamed.is_empty() {
+            break;
+        }
+        let Record::Switch { switch: s, .. } = r else {
+            continue;
+        };
+        for (tid, tgid, comm) in [
+            (s.prev_tid, s.prev_tgid, &s.prev_comm),
+            (s.next_tid, s.next_tgid, &s.next_comm),
+        ] {
+            if tid == tgid && unnamed.remove(&tgid) {
+                entry(&mut rows, tgid).name = comm.as_str().into_owned();
+            }
+        }
+    }
+    rows.into_values().collect()
 }
 
 #[derive(Serialize)]
@@ -427,20 +499,7 @@ impl DumpJob {
             complete_from_ns: self.evicted_until.filter(|t| *t >= self.start),
             removed_old_dumps: 0,
         };
-        let processes = table
-            .processes
-            .values()
-            .map(|p| {
-                let id = table.identities.get(&p.pid);
-                ProcessRow {
-                    pid: p.pid,
-                    name: p.comm.clone(),
-                    job: id.and_then(|i| i.job.clone()),
-                    rank: id.and_then(|i| i.rank.clone()),
-                    local_rank: id.and_then(|i| i.local_rank.clone()),
-                }
-            })
-            .collect();
+        let processes = window_processes(&table, &window);
         let summary_name = outcome
             .summary
             .file_name()

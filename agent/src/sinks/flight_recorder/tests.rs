@@ -644,3 +644,94 @@ fn a_dump_ending_now_waits_for_the_records_from_before_the_request() {
     let got: Vec<u64> = tl.wakings.iter().map(|w| w.ts).collect();
     assert_eq!(got, vec![before - 5 * MS, late], "the late record is in");
 }
+
+/// A process the service discovered after it started has no start record:
+/// only its identity and its scheduling. The summary lists it anyway (and
+/// one that exited in the window, marked), with the filter or without.
+#[test]
+fn the_summary_lists_discovered_processes_and_exited_ones() {
+    const FOUND: u32 = 525;
+    let dir = Dir::new("discovered");
+    let (mut rec, tx, _stats) = FlightRecorder::new(settings(&dir.0));
+    let leader_runs = |ts: u64| {
+        let Record::Switch {
+            switch: mut s,
+            prev_state,
+        } = switch(ts, FOUND)
+        else {
+            unreachable!()
+        };
+        s.next_tgid = FOUND;
+        s.next_comm = Comm::from_str_lossy("python3");
+        Record::Switch {
+            switch: s,
+            prev_state,
+        }
+    };
+    // The service starts with nothing to trace; the job comes later.
+    feed(
+        &mut rec,
+        vec![Record::InitialProcesses {
+            ts: S / 2,
+            processes: Vec::new(),
+        }],
+    );
+    let mut batch = vec![identity(FOUND, "3", "job-a")];
+    batch.extend((1..=5).map(|i| leader_runs(S + i * MS)));
+    batch.push(child_process(2 * S, 600));
+    batch.push(identity(600, "4", "job-a"));
+    batch.push(Record::Exit {
+        exit: Exit {
+            cpu: 0,
+            ts: 3 * S,
+            tid: 600,
+            tgid: 600,
+            prio: 120,
+            comm: Comm::from_str_lossy("loader"),
+            group_dead: true,
+            group_known: true,
+            exit_code: None,
+        },
+        process_ended: true,
+    });
+    batch.push(waking(4 * S, APP + 1));
+    feed(&mut rec, batch);
+    for job in [None, Some("job-a".to_string())] {
+        let out = dump(
+            &mut rec,
+            &tx,
+            DumpSpec {
+                job: job.clone(),
+                ..DumpSpec::now(Trigger::Manual)
+            },
+        )
+        .unwrap();
+        // The scheduling is in bundles still open at the end: counted too.
+        assert_eq!(
+            out.trace_bytes,
+            std::fs::metadata(&out.trace).unwrap().len()
+        );
+        let summary: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&out.summary).unwrap()).unwrap();
+        let rows = summary["processes"].as_array().unwrap();
+        let row = |pid: u32| {
+            rows.iter()
+                .find(|r| r["pid"] == pid)
+                .unwrap_or_else(|| panic!("pid {pid} missing ({job:?}): {rows:?}"))
+        };
+        let found = row(FOUND);
+        assert_eq!(found["name"], "python3", "named by its main thread");
+        assert_eq!(
+            (found["rank"].as_str(), found["job"].as_str()),
+            (Some("3"), Some("job-a"))
+        );
+        assert_eq!(found["exited"], false);
+        let child = row(600);
+        assert_eq!(
+            (child["name"].as_str(), child["rank"].as_str()),
+            (Some("loader"), Some("4"))
+        );
+        assert_eq!(child["exited"], true);
+        assert_eq!(rows.len(), 2, "{rows:?}");
+    }
+}

@@ -463,6 +463,9 @@ impl<W: Write> PerfettoSink<W> {
         if self.snapshots.is_some() {
             self.writer.clock_snapshot(&crate::host::clock_snapshot())?;
         }
+        // The open per-CPU bundles first: the count leaves them out, and
+        // they can be most of a short trace.
+        self.writer.flush_sched()?;
         let bytes = self.writer.bytes_written();
         let out = self.writer.finish()?;
         Ok(Written { out, bytes })
