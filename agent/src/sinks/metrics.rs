@@ -221,7 +221,7 @@ impl Families {
         );
         r.register(
             "xpuscope_device_ooms",
-            "Failed device-memory allocations",
+            "Failed device-memory allocations, each attempt (a caching allocator's retry that then gets the memory counts too; findings_total{kind=\"device_oom\"} counts the failures that stood)",
             f.ooms.clone(),
         );
         r.register(

@@ -6,8 +6,8 @@
 //!   (from the interpret stage's in-flight snapshots); for a collective,
 //!   the members that never entered it, from the communicator's members
 //!   and their sequence numbers.
-//! - [`oom`]: a failed device allocation, its stack and the largest live
-//!   sites.
+//! - [`oom`]: a failed device allocation that its retry did not get, its
+//!   stack and the largest live sites.
 //! - [`crash`]: a traced process killed by a signal.
 //! - [`host`]: the host-side detectors over each rank's steps
 //!   ([`host_steps`]): [`host_contention`], [`dataloader_stall`],
@@ -152,7 +152,7 @@ impl Detectors {
         Self {
             ranks: Ranks::default(),
             hang: hang::HangDetector::new(cfg.hang_timeout),
-            oom: oom::OomDetector,
+            oom: oom::OomDetector::default(),
             crash: crash::CrashDetector::default(),
             host: host::HostDetectors::new(cfg.host),
             device_compute: device_compute::DeviceComputeDetector::new(
@@ -217,6 +217,8 @@ impl Detectors {
                 exit,
                 process_ended: true,
             } => {
+                // First: a failed allocation it never got explains a crash.
+                self.oom.process_ended(exit.tgid, exit.ts, &self.ranks, out);
                 let step = self.collective.step_of(exit.tgid, exit.ts, &self.ranks);
                 self.crash.process_ended(exit, step, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
@@ -245,6 +247,7 @@ impl Detectors {
     #[cfg(test)]
     pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
         self.hang.forgot(tgid)
+            && self.oom.forgot(tgid)
             && self.collective.forgot(tgid)
             && self.host.forgot(tgid)
             && self.device_compute.forgot(tgid)
@@ -255,6 +258,7 @@ impl Detectors {
     pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
         let first_new = out.len();
         self.hang.tick(now, &self.ranks, out);
+        self.oom.tick(now, &self.ranks, out);
         self.collective.tick(now, &self.ranks, out);
         self.crash.note_trouble(&out[first_new..], &self.ranks);
         note_step_source(&mut out[first_new..]);
@@ -264,6 +268,8 @@ impl Detectors {
     pub fn finish(&mut self, end: u64, out: &mut Vec<Finding>) {
         self.tick(end, out);
         let first_new = out.len();
+        self.oom.finish(end, &self.ranks, out);
+        self.crash.note_trouble(&out[first_new..], &self.ranks);
         self.collective.finish(end, &self.ranks, out);
         note_step_source(&mut out[first_new..]);
     }

@@ -311,10 +311,15 @@ fn a_failed_allocation_is_a_device_oom_with_what_holds_the_memory() {
         allocations: 3,
         site: site("cache_activations < forward"),
     }]);
-    let out = feed(&mut d, &[identity(100, 3), Record::DeviceCall(Box::new(r))]);
+    let mut out = feed(&mut d, &[identity(100, 3), Record::DeviceCall(Box::new(r))]);
+    // It waits for the allocator's retry first.
+    d.tick(5 * S + 100 + oom::SETTLE_NS - 1, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    d.tick(5 * S + 100 + oom::SETTLE_NS, &mut out);
     assert_eq!(out.len(), 1, "{out:?}");
     let f = &out[0];
     assert_eq!((f.kind, f.ranks.clone()), (FindingKind::DeviceOom, vec![3]));
+    assert_eq!(f.evidence["attempts"], 1);
     assert_eq!(f.evidence["requested_bytes"], 16u64 << 30);
     assert_eq!(f.evidence["device"], "gpu1");
     assert_eq!(f.evidence["stack"], "grow_cache < train_step");
@@ -328,6 +333,123 @@ fn a_failed_allocation_is_a_device_oom_with_what_holds_the_memory() {
          grow_cache < train_step with 71680 MiB held; the largest live site holds 61440 MiB \
          (cache_activations < forward)"
     );
+}
+
+/// A `cudaMalloc` on gpu0 at `ts`: failed (`Err(requested)`) or granted
+/// (`Ok(bytes)`), with what the device holds after it.
+fn malloc(tgid: u32, ts: u64, outcome: Result<u64, u64>, held: u64) -> Record {
+    let mut c = call(tgid, CallKind::Malloc, "cudaMalloc", ts, ts);
+    c.library = Library::Cudart;
+    c.error = outcome.is_err();
+    c.ret = Some(if outcome.is_err() { 2 } else { 0 });
+    c.memory = Some(MemoryEffect {
+        device: Device {
+            vendor: Vendor::Nvidia,
+            index: 0,
+        },
+        delta: outcome.map_or(0, |b| b as i64),
+        held_after: held,
+        failed_request: outcome.err(),
+        untracked: false,
+        site: None,
+    });
+    Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
+}
+
+const MIB: u64 = 1 << 20;
+const MS: u64 = 1_000_000;
+
+/// PyTorch's caching allocator answers a failed `cudaMalloc` by releasing
+/// its cached blocks and trying again: when the retry gets the memory,
+/// the job never saw an error, and there is no finding.
+#[test]
+fn a_failed_allocation_the_retry_gets_is_no_oom() {
+    let mut d = detectors(300);
+    let mut out = feed(
+        &mut d,
+        &[
+            identity(100, 0),
+            malloc(100, S, Err(20 << 30), 70 << 30),
+            // Cached blocks released (frees), then the same request again.
+            malloc(100, S + 10 * MS, Ok(20 << 30), 70 << 30),
+        ],
+    );
+    d.tick(5 * S, &mut out);
+    d.finish(6 * S, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(d.oom.recovered, 1);
+    // A smaller allocation succeeding is no recovery of the larger one.
+    let mut out = feed(
+        &mut d,
+        &[
+            malloc(100, 7 * S, Err(20 << 30), 70 << 30),
+            malloc(100, 7 * S + MS, Ok(MIB), 70 << 30),
+        ],
+    );
+    d.finish(7 * S + 2 * MS, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+}
+
+/// The retry fails too (as on the H100: 288 MiB held, 128 MiB released,
+/// the same 279 GiB request again): one finding, naming both attempts.
+#[test]
+fn a_failed_retry_is_one_oom_with_its_attempts() {
+    let mut d = detectors(300);
+    let mut out = feed(
+        &mut d,
+        &[
+            identity(100, 0),
+            malloc(100, S, Err(279 << 30), 288 * MIB),
+            malloc(100, S + 10 * MS, Err(279 << 30), 160 * MIB),
+        ],
+    );
+    d.tick(S + 500 * MS, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    d.tick(2 * S, &mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    let f = &out[0];
+    assert_eq!(f.evidence["attempts"], 2);
+    assert_eq!(f.evidence["released_between_attempts_bytes"], 128 * MIB);
+    assert_eq!(f.evidence["held_bytes"], 160 * MIB);
+    assert_eq!(f.start_ns, S + 10 * MS, "the last attempt");
+    assert!(
+        f.summary.starts_with(
+            "device_oom: rank 0 failed to allocate 285696 MiB on gpu0 in cudaMalloc \
+             (2 attempts; 128 MiB released between them) at (unknown) with 160 MiB held"
+        ),
+        "{}",
+        f.summary
+    );
+}
+
+/// A process that fails and exits is reported at its exit, not a settling
+/// time later; one that retries the same request for good is reported
+/// once per settling time, not per attempt.
+#[test]
+fn an_oom_is_reported_at_exit_and_endless_retries_once_a_second() {
+    let mut d = detectors(300);
+    let out = feed(
+        &mut d,
+        &[
+            identity(100, 0),
+            malloc(100, S, Err(MIB << 10), 0),
+            exit(100, None),
+        ],
+    );
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out[0].detected_ns, 2 * S, "at most a settling time late");
+    assert_eq!(out[0].kind, FindingKind::DeviceOom);
+    assert!(d.oom.forgot(100));
+
+    let mut records = vec![identity(200, 1)];
+    records.extend((0..30).map(|i| malloc(200, 10 * S + i * 100 * MS, Err(MIB << 10), 0)));
+    let mut out = feed(&mut d, &records);
+    d.finish(13 * S, &mut out);
+    let attempts: Vec<u64> = out
+        .iter()
+        .map(|f| f.evidence["attempts"].as_u64().unwrap())
+        .collect();
+    assert_eq!(attempts, [10, 10, 10], "{out:?}");
 }
 
 pub(super) fn exit(tgid: u32, code: Option<i32>) -> Record {

@@ -95,9 +95,25 @@ impl AllocSites {
     }
 }
 
+/// Frames of the frameworks' caching allocators (PyTorch's
+/// `c10::cuda::CUDACachingAllocator::*`, torch_npu's
+/// `c10_npu::NPUCachingAllocator::*`). Every allocation of a PyTorch job
+/// passes through the same four or five of them (seen on an H100 with
+/// PyTorch 2.11: `alloc_block < malloc < NativeCachingAllocator::malloc <
+/// allocate`), so a label made of them tells no two sites apart.
+fn caching_allocator(f: &SymFrame) -> bool {
+    f.function.contains("CachingAllocator")
+}
+
 /// The first frames' function names, innermost first, without the
-/// device libraries' own frames (the interesting part is who called).
+/// device libraries' own frames (the interesting part is who called) and
+/// without the caching allocator's (when someone called it).
 fn label(frames: &[SymFrame]) -> String {
+    let inside = frames.iter().take_while(|f| caching_allocator(f)).count();
+    let frames = match &frames[inside..] {
+        [] => frames,
+        callers => callers,
+    };
     let mut out = String::new();
     for f in frames.iter().take(LABEL_FRAMES) {
         if !out.is_empty() {
@@ -172,5 +188,33 @@ mod tests {
         let r = s.rows(&rows);
         assert_eq!((r[0].bytes, r[0].allocations), (4096, 2));
         assert_eq!(r[0].site.as_ref().map(|s| s.id), Some(b));
+    }
+
+    /// PyTorch's allocator frames are left out of the label, which then
+    /// names who allocated; a stack of nothing else keeps them.
+    #[test]
+    fn labels_skip_the_caching_allocator() {
+        let alloc = [
+            "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::alloc_block(c10::cuda::CUDACachingAllocator::Native::(anonymous namespace)::AllocParams&, bool)",
+            "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(unsigned long, CUstream_st*)",
+            "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::allocate(unsigned long)",
+        ];
+        let callers = [
+            "at::detail::empty_cuda(c10::ArrayRef<long>)",
+            "at::native::empty_cuda(c10::ArrayRef<long>)",
+            "at::_ops::empty_memory_format::call(c10::ArrayRef<c10::SymInt>)",
+            "torch::autograd::THPVariable_empty(_object*, _object*, _object*)",
+            "_PyEval_EvalFrameDefault",
+        ];
+        let frames: Vec<SymFrame> = alloc.iter().chain(&callers).map(|n| sym(n)).collect();
+        assert_eq!(
+            label(&frames),
+            format!("{} < ...", callers[..LABEL_FRAMES].join(" < "))
+        );
+        let only: Vec<SymFrame> = alloc.iter().map(|n| sym(n)).collect();
+        assert_eq!(label(&only), alloc.join(" < "));
+        // An allocator frame below the callers is no reason to cut.
+        let mixed: Vec<SymFrame> = [callers[0], alloc[0]].iter().map(|n| sym(n)).collect();
+        assert_eq!(label(&mixed), format!("{} < {}", callers[0], alloc[0]));
     }
 }
