@@ -299,27 +299,31 @@ fn window_processes(table: &ProcessTable, window: &[&Record]) -> Vec<ProcessRow>
         }
     }
     // A process known by identity alone is named by its main thread as
-    // the scheduler saw it.
-    let mut unnamed: BTreeSet<u32> = rows
+    // the scheduler last saw it (a job's launcher forks, then the child
+    // execs python3: the first switches still show the launcher's name).
+    let unnamed: BTreeSet<u32> = rows
         .values()
         .filter(|r| r.name.is_empty())
         .map(|r| r.pid)
         .collect();
-    for r in window {
-        if unnamed.is_empty() {
-            break;
-        }
-        let Record::Switch { switch: s, .. } = r else {
-            continue;
-        };
-        for (tid, tgid, comm) in [
-            (s.prev_tid, s.prev_tgid, &s.prev_comm),
-            (s.next_tid, s.next_tgid, &s.next_comm),
-        ] {
-            if tid == tgid && unnamed.remove(&tgid) {
-                entry(&mut rows, tgid).name = comm.as_str().into_owned();
+    let mut last: BTreeMap<u32, &crate::events::Comm> = BTreeMap::new();
+    if !unnamed.is_empty() {
+        for r in window {
+            let Record::Switch { switch: s, .. } = r else {
+                continue;
+            };
+            for (tid, tgid, comm) in [
+                (s.prev_tid, s.prev_tgid, &s.prev_comm),
+                (s.next_tid, s.next_tgid, &s.next_comm),
+            ] {
+                if tid == tgid && unnamed.contains(&tgid) {
+                    last.insert(tgid, comm);
+                }
             }
         }
+    }
+    for (tgid, comm) in last {
+        entry(&mut rows, tgid).name = comm.as_str().into_owned();
     }
     rows.into_values().collect()
 }
@@ -380,14 +384,19 @@ impl DumpJob {
         (table, window)
     }
 
-    /// The dump's base name and the UTC stamp of its window's end.
-    fn name(&self, table: &ProcessTable) -> (String, String) {
-        let job = self.job.clone().unwrap_or_else(|| {
-            let jobs: BTreeSet<&str> = table
-                .identities
-                .values()
-                .filter_map(|id| id.job.as_deref())
-                .collect();
+    /// The dump's base name and the UTC stamp of its window's end. Its
+    /// job: the one asked for; else the job of the process the finding
+    /// that triggered it names; else the window's one job (`alljobs` for
+    /// several, `nojob` for none).
+    fn name(&self, rows: &[ProcessRow]) -> (String, String) {
+        let finding_job = self
+            .finding
+            .as_ref()
+            .and_then(|f| f.evidence.get("pid")?.as_u64())
+            .and_then(|pid| rows.iter().find(|r| u64::from(r.pid) == pid))
+            .and_then(|r| r.job.clone());
+        let job = self.job.clone().or(finding_job).unwrap_or_else(|| {
+            let jobs: BTreeSet<&str> = rows.iter().filter_map(|r| r.job.as_deref()).collect();
             match jobs.len() {
                 1 => jobs.into_iter().next().unwrap_or_default().to_string(),
                 0 => "nojob".into(),
@@ -444,7 +453,8 @@ impl DumpJob {
         };
         std::fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
         let (table, window) = self.select();
-        let (base, utc) = self.name(&table);
+        let processes = window_processes(&table, &window);
+        let (base, utc) = self.name(&processes);
         let (trace_path, file) = self.create(&base, TRACE_SUFFIX)?;
         let out = BufWriter::with_capacity(
             1 << 20,
@@ -499,7 +509,6 @@ impl DumpJob {
             complete_from_ns: self.evicted_until.filter(|t| *t >= self.start),
             removed_old_dumps: 0,
         };
-        let processes = window_processes(&table, &window);
         let summary_name = outcome
             .summary
             .file_name()

@@ -677,7 +677,12 @@ fn the_summary_lists_discovered_processes_and_exited_ones() {
         }],
     );
     let mut batch = vec![identity(FOUND, "3", "job-a")];
+    // Forked by a launcher (its name first), then exec'd as python3,
+    // before the service saw it.
     batch.extend((1..=5).map(|i| leader_runs(S + i * MS)));
+    if let Record::Switch { switch: s, .. } = &mut batch[1] {
+        s.next_comm = Comm::from_str_lossy("bash");
+    }
     batch.push(child_process(2 * S, 600));
     batch.push(identity(600, "4", "job-a"));
     batch.push(Record::Exit {
@@ -733,5 +738,72 @@ fn the_summary_lists_discovered_processes_and_exited_ones() {
         );
         assert_eq!(child["exited"], true);
         assert_eq!(rows.len(), 2, "{rows:?}");
+        let name = out
+            .trace
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        assert!(name.starts_with("job-a-node-a-"), "{name}");
     }
+}
+
+/// A dump is named after its job: the one asked for, else the job of the
+/// process its finding names, else the window's only job (`alljobs` when
+/// the window holds several).
+#[test]
+fn a_dump_is_named_after_its_findings_job_or_the_windows_jobs() {
+    let dir = Dir::new("names-jobs");
+    let (mut rec, tx, stats) = FlightRecorder::new(settings(&dir.0));
+    feed(
+        &mut rec,
+        vec![
+            Record::InitialProcesses {
+                ts: S / 2,
+                processes: Vec::new(),
+            },
+            waking(S, APP + 1),
+            identity(700, "0", "job-x"),
+            identity(800, "0", "job-y"),
+            waking(2 * S, APP + 1),
+        ],
+    );
+    let out = dump(&mut rec, &tx, DumpSpec::now(Trigger::Manual)).unwrap();
+    let name = out
+        .trace
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(name.starts_with("alljobs-node-a-"), "{name}");
+    feed(
+        &mut rec,
+        vec![Record::Finding(Box::new(crate::model::Finding {
+            kind: crate::model::FindingKind::DeviceOom,
+            ranks: vec![0],
+            comm: None,
+            seq: None,
+            step: None,
+            start_ns: 3 * S,
+            end_ns: Some(3 * S),
+            summary: "device_oom: rank 0 failed to allocate 1024 MiB on gpu0".into(),
+            evidence: serde_json::json!({"pid": 800}),
+            detected_ns: 3 * S,
+        }))],
+    );
+    let stats = rec
+        .finish(4 * S, &SinkCounters::default())
+        .map(|_| stats)
+        .unwrap();
+    let last = stats.last_dump.lock().unwrap().clone().expect("a dump");
+    let name = last
+        .trace
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        name.starts_with("job-y-node-a-") && name.ends_with("-oom.pftrace"),
+        "{name}"
+    );
 }
