@@ -290,3 +290,77 @@ fn library_replaced_at_a_new_inode_is_probed_again() {
         done.stats["device"]
     );
 }
+
+/// Calls whose return is never seen must not cost later calls their
+/// out-pointers. A program's `cudaMalloc` faults writing its result 12
+/// times, and each time the fault handler jumps back out of the call (as a
+/// return probe attached a moment after its entry probe, or detached
+/// during the call, leaves an entry without its return); then it allocates
+/// 1, 2 and 3 MiB. Every one of those three has its pointer read and
+/// counted (on an H100, a thread that had left 8 such entries behind lost
+/// every later pointer: all of PyTorch's profiler's activity records).
+#[test]
+fn calls_that_never_return_leave_later_pointers_readable() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let dir = TempDir::new("escape");
+    let lib = fixtures::fixture_out("standins").join("lib/libcudart.so.12");
+    let mut wl = xpuscope_tests::agent::Proc::spawn(
+        "escape",
+        std::process::Command::new(fixtures::fixture_out("workloads").join("xpuscope-escape"))
+            .arg(&lib)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped()),
+    );
+    let mut stdin = wl.stdin();
+    let mut out = Lines::new(wl.stdout());
+    out.wait_for("ready", Duration::from_secs(20));
+    let rec = Recording::start(dir.path(), &["--pid", &wl.pid().to_string()]);
+    go(&mut stdin);
+    let done = out.wait_for("done ", Duration::from_secs(20));
+    let words: Vec<&str> = done.split_whitespace().collect();
+    assert_eq!(words[1], "12", "every faulting call escaped: {done}");
+    let pointers: Vec<u64> = words[2..]
+        .iter()
+        .map(|p| u64::from_str_radix(p.trim_start_matches("0x"), 16).expect("pointer"))
+        .collect();
+    // The program exits; the recording ends with it.
+    go(&mut stdin);
+    let finished = rec.finish(Duration::from_secs(30));
+
+    let trace = decode(&finished.trace).expect("decodes");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = wl.pid() as i32;
+    let mallocs: Vec<&Slice> = tl
+        .slices
+        .iter()
+        .filter(|s| s.name.starts_with("cudaMalloc"))
+        .filter(|s| thread_of(&tl, s).is_some_and(|(p, _)| p == pid))
+        .collect();
+    assert_eq!(
+        mallocs.len(),
+        3,
+        "only the calls that returned: {mallocs:?}"
+    );
+    for (i, m) in mallocs.iter().enumerate() {
+        let n = i as u64 + 1;
+        assert_eq!(uint(arg(m, "bytes")), n * MIB, "{m:?}");
+        assert_eq!(
+            arg(m, "ptr"),
+            Some(&ArgValue::Pointer(pointers[i])),
+            "the pointer of call {n} was read: {m:?}"
+        );
+        assert_eq!(
+            uint(arg(m, "device_bytes_held")),
+            (1..=n).sum::<u64>() * MIB,
+            "{m:?}"
+        );
+    }
+    // The escaped calls: seen entering, never returning (reported as
+    // still in them when the process ended).
+    let device = &finished.stats["device"];
+    assert_eq!(device["entries_without_return"], 12, "{device}");
+    assert_eq!(device["died_in_call"], 12, "{device}");
+}

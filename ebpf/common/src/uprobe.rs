@@ -100,17 +100,26 @@ pub struct ProbeKey {
     pub probe_ip: u64,
 }
 
-/// Most nested calls per thread whose return needs a saved pointer.
-pub const PENDING_DEPTH: usize = 8;
-
-/// Pointers saved at entry for the return program, per thread (LIFO).
+/// The call a pointer saved at entry belongs to: its thread, its probe's
+/// slot and the stack pointer at entry (at the return the return address
+/// has been popped: 8 bytes higher). Keyed by call, not a per-thread stack
+/// of pointers: with a stack, every entry whose return never comes (the
+/// return probe attached a moment after the entry probe, or detached
+/// during the call, or a `longjmp` out of it) shifted every later pointer
+/// of that thread, and past 8 of them no return of the thread found its
+/// pointer again. Seen on an H100: PyTorch's profiler thread calls
+/// `cuptiGetTimestamp` ~4,500 times a second, so attaching its probe pair
+/// left it broken, and all 11,540 activity records it read went unread.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct PendingDerefs {
-    pub depth: u32,
-    pub _pad: u32,
-    pub ptrs: [u64; PENDING_DEPTH],
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PendingKey {
+    pub tid: u32,
+    pub slot: u32,
+    pub sp: u64,
 }
+
+/// What the return program adds to its stack pointer to get the entry's.
+pub const RETURN_SP_OFFSET: u64 = 8;
 
 /// A probed function was entered.
 #[repr(C)]

@@ -7,7 +7,7 @@ use aya_ebpf::{
 use xpuscope_common::{
     Config, DROP_SLOTS, MAX_CPUS, MAX_PROBE_SLOTS, MAX_STACK_BUDGETS, MAX_TARGETS, StackBudget,
     TaskOffsets,
-    uprobe::{PendingDerefs, ProbeSpec},
+    uprobe::{PendingKey, ProbeSpec},
 };
 
 /// Scheduler and process records. The agent sets the real size at load
@@ -80,9 +80,10 @@ pub static UPROBE_SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SL
 #[map]
 pub static UPROBE_HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_PROBE_SLOTS, 0);
 
-/// Out-parameter pointers saved at entry for the return program, per thread.
+/// Out-parameter pointers saved at entry for the return program, per call
+/// (LRU: the entries of calls whose return never came age out).
 #[map]
-pub static UPROBE_PENDING: LruHashMap<u32, PendingDerefs> = LruHashMap::with_max_entries(65536, 0);
+pub static UPROBE_PENDING: LruHashMap<PendingKey, u64> = LruHashMap::with_max_entries(65536, 0);
 
 /// The agent's own tgid (set at load).
 #[unsafe(no_mangle)]

@@ -22,7 +22,7 @@ use xpuscope_common::{
     DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH,
     uprobe::{
         DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING,
-        PENDING_DEPTH, PendingDerefs, ProbeSpec, RETURN_ON_SUCCESS, RETURN_TWICE,
+        PendingKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_SP_OFFSET, RETURN_TWICE,
         RETURN_USER_STACK, UprobeEntry, UprobeReturn, UprobeStack,
     },
 };
@@ -154,9 +154,15 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
     // SAFETY: the probe context's saved user registers.
     let regs = unsafe { &*ctx.regs };
     let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
-    // Pushed whatever the level: the return program pops whatever the level.
+    // Saved whatever the level: the return program takes it whatever the
+    // level.
     if spec.return_deref_arg != DEREF_NONE {
-        push_pending(tid, arg(&args, spec.return_deref_arg));
+        let key = PendingKey {
+            tid,
+            slot,
+            sp: regs.rsp,
+        };
+        let _ = UPROBE_PENDING.insert(&key, &arg(&args, spec.return_deref_arg), 0);
     }
     let cfg = config();
     if cfg.probe_levels & spec.level_bit == 0 {
@@ -210,9 +216,15 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
     let (slot, probe_ip, spec) = spec_for(ctx, tgid)?;
-    // The saved pointer is popped whatever the level, to stay balanced.
+    // SAFETY: the probe context's saved user registers.
+    let (ret, sp) = unsafe { ((*ctx.regs).rax, (*ctx.regs).rsp) };
+    // The saved pointer is taken whatever the level (none is left behind).
     let saved = if spec.return_deref_arg != DEREF_NONE {
-        pop_pending(tid)
+        take_pending(PendingKey {
+            tid,
+            slot,
+            sp: sp.wrapping_sub(RETURN_SP_OFFSET),
+        })
     } else {
         0
     };
@@ -222,8 +234,6 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
     }
     // SAFETY: helper without arguments.
     let cpu = unsafe { bpf_get_smp_processor_id() };
-    // SAFETY: the probe context's saved user registers.
-    let ret = unsafe { (*ctx.regs).rax };
     let ts = now();
     if spec.flags & RETURN_USER_STACK != 0 {
         push_user_stack(ctx, cpu, ts, tid, tgid, probe_ip);
@@ -289,42 +299,16 @@ fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32
     submit(Ring::Device, entry, &config());
 }
 
+/// The pointer saved at the entry of the call `key` names (0 if none was:
+/// the entry came before its probe was attached), removed.
 #[inline(always)]
-fn push_pending(tid: u32, ptr: u64) {
-    match UPROBE_PENDING.get_ptr_mut(&tid) {
-        Some(p) => {
-            // SAFETY: this thread's own entry; only this thread touches it.
-            let p = unsafe { &mut *p };
-            let depth = p.depth as usize;
-            if depth < PENDING_DEPTH {
-                p.ptrs[depth] = ptr;
-            }
-            p.depth += 1;
+fn take_pending(key: PendingKey) -> u64 {
+    // SAFETY: a plain value copied out of the map.
+    match unsafe { UPROBE_PENDING.get(&key) }.copied() {
+        Some(saved) => {
+            let _ = UPROBE_PENDING.remove(&key);
+            saved
         }
-        None => {
-            let mut fresh = PendingDerefs::default();
-            fresh.ptrs[0] = ptr;
-            fresh.depth = 1;
-            let _ = UPROBE_PENDING.insert(&tid, &fresh, 0);
-        }
-    }
-}
-
-#[inline(always)]
-fn pop_pending(tid: u32) -> u64 {
-    let Some(p) = UPROBE_PENDING.get_ptr_mut(&tid) else {
-        return 0;
-    };
-    // SAFETY: this thread's own entry.
-    let p = unsafe { &mut *p };
-    if p.depth == 0 {
-        return 0;
-    }
-    p.depth -= 1;
-    let depth = p.depth as usize;
-    if depth < PENDING_DEPTH {
-        p.ptrs[depth]
-    } else {
-        0
+        None => 0,
     }
 }
