@@ -174,6 +174,9 @@ pub struct DeviceDecoding {
     /// copy, and those that did not decode: their device work is missing.
     pub activity_unread: u64,
     pub activity_errors: u64,
+    /// Activity records of kinds not drawn (driver calls, overheads, ...
+    /// that an application's profiler enables): read and left, no loss.
+    pub activity_other_kinds: u64,
     /// Returns whose entry was not seen (attached mid-call, or lost).
     pub returns_without_entry: u64,
     /// Records at an address no probe is known at.
@@ -189,6 +192,7 @@ impl From<&InterpretCounters> for DeviceDecoding {
             activity_records: c.activities,
             activity_unread: c.activity_unread,
             activity_errors: c.activity_errors,
+            activity_other_kinds: c.activity_other_kinds,
             returns_without_entry: c.returns_without_entry,
             unknown_probes: c.unknown_probes,
             alloc_stacks: c.alloc_stacks,
@@ -550,6 +554,13 @@ impl RunSummary {
                 eprintln!(
                     "           activity records lost: {} could not be copied, {} did not decode",
                     dc.activity_unread, dc.activity_errors
+                );
+            }
+            if dc.activity_other_kinds > 0 {
+                eprintln!(
+                    "           activity records of kinds not drawn (driver calls, overheads, \
+                     ...: the application's profiler asked for them): {}",
+                    dc.activity_other_kinds
                 );
             }
             if c.device_slices + c.estimated_slices > 0 {

@@ -989,11 +989,23 @@ fn activity_records_from_the_return_copy() {
         &ret("msptiActivityGetNextRecord", 8, 0, &[0xee; 64]),
         &mut out,
     );
+    // A kind the agent does not draw (17; PyTorch's profiler enables
+    // several such): read and left, no error.
+    let mut other = [0u8; 64];
+    other[..4].copy_from_slice(&17u32.to_le_bytes());
+    d.on_entry(&entry("cuptiActivityGetNextRecord", 9, args, &[]), &mut out);
+    d.on_return(&ret("cuptiActivityGetNextRecord", 10, 0, &other), &mut out);
     assert!(out.is_empty());
     let s = d.stats();
     assert_eq!(
-        (s.activities, s.activity_unread, s.activity_errors, s.calls),
-        (1, 1, 1, 0)
+        (
+            s.activities,
+            s.activity_unread,
+            s.activity_errors,
+            s.activity_other_kinds,
+            s.calls
+        ),
+        (1, 1, 1, 1, 0)
     );
 }
 

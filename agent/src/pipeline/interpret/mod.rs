@@ -68,6 +68,8 @@ pub struct InterpretCounters {
     pub activities: u64,
     pub activity_unread: u64,
     pub activity_errors: u64,
+    /// Activity records of kinds not drawn (not a loss).
+    pub activity_other_kinds: u64,
     /// Records at an address no probe is known at.
     pub unknown_probes: u64,
     /// Calls of the activity iterators (no slice each: their records are

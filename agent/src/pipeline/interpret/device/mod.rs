@@ -252,6 +252,7 @@ impl DeviceInterpreter {
         c.unknown_probes = s.unknown_probes;
         c.activity_unread = s.activity_unread;
         c.activity_errors = s.activity_errors;
+        c.activity_other_kinds = s.activity_other_kinds;
         c.cupti_reads = s.cupti_reads;
         c.mspti_reads = s.mspti_reads;
     }
