@@ -66,7 +66,7 @@ impl OomDetector {
                     // still reported once a settling time has passed).
                     Some(p) if p.requested == requested => {
                         p.attempts += 1;
-                        p.last = Box::new(c.clone());
+                        *p.last = c.clone();
                     }
                     _ => {
                         // A different request: the earlier one stands alone.
