@@ -15,7 +15,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 
 use anyhow::{Context, Result};
-use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView};
+use xpuscope_perfetto::rewrite::{EventKind, IdMap, Interning, Packet, PacketReader, TrackView};
 use xpuscope_perfetto::{Arg, ArgValue};
 
 use super::collectives::{CollectiveTracker, EndSample};
@@ -269,6 +269,11 @@ pub fn emit_node(
         .collect();
     let host = scan.host_label(k);
     let mut trace_steps = TraceSteps::default();
+    // Slices begun and not yet ended, per track (as the node wrote it), and
+    // the node's latest time in the merged base: a truncated node trace
+    // leaves slices without their END, which are ended where it ends.
+    let mut open: HashMap<u64, u32> = HashMap::default();
+    let mut last_ts = 0u64;
     loop {
         let index = reader.packets();
         if index % TAKE_STEPS_EVERY == 0 {
@@ -296,7 +301,17 @@ pub fn emit_node(
         if opts.no_sched && packet.has_ftrace_events() {
             continue;
         }
-        let observed = names.event(&packet).and_then(|e| {
+        let event = names.event(&packet);
+        match &event {
+            Some(e) if e.kind == EventKind::Begin => *open.entry(e.track).or_default() += 1,
+            Some(e) if e.kind == EventKind::End => {
+                if let Some(n) = open.get_mut(&e.track) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+            _ => {}
+        }
+        let observed = event.and_then(|e| {
             let o = tracker.observe(&e, &mut ends);
             if let Some(&(pid, tid)) = scan.thread_tracks.get(&e.track) {
                 trace_steps.event(pid, tid, &e, o.as_ref());
@@ -325,6 +340,7 @@ pub fn emit_node(
         };
         packet.remap(map);
         packet.clear_machine_id();
+        last_ts = last_ts.max(packet.timestamp().unwrap_or(0));
         if !extra.is_empty() {
             packet.add_args(&extra);
         }
@@ -332,6 +348,21 @@ pub fn emit_node(
             packet.set_process(&l.name, l.labels.clone(), l.order);
         }
         out.write(&packet)?;
+    }
+    let mut unended: Vec<(u64, u32)> = open.into_iter().filter(|(_, n)| *n > 0).collect();
+    unended.sort_unstable();
+    for (track, n) in unended {
+        let track = map.track(track);
+        for _ in 0..n {
+            out.write(&Packet::new_slice_event(
+                MERGE_TRACK_SEQUENCE,
+                false,
+                last_ts,
+                track,
+                None,
+                &[],
+            ))?;
+        }
     }
     let finished = trace_steps.finish();
     write_steps(finished, &anchors, &host, map, steps, out)?;
@@ -371,4 +402,69 @@ pub fn rank_tracks(
         out.write(&p)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use xpuscope_perfetto::{SystemInfo, TraceWriter};
+    use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
+
+    use super::super::{MergeOptions, run};
+
+    /// A node trace cut after a slice began (its END lost with the cut):
+    /// the merged trace ends that slice where the node's trace ends, so it
+    /// keeps the importer's rules; a complete slice is left as it was.
+    #[test]
+    fn slices_a_cut_trace_left_open_end_where_it_ends() {
+        let dir = std::env::temp_dir().join(format!("xpuscope-merge-open-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut w = TraceWriter::new(Vec::new());
+        w.system_info(&SystemInfo {
+            sysname: "Linux".into(),
+            release: "6.18.0".into(),
+            machine: "x86_64".into(),
+            hz: 100,
+            page_size: 4096,
+            num_cpus: 2,
+            ..SystemInfo::default()
+        })
+        .unwrap();
+        let t = w.thread_track(42, 42, "python3").unwrap();
+        w.slice_begin(t, 1_000, "ncclAllReduce", None, &[], &[], None)
+            .unwrap();
+        w.slice_begin(t, 2_000, "inner", None, &[], &[], None)
+            .unwrap();
+        w.slice_end(t, 3_000, &[]).unwrap();
+        w.slice_begin(t, 4_000, "cudaDeviceSynchronize", None, &[], &[], None)
+            .unwrap();
+        let node = dir.join("node.pftrace");
+        std::fs::write(&node, w.finish().unwrap()).unwrap();
+        let merged = dir.join("merged.pftrace");
+        run(&MergeOptions {
+            inputs: vec![node],
+            output: merged.clone(),
+            force: false,
+            no_sched: false,
+            steps_csv: None,
+        })
+        .unwrap();
+        let trace = decode(&std::fs::read(&merged).unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        check_importer_rules(&trace).unwrap();
+        let tl = Timeline::new(&trace);
+        let mut slices: Vec<(String, u64, Option<u64>)> = tl
+            .slices
+            .iter()
+            .map(|s| (s.name.clone(), s.ts, s.end))
+            .collect();
+        slices.sort();
+        assert_eq!(
+            slices,
+            [
+                ("cudaDeviceSynchronize".to_string(), 4_000, Some(4_000)),
+                ("inner".to_string(), 2_000, Some(3_000)),
+                ("ncclAllReduce".to_string(), 1_000, Some(4_000)),
+            ]
+        );
+    }
 }

@@ -102,47 +102,47 @@ impl OomDetector {
 
     /// Reports the failures whose time to recover is up at `now`.
     pub fn tick(&mut self, now: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let mut due: Vec<(u32, Device)> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| now.saturating_sub(p.end) >= SETTLE_NS)
-            .map(|(k, _)| *k)
-            .collect();
-        due.sort_by_key(|k| self.pending[k].end);
-        for k in due {
-            if let Some(p) = self.pending.remove(&k) {
-                out.push(finding(&p, now, ranks));
-            }
-        }
+        self.report(
+            |_, p| now.saturating_sub(p.end) >= SETTLE_NS,
+            now,
+            ranks,
+            out,
+        );
     }
 
     /// The process is gone: its failures are final (reported before the
     /// detectors forget its rank).
     pub fn process_ended(&mut self, tgid: u32, ts: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
-        let mut ended: Vec<(u32, Device)> = self
-            .pending
-            .keys()
-            .filter(|k| k.0 == tgid)
-            .copied()
-            .collect();
-        ended.sort_by_key(|k| self.pending[k].end);
-        for k in ended {
-            if let Some(p) = self.pending.remove(&k) {
-                out.push(finding(&p, ts, ranks));
-            }
-        }
+        self.report(|k, _| k.0 == tgid, ts, ranks, out);
     }
 
     /// The end: every failure still waiting is reported.
     pub fn finish(&mut self, end: u64, ranks: &Ranks, out: &mut Vec<Finding>) {
-        let mut left: Vec<(u32, Device)> = self.pending.keys().copied().collect();
-        left.sort_by_key(|k| self.pending[k].end);
-        for k in left {
+        self.report(|_, _| true, end, ranks, out);
+    }
+
+    /// Reports (and forgets) the failures `due` picks, oldest first, as
+    /// known at `now`.
+    fn report(
+        &mut self,
+        due: impl Fn(&(u32, Device), &Pending) -> bool,
+        now: u64,
+        ranks: &Ranks,
+        out: &mut Vec<Finding>,
+    ) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut keys: Vec<(u32, Device)> = self
+            .pending
+            .iter()
+            .filter(|(k, p)| due(k, p))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.sort_by_key(|k| self.pending[k].end);
+        for k in keys {
             if let Some(p) = self.pending.remove(&k) {
-                out.push(finding(&p, end, ranks));
+                out.push(finding(&p, now, ranks));
             }
         }
     }
