@@ -13,7 +13,8 @@
 //! goes on through one uncontended step (contention flickers with the rest
 //! of the machine's load) and ends at two in a row, or, once reported, at
 //! `contention_min_steps` in a row. The finding names the first step of the run, the time lost per step and the top
-//! preemptors (command name, pid, time taken).
+//! preemptors (command name, pid, time taken; a traced one by its rank,
+//! and whether it is of the same job).
 
 use std::collections::HashMap;
 
@@ -165,9 +166,27 @@ impl ContentionDetector {
         let ms = |ns: u64| ns as f64 / 1e6;
         let per_step = run.lost / run.steps;
         let share = 100.0 * run.lost as f64 / run.dur.max(1) as f64;
+        // A traced preemptor is named by its rank: a sibling rank of the
+        // same job (an oversubscribed node) reads differently from
+        // another job sharing the node, or from an untraced process.
+        let job = ranks.job_of(w.tgid);
+        let whose = |pid: u32| -> Option<String> {
+            let rank = ranks.of(pid)?;
+            Some(match ranks.job_of(pid) {
+                j if j == job => format!("its job's rank {rank}"),
+                "" => format!("rank {rank} of an unlabelled job"),
+                j => format!("rank {rank} of job {j}"),
+            })
+        };
         let names = top
             .iter()
-            .map(|(pid, t)| format!("{} (pid {pid}, {:.1} ms)", t.comm(), ms(t.ns)))
+            .map(|(pid, t)| {
+                let what = format!("{} (pid {pid}, {:.1} ms)", t.comm(), ms(t.ns));
+                match whose(**pid) {
+                    Some(rank) => format!("{rank}, {what}"),
+                    None => what,
+                }
+            })
             .collect::<Vec<_>>()
             .join(", ");
         let who = ranks.describe(w.tgid);
@@ -200,6 +219,8 @@ impl ContentionDetector {
                     "ms": ms(t.ns),
                     "ms_per_step": ms(t.ns / run.steps),
                     "traced": t.in_job,
+                    "rank": ranks.of(**pid),
+                    "job": ranks.of(**pid).map(|_| ranks.job_of(**pid)),
                     "threads": t.comms.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(),
                 })).collect::<Vec<_>>(),
                 "contention_min_share_pct": cfg.contention_min_share_pct,

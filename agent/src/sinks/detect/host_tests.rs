@@ -442,6 +442,56 @@ fn persistent_preemption_by_other_processes_is_contention_naming_them() {
     );
 }
 
+/// On an oversubscribed node the preemptors are often traced ranks: a
+/// sibling rank of the same job, or a rank of another job sharing the
+/// node. The finding says which, by rank.
+#[test]
+fn contention_by_traced_ranks_names_them_by_rank_and_job() {
+    let mut job = Job::new();
+    job.records.push((0, identity(5000, 1)));
+    job.records.push((
+        0,
+        Record::Identity {
+            tgid: 6000,
+            identity: Box::new(crate::model::RankIdentity::from_environ(
+                b"RANK=0\0WORLD_SIZE=1\0XPUSCOPE_JOB=other\0",
+            )),
+        },
+    ));
+    job.steps(30, |k| StepShape {
+        preempted: if k >= 10 {
+            vec![
+                (5000, 5001, "python3", 3 * MS),
+                (6000, 6000, "python3", 2 * MS),
+            ]
+        } else {
+            vec![]
+        },
+        ..StepShape::default()
+    });
+    let found = job.run(DetectConfig::default());
+    let hits = of_kind(&found, FindingKind::HostContention);
+    assert_eq!(hits.len(), 1, "{found:#?}");
+    let f = hits[0];
+    assert!(
+        f.summary.contains(
+            "most by its job's rank 1, python3 (pid 5000, 9.0 ms), \
+             rank 0 of job other, python3 (pid 6000, 6.0 ms)"
+        ),
+        "{}",
+        f.summary
+    );
+    let p = &f.evidence["preemptors"];
+    assert_eq!(
+        (p[0]["rank"].clone(), p[0]["job"].clone()),
+        (1.into(), "j".into())
+    );
+    assert_eq!(
+        (p[1]["rank"].clone(), p[1]["job"].clone()),
+        (0.into(), "other".into())
+    );
+}
+
 #[test]
 fn a_contention_with_a_lull_is_one_finding_and_a_new_one_after_it_ends() {
     let noisy = vec![(4242, 4243, "noisy", 6 * MS)];
