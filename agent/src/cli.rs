@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, AttachConfig, StackPolicy};
-use crate::sinks::detect::host;
+use crate::sinks::detect::host_config;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -39,9 +39,9 @@ pub enum Command {
     /// finds training processes by itself (device libraries they map, or
     /// the configured selectors), keeps a flight recorder, serves metrics
     /// and the control API.
-    Service(ServiceArgs),
+    Service(crate::service::ServiceArgs),
     /// Talk to a running `agent service` over its control socket.
-    Ctl(CtlArgs),
+    Ctl(crate::service::control::client::CtlArgs),
     /// Merge the traces of one job's nodes (one `agent attach` trace per
     /// node) into one trace: clocks aligned on the job's collectives,
     /// processes kept apart per node, ranks labelled with their parallel
@@ -97,57 +97,6 @@ pub struct MergeArgs {
     /// 1024 CPUs in all).
     #[arg(long)]
     pub no_sched: bool,
-}
-
-#[derive(Args, Debug)]
-pub struct ServiceArgs {
-    /// The configuration file.
-    #[arg(long, default_value = crate::service::config::DEFAULT_CONFIG_PATH)]
-    pub config: PathBuf,
-    /// Check the configuration and exit (nothing is started).
-    #[arg(long)]
-    pub check_config: bool,
-}
-
-#[derive(Args, Debug)]
-pub struct CtlArgs {
-    /// The service's control socket.
-    #[arg(long, default_value = crate::service::control::DEFAULT_SOCKET)]
-    pub socket: PathBuf,
-    #[command(subcommand)]
-    pub command: CtlCommand,
-}
-
-#[derive(Subcommand, Debug)]
-pub enum CtlCommand {
-    /// The service's state: level, processes, records, drops, flight recorder.
-    Status,
-    /// The traced processes with their job and rank.
-    Processes,
-    /// Change the capture level (0-3) without restarting.
-    Level { level: u8 },
-    /// Write a trace of the flight recorder's window to the dump directory.
-    Dump {
-        /// Only this job's processes (its job label).
-        #[arg(long)]
-        job: Option<String>,
-        /// The window's length (default: all the recorder holds).
-        #[arg(long, value_parser = config::parse_duration)]
-        seconds: Option<Duration>,
-        /// End the window this long from now (record that much more first).
-        #[arg(long, value_parser = config::parse_duration)]
-        after: Option<Duration>,
-        /// End the window at this wall-clock time (RFC 3339, UTC), the same
-        /// on every node it is sent to.
-        #[arg(long, conflicts_with = "after")]
-        at: Option<String>,
-        /// With --after or --at: answer once the dump is written (its
-        /// path), not as soon as it is scheduled.
-        #[arg(long)]
-        wait: bool,
-    },
-    /// Re-read the configuration file.
-    Reload,
 }
 
 #[derive(Args, Debug)]
@@ -232,7 +181,7 @@ pub struct AttachArgs {
     /// kept the rank's training thread off its CPU for at least this
     /// percentage of it (1-100; and `contention_min_lost`, 3 steps in a
     /// row: the service's `[detect]` keys).
-    #[arg(long, default_value_t = host::DEFAULT_CONTENTION_MIN_SHARE_PCT,
+    #[arg(long, default_value_t = host_config::DEFAULT_CONTENTION_MIN_SHARE_PCT,
           value_parser = clap::value_parser!(u32).range(1..=100))]
     pub contention_min_share: u32,
     /// dataloader_stall: the shortest wait for the data loader reported
@@ -330,11 +279,11 @@ impl AttachArgs {
             report_targets: self.report_targets,
             device_call_rate: self.device_call_rate,
             hang_timeout: self.hang_timeout,
-            host_detect: host::HostDetectConfig {
+            host_detect: host_config::HostDetectConfig {
                 contention_min_share_pct: self.contention_min_share,
                 stall_min: self.stall_min,
                 leak_min_per_step: self.leak_min_per_step,
-                ..host::HostDetectConfig::default()
+                ..host_config::HostDetectConfig::default()
             },
             collective: crate::sinks::detect::collective::CollectiveConfig {
                 late_min: self.late_min,

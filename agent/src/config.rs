@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use xpuscope_common::stack_mode;
+use xpuscope_common::{Config, TaskOffsets, stack_mode};
 
-use crate::kernel::DeviceLevel;
+use crate::kernel::{DeviceLevel, LoadOptions};
 
 /// How off-CPU stacks are taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -76,7 +76,7 @@ pub struct AttachConfig {
     /// A collective or sync running longer than this is reported as a hang.
     pub hang_timeout: Duration,
     /// Thresholds of the host-side detectors.
-    pub host_detect: crate::sinks::detect::host::HostDetectConfig,
+    pub host_detect: crate::sinks::detect::host_config::HostDetectConfig,
     /// `slow_rank`, `late_arrival`, `slow_link` thresholds.
     pub collective: crate::sinks::detect::collective::CollectiveConfig,
 }
@@ -130,6 +130,39 @@ impl Default for AttachConfig {
             level_schedule: LevelSchedule::default(),
             report_targets: false,
             loader_hook: true,
+        }
+    }
+}
+
+impl AttachConfig {
+    /// The options for a recording configured so (rings, stack
+    /// sampling, BTF), with this stack mode and device probe mask (the
+    /// attach and service supervisors decide those).
+    pub fn load_options(
+        &self,
+        offsets: TaskOffsets,
+        stack_mode: u32,
+        probe_levels: u32,
+    ) -> LoadOptions<'_> {
+        let cfg = self;
+        LoadOptions {
+            offsets,
+            ring_bytes: cfg.ring_bytes,
+            device_ring_bytes: cfg.device_ring_bytes,
+            bystander_ring_bytes: cfg.bystander_ring_bytes,
+            config: Config {
+                system_wide: cfg.system_wide as u32,
+                stack_mode,
+                stack_rate: cfg.stack_rate,
+                stack_burst: cfg.stack_burst,
+                // A reader wakeup when a ring is a quarter full.
+                wakeup_bytes: (cfg.ring_bytes / 4) as u64,
+                device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
+                probe_levels,
+                sched_off: 0,
+                bystander_wakeup_bytes: (cfg.bystander_ring_bytes / 4) as u64,
+            },
+            kernel_btf: &cfg.kernel_btf,
         }
     }
 }

@@ -15,6 +15,7 @@ mod host;
 mod kernel;
 mod merge;
 mod model;
+mod own_usage;
 mod pipeline;
 mod preflight;
 mod probes_cmd;
@@ -27,6 +28,7 @@ mod stop;
 mod summary;
 mod supervise;
 mod trace_file;
+mod wallclock;
 
 use std::process::ExitCode;
 

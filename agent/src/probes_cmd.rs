@@ -19,6 +19,7 @@ use xpuscope_probes::discover;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve;
 
+use crate::kernel::config_map;
 use crate::kernel::load::{self, EBPF_OBJECT};
 use crate::kernel::probes::{AyaAttacher, DeviceProbes, LiveProcesses};
 use crate::kernel::{CaptureLevels, DeviceLevel};
@@ -47,7 +48,7 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
         .load(EBPF_OBJECT)
         .context("loading the eBPF programs failed (is BPF enabled in this kernel?)")?;
     // Levels off: the programs count hits and push no records.
-    load::write_config(
+    config_map::write(
         &mut bpf,
         Config {
             probe_levels: 0,

@@ -18,7 +18,7 @@ use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
 use crate::kernel::load::DEFAULT_LOADER;
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
-use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
+use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl};
 use crate::model::Finding;
 use crate::pipeline::collect::{LoaderNotice, NOTICE_QUEUE, Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
@@ -65,8 +65,7 @@ fn start_kernel(
     offsets: xpuscope_common::TaskOffsets,
     levels: CaptureLevels,
 ) -> Result<Kernel> {
-    let mut probes = Kernel::load_and_attach(&LoadOptions::for_recording(
-        cfg,
+    let mut probes = Kernel::load_and_attach(&cfg.load_options(
         offsets,
         cfg.stacks.kernel_mode(),
         levels.device.mask(),

@@ -2,6 +2,7 @@
 //! as JSON for scripts and tests.
 
 use crate::model::finding::{Finding, FindingsDoc};
+use crate::own_usage::OwnUsage;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -201,19 +202,6 @@ impl From<&InterpretCounters> for DeviceDecoding {
     }
 }
 
-/// The agent's own CPU seconds and peak RSS so far.
-fn own_usage() -> (f64, u64) {
-    // SAFETY: getrusage fills the struct we own.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    (
-        secs(ru.ru_utime) + secs(ru.ru_stime),
-        ru.ru_maxrss.max(0) as u64 * 1024,
-    )
-}
-
 fn kind_name(kind: EventKind) -> String {
     match kind {
         EventKind::SchedSwitch => "sched_switch",
@@ -266,7 +254,8 @@ impl RunSummary {
                 dropped: dropped.get(*k as usize).copied().unwrap_or(0),
             })
             .collect();
-        let (agent_cpu_seconds, agent_peak_rss_bytes) = own_usage();
+        let own = OwnUsage::now();
+        let (agent_cpu_seconds, agent_peak_rss_bytes) = (own.cpu_seconds, own.peak_resident_bytes);
         // The activity iterators' calls are calls too (they make no slice
         // of their own): counted per function and in the total, so the
         // total agrees with the per-function rows and the probes' hits.

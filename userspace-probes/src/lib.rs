@@ -44,6 +44,7 @@ mod bytes;
 pub mod catalog;
 pub mod decode;
 pub mod discover;
+pub mod enums;
 pub mod loader;
 pub mod maps;
 pub mod placement;

@@ -20,6 +20,8 @@ mod bench_soak;
 mod build;
 mod fuzz;
 mod install;
+#[cfg(test)]
+mod layering;
 mod measure;
 mod setup;
 

@@ -12,6 +12,7 @@ use xpuscope_common::{
     Config, DROP_SLOTS, EventKind, TARGET_GEN_AGENT, TaskOffsets, globals, maps,
 };
 
+use super::config_map;
 use super::control::KernelControl;
 use super::error::KernelError;
 use super::probes::AyaAttacher;
@@ -131,38 +132,6 @@ pub struct LoadOptions<'a> {
     pub kernel_btf: &'a Path,
 }
 
-impl<'a> LoadOptions<'a> {
-    /// The options for a recording configured by `cfg` (rings, stack
-    /// sampling, BTF), with this stack mode and device probe mask (the
-    /// attach and service supervisors decide those).
-    pub fn for_recording(
-        cfg: &'a crate::config::AttachConfig,
-        offsets: TaskOffsets,
-        stack_mode: u32,
-        probe_levels: u32,
-    ) -> Self {
-        Self {
-            offsets,
-            ring_bytes: cfg.ring_bytes,
-            device_ring_bytes: cfg.device_ring_bytes,
-            bystander_ring_bytes: cfg.bystander_ring_bytes,
-            config: Config {
-                system_wide: cfg.system_wide as u32,
-                stack_mode,
-                stack_rate: cfg.stack_rate,
-                stack_burst: cfg.stack_burst,
-                // A reader wakeup when a ring is a quarter full.
-                wakeup_bytes: (cfg.ring_bytes / 4) as u64,
-                device_wakeup_bytes: (cfg.device_ring_bytes / 4) as u64,
-                probe_levels,
-                sched_off: 0,
-                bystander_wakeup_bytes: (cfg.bystander_ring_bytes / 4) as u64,
-            },
-            kernel_btf: &cfg.kernel_btf,
-        }
-    }
-}
-
 impl Kernel {
     /// Loads the object and attaches every [`PROGRAMS`] entry.
     pub fn load_and_attach(opts: &LoadOptions) -> Result<Kernel> {
@@ -186,7 +155,7 @@ impl Kernel {
                 None
             }
         };
-        write_config(&mut bpf, opts.config)?;
+        config_map::write(&mut bpf, opts.config)?;
         let btf = Btf::parse_file(opts.kernel_btf, aya::Endianness::default())
             .with_context(|| format!("reading kernel BTF from {}", opts.kernel_btf.display()))?;
         for p in PROGRAMS {
@@ -305,17 +274,13 @@ impl Kernel {
     /// Changes how off-CPU stacks are taken (a `stack_mode` value); the
     /// programs read `CONFIG` at every run, so it applies at once.
     pub fn set_stack_mode(&mut self, mode: u32) -> Result<(), KernelError> {
-        let mut config = read_config(&self.bpf)?;
-        config.stack_mode = mode;
-        write_config(&mut self.bpf, config)
+        config_map::update(&mut self.bpf, |c| c.stack_mode = mode)
     }
 
     /// Turns the scheduler programs' records of the traced processes off
     /// (or on again), at runtime.
     pub fn set_sched_off(&mut self, off: bool) -> Result<(), KernelError> {
-        let mut config = read_config(&self.bpf)?;
-        config.sched_off = off as u32;
-        write_config(&mut self.bpf, config)
+        config_map::update(&mut self.bpf, |c| c.sched_off = off as u32)
     }
 
     /// Forwards kernel-side log records to the agent's log.
@@ -400,32 +365,6 @@ fn load_tracepoint(bpf: &mut Ebpf, name: &str, tracepoint: &str, btf: &Btf) -> R
     program
         .load(tracepoint, btf)
         .with_context(|| format!("verifying/loading {name}"))
-}
-
-fn config_array(bpf: &Ebpf) -> Result<Array<&MapData, Config>, KernelError> {
-    let map = bpf
-        .map(maps::CONFIG)
-        .ok_or_else(|| KernelError::Missing(format!("map {}", maps::CONFIG)))?;
-    Array::try_from(map).map_err(KernelError::map("opening CONFIG"))
-}
-
-pub(crate) fn read_config(bpf: &Ebpf) -> Result<Config, KernelError> {
-    config_array(bpf)?
-        .get(&0, 0)
-        .map_err(KernelError::map("reading CONFIG"))
-}
-
-/// Writes the runtime configuration (`CONFIG[0]`); the programs read it at
-/// every run, so a change applies at once.
-pub fn write_config(bpf: &mut Ebpf, config: Config) -> Result<(), KernelError> {
-    let map = bpf
-        .map_mut(maps::CONFIG)
-        .ok_or_else(|| KernelError::Missing(format!("map {}", maps::CONFIG)))?;
-    let mut array: Array<&mut MapData, Config> =
-        Array::try_from(map).map_err(KernelError::map("opening CONFIG"))?;
-    array
-        .set(0, config, 0)
-        .map_err(KernelError::map("writing CONFIG"))
 }
 
 /// Adds `tgid` to the traced set (`TARGETS`) and tells every CPU's cache.

@@ -36,6 +36,7 @@
 //! Nothing else changes: drops, skips and the per-kind summary are indexed
 //! by `EventKind`.
 
+pub mod config_map;
 pub mod control;
 pub mod error;
 pub mod levels;

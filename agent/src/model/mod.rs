@@ -10,6 +10,7 @@
 pub mod device;
 pub mod finding;
 pub mod identity;
+pub mod sched;
 pub mod stack;
 
 use std::sync::Arc;
@@ -22,8 +23,8 @@ pub use finding::{Finding, FindingKind};
 pub use identity::RankIdentity;
 pub use stack::{Site, Stack, SymFrame, site_label};
 
-use crate::events::{Comm, Exec, Exit, Fork, LinkMap, Rename, Switch, Waking};
 use crate::procfs::ProcessEntry;
+use sched::{Comm, Exec, Exit, Fork, LinkMap, Rename, Switch, Waking};
 
 /// A named value attached to a record (rendered as a trace argument, a
 /// metric label, a finding's evidence).

@@ -101,7 +101,7 @@ pub struct DetectSection {
     /// A finding triggers a flight-recorder dump.
     pub dump_on_finding: bool,
     /// Thresholds of the host-side detectors.
-    pub host: crate::sinks::detect::host::HostDetectConfig,
+    pub host: crate::sinks::detect::host_config::HostDetectConfig,
     /// `late_min`, `late_mad_k`, `slow_rank_persist`, `slow_link_ratio`,
     /// `link_min_bytes`, `link_min_ops`.
     pub collective: crate::sinks::detect::collective::CollectiveConfig,
@@ -516,7 +516,7 @@ fn line_of(text: &str, at: usize) -> usize {
 fn host_detect_keys(
     ctx: &Ctx,
     s: &mut Section,
-    host: &mut crate::sinks::detect::host::HostDetectConfig,
+    host: &mut crate::sinks::detect::host_config::HostDetectConfig,
 ) -> Result<(), ConfigError> {
     let count = |v: &Value, key: &str, lo: i64, hi: i64| -> Result<u32, ConfigError> {
         let n = ctx.integer(v, key)?;
@@ -897,7 +897,7 @@ job_env = ["MY_JOB"]
         assert!(!cfg.detect.dump_on_finding);
         assert_eq!(
             cfg.detect.host,
-            crate::sinks::detect::host::HostDetectConfig {
+            crate::sinks::detect::host_config::HostDetectConfig {
                 contention_min_share_pct: 30,
                 contention_min_lost: Duration::from_millis(2),
                 contention_min_steps: 4,

@@ -34,9 +34,9 @@ use tokio::sync::watch;
 
 use super::config::CaptureLevel;
 use super::http::{self, Request, Response};
-use super::wallclock;
 use crate::sinks::flight_recorder::dump::check_job_label;
 use crate::sinks::flight_recorder::{DumpError, DumpRequest, DumpSpec, Trigger, WindowEnd};
+use crate::wallclock;
 
 pub const DEFAULT_SOCKET: &str = "/run/xpuscope/agent.sock";
 /// How long a dump of a window ending now may take before the API answers

@@ -31,12 +31,12 @@ use xpuscope_common::stack_mode;
 
 use super::config::{CaptureLevel, ServiceConfig};
 use super::discovery::{Discovery, Found, LiveProcTable, first_variable};
-use super::supervisor::{LevelSwitch, Running};
+use super::seam::{LevelSwitch, Running};
 use crate::btf::{self, Btf};
 use crate::config::AttachConfig;
 use crate::kernel::load::DEFAULT_LOADER;
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
-use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl, LoadOptions};
+use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl};
 use crate::model::RankIdentity;
 use crate::pipeline::Announcements;
 use crate::pipeline::PipelineMsg;
@@ -142,8 +142,7 @@ pub fn load(cfg: &ServiceConfig) -> Result<Kernel> {
     let btf = Btf::from_file(&tuning.kernel_btf)?;
     let offsets = btf::task_offsets(&btf)?;
     let level = KernelLevel::of(cfg.level);
-    let mut options =
-        LoadOptions::for_recording(&tuning, offsets, level.stack_mode, level.device.mask());
+    let mut options = tuning.load_options(offsets, level.stack_mode, level.device.mask());
     options.config.sched_off = (!level.sched) as u32;
     Kernel::load_and_attach(&options)
 }

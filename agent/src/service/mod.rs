@@ -26,12 +26,24 @@ pub mod http;
 pub mod kernel_side;
 pub mod metrics_endpoint;
 pub mod notify;
+pub mod seam;
 pub mod supervisor;
-pub mod wallclock;
+
+use std::path::PathBuf;
 
 use anyhow::Result;
+use clap::Args;
 
-use crate::cli::ServiceArgs;
+// `agent service`'s options (`cli` names the subcommand).
+#[derive(Args, Debug)]
+pub struct ServiceArgs {
+    /// The configuration file.
+    #[arg(long, default_value = config::DEFAULT_CONFIG_PATH)]
+    pub config: PathBuf,
+    /// Check the configuration and exit (nothing is started).
+    #[arg(long)]
+    pub check_config: bool,
+}
 
 /// `agent service`.
 pub fn run(args: &ServiceArgs) -> Result<()> {

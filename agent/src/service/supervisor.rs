@@ -25,9 +25,12 @@ use super::config::{CaptureLevel, ServiceConfig};
 use super::control::{self, Control, PeerPolicy};
 use super::kernel_side::{self, KernelHandle, KernelLevels};
 use super::notify::Notifier;
+#[cfg(test)]
+use super::seam::KernelNotAttached;
+use super::seam::{LevelSwitch, Running};
 use crate::host;
 use crate::pipeline::enrich::LiveEnricher;
-use crate::pipeline::{Announcements, PIPELINE_BATCHES, Pipeline, PipelineMsg};
+use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::flight_recorder::{
     DumpError, DumpRequest, DumpSpec, FlightRecorder, RecorderSettings, RecorderStats, Trigger,
@@ -38,34 +41,6 @@ use crate::sinks::{FanOut, SinkCounters};
 /// Sink queue depth in batches (as `agent attach`).
 const SINK_BATCHES: usize = 64;
 const STATUS_EVERY: u32 = 10;
-
-/// Changes the kernel side's capture level at runtime
-/// ([`super::kernel_side::KernelLevels`] over the real kernel).
-pub trait LevelSwitch: Send + Sync + 'static {
-    fn set_level(&self, level: CaptureLevel) -> Result<(), String>;
-}
-
-/// The level switch of a service run without a kernel side (tests of the
-/// interfaces).
-#[cfg(test)]
-pub struct KernelNotAttached;
-
-#[cfg(test)]
-impl LevelSwitch for KernelNotAttached {
-    fn set_level(&self, _level: CaptureLevel) -> Result<(), String> {
-        Err("the kernel side is not attached in service mode yet".into())
-    }
-}
-
-/// What the rest of the service plugs into.
-pub struct Running {
-    /// Into the pipeline: collect's events, drops.
-    pub pipeline: mpsc::Sender<PipelineMsg>,
-    /// Probe tables into the pipeline, ahead of queued events.
-    pub announce: Announcements,
-    /// Traced processes by pid, as `GET /processes` lists them.
-    pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
-}
 
 /// The service as the control API sees it.
 struct ServiceControl {

@@ -67,6 +67,7 @@ use self::series::{Admission, RankFamily, RankPart, RankSeries, SeriesBook};
 use super::flight_recorder::{RecorderStats, Trigger};
 use super::{Sink, SinkCounters};
 use crate::model::{DeviceCallRecord, InFlightSnapshot, OffCpuInterval, RankIdentity, Record};
+use crate::own_usage::OwnUsage;
 
 /// The pipeline is alive while the sink heard from it this recently.
 pub const LIVENESS_NS: u64 = 10_000_000_000;
@@ -883,11 +884,10 @@ impl MetricsSink {
 
     /// The agent's own figures, as of now.
     fn agent(&mut self, lost: &SinkCounters) {
-        if let Some((cpu, rss)) = own_usage() {
-            let d = self.deltas.delta("cpu", cpu);
-            self.f.cpu.inc_by(d);
-            self.f.rss.set(rss as i64);
-        }
+        let own = OwnUsage::now();
+        let d = self.deltas.delta("cpu", own.cpu_seconds);
+        self.f.cpu.inc_by(d);
+        self.f.rss.set(own.resident_bytes as i64);
         let mut sinks: Vec<(String, u64, u64)> = vec![(
             "metrics".into(),
             lost.delivered_records.load(Ordering::Relaxed),
@@ -965,30 +965,6 @@ fn op_label(op: Collective) -> &'static str {
         Collective::ReduceScatter => "reducescatter",
         Collective::Barrier => "barrier",
     }
-}
-
-/// The agent's CPU seconds (user + system) and resident bytes.
-fn own_usage() -> Option<(f64, u64)> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the comm's closing parenthesis: state is field 3, utime
-    // and stime are fields 14 and 15.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let (hz, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_CLK_TCK),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let resident: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some((
-        (utime + stime) / hz.max(1) as f64,
-        resident * page.max(0) as u64,
-    ))
 }
 
 impl Sink for MetricsSink {

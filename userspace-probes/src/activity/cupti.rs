@@ -16,7 +16,7 @@ use super::{
     ActivityApi, ActivityDetail, ActivityError, ActivityKind, DeviceActivity, need, nonzero,
 };
 use crate::bytes::{i32_at, u32_at, u64_at};
-use crate::decode::enums::MemcpyKind;
+use crate::enums::MemcpyKind;
 
 pub const KIND_MEMCPY: u32 = 1;
 pub const KIND_KERNEL: u32 = 3;

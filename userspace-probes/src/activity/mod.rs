@@ -24,7 +24,7 @@ pub mod mspti;
 pub mod names;
 
 use crate::catalog::Library;
-use crate::decode::enums::{DataType, MemcpyKind};
+use crate::enums::{DataType, MemcpyKind};
 
 /// Which activity API produced a record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

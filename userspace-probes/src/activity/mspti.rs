@@ -18,7 +18,7 @@ use super::{
     ActivityApi, ActivityDetail, ActivityError, ActivityKind, DeviceActivity, need, nonzero,
 };
 use crate::bytes::{f64_at, u32_at, u64_at};
-use crate::decode::enums::DataType;
+use crate::enums::DataType;
 
 pub const KIND_MARKER: u32 = 1;
 pub const KIND_KERNEL: u32 = 2;

@@ -48,7 +48,9 @@
 
 pub mod args;
 pub mod comm;
-pub mod enums;
+// The data types, reduction ops and copy kinds are shared with the activity
+// records (a crate-level module both read); kept here under their old path.
+pub use crate::enums;
 pub mod memory;
 pub mod table;
 

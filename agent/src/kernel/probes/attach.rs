@@ -16,8 +16,8 @@ use xpuscope_common::uprobe::ProbeSpec;
 
 use super::closer;
 use super::plan::{Plan, ProbeSite, SiteWork};
+use crate::kernel::config_map;
 use crate::kernel::error::KernelError;
-use crate::kernel::load;
 
 pub const ENTRY_PROGRAM: &str = "device_call_entry";
 pub const RETURN_PROGRAM: &str = "device_call_return";
@@ -377,9 +377,7 @@ impl Attacher for AyaAttacher<'_> {
     }
 
     fn set_probe_levels(&mut self, mask: u32) -> Result<(), KernelError> {
-        let mut config = load::read_config(self.bpf)?;
-        config.probe_levels = mask;
-        load::write_config(self.bpf, config)
+        config_map::update(self.bpf, |c| c.probe_levels = mask)
     }
 
     fn release(&mut self, links: Vec<UProbeLink>) {

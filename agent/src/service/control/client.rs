@@ -2,14 +2,56 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
-use crate::cli::{CtlArgs, CtlCommand};
 use crate::service::http::{ClientResponse, parse_response};
+
+// `agent ctl`'s options (`cli` names the subcommand).
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The service's control socket.
+    #[arg(long, default_value = super::DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlCommand {
+    /// The service's state: level, processes, records, drops, flight recorder.
+    Status,
+    /// The traced processes with their job and rank.
+    Processes,
+    /// Change the capture level (0-3) without restarting.
+    Level { level: u8 },
+    /// Write a trace of the flight recorder's window to the dump directory.
+    Dump {
+        /// Only this job's processes (its job label).
+        #[arg(long)]
+        job: Option<String>,
+        /// The window's length (default: all the recorder holds).
+        #[arg(long, value_parser = crate::config::parse_duration)]
+        seconds: Option<Duration>,
+        /// End the window this long from now (record that much more first).
+        #[arg(long, value_parser = crate::config::parse_duration)]
+        after: Option<Duration>,
+        /// End the window at this wall-clock time (RFC 3339, UTC), the same
+        /// on every node it is sent to.
+        #[arg(long, conflicts_with = "after")]
+        at: Option<String>,
+        /// With --after or --at: answer once the dump is written (its
+        /// path), not as soon as it is scheduled.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Re-read the configuration file.
+    Reload,
+}
 
 /// A dump may take this long to be written before the service answers.
 const TIMEOUT: Duration = Duration::from_secs(150);

@@ -21,7 +21,7 @@ use std::collections::{HashMap, VecDeque};
 use serde_json::json;
 
 use super::Ranks;
-use super::host::HostDetectConfig;
+use super::host_config::HostDetectConfig;
 use super::host_steps::{CallShape, Window};
 use super::step_marks::StepSource;
 use crate::model::{Finding, FindingKind};

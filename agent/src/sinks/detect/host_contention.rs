@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use serde_json::json;
 
 use super::Ranks;
-use super::host::HostDetectConfig;
+use super::host_config::HostDetectConfig;
 use super::host_steps::Window;
 use crate::model::{Finding, FindingKind};
 

@@ -19,7 +19,7 @@ use xpuscope_probes::catalog::Vendor;
 use xpuscope_probes::decode::memory::Device;
 
 use super::Ranks;
-use super::host::HostDetectConfig;
+use super::host_config::HostDetectConfig;
 use super::host_steps::Window;
 use crate::model::{DeviceCallRecord, Finding, FindingKind, site_label};
 

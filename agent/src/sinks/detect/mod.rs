@@ -31,6 +31,7 @@ pub mod dataloader_stall;
 pub mod device_compute;
 pub mod hang;
 pub mod host;
+pub mod host_config;
 pub mod host_contention;
 pub mod host_steps;
 pub mod memory_leak;
@@ -57,7 +58,7 @@ pub struct DetectConfig {
     /// A collective or sync running longer than this is a hang.
     pub hang_timeout: Duration,
     /// The host-side detectors' thresholds.
-    pub host: host::HostDetectConfig,
+    pub host: host_config::HostDetectConfig,
     /// `slow_rank`, `late_arrival`, `slow_link` (`collective`).
     pub collective: collective::CollectiveConfig,
 }
@@ -68,7 +69,7 @@ impl Default for DetectConfig {
     fn default() -> Self {
         Self {
             hang_timeout: DEFAULT_HANG_TIMEOUT,
-            host: host::HostDetectConfig::default(),
+            host: host_config::HostDetectConfig::default(),
             collective: collective::CollectiveConfig::default(),
         }
     }

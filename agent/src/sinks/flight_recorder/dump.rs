@@ -403,10 +403,10 @@ impl DumpJob {
                 _ => "alljobs".into(),
             }
         });
-        let realtime = crate::service::wallclock::realtime_ns();
+        let realtime = crate::wallclock::realtime_ns();
         let now_boot = crate::host::boottime_ns();
         let end_real = realtime.saturating_sub(now_boot.saturating_sub(self.end));
-        let utc = crate::service::wallclock::compact_utc(end_real);
+        let utc = crate::wallclock::compact_utc(end_real);
         let name = format!(
             "{}-{}-{utc}-{}",
             file_label(&job),

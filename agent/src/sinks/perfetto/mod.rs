@@ -195,7 +195,7 @@ impl<W: Write> PerfettoSink<W> {
         let name = match killed_by {
             Some(sig) => format!(
                 "{PROCESS_EXIT_EVENT}: killed by {}",
-                crate::sinks::detect::crash::signal_name(sig)
+                crate::model::sched::signal_name(sig)
             ),
             None => format!("{PROCESS_EXIT_EVENT}: status {}", (code >> 8) & 0xff),
         };
