@@ -217,7 +217,7 @@ fn expand_use_tree(tree: &str, prefix: &[String], out: &mut Vec<Vec<String>>) {
     p.extend(
         path.split("::")
             .map(str::trim)
-            .filter(|s| !s.is_empty() && !(inside_group && *s == "self"))
+            .filter(|s| !(s.is_empty() || inside_group && *s == "self"))
             .map(String::from),
     );
     out.push(p);
