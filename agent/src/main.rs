@@ -35,7 +35,7 @@ use std::process::ExitCode;
 /// jemalloc, not glibc's allocator: the service frees what the flight
 /// recorder evicts (100 k+ records a second) on other threads than those
 /// that allocated it, between the long-lived allocations of each job.
-/// Measured with jobs started back to back (session 16), glibc's arenas
+/// Measured with jobs started back to back (commit bbcec80), glibc's arenas
 /// grew without end around that free space (the bytes in use flat) and the
 /// resident size crept up even with `malloc_trim` every 10 s; jemalloc's
 /// size-class slabs and page purging held it flat.

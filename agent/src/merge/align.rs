@@ -13,7 +13,7 @@
 //! the centre taken is the interquartile mean (the mean of the middle half
 //! of the differences), which the tails leave alone and which varied less
 //! than the median over repeated runs of the simulated job on a loaded
-//! 2-CPU VM (figures in the README). A few rounds let nodes that share
+//! 2-CPU VM (figures in docs/src/measurements/merge.md). A few rounds let nodes that share
 //! collectives only with some others settle.
 //!
 //! Then the job's causality bounds it: no member of an all-reduce (all-

@@ -1,6 +1,6 @@
 //! Findings: what the detectors (`crate::sinks::detect`) concluded from the
 //! record stream, in the JSON contract other tools read
-//! (`xpuscope-findings/1`, documented in the README).
+//! (`xpuscope-findings/1`, documented in the book: `docs/src/reference/findings-json.md`).
 
 use serde::Serialize;
 use serde_json::Value;

@@ -76,7 +76,7 @@ impl Default for StacksConfig {
     /// capture costs the switching thread about 10-20 us (the kernel walk,
     /// the frame-pointer walk and the 8 KiB stack copy), which the service,
     /// always on, must not charge the training at every wait. Measured on
-    /// the 8-rank simulated job (README, "Soak"): 100 per second took half
+    /// the 8-rank simulated job (docs/src/measurements/service.md, "The soak"): 100 per second took half
     /// of the programs' time in the ranks.
     fn default() -> Self {
         Self {

@@ -30,7 +30,7 @@
 //! then the frames and code object headers, read by 4 KiB page during the
 //! walk (a thread's frames sit together on its data stack): 6-7 reads
 //! (syscalls) and 8-10 us for a 3-frame stack, 11-16 reads and 24-29 us for
-//! 40 frames (release, 2-vCPU VM; README "Python frames").
+//! 40 frames (release, 2-vCPU VM; docs/src/measurements/stacks.md, "Reading Python frames").
 
 pub mod layout;
 pub mod linetable;

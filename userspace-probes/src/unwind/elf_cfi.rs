@@ -113,7 +113,7 @@ impl FileCfi {
         // instructions (a prologue or epilogue where CFI is missing), and
         // only up to MAX_TEXT_BYTES: PyTorch's libtorch_cuda and
         // libtorch_cpu hold hundreds of MB of it, which read whole took
-        // 0.87 GB of the agent's heap on a GPU node (session 13). Bigger
+        // 0.87 GB of the agent's heap on a GPU node (commit 8b803c1). Bigger
         // code unwinds by its CFI alone.
         let text = elf.section_by_name(".text");
         let text_svma = text.as_ref().map(|s| s.address()..s.address() + s.size());

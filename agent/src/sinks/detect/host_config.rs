@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 /// Thresholds of the host-side detectors (config `detect.*`; defaults
-/// below, documented in the README and `deploy/agent.toml`).
+/// below, documented in `docs/src/reference/config.md` and `deploy/agent.toml`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostDetectConfig {
     /// A step is contended when its main thread lost at least this
