@@ -9,7 +9,7 @@
 # configuration on Debian 12 (same glibc). The DaemonSet mounts its own
 # configuration over /etc/xpuscope.
 FROM rust:1.95-bookworm AS build
-# The toolchains the project is built with (shared/design/toolchain.md):
+# The toolchains the project is built with (docs/src/development/toolchain.md):
 # stable 1.95 for user space; for the kernel programs the nightly whose
 # rustc is 1.97.0-nightly (e50aa6fba 2026-05-19), LLVM 22, which bpf-linker
 # is built against. xtask calls it `+nightly`: installed dated, then given

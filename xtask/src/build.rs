@@ -138,6 +138,30 @@ pub fn demo(output: &Path, duration: &str) -> Result<()> {
     Ok(())
 }
 
+/// Builds the book under `docs/` into `target/book`. A test run builds it so
+/// that a chapter or an included file that went missing fails the tests;
+/// mdbook reports such problems as WARN or ERROR lines and still exits 0, so
+/// its log is checked too.
+fn book() -> Result<()> {
+    setup::ensure_mdbook()?;
+    let out = clean_command("mdbook")
+        .args(["build", "docs"])
+        .output()
+        .context("could not start `mdbook build docs`")?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    let complains = log
+        .lines()
+        .any(|line| line.contains("WARN") || line.contains("ERROR"));
+    if !out.status.success() || complains {
+        bail!(
+            "mdbook build docs failed ({}):\n{}",
+            out.status,
+            log.trim_end()
+        );
+    }
+    Ok(())
+}
+
 pub fn test(extra: &[String]) -> Result<()> {
     all()?;
     run_checked(
@@ -156,6 +180,7 @@ pub fn test(extra: &[String]) -> Result<()> {
         ]),
         "cargo fmt --check (ebpf/programs)",
     )?;
+    book()?;
     run_checked(
         clean_command("cargo").args([
             "clippy",

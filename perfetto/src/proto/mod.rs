@@ -2,7 +2,7 @@
 //! prost messages.
 //!
 //! Field numbers come from `protos/perfetto/trace/perfetto_trace.proto`
-//! (google/perfetto) and `/work/shared/design/perfetto-format.md`. Oneofs are
+//! (google/perfetto) and `docs/src/development/perfetto-format.md`. Oneofs are
 //! flattened into optional fields: the writer sets at most one member. Repeated
 //! scalars are packed only where the official schema says `[packed = true]`,
 //! because Perfetto's protozero decoders read non-packed fields as individual

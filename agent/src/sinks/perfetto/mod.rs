@@ -2,7 +2,7 @@
 //! only: every record already carries its meaning, names and symbolized
 //! stacks.
 //!
-//! Mapping (see `shared/design/perfetto-format.md`):
+//! Mapping (see `docs/src/development/perfetto-format.md`):
 //! - switches and wakings -> per-CPU compact sched bundles (CPU tracks,
 //!   thread states, wakeups);
 //! - new tasks, exec, exit, rename -> `task_newtask`, `task_rename`,
