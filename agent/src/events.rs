@@ -341,6 +341,32 @@ fn stack(bytes_or_err: i32, frames: &[u64; MAX_STACK_DEPTH]) -> Result<Vec<u64>,
     Ok(frames[..n].iter().copied().filter(|a| *a != 0).collect())
 }
 
+/// A signal's name ("SIGABRT"), or its number.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_string()
+}
+
 /// Decodes one ring-buffer record.
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {

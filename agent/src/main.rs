@@ -27,6 +27,7 @@ mod stop;
 mod summary;
 mod supervise;
 mod trace_file;
+mod trace_schema;
 
 use std::process::ExitCode;
 

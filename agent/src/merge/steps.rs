@@ -13,9 +13,12 @@ use xpuscope_perfetto::rewrite::{EventKind, EventView};
 pub use crate::analysis::steps::StepCandidates;
 use crate::analysis::steps::{CallKind, OffCpuKind, SLEEPING, StepTracker, in_data_loader};
 
-use super::collectives::{Observed, sync_stream};
+use super::collectives::Observed;
+use crate::model::process_comm_id;
 use crate::sinks::detect::step_marks::{MarkedSteps, step_number};
-use crate::sinks::perfetto::PYTHON_STEP_EVENT;
+use crate::trace_schema::call::sync_stream;
+use crate::trace_schema::keys;
+use crate::trace_schema::names::{PYTHON_STEP_EVENT, function_of};
 
 /// Marks a rank keeps before its finished steps are computed (as
 /// `agent attach` does): bounds the tracker's memory.
@@ -143,13 +146,13 @@ impl TraceSteps {
             EventKind::Begin => {
                 let kind = match (call, sync_stream(event)) {
                     (Some(o), _) => CallKind::Collective {
-                        comm: o.call.comm_hash.or(o.call.comm).unwrap_or(0),
+                        comm: process_comm_id(o.call.comm_hash, o.call.comm),
                         stream: o.call.stream,
                         op: o.call.op,
                     },
                     (None, Some(stream)) => CallKind::Sync { stream },
                     (None, None) if enqueues_work(event) => CallKind::Work {
-                        stream: event.arg("stream").and_then(|v| v.as_u64()),
+                        stream: keys::STREAM.read(event),
                     },
                     (None, None) => CallKind::Other,
                 };
@@ -290,14 +293,10 @@ impl TraceSteps {
 
 /// The step an mstx range's start or mark names (`message` "step N").
 fn marked_step(event: &EventView<'_>) -> Option<u64> {
-    let function = event.name?.split_whitespace().next()?;
-    if !matches!(function, "mstxRangeStartA" | "mstxMarkA") {
+    if !matches!(function_of(event.name?), "mstxRangeStartA" | "mstxMarkA") {
         return None;
     }
-    match event.arg("message") {
-        Some(xpuscope_perfetto::rewrite::ArgRef::Str(m)) => step_number(m),
-        _ => None,
-    }
+    step_number(keys::MESSAGE.read(event)?)
 }
 
 /// The step a rank's Python step counter showed (the `python step N`
@@ -306,16 +305,17 @@ fn python_step(event: &EventView<'_>) -> Option<u64> {
     if !event.name?.starts_with(PYTHON_STEP_EVENT) {
         return None;
     }
-    event.arg("step")?.as_u64()
+    keys::STEP.read(event)
 }
 
 /// Whether a call enqueued device work, by the arguments the agent gives
 /// it: a kernel launch (`func`), a graph launch (`graph_exec`), a copy
 /// (`kind`) or a memset (`value`).
 fn enqueues_work(event: &EventView<'_>) -> bool {
-    ["func", "graph_exec", "kind", "value"]
-        .iter()
-        .any(|a| event.arg(a).is_some())
+    keys::FUNC.present(event)
+        || keys::GRAPH_EXEC.present(event)
+        || keys::MEMCPY_KIND.present(event)
+        || keys::MEMSET_VALUE.present(event)
 }
 
 /// Off-CPU stacks within this of a switch were taken at that switch.
@@ -339,6 +339,7 @@ mod tests {
     use super::*;
     use crate::merge::collectives::Collective;
     use xpuscope_perfetto::rewrite::ArgRef;
+    use xpuscope_probes::catalog::CommOp;
 
     fn view<'a>(kind: EventKind, ts: u64, args: Vec<(&'a str, ArgRef<'a>)>) -> EventView<'a> {
         EventView {
@@ -365,7 +366,7 @@ mod tests {
                 comm_rank: Some(0),
                 size: Some(2),
                 stream: Some(2),
-                op: "all_reduce",
+                op: CommOp::AllReduce,
                 p2p: None,
             },
             key: Some((9, k)),

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use serde_json::json;
 
 use super::Ranks;
-use crate::events::Exit;
+use crate::events::{Exit, signal_name};
 use crate::model::{Finding, FindingKind};
 
 #[derive(Default)]
@@ -34,32 +34,6 @@ fn is_stop_signal(sig: i32) -> bool {
         sig,
         libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGKILL
     )
-}
-
-/// A signal's name ("SIGABRT"), or its number.
-pub fn signal_name(sig: i32) -> String {
-    let name = match sig {
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGINT => "SIGINT",
-        libc::SIGQUIT => "SIGQUIT",
-        libc::SIGILL => "SIGILL",
-        libc::SIGTRAP => "SIGTRAP",
-        libc::SIGABRT => "SIGABRT",
-        libc::SIGBUS => "SIGBUS",
-        libc::SIGFPE => "SIGFPE",
-        libc::SIGKILL => "SIGKILL",
-        libc::SIGUSR1 => "SIGUSR1",
-        libc::SIGSEGV => "SIGSEGV",
-        libc::SIGUSR2 => "SIGUSR2",
-        libc::SIGPIPE => "SIGPIPE",
-        libc::SIGALRM => "SIGALRM",
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGXCPU => "SIGXCPU",
-        libc::SIGXFSZ => "SIGXFSZ",
-        libc::SIGSYS => "SIGSYS",
-        _ => return format!("signal {sig}"),
-    };
-    name.to_string()
 }
 
 impl CrashDetector {
