@@ -19,6 +19,7 @@ use crate::sinks::detect::step_marks::{MarkedSteps, step_number};
 use crate::trace_schema::call::sync_stream;
 use crate::trace_schema::keys;
 use crate::trace_schema::names::{PYTHON_STEP_EVENT, function_of};
+use crate::trace_schema::read::switches::{CpuRunning, SAME_SWITCH_NS, Switched, taken_at_switch};
 
 /// Marks a rank keeps before its finished steps are computed (as
 /// `agent attach` does): bounds the tracker's memory.
@@ -93,7 +94,7 @@ pub struct TraceSteps {
     /// By pid (the main thread is tid == pid).
     threads: HashMap<i32, MainThread>,
     /// Per CPU: the task running, and the time of its last switch.
-    running: Vec<Option<i32>>,
+    running: CpuRunning,
     cpu_last: Vec<u64>,
     latest: u64,
     flushed_at: u64,
@@ -106,7 +107,7 @@ impl Default for TraceSteps {
         TraceSteps {
             tracker: StepTracker::with_mark_limit(MARK_LIMIT),
             threads: HashMap::default(),
-            running: Vec::new(),
+            running: CpuRunning::default(),
             cpu_last: Vec::new(),
             latest: 0,
             flushed_at: 0,
@@ -180,21 +181,18 @@ impl TraceSteps {
     /// A context switch on `cpu` at `ts` to `next`; the task leaving was
     /// in `prev_state`.
     pub fn switch(&mut self, cpu: u32, ts: u64, prev_state: i64, next: i32) {
-        // A trace file's CPU number sizes a table: past Perfetto's limit
-        // (the agent never writes one) it is not a CPU.
-        if cpu >= xpuscope_common::MAX_CPUS {
+        let switched = self.running.switch(cpu, next);
+        if switched == Switched::NotACpu {
             return;
         }
         let slot = cpu as usize;
-        if slot >= self.running.len() {
-            self.running.resize(slot + 1, None);
+        if slot >= self.cpu_last.len() {
             self.cpu_last.resize(slot + 1, 0);
         }
         self.cpu_last[slot] = self.cpu_last[slot].max(ts);
         self.latest = self.latest.max(ts);
-        let prev = self.running[slot].replace(next);
-        if prev != Some(next) {
-            if let Some(prev) = prev
+        if let Switched::Changed { left } = switched {
+            if let Some(prev) = left
                 && let Some(t) = self.threads.get_mut(&prev)
             {
                 t.slept.push((ts, prev_state & SLEEPING != 0));
@@ -318,20 +316,10 @@ fn enqueues_work(event: &EventView<'_>) -> bool {
         || keys::MEMSET_VALUE.present(event)
 }
 
-/// Off-CPU stacks within this of a switch were taken at that switch.
-const SAME_SWITCH_NS: u64 = 2_000;
-
 /// Whether the off-CPU interval that began at `ts` was spent in the data
 /// loader, by its stack (taken at the same switch).
 fn loader_stack(stacks: &[(u64, bool)], ts: u64) -> Option<bool> {
-    let i = stacks.partition_point(|(t, _)| *t < ts);
-    let before = i.checked_sub(1).and_then(|j| stacks.get(j));
-    [before, stacks.get(i)]
-        .into_iter()
-        .flatten()
-        .min_by_key(|(t, _)| t.abs_diff(ts))
-        .filter(|(t, _)| t.abs_diff(ts) <= SAME_SWITCH_NS)
-        .map(|(_, l)| *l)
+    taken_at_switch(stacks, ts).copied()
 }
 
 #[cfg(test)]

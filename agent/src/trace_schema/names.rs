@@ -36,6 +36,11 @@ pub const WRITER_LOSSES_TRACK: &str = "xpuscope records lost by the trace writer
 /// A process's device memory counter, before the device's index.
 pub const DEVICE_MEMORY_TRACK: &str = "device memory dev";
 
+/// `agent merge`'s track of a rank's steps, under its process track.
+pub const STEPS_TRACK: &str = "steps";
+/// `agent merge`'s slice of one step on it: `step 12`.
+pub const STEP_EVENT: &str = "step ";
+
 /// Process track labels (`rank=3`) saying a process's place in the job.
 pub const RANK_LABEL: &str = "rank";
 pub const LOCAL_RANK_LABEL: &str = "local_rank";

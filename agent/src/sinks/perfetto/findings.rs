@@ -31,17 +31,17 @@ fn evidence_args(prefix: &str, v: &Value, out: &mut Vec<Arg>) {
                 evidence_args(&format!("{prefix}.{k}"), v, out);
             }
         }
-        Value::Bool(b) => out.push(Arg::new(prefix, ArgValue::Bool(*b))),
+        Value::Bool(b) => out.push(Arg::new(prefix.to_owned(), ArgValue::Bool(*b))),
         Value::Number(n) => {
             let value = match (n.as_u64(), n.as_i64()) {
                 (Some(u), _) => ArgValue::Uint(u),
                 (None, Some(i)) => ArgValue::Int(i),
                 _ => ArgValue::Double(n.as_f64().unwrap_or(0.0)),
             };
-            out.push(Arg::new(prefix, value));
+            out.push(Arg::new(prefix.to_owned(), value));
         }
-        Value::String(s) => out.push(Arg::new(prefix, ArgValue::Str(s.clone()))),
-        Value::Array(_) => out.push(Arg::new(prefix, ArgValue::Str(v.to_string()))),
+        Value::String(s) => out.push(Arg::new(prefix.to_owned(), ArgValue::Str(s.clone()))),
+        Value::Array(_) => out.push(Arg::new(prefix.to_owned(), ArgValue::Str(v.to_string()))),
         Value::Null => {}
     }
 }

@@ -5,6 +5,7 @@
 
 mod offcpu;
 mod records;
+pub mod switches;
 
 pub use records::{OpenAtEnd, TraceRecords};
 
