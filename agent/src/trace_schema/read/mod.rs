@@ -1,7 +1,10 @@
 //! Reading a trace back: [`TracePackets`] is the one loop over a trace's
 //! packets (`agent merge`'s two passes and [`TraceRecords`] run it);
 //! [`TraceRecords`] turns a trace into the records that made it, for the
-//! detectors of `agent diagnose`.
+//! detectors of `agent diagnose`; [`switches`] is how both offline readers
+//! of off-CPU time take a trace's scheduler switches. (`agent merge` reads
+//! its traces as a stream, in bounded memory: it runs the packet loop and
+//! reads events with the schema's keys, not into records.)
 
 mod offcpu;
 mod records;
