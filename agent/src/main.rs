@@ -29,6 +29,7 @@ mod summary;
 mod supervise;
 mod trace_file;
 mod wallclock;
+mod trace_schema;
 
 use std::process::ExitCode;
 

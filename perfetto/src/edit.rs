@@ -515,7 +515,7 @@ impl Packet {
 
 fn inline_annotation(a: &Arg) -> proto::DebugAnnotation {
     let mut d = proto::DebugAnnotation {
-        name: Some(a.name.clone()),
+        name: Some(a.name.to_string()),
         ..proto::DebugAnnotation::default()
     };
     match &a.value {

@@ -1,6 +1,7 @@
 //! The plain data callers hand to [`crate::TraceWriter`]: the project's own
 //! types, independent of the Perfetto schema they are written as.
 
+use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
 
 /// Identifies a track created by [`crate::TraceWriter`]'s `*_track` methods.
@@ -148,15 +149,16 @@ impl Frame {
 /// A named value attached to a track event (a `DebugAnnotation`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Arg {
-    /// Argument name (interned per sequence).
-    pub name: String,
+    /// Argument name (interned per sequence). A writer's fixed keys are
+    /// `&'static str`: no allocation per argument for its name.
+    pub name: Cow<'static, str>,
     /// Argument value.
     pub value: ArgValue,
 }
 
 impl Arg {
     /// `Arg::new("bytes", 4096u64)`.
-    pub fn new(name: impl Into<String>, value: impl Into<ArgValue>) -> Self {
+    pub fn new(name: impl Into<Cow<'static, str>>, value: impl Into<ArgValue>) -> Self {
         Arg {
             name: name.into(),
             value: value.into(),

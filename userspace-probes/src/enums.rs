@@ -109,6 +109,21 @@ impl DataType {
         }
     }
 
+    /// The type its [`fmt::Display`] text names (`bf16`, `dtype(42)`): how
+    /// a trace's `dtype` argument reads back.
+    pub fn from_name(s: &str) -> Option<DataType> {
+        use DataType::*;
+        if let Some(v) = s.strip_prefix("dtype(").and_then(|r| r.strip_suffix(')')) {
+            return v.parse().ok().map(Unknown);
+        }
+        [
+            Int8, Uint8, Int16, Uint16, Int32, Uint32, Int64, Uint64, Fp16, Bf16, Fp32, Fp64,
+            Fp8E4M3, Fp8E5M2, Int128,
+        ]
+        .into_iter()
+        .find(|t| t.name() == s)
+    }
+
     /// `count` elements in bytes, if the type is known and nothing overflows.
     pub fn bytes(self, count: u64) -> Option<u64> {
         count.checked_mul(self.size()?)
@@ -177,6 +192,34 @@ impl RedOp {
     }
 }
 
+impl RedOp {
+    /// The op its [`fmt::Display`] text names (`sum`, `op(9)`); a
+    /// user-defined op's text (`premulsum`) does not say its value: `value`
+    /// does, where the writer kept it.
+    pub fn from_name(s: &str, value: Option<u32>) -> Option<RedOp> {
+        if let Some(v) = s.strip_prefix("op(").and_then(|r| r.strip_suffix(')')) {
+            return v.parse().ok().map(RedOp::Unknown);
+        }
+        Some(match s {
+            "sum" => RedOp::Sum,
+            "prod" => RedOp::Prod,
+            "max" => RedOp::Max,
+            "min" => RedOp::Min,
+            "avg" => RedOp::Avg,
+            "premulsum" => RedOp::Custom(value?),
+            _ => return None,
+        })
+    }
+
+    /// A user-defined op's value (the one thing its name leaves out).
+    pub fn custom_value(self) -> Option<u32> {
+        match self {
+            RedOp::Custom(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Display for RedOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -222,6 +265,24 @@ impl MemcpyKind {
             MemcpyKind::Default => "default",
             MemcpyKind::Unknown(_) => "unknown",
         }
+    }
+}
+
+impl MemcpyKind {
+    /// The kind its `Debug` text names (`HostToDevice`, `Unknown(7)`): how
+    /// a trace's memcpy `kind` argument reads back.
+    pub fn from_debug(s: &str) -> Option<MemcpyKind> {
+        if let Some(v) = s.strip_prefix("Unknown(").and_then(|r| r.strip_suffix(')')) {
+            return v.parse().ok().map(MemcpyKind::Unknown);
+        }
+        Some(match s {
+            "HostToHost" => MemcpyKind::HostToHost,
+            "HostToDevice" => MemcpyKind::HostToDevice,
+            "DeviceToHost" => MemcpyKind::DeviceToHost,
+            "DeviceToDevice" => MemcpyKind::DeviceToDevice,
+            "Default" => MemcpyKind::Default,
+            _ => return None,
+        })
     }
 }
 

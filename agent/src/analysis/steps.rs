@@ -41,6 +41,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use xpuscope_probes::catalog::CommOp;
 
 use super::groups::Groups;
 
@@ -75,7 +76,7 @@ pub enum CallKind {
     Collective {
         comm: u64,
         stream: Option<u64>,
-        op: &'static str,
+        op: CommOp,
     },
     /// A synchronisation with a stream (`None`: the device or an event).
     Sync {
@@ -113,7 +114,7 @@ impl OffCpuKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     /// A collective on (communicator, stream), its op.
-    Collective(u64, Option<u64>, &'static str),
+    Collective(u64, Option<u64>, CommOp),
     /// A sync of a stream (`None`: the device or an event); whether it
     /// waited for a collective.
     Sync(Option<u64>, bool),
@@ -264,7 +265,7 @@ impl RankThread {
         self.marks
             .iter()
             .filter_map(|m| match m.kind {
-                Kind::Collective(c, _, "all_reduce") if !self.given_up.contains(&c) => Some(c),
+                Kind::Collective(c, _, CommOp::AllReduce) if !self.given_up.contains(&c) => Some(c),
                 _ => None,
             })
             .collect()
@@ -295,7 +296,7 @@ impl RankThread {
             let first = self
                 .marks
                 .iter()
-                .position(|m| matches!(m.kind, Kind::Collective(x, _, "all_reduce") if x == c))
+                .position(|m| matches!(m.kind, Kind::Collective(x, _, CommOp::AllReduce) if x == c))
                 .unwrap_or(0);
             let finished: Vec<(Step, usize)> = steps
                 .into_iter()
@@ -567,7 +568,7 @@ fn breakdown_anchored(
     // index, finished)
     let mut ends = Vec::new();
     for (i, m) in marks.iter().enumerate() {
-        let Kind::Collective(c, _, "all_reduce") = m.kind else {
+        let Kind::Collective(c, _, CommOp::AllReduce) = m.kind else {
             continue;
         };
         if c != dp {
@@ -656,12 +657,12 @@ mod tests {
     const AR: CallKind = CallKind::Collective {
         comm: 9,
         stream: Some(2),
-        op: "all_reduce",
+        op: CommOp::AllReduce,
     };
     const TP: CallKind = CallKind::Collective {
         comm: 5,
         stream: Some(1),
-        op: "all_gather",
+        op: CommOp::AllGather,
     };
 
     fn sync(stream: u64) -> CallKind {
@@ -743,7 +744,7 @@ mod tests {
             CallKind::Collective {
                 comm: 4,
                 stream: Some(3),
-                op: "all_reduce",
+                op: CommOp::AllReduce,
             },
         );
         t.call(1, 21, 30, sync(3));

@@ -15,9 +15,12 @@ use std::collections::{BTreeMap, HashMap};
 
 use rustc_hash::FxHashMap;
 
-use xpuscope_perfetto::rewrite::{ArgRef, EventKind, EventView};
+use xpuscope_perfetto::rewrite::{EventKind, EventView};
+use xpuscope_probes::catalog::CommOp;
 
-use crate::analysis::op_kind;
+use super::ids::mix;
+use crate::trace_schema::call::sync_stream;
+use crate::trace_schema::keys as k;
 
 /// Collective-end samples kept per node: the same keys are kept on every
 /// node (the smallest hashes of (communicator, sequence)), so samples
@@ -35,7 +38,7 @@ pub struct Collective {
     pub comm_rank: Option<u32>,
     pub size: Option<u32>,
     pub stream: Option<u64>,
-    pub op: &'static str,
+    pub op: CommOp,
     /// Point to point: (sending comm rank, receiving comm rank).
     pub p2p: Option<(u32, u32)>,
 }
@@ -69,62 +72,32 @@ pub fn collective(event: &EventView<'_>) -> Option<Collective> {
     if event.kind != EventKind::Begin {
         return None;
     }
-    let hash = match event.arg("comm_hash") {
-        Some(ArgRef::Str(h)) => u64::from_str_radix(h, 16).ok(),
-        _ => None,
-    };
-    let seq = event.arg("seq").and_then(|v| v.as_u64());
-    if hash.is_none() && seq.is_none() && event.arg("comm").is_none() {
+    let hash = k::COMM_HASH.read(event);
+    let seq = k::SEQ.read(event);
+    let comm = k::COMM.read(event);
+    if hash.is_none() && seq.is_none() && comm.is_none() {
         return None;
     }
-    let op = op_kind(event.name?)?;
-    let comm_rank = event.arg("rank").and_then(|v| v.as_u64()).map(|v| v as u32);
-    let peer = match event.arg("peer") {
-        Some(ArgRef::Int(p)) => u32::try_from(p).ok(),
-        Some(v) => v.as_u64().map(|p| p as u32),
-        None => None,
-    };
+    let op = CommOp::of_name(event.name?)?;
+    let comm_rank = k::COMM_RANK.read(event).map(|v| v as u32);
+    // (A peer read as unsigned: a negative one is no rank.)
+    let peer = k::PEER.read(event).and_then(|p| u32::try_from(p).ok());
     let p2p = match (op, comm_rank, peer) {
-        ("send", Some(r), Some(p)) => Some((r, p)),
-        ("recv", Some(r), Some(p)) => Some((p, r)),
+        (CommOp::Send, Some(r), Some(p)) => Some((r, p)),
+        (CommOp::Recv, Some(r), Some(p)) => Some((p, r)),
         _ => None,
     };
     Some(Collective {
         comm_hash: hash,
-        comm: event.arg("comm").and_then(|v| v.as_u64()),
+        comm,
         seq,
-        seq_exact: matches!(event.arg("seq_exact"), Some(ArgRef::Bool(true))),
+        seq_exact: k::SEQ_EXACT.read(event).unwrap_or(false),
         comm_rank,
-        size: event.arg("size").and_then(|v| v.as_u64()).map(|v| v as u32),
-        stream: event.arg("stream").and_then(|v| v.as_u64()),
+        size: k::COMM_SIZE.read(event).map(|v| v as u32),
+        stream: k::STREAM.read(event),
         op,
         p2p,
     })
-}
-
-/// The stream a synchronisation call waits on, if the event is one: a
-/// `sync` argument with the stream as `stream`, or (traces of earlier
-/// agents) the arguments' debug text `Sync { stream: Some(N), event: .. }`.
-pub fn sync_stream(event: &EventView<'_>) -> Option<Option<u64>> {
-    if event.arg("sync").is_some() {
-        return Some(event.arg("stream").and_then(|v| v.as_u64()));
-    }
-    let Some(ArgRef::Str(text)) = event.arg("args") else {
-        return None;
-    };
-    let rest = text.strip_prefix("Sync {")?;
-    let stream = rest
-        .split_once("stream: Some(")
-        .and_then(|(_, r)| r.split_once(')'))
-        .and_then(|(n, _)| n.parse().ok());
-    Some(stream)
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// A stable id of a collective: the same on every member and node.
@@ -254,8 +227,11 @@ impl CollectiveTracker {
                 if let Some(o) = &observed
                     && let Some(k) = o.key
                     && match o.call.p2p {
-                        None => matches!(o.call.op, "all_reduce" | "all_gather" | "reduce_scatter"),
-                        Some(_) => o.call.op == "send",
+                        None => matches!(
+                            o.call.op,
+                            CommOp::AllReduce | CommOp::AllGather | CommOp::ReduceScatter
+                        ),
+                        Some(_) => o.call.op == CommOp::Send,
                     }
                 {
                     ends.insert_entry(k, event.ts);
@@ -295,6 +271,7 @@ impl CollectiveTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use xpuscope_perfetto::rewrite::ArgRef;
 
     fn ev<'a>(
         kind: EventKind,
@@ -375,7 +352,7 @@ mod tests {
         let c = &o.call;
         assert_eq!(
             (c.comm_hash, c.seq, c.op),
-            (Some(0xab), Some(4), "all_reduce")
+            (Some(0xab), Some(4), CommOp::AllReduce)
         );
         assert_eq!(o.id().as_deref(), Some("00000000000000ab:4"));
         t.observe(&end(110), &mut ends);

@@ -10,119 +10,21 @@
 //! groups, and ordered by global rank; every collective gets the id it
 //! shares with the same collective on its other members.
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use rustc_hash::FxHashMap as HashMap;
 
-use anyhow::{Context, Result};
-use xpuscope_perfetto::rewrite::{EventKind, IdMap, Interning, Packet, PacketReader, TrackView};
-use xpuscope_perfetto::{Arg, ArgValue};
+use anyhow::Result;
+use xpuscope_perfetto::rewrite::{EventKind, IdMap, Packet, TrackView};
 
 use super::collectives::{CollectiveTracker, EndSample};
+use super::ids::{MERGE_TRACK_SEQUENCE, NodeMap};
+use super::output::Output;
 use super::scan::NodeScan;
 use super::step_out::StepOut;
 use super::steps::{StepCandidates, TraceSteps};
 use crate::analysis::groups::Groups;
-
-/// Sequence of the merger's own system packet (its SystemInfo).
-pub const MERGE_SYSTEM_SEQUENCE: u32 = 1;
-/// Sequence of the merger's own tracks and slices.
-pub const MERGE_TRACK_SEQUENCE: u32 = 2;
-/// Pids at or above this are never a real pid (`PID_MAX_LIMIT` = 2^22).
-const REMAPPED_PID_BASE: i32 = 1 << 22;
-
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// How one node's ids and times move.
-pub struct NodeMap {
-    pub offset_ns: i64,
-    pub sequences: HashMap<u32, u32>,
-    pub salt: u64,
-    pub pids: HashMap<i32, i32>,
-    pub cpu_base: u32,
-    next_sequence: u32,
-}
-
-impl IdMap for NodeMap {
-    fn time(&mut self, ts: u64) -> u64 {
-        (ts as i64).saturating_add(self.offset_ns).max(0) as u64
-    }
-    fn sequence(&mut self, id: u32) -> u32 {
-        let next = &mut self.next_sequence;
-        *self.sequences.entry(id).or_insert_with(|| {
-            *next += 1;
-            *next
-        })
-    }
-    fn track(&mut self, uuid: u64) -> u64 {
-        mix(uuid ^ self.salt).max(1)
-    }
-    fn pid(&mut self, pid: i32) -> i32 {
-        // Most nodes keep their pids: no lookup per scheduler event then.
-        if self.pids.is_empty() {
-            return pid;
-        }
-        self.pids.get(&pid).copied().unwrap_or(pid)
-    }
-    fn cpu(&mut self, cpu: u32) -> u32 {
-        self.cpu_base + cpu
-    }
-    fn flow(&mut self, id: u64) -> u64 {
-        mix(id ^ self.salt ^ 0x666c_6f77)
-    }
-}
-
-/// The id maps of every node: sequences numbered after the merger's own,
-/// pids moved where an earlier node has them, CPUs placed one after the
-/// other.
-pub fn node_maps(scans: &[NodeScan], offsets: &[i64]) -> Vec<NodeMap> {
-    let mut next_sequence = MERGE_TRACK_SEQUENCE;
-    let mut taken: HashSet<i32> = HashSet::default();
-    let mut next_pid = REMAPPED_PID_BASE;
-    let mut cpu_base = 0;
-    scans
-        .iter()
-        .zip(offsets)
-        .enumerate()
-        .map(|(k, (s, &offset_ns))| {
-            let mut sequences = HashMap::default();
-            for &id in &s.sequences {
-                next_sequence += 1;
-                sequences.insert(id, next_sequence);
-            }
-            let mut mine: Vec<i32> = s.pids.iter().copied().collect();
-            mine.sort_unstable();
-            let mut pids = HashMap::default();
-            for pid in mine {
-                if taken.contains(&pid) {
-                    pids.insert(pid, next_pid);
-                    taken.insert(next_pid);
-                    next_pid += 1;
-                }
-            }
-            for &pid in &s.pids {
-                if !pids.contains_key(&pid) {
-                    taken.insert(pid);
-                }
-            }
-            let map = NodeMap {
-                offset_ns,
-                sequences,
-                salt: mix(k as u64 + 0x6e6f_6465),
-                pids,
-                cpu_base,
-                next_sequence: 0,
-            };
-            cpu_base += s.cpu_span();
-            map
-        })
-        .collect()
-}
+use crate::trace_schema::keys;
+use crate::trace_schema::names::{self as n, label};
+use crate::trace_schema::read::TracePackets;
 
 /// What a rank's process track says in the merged trace.
 pub struct ProcessLabel {
@@ -163,37 +65,6 @@ pub fn process_label(scan: &NodeScan, k: usize, groups: &Groups, pid: i32) -> Op
         labels,
         order: Some(rank as i32),
     })
-}
-
-/// Buffers encoded packets for the output file.
-pub struct Output {
-    out: BufWriter<File>,
-    buf: Vec<u8>,
-    pub bytes: u64,
-}
-
-impl Output {
-    pub fn create(path: &std::path::Path) -> Result<Output> {
-        let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-        Ok(Output {
-            out: BufWriter::with_capacity(1 << 20, file),
-            buf: Vec::with_capacity(1 << 16),
-            bytes: 0,
-        })
-    }
-
-    pub fn write(&mut self, p: &Packet) -> Result<()> {
-        self.buf.clear();
-        p.encode_framed(&mut self.buf);
-        self.bytes += self.buf.len() as u64;
-        self.out
-            .write_all(&self.buf)
-            .context("writing the merged trace")
-    }
-
-    pub fn finish(mut self) -> Result<()> {
-        self.out.flush().context("writing the merged trace")
-    }
 }
 
 /// Options of the second pass.
@@ -240,10 +111,7 @@ pub fn emit_node(
     steps: &mut StepOut,
     out: &mut Output,
 ) -> Result<()> {
-    let path = &scan.path;
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut reader = PacketReader::new(file);
-    let mut names = Interning::default();
+    let mut packets = TracePackets::open(&scan.path)?;
     // The same keys as the scan gave (send/receive are counted again).
     let mut tracker = CollectiveTracker::default();
     let mut ends = EndSample::default();
@@ -275,21 +143,14 @@ pub fn emit_node(
     let mut open: HashMap<u64, u32> = HashMap::default();
     let mut last_ts = 0u64;
     loop {
-        let index = reader.packets();
-        if index % TAKE_STEPS_EVERY == 0 {
+        if packets.packets() % TAKE_STEPS_EVERY == 0 {
             let finished = trace_steps.take_finished();
             write_steps(finished, &anchors, &host, map, steps, out)?;
         }
-        let Some(bytes) = reader
-            .next_packet()
-            .with_context(|| format!("reading {}", path.display()))?
-        else {
+        let Some(mut packet) = packets.next()? else {
             break;
         };
-        let mut packet =
-            Packet::decode(bytes, index).with_context(|| format!("reading {}", path.display()))?;
-        names.observe(&packet);
-        if let Some(sample) = names.sample(&packet) {
+        if let Some(sample) = packets.interning().sample(&packet) {
             trace_steps.stack(sample.pid, sample.tid, sample.ts, &sample.functions);
         }
         packet.for_each_switch(|cpu, ts, state, next| trace_steps.switch(cpu, ts, state, next));
@@ -301,7 +162,7 @@ pub fn emit_node(
         if opts.no_sched && packet.has_ftrace_events() {
             continue;
         }
-        let event = names.event(&packet);
+        let event = packets.event(&packet);
         match &event {
             Some(e) if e.kind == EventKind::Begin => *open.entry(e.track).or_default() += 1,
             Some(e) if e.kind == EventKind::End => {
@@ -321,17 +182,17 @@ pub fn emit_node(
         let mut extra = Vec::new();
         if let Some(o) = observed {
             if let Some(id) = o.id() {
-                extra.push(Arg::new("collective_id", ArgValue::Str(id)));
+                extra.push(keys::COLLECTIVE_ID.arg(id));
             }
             if let Some(kind) = o.call.comm_hash.and_then(|h| groups.kind_of(h)) {
-                extra.push(Arg::new("group", ArgValue::Str(kind.to_owned())));
+                extra.push(keys::GROUP.arg(kind));
             }
         }
         let process = match packet.track() {
             Some(TrackView::Process { pid, labels: l, .. }) => {
                 // Followed from its rank's process track on, as the scan
                 // learnt the rank.
-                if anchors.contains_key(&pid) && l.iter().any(|l| l.starts_with("rank=")) {
+                if anchors.contains_key(&pid) && label(&l, n::RANK_LABEL).is_some() {
                     trace_steps.follow(pid);
                 }
                 labels.get(&pid)

@@ -17,6 +17,8 @@
 mod align;
 pub(crate) mod collectives;
 mod emit;
+mod ids;
+mod output;
 mod scan;
 mod step_out;
 mod steps;
@@ -32,7 +34,9 @@ use xpuscope_perfetto::rewrite::Packet;
 use crate::analysis::groups::{self, CommInfo, Groups};
 use crate::analysis::steps::{dp_comm_by_rank, slowest_lines};
 use align::{Alignment, NodeClock};
-use emit::{EmitOptions, MERGE_SYSTEM_SEQUENCE, Output};
+use emit::EmitOptions;
+use ids::MERGE_SYSTEM_SEQUENCE;
+use output::Output;
 use scan::NodeScan;
 use step_out::{StepOut, StepTable};
 
@@ -254,7 +258,7 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
     let groups = groups::infer(&comms, &ranks);
 
     let offsets: Vec<i64> = alignments.iter().map(|a| a.offset_ns).collect();
-    let mut maps = emit::node_maps(&scans, &offsets);
+    let mut maps = ids::node_maps(&scans, &offsets);
     let mut out = Output::create(&opts.output)?;
     let first = &scans[0];
     let hosts: Vec<String> = scans

@@ -7,14 +7,17 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use xpuscope_perfetto::ClockSnapshot;
-use xpuscope_perfetto::rewrite::{IdMap, Interning, Packet, PacketReader, TrackView, Truncated};
+use xpuscope_perfetto::rewrite::{IdMap, TrackView, Truncated};
+use xpuscope_probes::catalog::CommOp;
 
 use super::collectives::{CollectiveTracker, EndSample};
+use crate::model::process_comm_id;
+use crate::trace_schema::names::{self as n, label};
+use crate::trace_schema::read::TracePackets;
 
 /// A traced process's identity as its process track labels say.
 #[derive(Clone, Debug, Default)]
@@ -142,15 +145,8 @@ impl IdMap for Census<'_> {
     }
 }
 
-fn label<'a>(labels: &'a [String], key: &str) -> Option<&'a str> {
-    labels
-        .iter()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
-}
-
 pub fn scan(path: &Path) -> Result<NodeScan> {
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut reader = PacketReader::new(file);
+    let mut packets = TracePackets::open(path)?;
     let mut s = NodeScan {
         path: path.to_owned(),
         bytes: 0,
@@ -173,20 +169,9 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
         first_ts: None,
         last_ts: None,
     };
-    let mut names = Interning::default();
     let mut tracker = CollectiveTracker::default();
     let mut pids = PidSet::new();
-    loop {
-        let index = reader.packets();
-        let Some(bytes) = reader
-            .next_packet()
-            .with_context(|| format!("reading {}", path.display()))?
-        else {
-            break;
-        };
-        let mut packet =
-            Packet::decode(bytes, index).with_context(|| format!("reading {}", path.display()))?;
-        names.observe(&packet);
+    while let Some(mut packet) = packets.next()? {
         if let Some(info) = packet.system_info() {
             s.hostname = s.hostname.or(info.machine_name);
             s.release = s.release.or(info.release);
@@ -205,11 +190,11 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                 p.track = packet.track_uuid();
                 // A later descriptor without the rank labels would replace
                 // them in the importer; keep the richest seen.
-                if label(&labels, "rank").is_some() || p.rank.is_none() {
-                    p.rank = label(&labels, "rank").and_then(|v| v.parse().ok());
-                    p.local_rank = label(&labels, "local_rank").and_then(|v| v.parse().ok());
-                    p.world_size = label(&labels, "world_size").and_then(|v| v.parse().ok());
-                    p.job = label(&labels, "job").map(str::to_owned);
+                if label(&labels, n::RANK_LABEL).is_some() || p.rank.is_none() {
+                    p.rank = label(&labels, n::RANK_LABEL).and_then(|v| v.parse().ok());
+                    p.local_rank = label(&labels, n::LOCAL_RANK_LABEL).and_then(|v| v.parse().ok());
+                    p.world_size = label(&labels, n::WORLD_SIZE_LABEL).and_then(|v| v.parse().ok());
+                    p.job = label(&labels, n::JOB_LABEL).map(str::to_owned);
                     p.name = name;
                     p.labels = labels;
                 }
@@ -221,15 +206,15 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
             }
             _ => {}
         }
-        if let Some(event) = names.event(&packet) {
+        if let Some(event) = packets.event(&packet) {
             let thread = s.thread_tracks.get(&event.track).copied();
             let pid = thread.map(|t| t.0);
             let observed = tracker.observe(&event, &mut s.ends);
             if let (Some((pid, tid)), Some(o)) = (thread, &observed)
                 && pid == tid
-                && o.call.op == "all_reduce"
+                && o.call.op == CommOp::AllReduce
             {
-                let comm = o.call.comm_hash.or(o.call.comm).unwrap_or(0);
+                let comm = process_comm_id(o.call.comm_hash, o.call.comm);
                 *s.all_reduces
                     .entry(pid)
                     .or_default()
@@ -250,7 +235,7 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
                     if let (Some(r), Some(pid)) = (c.comm_rank, pid) {
                         comm.members.insert(r, pid);
                     }
-                    comm.ops.insert(c.op);
+                    comm.ops.insert(c.op.label());
                     comm.operations += 1;
                 }
             }
@@ -261,9 +246,9 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
             sequences: &mut s.sequences,
         });
     }
-    s.bytes = reader.offset();
-    s.packets = reader.packets();
-    s.truncated = reader.truncated();
+    s.bytes = packets.offset();
+    s.packets = packets.packets();
+    s.truncated = packets.truncated();
     s.pids = pids.into_set();
     s.pids.remove(&0);
     Ok(s)

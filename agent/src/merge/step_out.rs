@@ -17,9 +17,11 @@ use serde::ser::{Error as _, SerializeSeq};
 use xpuscope_perfetto::rewrite::{IdMap, Packet};
 use xpuscope_perfetto::{Arg, ArgValue};
 
-use super::emit::{MERGE_TRACK_SEQUENCE, NodeMap, Output, mix};
+use super::ids::{MERGE_TRACK_SEQUENCE, NodeMap, mix};
+use super::output::Output;
 use super::scan::NodeScan;
 use crate::analysis::steps::Step;
+use crate::trace_schema::{keys, names};
 
 /// Slowest steps the summary lists.
 const SLOWEST: usize = 5;
@@ -64,7 +66,7 @@ impl StepOut {
                         MERGE_TRACK_SEQUENCE,
                         uuid,
                         Some(parent),
-                        "steps",
+                        names::STEPS_TRACK,
                         -1,
                     ))?;
                     tracks.insert(rank, uuid);
@@ -114,13 +116,13 @@ impl StepOut {
     /// into the merged time base.
     pub fn add(&mut self, rank: u32, node: &str, step: Step, out: &mut Output) -> Result<()> {
         if let Some(&track) = self.tracks.get(&rank) {
-            let mut args = vec![Arg::new("step", ArgValue::Uint(step.step))];
+            let mut args = vec![keys::STEP.arg(step.step)];
             args.extend(
                 step.parts()
                     .into_iter()
                     .map(|(name, v)| Arg::new(name, ArgValue::Uint(v))),
             );
-            let name = format!("step {}", step.step);
+            let name = format!("{}{}", names::STEP_EVENT, step.step);
             out.write(&Packet::new_slice_event(
                 MERGE_TRACK_SEQUENCE,
                 self.first_slice,

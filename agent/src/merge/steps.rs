@@ -13,9 +13,13 @@ use xpuscope_perfetto::rewrite::{EventKind, EventView};
 pub use crate::analysis::steps::StepCandidates;
 use crate::analysis::steps::{CallKind, OffCpuKind, SLEEPING, StepTracker, in_data_loader};
 
-use super::collectives::{Observed, sync_stream};
+use super::collectives::Observed;
+use crate::model::process_comm_id;
 use crate::sinks::detect::step_marks::{MarkedSteps, step_number};
-use crate::sinks::perfetto::PYTHON_STEP_EVENT;
+use crate::trace_schema::call::sync_stream;
+use crate::trace_schema::keys;
+use crate::trace_schema::names::{PYTHON_STEP_EVENT, function_of};
+use crate::trace_schema::read::switches::{CpuRunning, SAME_SWITCH_NS, Switched, taken_at_switch};
 
 /// Marks a rank keeps before its finished steps are computed (as
 /// `agent attach` does): bounds the tracker's memory.
@@ -90,7 +94,7 @@ pub struct TraceSteps {
     /// By pid (the main thread is tid == pid).
     threads: HashMap<i32, MainThread>,
     /// Per CPU: the task running, and the time of its last switch.
-    running: Vec<Option<i32>>,
+    running: CpuRunning,
     cpu_last: Vec<u64>,
     latest: u64,
     flushed_at: u64,
@@ -103,7 +107,7 @@ impl Default for TraceSteps {
         TraceSteps {
             tracker: StepTracker::with_mark_limit(MARK_LIMIT),
             threads: HashMap::default(),
-            running: Vec::new(),
+            running: CpuRunning::default(),
             cpu_last: Vec::new(),
             latest: 0,
             flushed_at: 0,
@@ -143,13 +147,13 @@ impl TraceSteps {
             EventKind::Begin => {
                 let kind = match (call, sync_stream(event)) {
                     (Some(o), _) => CallKind::Collective {
-                        comm: o.call.comm_hash.or(o.call.comm).unwrap_or(0),
+                        comm: process_comm_id(o.call.comm_hash, o.call.comm),
                         stream: o.call.stream,
                         op: o.call.op,
                     },
                     (None, Some(stream)) => CallKind::Sync { stream },
                     (None, None) if enqueues_work(event) => CallKind::Work {
-                        stream: event.arg("stream").and_then(|v| v.as_u64()),
+                        stream: keys::STREAM.read(event),
                     },
                     (None, None) => CallKind::Other,
                 };
@@ -177,21 +181,18 @@ impl TraceSteps {
     /// A context switch on `cpu` at `ts` to `next`; the task leaving was
     /// in `prev_state`.
     pub fn switch(&mut self, cpu: u32, ts: u64, prev_state: i64, next: i32) {
-        // A trace file's CPU number sizes a table: past Perfetto's limit
-        // (the agent never writes one) it is not a CPU.
-        if cpu >= xpuscope_common::MAX_CPUS {
+        let switched = self.running.switch(cpu, next);
+        if switched == Switched::NotACpu {
             return;
         }
         let slot = cpu as usize;
-        if slot >= self.running.len() {
-            self.running.resize(slot + 1, None);
+        if slot >= self.cpu_last.len() {
             self.cpu_last.resize(slot + 1, 0);
         }
         self.cpu_last[slot] = self.cpu_last[slot].max(ts);
         self.latest = self.latest.max(ts);
-        let prev = self.running[slot].replace(next);
-        if prev != Some(next) {
-            if let Some(prev) = prev
+        if let Switched::Changed { left } = switched {
+            if let Some(prev) = left
                 && let Some(t) = self.threads.get_mut(&prev)
             {
                 t.slept.push((ts, prev_state & SLEEPING != 0));
@@ -290,14 +291,10 @@ impl TraceSteps {
 
 /// The step an mstx range's start or mark names (`message` "step N").
 fn marked_step(event: &EventView<'_>) -> Option<u64> {
-    let function = event.name?.split_whitespace().next()?;
-    if !matches!(function, "mstxRangeStartA" | "mstxMarkA") {
+    if !matches!(function_of(event.name?), "mstxRangeStartA" | "mstxMarkA") {
         return None;
     }
-    match event.arg("message") {
-        Some(xpuscope_perfetto::rewrite::ArgRef::Str(m)) => step_number(m),
-        _ => None,
-    }
+    step_number(keys::MESSAGE.read(event)?)
 }
 
 /// The step a rank's Python step counter showed (the `python step N`
@@ -306,32 +303,23 @@ fn python_step(event: &EventView<'_>) -> Option<u64> {
     if !event.name?.starts_with(PYTHON_STEP_EVENT) {
         return None;
     }
-    event.arg("step")?.as_u64()
+    keys::STEP.read(event)
 }
 
 /// Whether a call enqueued device work, by the arguments the agent gives
 /// it: a kernel launch (`func`), a graph launch (`graph_exec`), a copy
 /// (`kind`) or a memset (`value`).
 fn enqueues_work(event: &EventView<'_>) -> bool {
-    ["func", "graph_exec", "kind", "value"]
-        .iter()
-        .any(|a| event.arg(a).is_some())
+    keys::FUNC.present(event)
+        || keys::GRAPH_EXEC.present(event)
+        || keys::MEMCPY_KIND.present(event)
+        || keys::MEMSET_VALUE.present(event)
 }
-
-/// Off-CPU stacks within this of a switch were taken at that switch.
-const SAME_SWITCH_NS: u64 = 2_000;
 
 /// Whether the off-CPU interval that began at `ts` was spent in the data
 /// loader, by its stack (taken at the same switch).
 fn loader_stack(stacks: &[(u64, bool)], ts: u64) -> Option<bool> {
-    let i = stacks.partition_point(|(t, _)| *t < ts);
-    let before = i.checked_sub(1).and_then(|j| stacks.get(j));
-    [before, stacks.get(i)]
-        .into_iter()
-        .flatten()
-        .min_by_key(|(t, _)| t.abs_diff(ts))
-        .filter(|(t, _)| t.abs_diff(ts) <= SAME_SWITCH_NS)
-        .map(|(_, l)| *l)
+    taken_at_switch(stacks, ts).copied()
 }
 
 #[cfg(test)]
@@ -339,6 +327,7 @@ mod tests {
     use super::*;
     use crate::merge::collectives::Collective;
     use xpuscope_perfetto::rewrite::ArgRef;
+    use xpuscope_probes::catalog::CommOp;
 
     fn view<'a>(kind: EventKind, ts: u64, args: Vec<(&'a str, ArgRef<'a>)>) -> EventView<'a> {
         EventView {
@@ -365,7 +354,7 @@ mod tests {
                 comm_rank: Some(0),
                 size: Some(2),
                 stream: Some(2),
-                op: "all_reduce",
+                op: CommOp::AllReduce,
                 p2p: None,
             },
             key: Some((9, k)),

@@ -14,6 +14,23 @@ use super::{Field, Site};
 /// unique in a recording.
 pub type FlowId = u64;
 
+/// A communicator as every member names it, on every node: its library
+/// and the hash of its unique id. Known only where the communicator's
+/// set-up was recorded; what matches collectives across ranks.
+pub type CommKey = (Library, u64);
+
+/// The communicator of a call with one, as every member names it.
+pub fn comm_key(library: Library, comm: &CommContext) -> Option<CommKey> {
+    comm.id_hash.map(|h| (library, h))
+}
+
+/// A communicator as one process names it: its id's hash when its set-up
+/// was recorded, else its handle (which tells that process's
+/// communicators apart, not one job's).
+pub fn process_comm_id(id_hash: Option<u64>, handle: Option<u64>) -> u64 {
+    id_hash.or(handle).unwrap_or(0)
+}
+
 /// A device-library call as decoded.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceCallRecord {
@@ -126,6 +143,27 @@ pub enum WorkKind {
     /// Estimated from launches and syncs (no activity records).
     Estimated,
     Other,
+}
+
+impl WorkKind {
+    pub const ALL: [WorkKind; 5] = [
+        WorkKind::Compute,
+        WorkKind::Copy,
+        WorkKind::Communication,
+        WorkKind::Estimated,
+        WorkKind::Other,
+    ];
+
+    /// Its name on the trace (the device work's `work` argument).
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkKind::Compute => "compute",
+            WorkKind::Copy => "copy",
+            WorkKind::Communication => "communication",
+            WorkKind::Estimated => "estimated",
+            WorkKind::Other => "other",
+        }
+    }
 }
 
 /// One piece of device work (a kernel, a copy, a collective, an estimate),

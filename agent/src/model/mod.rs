@@ -16,8 +16,9 @@ pub mod stack;
 use std::sync::Arc;
 
 pub use device::{
-    CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, InFlightSnapshot,
-    LiveSiteRow, MainThreadNow, MemoryHeld, OpenCall, StreamTrack, ThreadNow, WorkKind,
+    CallSummary, CommKey, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall,
+    InFlightSnapshot, LiveSiteRow, MainThreadNow, MemoryHeld, OpenCall, StreamTrack, ThreadNow,
+    WorkKind, comm_key, process_comm_id,
 };
 pub use finding::{Finding, FindingKind};
 pub use identity::RankIdentity;

@@ -58,7 +58,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use rustc_hash::FxHashMap;
-use xpuscope_probes::catalog::{CallKind, Collective, Direction, Library};
+use xpuscope_probes::catalog::{CallKind, CommOp, Library};
 use xpuscope_probes::decode::args::CallArgs;
 
 mod series;
@@ -623,15 +623,12 @@ impl MetricsSink {
         let seconds = c.end_ts().saturating_sub(call.start_ts) as f64 / 1e9;
         let (op, dtype, bytes) = match (&call.kind, &call.args) {
             (CallKind::Collective(op), CallArgs::Collective(a)) => (
-                op_label(*op),
+                CommOp::from(*op).metric_label(),
                 a.dtype.map(|d| d.name()).unwrap_or(""),
                 a.bytes,
             ),
-            (CallKind::SendRecv(dir), CallArgs::SendRecv(a)) => (
-                match dir {
-                    Direction::Send => "send",
-                    Direction::Recv => "recv",
-                },
+            (CallKind::SendRecv(_), CallArgs::SendRecv(a)) => (
+                CommOp::of(call.kind).map_or("", CommOp::metric_label),
                 a.dtype.name(),
                 a.bytes,
             ),
@@ -954,17 +951,6 @@ impl MetricsSink {
 /// Whether process `tgid` runs (its `/proc` entry is there).
 fn process_alive(tgid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{tgid}")).exists()
-}
-
-fn op_label(op: Collective) -> &'static str {
-    match op {
-        Collective::AllReduce => "allreduce",
-        Collective::Broadcast => "broadcast",
-        Collective::Reduce => "reduce",
-        Collective::AllGather => "allgather",
-        Collective::ReduceScatter => "reducescatter",
-        Collective::Barrier => "barrier",
-    }
 }
 
 impl Sink for MetricsSink {

@@ -26,6 +26,9 @@
 
 mod ascend;
 mod nvidia;
+mod ops;
+
+pub use ops::CommOp;
 
 use xpuscope_common::uprobe::{
     DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STRING, ProbeSpec,

@@ -41,16 +41,16 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use serde_json::json;
-use xpuscope_probes::catalog::{CallKind, Collective, Library};
+use xpuscope_probes::catalog::{CallKind, Collective};
 use xpuscope_probes::decode::args::CallArgs;
 
 use super::Ranks;
 use super::step_marks::StepSource;
 use crate::model::device::FlowId;
 use crate::model::finding::comm_name;
-use crate::model::{DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, WorkKind};
-
-type CommKey = (Library, u64);
+use crate::model::{
+    CommKey, DeviceCallRecord, DeviceWork, EnqueueMarker, Finding, FindingKind, WorkKind, comm_key,
+};
 
 /// Operations waiting for members, per communicator (oldest dropped:
 /// a member that is not traced never arrives).
@@ -381,15 +381,14 @@ impl CollectiveDetector {
         match call.kind {
             CallKind::Collective(op) => {
                 let Some(cc) = &call.comm else { return };
-                let (Some(hash), Some(seq), true, Some(size)) =
-                    (cc.id_hash, cc.seq, cc.seq_exact, cc.size)
+                let (Some(key), Some(seq), true, Some(size)) =
+                    (comm_key(call.library, cc), cc.seq, cc.seq_exact, cc.size)
                 else {
                     return;
                 };
                 if size < 2 {
                     return;
                 }
-                let key = (call.library, hash);
                 if op == Collective::AllReduce {
                     let v = self
                         .allreduces

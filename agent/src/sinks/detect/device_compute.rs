@@ -31,14 +31,14 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde_json::json;
-use xpuscope_probes::catalog::{CallKind, Collective, Library};
+use xpuscope_probes::catalog::{CallKind, Collective};
 
 use super::Ranks;
 use super::step_marks::StepSource;
 use crate::model::finding::comm_name;
-use crate::model::{DeviceCallRecord, DeviceWork, Finding, FindingKind, WorkKind};
-
-type CommKey = (Library, u64);
+use crate::model::{
+    CommKey, DeviceCallRecord, DeviceWork, Finding, FindingKind, WorkKind, comm_key,
+};
 
 /// A slow step needs at least this much more compute than the peers'
 /// median (a 150% of 100 us is noise, not a slow device).
@@ -150,10 +150,9 @@ impl DeviceComputeDetector {
         if call.kind != CallKind::Collective(Collective::AllReduce) {
             return;
         }
-        let Some(hash) = call.comm.as_ref().and_then(|cc| cc.id_hash) else {
+        let Some(key) = call.comm.as_ref().and_then(|cc| comm_key(call.library, cc)) else {
             return;
         };
-        let key = (call.library, hash);
         let r = self.ranks.entry(call.tgid).or_insert_with(|| RankCompute {
             tgid: call.tgid,
             ..Default::default()

@@ -33,11 +33,9 @@ use xpuscope_probes::decode::comm::CommContext;
 use super::Ranks;
 use crate::model::finding::comm_name;
 use crate::model::{
-    DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, MainThreadNow, OpenCall, ThreadNow,
+    CommKey, DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, MainThreadNow, OpenCall,
+    ThreadNow, comm_key,
 };
-
-/// A communicator across processes: its library and identity hash.
-type CommKey = (Library, u64);
 
 /// Most operations and calls remembered as reported (then forgotten,
 /// oldest first, which at worst reports one again).
@@ -74,10 +72,6 @@ pub struct HangDetector {
 
 /// The job's own frames named for a waiting main thread.
 const WAIT_DEPTH: usize = 4;
-
-fn key_of(library: Library, cc: &CommContext) -> Option<CommKey> {
-    cc.id_hash.map(|h| (library, h))
-}
 
 fn call_id(c: &OpenCall) -> (u32, u32, u64) {
     (c.tgid, c.tid, c.start_ts)
@@ -179,7 +173,7 @@ impl HangDetector {
         cc: &CommContext,
         entered: u64,
     ) {
-        let Some(key) = key_of(library, cc) else {
+        let Some(key) = comm_key(library, cc) else {
             return;
         };
         let comm = self.comms.entry(key).or_default();
@@ -283,7 +277,7 @@ impl HangDetector {
     fn awaited_op(&self, c: &OpenCall) -> Option<(CommKey, u64)> {
         if let (CallKind::Collective(_), Some(cc)) = (c.kind, &c.comm)
             && cc.seq_exact
-            && let (Some(key), Some(seq)) = (key_of(c.library, cc), cc.seq)
+            && let (Some(key), Some(seq)) = (comm_key(c.library, cc), cc.seq)
         {
             return Some((key, seq));
         }
@@ -483,7 +477,7 @@ impl HangDetector {
         let comm = c
             .comm
             .as_ref()
-            .and_then(|cc| key_of(c.library, cc))
+            .and_then(|cc| comm_key(c.library, cc))
             .map(|k| comm_name(k.0.name(), k.1));
         let why = match (&c.comm, &comm) {
             (Some(_), None) => {

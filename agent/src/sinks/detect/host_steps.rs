@@ -27,11 +27,10 @@
 
 use std::collections::HashMap;
 
-use xpuscope_probes::catalog::CallKind;
+use xpuscope_probes::catalog::{CallKind, CommOp};
 
 use super::step_marks::{StepMark, StepSource};
-use crate::analysis::op_kind;
-use crate::model::{DeviceCallRecord, OffCpuInterval};
+use crate::model::{DeviceCallRecord, OffCpuInterval, process_comm_id};
 
 /// Calls or off-CPU intervals a rank's open window keeps.
 pub const MAX_WINDOW_ITEMS: usize = 1 << 15;
@@ -163,11 +162,14 @@ impl StepClock {
             return None;
         }
         let r = self.ranks.get_mut(&call.tgid)?;
-        let op = call.comm.as_ref().and_then(|_| op_kind(call.function));
+        let op = call
+            .comm
+            .as_ref()
+            .and_then(|_| CommOp::of_name(call.function));
         let shape = match (&call.comm, op) {
             (Some(cc), Some(op)) => {
-                let comm = cc.id_hash.unwrap_or(cc.handle);
-                let anchor = op == "all_reduce" && *r.anchor.get_or_insert(comm) == comm;
+                let comm = process_comm_id(cc.id_hash, Some(cc.handle));
+                let anchor = op == CommOp::AllReduce && *r.anchor.get_or_insert(comm) == comm;
                 CallShape::Collective { anchor }
             }
             _ if matches!(call.kind, CallKind::Sync(_)) => CallShape::Sync,

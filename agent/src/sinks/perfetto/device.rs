@@ -11,15 +11,17 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use xpuscope_perfetto::{Arg, ArgValue, CounterUnit, Frame, TrackUuid};
-use xpuscope_probes::catalog::{CallKind, SyncKind, Vendor};
-use xpuscope_probes::decode::args::CallArgs;
-use xpuscope_probes::decode::{DeviceCall, OpenReason};
+use xpuscope_probes::catalog::Vendor;
+use xpuscope_probes::decode::OpenReason;
 
 use super::{PerfettoSink, args};
 use crate::model::{
     CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow,
-    MemoryHeld, RankIdentity, Site, StreamTrack, WorkKind, site_label,
+    MemoryHeld, RankIdentity, Site, StreamTrack, site_label,
 };
+use crate::trace_schema::call::{call_args, slice_name};
+use crate::trace_schema::keys as k;
+use crate::trace_schema::names as n;
 
 /// Tracks written for device records, per process.
 #[derive(Default)]
@@ -52,269 +54,26 @@ impl DeviceTracks {
     }
 }
 
-/// The argument naming a piece of device work's kind.
-pub const WORK_KIND_ARG: &str = "work";
-/// The name of the zero-length slice marking where a host call enqueued
-/// device work (an API record).
-pub const ENQUEUED_EVENT: &str = "device work enqueued";
-
-pub fn work_kind_name(kind: WorkKind) -> &'static str {
-    match kind {
-        WorkKind::Compute => "compute",
-        WorkKind::Copy => "copy",
-        WorkKind::Communication => "communication",
-        WorkKind::Estimated => "estimated",
-        WorkKind::Other => "other",
-    }
-}
-
-pub fn work_kind_of(name: &str) -> Option<WorkKind> {
-    Some(match name {
-        "compute" => WorkKind::Compute,
-        "copy" => WorkKind::Copy,
-        "communication" => WorkKind::Communication,
-        "estimated" => WorkKind::Estimated,
-        "other" => WorkKind::Other,
-        _ => return None,
-    })
-}
-
 /// The lane for work starting at `start` given each lane's last end: the
 /// first lane free by then, or a new one (`ends.len()`).
 fn pick_lane(ends: &[u64], start: u64) -> usize {
     ends.iter().position(|&e| e <= start).unwrap_or(ends.len())
 }
 
-fn call_args(call: &DeviceCall) -> Vec<Arg> {
-    let mut a = vec![Arg::new(
-        "library",
-        ArgValue::Str(call.library.name().into()),
-    )];
-    let mut push = |name: &str, v: ArgValue| a.push(Arg::new(name, v));
-    match &call.args {
-        CallArgs::Collective(c) => {
-            if let Some(b) = c.bytes {
-                push("bytes", ArgValue::Uint(b));
-            }
-            if let Some(n) = c.count {
-                push("count", ArgValue::Uint(n));
-            }
-            if let Some(t) = c.dtype {
-                push("dtype", ArgValue::Str(t.to_string()));
-            }
-            if let Some(op) = c.red_op {
-                push("op", ArgValue::Str(op.to_string()));
-            }
-            if let Some(r) = c.root {
-                push("root", ArgValue::Int(r.into()));
-            }
-            if let Some(s) = c.stream {
-                push("stream", ArgValue::Pointer(s));
-            }
-        }
-        CallArgs::SendRecv(s) => {
-            if let Some(b) = s.bytes {
-                push("bytes", ArgValue::Uint(b));
-            }
-            push("count", ArgValue::Uint(s.count));
-            push("dtype", ArgValue::Str(s.dtype.to_string()));
-            push("peer", ArgValue::Int(s.peer.into()));
-            if let Some(st) = s.stream {
-                push("stream", ArgValue::Pointer(st));
-            }
-        }
-        CallArgs::CommInit(i) => {
-            if let Some(n) = i.nranks {
-                push("nranks", ArgValue::Uint(n.into()));
-            }
-            if let Some(r) = i.rank {
-                push("init_rank", ArgValue::Uint(r.into()));
-            }
-            if let Some(h) = i.id_hash {
-                push("id_hash", ArgValue::Str(format!("{h:016x}")));
-            }
-        }
-        CallArgs::Malloc(m) => {
-            push("bytes", ArgValue::Uint(m.size));
-            if let Some(p) = m.ptr {
-                push("ptr", ArgValue::Pointer(p));
-            }
-            if let Some(s) = m.stream {
-                push("stream", ArgValue::Pointer(s));
-            }
-        }
-        CallArgs::Free { ptr, stream } => {
-            push("ptr", ArgValue::Pointer(*ptr));
-            if let Some(s) = stream {
-                push("stream", ArgValue::Pointer(*s));
-            }
-        }
-        CallArgs::SetDevice { device } => push("device", ArgValue::Int((*device).into())),
-        CallArgs::Memcpy(m) => {
-            push("bytes", ArgValue::Uint(m.bytes));
-            push("kind", ArgValue::Str(format!("{:?}", m.kind)));
-            if let Some(s) = m.stream {
-                push("stream", ArgValue::Pointer(s));
-            }
-        }
-        CallArgs::Memset {
-            ptr,
-            value,
-            bytes,
-            stream,
-        } => {
-            push("ptr", ArgValue::Pointer(*ptr));
-            push("value", ArgValue::Int((*value).into()));
-            push("bytes", ArgValue::Uint(*bytes));
-            if let Some(s) = stream {
-                push("stream", ArgValue::Pointer(*s));
-            }
-        }
-        CallArgs::Launch(l) => {
-            push("func", ArgValue::Pointer(l.func));
-            let dims = |d: [u32; 3]| format!("({},{},{})", d[0], d[1], d[2]);
-            if let Some(g) = l.grid {
-                push("grid", ArgValue::Str(dims(g)));
-            }
-            if let Some(b) = l.block {
-                push("block", ArgValue::Str(dims(b)));
-            }
-            if let Some(n) = l.blocks {
-                push("blocks", ArgValue::Uint(n.into()));
-            }
-            if let Some(m) = l.shared_mem {
-                push("shared_mem", ArgValue::Uint(m));
-            }
-            if let Some(s) = l.stream {
-                push("stream", ArgValue::Pointer(s));
-            }
-        }
-        CallArgs::Graph { exec, stream } => {
-            push("graph_exec", ArgValue::Pointer(*exec));
-            if let Some(s) = stream {
-                push("stream", ArgValue::Pointer(*s));
-            }
-        }
-        CallArgs::Sync { stream, event } => {
-            // What it waits for: readers (`agent merge`) find the syncs by it.
-            let what = match call.kind {
-                CallKind::Sync(SyncKind::Stream) => "stream",
-                CallKind::Sync(SyncKind::Device) => "device",
-                CallKind::Sync(SyncKind::Event) => "event",
-                _ => "other",
-            };
-            push("sync", ArgValue::Str(what.into()));
-            if let Some(s) = stream {
-                push("stream", ArgValue::Pointer(*s));
-            }
-            if let Some(e) = event {
-                push("event", ArgValue::Pointer(*e));
-            }
-        }
-        CallArgs::EventRecord { event, stream } => {
-            push("event", ArgValue::Pointer(*event));
-            if let Some(s) = stream {
-                push("stream", ArgValue::Pointer(*s));
-            }
-        }
-        CallArgs::StreamWaitEvent { stream, event } => {
-            push("stream", ArgValue::Pointer(*stream));
-            push("event", ArgValue::Pointer(*event));
-        }
-        CallArgs::HostFunc { stream, func } => {
-            push("stream", ArgValue::Pointer(*stream));
-            push("func", ArgValue::Pointer(*func));
-        }
-        CallArgs::CommEnd { comm } => push("comm", ArgValue::Pointer(*comm)),
-        CallArgs::CommQuery { comm, value } => {
-            push("comm", ArgValue::Pointer(*comm));
-            if let Some(v) = value {
-                push("value", ArgValue::Uint((*v).into()));
-            }
-        }
-        CallArgs::UniqueId { id_hash } => {
-            if let Some(h) = id_hash {
-                push("id_hash", ArgValue::Str(format!("{h:016x}")));
-            }
-        }
-        CallArgs::ActivityEnable { kind } => push("activity_kind", ArgValue::Uint((*kind).into())),
-        CallArgs::ClockSample { timestamp } => {
-            if let Some(t) = timestamp {
-                push("timestamp", ArgValue::Uint(*t));
-            }
-        }
-        CallArgs::Marker { message, range_id } => {
-            if let Some(m) = message {
-                push("message", ArgValue::Str(m.clone()));
-            }
-            if let Some(r) = range_id {
-                push("range_id", ArgValue::Uint(*r));
-            }
-        }
-        CallArgs::None => {}
-    }
-    if let Some(c) = &call.comm {
-        push("comm", ArgValue::Pointer(c.handle));
-        if let Some(h) = c.id_hash {
-            push("comm_hash", ArgValue::Str(format!("{h:016x}")));
-        }
-        if let Some(r) = c.rank {
-            push("rank", ArgValue::Uint(r.into()));
-        }
-        if let Some(s) = c.size {
-            push("size", ArgValue::Uint(s.into()));
-        }
-        if let Some(s) = c.seq {
-            push("seq", ArgValue::Uint(s));
-            push("seq_exact", ArgValue::Bool(c.seq_exact));
-        }
-    }
-    if let Some(m) = &call.memory {
-        push("device", ArgValue::Uint(m.device.index.into()));
-        push("device_bytes_held", ArgValue::Uint(m.held_after));
-        // What the call added or released, and at which allocation site:
-        // `agent diagnose` rebuilds each site's live bytes from these.
-        if m.delta != 0 {
-            push("device_bytes_delta", ArgValue::Int(m.delta));
-        }
-        if let Some(site) = m.site {
-            push("alloc_site", ArgValue::Uint(site));
-        }
-    }
-    if let Some(r) = call.ret {
-        push("return", ArgValue::Int(r));
-    }
-    if call.error {
-        push("error", ArgValue::Int(call.ret.unwrap_or(0)));
-    }
-    a
-}
-
-fn slice_name(call: &DeviceCall) -> String {
-    if call.error {
-        format!("{} [error {}]", call.name, call.ret.unwrap_or(0))
-    } else {
-        call.name.clone()
-    }
-}
-
-/// Annotations naming `rows` (largest first) under `prefix`:
-/// `prefix.1.bytes`, `prefix.1.allocations`, `prefix.1.stack`, ...
-/// (dotted names nest in the UI's argument view).
-fn site_annotations(prefix: &str, rows: &[LiveSiteRow]) -> Vec<Arg> {
+/// Annotations naming the live sites `rows` (largest first):
+/// `live_sites.1.bytes`, `live_sites.1.allocations`, `live_sites.1.stack`,
+/// ... ([`k::LIVE_SITES`]).
+fn site_annotations(rows: &[LiveSiteRow]) -> Vec<Arg> {
     let mut args = Vec::with_capacity(rows.len() * 3);
     for (i, r) in rows.iter().enumerate() {
         let n = i + 1;
+        args.push(Arg::new(k::live_site(n, "bytes"), ArgValue::Uint(r.bytes)));
         args.push(Arg::new(
-            format!("{prefix}.{n}.bytes"),
-            ArgValue::Uint(r.bytes),
-        ));
-        args.push(Arg::new(
-            format!("{prefix}.{n}.allocations"),
+            k::live_site(n, "allocations"),
             ArgValue::Uint(r.allocations),
         ));
         args.push(Arg::new(
-            format!("{prefix}.{n}.stack"),
+            k::live_site(n, "stack"),
             ArgValue::Str(site_label(r.site.as_ref())),
         ));
     }
@@ -376,7 +135,7 @@ impl<W: Write> PerfettoSink<W> {
         let track = self.calling_thread(call.tgid, call.tid)?;
         if let Some(reason) = r.unmatched {
             let mut args = call_args(call);
-            args.push(Arg::new("unmatched", ArgValue::Str(format!("{reason:?}"))));
+            args.push(k::UNMATCHED.arg(format!("{reason:?}")));
             let why = match reason {
                 OpenReason::ProcessExited => "running when its process died",
                 OpenReason::ThreadExited => "running when its thread died",
@@ -395,10 +154,7 @@ impl<W: Write> PerfettoSink<W> {
         if call.memory.as_ref().is_some_and(|m| m.delta > 0) && r.site.is_some() {
             // The site's name on every allocation (a dump of a window may
             // not hold the site's first one).
-            args.push(Arg::new(
-                "alloc_stack",
-                ArgValue::Str(site_label(r.site.as_ref())),
-            ));
+            args.push(k::ALLOC_STACK.arg(site_label(r.site.as_ref())));
         }
         let end = r.end_ts();
         let stack = self.site_frames(r.site.as_ref());
@@ -406,7 +162,7 @@ impl<W: Write> PerfettoSink<W> {
             track,
             call.start_ts,
             &slice_name(call),
-            Some("device"),
+            Some(n::DEVICE_CATEGORY),
             &args,
             &r.flows,
             stack.as_deref(),
@@ -430,7 +186,7 @@ impl<W: Write> PerfettoSink<W> {
                 let process = self.device_process_track(call.tgid)?;
                 let t = self.writer.counter_track(
                     Some(process),
-                    &format!("device memory dev{}", m.device.index),
+                    &format!("{}{}", n::DEVICE_MEMORY_TRACK, m.device.index),
                     CounterUnit::SizeBytes,
                 )?;
                 self.device.memory.insert(key, t);
@@ -440,18 +196,18 @@ impl<W: Write> PerfettoSink<W> {
         self.writer.counter(counter, ts, m.held_after as f64)?;
         if let (Some(req), Some(live)) = (m.failed_request, &r.oom) {
             let mut args = vec![
-                Arg::new("requested", ArgValue::Uint(req)),
-                Arg::new("device_bytes_held", ArgValue::Uint(m.held_after)),
-                Arg::new("device", ArgValue::Uint(m.device.index.into())),
-                Arg::new("return", ArgValue::Int(call.ret.unwrap_or(0))),
-                Arg::new("stack", ArgValue::Str(site_label(r.site.as_ref()))),
+                k::REQUESTED.arg(req),
+                k::DEVICE_BYTES_HELD.arg(m.held_after),
+                k::DEVICE.arg(m.device.index.into()),
+                k::RETURN.arg(call.ret.unwrap_or(0)),
+                k::STACK.arg(site_label(r.site.as_ref())),
             ];
-            args.extend(site_annotations("live_sites", live));
+            args.extend(site_annotations(live));
             let stack = self.site_frames(r.site.as_ref());
             self.writer.instant(
                 thread,
                 ts,
-                &format!("{} failed", call.function),
+                &format!("{}{}", call.function, n::FAILED_SUFFIX),
                 &args,
                 stack.as_deref(),
             )?;
@@ -461,14 +217,14 @@ impl<W: Write> PerfettoSink<W> {
 
     /// Device memory still held, by site, as an instant on the process track.
     pub(super) fn memory_held(&mut self, m: &MemoryHeld) -> Result<()> {
-        let mut args = vec![Arg::new("device_bytes_held", ArgValue::Uint(m.held))];
-        args.extend(site_annotations("live_sites", &m.rows));
+        let mut args = vec![k::DEVICE_BYTES_HELD.arg(m.held)];
+        args.extend(site_annotations(&m.rows));
         let stack = self.site_frames(m.rows.first().and_then(|r| r.site.as_ref()));
         let track = self.device_process_track(m.tgid)?;
         self.writer.instant(
             track,
             m.ts,
-            &format!("device memory held {}", m.at.describe()),
+            &format!("{}{}", n::MEMORY_HELD_EVENT, m.at.describe()),
             &args,
             stack.as_deref(),
         )?;
@@ -480,19 +236,29 @@ impl<W: Write> PerfettoSink<W> {
     pub(super) fn calls_summarized(&mut self, s: &CallSummary) -> Result<()> {
         let track = self.calling_thread(s.tgid, s.tid)?;
         let mut args = vec![
-            Arg::new("calls", ArgValue::Uint(s.calls)),
-            Arg::new("busy_ns", ArgValue::Uint(s.busy_ns)),
-            Arg::new("rate_limited", ArgValue::Bool(true)),
+            k::CALLS.arg(s.calls),
+            k::BUSY_NS.arg(s.busy_ns),
+            k::RATE_LIMITED.arg(true),
         ];
-        for (_, function, n) in &s.functions {
-            args.push(Arg::new(format!("calls.{function}"), ArgValue::Uint(*n)));
+        for (_, function, calls) in &s.functions {
+            args.push(Arg::new(
+                format!("{}.{function}", k::CALLS_PREFIX),
+                ArgValue::Uint(*calls),
+            ));
         }
         let name = match s.functions.as_slice() {
             [(_, function, _)] => format!("{function} x{} (rate-limited)", s.calls),
             _ => format!("{} device calls (rate-limited)", s.calls),
         };
-        self.writer
-            .slice_begin(track, s.start, &name, Some("device"), &args, &[], None)?;
+        self.writer.slice_begin(
+            track,
+            s.start,
+            &name,
+            Some(n::DEVICE_CATEGORY),
+            &args,
+            &[],
+            None,
+        )?;
         self.writer.slice_end(track, s.end, &[])?;
         Ok(())
     }
@@ -500,16 +266,16 @@ impl<W: Write> PerfettoSink<W> {
     pub(super) fn in_flight_at_end(&mut self, c: &InFlightCall) -> Result<()> {
         let track = self.writer.thread_track(c.tgid as i32, c.tid as i32, "")?;
         let mut args = vec![
-            Arg::new("started", ArgValue::Uint(c.start_ts)),
-            Arg::new("open_ns", ArgValue::Uint(c.end.saturating_sub(c.start_ts))),
+            k::STARTED.arg(c.start_ts),
+            k::OPEN_NS.arg(c.end.saturating_sub(c.start_ts)),
         ];
         if let Some(s) = c.seq {
-            args.push(Arg::new("seq", ArgValue::Uint(s)));
+            args.push(k::SEQ.arg(s));
         }
         self.writer.instant(
             track,
             c.end,
-            &format!("{} (in flight at end)", c.function),
+            &format!("{}{}", c.function, n::IN_FLIGHT_AT_END_SUFFIX),
             &args,
             None,
         )?;
@@ -520,12 +286,12 @@ impl<W: Write> PerfettoSink<W> {
     /// enqueued device work; the flow to the work starts here.
     pub(super) fn enqueued(&mut self, m: &EnqueueMarker) -> Result<()> {
         let t = self.writer.thread_track(m.tgid as i32, m.tid as i32, "")?;
-        let args = [Arg::new("correlation_id", ArgValue::Uint(m.correlation))];
+        let args = [k::CORRELATION_ID.arg(m.correlation)];
         self.writer.slice_begin(
             t,
             m.ts,
-            ENQUEUED_EVENT,
-            Some("device"),
+            n::ENQUEUED_EVENT,
+            Some(n::DEVICE_CATEGORY),
             &args,
             &[m.flow],
             None,
@@ -562,12 +328,16 @@ impl<W: Write> PerfettoSink<W> {
         let mut args = args(&w.fields);
         // What the work is (a communication kernel or the model's own):
         // `agent diagnose` judges device time from it.
-        args.push(Arg::new(
-            WORK_KIND_ARG,
-            ArgValue::Str(work_kind_name(w.kind).into()),
-        ));
-        self.writer
-            .slice_begin(track, w.start, &w.name, Some("device"), &args, &[], None)?;
+        args.push(k::WORK_KIND.arg(w.kind.name()));
+        self.writer.slice_begin(
+            track,
+            w.start,
+            &w.name,
+            Some(n::DEVICE_CATEGORY),
+            &args,
+            &[],
+            None,
+        )?;
         self.writer.slice_end(track, w.end, &w.flows)?;
         Ok(())
     }

@@ -11,9 +11,8 @@ use xpuscope_perfetto::{Arg, ArgValue, TrackUuid};
 
 use super::PerfettoSink;
 use crate::model::Finding;
-
-/// The findings track's name (tests and users look it up by it).
-pub const FINDINGS_TRACK: &str = "xpuscope findings";
+use crate::trace_schema::keys as k;
+use crate::trace_schema::names as n;
 
 /// Lanes of the findings track: slices on one track must nest, findings
 /// may overlap, so an overlapping one goes on the next lane.
@@ -32,17 +31,17 @@ fn evidence_args(prefix: &str, v: &Value, out: &mut Vec<Arg>) {
                 evidence_args(&format!("{prefix}.{k}"), v, out);
             }
         }
-        Value::Bool(b) => out.push(Arg::new(prefix, ArgValue::Bool(*b))),
+        Value::Bool(b) => out.push(Arg::new(prefix.to_owned(), ArgValue::Bool(*b))),
         Value::Number(n) => {
             let value = match (n.as_u64(), n.as_i64()) {
                 (Some(u), _) => ArgValue::Uint(u),
                 (None, Some(i)) => ArgValue::Int(i),
                 _ => ArgValue::Double(n.as_f64().unwrap_or(0.0)),
             };
-            out.push(Arg::new(prefix, value));
+            out.push(Arg::new(prefix.to_owned(), value));
         }
-        Value::String(s) => out.push(Arg::new(prefix, ArgValue::Str(s.clone()))),
-        Value::Array(_) => out.push(Arg::new(prefix, ArgValue::Str(v.to_string()))),
+        Value::String(s) => out.push(Arg::new(prefix.to_owned(), ArgValue::Str(s.clone()))),
+        Value::Array(_) => out.push(Arg::new(prefix.to_owned(), ArgValue::Str(v.to_string()))),
         Value::Null => {}
     }
 }
@@ -59,7 +58,7 @@ impl<W: Write> PerfettoSink<W> {
             None => {
                 let t = self.writer.custom_track(
                     None,
-                    FINDINGS_TRACK,
+                    n::FINDINGS_TRACK,
                     Some("What xpuscope's detectors found (hangs, crashes, device OOMs)"),
                 )?;
                 self.findings.lanes.push((t, end));
@@ -67,35 +66,32 @@ impl<W: Write> PerfettoSink<W> {
             }
         };
         let mut args = vec![
-            Arg::new("kind", ArgValue::Str(f.kind.as_str().into())),
-            Arg::new("summary", ArgValue::Str(f.summary.clone())),
-            Arg::new(
-                "ranks",
-                ArgValue::Str(
-                    f.ranks
-                        .iter()
-                        .map(u32::to_string)
-                        .collect::<Vec<_>>()
-                        .join(","),
-                ),
+            k::FINDING_KIND.arg(f.kind.as_str()),
+            k::SUMMARY.arg(f.summary.as_str()),
+            k::RANKS.arg(
+                f.ranks
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
             ),
-            Arg::new("detected_ns", ArgValue::Uint(f.detected_ns)),
+            k::DETECTED_NS.arg(f.detected_ns),
         ];
         if let Some(c) = &f.comm {
-            args.push(Arg::new("comm", ArgValue::Str(c.clone())));
+            args.push(k::FINDING_COMM.arg(c.as_str()));
         }
         if let Some(s) = f.seq {
-            args.push(Arg::new("seq", ArgValue::Uint(s)));
+            args.push(k::SEQ.arg(s));
         }
         if let Some(s) = f.step {
-            args.push(Arg::new("step", ArgValue::Uint(s)));
+            args.push(k::STEP.arg(s));
         }
-        evidence_args("evidence", &f.evidence, &mut args);
+        evidence_args(k::EVIDENCE, &f.evidence, &mut args);
         self.writer.slice_begin(
             track,
             start,
             f.kind.as_str(),
-            Some("xpuscope"),
+            Some(n::FINDINGS_CATEGORY),
             &args,
             &[],
             None,

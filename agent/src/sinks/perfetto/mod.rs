@@ -19,10 +19,8 @@
 mod device;
 mod findings;
 
-pub use device::{ENQUEUED_EVENT, WORK_KIND_ARG, work_kind_of};
-
 #[cfg(test)]
-pub use findings::FINDINGS_TRACK;
+pub use crate::trace_schema::names::FINDINGS_TRACK;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -42,20 +40,12 @@ use crate::model::{
     Field, FieldValue, OffCpuInterval, Preemption, ProcessStart, Record, StepSeen, SymFrame,
 };
 use crate::procfs::ProcessEntry;
+use crate::trace_schema::keys as k;
+use crate::trace_schema::names as n;
 
 const CLONE_THREAD_FLAGS: u64 = 0x0001_0000 | 0x0000_0100 | 0x0000_0800; // THREAD|VM|SIGHAND
 const SIGCHLD: u64 = 17;
 const CLOCK_SNAPSHOT_EVERY: Duration = Duration::from_secs(10);
-/// The name (before its ": ...") of the instant that says how a process
-/// ended (`agent diagnose` looks for it).
-pub const PROCESS_EXIT_EVENT: &str = "process exited";
-/// The name of the instant marking a preemption by an outsider (followed
-/// by its comm); `agent diagnose` reads it back with its `by_pid`.
-pub const PREEMPTED_BY_EVENT: &str = "preempted by ";
-/// An instant on a rank's thread where its Python step counter first
-/// showed a value: `python step 120` (args `step`, `local`). `agent
-/// diagnose` and `agent merge` number steps by it.
-pub const PYTHON_STEP_EVENT: &str = "python step ";
 
 /// What the Perfetto sink hands back.
 pub struct Written<W> {
@@ -194,18 +184,19 @@ impl<W: Write> PerfettoSink<W> {
         let track = self.device_process_track(exit.tgid)?;
         let name = match killed_by {
             Some(sig) => format!(
-                "{PROCESS_EXIT_EVENT}: killed by {}",
+                "{}: killed by {}",
+                n::PROCESS_EXIT_EVENT,
                 crate::model::sched::signal_name(sig)
             ),
-            None => format!("{PROCESS_EXIT_EVENT}: status {}", (code >> 8) & 0xff),
+            None => format!("{}: status {}", n::PROCESS_EXIT_EVENT, (code >> 8) & 0xff),
         };
         let mut args = vec![
-            Arg::new("exit_code", ArgValue::Int(i64::from(code))),
-            Arg::new("tid", ArgValue::Uint(u64::from(exit.tid))),
-            Arg::new("comm", ArgValue::Str(exit.comm.as_str().into_owned())),
+            k::EXIT_CODE.arg(i64::from(code)),
+            k::EXIT_TID.arg(u64::from(exit.tid)),
+            k::EXIT_COMM.arg(exit.comm.as_str()),
         ];
         if let Some(sig) = killed_by {
-            args.push(Arg::new("signal", ArgValue::Int(i64::from(sig))));
+            args.push(k::SIGNAL.arg(i64::from(sig)));
         }
         self.writer.instant(track, exit.ts, &name, &args, None)?;
         Ok(())
@@ -347,15 +338,15 @@ impl<W: Write> PerfettoSink<W> {
         let track = self.thread_track(p.tid, p.tgid)?;
         let by = &p.by;
         let args = [
-            Arg::new("by_comm", ArgValue::Str(by.comm.as_str().into_owned())),
-            Arg::new("by_tid", ArgValue::Uint(by.tid as u64)),
-            Arg::new("by_pid", ArgValue::Uint(by.tgid as u64)),
-            Arg::new("cpu", ArgValue::Uint(p.cpu as u64)),
+            k::BY_COMM.arg(by.comm.as_str()),
+            k::BY_TID.arg(by.tid as u64),
+            k::BY_PID.arg(by.tgid as u64),
+            k::CPU.arg(p.cpu as u64),
         ];
         self.writer.instant(
             track,
             p.ts,
-            &format!("{PREEMPTED_BY_EVENT}{}", by.comm.as_str()),
+            &format!("{}{}", n::PREEMPTED_BY_EVENT, by.comm.as_str()),
             &args,
             None,
         )?;
@@ -364,14 +355,11 @@ impl<W: Write> PerfettoSink<W> {
 
     fn step_seen(&mut self, s: &StepSeen) -> Result<()> {
         let track = self.thread_track(s.tid, s.tgid)?;
-        let args = [
-            Arg::new("step", ArgValue::Uint(s.step)),
-            Arg::new("local", ArgValue::Str(s.local.to_string())),
-        ];
+        let args = [k::STEP.arg(s.step), k::STEP_LOCAL.arg(s.local)];
         self.writer.instant(
             track,
             s.ts,
-            &format!("{PYTHON_STEP_EVENT}{}", s.step),
+            &format!("{}{}", n::PYTHON_STEP_EVENT, s.step),
             &args,
             None,
         )?;
@@ -403,11 +391,9 @@ impl<W: Write> PerfettoSink<W> {
         let track = match self.drops_track {
             Some(t) => t,
             None => {
-                let t = self.writer.counter_track(
-                    None,
-                    "xpuscope dropped events",
-                    CounterUnit::Count,
-                )?;
+                let t = self
+                    .writer
+                    .counter_track(None, n::DROPS_TRACK, CounterUnit::Count)?;
                 self.drops_track = Some(t);
                 t
             }
@@ -426,11 +412,9 @@ impl<W: Write> PerfettoSink<W> {
         let track = match self.lost_track {
             Some(t) => t,
             None => {
-                let t = self.writer.counter_track(
-                    None,
-                    "xpuscope records lost by the trace writer",
-                    CounterUnit::Count,
-                )?;
+                let t =
+                    self.writer
+                        .counter_track(None, n::WRITER_LOSSES_TRACK, CounterUnit::Count)?;
                 self.lost_track = Some(t);
                 t
             }

@@ -11,15 +11,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
-use xpuscope_probes::catalog::CallKind as ProbeCallKind;
+use xpuscope_probes::catalog::{CallKind as ProbeCallKind, CommOp};
 use xpuscope_probes::decode::args::CallArgs;
 
 use crate::analysis::groups::{self, CommInfo};
-use crate::analysis::op_kind;
 use crate::analysis::steps::{
     CallKind, CommSteps, OffCpuKind, Step, StepTracker, dp_comm_by_rank, in_data_loader, rank_steps,
 };
-use crate::model::{DeviceCallRecord, OffCpuInterval, Record};
+use crate::model::{DeviceCallRecord, OffCpuInterval, Record, process_comm_id};
 use crate::sinks::detect::step_marks::{MarkedSteps, StepMark, StepMarks, StepSource};
 
 /// One step of one rank, as the summary reports it (times in BOOTTIME).
@@ -103,7 +102,10 @@ impl RecordSteps {
         };
         self.scratch.clear();
         self.marks.device_call(c, &mut self.scratch);
-        let op = call.comm.as_ref().and_then(|_| op_kind(call.function));
+        let op = call
+            .comm
+            .as_ref()
+            .and_then(|_| CommOp::of_name(call.function));
         if let (Some(comm), Some(op)) = (&call.comm, op)
             && let Some(hash) = comm.id_hash
         {
@@ -118,7 +120,7 @@ impl RecordSteps {
             if let Some(slot) = comm.rank.and_then(|r| info.members.get_mut(r as usize)) {
                 *slot = Some(rank);
             }
-            info.ops.insert(op);
+            info.ops.insert(op.label());
             info.operations += 1;
         }
         if call.tid != call.tgid {
@@ -126,7 +128,7 @@ impl RecordSteps {
         }
         let kind = match (&call.comm, op, &call.args) {
             (Some(comm), Some(op), args) => CallKind::Collective {
-                comm: comm.id_hash.unwrap_or(comm.handle),
+                comm: process_comm_id(comm.id_hash, Some(comm.handle)),
                 stream: match args {
                     CallArgs::Collective(a) => a.stream,
                     CallArgs::SendRecv(a) => a.stream,

@@ -16,13 +16,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::switches::{CpuRunning, Switched, taken_at_switch};
 use crate::events::Comm;
 use crate::model::{OffCpuInterval, Preemptor, Record, Stack, SymFrame};
 use crate::state::REPORT_PREEMPTED;
 use xpuscope_common::COMM_LEN;
-
-/// An off-CPU stack within this of a switch was taken at that switch.
-const SAME_SWITCH_NS: u64 = 2_000;
 
 struct Left {
     ts: u64,
@@ -50,7 +48,7 @@ pub struct MainThreadSwitches {
     threads: HashMap<i32, MainThread>,
     /// Every task of the job the trace knows: tid -> pid.
     traced: HashMap<i32, i32>,
-    running: Vec<Option<i32>>,
+    running: CpuRunning,
 }
 
 /// A task name as the kernel's fixed-size, NUL-terminated `comm`.
@@ -86,20 +84,10 @@ impl MainThreadSwitches {
     /// A switch on `cpu` at `ts` to `next` (named `next_comm`); the task
     /// leaving was in `state` (report format).
     pub fn switch(&mut self, cpu: u32, ts: u64, state: i64, next: i32, next_comm: &str) {
-        // A trace file's CPU number sizes a table: past Perfetto's limit
-        // (the agent never writes one) it is not a CPU.
-        if cpu >= xpuscope_common::MAX_CPUS {
+        let Switched::Changed { left } = self.running.switch(cpu, next) else {
             return;
-        }
-        let slot = cpu as usize;
-        if slot >= self.running.len() {
-            self.running.resize(slot + 1, None);
-        }
-        let prev = self.running[slot].replace(next);
-        if prev == Some(next) {
-            return;
-        }
-        if let Some(prev) = prev
+        };
+        if let Some(prev) = left
             && let Some(t) = self.threads.get_mut(&prev)
         {
             t.left.push(Left {
@@ -204,13 +192,7 @@ fn preemptor(
 }
 
 fn stack_at(stacks: &[(u64, Vec<String>)], ts: u64) -> Option<Arc<Stack>> {
-    let i = stacks.partition_point(|(t, _)| *t < ts);
-    let before = i.checked_sub(1).and_then(|j| stacks.get(j));
-    let (_, functions) = [before, stacks.get(i)]
-        .into_iter()
-        .flatten()
-        .min_by_key(|(t, _)| t.abs_diff(ts))
-        .filter(|(t, _)| t.abs_diff(ts) <= SAME_SWITCH_NS)?;
+    let functions = taken_at_switch(stacks, ts)?;
     let frame = |f: &String| SymFrame {
         function: Arc::from(f.as_str()),
         module: Arc::from("[trace]"),
