@@ -28,8 +28,8 @@ mod stop;
 mod summary;
 mod supervise;
 mod trace_file;
-mod wallclock;
 mod trace_schema;
+mod wallclock;
 
 use std::process::ExitCode;
 
