@@ -12,17 +12,16 @@ use std::collections::BTreeMap;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use xpuscope_tests::fixtures::{self, SIM_KERNELS};
 
-/// One timing-sensitive job at a time.
-static TIMING: Mutex<()> = Mutex::new(());
-
+/// One timing-sensitive job at a time, and never beside a recording (the
+/// end-to-end tests share one binary): the lock the recording tests take.
 fn timing_lock() -> MutexGuard<'static, ()> {
-    TIMING.lock().unwrap_or_else(|e| e.into_inner())
+    xpuscope_tests::agent::exclusive()
 }
 
 /// Kills the launcher's process group (launcher, ranks, noisy neighbours).
