@@ -104,16 +104,15 @@ fn a_late_arrival_is_found_offline_and_online() {
 
 /// A clean job of 8 ranks (tp 2, pp 2, dp 2: pipeline stages enter some
 /// collectives later than their peers every step, by design) has no
-/// findings, offline and online.
+/// findings, offline and online. (The recording is shared with
+/// `findings`.)
 #[test]
 fn a_clean_8_rank_job_has_no_findings() {
-    let _serial = exclusive();
-    let mut args = TP2_PP2_DP2.to_vec();
-    args.extend(["--steps", "6"]);
-    let clean = run_job("diagclean", &args, &["--late-min", LATE_MIN]);
-    let (found, text) = diagnose(&clean, &["--late-min", LATE_MIN]);
+    let serial = exclusive();
+    let clean = shared_runs::clean_8_ranks(&serial);
+    let (found, text) = diagnose(clean, &["--late-min", LATE_MIN]);
     assert!(found.is_empty(), "{found:#?}");
-    let online = online(&clean);
+    let online = online(clean);
     assert!(online.is_empty(), "{online:#?}");
     assert!(text.starts_with("no findings"), "{text}");
 }

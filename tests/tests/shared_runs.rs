@@ -13,7 +13,7 @@
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use xpuscope_tests::device::{SimRun, print_time_to_finding, run_from_spawn};
+use xpuscope_tests::device::{SimRun, TP2_PP2_DP2, print_time_to_finding, run_from_spawn};
 
 /// The late-arrival floor of the tests that grade a whole job's findings:
 /// a CI machine of 2 vCPUs running 8 ranks delays a rank by up to ~25 ms
@@ -68,6 +68,23 @@ pub fn crash_at_step_2(_serial: &MutexGuard<'static, ()>, flavor: &str) -> &'sta
     })
 }
 
+/// A clean job of 8 ranks (tp 2, pp 2, dp 2: pipeline stages enter some
+/// collectives later than their peers every step, by design), 6 steps,
+/// recorded with a 2 s hang timeout and the late-arrival floor at
+/// [`LATE_MIN`]: it must have no findings at all.
+pub fn clean_8_ranks(_serial: &MutexGuard<'static, ()>) -> &'static SimRun {
+    static RUN: OnceLock<SimRun> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let mut launcher_args = TP2_PP2_DP2.to_vec();
+        launcher_args.extend(["--steps", "6"]);
+        record(
+            "sharedclean",
+            &launcher_args,
+            &["--hang-timeout", "2s", "--late-min", LATE_MIN],
+        )
+    })
+}
+
 fn flavor_index(flavor: &str) -> usize {
     match flavor {
         "nvidia" => 0,
@@ -76,7 +93,7 @@ fn flavor_index(flavor: &str) -> usize {
     }
 }
 
-/// `run_from_spawn` of a 2-rank job, its times to finding printed (for
+/// `run_from_spawn` (a 2-rank job unless `launcher_args` say otherwise), its times to finding printed (for
 /// the README, not graded), its folder removed at exit.
 fn record(tag: &str, launcher_args: &[&str], agent_args: &[&str]) -> SimRun {
     let run = run_from_spawn(tag, launcher_args, agent_args);
