@@ -6,82 +6,39 @@
 //! (spawn gate), so every communicator's set-up is seen. Root and eBPF;
 //! these never skip.
 
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::process::Command;
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Recording, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{agent_bin, exclusive};
 use xpuscope_tests::device::*;
-use xpuscope_tests::fixtures;
-use xpuscope_tests::trace_check::{Timeline, decode};
 
-struct Run {
-    dir: TempDir,
-    truth: Value,
-    online: Vec<Value>,
-    trace: PathBuf,
+use crate::shared_runs::{self, LATE_MIN};
+
+/// A job with `launcher` options (2 ranks, dp 2, unless they say
+/// otherwise), recorded by `agent attach` from before its ranks start.
+fn run_job(tag: &str, launcher_args: &[&str], agent_args: &[&str]) -> SimRun {
+    let run = run_from_spawn(tag, launcher_args, agent_args);
+    print_time_to_finding(tag, &run.tl, &run.ground_truth, None);
+    run
 }
 
-/// A job with `launcher` options, recorded by `agent attach` from before
-/// its ranks start.
-fn run_job(tag: &str, launcher_args: &[&str], agent_args: &[&str]) -> Run {
-    wait_for_closers();
-    let fx = fixtures::build_all();
-    let _ = agent_bin();
-    let dir = TempDir::new(tag);
-    let job_dir = dir.path().join("job");
-    let gate = dir.path().join("spawn.go");
-    let launcher = Command::new("python3")
-        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-        .arg("--out-dir")
-        .arg(&job_dir)
-        .arg("--build-dir")
-        .arg(fx.join("sim"))
-        .args(["--job-name", tag, "--quiet"])
-        .args(["--init-delay-ms", "1500"])
-        .arg("--spawn-gate")
-        .arg(&gate)
-        .args(launcher_args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("start the launcher");
-    let mut launcher = GroupGuard(launcher);
-    let pid = launcher.0.id().to_string();
-    let mut args = vec!["--pid", pid.as_str()];
-    args.extend_from_slice(agent_args);
-    let rec = Recording::start(dir.path(), &args);
-    std::fs::write(&gate, b"").expect("open the spawn gate");
-    let trace = rec.output.clone();
-    let done = rec.finish(Duration::from_secs(60));
-    let _ = launcher.0.wait();
-    let truth = read_json(&job_dir.join("ground_truth.json")).expect("ground truth");
-    let tl = Timeline::new(&decode(&std::fs::read(&trace).expect("the trace")).expect("decodes"));
-    print_time_to_finding(tag, &tl, &truth, None);
-    let doc = &done.stats["findings"];
+/// The run's online findings (attach's `--stats-json`).
+fn online(run: &SimRun) -> Vec<Value> {
+    let doc = &run.stats["findings"];
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
-    let online = doc["findings"].as_array().expect("a list").clone();
-    Run {
-        dir,
-        truth,
-        online,
-        trace,
-    }
+    doc["findings"].as_array().expect("a list").clone()
 }
 
 /// `agent diagnose` on the run's trace: the JSON document's findings and
 /// what it printed.
-fn diagnose(run: &Run, extra: &[&str]) -> (Vec<Value>, String) {
-    let json = run.dir.path().join("findings.json");
+fn diagnose(run: &SimRun, extra: &[&str]) -> (Vec<Value>, String) {
+    let json = run._dir.path().join("findings.json");
     let out = Command::new(agent_bin())
         .arg("diagnose")
         .arg("--json")
         .arg(&json)
         .args(extra)
-        .arg(&run.trace)
+        .arg(run._dir.path().join("trace.pftrace"))
         .output()
         .expect("run agent diagnose");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -106,11 +63,6 @@ fn near(a: &Value, b: &Value, by: u64) -> bool {
     }
 }
 
-/// The late-arrival floor of these tests: a CI machine of 2 vCPUs running
-/// 8 ranks delays a rank by up to ~25 ms now and then (seen), the floor's
-/// default (10ms) is for real machines.
-const LATE_MIN: &str = "40ms";
-
 /// Rank 1 arrives 120 ms late at step 5's gradient all-reduce (dp 2): one
 /// `late_arrival` naming rank 1 and step 5 (within 2), offline and online,
 /// and nothing else; the printed sentence gives the delay. Both flavors.
@@ -125,9 +77,9 @@ fn a_late_arrival_is_found_offline_and_online() {
             &strs(&args),
             &["--late-min", LATE_MIN],
         );
-        let expected = &run.truth["faults"][0]["expected"];
+        let expected = &run.ground_truth["faults"][0]["expected"];
         let (found, text) = diagnose(&run, &["--late-min", LATE_MIN]);
-        for fs in [&found, &run.online] {
+        for fs in [&found, &online(&run)] {
             let late = of_kind(fs, "late_arrival");
             assert_eq!(late.len(), 1, "{flavor}: {fs:#?}\n{text}");
             assert_eq!(
@@ -152,38 +104,34 @@ fn a_late_arrival_is_found_offline_and_online() {
 
 /// A clean job of 8 ranks (tp 2, pp 2, dp 2: pipeline stages enter some
 /// collectives later than their peers every step, by design) has no
-/// findings, offline and online.
+/// findings, offline and online. (The recording is shared with
+/// `findings`.)
 #[test]
 fn a_clean_8_rank_job_has_no_findings() {
-    let _serial = exclusive();
-    let clean = run_job(
-        "diagclean",
-        &["--world-size", "8", "--steps", "6"],
-        &["--late-min", LATE_MIN],
-    );
-    let (found, text) = diagnose(&clean, &["--late-min", LATE_MIN]);
+    let serial = exclusive();
+    let clean = shared_runs::clean_8_ranks(&serial);
+    let (found, text) = diagnose(clean, &["--late-min", LATE_MIN]);
     assert!(found.is_empty(), "{found:#?}");
-    assert!(clean.online.is_empty(), "{:#?}", clean.online);
+    let online = online(clean);
+    assert!(online.is_empty(), "{online:#?}");
     assert!(text.starts_with("no findings"), "{text}");
 }
 
-/// A 2-rank job (dp 2) of `flavor` with one launcher `fault`.
+/// Launcher options of a 2-rank job (dp 2, [`run_job`]'s default) of
+/// `flavor` with one `fault`.
 fn two_ranks(flavor: &str, fault: &str, timeout_s: &str) -> Vec<String> {
-    let mut args: Vec<String> = DP2.iter().map(|s| s.to_string()).collect();
-    args.extend(
-        [
-            "--flavor",
-            flavor,
-            "--steps",
-            "6",
-            "--fault",
-            fault,
-            "--timeout",
-            timeout_s,
-        ]
-        .map(String::from),
-    );
-    args
+    [
+        "--flavor",
+        flavor,
+        "--steps",
+        "6",
+        "--fault",
+        fault,
+        "--timeout",
+        timeout_s,
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -195,20 +143,16 @@ fn strs(v: &[String]) -> Vec<&str> {
 /// (rank 0's all-reduce or sync running when its process died), and
 /// online: one `hang` naming rank 1, the communicator and the all-reduce's
 /// number per ground truth; the ranks the launcher stopped after it are no
-/// `crash`. Both flavors.
+/// `crash`. Both flavors. (The recordings are shared with `findings`.)
 #[test]
 fn a_hang_is_found_offline_from_the_calls_running_when_the_job_was_stopped() {
-    let _serial = exclusive();
+    let serial = exclusive();
     for flavor in ["nvidia", "ascend"] {
-        let tag = format!("diaghang{flavor}");
-        let run = run_job(
-            &tag,
-            &strs(&two_ranks(flavor, "hang:rank=1,step=2", "5")),
-            &["--hang-timeout", "1s"],
-        );
-        let expected = &run.truth["faults"][0]["expected"];
-        let (found, text) = diagnose(&run, &["--hang-timeout", "1s"]);
-        for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+        let run = shared_runs::hang_at_step_2(&serial, flavor);
+        let expected = &run.ground_truth["faults"][0]["expected"];
+        let (found, text) = diagnose(run, &["--hang-timeout", "1s"]);
+        let online = online(run);
+        for (driver, fs) in [("offline", &found), ("online", &online)] {
             let hangs = of_kind(fs, "hang");
             assert_eq!(hangs.len(), 1, "{flavor} {driver}: {fs:#?}\n{text}");
             let h = hangs[0];
@@ -230,7 +174,7 @@ fn a_hang_is_found_offline_from_the_calls_running_when_the_job_was_stopped() {
                 "{flavor} {driver}: the launcher's SIGTERMs are no crash: {fs:#?}"
             );
         }
-        assert_eq!(found[0]["comm"], run.online[0]["comm"], "{flavor}");
+        assert_eq!(found[0]["comm"], online[0]["comm"], "{flavor}");
         assert!(text.starts_with("hang: "), "{flavor}: {text}");
     }
 }
@@ -238,22 +182,18 @@ fn a_hang_is_found_offline_from_the_calls_running_when_the_job_was_stopped() {
 /// Rank 1 kills itself with its fault's signal at step 2; the launcher
 /// then stops rank 0 (SIGTERM). Offline (the trace's process-exit
 /// instants) and online: one `crash`, rank 1, the signal, at step 2
-/// (within 2); rank 0's stop is no second crash. Both flavors.
+/// (within 2); rank 0's stop is no second crash. Both flavors. (The
+/// recordings are shared with `findings`; their late-arrival floor is above
+/// the CI machine's scheduling noise.)
 #[test]
 fn a_crash_is_found_offline_with_its_signal_and_step_and_the_stopped_peer_is_not() {
-    let _serial = exclusive();
+    let serial = exclusive();
     for flavor in ["nvidia", "ascend"] {
-        let tag = format!("diagcrash{flavor}");
-        // Above the CI machine's scheduling noise (late arrivals).
-        let args = ["--late-min", LATE_MIN];
-        let run = run_job(
-            &tag,
-            &strs(&two_ranks(flavor, "crash:rank=1,step=2", "20")),
-            &args,
-        );
-        let expected = &run.truth["faults"][0]["expected"];
-        let (found, text) = diagnose(&run, &args);
-        for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+        let run = shared_runs::crash_at_step_2(&serial, flavor);
+        let expected = &run.ground_truth["faults"][0]["expected"];
+        let (found, text) = diagnose(run, &["--late-min", LATE_MIN]);
+        let online = online(run);
+        for (driver, fs) in [("offline", &found), ("online", &online)] {
             assert_eq!(fs.len(), 1, "{flavor} {driver}: {fs:#?}\n{text}");
             let c = &fs[0];
             assert_eq!(c["kind"], "crash", "{flavor} {driver}: {c:#}");
@@ -302,9 +242,10 @@ fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_on
             // arrival" at the 10 ms default was seen once).
             let args = ["--hang-timeout", "1s", "--late-min", LATE_MIN];
             let run = run_job(&tag, &strs(&two_ranks(flavor, fault, "6")), &args);
-            let injected = &run.truth["faults"][0]["injected"][0];
+            let injected = &run.ground_truth["faults"][0]["injected"][0];
             let (found, text) = diagnose(&run, &args);
-            for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+            let online = online(&run);
+            for (driver, fs) in [("offline", &found), ("online", &online)] {
                 let what = format!("{flavor} {fault} {driver}: {fs:#?}\n{text}");
                 // One hang and no crash; what a loaded machine adds besides
                 // (a late arrival past the floor) is shown, not graded.
@@ -333,7 +274,7 @@ fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_on
             }
             assert_eq!(
                 of_kind(&found, "hang")[0]["comm"],
-                of_kind(&run.online, "hang")[0]["comm"],
+                of_kind(&online, "hang")[0]["comm"],
                 "{flavor} {fault}"
             );
         }
@@ -358,7 +299,8 @@ fn a_device_oom_is_found_offline_with_its_stack_and_live_sites() {
         args.extend(["--steps", "20"].map(String::from));
         let run = run_job(&format!("diagoom{flavor}"), &strs(&args), &[]);
         let (found, text) = diagnose(&run, &[]);
-        for (driver, fs) in [("offline", &found), ("online", &run.online)] {
+        let online = online(&run);
+        for (driver, fs) in [("offline", &found), ("online", &online)] {
             let what = format!("{flavor} {driver}: {fs:#?}\n{text}");
             let ooms = of_kind(fs, "device_oom");
             assert_eq!(ooms.len(), 1, "{what}");
@@ -386,6 +328,6 @@ fn a_device_oom_is_found_offline_with_its_stack_and_live_sites() {
                 o["evidence"]["largest_live_sites"][0]["stack"].clone(),
             )
         };
-        assert_eq!(evidence(&found), evidence(&run.online), "{flavor}");
+        assert_eq!(evidence(&found), evidence(&online), "{flavor}");
     }
 }

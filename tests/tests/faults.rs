@@ -7,22 +7,19 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::shared_runs;
 use xpuscope_tests::agent::{Proc, Recording, TempDir, agent_bin, exclusive, go, workload_bin};
 use xpuscope_tests::device::*;
 use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
 
 /// Rank 1 never joins the all-reduce of step 2; rank 0 blocks in it until
 /// the launcher's timeout kills both. The call rank 0 was in is marked as
-/// running when its process died, and counted so in the summary.
+/// running when its process died, and counted so in the summary. (The
+/// recording is shared with `findings` and `diagnose`.)
 #[test]
 fn a_hang_ended_by_the_launcher_shows_the_call_its_rank_died_in() {
-    let _serial = exclusive();
-    let run = run_sim_job_any_outcome(
-        "hangkill",
-        "0",
-        6,
-        &["--fault", "hang:rank=1,step=2", "--timeout", "4"],
-    );
+    let serial = exclusive();
+    let run = shared_runs::hang_at_step_2(&serial, "nvidia");
     assert!(!run.status.success(), "the launcher reports the hang");
     let device = &run.stats["device"];
     let died = device["died_in_call"].as_u64().expect("died_in_call");

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::shared_runs;
 use serde_json::Value;
 use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
@@ -16,32 +17,7 @@ use xpuscope_tests::fixtures;
 use xpuscope_tests::service_run::{Service, http_get, run_untold_job, try_http_get};
 use xpuscope_tests::trace_check::{Slice, Timeline, TrackKind, check_importer_rules, decode};
 
-struct Run {
-    _dir: TempDir,
-    truth: Value,
-    stats: Value,
-    stderr: String,
-    tl: Timeline,
-}
-
-/// A 2-rank job (dp 2) with `extra` launcher options, recorded by
-/// `agent attach` with `agent_args` from before its ranks start.
-fn run_job(tag: &str, extra: &[&str], agent_args: &[&str]) -> Run {
-    // The agent finds a new rank's libraries by rescanning maps every
-    // 500 ms: communicator set-up waits for the probes.
-    let mut args = vec!["--init-delay-ms", "1500"];
-    args.extend_from_slice(extra);
-    let run = run_from_spawn(tag, &args, agent_args);
-    Run {
-        _dir: run._dir,
-        truth: run.ground_truth,
-        stats: run.stats,
-        stderr: run.stderr,
-        tl: run.tl,
-    }
-}
-
-fn findings(run: &Run) -> Vec<Value> {
+fn findings(run: &SimRun) -> Vec<Value> {
     let doc = &run.stats["findings"];
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
     doc["findings"].as_array().expect("a list").clone()
@@ -76,25 +52,14 @@ fn finding_slices_with_args(tl: &Timeline) -> Vec<(String, Vec<(String, String)>
 /// truth, in the summary, `--stats-json` and the trace.
 #[test]
 fn a_hang_is_found_while_it_lasts_and_names_the_rank_that_never_joined() {
-    let _serial = exclusive();
-    let run = run_job(
-        "findhang",
-        &[
-            "--steps",
-            "6",
-            "--fault",
-            "hang:rank=1,step=2",
-            "--timeout",
-            "5",
-        ],
-        &["--hang-timeout", "1s"],
-    );
-    let fault = &run.truth["faults"][0];
+    let serial = exclusive();
+    let run = shared_runs::hang_at_step_2(&serial, "nvidia");
+    let fault = &run.ground_truth["faults"][0];
     let expected = &fault["expected"];
     let seq = expected["seq"]
         .as_u64()
         .expect("the hung collective's number");
-    let hangs: Vec<Value> = findings(&run)
+    let hangs: Vec<Value> = findings(run)
         .into_iter()
         .filter(|f| f["kind"] == "hang")
         .collect();
@@ -150,21 +115,10 @@ fn a_hang_is_found_while_it_lasts_and_names_the_rank_that_never_joined() {
 /// it); a clean job has no findings at all.
 #[test]
 fn a_crash_names_the_rank_and_signal_and_a_clean_job_has_no_findings() {
-    let _serial = exclusive();
-    let run = run_job(
-        "findcrash",
-        &[
-            "--steps",
-            "5",
-            "--fault",
-            "crash:rank=1,step=2",
-            "--timeout",
-            "20",
-        ],
-        &[],
-    );
-    let expected = &run.truth["faults"][0]["expected"];
-    let crashes: Vec<Value> = findings(&run)
+    let serial = exclusive();
+    let run = shared_runs::crash_at_step_2(&serial, "nvidia");
+    let expected = &run.ground_truth["faults"][0]["expected"];
+    let crashes: Vec<Value> = findings(run)
         .into_iter()
         .filter(|f| f["kind"] == "crash")
         .collect();
@@ -185,13 +139,10 @@ fn a_crash_names_the_rank_and_signal_and_a_clean_job_has_no_findings() {
 
     // A late arrival of 10-20 ms is what a busy 2-vCPU machine alone gives
     // a clean job's rank now and then; the injected delays are 120 ms and
-    // more, so the clean job is judged above that noise.
-    let clean = run_job(
-        "findclean",
-        &["--steps", "5"],
-        &["--hang-timeout", "2s", "--late-min", "40ms"],
-    );
-    assert_eq!(findings(&clean), Vec::<Value>::new(), "{}", clean.stderr);
+    // more, so the clean job is judged above that noise. (Shared with
+    // `diagnose`.)
+    let clean = shared_runs::clean_8_ranks(&serial);
+    assert_eq!(findings(clean), Vec::<Value>::new(), "{}", clean.stderr);
     assert!(clean.stderr.contains("findings: none"), "{}", clean.stderr);
 }
 

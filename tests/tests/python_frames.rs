@@ -417,6 +417,8 @@ fn ranks_of(group: u32) -> Vec<u32> {
 
 #[test]
 fn sim_python_ranks_show_train_step() {
+    // A simulated job takes CPU: not beside a recording.
+    let _serial = xpuscope_tests::agent::exclusive();
     let fixtures = fixtures::build_all();
     let dir = std::env::temp_dir().join(format!("xpuscope-pyframes-sim-{}", std::process::id()));
     let launcher = Command::new("python3")

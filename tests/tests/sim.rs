@@ -4,25 +4,26 @@
 //! Python and Ascend flavors.
 //!
 //! Each test runs `tests/sim/launch.py` under a guard that kills its whole
-//! process group on drop. Timing tests hold a lock so they do not share the
-//! CPUs with each other, and compare within one run (before/after a step, or
-//! one rank against the others) with wide margins: the machine is shared.
+//! process group on drop. Every test holds the recording lock, so jobs do
+//! not share the CPUs with each other or with a recording. Timing tests
+//! compare within one run (before/after a step, or one rank against the
+//! others) with wide margins: the machine is shared.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use xpuscope_tests::fixtures::{self, SIM_KERNELS};
 
-/// One timing-sensitive job at a time.
-static TIMING: Mutex<()> = Mutex::new(());
-
+/// One job at a time, and never beside a recording (the end-to-end tests
+/// share one binary): the lock the recording tests take. The timing tests
+/// compare step times; the others' ranks would take CPU from a recording.
 fn timing_lock() -> MutexGuard<'static, ()> {
-    TIMING.lock().unwrap_or_else(|e| e.into_inner())
+    xpuscope_tests::agent::exclusive()
 }
 
 /// Kills the launcher's process group (launcher, ranks, noisy neighbours).
@@ -374,6 +375,7 @@ fn ranks_of_a_collective_finish_it_together() {
 
 #[test]
 fn a_missing_rank_hangs_the_others_until_the_timeout() {
+    let _serial = timing_lock();
     let job = run_job(
         "hang",
         &[
@@ -414,6 +416,7 @@ fn a_missing_rank_hangs_the_others_until_the_timeout() {
 
 #[test]
 fn a_hang_inside_the_collective_library_blocks_every_rank() {
+    let _serial = timing_lock();
     // STANDIN_NCCL_HANG_AT_SEQ: rank 1 blocks inside its 4th collective
     // (seq 3: the broadcast, then the all-reduces of steps 0, 1, 2).
     let job = run_job(
@@ -636,6 +639,7 @@ fn a_slow_link_stretches_the_collectives_of_that_rank() {
 
 #[test]
 fn a_device_memory_leak_ends_in_oom_at_the_expected_step() {
+    let _serial = timing_lock();
     let job = run_job(
         "oom",
         &[
@@ -681,6 +685,7 @@ fn a_device_memory_leak_ends_in_oom_at_the_expected_step() {
 
 #[test]
 fn a_crash_is_recorded_with_its_signal() {
+    let _serial = timing_lock();
     let job = run_job(
         "crash",
         &[
@@ -714,6 +719,7 @@ fn a_crash_is_recorded_with_its_signal() {
 
 #[test]
 fn python_flavor_runs_train_step_through_ctypes() {
+    let _serial = timing_lock();
     for flavor in ["nvidia", "ascend"] {
         let job = run_job(
             &format!("python-{flavor}"),
@@ -789,6 +795,7 @@ fn ascend_flavor_runs_on_acl_hccl_and_mspti() {
 /// API kind.
 #[test]
 fn activity_log_has_api_records_linking_kernels_to_launches() {
+    let _serial = timing_lock();
     let kinds_of = |job: &Job, r: u64| -> Vec<Value> {
         let dir = job.gt["out_dir"].as_str().expect("out_dir");
         let name = job.rank(r)["activity_log"]
@@ -911,6 +918,7 @@ fn boot_ns() -> u64 {
 
 #[test]
 fn ranks_wait_at_a_start_gate_until_an_agent_opens_it() {
+    let _serial = timing_lock();
     // What an agent does: read the pids from the ground truth written at
     // start, wait until every rank is ready (libraries loaded, communicators
     // up), attach, then open the gate.
@@ -1177,6 +1185,7 @@ fn a_crash_on_one_node_stops_the_ranks_of_every_node() {
 
 #[test]
 fn a_rendezvous_directory_is_used_by_one_job_only() {
+    let _serial = timing_lock();
     let dir = ScratchDir::new("nodes-stale");
     let fixtures = fixtures::build_all();
     let rdv = dir.0.join("rdv");

@@ -162,8 +162,43 @@ fn book() -> Result<()> {
     Ok(())
 }
 
+/// What `cargo xtask test` says, and does not go on, when not run as root.
+const NEEDS_ROOT: &str = "cargo xtask test runs the eBPF end-to-end tests: run it as root \
+     (sudo -E cargo xtask test); `cargo test` runs the tests that need no root";
+
+/// The cargo feature that builds the end-to-end test target (`tests/tests/main.rs`).
+const E2E_FEATURE: &str = "xpuscope-tests/e2e";
+
+/// Clippy as the compiler of the workspace's own crates (what `cargo
+/// clippy` does on top of `cargo check`), with its lints denied: given to
+/// the cargo commands that build the tests, it lints every target while
+/// they compile, so the dependencies are built once instead of checked
+/// once and built again. Passed as `--config`, not in the environment, so
+/// the cargo commands the tests run themselves (`cargo xtask install`)
+/// build as usual.
+const CLIPPY_WRAPPER: &str = "build.rustc-workspace-wrapper=\"clippy-driver\"";
+const CLIPPY_ARGS: &str = "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__";
+
+/// A cargo command whose workspace crates are compiled by clippy (see
+/// [`CLIPPY_WRAPPER`]).
+fn cargo_with_clippy(args: &[&str]) -> Command {
+    let mut cmd = clean_command("cargo");
+    cmd.args(["--config", CLIPPY_WRAPPER])
+        .args(args)
+        .env("CLIPPY_ARGS", CLIPPY_ARGS);
+    cmd
+}
+
+/// Every test: formatting, clippy over every target (the end-to-end one
+/// included), then the unit tests, the perfetto suite, the fuzz corpus
+/// replay and the end-to-end tests. Those load eBPF programs, so this
+/// refuses to start without root rather than skip them.
 pub fn test(extra: &[String]) -> Result<()> {
-    all()?;
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(NEEDS_ROOT);
+    }
+    // Cheap checks first: a formatting slip fails in seconds, not after the builds.
     run_checked(
         clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
         "cargo fmt --check",
@@ -181,19 +216,29 @@ pub fn test(extra: &[String]) -> Result<()> {
         "cargo fmt --check (ebpf/programs)",
     )?;
     book()?;
+    all()?;
+    // `cargo clippy --workspace --all-targets --features xpuscope-tests/e2e
+    // -- -D warnings`, folded into the builds the tests need: the tests and
+    // examples of every crate as `cargo test` builds them, and the agent's
+    // binary outside test mode (the one target `cargo test` leaves out).
     run_checked(
-        clean_command("cargo").args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ]),
-        "cargo clippy",
+        &mut cargo_with_clippy(&["build", "-p", "xpuscope-agent", "--bins"]),
+        "cargo clippy (the agent's binary)",
     )?;
-    let mut cmd = clean_command("cargo");
-    cmd.args(["test", "--workspace", "--no-fail-fast"]);
+    run_checked(
+        &mut cargo_with_clippy(&["test", "--workspace", "--no-run", "--features", E2E_FEATURE]),
+        "cargo clippy and the test build",
+    )?;
+    let mut cmd = cargo_with_clippy(&[
+        "test",
+        "--workspace",
+        "--no-fail-fast",
+        "--features",
+        E2E_FEATURE,
+    ]);
+    // The release agent `all` built; the tests would otherwise build it
+    // themselves.
+    cmd.env("XPUSCOPE_AGENT_BIN", agent_binary());
     if !extra.is_empty() {
         cmd.args(extra);
     }
