@@ -4,8 +4,12 @@
 //! or a ring's.
 //!
 //! - [`groups`]: the job's TP/PP/DP groups from its communicators;
+//! - [`offcpu`]: a thread's time off CPU from the switches that take it
+//!   off and put it back (live from the kernel's switches, offline from a
+//!   trace's);
 //! - [`steps`]: each rank's step breakdown from its main thread's calls
 //!   and time off CPU.
 
 pub mod groups;
+pub mod offcpu;
 pub mod steps;

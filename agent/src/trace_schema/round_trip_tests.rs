@@ -15,10 +15,10 @@ use xpuscope_probes::decode::memory::{Device, MemoryEffect};
 use xpuscope_probes::decode::{DeviceCall, OpenReason};
 
 use super::read::{OpenAtEnd, TraceRecords};
-use crate::events::{Comm, Exit};
+use crate::events::{Comm, Exit, Switch};
 use crate::model::{
-    DeviceCallRecord, DeviceWork, EnqueueMarker, Field, FieldValue, LiveSiteRow, RankIdentity,
-    Record, Site, StepSeen, StreamTrack, WorkKind,
+    DeviceCallRecord, DeviceWork, EnqueueMarker, Field, FieldValue, LiveSiteRow, OffCpuInterval,
+    Preemptor, RankIdentity, Record, Site, StepSeen, StreamTrack, WorkKind,
 };
 use crate::sinks::SinkCounters;
 use crate::sinks::perfetto::PerfettoSink;
@@ -256,6 +256,30 @@ fn calls() -> Vec<DeviceCallRecord> {
     records
 }
 
+/// A switch on CPU 0 from `prev` (left in report state `state`) to `next`.
+fn switch(ts: u64, prev: u32, state: i64, next: u32, next_comm: &str) -> Record {
+    Record::Switch {
+        switch: Switch {
+            cpu: 0,
+            ts,
+            prev_tid: prev,
+            prev_tgid: prev,
+            prev_comm: Comm::from_str_lossy("prev"),
+            prev_state: 0,
+            prev_prio: 120,
+            next_tid: next,
+            next_tgid: next,
+            next_comm: Comm::from_str_lossy(next_comm),
+            next_prio: 120,
+            preempt: state == 0,
+            prev_target: prev == PID,
+            next_target: next == PID,
+            stack_follows: false,
+        },
+        prev_state: state,
+    }
+}
+
 #[test]
 fn records_come_back_from_the_trace_they_wrote() {
     let identity = RankIdentity {
@@ -329,10 +353,48 @@ fn records_come_back_from_the_trace_they_wrote() {
     };
 
     let mut sink = PerfettoSink::new(TraceWriter::new(Vec::new()));
-    let mut written = vec![Record::Identity {
-        tgid: PID,
-        identity: Box::new(identity.clone()),
-    }];
+    // The rank's main thread: asleep 2000..5000, then preempted by a
+    // task the trace knows nothing of 6000..7000.
+    let mut written = vec![
+        Record::Identity {
+            tgid: PID,
+            identity: Box::new(identity.clone()),
+        },
+        switch(1_000, 0, 0, PID, "python3"),
+        switch(2_000, PID, 1, 0, "swapper/0"),
+        switch(5_000, 0, 0, PID, "python3"),
+        switch(6_000, PID, 0, 555, "hog"),
+        switch(7_000, 555, 0, PID, "python3"),
+    ];
+    let off_cpu = [
+        OffCpuInterval {
+            tid: PID,
+            tgid: PID,
+            cpu: 0,
+            start: 2_000,
+            end: 5_000,
+            state: 1,
+            stack: None,
+            preempted_by: None,
+            truncated: false,
+        },
+        OffCpuInterval {
+            tid: PID,
+            tgid: PID,
+            cpu: 0,
+            start: 6_000,
+            end: 7_000,
+            state: 0,
+            stack: None,
+            preempted_by: Some(Preemptor {
+                tid: 555,
+                tgid: 555,
+                comm: Comm::from_str_lossy("hog"),
+                in_job: false,
+            }),
+            truncated: false,
+        },
+    ];
     written.extend(
         calls
             .iter()
@@ -353,6 +415,7 @@ fn records_come_back_from_the_trace_they_wrote() {
         Record::DeviceWork(w) => w.start,
         Record::StepSeen(s) => s.ts,
         Record::Exit { exit, .. } => exit.ts,
+        Record::Switch { switch, .. } => switch.ts,
         _ => 0,
     });
     for r in &written {
@@ -454,6 +517,21 @@ fn records_come_back_from_the_trace_they_wrote() {
         })
         .collect();
     assert_eq!(works, [&work]);
+
+    // The main thread's time off CPU, from the scheduler's switches, each
+    // at its end.
+    let mut intervals: Vec<&OffCpuInterval> = read
+        .iter()
+        .filter_map(|(ts, r)| match r {
+            Record::OffCpu(i) => {
+                assert_eq!(*ts, i.end);
+                Some(i)
+            }
+            _ => None,
+        })
+        .collect();
+    intervals.sort_by_key(|i| i.start);
+    assert_eq!(intervals, off_cpu.iter().collect::<Vec<_>>());
 
     // The process's end. Not carried: the CPU and priority of its last
     // thread's exit, and whether the kernel said it was the last (a

@@ -10,13 +10,13 @@
 //! recording stays bounded and a reused pid starts clean.
 
 pub mod device;
-pub mod offcpu;
 
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use crate::analysis::offcpu::OffCpuTracker;
 use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, UserCopy};
 use crate::kernel::probes::TableUpdate;
 use crate::model::{
@@ -28,7 +28,6 @@ use crate::pipeline::enrich::python::PyOutcome;
 use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
 use device::DeviceInterpreter;
-use offcpu::OffCpuTracker;
 use xpuscope_probes::decode::table::ProbeTarget;
 use xpuscope_probes::python::StepLocal;
 

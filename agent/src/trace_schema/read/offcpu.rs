@@ -1,14 +1,15 @@
 //! The ranks' main threads' off-CPU intervals, rebuilt from a trace's
-//! scheduler switches for the offline driver, as the interpret stage
-//! makes them live: a main thread leaves a CPU at a switch (asleep, or
-//! runnable and preempted by the task switched to) and comes back at the
-//! next switch to it on any CPU. The task that took the CPU is named by
-//! the switch; it is a task of the traced job when the trace knows its
-//! process (process tree, new-task events, thread tracks: the agent
-//! writes those for the tasks it follows), else an outsider, its process
-//! from the "preempted by" instant the Perfetto sink wrote at that switch. The off-CPU stack taken at the switch (a callstack sample at
-//! the same instant) comes with the interval: the data loader is known by
-//! its frames.
+//! scheduler switches for the offline driver by the interpret stage's own
+//! tracker (`analysis::offcpu`): a main thread leaves a CPU at a switch
+//! (asleep, or runnable and preempted by the task switched to) and comes
+//! back at the next switch to it on any CPU. The task that took the CPU
+//! is named by the switch; it is a task of the traced job when the trace
+//! knows its process (process tree, new-task events, thread tracks: the
+//! agent writes those for the tasks it follows), else an outsider, its
+//! process from the "preempted by" instant the Perfetto sink wrote at
+//! that switch. The off-CPU stack taken at the switch (a callstack sample
+//! at the same instant) comes with the interval: the data loader is known
+//! by its frames.
 //!
 //! Memory: the main threads' switches of the trace (the offline driver
 //! holds the trace's records anyway).
@@ -17,8 +18,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::switches::{CpuRunning, Switched, taken_at_switch};
+use crate::analysis::offcpu::OffCpuTracker;
 use crate::events::Comm;
-use crate::model::{OffCpuInterval, Preemptor, Record, Stack, SymFrame};
+use crate::model::{Preemptor, Record, Stack, SymFrame};
 use crate::state::REPORT_PREEMPTED;
 use xpuscope_common::COMM_LEN;
 
@@ -124,39 +126,46 @@ impl MainThreadSwitches {
 
     /// The intervals as `Record::OffCpu` at their ends (when the live
     /// agent hands them on); `id` maps a trace's pid or tid to the
-    /// detectors' unique one.
+    /// detectors' unique one. Each main thread's switches, put in time
+    /// order (the CPUs' bundles come in any order), go through the live
+    /// agent's own [`OffCpuTracker`].
     pub fn into_records(self, id: impl Fn(i32) -> u32, out: &mut Vec<(u64, Record)>) {
         let MainThreadSwitches {
             threads, traced, ..
         } = self;
         for (pid, mut t) in threads {
-            t.left.sort_by_key(|l| l.ts);
-            t.resumed.sort_unstable();
             t.stacks.sort_by_key(|s| s.0);
-            for l in &t.left {
-                // A dying thread's last switch-out never comes back.
-                let r = t.resumed.partition_point(|&r| r <= l.ts);
-                let Some(&end) = t.resumed.get(r) else {
-                    continue;
-                };
-                let preempted_by = (l.state == 0 || l.state == REPORT_PREEMPTED)
-                    .then(|| preemptor(&t, l, &traced, &id))
-                    .flatten();
-                out.push((
-                    end,
-                    Record::OffCpu(OffCpuInterval {
-                        tid: id(pid),
-                        tgid: id(pid),
-                        cpu: l.cpu,
-                        start: l.ts,
-                        end,
-                        state: l.state,
-                        stack: stack_at(&t.stacks, l.ts),
-                        preempted_by,
-                        truncated: false,
-                    }),
-                ));
+            // (time, the switch-out; None: back on a CPU). At one instant
+            // it is back before it leaves again.
+            let mut switches: Vec<(u64, Option<&Left>)> = t
+                .resumed
+                .iter()
+                .map(|&r| (r, None))
+                .chain(t.left.iter().map(|l| (l.ts, Some(l))))
+                .collect();
+            switches.sort_by_key(|&(ts, l)| (ts, l.is_some()));
+            let tid = id(pid);
+            let mut tracker = OffCpuTracker::default();
+            for (ts, left) in switches {
+                match left {
+                    Some(l) => {
+                        let preempted_by = (l.state == 0 || l.state == REPORT_PREEMPTED)
+                            .then(|| preemptor(&t, l, &traced, &id))
+                            .flatten();
+                        tracker.switched_out(tid, tid, l.cpu, l.ts, l.state, preempted_by);
+                        if let Some(stack) = stack_at(&t.stacks, l.ts) {
+                            tracker.stack_taken(tid, l.ts, stack);
+                        }
+                    }
+                    None => {
+                        if let Some(i) = tracker.switched_in(tid, ts) {
+                            out.push((i.end, Record::OffCpu(i)));
+                        }
+                    }
+                }
             }
+            // A dying thread's last switch-out never comes back: what is
+            // still open is left out (the live agent ends it at the exit).
         }
     }
 }
@@ -211,6 +220,7 @@ fn stack_at(stacks: &[(u64, Vec<String>)], ts: u64) -> Option<Arc<Stack>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::OffCpuInterval;
 
     fn intervals(s: MainThreadSwitches) -> Vec<OffCpuInterval> {
         let mut out = Vec::new();

@@ -2,7 +2,9 @@
 //! off a CPU to the switch that puts it back, with the stack taken as it
 //! left (when the sampling policy took one) and, for preemptions, the task
 //! that took the CPU. Pure: fed events in order, it returns finished
-//! intervals.
+//! intervals. The interpret stage feeds it the kernel's switches as they
+//! come; `agent diagnose` a trace's (`trace_schema::read`), put in time
+//! order per thread.
 
 use std::sync::Arc;
 
