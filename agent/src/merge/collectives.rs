@@ -18,7 +18,7 @@ use rustc_hash::FxHashMap;
 use xpuscope_perfetto::rewrite::{EventKind, EventView};
 use xpuscope_probes::catalog::CommOp;
 
-use super::ids::mix;
+use super::mix::mix;
 use crate::trace_schema::call::sync_stream;
 use crate::trace_schema::keys as k;
 

@@ -4,6 +4,7 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use xpuscope_perfetto::rewrite::IdMap;
 
+use super::mix::mix;
 use super::scan::NodeScan;
 
 /// Sequence of the merger's own system packet (its SystemInfo).
@@ -12,13 +13,6 @@ pub const MERGE_SYSTEM_SEQUENCE: u32 = 1;
 pub const MERGE_TRACK_SEQUENCE: u32 = 2;
 /// Pids at or above this are never a real pid (`PID_MAX_LIMIT` = 2^22).
 const REMAPPED_PID_BASE: i32 = 1 << 22;
-
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
 
 /// How one node's ids and times move.
 pub struct NodeMap {

@@ -18,6 +18,7 @@ mod align;
 pub(crate) mod collectives;
 mod emit;
 mod ids;
+mod mix;
 mod output;
 mod scan;
 mod step_out;

@@ -17,7 +17,8 @@ use serde::ser::{Error as _, SerializeSeq};
 use xpuscope_perfetto::rewrite::{IdMap, Packet};
 use xpuscope_perfetto::{Arg, ArgValue};
 
-use super::ids::{MERGE_TRACK_SEQUENCE, NodeMap, mix};
+use super::ids::{MERGE_TRACK_SEQUENCE, NodeMap};
+use super::mix::mix;
 use super::output::Output;
 use super::scan::NodeScan;
 use crate::analysis::steps::Step;
