@@ -1,7 +1,8 @@
 //! The step breakdown's input from a node's recorded trace: the main
 //! thread's slices paired into calls, its off-CPU intervals rebuilt from
-//! the scheduler's switches, each classified by the off-CPU stack taken at
-//! the same switch. The breakdown itself is `analysis::steps`, shared with
+//! the scheduler's switches (by `analysis::offcpu`, the tracker the live
+//! agent and `agent diagnose` use), each classified by the off-CPU stack
+//! taken at the same switch. The breakdown itself is `analysis::steps`, shared with
 //! `agent attach`. A rank that marks its steps (mstx `step N` ranges or
 //! marks, `sinks::detect::step_marks`) has them numbered as it numbers
 //! them, as `agent attach` and the detectors do.
@@ -10,11 +11,12 @@ use rustc_hash::FxHashMap as HashMap;
 
 use xpuscope_perfetto::rewrite::{EventKind, EventView};
 
+use crate::analysis::offcpu::OffCpuTracker;
 pub use crate::analysis::steps::StepCandidates;
 use crate::analysis::steps::{CallKind, OffCpuKind, SLEEPING, StepTracker, in_data_loader};
 
 use super::collectives::Observed;
-use crate::model::process_comm_id;
+use crate::model::{OffCpuInterval, process_comm_id};
 use crate::sinks::detect::step_marks::{MarkedSteps, step_number};
 use crate::trace_schema::call::sync_stream;
 use crate::trace_schema::keys;
@@ -39,9 +41,10 @@ struct MainThread {
     open: Vec<(u64, CallKind)>,
     /// Calls returned (in that order), not yet handed to the tracker.
     calls: std::collections::VecDeque<(u64, u64, CallKind)>,
-    /// Left a CPU (asleep or not) / came back on a CPU: CPUs' bundles
-    /// arrive in any order, so they are paired below the watermark.
-    slept: Vec<(u64, bool)>,
+    /// Left a CPU (with the state it left in) / came back on a CPU: CPUs'
+    /// bundles arrive in any order, so they are handed to the off-CPU
+    /// tracker in time order below the watermark.
+    slept: Vec<(u64, i64)>,
     resumed: Vec<u64>,
     /// Off-CPU stacks: (left the CPU, in the data loader).
     stacks: Vec<(u64, bool)>,
@@ -58,30 +61,38 @@ impl MainThread {
             + self.stacks.len()
     }
 
-    /// The (left the CPU, back on a CPU, asleep) intervals that left the
-    /// CPU before `below` and whose return is known, in time order; drops
-    /// what no later interval needs (switches before `below` have all
-    /// arrived).
-    fn sleeps_below(&mut self, below: u64) -> Vec<(u64, u64, bool)> {
+    /// Hands the switches before `below` to `offcpu` in time order (a
+    /// switch-out before a switch-in at the same time: the interval ends
+    /// there) and returns the intervals they close, in time order.
+    /// Switches before `below` have all arrived; an interval still open
+    /// there stays open in the tracker until its switch-in comes.
+    fn off_cpu_below(
+        &mut self,
+        pid: i32,
+        below: u64,
+        offcpu: &mut OffCpuTracker,
+    ) -> Vec<OffCpuInterval> {
         self.slept.sort_unstable();
         self.resumed.sort_unstable();
-        let mut out = Vec::new();
-        let mut kept = Vec::new();
-        for &(s, asleep) in &self.slept {
-            if s >= below {
-                kept.push((s, asleep));
-                continue;
-            }
-            let r = self.resumed.partition_point(|&r| r < s);
-            match self.resumed.get(r) {
-                Some(&e) => out.push((s, e, asleep)),
-                // Still off CPU at the watermark: it comes back later.
-                None => kept.push((s, asleep)),
+        let outs = self.slept.partition_point(|&(s, _)| s < below);
+        let ins = self.resumed.partition_point(|&r| r < below);
+        let tid = pid as u32;
+        let mut closed = Vec::new();
+        let (mut o, mut i) = (0, 0);
+        while o < outs || i < ins {
+            let out_first = o < outs && (i == ins || self.slept[o].0 <= self.resumed[i]);
+            if out_first {
+                let (ts, state) = self.slept[o];
+                offcpu.switched_out(tid, tid, 0, ts, state, None);
+                o += 1;
+            } else {
+                closed.extend(offcpu.switched_in(tid, self.resumed[i]));
+                i += 1;
             }
         }
-        self.slept = kept;
-        self.resumed.retain(|&r| r >= below);
-        out
+        self.slept.drain(..outs);
+        self.resumed.drain(..ins);
+        closed
     }
 }
 
@@ -91,6 +102,8 @@ impl MainThread {
 /// the trace's length.
 pub struct TraceSteps {
     tracker: StepTracker,
+    /// The main threads' off-CPU intervals, paired as live and offline.
+    offcpu: OffCpuTracker,
     /// By pid (the main thread is tid == pid).
     threads: HashMap<i32, MainThread>,
     /// Per CPU: the task running, and the time of its last switch.
@@ -106,6 +119,7 @@ impl Default for TraceSteps {
     fn default() -> Self {
         TraceSteps {
             tracker: StepTracker::with_mark_limit(MARK_LIMIT),
+            offcpu: OffCpuTracker::default(),
             threads: HashMap::default(),
             running: CpuRunning::default(),
             cpu_last: Vec::new(),
@@ -195,7 +209,7 @@ impl TraceSteps {
             if let Some(prev) = left
                 && let Some(t) = self.threads.get_mut(&prev)
             {
-                t.slept.push((ts, prev_state & SLEEPING != 0));
+                t.slept.push((ts, prev_state));
             }
             if let Some(t) = self.threads.get_mut(&next) {
                 t.resumed.push(ts);
@@ -225,18 +239,23 @@ impl TraceSteps {
     /// compaction computes the steps those calls finish).
     fn flush(&mut self, below: u64) {
         for (&pid, t) in &mut self.threads {
-            let sleeps = t.sleeps_below(below);
+            let closed = t.off_cpu_below(pid, below, &mut self.offcpu);
             t.stacks.sort_unstable();
-            for &(s, e, asleep) in &sleeps {
-                let in_loader = loader_stack(&t.stacks, s) == Some(true);
-                let kind = if asleep {
+            for i in &closed {
+                let in_loader = loader_stack(&t.stacks, i.start) == Some(true);
+                let kind = if i.state & SLEEPING != 0 {
                     OffCpuKind::Waiting
                 } else {
                     OffCpuKind::classify(0, in_loader)
                 };
-                self.tracker.off_cpu(pid, s, e, kind);
+                self.tracker.off_cpu(pid, i.start, i.end, kind);
             }
-            let oldest = t.slept.first().map_or(below, |&(s, _)| s.min(below));
+            // The stacks an interval still open may need: from its start.
+            let open_since = self.offcpu.off_since(pid as u32).map(|(_, s)| s);
+            let oldest = [t.slept.first().map(|&(s, _)| s), open_since]
+                .into_iter()
+                .flatten()
+                .fold(below, u64::min);
             let keep_from = oldest.saturating_sub(SAME_SWITCH_NS);
             t.stacks.retain(|&(ts, _)| ts >= keep_from);
             while let Some(&(start, end, kind)) = t.calls.front() {
@@ -276,7 +295,9 @@ impl TraceSteps {
     /// bounded memory).
     #[cfg(test)]
     pub fn held(&self) -> usize {
-        self.tracker.held() + self.threads.values().map(MainThread::held).sum::<usize>()
+        self.tracker.held()
+            + self.offcpu.open_count()
+            + self.threads.values().map(MainThread::held).sum::<usize>()
     }
 
     /// The steps not yet taken of every followed rank for each
@@ -495,8 +516,13 @@ mod tests {
         t.switch(1, 50, 0, 42); // back, on another CPU
         t.switch(1, 60, 0, 7); // preempted: off CPU too
         t.switch(1, 70, 0, 42);
+        let span = |i: &OffCpuInterval| (i.start, i.end, i.state & SLEEPING != 0);
         let th = t.threads.get_mut(&42).unwrap();
-        assert_eq!(th.sleeps_below(55), vec![(20, 50, true)]);
-        assert_eq!(th.sleeps_below(u64::MAX), vec![(60, 70, false)]);
+        let first = th.off_cpu_below(42, 55, &mut t.offcpu);
+        assert_eq!(first.iter().map(span).collect::<Vec<_>>(), [(20, 50, true)]);
+        // Off CPU again at 60: open until its switch-in is below the mark.
+        assert!(th.off_cpu_below(42, 65, &mut t.offcpu).is_empty());
+        let rest = th.off_cpu_below(42, u64::MAX, &mut t.offcpu);
+        assert_eq!(rest.iter().map(span).collect::<Vec<_>>(), [(60, 70, false)]);
     }
 }
