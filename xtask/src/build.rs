@@ -166,8 +166,10 @@ fn book() -> Result<()> {
 const NEEDS_ROOT: &str = "cargo xtask test runs the eBPF end-to-end tests: run it as root \
      (sudo -E cargo xtask test); `cargo test` runs the tests that need no root";
 
-/// The cargo feature that builds the end-to-end test target (`tests/tests/main.rs`).
-const E2E_FEATURE: &str = "xpuscope-tests/e2e";
+/// The cargo features of the tests that need root: the end-to-end target
+/// (`tests/tests/main.rs`) and the agent's unit tests that load its eBPF
+/// object.
+const ROOT_TEST_FEATURES: &str = "xpuscope-tests/e2e,xpuscope-agent/kernel-tests";
 
 /// Clippy as the compiler of the workspace's own crates (what `cargo
 /// clippy` does on top of `cargo check`), with its lints denied: given to
@@ -226,7 +228,7 @@ pub fn test(extra: &[String]) -> Result<()> {
         "cargo clippy (the agent's binary)",
     )?;
     run_checked(
-        &mut cargo_with_clippy(&["test", "--workspace", "--no-run", "--features", E2E_FEATURE]),
+        &mut cargo_with_clippy(&["test", "--workspace", "--no-run", "--features", ROOT_TEST_FEATURES]),
         "cargo clippy and the test build",
     )?;
     let mut cmd = cargo_with_clippy(&[
@@ -234,7 +236,7 @@ pub fn test(extra: &[String]) -> Result<()> {
         "--workspace",
         "--no-fail-fast",
         "--features",
-        E2E_FEATURE,
+        ROOT_TEST_FEATURES,
     ]);
     // The release agent `all` built; the tests would otherwise build it
     // themselves.
