@@ -436,9 +436,10 @@ mod tests {
             "{err}"
         );
         // Not an ELF.
-        let exe = std::env::current_exe().unwrap();
-        let dir = exe.parent().unwrap();
-        let text = dir.join("xpuscope-probes-not-an-elf.txt");
+        let text = std::env::temp_dir().join(format!(
+            "xpuscope-probes-not-an-elf-{}.txt",
+            std::process::id()
+        ));
         std::fs::write(&text, b"hello, not an ELF").unwrap();
         let err = resolve(&text, Library::Cudart).unwrap_err();
         assert!(matches!(err, ResolveError::Parse { .. }), "{err}");

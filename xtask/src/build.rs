@@ -168,8 +168,8 @@ const NEEDS_ROOT: &str = "cargo xtask test runs the eBPF end-to-end tests: run i
 
 /// The cargo features of the tests that need root: the end-to-end target
 /// (`tests/tests/main.rs`) and the agent's unit tests that load its eBPF
-/// object.
-const ROOT_TEST_FEATURES: &str = "xpuscope-tests/e2e,xpuscope-agent/kernel-tests";
+/// object or switch uids.
+const ROOT_TEST_FEATURES: &str = "xpuscope-tests/e2e,xpuscope-agent/root-tests";
 
 /// Clippy as the compiler of the workspace's own crates (what `cargo
 /// clippy` does on top of `cargo check`), with its lints denied: given to
@@ -228,7 +228,13 @@ pub fn test(extra: &[String]) -> Result<()> {
         "cargo clippy (the agent's binary)",
     )?;
     run_checked(
-        &mut cargo_with_clippy(&["test", "--workspace", "--no-run", "--features", ROOT_TEST_FEATURES]),
+        &mut cargo_with_clippy(&[
+            "test",
+            "--workspace",
+            "--no-run",
+            "--features",
+            ROOT_TEST_FEATURES,
+        ]),
         "cargo clippy and the test build",
     )?;
     let mut cmd = cargo_with_clippy(&[

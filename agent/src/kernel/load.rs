@@ -414,7 +414,7 @@ mod tests {
     /// fails without them). The exit program's fallback is the one an
     /// older kernel loads, so it is checked here, where the primary loads.
     #[test]
-    #[cfg(feature = "kernel-tests")]
+    #[cfg(feature = "root-tests")]
     fn every_program_and_fallback_verifies_on_this_kernel() {
         crate::preflight::check_object(EBPF_OBJECT).expect("the eBPF object is built");
         let vmlinux = Path::new(crate::btf::VMLINUX_BTF);

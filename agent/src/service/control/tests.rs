@@ -4,6 +4,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+#[cfg(feature = "root-tests")]
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
@@ -200,6 +201,7 @@ fn commands_answer_and_bad_input_gets_its_reason() {
     assert!(r.body.contains("agent.toml:3"), "{}", r.body);
 }
 
+#[cfg(feature = "root-tests")]
 fn ensure_curl() {
     if Command::new("curl").arg("--version").output().is_ok() {
         return;
@@ -215,6 +217,7 @@ fn ensure_curl() {
     );
 }
 
+#[cfg(feature = "root-tests")]
 fn require_root() {
     assert_eq!(
         unsafe { libc::geteuid() },
@@ -224,6 +227,7 @@ fn require_root() {
 }
 
 /// curl as `nobody`: (exit status, body).
+#[cfg(feature = "root-tests")]
 fn curl_as_nobody(socket: &Path) -> (i32, String) {
     let out = Command::new("setpriv")
         .args([
@@ -245,6 +249,7 @@ fn curl_as_nobody(socket: &Path) -> (i32, String) {
 }
 
 #[test]
+#[cfg(feature = "root-tests")]
 fn curl_works_and_a_non_root_peer_is_refused() {
     require_root();
     ensure_curl();
