@@ -119,7 +119,7 @@ pub fn finding_kind_of(fault: &str) -> &'static str {
 /// finding of `kind` (`finding_kind_of`, or `kind` where given) on the
 /// trace's findings track (its `detected_ns`: when the detector fired, in
 /// the records' time; the pipeline's lag of ~0.1 s comes on top). A
-/// measurement for the README, not a pass/fail bound.
+/// measurement for the book's measurements, not a pass/fail bound.
 pub fn print_time_to_finding(what: &str, tl: &Timeline, truth: &Value, kind: Option<&str>) {
     let findings: Vec<u64> = tl
         .tracks

@@ -27,11 +27,11 @@ const E_NS: i64 = 30_000_000;
 /// The merge must recover D to within this (the bound). Two-node
 /// runs of these tests on a shared 2-CPU VM at load 5-10 recovered it
 /// within 0-19 us (16 runs; interquartile mean of the end differences;
-/// README).
+/// docs/src/measurements/merge.md).
 const TOLERANCE_NS: i64 = 50_000;
 /// Sixteen ranks and five agents on two CPUs: the ranks see a
 /// collective's end 0.1-0.6 ms late in the median. With the weighted fit
-/// of the all-reduce and send/receive bounds (session 11, 4 runs) every
+/// of the all-reduce and send/receive bounds (4 runs, commit 83987b7) every
 /// node came out within 2-34 us (the unshifted nodes 2 and 3 are held to
 /// twice this); with the all-reduce bounds alone node 1 was 74-90 us off
 /// in two CI runs, with the interquartile mean alone 4-88 us (4 runs).

@@ -11,7 +11,7 @@
 //! (With no delay at all a C rank enters its set-up call 5-15 ms after its
 //! start; the agent's probes for the first rank of a program land about
 //! 5-15 ms after it starts on an idle 2-CPU machine, so the first rank
-//! races them; later ranks find them in place. See the README.)
+//! races them; later ranks find them in place. See docs/src/guide/device-probes.md.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::CommandExt;
@@ -285,7 +285,7 @@ fn calls_50_ms_after_dlopen_are_recorded() {
 /// the loader hook and with the periodic rescan alone (`--no-loader-hook`):
 /// a call every millisecond from the moment dlopen returns; the first call
 /// recorded says when the probes were in place. Printed, not asserted
-/// (figures in the README); each run must still record the later calls.
+/// (figures in docs/src/measurements/device-probes.md); each run must still record the later calls.
 #[test]
 fn dlopen_to_first_recorded_call() {
     let _serial = exclusive();

@@ -94,7 +94,7 @@ fn flavor_index(flavor: &str) -> usize {
 }
 
 /// `run_from_spawn` (a 2-rank job unless `launcher_args` say otherwise), its times to finding printed (for
-/// the README, not graded), its folder removed at exit.
+/// the measurements chapter of the book, not graded), its folder removed at exit.
 fn record(tag: &str, launcher_args: &[&str], agent_args: &[&str]) -> SimRun {
     let run = run_from_spawn(tag, launcher_args, agent_args);
     print_time_to_finding(tag, &run.tl, &run.ground_truth, None);

@@ -1,5 +1,5 @@
 //! End-to-end: a bystander's switch storm must not cost the target its own
-//! records (issue 17, defect 2). A target pinned to CPU 0 forks and reaps
+//! records (a defect found under load, now fixed). A target pinned to CPU 0 forks and reaps
 //! 2,000 children while an unrelated pipe ping-pong, pinned to the same
 //! CPU, switches there hundreds of thousands of times a second. In `--pid`
 //! mode those switches are recorded (they show what ran between the
@@ -110,7 +110,7 @@ fn a_bystander_switch_storm_costs_the_target_none_of_its_records() {
     // perf_uprobe_destroy), which the pinned ping-pong starves: stops of
     // over 60 s were seen. A slow stop, not a lost one: the trace is
     // written before; the wait is bounded here, and the slowness is an
-    // open defect (README, issue 12's note).
+    // open defect (see docs/src/measurements/scheduling.md).
     let done = rec.finish(Duration::from_secs(180));
     drop(target_in);
     drop(storm);

@@ -660,7 +660,7 @@ fn the_unit_runs_the_agent_under_a_private_systemd() {
     );
     assert!(mount_opts("/tmp").starts_with("rw"), "PrivateTmp");
     assert_eq!(ctl(&agent, &socket, &["status"])["level"], 1);
-    // systemd's own rating of the sandbox (the README quotes it): kept at
+    // systemd's own rating of the sandbox (docs/src/guide/service.md quotes it): kept at
     // "OK" or better.
     let out = run_bounded(
         Command::new("nsenter")

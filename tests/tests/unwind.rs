@@ -415,7 +415,7 @@ fn callers_beyond_real_libnccl_and_libcudart() {
 }
 
 /// Time per stack, as ratios against the frame-pointer walk measured in the
-/// same run (printed for the README; no timing is asserted). Content is:
+/// same run (printed for docs/src/measurements/stacks.md; no timing is asserted). Content is:
 /// every repeat gives the first unwind's frames.
 #[test]
 fn unwind_cost_against_frame_pointers() {
