@@ -35,7 +35,10 @@ const TOLERANCE_NS: i64 = 50_000;
 /// node came out within 2-34 us (the unshifted nodes 2 and 3 are held to
 /// twice this); with the all-reduce bounds alone node 1 was 74-90 us off
 /// in two CI runs, with the interquartile mean alone 4-88 us (4 runs).
-const TOLERANCE_16_RANKS_NS: i64 = 50_000;
+/// With another end-to-end test running beside it (the fresh-clone run of
+/// commit b336322), or two busy loops on the same CPUs, node 1 came out
+/// 22-59 us off (5 runs): twice the two-node bound holds that.
+const TOLERANCE_16_RANKS_NS: i64 = 100_000;
 
 fn timeline(path: &Path) -> Timeline {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
