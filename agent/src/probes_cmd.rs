@@ -21,7 +21,7 @@ use xpuscope_probes::resolve;
 
 use crate::kernel::config_map;
 use crate::kernel::load::{self, EBPF_OBJECT};
-use crate::kernel::probes::{AyaAttacher, DeviceProbes, LiveProcesses};
+use crate::kernel::probes::{AyaAttacher, DeviceProbes, LiveProcesses, MultiPrograms};
 use crate::kernel::{CaptureLevels, DeviceLevel};
 use crate::preflight;
 
@@ -63,7 +63,8 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
     };
     let mut device = DeviceProbes::new(levels, false);
     let plan = device.plan(&[pid], &mut LiveProcesses);
-    device.apply(&mut AyaAttacher::new(&mut bpf), plan)?;
+    let mut multi = MultiPrograms::default();
+    device.apply(&mut AyaAttacher::new(&mut bpf, &mut multi), plan)?;
     eprintln!(
         "xpuscope: counting calls of {} probed functions in pid {pid} for {:.1} s",
         device.stats().attached,
@@ -73,7 +74,7 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
     while Instant::now() < end && Path::new(&format!("/proc/{pid}")).exists() {
         std::thread::sleep(Duration::from_millis(100).min(end - Instant::now()));
     }
-    let mut attacher = AyaAttacher::new(&mut bpf);
+    let mut attacher = AyaAttacher::new(&mut bpf, &mut multi);
     let hits = device.hits_by_address(&attacher, pid);
     device.detach_all(&mut attacher);
     Ok(hits)

@@ -154,6 +154,12 @@ pub struct DeviceSummary {
     pub attached_probes: u64,
     /// Functions or libraries that could not be attached.
     pub attach_failures: u64,
+    /// Uprobe links made (entries and returns): one per library file and
+    /// end where the kernel has uprobe-multi links, else one per function
+    /// and end.
+    pub probe_links: u64,
+    /// Of `probe_links`, the uprobe-multi ones.
+    pub multi_links: u64,
     /// What the device records show (calls, device slices, allocations).
     #[serde(flatten)]
     pub counts: DeviceRecordCounts,
@@ -378,6 +384,8 @@ impl RunSummary {
         self.device.libraries_ahead = stats.files_ahead;
         self.device.attached_probes = stats.attached;
         self.device.attach_failures = stats.attach_failures;
+        self.device.probe_links = stats.links;
+        self.device.multi_links = stats.multi_links;
     }
 
     /// Why records were lost to a full ring, per ring: each names the
@@ -515,12 +523,14 @@ impl RunSummary {
         let dc = &d.decoding;
         if d.attached_probes + d.attach_failures + c.calls > 0 {
             eprintln!(
-                "  device:  {} calls ({} errors), {} probes on {} libraries, {} attach failures, \
-                 unmatched: {} entries {} returns, {} in flight at end",
+                "  device:  {} calls ({} errors), {} probes on {} libraries ({} links, {} uprobe-multi), \
+                 {} attach failures, unmatched: {} entries {} returns, {} in flight at end",
                 c.calls,
                 c.errors,
                 d.attached_probes,
                 d.libraries,
+                d.probe_links,
+                d.multi_links,
                 d.attach_failures,
                 c.entries_without_return,
                 dc.returns_without_entry,

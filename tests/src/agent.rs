@@ -168,6 +168,11 @@ impl Recording {
     /// Starts `agent attach` with `args` (output and stats paths are added)
     /// and waits until it says it is recording.
     pub fn start(dir: &Path, args: &[&str]) -> Recording {
+        Recording::start_with_env(dir, args, &[])
+    }
+
+    /// [`Recording::start`] with `env` added to the agent's environment.
+    pub fn start_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Recording {
         let output = dir.join("trace.pftrace");
         let stats = dir.join("stats.json");
         let mut cmd = Command::new(agent_bin());
@@ -179,7 +184,8 @@ impl Recording {
             .arg(&stats)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .stderr(Stdio::piped())
+            .envs(env.iter().copied());
         let mut agent = Proc::spawn("agent", &mut cmd);
         let mut stderr = Lines::new(agent.stderr());
         stderr.wait_for("xpuscope: recording", Duration::from_secs(30));

@@ -1137,6 +1137,11 @@ struct Storm {
 /// calls) under `agent attach --pid ... <args>`, stopped with SIGINT once the
 /// calls are done.
 fn sync_storm(tag: &str, calls: u64, args: &[&str]) -> Storm {
+    sync_storm_with_env(tag, calls, args, &[])
+}
+
+/// [`sync_storm`] with `env` added to the agent's environment.
+fn sync_storm_with_env(tag: &str, calls: u64, args: &[&str], env: &[(&str, &str)]) -> Storm {
     wait_for_closers();
     let fixtures = fixtures::build_all();
     let dir = TempDir::new(tag);
@@ -1152,7 +1157,7 @@ fn sync_storm(tag: &str, calls: u64, args: &[&str]) -> Storm {
     let pid = wl.pid().to_string();
     let mut all = vec!["--pid", pid.as_str()];
     all.extend_from_slice(args);
-    let rec = Recording::start(dir.path(), &all);
+    let rec = Recording::start_with_env(dir.path(), &all, env);
     let started = std::time::Instant::now();
     go(&mut stdin);
     out.wait_for("calls", Duration::from_secs(120));
@@ -1165,6 +1170,61 @@ fn sync_storm(tag: &str, calls: u64, args: &[&str]) -> Storm {
         pid: wl.pid() as i32,
         seconds,
     }
+}
+
+/// Where the kernel has uprobe-multi links (6.6 and later), a library
+/// file's probes are one link per end, released at once; with
+/// `XPUSCOPE_UPROBE_LINKS=perf-event` (the path older kernels take) they
+/// are a perf event per function and end. Both record every call, each a
+/// slice of the trace.
+#[test]
+fn probe_links_are_one_per_file_and_end_and_the_perf_event_path_records_alike() {
+    let _serial = exclusive();
+    let calls = 2_000u64;
+    let mut seen = Vec::new();
+    for (tag, env) in [
+        ("devlinks-multi", vec![]),
+        (
+            "devlinks-perf",
+            vec![("XPUSCOPE_UPROBE_LINKS", "perf-event")],
+        ),
+    ] {
+        let storm = sync_storm_with_env(tag, calls, &["--stacks", "off"], &env);
+        let device = &storm.done.stats["device"];
+        let functions = device["functions"].as_array().expect("functions");
+        let sync = functions
+            .iter()
+            .find(|f| f["function"] == "cudaStreamSynchronize")
+            .unwrap_or_else(|| panic!("{device}"));
+        assert_eq!(sync["calls"].as_u64(), Some(calls), "{tag}: {device}");
+        assert_eq!(sync["hits"].as_u64(), Some(calls), "{tag}: {device}");
+        assert_eq!(device["attach_failures"], 0, "{tag}: {device}");
+        let trace = decode(&storm.done.trace).expect("the trace decodes");
+        check_importer_rules(&trace).expect("importer rules");
+        let tl = Timeline::new(&trace);
+        let slices = tl
+            .slices
+            .iter()
+            .filter(|s| s.name == "cudaStreamSynchronize")
+            .count() as u64;
+        assert_eq!(slices, calls, "{tag}: one slice per call");
+        let links = device["probe_links"].as_u64().expect("probe_links");
+        let multi = device["multi_links"].as_u64().expect("multi_links");
+        seen.push((links, multi, functions.len() as u64));
+    }
+    let (multi_links, multi_of_them, probed) = seen[0];
+    assert_eq!(
+        (multi_links, multi_of_them),
+        (2, 2),
+        "one libcudart file: one link for its entries, one for its returns"
+    );
+    let (perf_links, perf_multi, probed_perf) = seen[1];
+    assert_eq!(probed, probed_perf, "the same functions probed");
+    assert_eq!(
+        (perf_links, perf_multi),
+        (2 * probed, 0),
+        "a perf event per function and end"
+    );
 }
 
 /// The device-call ring overflowing (one page, a reader that naps) loses

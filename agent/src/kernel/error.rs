@@ -20,6 +20,13 @@ pub enum KernelError {
         #[source]
         source: aya::programs::ProgramError,
     },
+    /// A `bpf(2)` command the agent issues itself (aya has no call for it).
+    #[error("{what}")]
+    Syscall {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// A failure a test fake was told to report.
     #[cfg(test)]
     #[error("injected failure: {0}")]

@@ -15,7 +15,7 @@ use xpuscope_common::{
 use super::config_map;
 use super::control::KernelControl;
 use super::error::KernelError;
-use super::probes::AyaAttacher;
+use super::probes::{AyaAttacher, MultiPrograms};
 
 /// The kernel programs, embedded at build time (empty if not built).
 pub static EBPF_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xpuscope-ebpf.o"));
@@ -121,6 +121,8 @@ pub struct Kernel {
     /// closer (closing a uprobe waits for RCU grace periods, which a
     /// switch storm starves: stops of over a minute were seen).
     loader_links: Vec<aya::programs::uprobe::UProbeLink>,
+    /// The device-call programs as uprobe-multi programs, once loaded.
+    multi: MultiPrograms,
 }
 
 pub struct LoadOptions<'a> {
@@ -187,6 +189,7 @@ impl Kernel {
             logger,
             loader_hooks: Default::default(),
             loader_links: Vec::new(),
+            multi: MultiPrograms::default(),
         })
     }
 
@@ -243,7 +246,7 @@ impl Kernel {
 
     /// The device-call probes' kernel effects over this object.
     pub fn attacher(&mut self) -> AyaAttacher<'_> {
-        AyaAttacher::new(&mut self.bpf)
+        AyaAttacher::new(&mut self.bpf, &mut self.multi)
     }
 
     /// Detaches and unloads every tracepoint program and the loader hook
@@ -297,6 +300,10 @@ impl Kernel {
                 .bpf
                 .take_map(name)
                 .ok_or_else(|| KernelError::Missing(format!("map {name}")))?;
+            // The device-call programs loaded later push into these rings.
+            self.multi
+                .keep_map(name, &map)
+                .with_context(|| format!("duplicating the descriptor of map {name}"))?;
             Ok(RingBuf::try_from(map)?)
         };
         Ok(KernelRings {

@@ -6,9 +6,10 @@
 //! its loaders).
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use aya::Ebpf;
-use aya::maps::{Array, MapData, PerCpuArray};
+use aya::maps::{Array, Map, MapData, PerCpuArray};
 use aya::programs::UProbe;
 use aya::programs::uprobe::{UProbeAttachPoint, UProbeLink, UProbeScope};
 use xpuscope_common::maps;
@@ -16,6 +17,7 @@ use xpuscope_common::uprobe::ProbeSpec;
 
 use super::closer;
 use super::plan::{Plan, ProbeSite, SiteWork};
+use super::uprobe_multi;
 use crate::kernel::config_map;
 use crate::kernel::error::KernelError;
 
@@ -57,6 +59,20 @@ pub trait Attacher {
         cookie: u32,
     ) -> Result<Self::Link, KernelError>;
 
+    /// Attaches `end`'s program at every `(offset, cookie)` of `path` as
+    /// one link (a uprobe-multi link: released at once, see
+    /// [`uprobe_multi`]). `None` where this attacher has no such links; the
+    /// sites are then attached one by one, as they are when this fails.
+    fn attach_many(
+        &mut self,
+        end: ProbeEnd,
+        path: &str,
+        sites: &[(u64, u32)],
+    ) -> Option<Result<Self::Link, KernelError>> {
+        let _ = (end, path, sites);
+        None
+    }
+
     /// Detaches now (slow: see [`closer`]).
     fn detach(&mut self, link: Self::Link);
 
@@ -85,12 +101,16 @@ pub struct DeviceProbeStats {
     /// Library files probed ahead of any traced process mapping them
     /// (predicted from a starting program's dependencies).
     pub files_ahead: u64,
+    /// Links made: one per probe end and function, or one per probe end
+    /// and library file where the kernel has uprobe-multi links.
+    pub links: u64,
+    /// Of `links`, the uprobe-multi ones.
+    pub multi_links: u64,
 }
 
-/// A uprobe pair on one site, shared by the traced processes mapping it.
-struct LinkedSite<L> {
-    entry: L,
-    ret: L,
+/// A site with its uprobe pair attached, shared by the traced processes
+/// mapping it.
+struct LinkedSite {
     slot: u32,
     /// Its spec is written (not silenced).
     live: bool,
@@ -103,7 +123,10 @@ pub struct ProbeLinks<L> {
     loaded: bool,
     /// Loading the programs failed: no further attempts.
     disabled: bool,
-    sites: HashMap<ProbeSite, LinkedSite<L>>,
+    sites: HashMap<ProbeSite, LinkedSite>,
+    /// Every link (a site's entry or return, or a library's many), kept
+    /// until [`ProbeLinks::detach_all`].
+    links: Vec<L>,
     pub stats: DeviceProbeStats,
 }
 
@@ -113,6 +136,7 @@ impl<L> Default for ProbeLinks<L> {
             loaded: false,
             disabled: false,
             sites: HashMap::new(),
+            links: Vec::new(),
             stats: DeviceProbeStats::default(),
         }
     }
@@ -144,8 +168,27 @@ impl<L> ProbeLinks<L> {
             // Set-up calls first: see `SiteWork::urgent`.
             let (urgent, rest): (Vec<&SiteWork>, Vec<&SiteWork>) =
                 plan.live.iter().partition(|w| w.urgent);
-            for work in urgent.into_iter().chain(rest) {
-                self.make_live(attacher, work);
+            for works in [urgent, rest] {
+                let mut new: Vec<&SiteWork> = Vec::new();
+                for work in works {
+                    if self.sites.contains_key(&work.site) {
+                        self.re_enable(attacher, work);
+                    } else {
+                        new.push(work);
+                    }
+                }
+                // One batch per file, in the order the plan named them.
+                let mut paths: Vec<&str> = Vec::new();
+                for w in &new {
+                    if !paths.contains(&w.path.as_str()) {
+                        paths.push(&w.path);
+                    }
+                }
+                for path in paths {
+                    let batch: Vec<&SiteWork> =
+                        new.iter().copied().filter(|w| w.path == path).collect();
+                    self.attach_new(attacher, path, &batch);
+                }
             }
         }
         for (_, site) in &plan.uses {
@@ -190,40 +233,96 @@ impl<L> ProbeLinks<L> {
         Ok(())
     }
 
-    fn make_live<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
-        if let Some(s) = self.sites.get_mut(&work.site) {
-            // Attached before: re-enable, never a second pair on one place.
-            if !s.live {
-                match attacher.write_spec(s.slot, work.spec) {
-                    Ok(()) => s.live = true,
-                    Err(e) => {
-                        tracing::warn!("device probes: {}: {e:#}", work.name.1);
-                        self.stats.attach_failures += 1;
-                    }
+    /// A site attached before and silenced: its spec written again.
+    fn re_enable<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
+        let Some(s) = self.sites.get_mut(&work.site) else {
+            return;
+        };
+        if !s.live {
+            match attacher.write_spec(s.slot, work.spec) {
+                Ok(()) => s.live = true,
+                Err(e) => {
+                    tracing::warn!("device probes: {}: {e:#}", work.name.1);
+                    self.stats.attach_failures += 1;
                 }
             }
+        }
+    }
+
+    /// New sites of one file: their specs written, then attached as one
+    /// link per end where the attacher can, else one by one.
+    fn attach_new<A: Attacher<Link = L>>(
+        &mut self,
+        attacher: &mut A,
+        path: &str,
+        works: &[&SiteWork],
+    ) {
+        let mut ready: Vec<&SiteWork> = Vec::with_capacity(works.len());
+        for work in works {
+            match attacher.write_spec(work.slot, work.spec) {
+                Ok(()) => ready.push(work),
+                Err(e) => {
+                    tracing::warn!("device probes: {}: {e:#}", work.name.1);
+                    self.stats.attach_failures += 1;
+                }
+            }
+        }
+        if ready.is_empty() {
             return;
         }
-        // The spec first: the probe may fire as soon as it is attached.
-        if let Err(e) = attacher.write_spec(work.slot, work.spec) {
-            tracing::warn!("device probes: {}: {e:#}", work.name.1);
-            self.stats.attach_failures += 1;
-            return;
+        let sites: Vec<(u64, u32)> = ready.iter().map(|w| (w.site.offset, w.slot)).collect();
+        match attacher.attach_many(ProbeEnd::Entry, path, &sites) {
+            None => {}
+            Some(Ok(entry)) => match attacher.attach_many(ProbeEnd::Return, path, &sites) {
+                Some(Ok(ret)) => {
+                    self.links.extend([entry, ret]);
+                    self.stats.links += 2;
+                    self.stats.multi_links += 2;
+                    for work in ready {
+                        self.insert(work);
+                    }
+                    return;
+                }
+                other => {
+                    if let Some(Err(e)) = other {
+                        tracing::info!(
+                            "device probes: one link for {} returns at {path}: {e:#}; one per function",
+                            sites.len()
+                        );
+                    }
+                    attacher.detach(entry);
+                }
+            },
+            Some(Err(e)) => tracing::info!(
+                "device probes: one link for {} functions at {path}: {e:#}; one per function",
+                sites.len()
+            ),
         }
+        for work in ready {
+            self.attach_one(attacher, work);
+        }
+    }
+
+    fn insert(&mut self, work: &SiteWork) {
+        self.sites.insert(
+            work.site,
+            LinkedSite {
+                slot: work.slot,
+                live: true,
+                name: work.name,
+            },
+        );
+    }
+
+    /// One site's uprobe pair, its spec already written.
+    fn attach_one<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
         let entry = attacher.attach(ProbeEnd::Entry, &work.path, work.site.offset, work.slot);
         let ret = attacher.attach(ProbeEnd::Return, &work.path, work.site.offset, work.slot);
         match (entry, ret) {
             (Ok(entry), Ok(ret)) => {
-                self.sites.insert(
-                    work.site,
-                    LinkedSite {
-                        entry,
-                        ret,
-                        slot: work.slot,
-                        live: true,
-                        name: work.name,
-                    },
-                );
+                self.links.extend([entry, ret]);
+                self.stats.links += 2;
+                self.insert(work);
             }
             (entry, ret) => {
                 let err = entry.as_ref().err().or(ret.as_ref().err());
@@ -235,8 +334,6 @@ impl<L> ProbeLinks<L> {
                     err.map(|e| format!("{e:#}")).unwrap_or_default()
                 );
                 self.stats.attach_failures += 1;
-                // Half a pair would push entries without returns (or the
-                // reverse): roll back, and silence the slot.
                 if let Ok(link) = entry {
                     attacher.detach(link);
                 }
@@ -248,7 +345,6 @@ impl<L> ProbeLinks<L> {
         }
     }
 
-    /// The slot of the live probe at `site`.
     pub fn live_slot(&self, site: &ProbeSite) -> Option<u32> {
         self.sites.get(site).filter(|s| s.live).map(|s| s.slot)
     }
@@ -270,12 +366,10 @@ impl<L> ProbeLinks<L> {
     /// Silences every probe, then hands the links over to be closed after
     /// the agent exits (see [`closer`] for why not now).
     pub fn detach_all<A: Attacher<Link = L>>(&mut self, attacher: &mut A) {
-        let mut links = Vec::with_capacity(self.sites.len() * 2);
         for (_, s) in self.sites.drain() {
             silence(attacher, s.slot);
-            links.push(s.entry);
-            links.push(s.ret);
         }
+        let links = std::mem::take(&mut self.links);
         if !links.is_empty() {
             attacher.release(links);
         }
@@ -294,14 +388,124 @@ fn silence<A: Attacher>(attacher: &mut A, slot: u32) {
     }
 }
 
+/// A device-call probe's link in the kernel: dropping it detaches.
+#[derive(Debug)]
+#[expect(dead_code, reason = "held only to be dropped: closing detaches")]
+pub enum DeviceLink {
+    /// One function's entry or return, through a perf event (aya's).
+    PerfEvent(UProbeLink),
+    /// Many functions of one file: a uprobe-multi link's descriptor.
+    Multi(OwnedFd),
+}
+
+/// The device-call programs loaded as uprobe-multi programs, beside aya's
+/// (see [`uprobe_multi`]); kept with the [`Ebpf`] whose maps they use.
+#[derive(Debug, Default)]
+pub struct MultiPrograms {
+    state: MultiState,
+    /// Maps taken out of the [`Ebpf`] (the rings, read elsewhere): their
+    /// descriptors, duplicated when taken, for the programs to use.
+    taken: Vec<(String, OwnedFd)>,
+}
+
+#[derive(Debug, Default)]
+enum MultiState {
+    /// Not tried yet (the programs load with the first library found).
+    #[default]
+    NotTried,
+    Loaded {
+        entry: OwnedFd,
+        ret: OwnedFd,
+    },
+    /// The kernel or the object does not allow them: perf events only.
+    Unavailable,
+}
+
+/// Set to `perf-event` to attach one perf event per function even where
+/// uprobe-multi links work: how the tests cover the path older kernels
+/// (before 6.6) take.
+pub const UPROBE_LINKS_ENV: &str = "XPUSCOPE_UPROBE_LINKS";
+
+impl MultiPrograms {
+    /// Keeps a descriptor of `map` before it leaves the [`Ebpf`] under
+    /// `name`.
+    pub fn keep_map(&mut self, name: &str, map: &Map) -> std::io::Result<()> {
+        let fd = map_data(map).fd().as_fd().try_clone_to_owned()?;
+        self.taken.push((name.to_string(), fd));
+        Ok(())
+    }
+
+    /// Links and loads both programs against `bpf`'s maps.
+    fn load(&self, bpf: &Ebpf) -> Result<MultiState, String> {
+        if std::env::var(UPROBE_LINKS_ENV).is_ok_and(|v| v == "perf-event") {
+            return Err(format!("{UPROBE_LINKS_ENV}=perf-event"));
+        }
+        let map_fd = |name: &str| {
+            bpf.map(name)
+                .map(|m| map_data(m).fd().as_fd().as_raw_fd())
+                .or_else(|| {
+                    let (_, fd) = self.taken.iter().find(|(n, _)| n == name)?;
+                    Some(fd.as_raw_fd())
+                })
+        };
+        let load = |name: &str| -> Result<OwnedFd, String> {
+            let program =
+                uprobe_multi::link_program(crate::kernel::load::EBPF_OBJECT, name, &map_fd)
+                    .map_err(|e| e.to_string())?;
+            uprobe_multi::load(name, &program).map_err(|e| format!("loading {name}: {e}"))
+        };
+        Ok(MultiState::Loaded {
+            entry: load(ENTRY_PROGRAM)?,
+            ret: load(RETURN_PROGRAM)?,
+        })
+    }
+}
+
+/// The map behind any of aya's map kinds.
+fn map_data(map: &Map) -> &MapData {
+    match map {
+        Map::Array(m)
+        | Map::ArrayOfMaps(m)
+        | Map::BloomFilter(m)
+        | Map::CgroupArray(m)
+        | Map::CgroupStorage(m)
+        | Map::CgrpStorage(m)
+        | Map::CpuMap(m)
+        | Map::DevMap(m)
+        | Map::DevMapHash(m)
+        | Map::HashMap(m)
+        | Map::HashOfMaps(m)
+        | Map::InodeStorage(m)
+        | Map::LpmTrie(m)
+        | Map::LruHashMap(m)
+        | Map::PerCpuArray(m)
+        | Map::PerCpuCgroupStorage(m)
+        | Map::PerCpuHashMap(m)
+        | Map::PerCpuLruHashMap(m)
+        | Map::PerfEventArray(m)
+        | Map::ProgramArray(m)
+        | Map::Queue(m)
+        | Map::ReusePortSockArray(m)
+        | Map::RingBuf(m)
+        | Map::SockHash(m)
+        | Map::SockMap(m)
+        | Map::SkStorage(m)
+        | Map::Stack(m)
+        | Map::StackTraceMap(m)
+        | Map::Unsupported(m)
+        | Map::XskMap(m) => m,
+    }
+}
+
 /// [`Attacher`] over a loaded object.
 pub struct AyaAttacher<'a> {
     bpf: &'a mut Ebpf,
+    multi: &'a mut MultiPrograms,
 }
 
 impl<'a> AyaAttacher<'a> {
-    pub fn new(bpf: &'a mut Ebpf) -> Self {
-        Self { bpf }
+    pub fn new(bpf: &'a mut Ebpf, multi: &'a mut MultiPrograms) -> Self {
+        Self { bpf, multi }
     }
 
     fn uprobe(&mut self, name: &str) -> Result<&mut UProbe, KernelError> {
@@ -314,7 +518,7 @@ impl<'a> AyaAttacher<'a> {
 }
 
 impl Attacher for AyaAttacher<'_> {
-    type Link = UProbeLink;
+    type Link = DeviceLink;
 
     fn load_programs(&mut self) -> Result<(), KernelError> {
         for name in [ENTRY_PROGRAM, RETURN_PROGRAM] {
@@ -322,7 +526,43 @@ impl Attacher for AyaAttacher<'_> {
                 .load()
                 .map_err(KernelError::program(format!("verifying/loading {name}")))?;
         }
+        if matches!(self.multi.state, MultiState::NotTried) {
+            self.multi.state = self.multi.load(self.bpf).unwrap_or_else(|why| {
+                tracing::info!(
+                    "device probes: one perf event per function (no uprobe-multi links: {why})"
+                );
+                MultiState::Unavailable
+            });
+        }
         Ok(())
+    }
+
+    fn attach_many(
+        &mut self,
+        end: ProbeEnd,
+        path: &str,
+        sites: &[(u64, u32)],
+    ) -> Option<Result<DeviceLink, KernelError>> {
+        let MultiState::Loaded { entry, ret } = &self.multi.state else {
+            return None;
+        };
+        let program = match end {
+            ProbeEnd::Entry => entry,
+            ProbeEnd::Return => ret,
+        };
+        let sites: Vec<(u64, u64)> = sites.iter().map(|&(o, c)| (o, u64::from(c))).collect();
+        Some(
+            uprobe_multi::attach(program.as_fd(), path, &sites, end == ProbeEnd::Return)
+                .map(DeviceLink::Multi)
+                .map_err(|source| KernelError::Syscall {
+                    what: format!(
+                        "attaching {} at {} functions of {path}",
+                        end.program(),
+                        sites.len()
+                    ),
+                    source,
+                }),
+        )
     }
 
     fn attach(
@@ -331,7 +571,7 @@ impl Attacher for AyaAttacher<'_> {
         path: &str,
         offset: u64,
         cookie: u32,
-    ) -> Result<UProbeLink, KernelError> {
+    ) -> Result<DeviceLink, KernelError> {
         let point = UProbeAttachPoint {
             location: offset.into(),
             cookie: Some(u64::from(cookie)),
@@ -345,10 +585,13 @@ impl Attacher for AyaAttacher<'_> {
         let id = program
             .attach(point, path, UProbeScope::AllProcesses)
             .map_err(KernelError::program(what()))?;
-        program.take_link(id).map_err(KernelError::program(what()))
+        program
+            .take_link(id)
+            .map(DeviceLink::PerfEvent)
+            .map_err(KernelError::program(what()))
     }
 
-    fn detach(&mut self, link: UProbeLink) {
+    fn detach(&mut self, link: DeviceLink) {
         drop(link);
     }
 
@@ -380,7 +623,7 @@ impl Attacher for AyaAttacher<'_> {
         config_map::update(self.bpf, |c| c.probe_levels = mask)
     }
 
-    fn release(&mut self, links: Vec<UProbeLink>) {
+    fn release(&mut self, links: Vec<DeviceLink>) {
         closer::close_after_exit(links);
     }
 }
@@ -395,6 +638,12 @@ pub enum FakeCall {
         path: String,
         offset: u64,
         cookie: u32,
+    },
+    /// One link for many sites of a file: (offset, cookie) each.
+    AttachMany {
+        end: ProbeEnd,
+        path: String,
+        sites: Vec<(u64, u32)>,
     },
     Detach(u64),
     /// A spec written; `level_bit` 0 is a silenced slot.
@@ -420,6 +669,10 @@ pub struct FakeAttacher {
     pub fail_load: bool,
     /// Attaches that fail, by (end, file offset).
     pub fail_attach: Vec<(ProbeEnd, u64)>,
+    /// Makes one link for many sites (a kernel with uprobe-multi links).
+    pub multi: bool,
+    /// Many-site attaches that fail, by end.
+    pub fail_multi: Vec<ProbeEnd>,
 }
 
 #[cfg(test)]
@@ -477,6 +730,28 @@ impl Attacher for FakeAttacher {
         self.next_link += 1;
         self.open_links.insert(self.next_link);
         Ok(self.next_link)
+    }
+
+    fn attach_many(
+        &mut self,
+        end: ProbeEnd,
+        path: &str,
+        sites: &[(u64, u32)],
+    ) -> Option<Result<u64, KernelError>> {
+        if !self.multi {
+            return None;
+        }
+        self.calls.push(FakeCall::AttachMany {
+            end,
+            path: path.to_string(),
+            sites: sites.to_vec(),
+        });
+        if self.fail_multi.contains(&end) {
+            return Some(Err(KernelError::Injected(format!("{end:?} at {path}"))));
+        }
+        self.next_link += 1;
+        self.open_links.insert(self.next_link);
+        Some(Ok(self.next_link))
     }
 
     fn detach(&mut self, link: u64) {

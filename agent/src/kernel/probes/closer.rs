@@ -2,7 +2,9 @@
 //!
 //! Closing a uprobe perf event waits for an RCU tasks-trace grace period
 //! under a kernel-wide mutex (about 90 ms each on 6.18): the 92 probes of
-//! one rank would hold the agent for 8 s at the end of a recording. With
+//! one rank would hold the agent for 8 s at the end of a recording (a
+//! uprobe-multi link, where the kernel has them, waits once for all of a
+//! file's probes: see [`super::uprobe_multi`]). With
 //! their specs zeroed the probes push nothing, so nothing is lost by closing
 //! them later: a forked child (`xpuscope-close`) keeps a reference to every
 //! link's file, waits for the agent to exit (its end of a pipe closes), and

@@ -34,17 +34,18 @@ pub mod closer;
 #[cfg(test)]
 mod fake_source;
 pub mod plan;
+pub mod uprobe_multi;
 
 use std::collections::HashMap;
 
-pub use attach::{Attacher, AyaAttacher, DeviceProbeStats, ProbeLinks};
+pub use attach::{Attacher, AyaAttacher, DeviceLink, DeviceProbeStats, MultiPrograms, ProbeLinks};
 pub use plan::{LiveProcesses, Plan, Planner, ProcessSource, TableUpdate};
 
 use super::error::KernelError;
 use super::levels::{CaptureLevels, DeviceLevel};
 
 /// The device probes over a loaded object ([`AyaAttacher`]).
-pub type AyaDeviceProbes = DeviceProbes<aya::programs::uprobe::UProbeLink>;
+pub type AyaDeviceProbes = DeviceProbes<DeviceLink>;
 
 /// The device probes of one recording: the plan and the attached links.
 /// `L` is the [`Attacher`]'s link type.

@@ -360,3 +360,82 @@ fn a_predicted_library_is_attached_set_up_calls_first_and_reused_when_mapped() {
     assert_eq!(offsets(&k).len(), 6);
     assert_eq!(p.stats().attached, 3);
 }
+
+#[test]
+fn a_files_sites_are_one_link_per_end_where_the_kernel_has_uprobe_multi() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(1));
+    k.multi = true;
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    scan(&mut p, &[10, 11], &mut src, &mut k);
+    let many: Vec<(ProbeEnd, Vec<(u64, u32)>)> = k
+        .calls
+        .iter()
+        .filter_map(|c| match c {
+            FakeCall::AttachMany { end, sites, .. } => Some((*end, sites.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(many.len(), 2, "{:?}", k.calls);
+    assert_eq!(many[0].0, ProbeEnd::Entry);
+    assert_eq!(many[1].0, ProbeEnd::Return);
+    assert_eq!(many[0].1, many[1].1, "the same sites at both ends");
+    let mut sites = many[0].1.clone();
+    sites.sort_unstable();
+    assert_eq!(
+        sites,
+        vec![(MALLOC, 1), (LAUNCH, 2)],
+        "offsets with their slots"
+    );
+    assert!(k.attaches().is_empty(), "nothing attached one by one");
+    // Every spec is written before the link that makes it fire.
+    let first_link = k
+        .calls
+        .iter()
+        .position(|c| matches!(c, FakeCall::AttachMany { .. }))
+        .unwrap();
+    for slot in [1, 2] {
+        let spec = k
+            .calls
+            .iter()
+            .position(|c| matches!(c, FakeCall::WriteSpec { slot: s, .. } if *s == slot))
+            .unwrap();
+        assert!(spec < first_link, "slot {slot}: {:?}", k.calls);
+        assert!(k.is_live(slot));
+    }
+    let stats = p.stats();
+    assert_eq!((stats.links, stats.multi_links), (2, 2));
+    assert_eq!(k.open_links.len(), 2);
+    p.detach_all(&mut k);
+    assert!(k.open_links.is_empty());
+    assert!(!k.is_live(1) && !k.is_live(2));
+}
+
+#[test]
+fn a_uprobe_multi_link_that_fails_falls_back_to_one_link_per_function() {
+    let (mut src, mut k, mut p) = (FakeSource::nvidia(), FakeAttacher::default(), probes(1));
+    k.multi = true;
+    k.fail_multi = vec![ProbeEnd::Return];
+    src.map(10, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    // The entry link made before the return's failed is detached at once.
+    assert!(
+        k.calls.iter().any(|c| matches!(c, FakeCall::Detach(_))),
+        "{:?}",
+        k.calls
+    );
+    let one_by_one = offsets(&k);
+    assert_eq!(one_by_one.len(), 4, "{one_by_one:?}");
+    for end in [ProbeEnd::Entry, ProbeEnd::Return] {
+        for offset in [MALLOC, LAUNCH] {
+            assert!(one_by_one.contains(&(end, offset)), "{one_by_one:?}");
+        }
+    }
+    assert_eq!(k.open_links.len(), 4);
+    let stats = p.stats();
+    assert_eq!(
+        (stats.links, stats.multi_links, stats.attach_failures),
+        (4, 0, 0)
+    );
+    assert!(k.is_live(1) && k.is_live(2));
+}
