@@ -19,8 +19,9 @@ use xpuscope_probes::discover;
 use xpuscope_probes::maps::ProcessMaps;
 use xpuscope_probes::resolve;
 
+use crate::kernel::EBPF_OBJECT;
 use crate::kernel::config_map;
-use crate::kernel::load::{self, EBPF_OBJECT};
+use crate::kernel::load;
 use crate::kernel::probes::{AyaAttacher, DeviceProbes, LiveProcesses, MultiPrograms};
 use crate::kernel::{CaptureLevels, DeviceLevel};
 use crate::preflight;

@@ -85,6 +85,14 @@ pub fn agent_binary() -> PathBuf {
     root().join("target/release/agent")
 }
 
+/// The cargo profile `cargo xtask test` builds in (see `Cargo.toml`).
+pub const TEST_PROFILE: &str = "testing";
+
+/// The agent binary the tests run.
+pub fn test_agent_binary() -> PathBuf {
+    root().join("target").join(TEST_PROFILE).join("agent")
+}
+
 /// Kills and reaps a child on drop.
 pub struct ChildGuard(pub Child);
 
@@ -218,18 +226,30 @@ pub fn test(extra: &[String]) -> Result<()> {
         "cargo fmt --check (ebpf/programs)",
     )?;
     book()?;
-    all()?;
+    ebpf()?;
+    fixtures()?;
     // `cargo clippy --workspace --all-targets --features xpuscope-tests/e2e
-    // -- -D warnings`, folded into the builds the tests need: the tests and
-    // examples of every crate as `cargo test` builds them, and the agent's
-    // binary outside test mode (the one target `cargo test` leaves out).
+    // -- -D warnings`, folded into the builds the tests need: the agent's
+    // binary outside test mode (the one target `cargo test` leaves out;
+    // the end-to-end tests run it), then the tests and examples of every
+    // crate as `cargo test` builds them. All in one profile, so each
+    // dependency is built once.
     run_checked(
-        &mut cargo_with_clippy(&["build", "-p", "xpuscope-agent", "--bins"]),
-        "cargo clippy (the agent's binary)",
+        &mut cargo_with_clippy(&[
+            "build",
+            "--profile",
+            TEST_PROFILE,
+            "-p",
+            "xpuscope-agent",
+            "--bins",
+        ]),
+        "cargo clippy and the agent's build",
     )?;
     run_checked(
         &mut cargo_with_clippy(&[
             "test",
+            "--profile",
+            TEST_PROFILE,
             "--workspace",
             "--no-run",
             "--features",
@@ -239,14 +259,14 @@ pub fn test(extra: &[String]) -> Result<()> {
     )?;
     let mut cmd = cargo_with_clippy(&[
         "test",
+        "--profile",
+        TEST_PROFILE,
         "--workspace",
         "--no-fail-fast",
         "--features",
         ROOT_TEST_FEATURES,
     ]);
-    // The release agent `all` built; the tests would otherwise build it
-    // themselves.
-    cmd.env("XPUSCOPE_AGENT_BIN", agent_binary());
+    cmd.env("XPUSCOPE_AGENT_BIN", test_agent_binary());
     if !extra.is_empty() {
         cmd.args(extra);
     }

@@ -247,7 +247,12 @@ fn systemctl(args: &[&str]) -> Result<()> {
     )
 }
 
-pub fn run(prefix: &Path, root_dir: Option<&Path>, uninstall: bool) -> Result<()> {
+pub fn run(
+    prefix: &Path,
+    root_dir: Option<&Path>,
+    uninstall: bool,
+    binary: Option<&Path>,
+) -> Result<()> {
     let layout = Layout::new(prefix, root_dir)?;
     let (unit, config) = shipped()?;
     let manage = !layout.staged() && systemd_running();
@@ -265,9 +270,22 @@ pub fn run(prefix: &Path, root_dir: Option<&Path>, uninstall: bool) -> Result<()
             layout.unit().display()
         );
     } else {
-        build::ebpf()?;
-        build::agent_release()?;
-        let done = install_files(&layout, &build::agent_binary(), &unit, &config)?;
+        let binary = match binary {
+            Some(path) => {
+                anyhow::ensure!(
+                    path.is_file(),
+                    "--binary {}: no such file (build the agent first)",
+                    path.display()
+                );
+                path.to_path_buf()
+            }
+            None => {
+                build::ebpf()?;
+                build::agent_release()?;
+                build::agent_binary()
+            }
+        };
+        let done = install_files(&layout, &binary, &unit, &config)?;
         report(&done, &layout);
         let bin = layout.under_root(&layout.binary());
         let cfg = layout.under_root(Path::new(CONFIG_PATH));

@@ -111,6 +111,10 @@ enum Task {
         /// the dumps in /var/lib/xpuscope stay).
         #[arg(long)]
         uninstall: bool,
+        /// Install this agent binary instead of building the release one
+        /// (a binary built elsewhere, or the one a test run built).
+        #[arg(long, value_name = "PATH", conflicts_with = "uninstall")]
+        binary: Option<PathBuf>,
     },
 }
 
@@ -144,7 +148,8 @@ fn main() -> Result<()> {
             prefix,
             root,
             uninstall,
-        } => install::run(&prefix, root.as_deref(), uninstall),
+            binary,
+        } => install::run(&prefix, root.as_deref(), uninstall, binary.as_deref()),
     }
 }
 

@@ -15,10 +15,8 @@ use xpuscope_common::{
 use super::config_map;
 use super::control::KernelControl;
 use super::error::KernelError;
+use super::object::EBPF_OBJECT;
 use super::probes::{AyaAttacher, MultiPrograms};
-
-/// The kernel programs, embedded at build time (empty if not built).
-pub static EBPF_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xpuscope-ebpf.o"));
 
 /// A tracepoint program of the object: attached at load, for the whole run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -42,8 +42,10 @@ pub mod error;
 pub mod levels;
 pub mod load;
 pub mod misses;
+pub mod object;
 pub mod probes;
 
 pub use control::KernelControl;
 pub use levels::{CaptureLevels, DeviceLevel};
-pub use load::{EBPF_OBJECT, Kernel, KernelRings, LoadOptions};
+pub use load::{Kernel, KernelRings, LoadOptions};
+pub use object::EBPF_OBJECT;

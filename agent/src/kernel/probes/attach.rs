@@ -450,7 +450,7 @@ impl MultiPrograms {
         };
         let load = |name: &str| -> Result<OwnedFd, String> {
             let program =
-                uprobe_multi::link_program(crate::kernel::load::EBPF_OBJECT, name, &map_fd)
+                uprobe_multi::link_program(crate::kernel::object::EBPF_OBJECT, name, &map_fd)
                     .map_err(|e| e.to_string())?;
             uprobe_multi::load(name, &program).map_err(|e| format!("loading {name}: {e}"))
         };

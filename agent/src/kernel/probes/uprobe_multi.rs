@@ -314,7 +314,7 @@ pub fn attach(
 mod tests {
     use super::*;
     #[cfg(feature = "root-tests")]
-    use crate::kernel::load::EBPF_OBJECT;
+    use crate::kernel::object::EBPF_OBJECT;
     #[cfg(feature = "root-tests")]
     use crate::kernel::probes::attach::{ENTRY_PROGRAM, RETURN_PROGRAM};
 
