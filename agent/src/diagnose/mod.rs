@@ -151,12 +151,13 @@ fn importance(kind: FindingKind) -> u8 {
         FindingKind::Hang => 0,
         FindingKind::Crash => 1,
         FindingKind::DeviceOom => 2,
-        FindingKind::SlowRank => 3,
-        FindingKind::SlowLink => 4,
-        FindingKind::HostContention => 5,
-        FindingKind::DataloaderStall => 6,
-        FindingKind::MemoryLeak => 7,
-        FindingKind::LateArrival => 8,
+        FindingKind::DeviceError => 3,
+        FindingKind::SlowRank => 4,
+        FindingKind::SlowLink => 5,
+        FindingKind::HostContention => 6,
+        FindingKind::DataloaderStall => 7,
+        FindingKind::MemoryLeak => 8,
+        FindingKind::LateArrival => 9,
     }
 }
 

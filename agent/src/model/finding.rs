@@ -14,8 +14,11 @@ pub const FINDINGS_SCHEMA: &str = "xpuscope-findings/1";
 pub enum FindingKind {
     /// A collective or sync in flight longer than the hang timeout.
     Hang,
-    /// A device allocation failed.
+    /// A device allocation failed for want of memory.
     DeviceOom,
+    /// A device-library call failed with an error that is not out of
+    /// memory (a lost device, an illegal address, an ECC error, ...).
+    DeviceError,
     /// A traced process was killed by a signal.
     Crash,
     /// A rank's training thread kept off its CPU by other processes.
@@ -34,9 +37,10 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 9] = [
+    pub const ALL: [FindingKind; 10] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
+        FindingKind::DeviceError,
         FindingKind::Crash,
         FindingKind::HostContention,
         FindingKind::DataloaderStall,
@@ -50,6 +54,7 @@ impl FindingKind {
         match self {
             FindingKind::Hang => "hang",
             FindingKind::DeviceOom => "device_oom",
+            FindingKind::DeviceError => "device_error",
             FindingKind::Crash => "crash",
             FindingKind::HostContention => "host_contention",
             FindingKind::DataloaderStall => "dataloader_stall",

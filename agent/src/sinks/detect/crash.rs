@@ -44,7 +44,10 @@ impl CrashDetector {
         for f in new {
             if !matches!(
                 f.kind,
-                FindingKind::Hang | FindingKind::Crash | FindingKind::DeviceOom
+                FindingKind::Hang
+                    | FindingKind::Crash
+                    | FindingKind::DeviceOom
+                    | FindingKind::DeviceError
             ) {
                 continue;
             }

@@ -6,8 +6,10 @@
 //!   (from the interpret stage's in-flight snapshots); for a collective,
 //!   the members that never entered it, from the communicator's members
 //!   and their sequence numbers.
-//! - [`oom`]: a failed device allocation that its retry did not get, its
-//!   stack and the largest live sites.
+//! - [`oom`]: a device allocation that failed for want of memory and that
+//!   its retry did not get, its stack and the largest live sites.
+//! - [`device_error`]: any other failure of a device call (a lost device,
+//!   an illegal address, ...), once per process and status code.
 //! - [`crash`]: a traced process killed by a signal.
 //! - [`host`]: the host-side detectors over each rank's steps
 //!   ([`host_steps`]): [`host_contention`], [`dataloader_stall`],
@@ -29,6 +31,7 @@ mod collective_tests;
 pub mod crash;
 pub mod dataloader_stall;
 pub mod device_compute;
+pub mod device_error;
 pub mod hang;
 pub mod host;
 pub mod host_config;
@@ -140,6 +143,7 @@ pub struct Detectors {
     ranks: Ranks,
     hang: hang::HangDetector,
     oom: oom::OomDetector,
+    device_error: device_error::DeviceErrorDetector,
     crash: crash::CrashDetector,
     host: host::HostDetectors,
     collective: collective::CollectiveDetector,
@@ -154,6 +158,7 @@ impl Detectors {
             ranks: Ranks::default(),
             hang: hang::HangDetector::new(cfg.hang_timeout),
             oom: oom::OomDetector::default(),
+            device_error: device_error::DeviceErrorDetector::default(),
             crash: crash::CrashDetector::default(),
             host: host::HostDetectors::new(cfg.host),
             device_compute: device_compute::DeviceComputeDetector::new(
@@ -199,6 +204,12 @@ impl Detectors {
             Record::DeviceCall(c) => {
                 self.hang.device_call(c);
                 self.oom.device_call(c, &self.ranks, out);
+                if device_error::device_error_code(c).is_some() {
+                    let step = self
+                        .collective
+                        .step_of(c.call.tgid, c.call.start_ts, &self.ranks);
+                    self.device_error.device_call(c, step, &self.ranks, out);
+                }
                 self.collective.device_call(c, &self.ranks, out);
                 self.device_compute.device_call(
                     c,
@@ -223,6 +234,7 @@ impl Detectors {
                 let step = self.collective.step_of(exit.tgid, exit.ts, &self.ranks);
                 self.crash.process_ended(exit, step, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
+                self.device_error.process_ended(exit.tgid);
                 // Before the collective detector forgets who was slow.
                 self.device_compute.process_ended(
                     exit.tgid,
@@ -249,6 +261,7 @@ impl Detectors {
     pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
         self.hang.forgot(tgid)
             && self.oom.forgot(tgid)
+            && self.device_error.forgot(tgid)
             && self.collective.forgot(tgid)
             && self.host.forgot(tgid)
             && self.device_compute.forgot(tgid)
