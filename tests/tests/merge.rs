@@ -528,13 +528,18 @@ fn check_diagnose_parity(run: &ClusterRun) {
             .args(traces)
             .output()
             .expect("run agent diagnose");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let doc: Value = serde_json::from_slice(&std::fs::read(&json).unwrap_or_else(|e| {
+            panic!(
+                "the findings ({e}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        }))
+        .unwrap();
+        xpuscope_tests::device::assert_diagnose_status(
+            &out.status,
+            doc["findings"].as_array().expect("a list"),
+            &String::from_utf8_lossy(&out.stderr),
         );
-        let doc: Value =
-            serde_json::from_slice(&std::fs::read(&json).expect("the findings")).unwrap();
         let mut found: Vec<_> = doc["findings"]
             .as_array()
             .expect("a list")

@@ -66,10 +66,30 @@ impl FindingKind {
     }
 }
 
+/// Where a finding stands among the others of its document: set when the
+/// findings are grouped into incidents (`crate::sinks::detect::incidents`:
+/// `agent diagnose`, the end of `agent attach`), absent on a finding
+/// streamed the moment it was made (the trace's track, a service dump's
+/// trigger), when its consequences were not known yet.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IncidentLink {
+    /// The finding's number in its document (1-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<u32>,
+    /// The incident it belongs to: one per fault (1-based, roots' order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub incident: Option<u32>,
+    /// The `id` of the finding it follows from; absent on a root.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cause: Option<u32>,
+}
+
 /// One finding, as the contract has it (`detected_ns` is not part of it:
 /// when the detector fired, for the record stream's order).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Finding {
+    #[serde(flatten)]
+    pub link: IncidentLink,
     pub kind: FindingKind,
     /// Global ranks (`RANK` of the processes' environment).
     pub ranks: Vec<u32>,
@@ -131,6 +151,7 @@ mod tests {
     #[test]
     fn serializes_to_the_contract() {
         let f = Finding {
+            link: Default::default(),
             kind: FindingKind::DeviceOom,
             ranks: vec![3],
             comm: None,

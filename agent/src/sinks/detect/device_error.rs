@@ -74,6 +74,7 @@ impl DeviceErrorDetector {
             .map(|bytes| format!(" (an allocation of {} MiB; not out of memory)", bytes >> 20))
             .unwrap_or_default();
         out.push(Finding {
+            link: Default::default(),
             kind: FindingKind::DeviceError,
             ranks: ranks.of(call.tgid).into_iter().collect(),
             comm: None,

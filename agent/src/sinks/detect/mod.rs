@@ -37,6 +37,9 @@ pub mod host;
 pub mod host_config;
 pub mod host_contention;
 pub mod host_steps;
+pub mod incidents;
+#[cfg(test)]
+mod incidents_tests;
 pub mod memory_leak;
 pub mod oom;
 pub mod step_marks;
@@ -361,6 +364,8 @@ impl Sink for DetectSink {
     fn finish(mut self, end: u64, _lost: &SinkCounters) -> Result<Vec<Finding>> {
         self.detectors.finish(end, &mut self.scratch);
         self.publish();
+        // The run's findings are all known: each under its fault.
+        incidents::group(&mut self.found);
         Ok(self.found)
     }
 }

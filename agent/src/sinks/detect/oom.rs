@@ -210,6 +210,7 @@ fn finding(p: &Pending, now: u64, ranks: &Ranks) -> Finding {
         ),
     };
     Finding {
+        link: Default::default(),
         kind: FindingKind::DeviceOom,
         ranks: ranks.of(call.tgid).into_iter().collect(),
         comm: None,
