@@ -704,7 +704,10 @@ fn the_sink_feeds_findings_back_and_returns_them() {
         .collect();
     assert_eq!(ungrouped, back);
     let link = &all[0].link;
-    assert_eq!((link.id, link.incident, link.cause), (Some(1), Some(1), None));
+    assert_eq!(
+        (link.id, link.incident, link.cause),
+        (Some(1), Some(1), None)
+    );
 }
 
 /// The rank that never entered: where its main thread waits, from the
