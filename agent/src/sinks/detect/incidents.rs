@@ -13,7 +13,10 @@
 //! - a hang explains a hang whose missing ranks are all waiting in it (the
 //!   wait-for edges between communicators: follow them to the ranks that
 //!   wait on nothing collective); of two hangs missing the same rank, the
-//!   earlier explains the later (one incident per culprit);
+//!   earlier explains the later (one incident per culprit); a hang that
+//!   every member entered and none left follows from a hang, open at the
+//!   same time, that a rank never entered (its members wait, through their
+//!   streams, on point-to-point work with the stuck ranks);
 //! - a data-loader stall or host contention explains a late arrival or
 //!   slow rank whose lateness overlaps it (the peers waited for the stalled
 //!   rank, then came late themselves), and one neighbour's contention on
@@ -76,12 +79,28 @@ fn waiting_ranks(f: &Finding) -> BTreeSet<u32> {
     r
 }
 
+/// A hang every member entered (none is missing from it).
+fn missing_none(f: &Finding) -> bool {
+    f.evidence["never_entered"]
+        .as_array()
+        .is_none_or(|a| a.is_empty())
+}
+
 fn shares_rank(a: &Finding, b: &Finding) -> bool {
     a.ranks.iter().any(|r| b.ranks.contains(r))
 }
 
-fn steps_close(a: &Finding, b: &Finding) -> bool {
-    match (a.step, b.step) {
+/// Whether cause `g` and `f` are steps apart at most [`STEP_SLACK`]: for a
+/// cause of one step (a stall, a late arrival); a run of steps (host
+/// contention, a slow rank) is dated by its first, its span decides.
+fn steps_close(g: &Finding, f: &Finding) -> bool {
+    if !matches!(
+        g.kind,
+        FindingKind::DataloaderStall | FindingKind::LateArrival
+    ) {
+        return true;
+    }
+    match (g.step, f.step) {
         (Some(x), Some(y)) => x.abs_diff(y) <= STEP_SLACK,
         _ => true,
     }
@@ -118,6 +137,14 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
                 }
                 if g_first && shares_rank(g, f) {
                     return Some(2);
+                }
+                // Every member entered and none left: they wait inside it
+                // on work their streams hold behind something else (a
+                // pipeline send or receive to a peer that is itself stuck),
+                // which the host does not see; a hang that a rank never
+                // entered, open at the same time, is what the job waits for.
+                if missing_none(f) && !missing_none(g) && overlaps(g, f) {
+                    return Some(3);
                 }
             }
             None

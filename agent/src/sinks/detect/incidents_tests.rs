@@ -86,6 +86,25 @@ fn peers_that_hang_waiting_for_a_hung_rank_are_its_consequences() {
 }
 
 #[test]
+fn a_collective_every_member_entered_follows_from_the_one_a_rank_never_entered() {
+    // Ranks 0 and 1 (another pipeline stage) entered their all-gather and
+    // wait inside it, behind their pipeline peers that wait for rank 5.
+    let mut found = vec![
+        hang("tp01", &[0, 1], &[0, 1], 1_000),
+        hang("dp57", &[5], &[7], 1_010),
+    ];
+    found[0].evidence["never_entered"] = json!([]);
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![5], None),
+            (1, FindingKind::Hang, vec![0, 1], Some(1)),
+        ]
+    );
+}
+
+#[test]
 fn ranks_waiting_for_each_other_are_one_incident() {
     let mut found = vec![hang("a", &[1], &[0], 1_000), hang("b", &[0], &[1], 1_010)];
     group(&mut found);
