@@ -230,3 +230,38 @@ fn a_clean_job_has_no_incident() {
     assert!(off.is_empty(), "{off:#?}");
     assert_eq!(code, Some(0), "{text}");
 }
+
+/// A noisy neighbour (four spinning threads) on rank 1's CPU from step 5
+/// of an 8-rank job with 10 ms of host work per step: every rank on that
+/// CPU loses time to it and their peers wait for them. One incident: its
+/// root a `host_contention` of a rank on that CPU naming the neighbour,
+/// the rest (other ranks' contention, the late arrivals) under it.
+#[test]
+fn a_noisy_neighbour_is_one_incident() {
+    let _serial = exclusive();
+    let mut layout = TP2_PP2_DP2.to_vec();
+    layout.extend(["--host-us", "10000"]);
+    let run = record(
+        "rcnoisy",
+        "nvidia",
+        &layout,
+        "16",
+        "cpu_contention:rank=1,from_step=5,threads=4",
+        &[],
+    );
+    let fault = &run.ground_truth["faults"][0];
+    let on_cpu = fault["expected"]["ranks_on_cpu"].as_array().expect("ranks");
+    let neighbour = &fault["injected"][0]["neighbour_pid"];
+    for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
+        check_links(&found, driver);
+        let r = roots(&found);
+        assert_eq!(r.len(), 1, "{driver}: one incident: {found:#?}");
+        assert_eq!(r[0]["kind"], "host_contention", "{driver}: {:#}", r[0]);
+        assert!(on_cpu.contains(&r[0]["ranks"][0]), "{driver}: {:#}", r[0]);
+        assert_eq!(
+            r[0]["evidence"]["preemptors"][0]["pid"], *neighbour,
+            "{driver}: {:#}",
+            r[0]
+        );
+    }
+}

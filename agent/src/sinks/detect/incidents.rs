@@ -20,7 +20,9 @@
 //! - a data-loader stall or host contention explains a late arrival or
 //!   slow rank whose lateness overlaps it (the peers waited for the stalled
 //!   rank, then came late themselves), and one neighbour's contention on
-//!   several ranks is one incident (the same top preemptor);
+//!   several ranks is one incident (the same top preemptor), as is the
+//!   contention of ranks whose top preemptors are ranks (more ranks than
+//!   CPUs: the job's own doing, every rank alike);
 //! - a late arrival explains another rank's later late arrival that it
 //!   overlaps (the second waited for the first, e.g. a pipeline peer).
 //!
@@ -117,6 +119,13 @@ fn top_preemptor(f: &Finding) -> Option<u64> {
     f.evidence["preemptors"].get(0)?["pid"].as_u64()
 }
 
+/// Whether the top preemptor of a contention is a rank of a traced job.
+fn taken_by_a_rank(f: &Finding) -> bool {
+    f.evidence["preemptors"]
+        .get(0)
+        .is_some_and(|p| p["traced"] == true && p["rank"].is_u64())
+}
+
 /// Whether `g` explains `f`, and how strongly (lower: a stronger cause).
 /// `g_first`: `g` comes before `f` (time, then position), the tie-break
 /// between two findings of one kind.
@@ -164,11 +173,13 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
                 _ => None,
             }
         }
-        HostContention => (g.kind == HostContention
-            && g_first
-            && top_preemptor(g).is_some()
-            && top_preemptor(g) == top_preemptor(f))
-        .then_some(3),
+        HostContention => {
+            let same_taker = top_preemptor(g).is_some() && top_preemptor(g) == top_preemptor(f);
+            // Ranks taking one another's CPUs (more ranks than CPUs): what
+            // every rank suffers alike is one job-level incident.
+            let siblings = taken_by_a_rank(g) && taken_by_a_rank(f);
+            (g.kind == HostContention && g_first && (same_taker || siblings)).then_some(3)
+        }
         DataloaderStall | MemoryLeak | SlowLink | DeviceError => None,
     }
 }

@@ -214,3 +214,27 @@ fn grouped_findings_serialize_their_incident_and_cause() {
         (&json!(2), &json!(1), &json!(1))
     );
 }
+
+#[test]
+fn ranks_taking_one_anothers_cpus_are_one_job_level_incident() {
+    let contention = |rank, taker: u32, start| {
+        let mut f = finding(
+            FindingKind::HostContention,
+            &[rank],
+            Some(3),
+            (start, start + 900),
+        );
+        f.evidence = json!({"preemptors": [{"comm": "sim_rank", "pid": 1000 + taker,
+            "traced": true, "rank": taker, "job": "j"}]});
+        f
+    };
+    let mut found = vec![
+        contention(2, 0, 1_000),
+        contention(0, 2, 1_100),
+        contention(4, 6, 1_200),
+    ];
+    group(&mut found);
+    let incidents: Vec<_> = found.iter().map(|f| f.link.incident).collect();
+    assert_eq!(incidents, [Some(1); 3]);
+    assert_eq!(found[0].ranks, vec![2]);
+}
