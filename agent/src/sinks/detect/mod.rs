@@ -53,7 +53,7 @@ use std::time::Duration;
 use anyhow::Result;
 
 use super::{Sink, SinkCounters};
-use crate::model::{Finding, RankIdentity, Record};
+use crate::model::{Finding, FindingKind, RankIdentity, Record};
 
 /// Most findings kept for the end-of-run report (the stream carries all).
 pub const MAX_FINDINGS: usize = 1_000;
@@ -119,6 +119,15 @@ impl Ranks {
     pub fn job_of_rank(&self, rank: u32) -> Option<&str> {
         let tgid = self.by_tgid.iter().find(|(_, r)| **r == rank)?.0;
         Some(self.job_of(*tgid))
+    }
+
+    /// The process with global rank `rank` in job `job`.
+    pub fn tgid_of_rank(&self, rank: u32, job: &str) -> Option<u32> {
+        self.by_tgid
+            .iter()
+            .filter(|(t, r)| **r == rank && self.job_of(**t) == job)
+            .map(|(t, _)| *t)
+            .min()
     }
 
     fn forget(&mut self, tgid: u32) {
@@ -275,10 +284,35 @@ impl Detectors {
     pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
         let first_new = out.len();
         self.hang.tick(now, &self.ranks, out);
+        self.date_hangs(&mut out[first_new..]);
         self.oom.tick(now, &self.ranks, out);
         self.collective.tick(now, &self.ranks, out);
         self.crash.note_trouble(&out[first_new..], &self.ranks);
         note_step_source(&mut out[first_new..]);
+    }
+
+    /// A hang's step: the step the rank that never entered was in when its
+    /// peers began waiting (its all-reduces before then, or its own step
+    /// markers), else the stuck member's; the same online and offline (the
+    /// offline snapshots have no main threads, so the rank is looked up).
+    fn date_hangs(&self, found: &mut [Finding]) {
+        for f in found
+            .iter_mut()
+            .filter(|f| f.kind == FindingKind::Hang && f.step.is_none())
+        {
+            let stuck = &f.evidence["stuck"][0];
+            let (Some(pid), Some(since)) = (stuck["pid"].as_u64(), stuck["since_ns"].as_u64())
+            else {
+                continue;
+            };
+            let pid = pid as u32;
+            let missing = f.evidence["never_entered"][0]
+                .as_u64()
+                .and_then(|r| self.ranks.tgid_of_rank(r as u32, self.ranks.job_of(pid)));
+            f.step = self
+                .collective
+                .step_of(missing.unwrap_or(pid), since, &self.ranks);
+        }
     }
 
     /// The end: what waits for more evidence is reported as it stands.
