@@ -23,8 +23,9 @@
 //!   several ranks is one incident (the same top preemptor), as is the
 //!   contention of ranks whose top preemptors are ranks (more ranks than
 //!   CPUs: the job's own doing, every rank alike);
-//! - a late arrival explains another rank's later late arrival that it
-//!   overlaps (the second waited for the first, e.g. a pipeline peer).
+//! - a late arrival explains a later late arrival that it overlaps: of
+//!   another rank (it waited for the first, e.g. a pipeline peer), or of
+//!   its own rank (one delay seen at two communicators).
 //!
 //! The grouping is over a run's findings once they are all known (`agent
 //! diagnose`, the end of `agent attach`): a consequence is often found
@@ -169,7 +170,10 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
             }
             match g.kind {
                 DataloaderStall | HostContention => Some(3),
-                LateArrival | SlowRank if g_first && !shares_rank(g, f) => Some(4),
+                // Another rank's: it waited for that one. Its own: one
+                // delay seen at two collectives (its peers on another
+                // communicator waited for it too).
+                LateArrival | SlowRank if g_first => Some(4),
                 _ => None,
             }
         }

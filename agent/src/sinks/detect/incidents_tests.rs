@@ -160,12 +160,19 @@ fn late_arrivals_that_overlap_a_stall_follow_from_it_and_unrelated_ones_stand_al
 #[test]
 fn a_peer_late_because_it_waited_for_a_late_rank_follows_from_it() {
     let late = |rank, span| finding(FindingKind::LateArrival, &[rank], Some(5), span);
-    let mut found = vec![late(3, (5_100, 5_900)), late(1, (5_000, 6_000))];
+    // Rank 1's delay shows at its all-reduce and at its TP all-gather;
+    // rank 3 waited for it.
+    let mut found = vec![
+        late(3, (5_100, 5_900)),
+        late(1, (5_000, 6_000)),
+        late(1, (5_050, 6_001)),
+    ];
     group(&mut found);
     assert_eq!(
         shape(&found),
         vec![
             (1, FindingKind::LateArrival, vec![1], None),
+            (1, FindingKind::LateArrival, vec![1], Some(1)),
             (1, FindingKind::LateArrival, vec![3], Some(1)),
         ]
     );
