@@ -23,6 +23,7 @@
 //!   several ranks is one incident (the same top preemptor), as is the
 //!   contention of ranks whose top preemptors are ranks (more ranks than
 //!   CPUs: the job's own doing, every rank alike);
+//! - a hang explains a late arrival at the operation that hung;
 //! - a late arrival explains a later late arrival that it overlaps: of
 //!   another rank (it waited for the first, e.g. a pipeline peer), or of
 //!   its own rank (one delay seen at two communicators).
@@ -165,6 +166,10 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
         }
         DeviceOom => (g.kind == MemoryLeak && shares_rank(g, f)).then_some(0),
         LateArrival | SlowRank => {
+            // Late at an operation that then hung: part of the hang.
+            if g.kind == Hang && g.comm.is_some() && g.comm == f.comm && g.seq == f.seq {
+                return Some(2);
+            }
             if !steps_close(g, f) || !overlaps(g, f) {
                 return None;
             }

@@ -245,3 +245,21 @@ fn ranks_taking_one_anothers_cpus_are_one_job_level_incident() {
     assert_eq!(incidents, [Some(1); 3]);
     assert_eq!(found[0].ranks, vec![2]);
 }
+
+#[test]
+fn a_late_arrival_at_the_operation_that_hung_is_part_of_the_hang() {
+    let mut late = finding(FindingKind::LateArrival, &[0], Some(3), (900, 912));
+    late.comm = Some("tp01".into());
+    late.seq = Some(13);
+    let mut h = hang("tp01", &[1], &[0], 1_000);
+    h.seq = Some(13);
+    let mut found = vec![late, h];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![1], None),
+            (1, FindingKind::LateArrival, vec![0], Some(1)),
+        ]
+    );
+}
