@@ -197,22 +197,25 @@ fn a_non_oom_device_failure_is_one_device_error_incident() {
 /// all-reduce; its DP peer waits there, its TP and pipeline peers wait for
 /// it and for one another. One incident: the root names rank 5 (and the
 /// ground truth's communicator and number); every other hang carries its
-/// cause.
+/// cause. Both flavors.
 #[test]
 fn a_hang_with_waiting_peers_is_one_incident_rooted_at_the_hung_rank() {
     let _serial = exclusive();
-    let run = record(
-        "rchang",
-        "nvidia",
-        TP2_PP2_DP2,
-        "6",
-        "hang:rank=5,step=2",
-        &["--hang-timeout", HANG_TIMEOUT],
-    );
-    grade(&run, "hang", &["--hang-timeout", HANG_TIMEOUT], "hang");
-    let expected = &run.ground_truth["faults"][0]["expected"];
-    let on = online(&run);
-    assert_eq!(on[0]["seq"], expected["seq"], "{:#}", on[0]);
+    for flavor in ["nvidia", "ascend"] {
+        let run = record(
+            &format!("rchang{flavor}"),
+            flavor,
+            TP2_PP2_DP2,
+            "6",
+            "hang:rank=5,step=2",
+            &["--hang-timeout", HANG_TIMEOUT],
+        );
+        let what = format!("hang {flavor}");
+        grade(&run, "hang", &["--hang-timeout", HANG_TIMEOUT], &what);
+        let expected = &run.ground_truth["faults"][0]["expected"];
+        let on = online(&run);
+        assert_eq!(on[0]["seq"], expected["seq"], "{what}: {:#}", on[0]);
+    }
 }
 
 /// Rank 2 of 8 arrives 1 s late at step 3's gradient all-reduce; its
