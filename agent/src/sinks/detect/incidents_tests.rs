@@ -263,3 +263,24 @@ fn a_late_arrival_at_the_operation_that_hung_is_part_of_the_hang() {
         ]
     );
 }
+
+#[test]
+fn the_catch_up_after_a_long_delay_follows_from_it_and_later_lateness_does_not() {
+    let late = |rank, step, span| finding(FindingKind::LateArrival, &[rank], Some(step), span);
+    let mut found = vec![
+        late(2, 3, (1_000, 2_000)),
+        // 6 ms after rank 2 came back: the ranks resuming at once.
+        late(1, 4, (2_006, 2_020)),
+        // 300 ms later: not within a quarter of the delay.
+        late(3, 4, (2_300, 2_320)),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::LateArrival, vec![2], None),
+            (1, FindingKind::LateArrival, vec![1], Some(1)),
+            (2, FindingKind::LateArrival, vec![3], None),
+        ]
+    );
+}
