@@ -58,7 +58,8 @@ pub struct DiagnoseArgs {
     /// `agent attach` traces of one job.
     #[arg(required = true)]
     pub traces: Vec<PathBuf>,
-    /// Also write the findings as JSON (`xpuscope-findings/1`).
+    /// Also write the findings as JSON (`xpuscope-findings/1`); `-`
+    /// writes it to stdout (the text then goes to stderr).
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// A call still open at the end of the trace for longer than this is

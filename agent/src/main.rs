@@ -135,6 +135,7 @@ fn run_diagnose(args: cli::DiagnoseArgs) -> ExitCode {
         },
     };
     match diagnose::run(&opts) {
+        Ok(outcome) if outcome.roots > 0 => ExitCode::from(diagnose::EXIT_ROOT_FINDING),
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("xpuscope: error: {e:#}");

@@ -613,8 +613,12 @@ impl RunSummary {
                 "  findings: {} (on the trace's \"xpuscope findings\" track)",
                 self.findings.len()
             );
-            for f in &self.findings {
+            // Roots, each with its consequences folded into a line.
+            for f in self.findings.iter().filter(|f| f.link.cause.is_none()) {
                 eprintln!("    {}", f.summary);
+                if let Some(line) = crate::sinks::detect::incidents::folded(&self.findings, f) {
+                    eprintln!("      {line}");
+                }
             }
         }
         eprintln!(

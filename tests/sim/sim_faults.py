@@ -20,6 +20,9 @@ included (see sim_layout.collectives_per_step), as the stand-ins count them.
                   device_mem_mb (optional)         device allocator fails (exit 1)
   slow_link       rank, factor=4                   STANDIN_LINK_SLOWDOWN for that rank
   crash           rank, step, signal=SIGABRT       raise the signal at the start of step
+  device_error    rank, step, code (flavor's)      device allocations fail with status code
+                                                   from that step (not out of memory); the
+                                                   rank exits 1
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ KINDS = {
     "mem_leak": {"rank": int, "mb": int, "from_step": int, "device_mem_mb": int},
     "slow_link": {"rank": int, "factor": float},
     "crash": {"rank": int, "step": int, "signal": str},
+    "device_error": {"rank": int, "step": int, "code": int},
 }
+
+# A device error's status when the fault names none: the flavor's "the
+# device is gone" (cudaErrorNoDevice, ACL_ERROR_RT_INTERNAL_ERROR).
+DEVICE_ERROR_CODE = {"nvidia": 100, "ascend": 507000}
 
 DEFAULTS = {
     "slow": {"factor": 3.0, "from_step": 0},
@@ -53,6 +61,7 @@ REQUIRED = {
     "delay": ["ms"],
     "dataloader_stall": ["step", "ms"],
     "crash": ["step"],
+    "device_error": ["step"],
 }
 
 
@@ -190,6 +199,9 @@ def injections(faults: list[Fault], flavor: str) -> dict[int, RankInjection]:
             inj.env["STANDIN_LINK_SLOWDOWN"] = str(p["factor"])
         elif f.kind == "crash":
             inj.args += ["--crash", f"{p['signal_number']}@{p['step']}"]
+        elif f.kind == "device_error":
+            code = p.get("code") or DEVICE_ERROR_CODE[flavor]
+            inj.args += ["--device-error", f"{code}@{p['step']}"]
         # cpu_contention is the launcher's doing (a noisy neighbour process).
     return out
 
@@ -203,4 +215,5 @@ EVENT_KIND = {
     "dataloader_stall": "dataloader_stall",
     "mem_leak": "mem_leak",
     "crash": "crash",
+    "device_error": "device_error",
 }

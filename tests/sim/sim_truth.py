@@ -141,6 +141,10 @@ def fault_truth(job, fault: sim_faults.Fault, events_by_rank: dict[int, list[dic
         if init:
             injected = [{"event": "fault", "kind": "slow_link", "step": 0,
                          "boot_ns": init["boot_ns"], "real_ns": init["real_ns"]}]
+    elif fault.kind == "device_error":
+        expected = {"step": p["step"], "code": p.get("code") or sim_faults.DEVICE_ERROR_CODE[job.args.flavor],
+                    "exit_code": 1}
+        injected += [e for e in events_by_rank.get(r, []) if e.get("event") == "device_error"]
     elif fault.kind == "crash":
         expected = {"step": p["step"], "signal": p["signal_number"],
                     "signal_name": signal_name(p["signal_number"])}

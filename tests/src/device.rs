@@ -178,15 +178,38 @@ pub fn offline_findings(dir: &Path, extra: &[&str]) -> Vec<Value> {
         .arg(dir.join("trace.pftrace"))
         .output()
         .expect("run agent diagnose");
-    assert!(
-        out.status.success(),
-        "agent diagnose: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: Value = serde_json::from_slice(&std::fs::read(&json).expect("the findings"))
-        .expect("findings JSON");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&json).unwrap_or_else(|e| {
+        panic!(
+            "the findings ({e}): agent diagnose: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }))
+    .expect("findings JSON");
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
-    doc["findings"].as_array().expect("a list").clone()
+    let found = doc["findings"].as_array().expect("a list").clone();
+    assert_diagnose_status(&out.status, &found, &String::from_utf8_lossy(&out.stderr));
+    found
+}
+
+/// `agent diagnose`'s exit status when it reports a root finding (one
+/// without `cause`); 0 when it reports none.
+pub const DIAGNOSE_EXIT_ROOT_FINDING: i32 = 3;
+
+/// The exit status `agent diagnose` owes its findings: 3 with a root
+/// finding, 0 without (an error, 1, is never right here).
+pub fn assert_diagnose_status(status: &std::process::ExitStatus, found: &[Value], stderr: &str) {
+    let roots = found.iter().filter(|f| f["cause"].is_null()).count();
+    let want = if roots > 0 {
+        DIAGNOSE_EXIT_ROOT_FINDING
+    } else {
+        0
+    };
+    assert_eq!(
+        status.code(),
+        Some(want),
+        "agent diagnose with {roots} root finding(s) of {}: {stderr}",
+        found.len()
+    );
 }
 
 pub fn read_json(path: &Path) -> Option<Value> {

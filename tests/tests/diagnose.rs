@@ -42,14 +42,16 @@ fn diagnose(run: &SimRun, extra: &[&str]) -> (Vec<Value>, String) {
         .output()
         .expect("run agent diagnose");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "diagnose failed: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc = read_json(&json).expect("findings JSON");
+    let doc = read_json(&json).unwrap_or_else(|| {
+        panic!(
+            "diagnose failed: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
     assert_eq!(doc["schema"], "xpuscope-findings/1");
-    (doc["findings"].as_array().expect("a list").clone(), text)
+    let found = doc["findings"].as_array().expect("a list").clone();
+    assert_diagnose_status(&out.status, &found, &String::from_utf8_lossy(&out.stderr));
+    (found, text)
 }
 
 fn of_kind<'a>(fs: &'a [Value], kind: &str) -> Vec<&'a Value> {
@@ -330,4 +332,49 @@ fn a_device_oom_is_found_offline_with_its_stack_and_live_sites() {
         };
         assert_eq!(evidence(&found), evidence(&online), "{flavor}");
     }
+}
+
+/// `agent diagnose --json -`: the findings document on stdout (the text
+/// on stderr), and the exit status a pipeline gates on: 3 with a root
+/// finding (the crash), 0 for a clean job (an empty document). (The
+/// recordings are shared.)
+#[test]
+fn diagnose_writes_json_to_stdout_and_exits_3_on_a_root_finding() {
+    let serial = exclusive();
+    let to_stdout = |run: &SimRun| {
+        let out = Command::new(agent_bin())
+            .args(["diagnose", "--json", "-", "--late-min", LATE_MIN])
+            .arg(run._dir.path().join("trace.pftrace"))
+            .output()
+            .expect("run agent diagnose");
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "stdout is the JSON document ({e}): {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        });
+        assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
+        (
+            out.status.code(),
+            doc,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let crash = shared_runs::crash_at_step_2(&serial, "nvidia");
+    let (code, doc, text) = to_stdout(crash);
+    assert_eq!(code, Some(DIAGNOSE_EXIT_ROOT_FINDING), "{text}");
+    assert_eq!(doc["findings"][0]["kind"], "crash", "{doc:#}");
+    assert!(text.starts_with("crash: rank 1"), "{text}");
+    let (file_found, _) = diagnose(crash, &["--late-min", LATE_MIN]);
+    assert_eq!(
+        doc["findings"].as_array(),
+        Some(&file_found),
+        "stdout = --json FILE"
+    );
+
+    let clean = shared_runs::clean_8_ranks(&serial);
+    let (code, doc, text) = to_stdout(clean);
+    assert_eq!(code, Some(0), "{text}");
+    assert_eq!(doc["findings"], serde_json::json!([]), "{doc:#}");
+    assert!(text.starts_with("no findings"), "{text}");
 }

@@ -31,6 +31,7 @@ mod probes_catalog;
 mod probes_early;
 mod python_frames;
 mod python_stacks;
+mod root_cause;
 mod service;
 mod shared_runs;
 mod sim;

@@ -513,10 +513,10 @@ fn faults_on_one_node_show_in_the_merged_step_breakdown() {
 /// `agent diagnose` over the node traces (one agent per node) gives the
 /// findings it gives over the one trace of every rank (ranks matched
 /// across traces by communicator hash and number): the same kinds, ranks,
-/// communicators, numbers and steps, with rank 2's late arrival at step 5
-/// (ground truth) among them.
+/// communicators, numbers and steps, grouped into the same incidents, with
+/// rank 2's late arrival at step 5 (ground truth) among them as a root.
 fn check_diagnose_parity(run: &ClusterRun) {
-    let diagnose = |traces: &[&Path]| -> Vec<(String, String, String, String, String)> {
+    let diagnose = |traces: &[&Path]| -> Vec<(String, String, String, String, String, String)> {
         let json = run.dir.path().join("findings.json");
         let out = std::process::Command::new(xpuscope_tests::agent::agent_bin())
             .arg("diagnose")
@@ -528,16 +528,30 @@ fn check_diagnose_parity(run: &ClusterRun) {
             .args(traces)
             .output()
             .expect("run agent diagnose");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let doc: Value = serde_json::from_slice(&std::fs::read(&json).unwrap_or_else(|e| {
+            panic!(
+                "the findings ({e}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        }))
+        .unwrap();
+        xpuscope_tests::device::assert_diagnose_status(
+            &out.status,
+            doc["findings"].as_array().expect("a list"),
+            &String::from_utf8_lossy(&out.stderr),
         );
-        let doc: Value =
-            serde_json::from_slice(&std::fs::read(&json).expect("the findings")).unwrap();
-        let mut found: Vec<_> = doc["findings"]
-            .as_array()
-            .expect("a list")
+        let list = doc["findings"].as_array().expect("a list");
+        // The finding each follows from, by its kind and ranks (ids differ
+        // with the order), or "root": the same incidents both ways.
+        let cause_of = |f: &Value| match f.get("cause") {
+            None => "root".to_string(),
+            Some(id) => list
+                .iter()
+                .find(|g| g["id"] == *id)
+                .map(|g| format!("{} {}", g["kind"], g["ranks"]))
+                .unwrap_or_else(|| panic!("the cause of {f} is in the document")),
+        };
+        let mut found: Vec<_> = list
             .iter()
             .map(|f| {
                 (
@@ -546,6 +560,7 @@ fn check_diagnose_parity(run: &ClusterRun) {
                     f["comm"].to_string(),
                     f["seq"].to_string(),
                     f["step"].to_string(),
+                    cause_of(f),
                 )
             })
             .collect();
@@ -562,6 +577,10 @@ fn check_diagnose_parity(run: &ClusterRun) {
         .unwrap_or_else(|| panic!("rank 2's late arrival: {per_node:#?}"));
     let step: u64 = late.4.parse().expect("a step");
     assert!(step.abs_diff(5) <= 2, "{late:?}");
+    assert_eq!(
+        late.5, "root",
+        "the injected delay is a root: {per_node:#?}"
+    );
 }
 
 #[test]

@@ -16,8 +16,8 @@ use anyhow::{Context, Result};
 use xpuscope_probes::decode::DeviceCall;
 
 use crate::model::finding::FindingsDoc;
-use crate::model::{Finding, FindingKind, InFlightSnapshot, OpenCall, Record, ThreadNow};
-use crate::sinks::detect::{DetectConfig, Detectors};
+use crate::model::{Finding, InFlightSnapshot, OpenCall, Record, ThreadNow};
+use crate::sinks::detect::{DetectConfig, Detectors, incidents};
 use crate::trace_schema::read::{OpenAtEnd, TraceRecords};
 
 pub struct DiagnoseOptions {
@@ -141,37 +141,51 @@ pub fn diagnose(traces: &[PathBuf], cfg: DetectConfig) -> Result<Vec<Finding>> {
         }
     }
     d.finish(end, &mut found);
-    found.sort_by_key(|f| (importance(f.kind), f.start_ns));
+    // Roots first (most important first), each with its consequences.
+    incidents::group(&mut found);
     Ok(found)
 }
 
-/// What to look at first: what stopped the job, then what slowed it.
-fn importance(kind: FindingKind) -> u8 {
-    match kind {
-        FindingKind::Hang => 0,
-        FindingKind::Crash => 1,
-        FindingKind::DeviceOom => 2,
-        FindingKind::SlowRank => 3,
-        FindingKind::SlowLink => 4,
-        FindingKind::HostContention => 5,
-        FindingKind::DataloaderStall => 6,
-        FindingKind::MemoryLeak => 7,
-        FindingKind::LateArrival => 8,
-    }
+/// `agent diagnose`'s exit status when it reports a root finding (a
+/// fault, not only its consequences): a pipeline gates on it. 1 is an
+/// error, 2 a usage error (clap's).
+pub const EXIT_ROOT_FINDING: u8 = 3;
+
+/// `--json -`: the document goes to stdout (and the text to stderr).
+pub const JSON_TO_STDOUT: &str = "-";
+
+/// What `agent diagnose` reported.
+pub struct Outcome {
+    /// Findings that are a fault of their own, not another's consequence.
+    pub roots: usize,
 }
 
-pub fn run(opts: &DiagnoseOptions) -> Result<usize> {
+pub fn run(opts: &DiagnoseOptions) -> Result<Outcome> {
     let found = diagnose(&opts.traces, opts.detect.clone())?;
+    let json_to_stdout = opts
+        .json
+        .as_deref()
+        .is_some_and(|p| p.as_os_str() == JSON_TO_STDOUT);
+    // With the JSON on stdout, the text is for a person: stderr.
+    let mut text = String::new();
     if found.is_empty() {
-        println!("no findings in {} trace(s)", opts.traces.len());
+        text += &format!("no findings in {} trace(s)\n", opts.traces.len());
     }
-    for f in &found {
-        println!("{}", f.headline());
-        println!("    evidence: {}", f.evidence);
+    text += &incidents::text(&found);
+    if json_to_stdout {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
     }
     if let Some(path) = &opts.json {
         let json = serde_json::to_string_pretty(&FindingsDoc::new(&found))?;
-        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        if json_to_stdout {
+            println!("{json}");
+        } else {
+            std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        }
     }
-    Ok(found.len())
+    Ok(Outcome {
+        roots: found.iter().filter(|f| f.link.cause.is_none()).count(),
+    })
 }

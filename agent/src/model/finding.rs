@@ -14,8 +14,11 @@ pub const FINDINGS_SCHEMA: &str = "xpuscope-findings/1";
 pub enum FindingKind {
     /// A collective or sync in flight longer than the hang timeout.
     Hang,
-    /// A device allocation failed.
+    /// A device allocation failed for want of memory.
     DeviceOom,
+    /// A device-library call failed with an error that is not out of
+    /// memory (a lost device, an illegal address, an ECC error, ...).
+    DeviceError,
     /// A traced process was killed by a signal.
     Crash,
     /// A rank's training thread kept off its CPU by other processes.
@@ -34,9 +37,10 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 9] = [
+    pub const ALL: [FindingKind; 10] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
+        FindingKind::DeviceError,
         FindingKind::Crash,
         FindingKind::HostContention,
         FindingKind::DataloaderStall,
@@ -50,6 +54,7 @@ impl FindingKind {
         match self {
             FindingKind::Hang => "hang",
             FindingKind::DeviceOom => "device_oom",
+            FindingKind::DeviceError => "device_error",
             FindingKind::Crash => "crash",
             FindingKind::HostContention => "host_contention",
             FindingKind::DataloaderStall => "dataloader_stall",
@@ -61,10 +66,30 @@ impl FindingKind {
     }
 }
 
+/// Where a finding stands among the others of its document: set when the
+/// findings are grouped into incidents (`crate::sinks::detect::incidents`:
+/// `agent diagnose`, the end of `agent attach`), absent on a finding
+/// streamed the moment it was made (the trace's track, a service dump's
+/// trigger), when its consequences were not known yet.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IncidentLink {
+    /// The finding's number in its document (1-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<u32>,
+    /// The incident it belongs to: one per fault (1-based, roots' order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub incident: Option<u32>,
+    /// The `id` of the finding it follows from; absent on a root.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cause: Option<u32>,
+}
+
 /// One finding, as the contract has it (`detected_ns` is not part of it:
 /// when the detector fired, for the record stream's order).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Finding {
+    #[serde(flatten)]
+    pub link: IncidentLink,
     pub kind: FindingKind,
     /// Global ranks (`RANK` of the processes' environment).
     pub ranks: Vec<u32>,
@@ -126,6 +151,7 @@ mod tests {
     #[test]
     fn serializes_to_the_contract() {
         let f = Finding {
+            link: Default::default(),
             kind: FindingKind::DeviceOom,
             ranks: vec![3],
             comm: None,

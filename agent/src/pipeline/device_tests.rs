@@ -617,6 +617,7 @@ fn running_collectives_are_snapshotted_and_findings_rendered() {
     );
     assert!(b.in_flight(11_000).is_empty());
     b.deliver_records(vec![Record::Finding(Box::new(Finding {
+        link: Default::default(),
         kind: FindingKind::Hang,
         ranks: vec![0],
         comm: Some("nccl:00000000000000aa".into()),

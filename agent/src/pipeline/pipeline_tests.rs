@@ -501,6 +501,7 @@ impl Sink for VerdictAtEnd {
     }
     fn finish(self, end: u64, _lost: &SinkCounters) -> Result<()> {
         let _ = self.0.send(crate::model::Finding {
+            link: Default::default(),
             kind: crate::model::FindingKind::SlowLink,
             ranks: vec![2],
             comm: None,

@@ -23,6 +23,8 @@ static const char usage[] =
     "  --stall MS@STEP          dataloader sleeps MS before batch STEP\n"
     "  --leak MB@STEP           allocate MB more device memory every step from STEP\n"
     "  --crash SIGNAL@STEP      raise SIGNAL at the start of STEP\n"
+    "  --device-error CODE@STEP device allocations fail with status CODE from STEP\n"
+    "                           (STANDIN_MALLOC_ERROR); the rank exits 1 on it\n"
     "  --hang COMM@SEQ          stop forever before operation SEQ (0-based) of COMM\n"
     "  --hang-step STEP         stop forever before the gradient all-reduce of STEP\n"
     "  --hang-inside SEQ        log where STANDIN_*_HANG_AT_SEQ=SEQ takes effect\n"
@@ -93,14 +95,14 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         .grad_mb = 4,
         .act_kb = 256,
         .faults = {.slow_factor = 1.0, .slow_from_step = -1, .stall_step = -1,
-                   .leak_from_step = -1, .crash_step = -1, .hang_seq = -1, .hang_step = -1, .hang_inside_seq = -1,
+                   .leak_from_step = -1, .crash_step = -1, .device_error_step = -1, .hang_seq = -1, .hang_step = -1, .hang_inside_seq = -1,
                    .delay_seq = -1, .delay_step = -1},
     };
     enum {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
         O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_ACTAPI,
-        O_ACTLOG, O_INITDELAY, O_HELP
+        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -117,7 +119,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"hang-step", 1, 0, O_HANGSTEP},   {"delay", 1, 0, O_DELAY},
         {"delay-step", 1, 0, O_DELAYSTEP}, {"hang-inside", 1, 0, O_HANGIN},
         {"activity-api", 0, 0, O_ACTAPI},  {"activity-log", 1, 0, O_ACTLOG},
-        {"init-delay-ms", 1, 0, O_INITDELAY}, {"help", 0, 0, O_HELP},
+        {"init-delay-ms", 1, 0, O_INITDELAY}, {"device-error", 1, 0, O_DEVERR}, {"help", 0, 0, O_HELP},
         {0, 0, 0, 0},
     };
     struct sim_faults *f = &cfg->faults;
@@ -170,6 +172,10 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
             if (f->crash_signal < 0) return bad("crash", v);
             break;
         }
+        case O_DEVERR:
+            if (split_num_at(v, &d, &n) || d == 0) return bad("device-error", v);
+            f->device_error_code = (long)d, f->device_error_step = n;
+            break;
         case O_HANG:
             if (split_name_at(v, f->hang_comm, &f->hang_seq)) return bad("hang", v);
             break;

@@ -189,6 +189,23 @@ SIM_NOINLINE void cache_activations(void) {
     R.leaked[R.nleaked++] = p;
 }
 
+/* The device fails (a lost device, a sticky error): the step's workspace
+ * allocation returns the fault's status, which is not out of memory, and
+ * the rank gives up as a framework's error check would. */
+SIM_NOINLINE void lose_device(void) {
+    void *p = NULL;
+    size_t bytes = 64u << 20;
+    int err = dev_malloc(&p, bytes);
+    if (err == 0)
+        return;
+    fprintf(stderr, "sim rank %d: device error at step %ld: %s (%d)\n", R.cfg.rank, R.step,
+            dev_strerror(err), err);
+    steplog_printf("{\"event\":\"device_error\",\"step\":%ld,\"status\":%d,\"boot_ns\":%llu,"
+                   "\"real_ns\":%llu}",
+                   R.step, err, (unsigned long long)sim_boot_ns(), (unsigned long long)sim_real_ns());
+    exit(1);
+}
+
 /* ---- the training step ---- */
 
 SIM_NOINLINE void forward(void) {
@@ -286,6 +303,13 @@ SIM_NOINLINE void train_step(void) {
         snprintf(extra, sizeof extra, ",\"signal\":%d", f->crash_signal);
         log_fault("crash", extra);
         crash_now(f->crash_signal);
+    }
+    if (R.step == f->device_error_step) {
+        char code[24];
+        snprintf(code, sizeof code, "%ld", f->device_error_code);
+        setenv("STANDIN_MALLOC_ERROR", code, 1);
+        log_fault("device_error", "");
+        lose_device();
     }
     if (R.step == f->slow_from_step) {
         char extra[48];

@@ -30,6 +30,8 @@ struct sim_faults {
     long leak_from_step;
     long leak_mb;
     long crash_step;
+    long device_error_step; /* allocations fail with device_error_code from this step */
+    long device_error_code;
     int crash_signal;
     char hang_comm[SIM_NAME_LEN]; /* hang before operation hang_seq (0-based) of hang_comm */
     long hang_seq;

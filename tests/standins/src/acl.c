@@ -319,6 +319,11 @@ API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy
     if (devPtr == NULL || size == 0) {
         return api_end(&c, ACL_ERROR_INVALID_PARAM);
     }
+    int64_t injected = sd_injected_malloc_error();
+    if (injected != 0) {
+        *devPtr = NULL;
+        return api_end(&c, (aclError)injected);
+    }
     if (sd_devmem_alloc(tls_device, size, devPtr) != 0) {
         *devPtr = NULL;
         return api_end(&c, ACL_ERROR_RT_MEMORY_ALLOCATION);

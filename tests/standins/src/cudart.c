@@ -422,6 +422,11 @@ API cudaError_t cudaMalloc(void **devPtr, size_t size)
     if (devPtr == NULL) {
         return api_end(&c, cudaErrorInvalidValue);
     }
+    int64_t injected = sd_injected_malloc_error();
+    if (injected != 0) {
+        *devPtr = NULL;
+        return api_end(&c, (cudaError_t)injected);
+    }
     if (sd_devmem_alloc(tls_device, size, devPtr) != 0) {
         *devPtr = NULL;
         return api_end(&c, cudaErrorMemoryAllocation);

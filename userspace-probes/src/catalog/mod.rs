@@ -27,6 +27,7 @@
 mod ascend;
 mod nvidia;
 mod ops;
+pub mod status;
 
 pub use ops::CommOp;
 

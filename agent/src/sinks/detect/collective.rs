@@ -238,6 +238,7 @@ fn judge_links(cfg: &CollectiveConfig, comms: &[LinkSamples<'_>], now: u64) -> O
         ),
     };
     Some(Finding {
+        link: Default::default(),
         kind: FindingKind::SlowLink,
         ranks: rank_ids.clone(),
         comm: Some(names[0].clone()),
@@ -643,6 +644,7 @@ impl CollectiveDetector {
                 None => String::new(),
             };
             out.push(Finding {
+                link: Default::default(),
                 kind: FindingKind::SlowRank,
                 ranks: ranks.of(last).into_iter().collect(),
                 comm: Some(cname.clone()),
@@ -703,6 +705,7 @@ impl CollectiveDetector {
             None => String::new(),
         };
         Finding {
+            link: Default::default(),
             kind: FindingKind::LateArrival,
             ranks: ranks.of(tgid).into_iter().collect(),
             comm: Some(cname.clone()),

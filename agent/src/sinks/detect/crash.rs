@@ -44,7 +44,10 @@ impl CrashDetector {
         for f in new {
             if !matches!(
                 f.kind,
-                FindingKind::Hang | FindingKind::Crash | FindingKind::DeviceOom
+                FindingKind::Hang
+                    | FindingKind::Crash
+                    | FindingKind::DeviceOom
+                    | FindingKind::DeviceError
             ) {
                 continue;
             }
@@ -90,6 +93,7 @@ impl CrashDetector {
         let core = code & 0x80 != 0;
         let name = signal_name(sig);
         out.push(Finding {
+            link: Default::default(),
             kind: FindingKind::Crash,
             ranks: ranks.of(exit.tgid).into_iter().collect(),
             comm: None,

@@ -128,6 +128,7 @@ impl StallDetector {
             ""
         };
         out.push(Finding {
+            link: Default::default(),
             kind: FindingKind::DataloaderStall,
             ranks: ranks.of(w.tgid).into_iter().collect(),
             comm: None,

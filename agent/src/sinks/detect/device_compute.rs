@@ -331,6 +331,7 @@ fn finding(r: &RankCompute, key: CommKey, start: u64, pct: u32) -> Finding {
         StepSource::AllReduces
     };
     Finding {
+        link: Default::default(),
         kind: FindingKind::SlowRank,
         ranks: r.rank.into_iter().collect(),
         comm: Some(cname.clone()),

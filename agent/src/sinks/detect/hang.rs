@@ -444,6 +444,7 @@ impl HangDetector {
                 .unwrap_or_default()
         );
         Finding {
+            link: Default::default(),
             kind: FindingKind::Hang,
             ranks: finding_ranks,
             comm: Some(name.clone()),
@@ -487,6 +488,7 @@ impl HangDetector {
             _ => "",
         };
         Finding {
+            link: Default::default(),
             kind: FindingKind::Hang,
             ranks: ranks.of(c.tgid).into_iter().collect(),
             comm,

@@ -191,6 +191,7 @@ impl ContentionDetector {
             .join(", ");
         let who = ranks.describe(w.tgid);
         out.push(Finding {
+            link: Default::default(),
             kind: FindingKind::HostContention,
             ranks: ranks.of(w.tgid).into_iter().collect(),
             comm: None,

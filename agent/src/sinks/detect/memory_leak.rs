@@ -126,6 +126,7 @@ impl LeakDetector {
             let held = r.held.get(&key.0).copied().unwrap_or(0);
             let who = ranks.describe(w.tgid);
             out.push(Finding {
+                link: Default::default(),
                 kind: FindingKind::MemoryLeak,
                 ranks: ranks.of(w.tgid).into_iter().collect(),
                 comm: None,

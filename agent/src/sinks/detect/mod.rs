@@ -6,8 +6,10 @@
 //!   (from the interpret stage's in-flight snapshots); for a collective,
 //!   the members that never entered it, from the communicator's members
 //!   and their sequence numbers.
-//! - [`oom`]: a failed device allocation that its retry did not get, its
-//!   stack and the largest live sites.
+//! - [`oom`]: a device allocation that failed for want of memory and that
+//!   its retry did not get, its stack and the largest live sites.
+//! - [`device_error`]: any other failure of a device call (a lost device,
+//!   an illegal address, ...), once per process and status code.
 //! - [`crash`]: a traced process killed by a signal.
 //! - [`host`]: the host-side detectors over each rank's steps
 //!   ([`host_steps`]): [`host_contention`], [`dataloader_stall`],
@@ -29,11 +31,15 @@ mod collective_tests;
 pub mod crash;
 pub mod dataloader_stall;
 pub mod device_compute;
+pub mod device_error;
 pub mod hang;
 pub mod host;
 pub mod host_config;
 pub mod host_contention;
 pub mod host_steps;
+pub mod incidents;
+#[cfg(test)]
+mod incidents_tests;
 pub mod memory_leak;
 pub mod oom;
 pub mod step_marks;
@@ -47,7 +53,7 @@ use std::time::Duration;
 use anyhow::Result;
 
 use super::{Sink, SinkCounters};
-use crate::model::{Finding, RankIdentity, Record};
+use crate::model::{Finding, FindingKind, RankIdentity, Record};
 
 /// Most findings kept for the end-of-run report (the stream carries all).
 pub const MAX_FINDINGS: usize = 1_000;
@@ -115,6 +121,15 @@ impl Ranks {
         Some(self.job_of(*tgid))
     }
 
+    /// The process with global rank `rank` in job `job`.
+    pub fn tgid_of_rank(&self, rank: u32, job: &str) -> Option<u32> {
+        self.by_tgid
+            .iter()
+            .filter(|(t, r)| **r == rank && self.job_of(**t) == job)
+            .map(|(t, _)| *t)
+            .min()
+    }
+
     fn forget(&mut self, tgid: u32) {
         self.by_tgid.remove(&tgid);
         self.jobs.remove(&tgid);
@@ -140,6 +155,7 @@ pub struct Detectors {
     ranks: Ranks,
     hang: hang::HangDetector,
     oom: oom::OomDetector,
+    device_error: device_error::DeviceErrorDetector,
     crash: crash::CrashDetector,
     host: host::HostDetectors,
     collective: collective::CollectiveDetector,
@@ -154,6 +170,7 @@ impl Detectors {
             ranks: Ranks::default(),
             hang: hang::HangDetector::new(cfg.hang_timeout),
             oom: oom::OomDetector::default(),
+            device_error: device_error::DeviceErrorDetector::default(),
             crash: crash::CrashDetector::default(),
             host: host::HostDetectors::new(cfg.host),
             device_compute: device_compute::DeviceComputeDetector::new(
@@ -199,6 +216,12 @@ impl Detectors {
             Record::DeviceCall(c) => {
                 self.hang.device_call(c);
                 self.oom.device_call(c, &self.ranks, out);
+                if device_error::device_error_code(c).is_some() {
+                    let step = self
+                        .collective
+                        .step_of(c.call.tgid, c.call.start_ts, &self.ranks);
+                    self.device_error.device_call(c, step, &self.ranks, out);
+                }
                 self.collective.device_call(c, &self.ranks, out);
                 self.device_compute.device_call(
                     c,
@@ -223,6 +246,7 @@ impl Detectors {
                 let step = self.collective.step_of(exit.tgid, exit.ts, &self.ranks);
                 self.crash.process_ended(exit, step, &self.ranks, out);
                 self.hang.process_ended(exit.tgid);
+                self.device_error.process_ended(exit.tgid);
                 // Before the collective detector forgets who was slow.
                 self.device_compute.process_ended(
                     exit.tgid,
@@ -249,6 +273,7 @@ impl Detectors {
     pub fn hang_state_is_empty_for(&self, tgid: u32) -> bool {
         self.hang.forgot(tgid)
             && self.oom.forgot(tgid)
+            && self.device_error.forgot(tgid)
             && self.collective.forgot(tgid)
             && self.host.forgot(tgid)
             && self.device_compute.forgot(tgid)
@@ -259,10 +284,35 @@ impl Detectors {
     pub fn tick(&mut self, now: u64, out: &mut Vec<Finding>) {
         let first_new = out.len();
         self.hang.tick(now, &self.ranks, out);
+        self.date_hangs(&mut out[first_new..]);
         self.oom.tick(now, &self.ranks, out);
         self.collective.tick(now, &self.ranks, out);
         self.crash.note_trouble(&out[first_new..], &self.ranks);
         note_step_source(&mut out[first_new..]);
+    }
+
+    /// A hang's step: the step the rank that never entered was in when its
+    /// peers began waiting (its all-reduces before then, or its own step
+    /// markers), else the stuck member's; the same online and offline (the
+    /// offline snapshots have no main threads, so the rank is looked up).
+    fn date_hangs(&self, found: &mut [Finding]) {
+        for f in found
+            .iter_mut()
+            .filter(|f| f.kind == FindingKind::Hang && f.step.is_none())
+        {
+            let stuck = &f.evidence["stuck"][0];
+            let (Some(pid), Some(since)) = (stuck["pid"].as_u64(), stuck["since_ns"].as_u64())
+            else {
+                continue;
+            };
+            let pid = pid as u32;
+            let missing = f.evidence["never_entered"][0]
+                .as_u64()
+                .and_then(|r| self.ranks.tgid_of_rank(r as u32, self.ranks.job_of(pid)));
+            f.step = self
+                .collective
+                .step_of(missing.unwrap_or(pid), since, &self.ranks);
+        }
     }
 
     /// The end: what waits for more evidence is reported as it stands.
@@ -348,6 +398,8 @@ impl Sink for DetectSink {
     fn finish(mut self, end: u64, _lost: &SinkCounters) -> Result<Vec<Finding>> {
         self.detectors.finish(end, &mut self.scratch);
         self.publish();
+        // The run's findings are all known: each under its fault.
+        incidents::group(&mut self.found);
         Ok(self.found)
     }
 }

@@ -1,4 +1,5 @@
-//! `device_oom`: a device allocation failed, and the process did not get
+//! `device_oom`: a device allocation failed for want of memory (the
+//! library's out-of-memory status; any other status is a `device_error`), and the process did not get
 //! the memory on retry. The finding names the request, the allocating
 //! stack and the largest live sites on that device (what holds the
 //! memory), as the interpret stage attached them.
@@ -19,7 +20,7 @@
 use std::collections::HashMap;
 
 use serde_json::json;
-use xpuscope_probes::catalog::Vendor;
+use xpuscope_probes::catalog::{Vendor, status};
 use xpuscope_probes::decode::memory::Device;
 
 use super::Ranks;
@@ -57,7 +58,14 @@ impl OomDetector {
             return;
         };
         let key = (call.tgid, m.device);
+        // An allocation that failed for another reason than memory (a lost
+        // device, a sticky error of an earlier kernel) is a device error
+        // (`device_error.rs`), and no retry of the allocator mends it.
+        let out_of_memory = call
+            .ret
+            .is_some_and(|code| status::is_out_of_memory(call.library, code));
         match m.failed_request {
+            Some(_) if !out_of_memory => {}
             Some(requested) => {
                 let end = c.end_ts();
                 match self.pending.get_mut(&key) {
@@ -202,6 +210,7 @@ fn finding(p: &Pending, now: u64, ranks: &Ranks) -> Finding {
         ),
     };
     Finding {
+        link: Default::default(),
         kind: FindingKind::DeviceOom,
         ranks: ranks.of(call.tgid).into_iter().collect(),
         comm: None,

@@ -692,7 +692,22 @@ fn the_sink_feeds_findings_back_and_returns_them() {
     let back: Vec<Finding> = rx.try_iter().collect();
     assert_eq!(back.len(), 1);
     let all = sink.finish(10 * S, &lost).unwrap();
-    assert_eq!(all, back);
+    // Streamed as found; at the end grouped into incidents (its own).
+    assert!(back[0].link.incident.is_none(), "{back:?}");
+    let ungrouped: Vec<Finding> = all
+        .iter()
+        .cloned()
+        .map(|mut f| {
+            f.link = Default::default();
+            f
+        })
+        .collect();
+    assert_eq!(ungrouped, back);
+    let link = &all[0].link;
+    assert_eq!(
+        (link.id, link.incident, link.cause),
+        (Some(1), Some(1), None)
+    );
 }
 
 /// The rank that never entered: where its main thread waits, from the
@@ -770,4 +785,147 @@ fn a_hang_says_where_the_missing_rank_waits() {
     assert_eq!(waits["rank"], 1);
     assert_eq!(waits["waits_in"], "do_nanosleep");
     assert_eq!(waits["frames"][0], "stuck_before_collective (rank.py:274)");
+}
+
+/// A failed allocation of `library` with status `code` by pid 100.
+fn failed_malloc(library: Library, function: &'static str, code: i64, ts: u64) -> Record {
+    let mut c = call(100, CallKind::Malloc, function, ts, ts + 100);
+    c.library = library;
+    c.ret = Some(code);
+    c.error = true;
+    c.memory = Some(MemoryEffect {
+        device: Device {
+            vendor: library.vendor(),
+            index: 0,
+        },
+        delta: 0,
+        held_after: 1 << 30,
+        failed_request: Some(256 * MIB),
+        untracked: false,
+        site: None,
+    });
+    Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
+}
+
+#[test]
+fn a_failed_allocation_with_a_driver_error_is_a_device_error_never_a_device_oom() {
+    for (library, function, code, name) in [
+        (Library::Cudart, "cudaMalloc", 100, "cudaErrorNoDevice"),
+        (
+            Library::Cudart,
+            "cudaMalloc",
+            700,
+            "cudaErrorIllegalAddress",
+        ),
+        (
+            Library::Cudart,
+            "cudaMalloc",
+            35,
+            "cudaErrorInsufficientDriver",
+        ),
+        (
+            Library::AscendCl,
+            "aclrtMalloc",
+            507000,
+            "ACL_ERROR_RT_INTERNAL_ERROR",
+        ),
+    ] {
+        let mut d = detectors(300);
+        // The sticky error repeats: one finding per process and code.
+        let mut out = feed(
+            &mut d,
+            &[
+                identity(100, 5),
+                failed_malloc(library, function, code, 5 * S),
+                failed_malloc(library, function, code, 5 * S + 10 * MS),
+            ],
+        );
+        d.finish(5 * S + 10 * oom::SETTLE_NS, &mut out);
+        assert_eq!(out.len(), 1, "{name}: {out:#?}");
+        let f = &out[0];
+        assert_eq!(
+            (f.kind, f.ranks.clone()),
+            (FindingKind::DeviceError, vec![5])
+        );
+        assert_eq!(f.evidence["code"], code, "{f:#?}");
+        assert_eq!(f.evidence["code_name"], name, "{f:#?}");
+        assert_eq!(f.evidence["function"], function);
+        assert_eq!(
+            f.summary,
+            format!(
+                "device_error: rank 5's {function} returned {name} ({code}) \
+                 (an allocation of 256 MiB; not out of memory)"
+            )
+        );
+    }
+}
+
+#[test]
+fn an_out_of_memory_status_stays_a_device_oom_and_routine_statuses_are_nothing() {
+    let mut d = detectors(300);
+    let mut query = call(
+        100,
+        CallKind::Sync(SyncKind::Event),
+        "cudaEventQuery",
+        6 * S,
+        6 * S + 10,
+    );
+    query.library = Library::Cudart;
+    query.ret = Some(600);
+    query.error = true;
+    let mut out = feed(
+        &mut d,
+        &[
+            identity(100, 5),
+            failed_malloc(Library::AscendCl, "aclrtMalloc", 207001, 5 * S),
+            Record::DeviceCall(Box::new(DeviceCallRecord::new(query))),
+        ],
+    );
+    d.finish(10 * S, &mut out);
+    let kinds: Vec<_> = out.iter().map(|f| f.kind).collect();
+    assert_eq!(kinds, vec![FindingKind::DeviceOom], "{out:#?}");
+}
+
+#[test]
+fn a_sticky_error_of_any_call_is_a_device_error_once_per_code() {
+    let mut d = detectors(300);
+    let sync = |code: i64, ts: u64| {
+        let mut c = call(
+            100,
+            CallKind::Sync(SyncKind::Stream),
+            "cudaStreamSynchronize",
+            ts,
+            ts + 10,
+        );
+        c.library = Library::Cudart;
+        c.ret = Some(code);
+        c.error = true;
+        Record::DeviceCall(Box::new(DeviceCallRecord::new(c)))
+    };
+    let mut out = feed(
+        &mut d,
+        &[
+            identity(100, 2),
+            sync(719, S),
+            sync(719, 2 * S),
+            sync(214, 3 * S),
+        ],
+    );
+    d.finish(4 * S, &mut out);
+    let names: Vec<_> = out
+        .iter()
+        .map(|f| {
+            (
+                f.kind,
+                f.evidence["code_name"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            (FindingKind::DeviceError, "cudaErrorLaunchFailure".into()),
+            (FindingKind::DeviceError, "cudaErrorECCUncorrectable".into())
+        ]
+    );
 }

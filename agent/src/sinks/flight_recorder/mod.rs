@@ -132,7 +132,8 @@ impl Trigger {
     pub fn of_finding(kind: FindingKind) -> Trigger {
         match kind {
             FindingKind::Hang => Trigger::Hang,
-            FindingKind::DeviceOom => Trigger::Oom,
+            // A device that failed: the same dump as its memory failing.
+            FindingKind::DeviceOom | FindingKind::DeviceError => Trigger::Oom,
             FindingKind::Crash => Trigger::Signal,
             FindingKind::HostContention
             | FindingKind::DataloaderStall

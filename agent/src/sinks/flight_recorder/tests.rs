@@ -509,6 +509,7 @@ fn a_finding_dumps_the_window_and_the_summary_names_it() {
         ],
     );
     let finding = crate::model::Finding {
+        link: Default::default(),
         kind: crate::model::FindingKind::Hang,
         ranks: vec![1],
         comm: Some("nccl:00000000000000aa".into()),
@@ -526,6 +527,7 @@ fn a_finding_dumps_the_window_and_the_summary_names_it() {
             waking(4 * S, APP + 1),
             Record::Finding(Box::new(finding.clone())),
             Record::Finding(Box::new(crate::model::Finding {
+                link: Default::default(),
                 ranks: vec![2],
                 seq: Some(13),
                 summary: "hang: ncclAllReduce #13 on nccl:00000000000000aa".into(),
@@ -779,6 +781,7 @@ fn a_dump_is_named_after_its_findings_job_or_the_windows_jobs() {
     feed(
         &mut rec,
         vec![Record::Finding(Box::new(crate::model::Finding {
+            link: Default::default(),
             kind: crate::model::FindingKind::DeviceOom,
             ranks: vec![0],
             comm: None,

@@ -367,6 +367,7 @@ fn the_hang_gauge_and_findings() {
     assert_eq!(value(&text, rank0), 0.0, "rank 0's calls returned");
     sink.on_batch(
         &[Record::Finding(Box::new(Finding {
+            link: Default::default(),
             kind: FindingKind::Hang,
             ranks: vec![1],
             comm: None,

@@ -176,3 +176,8 @@ const char *sd_intern(const char *s)
     pthread_mutex_unlock(&intern_mu);
     return copy;
 }
+
+int64_t sd_injected_malloc_error(void)
+{
+    return sd_env_i64("STANDIN_MALLOC_ERROR", 0);
+}

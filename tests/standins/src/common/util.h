@@ -22,6 +22,11 @@ SD_HIDDEN void sd_spin_until(uint64_t deadline_ns);
 SD_HIDDEN uint64_t sd_env_u64(const char *name, uint64_t def);
 SD_HIDDEN int64_t sd_env_i64(const char *name, int64_t def);
 SD_HIDDEN double sd_env_double(const char *name, double def);
+/* STANDIN_MALLOC_ERROR: a status every device allocation fails with while
+ * the variable is set (0: none). Read at each allocation, so a program can
+ * set it when it wants its allocations to start failing (a device lost or
+ * a sticky error mid-run, not out of memory). */
+SD_HIDDEN int64_t sd_injected_malloc_error(void);
 
 /* The calling thread's Linux tid. */
 SD_HIDDEN uint32_t sd_gettid(void);

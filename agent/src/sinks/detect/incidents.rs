@@ -1,0 +1,349 @@
+//! Incidents: the findings one fault causes, grouped under it. A rank
+//! that hangs makes every peer that waits for it hang too, a rank that
+//! stalls makes its pipeline and data-parallel peers arrive late; each
+//! detector sees only its own symptom, so a fault comes out as several
+//! findings. Here each finding gets the finding it follows from (`cause`)
+//! and the incident of the root it leads back to, so a user reads the
+//! fault first and its consequences folded under it.
+//!
+//! What explains what (`explains`), strongest cause first:
+//! - a rank that died or whose device failed (`crash`, `device_error`,
+//!   `device_oom`) explains a hang that names it as never entering, and its
+//!   own crash after it; a leak explains its own rank's `device_oom`;
+//! - a hang explains a hang whose missing ranks are all waiting in it (the
+//!   wait-for edges between communicators: follow them to the ranks that
+//!   wait on nothing collective); of two hangs missing the same rank, the
+//!   earlier explains the later (one incident per culprit); a hang that
+//!   every member entered and none left follows from a hang, open at the
+//!   same time, that a rank never entered (its members wait, through their
+//!   streams, on point-to-point work with the stuck ranks);
+//! - a data-loader stall or host contention explains a late arrival or
+//!   slow rank whose lateness overlaps it (the peers waited for the stalled
+//!   rank, then came late themselves), and one neighbour's contention on
+//!   several ranks is one incident (the same top preemptor), as is the
+//!   contention of ranks whose top preemptors are ranks (more ranks than
+//!   CPUs: the job's own doing, every rank alike);
+//! - a hang explains a late arrival at the operation that hung;
+//! - a late arrival explains a later late arrival that it overlaps (or
+//!   that comes in the catch-up just after it): of
+//!   another rank (it waited for the first, e.g. a pipeline peer), or of
+//!   its own rank (one delay seen at two communicators).
+//!
+//! The grouping is over a run's findings once they are all known (`agent
+//! diagnose`, the end of `agent attach`): a consequence is often found
+//! before its cause (a waiting peer's hang before the dead rank's exit).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::model::{Finding, FindingKind};
+
+/// Steps apart at most for a finding to explain another.
+const STEP_SLACK: u64 = 1;
+
+/// What to look at first: what stopped the job, then what slowed it.
+pub fn importance(kind: FindingKind) -> u8 {
+    match kind {
+        FindingKind::Hang => 0,
+        FindingKind::Crash => 1,
+        FindingKind::DeviceOom => 2,
+        FindingKind::DeviceError => 3,
+        FindingKind::SlowRank => 4,
+        FindingKind::SlowLink => 5,
+        FindingKind::HostContention => 6,
+        FindingKind::DataloaderStall => 7,
+        FindingKind::MemoryLeak => 8,
+        FindingKind::LateArrival => 9,
+    }
+}
+
+fn is_fatal(kind: FindingKind) -> bool {
+    matches!(
+        kind,
+        FindingKind::Crash | FindingKind::DeviceError | FindingKind::DeviceOom
+    )
+}
+
+/// The ranks a hang finding's members wait with: those that entered the
+/// operation, or are stuck in it.
+fn waiting_ranks(f: &Finding) -> BTreeSet<u32> {
+    let mut r: BTreeSet<u32> = f.evidence["entered"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_u64())
+        .map(|v| v as u32)
+        .collect();
+    r.extend(
+        f.evidence["stuck"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s["rank"].as_u64())
+            .map(|v| v as u32),
+    );
+    r
+}
+
+/// A hang every member entered (none is missing from it).
+fn missing_none(f: &Finding) -> bool {
+    f.evidence["never_entered"]
+        .as_array()
+        .is_none_or(|a| a.is_empty())
+}
+
+fn shares_rank(a: &Finding, b: &Finding) -> bool {
+    a.ranks.iter().any(|r| b.ranks.contains(r))
+}
+
+/// Whether cause `g` and `f` are steps apart at most [`STEP_SLACK`]: for a
+/// cause of one step (a stall, a late arrival); a run of steps (host
+/// contention, a slow rank) is dated by its first, its span decides.
+fn steps_close(g: &Finding, f: &Finding) -> bool {
+    if !matches!(
+        g.kind,
+        FindingKind::DataloaderStall | FindingKind::LateArrival
+    ) {
+        return true;
+    }
+    match (g.step, f.step) {
+        (Some(x), Some(y)) => x.abs_diff(y) <= STEP_SLACK,
+        _ => true,
+    }
+}
+
+/// Whether `g`'s time span overlaps `f`'s (an open end runs on).
+fn overlaps(g: &Finding, f: &Finding) -> bool {
+    let g_end = g.end_ns.unwrap_or(u64::MAX);
+    let f_end = f.end_ns.unwrap_or(u64::MAX);
+    g.start_ns <= f_end && f.start_ns <= g_end
+}
+
+/// Whether `f` overlaps `g` or begins within a quarter of `g`'s length
+/// after it: when a rank that held the others up for a while comes back,
+/// every rank resumes at once and the scheduler serves them one after
+/// another (seen: after a 1 s delay on 2 CPUs, four ranks 10-14 ms late
+/// at the next all-gathers, 6 ms after the delayed rank arrived).
+fn overlaps_or_follows(g: &Finding, f: &Finding) -> bool {
+    let g_end = g.end_ns.unwrap_or(u64::MAX);
+    let tail = g_end.saturating_sub(g.start_ns) / 4;
+    let f_end = f.end_ns.unwrap_or(u64::MAX);
+    g.start_ns <= f_end && f.start_ns <= g_end.saturating_add(tail)
+}
+
+fn top_preemptor(f: &Finding) -> Option<u64> {
+    f.evidence["preemptors"].get(0)?["pid"].as_u64()
+}
+
+/// Whether the top preemptor of a contention is a rank of a traced job.
+fn taken_by_a_rank(f: &Finding) -> bool {
+    f.evidence["preemptors"]
+        .get(0)
+        .is_some_and(|p| p["traced"] == true && p["rank"].is_u64())
+}
+
+/// Whether `g` explains `f`, and how strongly (lower: a stronger cause).
+/// `g_first`: `g` comes before `f` (time, then position), the tie-break
+/// between two findings of one kind.
+fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
+    use FindingKind::*;
+    match f.kind {
+        Hang => {
+            if f.ranks.is_empty() {
+                return None;
+            }
+            if is_fatal(g.kind) && shares_rank(g, f) {
+                return Some(0);
+            }
+            if g.kind == Hang {
+                let waiting = waiting_ranks(g);
+                if f.ranks.iter().all(|r| waiting.contains(r)) {
+                    return Some(1);
+                }
+                if g_first && shares_rank(g, f) {
+                    return Some(2);
+                }
+                // Every member entered and none left: they wait inside it
+                // on work their streams hold behind something else (a
+                // pipeline send or receive to a peer that is itself stuck),
+                // which the host does not see; a hang that a rank never
+                // entered, open at the same time, is what the job waits for.
+                if missing_none(f) && !missing_none(g) && overlaps(g, f) {
+                    return Some(3);
+                }
+            }
+            None
+        }
+        Crash => {
+            (g.kind != Crash && is_fatal(g.kind) && shares_rank(g, f) && g.start_ns <= f.start_ns)
+                .then_some(0)
+        }
+        DeviceOom => (g.kind == MemoryLeak && shares_rank(g, f)).then_some(0),
+        LateArrival | SlowRank => {
+            // Late at an operation that then hung: part of the hang.
+            if g.kind == Hang && g.comm.is_some() && g.comm == f.comm && g.seq == f.seq {
+                return Some(2);
+            }
+            if !steps_close(g, f) || !overlaps_or_follows(g, f) {
+                return None;
+            }
+            match g.kind {
+                DataloaderStall | HostContention => Some(3),
+                // Another rank's: it waited for that one. Its own: one
+                // delay seen at two collectives (its peers on another
+                // communicator waited for it too).
+                LateArrival | SlowRank if g_first => Some(4),
+                _ => None,
+            }
+        }
+        HostContention => {
+            let same_taker = top_preemptor(g).is_some() && top_preemptor(g) == top_preemptor(f);
+            // Ranks taking one another's CPUs (more ranks than CPUs): what
+            // every rank suffers alike is one job-level incident.
+            let siblings = taken_by_a_rank(g) && taken_by_a_rank(f);
+            (g.kind == HostContention && g_first && (same_taker || siblings)).then_some(3)
+        }
+        DataloaderStall | MemoryLeak | SlowLink | DeviceError => None,
+    }
+}
+
+/// Groups `found` into incidents: orders it roots first (by importance,
+/// then time), each root followed by its consequences (by time), and
+/// sets every finding's `id`, `incident` and, on consequences, `cause`.
+pub fn group(found: &mut Vec<Finding>) {
+    let n = found.len();
+    // Time order decides "earlier" between findings of one kind.
+    let mut by_time: Vec<usize> = (0..n).collect();
+    by_time.sort_by_key(|&i| (found[i].start_ns, i));
+    let mut when = vec![0; n];
+    for (pos, &i) in by_time.iter().enumerate() {
+        when[i] = pos;
+    }
+    let mut cause: Vec<Option<usize>> = (0..n)
+        .map(|i| {
+            (0..n)
+                .filter(|&j| j != i)
+                .filter_map(|j| {
+                    explains(&found[j], &found[i], when[j] < when[i]).map(|s| (s, when[j], j))
+                })
+                .min()
+                .map(|(_, _, j)| j)
+        })
+        .collect();
+    // A cycle (ranks waiting for one another: a deadlock) has its earliest
+    // finding as the root.
+    for i in 0..n {
+        let mut seen = vec![i];
+        let mut at = i;
+        while let Some(next) = cause[at] {
+            if let Some(pos) = seen.iter().position(|&s| s == next) {
+                let first = *seen[pos..]
+                    .iter()
+                    .min_by_key(|&&s| when[s])
+                    .unwrap_or(&next);
+                cause[first] = None;
+                break;
+            }
+            seen.push(next);
+            at = next;
+        }
+    }
+    let root_of = |mut i: usize| {
+        while let Some(c) = cause[i] {
+            i = c;
+        }
+        i
+    };
+    let roots: Vec<usize> = {
+        let mut r: Vec<usize> = (0..n).filter(|&i| cause[i].is_none()).collect();
+        r.sort_by_key(|&i| (importance(found[i].kind), found[i].start_ns, i));
+        r
+    };
+    let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for &i in &by_time {
+        if cause[i].is_some() {
+            members.entry(root_of(i)).or_default().push(i);
+        }
+    }
+    let order: Vec<(usize, u32)> = roots
+        .iter()
+        .enumerate()
+        .flat_map(|(k, &r)| {
+            std::iter::once(r)
+                .chain(members.get(&r).into_iter().flatten().copied())
+                .map(move |i| (i, k as u32 + 1))
+        })
+        .collect();
+    let mut id_of = vec![0u32; n];
+    for (pos, &(i, _)) in order.iter().enumerate() {
+        id_of[i] = pos as u32 + 1;
+    }
+    let mut old: Vec<Option<Finding>> = std::mem::take(found).into_iter().map(Some).collect();
+    for (i, incident) in order {
+        let mut f = old[i].take().expect("each finding once");
+        f.link.id = Some(id_of[i]);
+        f.link.incident = Some(incident);
+        f.link.cause = cause[i].map(|c| id_of[c]);
+        found.push(f);
+    }
+}
+
+/// The line that folds a root's consequences ("+4 ranks waited for it
+/// (hang x3, late_arrival x1)"), None for a root without any. `found` is
+/// grouped ([`group`]).
+pub fn folded(found: &[Finding], root: &Finding) -> Option<String> {
+    let incident = root.link.incident?;
+    let consequences: Vec<&Finding> = found
+        .iter()
+        .filter(|f| f.link.incident == Some(incident) && f.link.cause.is_some())
+        .collect();
+    if consequences.is_empty() {
+        return None;
+    }
+    // Who waited: the root hang's own waiting members too.
+    let root_waiting = match root.kind {
+        FindingKind::Hang => waiting_ranks(root),
+        _ => BTreeSet::new(),
+    };
+    let ranks: BTreeSet<u32> = consequences
+        .iter()
+        .flat_map(|f| {
+            // A hang's waiting ranks are who waited; other kinds name them.
+            if f.kind == FindingKind::Hang {
+                waiting_ranks(f)
+            } else {
+                f.ranks.iter().copied().collect()
+            }
+        })
+        .chain(root_waiting)
+        .filter(|r| !root.ranks.contains(r))
+        .collect();
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for f in &consequences {
+        *kinds.entry(f.kind.as_str()).or_default() += 1;
+    }
+    let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+    let listed: Vec<String> = ranks.iter().map(u32::to_string).collect();
+    let who = match ranks.len() {
+        0 => "+0 ranks waited for it".to_string(),
+        1 => format!("+1 rank waited for it (rank {})", listed[0]),
+        n => format!("+{n} ranks waited for it (ranks {})", listed.join(", ")),
+    };
+    Some(format!(
+        "{who}; {} consequence finding(s): {}",
+        consequences.len(),
+        kinds.join(", ")
+    ))
+}
+
+/// The findings as a person reads them: each root's headline and
+/// evidence, its consequences folded into one line.
+pub fn text(found: &[Finding]) -> String {
+    let mut out = String::new();
+    for f in found.iter().filter(|f| f.link.cause.is_none()) {
+        out += &format!("{}\n    evidence: {}\n", f.headline(), f.evidence);
+        if let Some(line) = folded(found, f) {
+            out += &format!("    {line}\n");
+        }
+    }
+    out
+}

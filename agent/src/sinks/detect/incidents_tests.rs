@@ -1,0 +1,286 @@
+//! Incidents over findings built here, shaped as the detectors write them.
+
+use serde_json::json;
+
+use super::incidents::{group, text};
+use crate::model::{Finding, FindingKind};
+
+const MS: u64 = 1_000_000;
+
+fn finding(kind: FindingKind, ranks: &[u32], step: Option<u64>, span_ms: (u64, u64)) -> Finding {
+    Finding {
+        link: Default::default(),
+        kind,
+        ranks: ranks.to_vec(),
+        comm: None,
+        seq: None,
+        step,
+        start_ns: span_ms.0 * MS,
+        end_ns: Some(span_ms.1 * MS),
+        summary: format!("{}: ranks {ranks:?}", kind.as_str()),
+        evidence: json!({}),
+        detected_ns: span_ms.1 * MS,
+    }
+}
+
+/// A hang on `comm` that `missing` never entered while `waiting` did.
+fn hang(comm: &str, missing: &[u32], waiting: &[u32], start_ms: u64) -> Finding {
+    let mut f = finding(FindingKind::Hang, missing, None, (start_ms, start_ms));
+    f.end_ns = None;
+    f.comm = Some(comm.into());
+    f.evidence = json!({"entered": waiting, "never_entered": missing,
+        "stuck": waiting.iter().map(|r| json!({"rank": r})).collect::<Vec<_>>()});
+    f
+}
+
+/// (kind, ranks, cause's kind and ranks) of each finding, in document order.
+fn shape(found: &[Finding]) -> Vec<(u32, FindingKind, Vec<u32>, Option<u32>)> {
+    found
+        .iter()
+        .map(|f| {
+            (
+                f.link.incident.expect("grouped"),
+                f.kind,
+                f.ranks.clone(),
+                f.link.cause,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn peers_that_hang_waiting_for_a_hung_rank_are_its_consequences() {
+    // Rank 5 stops before its DP all-reduce: its DP peer 7 waits there,
+    // its TP peer 4 at the next TP collective, 4's and 7's pipeline peers
+    // wait for them in turn.
+    let mut found = vec![
+        hang("tp45", &[5], &[4], 1_100),
+        hang("pp04", &[4], &[0], 1_300),
+        hang("dp57", &[5], &[7], 1_000),
+        hang("pp37", &[7], &[3], 1_200),
+        hang("dp13", &[3], &[1], 1_400),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![5], None),
+            (1, FindingKind::Hang, vec![5], Some(1)),
+            (1, FindingKind::Hang, vec![7], Some(1)),
+            (1, FindingKind::Hang, vec![4], Some(2)),
+            (1, FindingKind::Hang, vec![3], Some(3)),
+        ]
+    );
+    assert_eq!(
+        found[0].comm.as_deref(),
+        Some("dp57"),
+        "the first wait is the root"
+    );
+    let ids: Vec<_> = found.iter().map(|f| f.link.id).collect();
+    assert_eq!(ids, [1, 2, 3, 4, 5].map(Some));
+    assert_eq!(
+        text(&found),
+        "hang: ranks [5]\n    evidence: {\"entered\":[7],\"never_entered\":[5],\"stuck\":[{\"rank\":7}]}\n    \
+         +5 ranks waited for it (ranks 0, 1, 3, 4, 7); 4 consequence finding(s): hang x4\n"
+    );
+}
+
+#[test]
+fn a_collective_every_member_entered_follows_from_the_one_a_rank_never_entered() {
+    // Ranks 0 and 1 (another pipeline stage) entered their all-gather and
+    // wait inside it, behind their pipeline peers that wait for rank 5.
+    let mut found = vec![
+        hang("tp01", &[0, 1], &[0, 1], 1_000),
+        hang("dp57", &[5], &[7], 1_010),
+    ];
+    found[0].evidence["never_entered"] = json!([]);
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![5], None),
+            (1, FindingKind::Hang, vec![0, 1], Some(1)),
+        ]
+    );
+}
+
+#[test]
+fn ranks_waiting_for_each_other_are_one_incident() {
+    let mut found = vec![hang("a", &[1], &[0], 1_000), hang("b", &[0], &[1], 1_010)];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![1], None),
+            (1, FindingKind::Hang, vec![0], Some(1)),
+        ]
+    );
+}
+
+#[test]
+fn a_dead_or_failed_rank_explains_the_hangs_that_wait_for_it() {
+    for fatal in [FindingKind::Crash, FindingKind::DeviceError] {
+        let mut found = vec![
+            hang("dp", &[1], &[0], 1_000),
+            finding(fatal, &[1], Some(2), (900, 900)),
+        ];
+        group(&mut found);
+        assert_eq!(
+            shape(&found),
+            vec![
+                (1, fatal, vec![1], None),
+                (1, FindingKind::Hang, vec![1], Some(1))
+            ]
+        );
+    }
+}
+
+#[test]
+fn late_arrivals_that_overlap_a_stall_follow_from_it_and_unrelated_ones_stand_alone() {
+    let late = |rank, step, span| finding(FindingKind::LateArrival, &[rank], Some(step), span);
+    let mut found = vec![
+        late(2, 6, (5_300, 5_600)),
+        finding(FindingKind::DataloaderStall, &[6], Some(5), (5_000, 5_500)),
+        late(4, 5, (5_200, 5_450)),
+        // Steps later: its own fault.
+        late(3, 12, (9_000, 9_200)),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::DataloaderStall, vec![6], None),
+            (1, FindingKind::LateArrival, vec![4], Some(1)),
+            (1, FindingKind::LateArrival, vec![2], Some(1)),
+            (2, FindingKind::LateArrival, vec![3], None),
+        ]
+    );
+}
+
+#[test]
+fn a_peer_late_because_it_waited_for_a_late_rank_follows_from_it() {
+    let late = |rank, span| finding(FindingKind::LateArrival, &[rank], Some(5), span);
+    // Rank 1's delay shows at its all-reduce and at its TP all-gather;
+    // rank 3 waited for it.
+    let mut found = vec![
+        late(3, (5_100, 5_900)),
+        late(1, (5_000, 6_000)),
+        late(1, (5_050, 6_001)),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::LateArrival, vec![1], None),
+            (1, FindingKind::LateArrival, vec![1], Some(1)),
+            (1, FindingKind::LateArrival, vec![3], Some(1)),
+        ]
+    );
+}
+
+#[test]
+fn one_neighbour_contending_with_several_ranks_is_one_incident() {
+    let contention = |rank, pid, start| {
+        let mut f = finding(
+            FindingKind::HostContention,
+            &[rank],
+            Some(3),
+            (start, start + 900),
+        );
+        f.evidence = json!({"preemptors": [{"comm": "noisy", "pid": pid}]});
+        f
+    };
+    let mut found = vec![
+        contention(1, 4242, 1_000),
+        contention(3, 4242, 1_100),
+        contention(5, 777, 1_050),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::HostContention, vec![1], None),
+            (1, FindingKind::HostContention, vec![3], Some(1)),
+            (2, FindingKind::HostContention, vec![5], None),
+        ]
+    );
+}
+
+#[test]
+fn grouped_findings_serialize_their_incident_and_cause() {
+    let mut found = vec![
+        hang("dp", &[1], &[0], 1_000),
+        finding(FindingKind::Crash, &[1], Some(2), (900, 900)),
+    ];
+    group(&mut found);
+    let v = serde_json::to_value(&found).unwrap();
+    assert_eq!((&v[0]["id"], &v[0]["incident"]), (&json!(1), &json!(1)));
+    assert!(v[0].get("cause").is_none(), "a root has no cause: {v:#}");
+    assert_eq!(
+        (&v[1]["id"], &v[1]["incident"], &v[1]["cause"]),
+        (&json!(2), &json!(1), &json!(1))
+    );
+}
+
+#[test]
+fn ranks_taking_one_anothers_cpus_are_one_job_level_incident() {
+    let contention = |rank, taker: u32, start| {
+        let mut f = finding(
+            FindingKind::HostContention,
+            &[rank],
+            Some(3),
+            (start, start + 900),
+        );
+        f.evidence = json!({"preemptors": [{"comm": "sim_rank", "pid": 1000 + taker,
+            "traced": true, "rank": taker, "job": "j"}]});
+        f
+    };
+    let mut found = vec![
+        contention(2, 0, 1_000),
+        contention(0, 2, 1_100),
+        contention(4, 6, 1_200),
+    ];
+    group(&mut found);
+    let incidents: Vec<_> = found.iter().map(|f| f.link.incident).collect();
+    assert_eq!(incidents, [Some(1); 3]);
+    assert_eq!(found[0].ranks, vec![2]);
+}
+
+#[test]
+fn a_late_arrival_at_the_operation_that_hung_is_part_of_the_hang() {
+    let mut late = finding(FindingKind::LateArrival, &[0], Some(3), (900, 912));
+    late.comm = Some("tp01".into());
+    late.seq = Some(13);
+    let mut h = hang("tp01", &[1], &[0], 1_000);
+    h.seq = Some(13);
+    let mut found = vec![late, h];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![1], None),
+            (1, FindingKind::LateArrival, vec![0], Some(1)),
+        ]
+    );
+}
+
+#[test]
+fn the_catch_up_after_a_long_delay_follows_from_it_and_later_lateness_does_not() {
+    let late = |rank, step, span| finding(FindingKind::LateArrival, &[rank], Some(step), span);
+    let mut found = vec![
+        late(2, 3, (1_000, 2_000)),
+        // 6 ms after rank 2 came back: the ranks resuming at once.
+        late(1, 4, (2_006, 2_020)),
+        // 300 ms later: not within a quarter of the delay.
+        late(3, 4, (2_300, 2_320)),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::LateArrival, vec![2], None),
+            (1, FindingKind::LateArrival, vec![1], Some(1)),
+            (2, FindingKind::LateArrival, vec![3], None),
+        ]
+    );
+}

@@ -1,0 +1,182 @@
+//! What a device library's status code means: its name, whether it says
+//! the device is out of memory, and whether it is a routine answer that is
+//! no failure at all ("not ready yet").
+//!
+//! Why the detectors need it: a failed allocation is not always out of
+//! memory (a driver that lost the device fails `cudaMalloc` with
+//! `cudaErrorNoDevice`, an earlier kernel's illegal access makes every
+//! later call return `cudaErrorIllegalAddress`); reporting those as
+//! `device_oom` sends a user looking for a leak that is not there.
+//!
+//! Codes from the libraries' public headers (`driver_types.h`'s
+//! `cudaError`, `nccl.h`'s `ncclResult_t`, AscendCL's `acl_base.h` /
+//! `acl_rt.h`, HCCL's `hccl_types.h`).
+
+use super::Library;
+
+/// `(code, name)` of the CUDA runtime's errors a training job meets.
+const CUDART: &[(i64, &str)] = &[
+    (1, "cudaErrorInvalidValue"),
+    (2, "cudaErrorMemoryAllocation"),
+    (3, "cudaErrorInitializationError"),
+    (4, "cudaErrorCudartUnloading"),
+    (9, "cudaErrorInvalidConfiguration"),
+    (17, "cudaErrorInvalidDevicePointer"),
+    (21, "cudaErrorInvalidMemcpyDirection"),
+    (34, "cudaErrorStubLibrary"),
+    (35, "cudaErrorInsufficientDriver"),
+    (36, "cudaErrorCallRequiresNewerDriver"),
+    (46, "cudaErrorDevicesUnavailable"),
+    (98, "cudaErrorInvalidDeviceFunction"),
+    (100, "cudaErrorNoDevice"),
+    (101, "cudaErrorInvalidDevice"),
+    (214, "cudaErrorECCUncorrectable"),
+    (400, "cudaErrorInvalidResourceHandle"),
+    (600, "cudaErrorNotReady"),
+    (700, "cudaErrorIllegalAddress"),
+    (701, "cudaErrorLaunchOutOfResources"),
+    (702, "cudaErrorLaunchTimeout"),
+    (704, "cudaErrorPeerAccessAlreadyEnabled"),
+    (714, "cudaErrorHardwareStackError"),
+    (715, "cudaErrorIllegalInstruction"),
+    (716, "cudaErrorMisalignedAddress"),
+    (717, "cudaErrorInvalidAddressSpace"),
+    (718, "cudaErrorInvalidPc"),
+    (719, "cudaErrorLaunchFailure"),
+    (800, "cudaErrorNotPermitted"),
+    (801, "cudaErrorNotSupported"),
+    (802, "cudaErrorSystemNotReady"),
+    (803, "cudaErrorSystemDriverMismatch"),
+    (900, "cudaErrorStreamCaptureUnsupported"),
+    (999, "cudaErrorUnknown"),
+];
+
+const NCCL: &[(i64, &str)] = &[
+    (1, "ncclUnhandledCudaError"),
+    (2, "ncclSystemError"),
+    (3, "ncclInternalError"),
+    (4, "ncclInvalidArgument"),
+    (5, "ncclInvalidUsage"),
+    (6, "ncclRemoteError"),
+    (7, "ncclInProgress"),
+];
+
+const ACL: &[(i64, &str)] = &[
+    (100000, "ACL_ERROR_INVALID_PARAM"),
+    (100001, "ACL_ERROR_UNINITIALIZE"),
+    (100002, "ACL_ERROR_REPEAT_INITIALIZE"),
+    (107000, "ACL_ERROR_RT_PARAM_INVALID"),
+    (107001, "ACL_ERROR_RT_INVALID_DEVICEID"),
+    (107017, "ACL_ERROR_RT_INVALID_HANDLE"),
+    (200000, "ACL_ERROR_BAD_ALLOC"),
+    (207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"),
+    (507000, "ACL_ERROR_RT_INTERNAL_ERROR"),
+    (507010, "ACL_ERROR_RT_LOST_HEARTBEAT"),
+    (507011, "ACL_ERROR_RT_MODEL_EXECUTE"),
+    (507015, "ACL_ERROR_RT_AICORE_EXCEPTION"),
+    (507034, "ACL_ERROR_RT_EVENT_NOT_COMPLETE"),
+    (507899, "ACL_ERROR_RT_DRV_INTERNAL_ERROR"),
+];
+
+const HCCL: &[(i64, &str)] = &[
+    (1, "HCCL_E_PARA"),
+    (2, "HCCL_E_PTR"),
+    (3, "HCCL_E_MEMORY"),
+    (4, "HCCL_E_INTERNAL"),
+    (5, "HCCL_E_NOT_SUPPORT"),
+    (6, "HCCL_E_NOT_FOUND"),
+    (7, "HCCL_E_UNAVAIL"),
+    (8, "HCCL_E_SYSCALL"),
+    (9, "HCCL_E_TIMEOUT"),
+    (10, "HCCL_E_OPEN_FILE_FAILURE"),
+    (11, "HCCL_E_TCP_CONNECT"),
+    (12, "HCCL_E_ROCE_CONNECT"),
+    (13, "HCCL_E_TCP_TRANSFER"),
+    (14, "HCCL_E_ROCE_TRANSFER"),
+    (15, "HCCL_E_RUNTIME"),
+    (16, "HCCL_E_DRV"),
+    (17, "HCCL_E_PROFILING"),
+    (18, "HCCL_E_CCE"),
+    (19, "HCCL_E_NETWORK"),
+    (20, "HCCL_E_AGAIN"),
+];
+
+fn table(library: Library) -> &'static [(i64, &'static str)] {
+    match library {
+        Library::Cudart => CUDART,
+        Library::Nccl => NCCL,
+        Library::AscendCl => ACL,
+        Library::Hccl => HCCL,
+        Library::Cupti | Library::Mspti => &[],
+    }
+}
+
+/// The code's name in its library's header ("cudaErrorIllegalAddress"),
+/// or "<library> error <code>" for a code the table lacks.
+pub fn status_name(library: Library, code: i64) -> String {
+    match table(library).iter().find(|(c, _)| *c == code) {
+        Some((_, name)) => (*name).to_string(),
+        None => format!("{} error {code}", library.name()),
+    }
+}
+
+/// Whether `code` says the device had no memory for the request: the
+/// one status `device_oom` is about (every other failure of an
+/// allocation is a device error).
+pub fn is_out_of_memory(library: Library, code: i64) -> bool {
+    match library {
+        // cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY is 2 too).
+        Library::Cudart => code == 2,
+        // ACL_ERROR_BAD_ALLOC, ACL_ERROR_RT_MEMORY_ALLOCATION.
+        Library::AscendCl => matches!(code, 200000 | 207001),
+        // HCCL_E_MEMORY: the library could not get its buffers.
+        Library::Hccl => code == 3,
+        Library::Nccl | Library::Cupti | Library::Mspti => false,
+    }
+}
+
+/// Whether `code` is a routine answer, not a failure: a query that says
+/// "not yet" (`cudaErrorNotReady`, `ACL_ERROR_RT_EVENT_NOT_COMPLETE`), a
+/// non-blocking communicator still connecting (`ncclInProgress`,
+/// `HCCL_E_AGAIN`), a repeated set-up the library tolerates, the runtime
+/// unloading at process exit.
+pub fn is_routine(library: Library, code: i64) -> bool {
+    match library {
+        Library::Cudart => matches!(code, 4 | 600 | 704),
+        Library::Nccl => code == 7,
+        Library::AscendCl => matches!(code, 100002 | 507034),
+        Library::Hccl => code == 20,
+        Library::Cupti | Library::Mspti => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_is_only_the_memory_codes() {
+        assert!(is_out_of_memory(Library::Cudart, 2));
+        for sticky in [700, 214, 719, 100, 35] {
+            assert!(!is_out_of_memory(Library::Cudart, sticky), "{sticky}");
+        }
+        assert!(is_out_of_memory(Library::AscendCl, 207001));
+        assert!(!is_out_of_memory(Library::AscendCl, 507000));
+    }
+
+    #[test]
+    fn codes_are_named_as_the_headers_name_them() {
+        assert_eq!(status_name(Library::Cudart, 700), "cudaErrorIllegalAddress");
+        assert_eq!(
+            status_name(Library::Cudart, 214),
+            "cudaErrorECCUncorrectable"
+        );
+        assert_eq!(
+            status_name(Library::AscendCl, 207001),
+            "ACL_ERROR_RT_MEMORY_ALLOCATION"
+        );
+        assert_eq!(status_name(Library::Cudart, 12345), "cudart error 12345");
+        assert!(is_routine(Library::Cudart, 600));
+        assert!(!is_routine(Library::Cudart, 700));
+    }
+}
