@@ -9,8 +9,8 @@
 //! `device_oom` sends a user looking for a leak that is not there.
 //!
 //! Codes from the libraries' public headers (`driver_types.h`'s
-//! `cudaError`, `nccl.h`'s `ncclResult_t`, AscendCL's `acl_base.h` /
-//! `acl_rt.h`, HCCL's `hccl_types.h`).
+//! `cudaError`, `nccl.h`'s `ncclResult_t`, AscendCL's `acl_base.h` and
+//! the runtime's `rt_error_codes.h`, HCCL's `hccl_types.h`).
 
 use super::Library;
 
@@ -68,13 +68,25 @@ const ACL: &[(i64, &str)] = &[
     (107000, "ACL_ERROR_RT_PARAM_INVALID"),
     (107001, "ACL_ERROR_RT_INVALID_DEVICEID"),
     (107017, "ACL_ERROR_RT_INVALID_HANDLE"),
+    (107019, "ACL_ERROR_RT_WAIT_TIMEOUT"),
+    (107020, "ACL_ERROR_RT_TASK_TIMEOUT"),
     (200000, "ACL_ERROR_BAD_ALLOC"),
     (207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"),
+    (207004, "ACL_ERROR_RT_NO_DEVICE"),
+    (207018, "ACL_ERROR_RT_DEVICE_OOM"),
     (507000, "ACL_ERROR_RT_INTERNAL_ERROR"),
+    (507004, "ACL_ERROR_RT_STREAM_NOT_COMPLETE"),
+    (507006, "ACL_ERROR_RT_EVENT_NOT_COMPLETE"),
     (507010, "ACL_ERROR_RT_LOST_HEARTBEAT"),
     (507011, "ACL_ERROR_RT_MODEL_EXECUTE"),
+    (507014, "ACL_ERROR_RT_AICORE_TIMEOUT"),
     (507015, "ACL_ERROR_RT_AICORE_EXCEPTION"),
-    (507034, "ACL_ERROR_RT_EVENT_NOT_COMPLETE"),
+    (507034, "ACL_ERROR_RT_VECTOR_CORE_TIMEOUT"),
+    (507035, "ACL_ERROR_RT_VECTOR_CORE_EXCEPTION"),
+    (507046, "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT"),
+    (507053, "ACL_ERROR_RT_DEVICE_MEM_ERROR"),
+    (507054, "ACL_ERROR_RT_HBM_MULTI_BIT_ECC_ERROR"),
+    (507056, "ACL_ERROR_RT_LINK_ERROR"),
     (507899, "ACL_ERROR_RT_DRV_INTERNAL_ERROR"),
 ];
 
@@ -99,6 +111,10 @@ const HCCL: &[(i64, &str)] = &[
     (18, "HCCL_E_CCE"),
     (19, "HCCL_E_NETWORK"),
     (20, "HCCL_E_AGAIN"),
+    (21, "HCCL_E_REMOTE"),
+    (22, "HCCL_E_SUSPENDING"),
+    (23, "HCCL_E_OPRETRY_FAIL"),
+    (24, "HCCL_E_OOM"),
 ];
 
 fn table(library: Library) -> &'static [(i64, &'static str)] {
@@ -128,9 +144,9 @@ pub fn is_out_of_memory(library: Library, code: i64) -> bool {
         // cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY is 2 too).
         Library::Cudart => code == 2,
         // ACL_ERROR_BAD_ALLOC, ACL_ERROR_RT_MEMORY_ALLOCATION.
-        Library::AscendCl => matches!(code, 200000 | 207001),
+        Library::AscendCl => matches!(code, 200000 | 207001 | 207018),
         // HCCL_E_MEMORY: the library could not get its buffers.
-        Library::Hccl => code == 3,
+        Library::Hccl => matches!(code, 3 | 24),
         Library::Nccl | Library::Cupti | Library::Mspti => false,
     }
 }
@@ -144,7 +160,7 @@ pub fn is_routine(library: Library, code: i64) -> bool {
     match library {
         Library::Cudart => matches!(code, 4 | 600 | 704),
         Library::Nccl => code == 7,
-        Library::AscendCl => matches!(code, 100002 | 507034),
+        Library::AscendCl => matches!(code, 100002 | 507004 | 507006),
         Library::Hccl => code == 20,
         Library::Cupti | Library::Mspti => true,
     }
@@ -161,7 +177,23 @@ mod tests {
             assert!(!is_out_of_memory(Library::Cudart, sticky), "{sticky}");
         }
         assert!(is_out_of_memory(Library::AscendCl, 207001));
+        assert!(is_out_of_memory(Library::AscendCl, 207018));
         assert!(!is_out_of_memory(Library::AscendCl, 507000));
+        assert!(is_out_of_memory(Library::Hccl, 24));
+        assert!(!is_out_of_memory(Library::Hccl, 21));
+    }
+
+    /// A query that is not done yet is routine; a vector core's timeout,
+    /// one code away, is a failure.
+    #[test]
+    fn not_ready_answers_are_routine_and_nothing_next_to_them() {
+        assert!(is_routine(Library::AscendCl, 507006));
+        assert!(is_routine(Library::AscendCl, 507004));
+        assert!(!is_routine(Library::AscendCl, 507034));
+        assert_eq!(
+            status_name(Library::AscendCl, 507034),
+            "ACL_ERROR_RT_VECTOR_CORE_TIMEOUT"
+        );
     }
 
     #[test]
