@@ -229,33 +229,21 @@ pub fn test(extra: &[String]) -> Result<()> {
     ebpf()?;
     fixtures()?;
     // `cargo clippy --workspace --all-targets --features xpuscope-tests/e2e
-    // -- -D warnings`, folded into the builds the tests need: the agent's
-    // binary outside test mode (the one target `cargo test` leaves out;
-    // the end-to-end tests run it), then the tests and examples of every
-    // crate as `cargo test` builds them. All in one profile, so each
-    // dependency is built once.
+    // -- -D warnings`, folded into the one build the tests need: every
+    // binary (the agent the end-to-end tests run), and every crate's tests
+    // and examples as `cargo test` builds them. One cargo command in one
+    // profile, so every dependency is built once, with one set of features.
     run_checked(
         &mut cargo_with_clippy(&[
             "build",
             "--profile",
             TEST_PROFILE,
-            "-p",
-            "xpuscope-agent",
-            "--bins",
-        ]),
-        "cargo clippy and the agent's build",
-    )?;
-    run_checked(
-        &mut cargo_with_clippy(&[
-            "test",
-            "--profile",
-            TEST_PROFILE,
             "--workspace",
-            "--no-run",
+            "--all-targets",
             "--features",
             ROOT_TEST_FEATURES,
         ]),
-        "cargo clippy and the test build",
+        "cargo clippy and the build",
     )?;
     let mut cmd = cargo_with_clippy(&[
         "test",
