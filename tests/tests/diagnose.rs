@@ -23,7 +23,7 @@ fn run_job(tag: &str, launcher_args: &[&str], agent_args: &[&str]) -> SimRun {
 }
 
 /// The run's online findings (attach's `--stats-json`).
-fn online(run: &SimRun) -> Vec<Value> {
+pub(crate) fn online(run: &SimRun) -> Vec<Value> {
     let doc = &run.stats["findings"];
     assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
     doc["findings"].as_array().expect("a list").clone()

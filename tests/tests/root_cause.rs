@@ -12,6 +12,7 @@
 
 use std::process::Command;
 
+use crate::diagnose::online;
 use serde_json::Value;
 use xpuscope_tests::agent::{agent_bin, exclusive};
 use xpuscope_tests::device::*;
@@ -37,12 +38,6 @@ fn record(
     let run = run_from_spawn(tag, &args, agent_args);
     print_time_to_finding(tag, &run.tl, &run.ground_truth, None);
     run
-}
-
-fn online(run: &SimRun) -> Vec<Value> {
-    let doc = &run.stats["findings"];
-    assert_eq!(doc["schema"], "xpuscope-findings/1", "{doc}");
-    doc["findings"].as_array().expect("a list").clone()
 }
 
 /// `agent diagnose --json -` (the document from stdout) and its exit code.
