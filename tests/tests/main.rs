@@ -23,6 +23,7 @@ mod faults;
 mod findings;
 mod flight_recorder;
 mod host_findings;
+mod hostile;
 mod levels;
 mod merge;
 mod probe_hits;

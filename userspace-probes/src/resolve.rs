@@ -65,7 +65,7 @@ pub struct ExportedFunction {
 /// The exported functions of the ELF file at `path`, sorted by address
 /// then name.
 pub fn exported_functions(path: &Path) -> Result<Vec<ExportedFunction>, ResolveError> {
-    let file = File::open(path).map_err(|source| ResolveError::Open {
+    let file = crate::regular_file::open(path).map_err(|source| ResolveError::Open {
         path: path.to_path_buf(),
         source,
     })?;
@@ -216,7 +216,7 @@ impl fmt::Display for ResolvedLibrary {
 /// Resolves `library`'s catalog against the file at `path` and places
 /// each probe.
 pub fn resolve(path: &Path, library: Library) -> Result<ResolvedLibrary, ResolveError> {
-    let file = File::open(path).map_err(|source| ResolveError::Open {
+    let file = crate::regular_file::open(path).map_err(|source| ResolveError::Open {
         path: path.to_path_buf(),
         source,
     })?;

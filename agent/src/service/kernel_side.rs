@@ -225,10 +225,18 @@ pub async fn start(
     }
     side.round().await?;
     let (stop, stop_rx) = oneshot::channel();
-    let task = tokio::spawn(
-        side.run(levels, notices, stop_rx, stop_collect, collect)
-            .instrument(tracing::info_span!("kernel")),
-    );
+    // The kernel side blocks: it reads `/proc` and the files traced
+    // processes name, and attaching a probe waits behind the kernel's
+    // uprobe releases. On a thread of its own, none of that holds up the
+    // runtime's worker, which reads the rings and serves `/metrics` and
+    // the control API.
+    let runtime = tokio::runtime::Handle::current();
+    let task = tokio::task::spawn_blocking(move || {
+        runtime.block_on(
+            side.run(levels, notices, stop_rx, stop_collect, collect)
+                .instrument(tracing::info_span!("kernel")),
+        )
+    });
     Ok(KernelHandle { stop, task })
 }
 

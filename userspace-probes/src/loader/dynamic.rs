@@ -119,7 +119,7 @@ impl DynamicInfo {
 
     /// Reads the ELF file at `path` (only the parts needed).
     pub fn read(path: &std::path::Path) -> Result<Self, ReadError> {
-        let file = std::fs::File::open(path).map_err(|source| ReadError::Open {
+        let file = crate::regular_file::open(path).map_err(|source| ReadError::Open {
             path: path.to_path_buf(),
             source,
         })?;

@@ -273,11 +273,8 @@ impl Search {
 /// The loader cache under `root`, if it reads and parses.
 pub fn read_cache(root: &Path) -> Option<LdCache> {
     let path = root.join("etc/ld.so.cache");
-    let meta = std::fs::metadata(&path).ok()?;
-    if meta.len() > cache::MAX_CACHE_BYTES as u64 {
-        return None;
-    }
-    LdCache::parse(&std::fs::read(&path).ok()?).ok()
+    let data = crate::regular_file::read_bounded(&path, cache::MAX_CACHE_BYTES as u64).ok()?;
+    LdCache::parse(&data).ok()
 }
 
 /// The directory of `path` (`/` for a file at the top).

@@ -38,7 +38,6 @@ pub mod memory;
 pub mod walk;
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -364,7 +363,7 @@ fn find_interpreter(maps: &ProcessMaps, root: &Path) -> Option<Found> {
 }
 
 fn symbols_of(maps: &ProcessMaps, root: &Path, path: &str) -> Option<Found> {
-    let file = File::open(root.join(path.trim_start_matches('/'))).ok()?;
+    let file = crate::regular_file::open(&root.join(path.trim_start_matches('/'))).ok()?;
     let cache = ReadCache::new(file);
     let elf = ElfFile64::<Endianness, _>::parse(&cache).ok()?;
     let endian = elf.endian();

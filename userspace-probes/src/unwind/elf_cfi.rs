@@ -71,7 +71,7 @@ impl FileCfi {
 
     /// [`Self::read`], reading `.text` only up to `max_text` bytes.
     pub(crate) fn read_with_text_limit(path: &Path, max_text: u64) -> Result<Self, CfiError> {
-        let file = File::open(path).map_err(|source| CfiError::Open {
+        let file = crate::regular_file::open(path).map_err(|source| CfiError::Open {
             path: path.to_path_buf(),
             source,
         })?;

@@ -1,0 +1,174 @@
+//! End-to-end: traced processes that try to stall, exhaust or blind the
+//! privileged agent. Any local user can become traced (a process is traced
+//! for mapping a file whose name looks like a device library, or for its
+//! command name), so what such a process hands the agent (library paths,
+//! files, crashes) must never stop the agent reading its rings, answering
+//! its endpoints or keeping the evidence of a real incident. Root and eBPF;
+//! never skipped.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use xpuscope_tests::agent::{Proc, TempDir, agent_bin, exclusive};
+use xpuscope_tests::device::wait_for_closers;
+use xpuscope_tests::service_run::Service;
+
+/// `GET path` on the service's metrics port, answered within `limit`
+/// (status line and body), or why not.
+fn http_get_within(port: u16, path: &str, limit: Duration) -> Result<String, String> {
+    let mut s = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), limit)
+        .map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(limit)).unwrap();
+    s.set_write_timeout(Some(limit)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("write: {e}"))?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)
+        .map_err(|e| format!("no answer within {limit:?}: {e}"))?;
+    Ok(text)
+}
+
+fn ctl(socket: &Path, args: &[&str]) -> Value {
+    let out = Command::new(agent_bin())
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("agent ctl");
+    assert!(
+        out.status.success(),
+        "agent ctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("agent ctl prints JSON")
+}
+
+/// Waits until `agent ctl processes` lists `pid`.
+fn wait_traced(socket: &Path, pid: u32, limit: Duration) {
+    let started = Instant::now();
+    loop {
+        let list = ctl(socket, &["processes"]);
+        if list
+            .as_array()
+            .expect("a list")
+            .iter()
+            .any(|e| e["pid"].as_u64() == Some(pid as u64))
+        {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "pid {pid} was not traced within {limit:?}: {list}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A shell under a command name the service's discovery matches, running
+/// `script` once `gate` exists (so it is traced before it does anything).
+fn traced_shell(dir: &Path, name: &str, gate: &Path, script: &str) -> Proc {
+    let shell = dir.join(name);
+    std::fs::copy("/bin/sh", &shell).expect("copy /bin/sh");
+    Proc::spawn(
+        name,
+        Command::new(&shell)
+            .arg("-c")
+            .arg(format!(
+                "while [ ! -e '{}' ]; do sleep 0.05; done; {script}",
+                gate.display()
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+}
+
+/// A traced process starts a program whose `LD_LIBRARY_PATH` holds a FIFO
+/// named `libc.so.6`. The agent replays the loader's search at that exec
+/// (to probe device libraries before they are mapped); opening the FIFO
+/// like a file would block until someone writes to it. The service must
+/// go on answering `/healthz` within a second, and go on tracing: a process
+/// started afterwards is still found and listed.
+#[test]
+fn a_fifo_in_a_library_path_stalls_nothing() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let dir = TempDir::new("hostile-fifo");
+    let lib = dir.path().join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    let fifo = lib.join("libc.so.6");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo");
+    let Service {
+        mut agent,
+        mut stderr,
+        socket,
+        port,
+        ..
+    } = Service::start(
+        dir.path(),
+        "[discovery]\ncomm = \"^xpuscope-(fifo|late)$\"\n",
+    );
+    let gate = dir.path().join("go");
+    // The program started is itself stuck in its own loader on the FIFO;
+    // it is killed with its shell at the end.
+    let shell = traced_shell(
+        dir.path(),
+        "xpuscope-fifo",
+        &gate,
+        &format!("LD_LIBRARY_PATH='{}' exec /bin/true", lib.display()),
+    );
+    wait_traced(&socket, shell.pid(), Duration::from_secs(10));
+    std::fs::write(&gate, b"").unwrap();
+    // Several seconds of health checks: the search happens at the exec,
+    // within the first of them.
+    let checks = Instant::now();
+    while checks.elapsed() < Duration::from_secs(4) {
+        let asked = Instant::now();
+        match http_get_within(port, "/healthz", Duration::from_secs(1)) {
+            Ok(text) => assert!(
+                text.starts_with("HTTP/1.1 200"),
+                "/healthz is not ok {:?} after the exec: {text}\n{}",
+                checks.elapsed(),
+                stderr.rest(Duration::from_millis(200))
+            ),
+            Err(e) => panic!(
+                "/healthz did not answer ({e}, asked {:?} after the exec, waited {:?}):\n{}",
+                checks.elapsed(),
+                asked.elapsed(),
+                stderr.rest(Duration::from_millis(200))
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The kernel side still works: a process started now is traced.
+    let late_gate = dir.path().join("late-go");
+    let late = traced_shell(dir.path(), "xpuscope-late", &late_gate, "true");
+    wait_traced(&socket, late.pid(), Duration::from_secs(10));
+    std::fs::write(&late_gate, b"").unwrap();
+    let status = ctl(&socket, &["status"]);
+    assert!(status.is_object(), "{status}");
+    shell.signal(libc::SIGKILL);
+    // The child stuck on the FIFO: opened for writing once, it goes on.
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&fifo);
+    agent.signal(libc::SIGTERM);
+    assert!(
+        agent
+            .wait_timeout(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "the service did not stop cleanly:\n{}",
+        stderr.rest(Duration::from_secs(1))
+    );
+}
