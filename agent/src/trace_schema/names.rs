@@ -33,6 +33,9 @@ pub const FINDINGS_TRACK: &str = "xpuscope findings";
 pub const DROPS_TRACK: &str = "xpuscope dropped events";
 /// The counter of records the trace writer itself lost while it lagged.
 pub const WRITER_LOSSES_TRACK: &str = "xpuscope records lost by the trace writer";
+/// The counter, in a flight-recorder dump, of the window's records the
+/// recorder lost while it lagged (the dump is missing them).
+pub const RECORDER_LOSSES_TRACK: &str = "xpuscope records lost by the flight recorder";
 /// A process's device memory counter, before the device's index.
 pub const DEVICE_MEMORY_TRACK: &str = "device memory dev";
 

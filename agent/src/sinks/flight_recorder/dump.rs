@@ -17,12 +17,13 @@ use serde::Serialize;
 use xpuscope_perfetto::TraceWriter;
 
 use super::state::{ProcessTable, owner, span};
-use super::{Batch, Trigger};
+use super::{Batch, Retention, Trigger};
 use crate::model::Record;
 use crate::model::finding::{Finding, FindingsDoc};
 use crate::sinks::perfetto::PerfettoSink;
 use crate::sinks::summary::{DeviceRecordCounts, FunctionCalls, SummarySink};
 use crate::sinks::{Sink, SinkCounters};
+use crate::trace_schema::names as n;
 
 pub const TRACE_SUFFIX: &str = ".pftrace";
 pub const SUMMARY_SUFFIX: &str = ".summary.json";
@@ -82,6 +83,8 @@ pub fn path_in(dir: &Path, name: &str) -> Result<PathBuf, String> {
     Ok(path)
 }
 
+const HOUR: Duration = Duration::from_secs(3600);
+
 /// At most `per_hour` dumps in any hour.
 #[derive(Debug)]
 pub struct RateLimiter {
@@ -99,7 +102,14 @@ impl RateLimiter {
 
     /// Takes a slot at `now`, or says how long until one frees.
     pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
-        const HOUR: Duration = Duration::from_secs(3600);
+        self.check(now)?;
+        self.starts.push_back(now);
+        Ok(())
+    }
+
+    /// Whether a slot is free at `now` (none taken), or how long until one
+    /// frees.
+    pub fn check(&mut self, now: Instant) -> Result<(), Duration> {
         while self
             .starts
             .front()
@@ -111,44 +121,110 @@ impl RateLimiter {
             let oldest = self.starts.front().copied().unwrap_or(now);
             return Err(HOUR.saturating_sub(now.duration_since(oldest)));
         }
-        self.starts.push_back(now);
         Ok(())
+    }
+
+    /// No slot taken in the hour before `now`.
+    pub fn idle(&self, now: Instant) -> bool {
+        self.starts
+            .back()
+            .is_none_or(|t| now.duration_since(*t) >= HOUR)
     }
 }
 
-/// Removes the oldest dumps (trace and summary files only, by mtime) until
-/// the directory's dumps take at most `max_bytes`; `keep` is never
-/// removed. Returns the files removed.
+/// Removes whole dumps (a trace and its summary) until the directory's
+/// dumps take at most `max_bytes`: routine dumps first, oldest first, then
+/// incidents, oldest first. `keep` is never removed; other files are never
+/// touched. Returns the files removed.
 pub fn enforce_dir_bound(dir: &Path, max_bytes: u64, keep: &[&Path]) -> io::Result<u64> {
-    let mut files = Vec::new();
+    struct OnDisk {
+        oldest: std::time::SystemTime,
+        files: Vec<(PathBuf, u64)>,
+    }
+    let mut dumps: BTreeMap<String, OnDisk> = BTreeMap::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if !(name.ends_with(TRACE_SUFFIX) || name.ends_with(SUMMARY_SUFFIX)) {
+        let Some(base) = name
+            .strip_suffix(TRACE_SUFFIX)
+            .or_else(|| name.strip_suffix(SUMMARY_SUFFIX))
+        else {
             continue;
-        }
+        };
         let meta = entry.path().symlink_metadata()?;
         if !meta.is_file() {
             continue;
         }
-        files.push((meta.modified()?, entry.path(), meta.len()));
+        let modified = meta.modified()?;
+        let d = dumps.entry(base.to_string()).or_insert(OnDisk {
+            oldest: modified,
+            files: Vec::new(),
+        });
+        d.oldest = d.oldest.min(modified);
+        d.files.push((entry.path(), meta.len()));
     }
-    let mut total: u64 = files.iter().map(|f| f.2).sum();
-    files.sort();
+    let mut total: u64 = dumps.values().flat_map(|d| &d.files).map(|f| f.1).sum();
+    if total <= max_bytes {
+        return Ok(0);
+    }
+    let mut order: Vec<(Retention, std::time::SystemTime, OnDisk)> = dumps
+        .into_iter()
+        .map(|(base, d)| {
+            let class = class_on_disk(dir, &base);
+            (class, d.oldest, d)
+        })
+        .collect();
+    // Routine before incident, then oldest first.
+    order.sort_by_key(|(class, oldest, _)| (*class == Retention::Incident, *oldest));
     let mut removed = 0;
-    for (_, path, len) in files {
+    for (_, _, dump) in order {
         if total <= max_bytes {
             break;
         }
-        if keep.contains(&path.as_path()) {
+        if dump.files.iter().any(|(p, _)| keep.contains(&p.as_path())) {
             continue;
         }
-        std::fs::remove_file(&path)?;
-        total -= len;
-        removed += 1;
+        for (path, len) in dump.files {
+            std::fs::remove_file(&path)?;
+            total -= len;
+            removed += 1;
+        }
     }
     Ok(removed)
+}
+
+/// A dump's class, from the start of its summary (`retention` is its first
+/// field); a dump without one (written before classes, or its summary
+/// lost) by the trigger its name ends with.
+fn class_on_disk(dir: &Path, base: &str) -> Retention {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let read = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(dir.join(format!("{base}{SUMMARY_SUFFIX}")))
+        .and_then(|mut f| f.read(&mut head));
+    if let Ok(len) = read {
+        let head = String::from_utf8_lossy(&head[..len]);
+        if head.contains("\"retention\": \"routine\"") {
+            return Retention::Routine;
+        }
+        if head.contains("\"retention\": \"incident\"") {
+            return Retention::Incident;
+        }
+    }
+    // `<job>-<host>-<time>-<trigger>[-N]`.
+    let trigger = base
+        .trim_end_matches(|c: char| c.is_ascii_digit())
+        .trim_end_matches('-')
+        .rsplit('-')
+        .next()
+        .unwrap_or_default();
+    match trigger {
+        "hang" | "oom" | "manual" => Retention::Incident,
+        _ => Retention::Routine,
+    }
 }
 
 /// A file that refuses writes past a quota with ENOSPC: a full disk, for
@@ -181,6 +257,9 @@ impl Write for QuotaFile {
 /// records (the batches are shared).
 pub struct DumpJob {
     pub trigger: Trigger,
+    pub retention: Retention,
+    /// Records the recorder itself lost in the window: (time, count).
+    pub recorder_losses: Vec<(u64, u64)>,
     /// The finding that triggered it.
     pub finding: Option<Box<Finding>>,
     pub job: Option<String>,
@@ -207,6 +286,9 @@ pub struct DumpOutcome {
     pub trace: PathBuf,
     pub summary: PathBuf,
     pub trigger: &'static str,
+    /// `incident` or `routine`: routine dumps are removed first when the
+    /// directory is over its bound.
+    pub retention: &'static str,
     pub window_start_ns: u64,
     pub window_end_ns: u64,
     pub records: u64,
@@ -219,6 +301,10 @@ pub struct DumpOutcome {
     pub complete_from_ns: Option<u64>,
     /// Old dumps removed to keep the directory under its bound.
     pub removed_old_dumps: u64,
+    /// Records of the window the recorder never got (it lagged behind
+    /// the pipeline and the fan-out dropped them): the trace is missing
+    /// them, and shows the count on a counter track.
+    pub lost_records: u64,
 }
 
 /// Why a dump was not written.
@@ -227,10 +313,12 @@ pub enum DumpError {
     #[error("{0}")]
     BadRequest(String),
     #[error(
-        "rate limit: at most {per_hour} dumps per hour; the next is possible in {retry_after:?}"
+        "rate limit: at most {per_hour} {scope} per hour; the next is possible in {retry_after:?}"
     )]
     RateLimited {
         per_hour: u32,
+        /// What the limit applies to ("hang dumps of job x").
+        scope: String,
         retry_after: Duration,
     },
     #[error("writing the dump in {dir}: {source}")]
@@ -330,6 +418,8 @@ fn window_processes(table: &ProcessTable, window: &[&Record]) -> Vec<ProcessRow>
 
 #[derive(Serialize)]
 struct DumpSummary<'a> {
+    /// First, so the directory's bound reads it from the file's start.
+    retention: &'static str,
     outcome: &'a DumpOutcome,
     job: Option<&'a str>,
     host: &'a str,
@@ -472,6 +562,7 @@ impl DumpJob {
             for r in prelude.iter().chain(window.iter().copied()) {
                 sink.record(r)?;
             }
+            sink.loss_counter(n::RECORDER_LOSSES_TRACK, &self.recorder_losses)?;
             let written = sink.finish_trace(self.end, &lost)?;
             let file = written.out.into_inner().map_err(|e| e.into_error())?;
             file.file.sync_all()?;
@@ -501,6 +592,7 @@ impl DumpJob {
             )),
             trace: trace_path.clone(),
             trigger: self.trigger.as_str(),
+            retention: self.retention.as_str(),
             window_start_ns: self.start,
             window_end_ns: self.end,
             records,
@@ -508,6 +600,7 @@ impl DumpJob {
             truncated,
             complete_from_ns: self.evicted_until.filter(|t| *t >= self.start),
             removed_old_dumps: 0,
+            lost_records: self.recorder_losses.iter().map(|(_, n)| n).sum(),
         };
         let summary_name = outcome
             .summary
@@ -524,6 +617,7 @@ impl DumpJob {
             })
             .collect();
         let json = DumpSummary {
+            retention: self.retention.as_str(),
             finding: self.finding.as_deref(),
             findings: FindingsDoc::new(&in_window),
             outcome: &outcome,

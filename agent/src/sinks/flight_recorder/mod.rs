@@ -21,9 +21,10 @@
 //! while a dump renders.
 
 pub mod dump;
+pub mod limits;
 pub mod state;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -37,11 +38,13 @@ use serde::Serialize;
 use super::{Batch, Sink, SinkCounters};
 use crate::model::{Finding, FindingKind, Record};
 pub use dump::{DumpError, DumpOutcome};
-use dump::{DumpJob, RateLimiter, check_job_label};
+use dump::{DumpJob, check_job_label};
+use limits::DumpLimits;
+pub use limits::Retention;
 use state::{ProcessTable, batch_bytes, span};
 
 /// Why a dump was taken (its name's last part).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum Trigger {
     /// `agent ctl dump`.
     Manual,
@@ -216,7 +219,15 @@ pub struct FlightRecorder {
     requests: Receiver<DumpRequest>,
     /// Requests whose window has not ended yet: (end, request).
     pending: Vec<(u64, DumpRequest)>,
-    limiter: RateLimiter,
+    limits: DumpLimits,
+    /// Each kept process's job label (its latest identity), for the rate
+    /// limits; dropped when its exit leaves the window.
+    jobs: HashMap<u32, String>,
+    /// The recorder's own losses (records the fan-out dropped while it
+    /// lagged) in the window: (time seen, count), oldest first.
+    losses: VecDeque<(u64, u64)>,
+    /// The fan-out's count of the recorder's lost records when last read.
+    lost_seen: u64,
     stats: Arc<RecorderStats>,
     renders: Vec<JoinHandle<()>>,
 }
@@ -227,7 +238,10 @@ impl FlightRecorder {
         let (tx, rx) = std::sync::mpsc::channel();
         let stats = Arc::new(RecorderStats::default());
         let recorder = Self {
-            limiter: RateLimiter::new(settings.max_dumps_per_hour),
+            limits: DumpLimits::new(settings.max_dumps_per_hour),
+            jobs: HashMap::new(),
+            losses: VecDeque::new(),
+            lost_seen: 0,
             settings,
             kept: VecDeque::new(),
             bytes: 0,
@@ -259,6 +273,13 @@ impl FlightRecorder {
             first: 0,
             bytes,
         });
+        for r in batch.iter() {
+            if let Record::Identity { tgid, identity } = r
+                && let Some(job) = &identity.job
+            {
+                self.jobs.insert(*tgid, job.clone());
+            }
+        }
         if self.settings.dump_on_finding {
             // The window ends at the finding's detection (the latest time
             // seen): the dump holds what led to it, and the finding. One
@@ -298,13 +319,16 @@ impl FlightRecorder {
     /// order: a late record stays until those before it go).
     fn expire(&mut self) {
         let horizon = self.now.saturating_sub(self.window_ns());
+        while self.losses.front().is_some_and(|(ts, _)| *ts < horizon) {
+            self.losses.pop_front();
+        }
         while let Some(front) = self.kept.front_mut() {
             while let Some(r) = front.batch.get(front.first) {
                 match span(r) {
                     Some((_, end)) if end >= horizon => break,
                     _ => {}
                 }
-                self.table.apply(r);
+                Self::leave_table(&mut self.table, &mut self.jobs, r);
                 front.first += 1;
                 self.records -= 1;
                 self.stats.expired_records.fetch_add(1, Ordering::Relaxed);
@@ -317,6 +341,36 @@ impl FlightRecorder {
         }
     }
 
+    /// A record leaves the window: its effect goes into the table.
+    fn leave_table(table: &mut ProcessTable, jobs: &mut HashMap<u32, String>, r: &Record) {
+        if let Record::Exit {
+            exit,
+            process_ended: true,
+        } = r
+        {
+            // Unless a later process with the same pid has an identity in
+            // the window (pids are reused).
+            let ours = table
+                .identities
+                .get(&exit.tgid)
+                .and_then(|i| i.job.as_ref());
+            if ours.is_none() || ours == jobs.get(&exit.tgid) {
+                jobs.remove(&exit.tgid);
+            }
+        }
+        table.apply(r);
+    }
+
+    /// Notes records the fan-out dropped for this sink since the last
+    /// look: they belong to the window a dump shows.
+    fn note_losses(&mut self, lost: &SinkCounters) {
+        let n = lost.dropped();
+        if n > self.lost_seen {
+            self.losses.push_back((self.now, n - self.lost_seen));
+            self.lost_seen = n;
+        }
+    }
+
     /// Evicts whole batches, oldest first, until the bound holds.
     fn evict_to_bound(&mut self) {
         while self.bytes > self.settings.max_bytes {
@@ -325,7 +379,7 @@ impl FlightRecorder {
             };
             let mut evicted = 0;
             for r in &front.batch[front.first..] {
-                self.table.apply(r);
+                Self::leave_table(&mut self.table, &mut self.jobs, r);
                 if let Some((_, end)) = span(r) {
                     self.evicted_until = Some(self.evicted_until.unwrap_or(0).max(end));
                 }
@@ -390,22 +444,48 @@ impl FlightRecorder {
             counts.failed.fetch_add(1, Ordering::Relaxed);
             return reply(Err(DumpError::BadRequest(e)));
         }
-        if let Err(retry_after) = self.limiter.take(Instant::now()) {
-            counts.rate_limited.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                "flight recorder: {} dump refused by the rate limit",
-                req.spec.trigger.as_str()
-            );
-            return reply(Err(DumpError::RateLimited {
-                per_hour: self.settings.max_dumps_per_hour,
-                retry_after,
-            }));
-        }
+        // The job the limits count it against: the one asked for, else
+        // the job of the process its finding names.
+        let job_key = req
+            .spec
+            .job
+            .clone()
+            .or_else(|| {
+                let pid = req.finding.as_ref()?.evidence.get("pid")?.as_u64()?;
+                self.jobs.get(&u32::try_from(pid).ok()?).cloned()
+            })
+            .unwrap_or_default();
+        let retention = match self.limits.take(req.spec.trigger, &job_key, Instant::now()) {
+            Ok(r) => r,
+            Err(refused) => {
+                counts.rate_limited.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "flight recorder: {} dump refused by the rate limit of {} {} per hour",
+                    req.spec.trigger.as_str(),
+                    refused.per_hour,
+                    refused.scope
+                );
+                return reply(Err(DumpError::RateLimited {
+                    per_hour: refused.per_hour,
+                    scope: refused.scope,
+                    retry_after: refused.retry_after,
+                }));
+            }
+        };
+        let start = end.saturating_sub(seconds.as_nanos() as u64);
+        let recorder_losses: Vec<(u64, u64)> = self
+            .losses
+            .iter()
+            .filter(|(ts, _)| (start..=end).contains(ts))
+            .copied()
+            .collect();
         let job = DumpJob {
             finding: req.finding,
             trigger: req.spec.trigger,
+            retention,
+            recorder_losses,
             job: req.spec.job.clone(),
-            start: end.saturating_sub(seconds.as_nanos() as u64),
+            start,
             end,
             table: self.table.clone(),
             batches: self
@@ -477,14 +557,16 @@ impl Sink for FlightRecorder {
         self.on_shared_batch(&Arc::new(batch.to_vec()), lost)
     }
 
-    fn on_shared_batch(&mut self, batch: &Batch, _lost: &SinkCounters) -> Result<()> {
+    fn on_shared_batch(&mut self, batch: &Batch, lost: &SinkCounters) -> Result<()> {
+        self.note_losses(lost);
         self.keep(batch);
         self.serve_requests();
         Ok(())
     }
 
-    fn on_tick(&mut self, now: u64, _lost: &SinkCounters) -> Result<()> {
+    fn on_tick(&mut self, now: u64, lost: &SinkCounters) -> Result<()> {
         self.now = self.now.max(now);
+        self.note_losses(lost);
         self.expire();
         self.publish();
         self.serve_requests();

@@ -810,3 +810,230 @@ fn a_dump_is_named_after_its_findings_job_or_the_windows_jobs() {
         "{name}"
     );
 }
+
+fn finding(kind: crate::model::FindingKind, pid: u32, at: u64) -> Record {
+    Record::Finding(Box::new(crate::model::Finding {
+        link: Default::default(),
+        kind,
+        ranks: vec![],
+        comm: None,
+        seq: None,
+        step: None,
+        start_ns: at,
+        end_ns: None,
+        summary: format!("{}: pid {pid}", kind.as_str()),
+        evidence: serde_json::json!({ "pid": pid }),
+        detected_ns: at,
+    }))
+}
+
+/// The dumps in the directory: (trigger, retention) of each summary, in
+/// name order.
+fn dumps_on_disk(dir: &Path) -> Vec<(String, String, String)> {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".summary.json"))
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .map(|p| {
+            let v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+            (
+                v["outcome"]["trigger"].as_str().unwrap().to_string(),
+                v["retention"].as_str().unwrap().to_string(),
+                v["finding"]["evidence"]["pid"].to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Any traced process can make a crash dump by dying on a fault signal. A
+/// burst of them (one job crashing over and over) neither refuses the
+/// next real incident's dump (another job's hang) nor later pushes it out
+/// of a full directory: routine dumps go first.
+#[test]
+fn a_crash_flood_neither_refuses_nor_erases_an_incident_dump() {
+    use crate::model::FindingKind;
+    let dir = Dir::new("crash-flood");
+    let mut s = settings(&dir.0);
+    s.max_dumps_per_hour = 3;
+    let (mut rec, _tx, _stats) = FlightRecorder::new(s);
+    const FLOOD: u32 = 500;
+    const TRAIN: u32 = 600;
+    feed(
+        &mut rec,
+        vec![
+            initial(),
+            identity(FLOOD, "0", "flood"),
+            identity(TRAIN, "0", "train"),
+        ],
+    );
+    // Twenty crashes of the flooding job, one batch each.
+    for i in 0..20u64 {
+        let at = S + i * 10 * MS;
+        feed(
+            &mut rec,
+            vec![waking(at, APP + 1), finding(FindingKind::Crash, FLOOD, at)],
+        );
+    }
+    // The training job hangs.
+    feed(
+        &mut rec,
+        vec![
+            waking(2 * S, APP + 1),
+            finding(FindingKind::Hang, TRAIN, 2 * S),
+        ],
+    );
+    // Wait for the dump threads before bounding the directory.
+    let stats = rec.finish(3 * S, &SinkCounters::default()).unwrap();
+    assert_eq!(
+        stats.trigger(Trigger::Hang).written.load(Ordering::Relaxed),
+        1
+    );
+    assert_eq!(
+        stats
+            .trigger(Trigger::Signal)
+            .written
+            .load(Ordering::Relaxed),
+        3,
+        "the flooding job's share"
+    );
+    assert_eq!(
+        stats
+            .trigger(Trigger::Signal)
+            .rate_limited
+            .load(Ordering::Relaxed),
+        17
+    );
+    let on_disk = dumps_on_disk(&dir.0);
+    let classes: Vec<(&str, &str)> = on_disk
+        .iter()
+        .map(|(t, r, _)| (t.as_str(), r.as_str()))
+        .collect();
+    let mut sorted = classes.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        vec![
+            ("hang", "incident"),
+            ("signal", "incident"),
+            ("signal", "routine"),
+            ("signal", "routine"),
+        ],
+        "the job's first crash is an incident, the later ones routine"
+    );
+    // The directory fills: a bound that holds two dumps keeps the hang
+    // and the first crash, however old, and removes the routine ones.
+    let sizes: Vec<u64> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .collect();
+    let biggest_two: u64 = {
+        let mut s = sizes.clone();
+        s.sort_unstable();
+        s.iter().rev().take(4).sum()
+    };
+    let removed = dump::enforce_dir_bound(&dir.0, biggest_two, &[]).unwrap();
+    assert_eq!(removed, 4, "two routine dumps, two files each");
+    let left: Vec<String> = dumps_on_disk(&dir.0)
+        .into_iter()
+        .map(|(_, r, _)| r)
+        .collect();
+    assert_eq!(left, vec!["incident", "incident"]);
+}
+
+/// A sink that blocks its thread until let go: the flight recorder stalled
+/// (a starved CPU, a slow disk under its dump) while records keep coming.
+struct Stalled {
+    inner: FlightRecorder,
+    gate: std::sync::mpsc::Receiver<()>,
+    waiting: bool,
+}
+
+impl Sink for Stalled {
+    type Output = Arc<RecorderStats>;
+
+    fn on_batch(&mut self, batch: &[Record], lost: &SinkCounters) -> Result<()> {
+        self.on_shared_batch(&Arc::new(batch.to_vec()), lost)
+    }
+
+    fn on_shared_batch(&mut self, batch: &Batch, lost: &SinkCounters) -> Result<()> {
+        if self.waiting {
+            let _ = self.gate.recv();
+            self.waiting = false;
+        }
+        self.inner.on_shared_batch(batch, lost)
+    }
+
+    fn on_tick(&mut self, now: u64, lost: &SinkCounters) -> Result<()> {
+        self.inner.on_tick(now, lost)
+    }
+
+    fn finish(self, end: u64, lost: &SinkCounters) -> Result<Arc<RecorderStats>> {
+        self.inner.finish(end, lost)
+    }
+}
+
+/// The recorder stalls while the pipeline goes on: the fan-out drops the
+/// batches it cannot take. A dump of that window says so: its outcome
+/// counts the lost records and its trace has a counter track of them.
+#[test]
+fn a_dump_of_a_window_the_recorder_lost_records_in_shows_the_loss() {
+    let dir = Dir::new("stalled");
+    let (rec, tx, _stats) = FlightRecorder::new(settings(&dir.0));
+    let (go, gate) = std::sync::mpsc::channel();
+    let mut fanout = crate::sinks::FanOut::default();
+    let handle = fanout
+        .add(
+            "flight_recorder",
+            Stalled {
+                inner: rec,
+                gate,
+                waiting: true,
+            },
+            2,
+        )
+        .unwrap();
+    fanout.send(vec![initial(), identity(APP, "0", "job-a")]);
+    // The recorder is stuck on the first batch: of the next ones, the
+    // queue (2) takes two and the rest are lost.
+    let mut sent = 0u64;
+    for second in 1..9u64 {
+        let batch: Vec<Record> = (0..100)
+            .map(|i| waking(second * S + i * MS, APP + 1))
+            .collect();
+        sent += batch.len() as u64;
+        fanout.send(batch);
+    }
+    let lost = handle.counters.dropped();
+    assert!(lost > 0 && lost < sent, "lost {lost} of {sent}");
+    go.send(()).unwrap();
+    // After the stall (its queue drained): records that reach it again,
+    // then a dump.
+    std::thread::sleep(Duration::from_millis(300));
+    fanout.send(vec![waking(9 * S, APP + 1)]);
+    assert_eq!(handle.counters.dropped(), lost);
+    let (reply, rx) = std::sync::mpsc::channel();
+    tx.send(DumpRequest {
+        spec: DumpSpec::now(Trigger::Manual),
+        reply: Some(reply),
+        finding: None,
+    })
+    .unwrap();
+    fanout.tick(10 * S);
+    let out = rx.recv_timeout(Duration::from_secs(30)).unwrap().unwrap();
+    assert_eq!(out.lost_records, lost, "{out:?}");
+    let tl = timeline(&out.trace);
+    assert_eq!(
+        tl.counter_values(crate::trace_schema::names::RECORDER_LOSSES_TRACK)
+            .last()
+            .copied(),
+        Some(lost as f64),
+        "the dump's trace shows the loss"
+    );
+    fanout.finish(11 * S);
+    handle.join().unwrap();
+}

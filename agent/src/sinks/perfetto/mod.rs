@@ -424,6 +424,23 @@ impl<W: Write> PerfettoSink<W> {
         Ok(())
     }
 
+    /// A counter track `name` of losses counted elsewhere (the flight
+    /// recorder's own, in a dump): the running total at each (time,
+    /// count), starting from 0 at the first. Nothing when there are none.
+    pub fn loss_counter(&mut self, name: &str, losses: &[(u64, u64)]) -> Result<()> {
+        let Some(&(first, _)) = losses.first() else {
+            return Ok(());
+        };
+        let track = self.writer.counter_track(None, name, CounterUnit::Count)?;
+        self.writer.counter(track, first.saturating_sub(1), 0.0)?;
+        let mut total = 0u64;
+        for &(ts, count) in losses {
+            total += count;
+            self.writer.counter(track, ts, total as f64)?;
+        }
+        Ok(())
+    }
+
     fn maybe_snapshot(&mut self) -> Result<()> {
         if let Some(last) = self.snapshots
             && last.elapsed() >= CLOCK_SNAPSHOT_EVERY
