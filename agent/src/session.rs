@@ -29,6 +29,7 @@ use crate::sinks::perfetto::{PerfettoSink, Written};
 use crate::sinks::summary::{RecordTotals, SummarySink};
 use crate::sinks::{FanOut, SinkHandle, SinkReport};
 use crate::summary::{RunSummary, StopReason};
+use crate::kernel::probes::closer;
 use crate::supervise::{announce_and_apply, on_loader_notices, send_drops};
 use crate::{host, preflight, procfs};
 
@@ -203,6 +204,9 @@ async fn record(
     let levels = CaptureLevels {
         device: DeviceLevel::new(cfg.probe_level)?,
     };
+    if target.is_some() {
+        wait_for_earlier_releases();
+    }
     let mut probes = start_kernel(&cfg, target, offsets, levels)?;
     let (stages, initial_threads, mut notices) = Stages::start(&cfg, &mut probes, file)?;
     // The host's loader's debugger hook: a traced process's start-up and
@@ -280,6 +284,37 @@ async fn record(
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
     Ok(summary)
+}
+
+/// How long `agent attach` waits for earlier agents' uprobe releases
+/// before it records anyway (they take about 90 ms per perf-event probe:
+/// a few seconds for a job's libraries, rarely more).
+const RELEASE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Waits, saying so, while earlier agents' device probes are released:
+/// probes attached meanwhile land late and the job's first calls go
+/// unrecorded (see [`closer::wait_for_releases`]).
+fn wait_for_earlier_releases() {
+    let waited = closer::wait_for_releases(
+        RELEASE_WAIT_LIMIT,
+        || crate::stop::requested().is_some(),
+        |pids| {
+            eprintln!(
+                "xpuscope: waiting for earlier agents' device probes to be released (closer pids {pids:?}); \
+                 probes attached meanwhile would land late and miss the job's first calls"
+            )
+        },
+    );
+    match waited {
+        closer::ReleaseWait::None => {}
+        closer::ReleaseWait::Done { waited, .. } => {
+            eprintln!("xpuscope: earlier agents' probes released after {waited:.1?}")
+        }
+        closer::ReleaseWait::GaveUp { closers, waited } => eprintln!(
+            "xpuscope: warning: {closers} earlier agents still release their probes after {waited:.1?}; \
+             recording now: device probes may land late (counted as slow attaches)"
+        ),
+    }
 }
 
 fn announce(cfg: &AttachConfig, target: Option<u32>, initial_threads: usize) {

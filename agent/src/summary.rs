@@ -160,6 +160,9 @@ pub struct DeviceSummary {
     pub probe_links: u64,
     /// Of `probe_links`, the uprobe-multi ones.
     pub multi_links: u64,
+    /// Library files whose probes took over a second to attach (calls
+    /// in that time unrecorded).
+    pub slow_attaches: u64,
     /// What the device records show (calls, device slices, allocations).
     #[serde(flatten)]
     pub counts: DeviceRecordCounts,
@@ -386,6 +389,7 @@ impl RunSummary {
         self.device.attach_failures = stats.attach_failures;
         self.device.probe_links = stats.links;
         self.device.multi_links = stats.multi_links;
+        self.device.slow_attaches = stats.slow_attaches;
     }
 
     /// Why records were lost to a full ring, per ring: each names the
@@ -524,7 +528,7 @@ impl RunSummary {
         if d.attached_probes + d.attach_failures + c.calls > 0 {
             eprintln!(
                 "  device:  {} calls ({} errors), {} probes on {} libraries ({} links, {} uprobe-multi), \
-                 {} attach failures, unmatched: {} entries {} returns, {} in flight at end",
+                 {} attach failures, {} slow attaches, unmatched: {} entries {} returns, {} in flight at end",
                 c.calls,
                 c.errors,
                 d.attached_probes,
@@ -532,6 +536,7 @@ impl RunSummary {
                 d.probe_links,
                 d.multi_links,
                 d.attach_failures,
+                d.slow_attaches,
                 c.entries_without_return,
                 dc.returns_without_entry,
                 c.in_flight_at_end

@@ -172,3 +172,61 @@ fn a_fifo_in_a_library_path_stalls_nothing() {
         stderr.rest(Duration::from_secs(1))
     );
 }
+
+/// Whether an earlier agent's probes are still being released (its
+/// `xpuscope-close` child lives until the kernel let go of them).
+fn releases_in_progress() -> bool {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "xpuscope-close")
+        })
+}
+
+/// Agents one after another: the kernel releases an agent's uprobes after
+/// it exits, slowly (one perf event at a time where uprobe-multi links are
+/// not used: about 90 ms each, under the mutex that attaching takes too).
+/// An agent started meanwhile must still record every call of its job,
+/// from the ranks' first: it waits for the releases before it starts
+/// recording, and says so. The second agent attaches one perf event per
+/// function too, as on kernels without uprobe-multi links (before 6.6):
+/// each of those registrations would queue behind a release, and the
+/// ranks' set-up calls (100 ms after their start) went unrecorded.
+#[test]
+fn an_agent_started_while_earlier_probes_are_released_records_every_call() {
+    use super::probes_early::{INIT_DELAY, assert_fully_identified, run_spawn_gated_with};
+    let _serial = exclusive();
+    wait_for_closers();
+    let extra = ["--init-delay-ms", INIT_DELAY];
+    // The first agent's probes are perf events: their release takes
+    // seconds.
+    let first = run_spawn_gated_with(
+        "b2b-first",
+        2,
+        &extra,
+        &[("XPUSCOPE_UPROBE_LINKS", "perf-event")],
+    );
+    assert!(!first.rank_pids.is_empty());
+    assert!(
+        releases_in_progress(),
+        "the first agent's probes were released already: this test shows nothing"
+    );
+    let second = run_spawn_gated_with(
+        "b2b-second",
+        4,
+        &extra,
+        &[("XPUSCOPE_UPROBE_LINKS", "perf-event")],
+    );
+    assert_fully_identified(&second, "ncclCommInitRank", "nccl", true);
+    assert!(
+        second
+            .stderr
+            .contains("waiting for earlier agents' device probes to be released"),
+        "the second agent did not say it waited:\n{}",
+        second.stderr
+    );
+    let device = &second.stats["device"];
+    assert_eq!(device["slow_attaches"], 0, "{device}");
+}

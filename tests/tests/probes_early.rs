@@ -26,16 +26,27 @@ use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode}
 
 /// A job of `world` ranks whose launcher the agent follows from before
 /// the ranks exist.
-struct EarlyRun {
+pub(crate) struct EarlyRun {
     _dir: TempDir,
-    tl: Timeline,
-    stats: Value,
-    stderr: String,
-    rank_pids: BTreeMap<u64, i32>,
+    pub tl: Timeline,
+    pub stats: Value,
+    pub stderr: String,
+    pub rank_pids: BTreeMap<u64, i32>,
 }
 
 fn run_spawn_gated(tag: &str, world: u32, extra: &[&str]) -> EarlyRun {
     wait_for_closers();
+    run_spawn_gated_with(tag, world, extra, &[])
+}
+
+/// [`run_spawn_gated`] with `agent_env` in the agent's environment, and
+/// without waiting for earlier agents' probes to be released.
+pub(crate) fn run_spawn_gated_with(
+    tag: &str,
+    world: u32,
+    extra: &[&str],
+    agent_env: &[(&str, &str)],
+) -> EarlyRun {
     let fixtures = fixtures::build_all();
     let dir = TempDir::new(tag);
     let job_dir = dir.path().join("job");
@@ -68,9 +79,10 @@ fn run_spawn_gated(tag: &str, world: u32, extra: &[&str]) -> EarlyRun {
         "the launcher's ground truth",
         || read_json(&job_dir.join("ground_truth.json")).is_some(),
     );
-    let rec = Recording::start(
+    let rec = Recording::start_with_env(
         dir.path(),
         &["--pid", &launcher.0.id().to_string(), "--probe-level", "0"],
+        agent_env,
     );
     std::fs::write(&gate, b"").expect("open the spawn gate");
     let done = rec.finish(Duration::from_secs(60));
@@ -98,7 +110,7 @@ fn run_spawn_gated(tag: &str, world: u32, extra: &[&str]) -> EarlyRun {
 /// identity, and every collective names a communicator set up on that rank
 /// and carries an exact sequence number, counting 0, 1, 2, ... per
 /// communicator, the same on every rank.
-fn assert_fully_identified(
+pub(crate) fn assert_fully_identified(
     run: &EarlyRun,
     init_prefix: &str,
     collective_prefix: &str,
@@ -164,7 +176,7 @@ fn assert_fully_identified(
 
 /// A C rank's set-up delay: well above the agent's reaction to a new
 /// program (milliseconds), well below its periodic rescan (500 ms).
-const INIT_DELAY: &str = "100";
+pub(crate) const INIT_DELAY: &str = "100";
 
 #[test]
 fn nvidia_c_ranks_started_after_the_agent_are_fully_identified() {

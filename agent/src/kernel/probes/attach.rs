@@ -106,7 +106,15 @@ pub struct DeviceProbeStats {
     pub links: u64,
     /// Of `links`, the uprobe-multi ones.
     pub multi_links: u64,
+    /// Library files whose probes took longer than [`SLOW_ATTACH`] to
+    /// attach (the kernel busy releasing other probes): calls in that time
+    /// went unrecorded.
+    pub slow_attaches: u64,
 }
+
+/// An attach slower than this is counted and reported: a rank calls its
+/// libraries within milliseconds of mapping them.
+pub const SLOW_ATTACH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A site with its uprobe pair attached, shared by the traced processes
 /// mapping it.
@@ -270,6 +278,26 @@ impl<L> ProbeLinks<L> {
         if ready.is_empty() {
             return;
         }
+        let started = std::time::Instant::now();
+        self.attach_ready(attacher, path, ready);
+        let took = started.elapsed();
+        if took > SLOW_ATTACH {
+            self.stats.slow_attaches += 1;
+            tracing::warn!(
+                "device probes: attaching {} functions at {path} took {took:.1?} (the kernel was busy, \
+                 e.g. releasing other agents' probes): their calls in that time were not recorded",
+                works.len()
+            );
+        }
+    }
+
+    /// [`Self::attach_new`]'s links, the specs written.
+    fn attach_ready<A: Attacher<Link = L>>(
+        &mut self,
+        attacher: &mut A,
+        path: &str,
+        ready: Vec<&SiteWork>,
+    ) {
         let sites: Vec<(u64, u32)> = ready.iter().map(|w| (w.site.offset, w.slot)).collect();
         match attacher.attach_many(ProbeEnd::Entry, path, &sites) {
             None => {}

@@ -53,3 +53,69 @@ pub fn close_after_exit<T>(links: Vec<T>) {
         }
     }
 }
+
+/// The process name of a closer child.
+const CLOSER_COMM: &str = "xpuscope-close";
+
+/// Pids of closer children alive now (any agent's): the kernel is still
+/// releasing their uprobes.
+pub fn releases_in_progress() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| is_closer(pid))
+        .collect()
+}
+
+fn is_closer(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == CLOSER_COMM)
+}
+
+/// How a wait for earlier agents' releases ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ReleaseWait {
+    /// None were in progress.
+    None,
+    /// They finished after this long.
+    Done { closers: usize, waited: std::time::Duration },
+    /// Still going at the limit (or a stop was asked for): attaching now.
+    GaveUp { closers: usize, waited: std::time::Duration },
+}
+
+/// Waits (up to `limit`, or until `stop` says so) for earlier agents'
+/// uprobe releases to end. Registering a uprobe takes the kernel-wide
+/// mutex each release holds for a grace period, so probes attached
+/// meanwhile land seconds late, and a job starting now loses its first
+/// calls; waiting before recording starts loses none. `say` is told the
+/// closers' pids first, when there are any.
+pub fn wait_for_releases(
+    limit: std::time::Duration,
+    stop: impl Fn() -> bool,
+    say: impl FnOnce(&[u32]),
+) -> ReleaseWait {
+    let closers = releases_in_progress();
+    if closers.is_empty() {
+        return ReleaseWait::None;
+    }
+    say(&closers);
+    let started = std::time::Instant::now();
+    loop {
+        let alive = closers.iter().filter(|&&p| is_closer(p)).count();
+        let waited = started.elapsed();
+        if alive == 0 {
+            return ReleaseWait::Done {
+                closers: closers.len(),
+                waited,
+            };
+        }
+        if waited >= limit || stop() {
+            return ReleaseWait::GaveUp {
+                closers: alive,
+                waited,
+            };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
