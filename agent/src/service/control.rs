@@ -227,49 +227,53 @@ pub async fn serve_unix(
     listener: UnixListener,
     policy: PeerPolicy,
     control: Arc<dyn Control>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    loop {
-        let (mut stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("control socket: accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            _ = stop.changed() => return,
-        };
-        let policy = policy.clone();
-        let control = control.clone();
-        tokio::spawn(async move {
-            let allowed = match stream.peer_cred() {
-                Ok(c) => {
-                    if policy.allows(c.uid(), c.gid(), c.pid()) {
-                        Ok(())
-                    } else {
-                        Err(format!(
-                            "uid {} is not allowed to use the control API (root{}only)",
-                            c.uid(),
-                            if policy.group.is_some() {
-                                " and the control group "
-                            } else {
-                                " "
-                            }
-                        ))
+    http::serve_connections(
+        "control socket",
+        listener,
+        http::MAX_CONNECTIONS,
+        busy(),
+        stop,
+        move |mut stream| {
+            let policy = policy.clone();
+            let control = control.clone();
+            async move {
+                let allowed = match stream.peer_cred() {
+                    Ok(c) => {
+                        if policy.allows(c.uid(), c.gid(), c.pid()) {
+                            Ok(())
+                        } else {
+                            Err(format!(
+                                "uid {} is not allowed to use the control API (root{}only)",
+                                c.uid(),
+                                if policy.group.is_some() {
+                                    " and the control group "
+                                } else {
+                                    " "
+                                }
+                            ))
+                        }
                     }
-                }
-                Err(e) => Err(format!("the peer's credentials could not be read: {e}")),
-            };
-            let resp = match (allowed, http::read_request(&mut stream).await) {
-                (Err(reason), _) => Response::error(403, reason),
-                (Ok(()), Err(e)) => Response::error(e.status(), e.to_string()),
-                (Ok(()), Ok(req)) => dispatch(control, req).await,
-            };
-            let _ = http::write_response(&mut stream, &resp).await;
-        });
-    }
+                    Err(e) => Err(format!("the peer's credentials could not be read: {e}")),
+                };
+                let resp = match (allowed, http::read_request(&mut stream).await) {
+                    (Err(reason), _) => Response::error(403, reason),
+                    (Ok(()), Err(e)) => Response::error(e.status(), e.to_string()),
+                    (Ok(()), Ok(req)) => dispatch(control, req).await,
+                };
+                let _ = http::write_response(&mut stream, &resp).await;
+            }
+        },
+    )
+    .await
+}
+
+fn busy() -> Response {
+    Response::error(
+        503,
+        "too many connections to the control API at once; retry later",
+    )
 }
 
 /// Serves the optional TCP listener: every request needs the token.
@@ -277,40 +281,41 @@ pub async fn serve_tcp(
     listener: TcpListener,
     token: String,
     control: Arc<dyn Control>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
-    loop {
-        let (mut stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(s) => s,
-                Err(_) => continue,
-            },
-            _ = stop.changed() => return,
-        };
-        let control = control.clone();
-        let token = token.clone();
-        tokio::spawn(async move {
-            let resp = match http::read_request(&mut stream).await {
-                Err(e) => Response::error(e.status(), e.to_string()),
-                Ok(req) => {
-                    let given = req
-                        .header("authorization")
-                        .and_then(|v| v.strip_prefix("Bearer "))
-                        .unwrap_or("");
-                    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
-                        dispatch(control, req).await
-                    } else {
-                        Response::error(
-                            401,
-                            "missing or wrong token (Authorization: Bearer <control.token_file>)",
-                        )
+    http::serve_connections(
+        "control TCP listener",
+        listener,
+        http::MAX_CONNECTIONS,
+        busy(),
+        stop,
+        move |mut stream| {
+            let control = control.clone();
+            let token = token.clone();
+            async move {
+                let resp = match http::read_request(&mut stream).await {
+                    Err(e) => Response::error(e.status(), e.to_string()),
+                    Ok(req) => {
+                        let given = req
+                            .header("authorization")
+                            .and_then(|v| v.strip_prefix("Bearer "))
+                            .unwrap_or("");
+                        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+                            dispatch(control, req).await
+                        } else {
+                            Response::error(
+                                401,
+                                "missing or wrong token (Authorization: Bearer <control.token_file>)",
+                            )
+                        }
                     }
-                }
-            };
-            let _ = http::write_response(&mut stream, &resp).await;
-        });
-    }
+                };
+                let _ = http::write_response(&mut stream, &resp).await;
+            }
+        },
+    )
+    .await
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
