@@ -262,6 +262,7 @@ where
     K: Future<Output = Result<Option<KernelHandle>>>,
 {
     let notifier = Notifier::from_env();
+    super::dump_dir::prepare(&cfg.dump_dir).map_err(|e| anyhow!(e))?;
     let node = host::system_info().machine_name.unwrap_or_default();
     let (recorder, dump_tx, stats) = FlightRecorder::new(RecorderSettings {
         window: cfg.flight_recorder.seconds,
