@@ -378,7 +378,7 @@ async fn supervise(
                 while let Ok(n) = notices.try_recv() {
                     batch.push(n);
                 }
-                if let Err(e) = on_loader_notices(device, probes, &stages.announce, &batch).await {
+                if let Err(e) = on_loader_notices(device, probes, &stages.announce, &batch, &mut LiveProcesses).await {
                     tracing::warn!("device probes: {e:#}");
                 }
             }

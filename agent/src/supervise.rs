@@ -7,7 +7,7 @@ use anyhow::{Result, anyhow};
 use tokio::sync::mpsc;
 
 use crate::host;
-use crate::kernel::probes::{AyaDeviceProbes, LiveProcesses, Plan};
+use crate::kernel::probes::{AyaDeviceProbes, Plan, ProcessSource};
 use crate::kernel::{Kernel, KernelControl};
 use crate::pipeline::collect::LoaderNotice;
 use crate::pipeline::{Announcements, PipelineMsg};
@@ -45,12 +45,14 @@ pub async fn announce_and_apply(
 /// Acts on loader notices read by collect: for each traced process that
 /// started a program or changed its link map, the libraries its program
 /// will load are probed by file (once per program start) and its maps
-/// rescanned now. Notices of one process are coalesced.
+/// rescanned now. Notices of one process are coalesced. `source` reads the
+/// processes (the service's labels its jobs as configured).
 pub async fn on_loader_notices(
     device: &mut AyaDeviceProbes,
     probes: &mut Kernel,
     tx: &Announcements,
     notices: &[LoaderNotice],
+    source: &mut impl ProcessSource,
 ) -> Result<()> {
     let traced: std::collections::HashSet<u32> = probes.targets().into_iter().collect();
     let mut by_pid: Vec<(u32, bool)> = Vec::new();
@@ -62,7 +64,7 @@ pub async fn on_loader_notices(
     }
     for (pid, exec) in by_pid {
         let started = std::time::Instant::now();
-        let plan = device.plan_early(pid, exec, &mut LiveProcesses);
+        let plan = device.plan_early(pid, exec, source);
         let work = (plan.live.len(), plan.files.len(), plan.libraries.len());
         let planned = started.elapsed();
         announce_and_apply(device, probes, tx, plan).await?;

@@ -137,6 +137,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fault-file", help="JSON list of faults ({kind, rank, ...})")
     p.add_argument("--out-dir", help="where logs and ground_truth.json go (default: a new /tmp dir)")
     p.add_argument("--job-name", help="XPUSCOPE_JOB / JOB_NAME (default sim-<flavor>-<pid>)")
+    p.add_argument("--job-env", metavar="NAME",
+                   help="name the job in this variable only, instead of XPUSCOPE_JOB, JOB_NAME "
+                        "and TORCHELASTIC_RUN_ID (a site's own variable)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds before a job still running is killed and recorded as hung "
                         "(counted from the start gate's opening, when given)")
@@ -298,14 +301,14 @@ class Job:
             "NODE_RANK": str(self.node.node_rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500",
-            "XPUSCOPE_JOB": self.job,
-            "JOB_NAME": self.job,
-            "TORCHELASTIC_RUN_ID": self.job,
             "NCCL_SOCKET_IFNAME": "lo",
             "STANDIN_NCCL_BW_GBPS": str(a.bw_gbps),
             "STANDIN_HCCL_BW_GBPS": str(a.bw_gbps),
             "PYTHONUNBUFFERED": "1",
         }
+        for name in [a.job_env] if a.job_env else ["XPUSCOPE_JOB", "JOB_NAME",
+                                                    "TORCHELASTIC_RUN_ID"]:
+            env[name] = self.job
         if a.flavor == "ascend":
             env["RANK_SIZE"] = str(self.layout.world_size)
         if a.device_mem_mb:

@@ -117,7 +117,12 @@ struct Job {
 
 impl Job {
     fn start(dir: &Path, name: &str) -> Job {
-        let job = start_gated_job(dir, name, name, STEPS, &[]);
+        Job::start_with(dir, name, &[])
+    }
+
+    /// With `extra` launcher options.
+    fn start_with(dir: &Path, name: &str, extra: &[&str]) -> Job {
+        let job = start_gated_job(dir, name, name, STEPS, extra);
         Job {
             launcher: job.launcher,
             gate: job.gate,
@@ -433,6 +438,178 @@ fn the_service_probes_a_traced_process_at_its_dlopen() {
         "{}",
         stderr.rest(Duration::from_millis(200))
     );
+    agent.signal(libc::SIGTERM);
+    assert!(
+        agent
+            .wait_timeout(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "{}",
+        stderr.rest(Duration::from_secs(1))
+    );
+}
+
+/// Lines of the service's log so far containing `needle`.
+fn log_lines(stderr: &mut Lines, needle: &str) -> usize {
+    stderr.rest(Duration::from_millis(300));
+    stderr.seen.iter().filter(|l| l.contains(needle)).count()
+}
+
+fn names(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not a list: {v}"))
+        .iter()
+        .map(|k| k.as_str().expect("a key name"))
+        .collect()
+}
+
+/// A reload applies what it can (the level) and names every key that
+/// waits for a restart, in its answer and in the log, at every reload,
+/// by `agent ctl reload` and by SIGHUP alike, until the agent restarts:
+/// the running configuration, not the last file read, is what the file
+/// is compared with.
+#[test]
+fn the_service_reports_keys_needing_a_restart_at_every_reload() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let dir = TempDir::new("service-reload");
+    let Service {
+        mut agent,
+        mut stderr,
+        socket,
+        ..
+    } = Service::start(dir.path(), "[flight_recorder]\nseconds = 120\n");
+    let path = dir.path().join("agent.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let edited = text
+        .replace("level = 1\n", "level = 2\n")
+        .replace("seconds = 120\n", "seconds = 30\n");
+    assert_ne!(edited, text);
+    std::fs::write(&path, edited).unwrap();
+    const LOGGED: &str = "take effect only at the next restart";
+
+    let first = ctl(&socket, &["reload"]);
+    assert_eq!(names(&first["applied"]), ["level"], "{first}");
+    assert_eq!(
+        names(&first["restart_needed_for"]),
+        ["flight_recorder.seconds"],
+        "{first}"
+    );
+    assert_eq!(ctl(&socket, &["status"])["level"], 2);
+    assert_eq!(log_lines(&mut stderr, LOGGED), 1);
+
+    let second = ctl(&socket, &["reload"]);
+    assert!(names(&second["applied"]).is_empty(), "{second}");
+    assert_eq!(
+        names(&second["restart_needed_for"]),
+        ["flight_recorder.seconds"],
+        "{second}"
+    );
+    assert_eq!(log_lines(&mut stderr, LOGGED), 2);
+
+    agent.signal(libc::SIGHUP);
+    let end = Instant::now() + Duration::from_secs(10);
+    while log_lines(&mut stderr, LOGGED) < 3 {
+        assert!(
+            Instant::now() < end,
+            "SIGHUP: no reload logged:\n{}",
+            stderr.seen.join("\n")
+        );
+    }
+    let line = stderr
+        .seen
+        .iter()
+        .rev()
+        .find(|l| l.contains(LOGGED))
+        .unwrap();
+    assert!(line.contains("flight_recorder.seconds"), "{line}");
+    let status = ctl(&socket, &["status"]);
+    assert_eq!(
+        names(&status["restart_needed_for"]),
+        ["flight_recorder.seconds"],
+        "{status}"
+    );
+
+    agent.signal(libc::SIGTERM);
+    assert!(
+        agent
+            .wait_timeout(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "{}",
+        stderr.rest(Duration::from_secs(1))
+    );
+}
+
+/// `labels.job_env` names the job everywhere: ranks that carry their job
+/// only in `MY_JOB` (none of the default variables) are labelled by it in
+/// `/processes`, on `/metrics` and in a dump's process list.
+#[test]
+fn the_service_labels_jobs_by_the_configured_variable_everywhere() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let dir = TempDir::new("service-job-env");
+    let Service {
+        mut agent,
+        mut stderr,
+        dump_dir,
+        socket,
+        port,
+    } = Service::start(dir.path(), "[labels]\njob_env = [\"MY_JOB\"]\n");
+    let name = "myjobx";
+    let job = Job::start_with(dir.path(), name, &["--job-env", "MY_JOB"]);
+    for pid in job.ranks.values() {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+        assert!(vars.contains(&format!("MY_JOB={name}").as_bytes()));
+        assert!(
+            !vars.iter().any(|v| v.starts_with(b"XPUSCOPE_JOB=")
+                || v.starts_with(b"JOB_NAME=")
+                || v.starts_with(b"TORCHELASTIC_RUN_ID=")),
+            "rank {pid} has a default job variable"
+        );
+    }
+    let (_, listed) = wait_listed(&socket, &job, name);
+    for e in &listed {
+        assert_eq!(e["job"], name, "{e}");
+    }
+    let ranks = job.run();
+
+    // The dump waits for the pipeline to pass its request: the job's
+    // records have reached every sink by its answer.
+    let out = ctl(&socket, &["dump", "--seconds", "30"]);
+    let summary = PathBuf::from(out["summary"].as_str().unwrap_or_else(|| panic!("{out}")));
+    assert_eq!(summary.parent(), Some(dump_dir.as_path()));
+    let file = summary.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        file.starts_with(&format!("{name}-")),
+        "named by the job: {file}"
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
+    for pid in ranks.values() {
+        let row = v["processes"]
+            .as_array()
+            .expect("processes")
+            .iter()
+            .find(|p| p["pid"].as_u64() == Some(*pid as u64))
+            .unwrap_or_else(|| panic!("rank {pid} not in the dump: {}", v["processes"]));
+        assert_eq!(row["job"], name, "{row}");
+    }
+
+    let metrics = http_get(port, "/metrics");
+    for rank in ranks.keys() {
+        let series: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("xpuscope_collective_duration_seconds_count{"))
+            .filter(|l| l.contains(&format!("rank=\"{rank}\"")) && l.contains("op=\"allreduce\""))
+            .collect();
+        let count: f64 = series
+            .iter()
+            .filter(|l| l.contains(&format!("job=\"{name}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(count, STEPS as f64, "rank {rank}: {series:#?}");
+    }
+
     agent.signal(libc::SIGTERM);
     assert!(
         agent

@@ -219,13 +219,79 @@ impl Default for ServiceConfig {
             },
             discovery: DiscoveryConfig::default(),
             labels: LabelsConfig {
-                job_env: ["XPUSCOPE_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"]
-                    .map(String::from)
-                    .to_vec(),
+                job_env: crate::model::identity::default_job_env(),
             },
             rings: RingsConfig::default(),
             stacks: StacksConfig::default(),
         }
+    }
+}
+
+/// Keys a reload applies to the running service. Every other key is read
+/// once, at start: it sizes or binds something (rings, the recorder's
+/// window, sockets, the dump directory) or seeds state built from it
+/// (discovery, the detectors), so a change waits for the next restart.
+pub const LIVE_KEYS: &[&str] = &["level", "labels.job_env"];
+
+impl ServiceConfig {
+    /// Every key with its value, named as in the file, in file order.
+    pub fn keys(&self) -> Vec<(&'static str, String)> {
+        let c = self;
+        let (h, k) = (&c.detect.host, &c.detect.collective);
+        macro_rules! keys {
+            ($($name:literal => $v:expr),* $(,)?) => {
+                vec![$(($name, format!("{:?}", $v))),*]
+            };
+        }
+        keys![
+            "level" => c.level,
+            "dump_dir" => c.dump_dir,
+            "dump_dir_max_bytes" => c.dump_dir_max_bytes,
+            "max_dumps_per_hour" => c.max_dumps_per_hour,
+            "detect.hang_timeout" => c.detect.hang_timeout,
+            "detect.late_min" => k.late_min,
+            "detect.late_mad_k" => k.late_mad_k,
+            "detect.slow_rank_persist" => k.slow_rank_persist,
+            "detect.slow_link_ratio" => k.slow_link_ratio,
+            "detect.link_min_bytes" => k.link_min_bytes,
+            "detect.link_min_ops" => k.link_min_ops,
+            "detect.slow_compute_pct" => k.slow_compute_pct,
+            "detect.dump_on_finding" => c.detect.dump_on_finding,
+            "detect.contention_min_share_pct" => h.contention_min_share_pct,
+            "detect.contention_min_lost" => h.contention_min_lost,
+            "detect.contention_min_steps" => h.contention_min_steps,
+            "detect.stall_min" => h.stall_min,
+            "detect.stall_factor" => h.stall_factor,
+            "detect.stall_min_history" => h.stall_min_history,
+            "detect.leak_min_per_step" => h.leak_min_per_step,
+            "detect.leak_min_steps" => h.leak_min_steps,
+            "flight_recorder.seconds" => c.flight_recorder.seconds,
+            "flight_recorder.max_bytes" => c.flight_recorder.max_bytes,
+            "rings.scheduler" => c.rings.scheduler,
+            "rings.device" => c.rings.device,
+            "rings.bystander" => c.rings.bystander,
+            "stacks.rate" => c.stacks.rate,
+            "stacks.burst" => c.stacks.burst,
+            "metrics.listen" => c.metrics.listen,
+            "control.socket" => c.control.socket,
+            "control.group" => c.control.group,
+            "control.tcp_listen" => c.control.tcp_listen,
+            "control.token_file" => c.control.token_file,
+            "discovery.comm" => c.discovery.comm.as_ref().map(|p| p.0.as_str()),
+            "discovery.cgroup_prefix" => c.discovery.cgroup_prefix,
+            "discovery.env" => c.discovery.env,
+            "labels.job_env" => c.labels.job_env,
+        ]
+    }
+
+    /// The keys whose values differ from `self` in `other`, in file order.
+    pub fn changed_keys(&self, other: &Self) -> Vec<&'static str> {
+        self.keys()
+            .into_iter()
+            .zip(other.keys())
+            .filter(|(a, b)| a.1 != b.1)
+            .map(|(a, _)| a.0)
+            .collect()
     }
 }
 
@@ -941,6 +1007,72 @@ job_env = ["MY_JOB"]
         assert_eq!(cfg.discovery.cgroup_prefix, vec!["/kubepods.slice"]);
         assert_eq!(cfg.discovery.env, vec!["RANK"]);
         assert_eq!(cfg.labels.job_env, vec!["MY_JOB"]);
+    }
+
+    /// Every key of the documented file (its commented-out examples too)
+    /// is one the reload compares, and none else: a key added to the file
+    /// but not to the comparison would be silently ignored by reloads.
+    #[test]
+    fn the_reload_compares_every_documented_key() {
+        let mut section = String::new();
+        let mut documented = Vec::new();
+        for line in documented_example().lines() {
+            let line = line.trim_start_matches("# ");
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                section = format!("{name}.");
+            } else if let Some((key, _)) = line.split_once(" = ")
+                && !key.is_empty()
+                && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            {
+                documented.push(format!("{section}{key}"));
+            }
+        }
+        let compared: Vec<String> = ServiceConfig::default()
+            .keys()
+            .into_iter()
+            .map(|(k, _)| k.to_string())
+            .collect();
+        let sorted = |mut v: Vec<String>| {
+            v.sort();
+            v
+        };
+        assert_eq!(sorted(compared), sorted(documented));
+        for key in LIVE_KEYS {
+            assert!(
+                ServiceConfig::default()
+                    .keys()
+                    .iter()
+                    .any(|(k, _)| k == key),
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn changed_keys_name_each_key_that_differs() {
+        let base = ServiceConfig::default();
+        assert!(base.changed_keys(&base.clone()).is_empty());
+        let edited = parse(
+            "level = 2\n[flight_recorder]\nseconds = \"30s\"\n[detect]\nlate_mad_k = 7\n\
+             [control]\nsocket = \"/run/other.sock\"\n[discovery]\ncomm = \"^python\"\n\
+             [labels]\njob_env = [\"MY_JOB\"]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            base.changed_keys(&edited),
+            vec![
+                "level",
+                "detect.late_mad_k",
+                "flight_recorder.seconds",
+                "control.socket",
+                "discovery.comm",
+                "labels.job_env",
+            ]
+        );
+        assert_eq!(edited.changed_keys(&base), base.changed_keys(&edited));
+        // A value written differently but equal is no change.
+        let same = parse("[flight_recorder]\nseconds = \"2m\"\nmax_bytes = 268435456\n").unwrap();
+        assert!(base.changed_keys(&same).is_empty());
     }
 
     #[test]

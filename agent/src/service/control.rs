@@ -7,19 +7,22 @@
 //! | `GET /processes` | | traced processes with job and rank |
 //! | `POST /level` | `{"level": 2}` | the new level |
 //! | `POST /dump` | `{"job"?, "seconds"?, "after"?, "at"?, "wait"?}` | the dump written (or scheduled) |
-//! | `POST /reload` | | the configuration re-read |
+//! | `POST /reload` | | the keys applied, those waiting for a restart |
 //!
 //! Access: the socket is created mode 0600 (0660 and the configured
-//! group's with `control.group`) under a temporary name and renamed into
-//! place, so it is never reachable with wider permissions; each peer's
+//! group's with `control.group`) in a private directory and renamed into
+//! place, so it is never reachable with wider permissions, and its mode and
+//! group are set through a descriptor, never through a symlink; each peer's
 //! uid (and groups) are checked again with SO_PEERCRED, so a socket whose
 //! mode was widened still refuses other users. No TCP listener exists
 //! unless `control.tcp_listen` is set, and then every request must carry
-//! the token from `control.token_file` (`Authorization: Bearer ...`).
+//! the token from `control.token_file` (`Authorization: Bearer ...`), a
+//! file root (or the agent's user) owns and only it may read and write.
 //!
 //! Bad input gets a 4xx with the reason: malformed JSON or an unknown
 //! field (400), an invalid level, window, time or job label (400), an
-//! unknown command (404), a wrong method (405), the dump rate limit (429).
+//! unknown command (404), a wrong method (405), the dump rate limit (429);
+//! more than [`http::MAX_CONNECTIONS`] connections at once get 503.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -176,10 +179,30 @@ impl Drop for SocketFile {
     }
 }
 
-/// Binds the control socket at `path`: created under a temporary name,
-/// given its mode (and group), then renamed into place. A stale socket is
-/// replaced; anything else at `path` is refused.
+/// Binds the control socket at `path`: created in a private directory
+/// beside it, given its mode (and group), then renamed into place. A
+/// stale socket is replaced; anything else at `path` is refused.
 pub fn bind_socket(path: &Path, group: Option<u32>) -> Result<(UnixListener, SocketFile), String> {
+    bind_socket_with(path, group, |_| {})
+}
+
+/// A directory removed (with what is left in it) when dropped.
+struct PrivateDir(PathBuf);
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// [`bind_socket`]; `after_bind` runs between the bind and the mode change
+/// (tests put a rival there).
+fn bind_socket_with(
+    path: &Path,
+    group: Option<u32>,
+    after_bind: impl FnOnce(&Path),
+) -> Result<(UnixListener, SocketFile), String> {
+    use std::os::unix::fs::DirBuilderExt;
     let dir = path
         .parent()
         .ok_or_else(|| format!("{}: not a socket path", path.display()))?;
@@ -193,20 +216,84 @@ pub fn bind_socket(path: &Path, group: Option<u32>) -> Result<(UnixListener, Soc
             ));
         }
     }
-    let tmp = dir.join(format!(
-        ".{}.{}",
+    // Bound in a directory only this user can enter: between the bind and
+    // the rename nobody else can put a file, a symlink or a socket of
+    // their own where the mode and owner are set.
+    let private = dir.join(format!(
+        ".{}.{}.d",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("sock"),
         std::process::id()
     ));
-    let _ = std::fs::remove_file(&tmp);
+    let _ = std::fs::remove_file(&private);
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .map_err(|e| format!("creating {}: {e}", private.display()))?;
+    let private = PrivateDir(private);
+    let tmp = private.0.join("sock");
     let listener =
         UnixListener::bind(&tmp).map_err(|e| format!("binding {}: {e}", tmp.display()))?;
     let mut guard = SocketFile(tmp.clone());
+    after_bind(&tmp);
     let mode = if group.is_some() { 0o660 } else { 0o600 };
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| format!("chmod {}: {e}", tmp.display()))?;
+    set_socket_mode(&tmp, mode, group)?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("placing {}: {e}", path.display()))?;
+    guard.0 = path.to_path_buf();
+    Ok((listener, guard))
+}
+
+/// Sets the mode (and group) of the socket file at `path`, never of what a
+/// symlink there points to: the file is opened without following links,
+/// checked to be a socket of this user's, and changed through that
+/// descriptor.
+fn set_socket_mode(path: &Path, mode: u32, group: Option<u32>) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+    use std::os::unix::io::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("stat {}: {e}", path.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let own = unsafe { libc::geteuid() };
+    if !meta.file_type().is_socket() || meta.uid() != own {
+        return Err(format!(
+            "{} was replaced after the agent bound it (now a {} of uid {}); \
+             refusing to change its mode",
+            path.display(),
+            if meta.file_type().is_symlink() {
+                "symlink"
+            } else if meta.file_type().is_socket() {
+                "socket"
+            } else {
+                "file"
+            },
+            meta.uid()
+        ));
+    }
+    // chmod has no form taking an O_PATH descriptor; its /proc link names
+    // this very inode, whatever happens to the path.
+    let by_fd = format!("/proc/self/fd/{}", file.as_raw_fd());
+    std::fs::set_permissions(&by_fd, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))?;
     if let Some(gid) = group {
-        std::os::unix::fs::chown(&tmp, None, Some(gid)).map_err(|e| {
+        // SAFETY: the descriptor is open for the call; the empty path with
+        // AT_EMPTY_PATH names the descriptor's own file.
+        let rc = unsafe {
+            libc::fchownat(
+                file.as_raw_fd(),
+                c"".as_ptr(),
+                u32::MAX,
+                gid,
+                libc::AT_EMPTY_PATH,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
             let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
                 "; giving the socket to control.group needs CAP_CHOWN (under the systemd \
                  unit: `systemctl edit xpuscope-agent`, add `CapabilityBoundingSet=CAP_CHOWN` \
@@ -214,12 +301,10 @@ pub fn bind_socket(path: &Path, group: Option<u32>) -> Result<(UnixListener, Soc
             } else {
                 ""
             };
-            format!("chown {}: {e}{hint}", tmp.display())
-        })?;
+            return Err(format!("chown {}: {e}{hint}", path.display()));
+        }
     }
-    std::fs::rename(&tmp, path).map_err(|e| format!("placing {}: {e}", path.display()))?;
-    guard.0 = path.to_path_buf();
-    Ok((listener, guard))
+    Ok(())
 }
 
 /// Serves the Unix socket until `stop` turns true.
@@ -227,49 +312,53 @@ pub async fn serve_unix(
     listener: UnixListener,
     policy: PeerPolicy,
     control: Arc<dyn Control>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    loop {
-        let (mut stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("control socket: accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            _ = stop.changed() => return,
-        };
-        let policy = policy.clone();
-        let control = control.clone();
-        tokio::spawn(async move {
-            let allowed = match stream.peer_cred() {
-                Ok(c) => {
-                    if policy.allows(c.uid(), c.gid(), c.pid()) {
-                        Ok(())
-                    } else {
-                        Err(format!(
-                            "uid {} is not allowed to use the control API (root{}only)",
-                            c.uid(),
-                            if policy.group.is_some() {
-                                " and the control group "
-                            } else {
-                                " "
-                            }
-                        ))
+    http::serve_connections(
+        "control socket",
+        listener,
+        http::MAX_CONNECTIONS,
+        busy(),
+        stop,
+        move |mut stream| {
+            let policy = policy.clone();
+            let control = control.clone();
+            async move {
+                let allowed = match stream.peer_cred() {
+                    Ok(c) => {
+                        if policy.allows(c.uid(), c.gid(), c.pid()) {
+                            Ok(())
+                        } else {
+                            Err(format!(
+                                "uid {} is not allowed to use the control API (root{}only)",
+                                c.uid(),
+                                if policy.group.is_some() {
+                                    " and the control group "
+                                } else {
+                                    " "
+                                }
+                            ))
+                        }
                     }
-                }
-                Err(e) => Err(format!("the peer's credentials could not be read: {e}")),
-            };
-            let resp = match (allowed, http::read_request(&mut stream).await) {
-                (Err(reason), _) => Response::error(403, reason),
-                (Ok(()), Err(e)) => Response::error(e.status(), e.to_string()),
-                (Ok(()), Ok(req)) => dispatch(control, req).await,
-            };
-            let _ = http::write_response(&mut stream, &resp).await;
-        });
-    }
+                    Err(e) => Err(format!("the peer's credentials could not be read: {e}")),
+                };
+                let resp = match (allowed, http::read_request(&mut stream).await) {
+                    (Err(reason), _) => Response::error(403, reason),
+                    (Ok(()), Err(e)) => Response::error(e.status(), e.to_string()),
+                    (Ok(()), Ok(req)) => dispatch(control, req).await,
+                };
+                let _ = http::write_response(&mut stream, &resp).await;
+            }
+        },
+    )
+    .await
+}
+
+fn busy() -> Response {
+    Response::error(
+        503,
+        "too many connections to the control API at once; retry later",
+    )
 }
 
 /// Serves the optional TCP listener: every request needs the token.
@@ -277,60 +366,92 @@ pub async fn serve_tcp(
     listener: TcpListener,
     token: String,
     control: Arc<dyn Control>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
-    loop {
-        let (mut stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(s) => s,
-                Err(_) => continue,
-            },
-            _ = stop.changed() => return,
-        };
-        let control = control.clone();
-        let token = token.clone();
-        tokio::spawn(async move {
-            let resp = match http::read_request(&mut stream).await {
-                Err(e) => Response::error(e.status(), e.to_string()),
-                Ok(req) => {
-                    let given = req
-                        .header("authorization")
-                        .and_then(|v| v.strip_prefix("Bearer "))
-                        .unwrap_or("");
-                    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
-                        dispatch(control, req).await
-                    } else {
-                        Response::error(
-                            401,
-                            "missing or wrong token (Authorization: Bearer <control.token_file>)",
-                        )
+    http::serve_connections(
+        "control TCP listener",
+        listener,
+        http::MAX_CONNECTIONS,
+        busy(),
+        stop,
+        move |mut stream| {
+            let control = control.clone();
+            let token = token.clone();
+            async move {
+                let resp = match http::read_request(&mut stream).await {
+                    Err(e) => Response::error(e.status(), e.to_string()),
+                    Ok(req) => {
+                        let given = req
+                            .header("authorization")
+                            .and_then(|v| v.strip_prefix("Bearer "))
+                            .unwrap_or("");
+                        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+                            dispatch(control, req).await
+                        } else {
+                            Response::error(
+                                401,
+                                "missing or wrong token (Authorization: Bearer <control.token_file>)",
+                            )
+                        }
                     }
-                }
-            };
-            let _ = http::write_response(&mut stream, &resp).await;
-        });
-    }
+                };
+                let _ = http::write_response(&mut stream, &resp).await;
+            }
+        },
+    )
+    .await
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Reads the TCP token: the file must be private to its owner.
+/// Reads the TCP token. The file must be root's (or the agent's own
+/// user's) and private to it: whoever else could write it could choose
+/// the token, whoever else could read it could use it.
 pub fn read_token(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path)
-        .map_err(|e| format!("control.token_file {}: {e}", path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let name = |e: &dyn std::fmt::Display| format!("control.token_file {}: {e}", path.display());
+    // Checked on the file opened, not on the path: it cannot be swapped
+    // between the check and the read. A symlink is followed (a mounted
+    // secret is one); what it points to is checked.
+    let mut file = std::fs::File::open(path).map_err(|e| name(&e))?;
+    let meta = file.metadata().map_err(|e| name(&e))?;
+    // SAFETY: geteuid has no preconditions.
+    let own = unsafe { libc::geteuid() };
+    if meta.uid() != 0 && meta.uid() != own {
         return Err(format!(
-            "control.token_file {} is readable by others; chmod 600 it",
+            "control.token_file {} is owned by uid {}, not root{}: another user could change \
+             the token; `chown root:root` it (and `chmod 600`)",
+            path.display(),
+            meta.uid(),
+            if own == 0 {
+                String::new()
+            } else {
+                format!(" or the agent's uid {own}")
+            }
+        ));
+    }
+    let mode = meta.mode() & 0o777;
+    if mode & 0o022 != 0 {
+        return Err(format!(
+            "control.token_file {} is writable by its group or others (mode {mode:03o}): they \
+             could change the token; `chmod 600` it",
             path.display()
         ));
     }
-    let token = std::fs::read_to_string(path)
-        .map_err(|e| format!("control.token_file {}: {e}", path.display()))?
-        .trim()
-        .to_string();
+    if mode & 0o044 != 0 {
+        return Err(format!(
+            "control.token_file {} is readable by its group or others (mode {mode:03o}); \
+             `chmod 600` it",
+            path.display()
+        ));
+    }
+    let mut token = String::new();
+    file.read_to_string(&mut token).map_err(|e| name(&e))?;
+    let token = token.trim().to_string();
     if token.len() < 16 {
         return Err(format!(
             "control.token_file {} holds a token shorter than 16 characters",

@@ -271,16 +271,6 @@ pub fn has_variable(environ: &[u8], name: &str) -> bool {
     })
 }
 
-/// The first of `names` set in a raw environment, with its value.
-pub fn first_variable(environ: &[u8], names: &[String]) -> Option<String> {
-    names.iter().find_map(|name| {
-        environ.split(|&b| b == 0).find_map(|var| {
-            let rest = var.strip_prefix(name.as_bytes())?.strip_prefix(b"=")?;
-            Some(String::from_utf8_lossy(rest).into_owned())
-        })
-    })
-}
-
 #[cfg(test)]
 #[path = "discovery_tests.rs"]
 mod tests;

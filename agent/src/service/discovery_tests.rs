@@ -147,10 +147,6 @@ fn environment_lookups_match_whole_names() {
     assert!(has_variable(env, "RANK"));
     assert!(!has_variable(env, "RAN"));
     assert!(has_variable(env, "XPUSCOPE_JOB"));
-    let names = ["XPUSCOPE_JOB".to_string(), "JOB_NAME".to_string()];
-    assert_eq!(first_variable(env, &names).as_deref(), Some(""));
-    assert_eq!(first_variable(env, &names[1..]).as_deref(), Some("llama"));
-    assert_eq!(first_variable(env, &["NONE".to_string()]), None);
     let stat = "42 (a (b) c) S 1 42 42 0 -1 4194304 1 0 0 0 3 4 0 0 20 0 2 0 777 123456 100";
     assert_eq!(
         ProcStat::parse(stat),

@@ -6,12 +6,18 @@
 //! and `agent ctl`, all of which speak this subset; hyper (with
 //! hyper-util and http-body) would add more code than the agent's own
 //! pipeline for no feature used here. Anything outside the subset gets a
-//! clear 4xx, never a hang: reads are bounded in size and time.
+//! clear 4xx, never a hang: reads are bounded in size and time, writes in
+//! time, and each listener serves at most [`MAX_CONNECTIONS`] at once
+//! ([`serve_connections`]), so clients that connect and stall cannot pile
+//! up tasks and descriptors in an agent meant to run for months.
 
 use std::fmt::Write as _;
-use std::time::Duration;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Semaphore, watch};
 
 /// Most bytes of a request line and headers.
 pub const MAX_HEAD_BYTES: usize = 16 << 10;
@@ -19,6 +25,20 @@ pub const MAX_HEAD_BYTES: usize = 16 << 10;
 pub const MAX_BODY_BYTES: usize = 64 << 10;
 /// A client has this long to send its whole request.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// A client has this long to take the whole response (`/metrics` of a big
+/// job is a few hundred KiB; a scraper reads it in milliseconds).
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections one listener serves at once. Its users are a scraper or
+/// two and an operator's `agent ctl`: past this, a connection is answered
+/// 503 at once instead of adding a task that may wait out the timeouts.
+pub const MAX_CONNECTIONS: usize = 32;
+/// First pause after a failed accept, doubled at each failure in a row...
+const ACCEPT_PAUSE_FIRST: Duration = Duration::from_millis(10);
+/// ...up to this.
+pub const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+/// How long the 503 of a connection over the cap may take, and then the
+/// wait for the client to close.
+const BUSY_WRITE_TIMEOUT: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Request {
@@ -230,12 +250,161 @@ pub fn encode_response(resp: &Response) -> Vec<u8> {
     out
 }
 
+/// Writes `resp` and closes, within [`WRITE_TIMEOUT`].
 pub async fn write_response<W: AsyncWrite + Unpin>(
     w: &mut W,
     resp: &Response,
 ) -> std::io::Result<()> {
-    w.write_all(&encode_response(resp)).await?;
-    w.shutdown().await
+    write_response_within(w, resp, WRITE_TIMEOUT).await
+}
+
+/// Writes `resp` and closes, or gives up after `limit`: a client that
+/// stops reading must not hold the connection (and its slot) for ever.
+pub async fn write_response_within<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    resp: &Response,
+    limit: Duration,
+) -> std::io::Result<()> {
+    let write = async {
+        w.write_all(&encode_response(resp)).await?;
+        w.shutdown().await
+    };
+    tokio::time::timeout(limit, write)
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client took no response within {limit:?}"),
+            ))
+        })
+}
+
+/// A listener [`serve_connections`] accepts from.
+pub trait Listener: Send + Sync + 'static {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn accept(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
+}
+
+impl Listener for tokio::net::TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<Self::Stream> {
+        tokio::net::TcpListener::accept(self).await.map(|(s, _)| s)
+    }
+}
+
+impl Listener for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept(&self) -> std::io::Result<Self::Stream> {
+        tokio::net::UnixListener::accept(self).await.map(|(s, _)| s)
+    }
+}
+
+/// Pauses after failed accepts. An accept that fails for want of a
+/// resource (EMFILE, ENFILE, ENOBUFS) leaves the connection queued, so the
+/// listener stays ready and retrying at once spins a core for as long as
+/// the shortage lasts; each failure in a row doubles the pause, and a
+/// burst is logged once when it starts and once when it ends.
+#[derive(Debug, Default)]
+pub struct AcceptBackoff {
+    failures: u64,
+    since: Option<Instant>,
+}
+
+impl AcceptBackoff {
+    /// A failed accept: how long to pause, and whether it starts a burst.
+    pub fn failed(&mut self) -> (Duration, bool) {
+        self.failures += 1;
+        let first = self.since.is_none();
+        if first {
+            self.since = Some(Instant::now());
+        }
+        let doublings = (self.failures - 1).min(16) as u32;
+        (
+            ACCEPT_PAUSE_FIRST
+                .saturating_mul(1 << doublings)
+                .min(ACCEPT_PAUSE_MAX),
+            first,
+        )
+    }
+
+    /// An accept succeeded: the burst it ends (failures, how long it
+    /// lasted), if one was going on.
+    pub fn succeeded(&mut self) -> Option<(u64, Duration)> {
+        let since = self.since.take()?;
+        Some((std::mem::take(&mut self.failures), since.elapsed()))
+    }
+}
+
+/// Accepts from `listener` until `stop` turns true and runs `handle` on
+/// each connection, at most `max_connections` at once; a connection over
+/// that is answered `busy` and closed. `name` names the listener in logs.
+pub async fn serve_connections<L, F, Fut>(
+    name: &'static str,
+    listener: L,
+    max_connections: usize,
+    busy: Response,
+    mut stop: watch::Receiver<bool>,
+    handle: F,
+) where
+    L: Listener,
+    F: Fn(L::Stream) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let refusals = Arc::new(Semaphore::new(max_connections));
+    let mut backoff = AcceptBackoff::default();
+    loop {
+        let mut stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(s) => {
+                    if let Some((failures, lasted)) = backoff.succeeded() {
+                        tracing::info!(
+                            "{name}: accepting again after {failures} failed accepts over {lasted:?}"
+                        );
+                    }
+                    s
+                }
+                Err(e) => {
+                    let (pause, first) = backoff.failed();
+                    if first {
+                        tracing::warn!(
+                            "{name}: accept failed ({e}); retrying with pauses of up to \
+                             {ACCEPT_PAUSE_MAX:?} while it fails (e.g. out of file descriptors)"
+                        );
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => continue,
+                        _ = stop.changed() => return,
+                    }
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Over the cap the connection is only told so, by tasks bounded
+            // in number and time too; past those it is just closed.
+            if let Ok(refusing) = refusals.clone().try_acquire_owned() {
+                let busy = busy.clone();
+                tokio::spawn(async move {
+                    let _ = write_response_within(&mut stream, &busy, BUSY_WRITE_TIMEOUT).await;
+                    // Closing with the request unread would reset the
+                    // connection, and the client could lose the 503.
+                    let _ = tokio::time::timeout(BUSY_WRITE_TIMEOUT, async {
+                        let mut sink = [0u8; 1024];
+                        while let Ok(1..) = stream.read(&mut sink).await {}
+                    })
+                    .await;
+                    drop(refusing);
+                });
+            }
+            continue;
+        };
+        let served = handle(stream);
+        tokio::spawn(async move {
+            served.await;
+            drop(slot);
+        });
+    }
 }
 
 /// A response as a client reads it (`agent ctl`, tests).
@@ -310,6 +479,78 @@ mod tests {
             "a".repeat(MAX_HEAD_BYTES)
         );
         assert_eq!(status(parse(huge.as_bytes()).await), 431);
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
+        // A pipe holding 64 bytes that nobody reads: a stalled client.
+        let (mut server, _client) = tokio::io::duplex(64);
+        let resp = Response::text(200, "x".repeat(4096));
+        let started = Instant::now();
+        let e = write_response_within(&mut server, &resp, Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn accept_failures_in_a_row_pause_longer_and_log_once() {
+        let mut b = AcceptBackoff::default();
+        assert_eq!(b.succeeded(), None);
+        let (p1, first1) = b.failed();
+        let (p2, first2) = b.failed();
+        assert!(first1 && !first2);
+        assert_eq!((p1, p2), (ACCEPT_PAUSE_FIRST, 2 * ACCEPT_PAUSE_FIRST));
+        for _ in 0..100 {
+            assert!(b.failed().0 <= ACCEPT_PAUSE_MAX);
+        }
+        assert_eq!(b.failed().0, ACCEPT_PAUSE_MAX);
+        assert_eq!(b.succeeded().map(|(n, _)| n), Some(103));
+        // A new burst starts over.
+        assert_eq!(b.failed(), (ACCEPT_PAUSE_FIRST, true));
+    }
+
+    /// A listener out of file descriptors: every accept fails with EMFILE
+    /// (the connection stays queued, the listener stays ready).
+    struct Exhausted(Arc<std::sync::atomic::AtomicU64>);
+
+    impl Listener for Exhausted {
+        type Stream = tokio::io::DuplexStream;
+        fn accept(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::future::ready(Err(std::io::Error::from_raw_os_error(libc::EMFILE)))
+        }
+    }
+
+    #[test]
+    fn an_accept_loop_out_of_descriptors_backs_off_instead_of_spinning() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let tries = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (stop, stop_rx) = watch::channel(false);
+        let l = Exhausted(tries.clone());
+        rt.block_on(async {
+            let serving = tokio::spawn(serve_connections(
+                "test listener",
+                l,
+                4,
+                Response::text(503, "busy"),
+                stop_rx,
+                |_s| async {},
+            ));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            stop.send(true).unwrap();
+            tokio::time::timeout(Duration::from_secs(2), serving)
+                .await
+                .expect("the loop stops while backing off")
+                .unwrap();
+        });
+        let tries = tries.load(std::sync::atomic::Ordering::Relaxed);
+        // 10, 20, 40, 80, 160 ms...: about 6 tries in half a second.
+        assert!((2..=12).contains(&tries), "{tries} accepts in 500 ms");
     }
 
     #[test]

@@ -30,12 +30,13 @@ use tracing::Instrument;
 use xpuscope_common::stack_mode;
 
 use super::config::{CaptureLevel, ServiceConfig};
-use super::discovery::{Discovery, Found, LiveProcTable, first_variable};
-use super::seam::{LevelSwitch, Running};
+use super::discovery::{Discovery, Found, LiveProcTable};
+use super::seam::{JobEnv, LevelSwitch, Running};
 use crate::btf::{self, Btf};
 use crate::config::AttachConfig;
 use crate::kernel::load::DEFAULT_LOADER;
-use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
+use crate::kernel::probes::plan::{FileId, Predicted};
+use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses, ProcessSource};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl};
 use crate::model::RankIdentity;
 use crate::pipeline::Announcements;
@@ -211,7 +212,7 @@ pub async fn start(
         ),
         kernel,
         discovery: Discovery::new(cfg.discovery.clone()),
-        job_env: cfg.labels.job_env.clone(),
+        job_env: running.job_env,
         tx: running.pipeline,
         announce: running.announce,
         traced: running.traced,
@@ -244,7 +245,7 @@ struct KernelSide {
     kernel: Kernel,
     device: AyaDeviceProbes,
     discovery: Discovery,
-    job_env: Vec<String>,
+    job_env: JobEnv,
     tx: mpsc::Sender<PipelineMsg>,
     announce: Announcements,
     traced: Arc<Mutex<BTreeMap<u32, Value>>>,
@@ -285,7 +286,14 @@ impl KernelSide {
                         batch.push(n);
                     }
                     if let Err(e) =
-                        on_loader_notices(&mut self.device, &mut self.kernel, &self.announce, &batch).await
+                        on_loader_notices(
+                            &mut self.device,
+                            &mut self.kernel,
+                            &self.announce,
+                            &batch,
+                            &mut ServiceProcesses::new(&self.job_env),
+                        )
+                        .await
                     {
                         tracing::warn!("device probes: {e:#}");
                     }
@@ -335,7 +343,9 @@ impl KernelSide {
             self.trace(&f, &mut reasons);
         }
         let targets = self.kernel.targets();
-        let plan = self.device.plan(&targets, &mut LiveProcesses);
+        let plan = self
+            .device
+            .plan(&targets, &mut ServiceProcesses::new(&self.job_env));
         if let Err(e) =
             announce_and_apply(&mut self.device, &mut self.kernel, &self.announce, plan).await
         {
@@ -383,7 +393,7 @@ impl KernelSide {
                 continue; // gone: the kernel prunes it at its exit
             };
             let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            let id = RankIdentity::from_environ(&environ);
+            let id = RankIdentity::from_environ_with(&environ, &self.job_env.get());
             let reason = reasons
                 .get(&pid)
                 .cloned()
@@ -394,7 +404,7 @@ impl KernelSide {
                 "rank": id.rank,
                 "local_rank": id.local_rank,
                 "world_size": id.world_size,
-                "job": first_variable(&environ, &self.job_env),
+                "job": id.job,
                 "traced_because": reason,
             });
             self.known.insert(pid, json);
@@ -423,8 +433,59 @@ impl KernelSide {
         );
         let plan = self
             .device
-            .set_device_level(want.device, &mut LiveProcesses);
+            .set_device_level(want.device, &mut ServiceProcesses::new(&self.job_env));
         announce_and_apply(&mut self.device, &mut self.kernel, &self.announce, plan).await
+    }
+}
+
+/// The processes as the service reads them: `/proc` and the library
+/// files ([`LiveProcesses`]), with each identity's job label from
+/// `labels.job_env` rather than the default list, so that metrics, dumps
+/// and detectors (fed the identities the probe plans carry) label a job as
+/// `GET /processes` does.
+struct ServiceProcesses {
+    job_env: std::sync::Arc<[String]>,
+}
+
+impl ServiceProcesses {
+    fn new(job_env: &JobEnv) -> Self {
+        Self {
+            job_env: job_env.get(),
+        }
+    }
+}
+
+impl ProcessSource for ServiceProcesses {
+    fn maps(&mut self, pid: u32) -> Option<xpuscope_probes::maps::ProcessMaps> {
+        LiveProcesses.maps(pid)
+    }
+
+    fn identity(&mut self, pid: u32) -> RankIdentity {
+        RankIdentity::read_with(pid, &self.job_env)
+    }
+
+    fn open_path(
+        &mut self,
+        pid: u32,
+        lib: &xpuscope_probes::discover::LoadedLibrary,
+    ) -> Option<String> {
+        LiveProcesses.open_path(pid, lib)
+    }
+
+    fn file_id(&mut self, path: &str) -> std::io::Result<FileId> {
+        LiveProcesses.file_id(path)
+    }
+
+    fn resolve(
+        &mut self,
+        path: &str,
+        library: xpuscope_probes::catalog::Library,
+    ) -> Result<xpuscope_probes::resolve::ResolvedLibrary, String> {
+        LiveProcesses.resolve(path, library)
+    }
+
+    fn predict(&mut self, pid: u32) -> Option<Predicted> {
+        LiveProcesses.predict(pid)
     }
 }
 

@@ -3,8 +3,6 @@
 //! whether the pipeline is alive (it fed the metrics sink within
 //! [`LIVENESS_NS`](crate::sinks::metrics::LIVENESS_NS)).
 
-use std::time::Duration;
-
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -31,29 +29,31 @@ pub fn route(handle: &MetricsHandle, req: &Request, now: u64) -> Response {
     }
 }
 
-/// Serves until `stop` turns true.
-pub async fn serve(listener: TcpListener, handle: MetricsHandle, mut stop: watch::Receiver<bool>) {
-    loop {
-        let (mut stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("metrics listener: accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            _ = stop.changed() => return,
-        };
-        let handle = handle.clone();
-        tokio::spawn(async move {
-            let resp = match http::read_request(&mut stream).await {
-                Ok(req) => route(&handle, &req, crate::host::boottime_ns()),
-                Err(e) => Response::text(e.status(), format!("{e}\n")),
-            };
-            let _ = http::write_response(&mut stream, &resp).await;
-        });
-    }
+/// Serves until `stop` turns true, at most [`http::MAX_CONNECTIONS`]
+/// connections at once.
+pub async fn serve(listener: TcpListener, handle: MetricsHandle, stop: watch::Receiver<bool>) {
+    let busy = Response::text(
+        503,
+        "too many connections to the metrics endpoint at once; retry later\n",
+    );
+    http::serve_connections(
+        "metrics listener",
+        listener,
+        http::MAX_CONNECTIONS,
+        busy,
+        stop,
+        move |mut stream| {
+            let handle = handle.clone();
+            async move {
+                let resp = match http::read_request(&mut stream).await {
+                    Ok(req) => route(&handle, &req, crate::host::boottime_ns()),
+                    Err(e) => Response::text(e.status(), format!("{e}\n")),
+                };
+                let _ = http::write_response(&mut stream, &resp).await;
+            }
+        },
+    )
+    .await
 }
 
 #[cfg(test)]
@@ -116,5 +116,41 @@ mod tests {
         };
         let later = crate::host::boottime_ns() + 2 * crate::sinks::metrics::LIVENESS_NS;
         assert_eq!(route(&handle, &req, later).status, 503);
+    }
+
+    /// Clients that connect and send nothing hold at most
+    /// `MAX_CONNECTIONS` slots: the next one is told 503 at once, not
+    /// queued behind them, and a slot frees as soon as a client leaves.
+    #[test]
+    fn stalled_clients_cannot_take_more_than_the_connection_cap() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_sink, handle, _) = MetricsSink::new("node-a");
+        let (_stop, stop_rx) = watch::channel(false);
+        rt.spawn(serve(listener, handle, stop_rx));
+        let mut stalled: Vec<std::net::TcpStream> = (0..http::MAX_CONNECTIONS)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        // Every stalled client accepted before the next one comes.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        let (status, body) = get(addr, "/metrics");
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("too many connections"), "{body}");
+        assert!(
+            started.elapsed() < http::READ_TIMEOUT,
+            "answered at once, not after the stalled clients' timeout"
+        );
+        drop(stalled.pop());
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        loop {
+            let (status, _) = get(addr, "/metrics");
+            if status == 200 {
+                break;
+            }
+            assert!(std::time::Instant::now() < end, "no slot freed: {status}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 }

@@ -11,7 +11,8 @@
 //!   SIGHUP reload;
 //! - [`kernel_side`]: the programs, collect, the runtime levels and
 //!   [`discovery`] of training processes (no pid given);
-//! - [`notify`] tells systemd (sd_notify).
+//! - [`notify`] tells systemd (sd_notify);
+//! - [`dump_dir`]: the dump directory, checked at start.
 //!
 //! The flight recorder and the metrics are sinks of the record stream
 //! (`crate::sinks::flight_recorder`, `crate::sinks::metrics`).
@@ -19,6 +20,7 @@
 pub mod config;
 pub mod control;
 pub mod discovery;
+pub mod dump_dir;
 #[cfg(test)]
 mod fuzzing;
 pub mod heap;

@@ -5,7 +5,7 @@
 //! sees this).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -39,4 +39,35 @@ pub struct Running {
     pub announce: Announcements,
     /// Traced processes by pid, as `GET /processes` lists them.
     pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
+    /// `labels.job_env` as it applies now.
+    pub job_env: JobEnv,
+}
+
+/// `labels.job_env` in effect: the kernel side reads it whenever it reads
+/// a process's identity, a reload replaces it. Shared rather than copied
+/// so that a reload reaches processes traced from then on without a
+/// restart (those already labelled keep their label: relabelling them
+/// would split their series mid-run).
+#[derive(Clone, Debug)]
+pub struct JobEnv(Arc<RwLock<Arc<[String]>>>);
+
+impl JobEnv {
+    pub fn new(names: &[String]) -> Self {
+        Self(Arc::new(RwLock::new(names.into())))
+    }
+
+    pub fn get(&self) -> Arc<[String]> {
+        match self.0.read() {
+            Ok(n) => n.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    pub fn set(&self, names: &[String]) {
+        let mut n = match self.0.write() {
+            Ok(n) => n,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        *n = names.into();
+    }
 }

@@ -21,13 +21,13 @@ use serde_json::{Value, json};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 
-use super::config::{CaptureLevel, ServiceConfig};
+use super::config::{CaptureLevel, LIVE_KEYS, ServiceConfig};
 use super::control::{self, Control, PeerPolicy};
 use super::kernel_side::{self, KernelHandle, KernelLevels};
 use super::notify::Notifier;
 #[cfg(test)]
 use super::seam::KernelNotAttached;
-use super::seam::{LevelSwitch, Running};
+use super::seam::{JobEnv, LevelSwitch, Running};
 use crate::host;
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
@@ -45,8 +45,15 @@ const STATUS_EVERY: u32 = 10;
 /// The service as the control API sees it.
 struct ServiceControl {
     config_path: PathBuf,
-    config: Mutex<ServiceConfig>,
+    /// The configuration in effect: the one started with, with the keys
+    /// reloads applied. Reloads compare the file against this, not against
+    /// the last file read, so a key waiting for a restart is reported at
+    /// every reload until the service restarts.
+    running: Mutex<ServiceConfig>,
+    /// The keys the last reload found waiting for a restart.
+    restart_needed_for: Mutex<Vec<&'static str>>,
     level: Mutex<CaptureLevel>,
+    job_env: JobEnv,
     levels: Arc<dyn LevelSwitch>,
     recorder: Sender<DumpRequest>,
     stats: Arc<RecorderStats>,
@@ -84,6 +91,11 @@ impl Control for ServiceControl {
             "level": self.current_level().get(),
             "uptime_seconds": self.started.elapsed().as_secs(),
             "processes": self.traced.lock().map(|t| t.len()).unwrap_or(0),
+            "restart_needed_for": self
+                .restart_needed_for
+                .lock()
+                .map(|r| r.clone())
+                .unwrap_or_default(),
             "flight_recorder": {
                 "bytes": s.bytes.load(Ordering::Relaxed),
                 "records": s.records.load(Ordering::Relaxed),
@@ -122,31 +134,67 @@ impl Control for ServiceControl {
     }
 
     fn reload(&self) -> Result<Value, String> {
+        let result = self.apply_file();
+        match &result {
+            Ok(v) => {
+                tracing::info!("configuration reloaded: {v}");
+                let restart = &v["restart_needed_for"];
+                if restart.as_array().is_some_and(|r| !r.is_empty()) {
+                    tracing::warn!(
+                        "{}: these keys differ from the running configuration and take effect \
+                         only at the next restart: {restart}",
+                        self.config_path.display()
+                    );
+                }
+            }
+            Err(e) => tracing::error!("reload refused, the running configuration stays: {e}"),
+        }
+        result
+    }
+}
+
+impl ServiceControl {
+    /// Reads the file and applies what differs from the running
+    /// configuration and can change live ([`LIVE_KEYS`]); the rest is
+    /// reported. A level the kernel side refuses fails the whole reload,
+    /// before anything else changed.
+    fn apply_file(&self) -> Result<Value, String> {
         let new = ServiceConfig::load(&self.config_path).map_err(|e| e.to_string())?;
-        if new.level != self.current_level() {
-            self.set_level(new.level)?;
+        let mut running = self
+            .running
+            .lock()
+            .map_err(|_| "a previous reload panicked; restart the service".to_string())?;
+        // The level in effect may come from `agent ctl level`: a reload
+        // brings it back to the file's.
+        let mut effective = running.clone();
+        effective.level = self.current_level();
+        let changed = effective.changed_keys(&new);
+        let mut applied = Vec::new();
+        if changed.contains(&"level") {
+            self.set_level(new.level)
+                .map_err(|e| format!("level {}: {e}", new.level))?;
+            running.level = new.level;
+            applied.push("level");
         }
-        let mut restart = Vec::new();
-        if let Ok(mut old) = self.config.lock() {
-            let differs = [
-                ("metrics.listen", old.metrics != new.metrics),
-                ("control", old.control != new.control),
-                (
-                    "flight_recorder",
-                    old.flight_recorder != new.flight_recorder,
-                ),
-                ("dump_dir", old.dump_dir != new.dump_dir),
-                ("discovery", old.discovery != new.discovery),
-                ("detect", old.detect != new.detect),
-                ("rings", old.rings != new.rings),
-                ("stacks", old.stacks != new.stacks),
-            ];
-            restart = differs.iter().filter(|d| d.1).map(|d| d.0).collect();
-            *old = new;
+        if changed.contains(&"labels.job_env") {
+            self.job_env.set(&new.labels.job_env);
+            running.labels = new.labels.clone();
+            applied.push("labels.job_env");
         }
-        Ok(
-            json!({ "reloaded": self.config_path, "level": self.current_level().get(), "restart_needed_for": restart }),
-        )
+        debug_assert!(applied.iter().all(|k| LIVE_KEYS.contains(k)));
+        let restart: Vec<&'static str> = changed
+            .into_iter()
+            .filter(|k| !LIVE_KEYS.contains(k))
+            .collect();
+        if let Ok(mut r) = self.restart_needed_for.lock() {
+            *r = restart.clone();
+        }
+        Ok(json!({
+            "reloaded": self.config_path,
+            "level": self.current_level().get(),
+            "applied": applied,
+            "restart_needed_for": restart,
+        }))
     }
 }
 
@@ -214,6 +262,7 @@ where
     K: Future<Output = Result<Option<KernelHandle>>>,
 {
     let notifier = Notifier::from_env();
+    super::dump_dir::prepare(&cfg.dump_dir).map_err(|e| anyhow!(e))?;
     let node = host::system_info().machine_name.unwrap_or_default();
     let (recorder, dump_tx, stats) = FlightRecorder::new(RecorderSettings {
         window: cfg.flight_recorder.seconds,
@@ -276,10 +325,13 @@ where
         ));
     }
     let traced = Arc::new(Mutex::new(BTreeMap::new()));
+    let job_env = JobEnv::new(&cfg.labels.job_env);
     let control: Arc<dyn Control> = Arc::new(ServiceControl {
         config_path,
-        config: Mutex::new(cfg.clone()),
+        running: Mutex::new(cfg.clone()),
+        restart_needed_for: Mutex::new(Vec::new()),
         level: Mutex::new(cfg.level),
+        job_env: job_env.clone(),
         levels,
         recorder: dump_tx,
         stats: stats.clone(),
@@ -327,6 +379,7 @@ where
         pipeline: tx.clone(),
         announce,
         traced: traced.clone(),
+        job_env,
     })
     .await
     {
@@ -360,10 +413,9 @@ where
             _ = &mut stop => break None,
             Some(()) = reload.recv() => {
                 let c = control.clone();
-                match tokio::task::spawn_blocking(move || c.reload()).await {
-                    Ok(Ok(v)) => tracing::info!("configuration reloaded: {v}"),
-                    Ok(Err(e)) => tracing::error!("reload refused, the old configuration stays: {e}"),
-                    Err(e) => tracing::error!("reload failed: {e}"),
+                // The reload logs its outcome itself (as for `agent ctl reload`).
+                if let Err(e) = tokio::task::spawn_blocking(move || c.reload()).await {
+                    tracing::error!("reload failed: {e}");
                 }
             }
             _ = tick.tick() => {
@@ -515,6 +567,120 @@ mod tests {
         stop_tx.send(()).unwrap();
         service.join().unwrap().unwrap();
         assert!(!socket.exists(), "the socket goes with the service");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The control side of a service started from `text`, its level
+    /// switch answering as `levels` does.
+    fn control_of(
+        dir: &std::path::Path,
+        text: &str,
+        levels: Arc<dyn LevelSwitch>,
+    ) -> (ServiceControl, PathBuf) {
+        std::fs::create_dir_all(dir).unwrap();
+        let path = dir.join("agent.toml");
+        std::fs::write(&path, text).unwrap();
+        let cfg = ServiceConfig::load(&path).unwrap();
+        let (recorder, _) = std::sync::mpsc::channel();
+        let control = ServiceControl {
+            config_path: path.clone(),
+            running: Mutex::new(cfg.clone()),
+            restart_needed_for: Mutex::new(Vec::new()),
+            level: Mutex::new(cfg.level),
+            job_env: JobEnv::new(&cfg.labels.job_env),
+            levels,
+            recorder,
+            stats: Arc::new(RecorderStats::default()),
+            sinks: Vec::new(),
+            traced: Arc::new(Mutex::new(BTreeMap::new())),
+            started: Instant::now(),
+        };
+        (control, path)
+    }
+
+    struct AnyLevel;
+    impl LevelSwitch for AnyLevel {
+        fn set_level(&self, _level: CaptureLevel) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    fn keys(v: &Value, field: &str) -> Vec<String> {
+        v[field]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|k| k.as_str().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_reload_applies_live_keys_and_reports_the_others_until_restart() {
+        let dir = std::env::temp_dir().join(format!("xpuscope-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let start = "level = 1\n[flight_recorder]\nseconds = 120\n";
+        let (c, path) = control_of(&dir, start, Arc::new(AnyLevel));
+        let v = c.reload().unwrap();
+        assert!(keys(&v, "applied").is_empty() && keys(&v, "restart_needed_for").is_empty());
+
+        std::fs::write(
+            &path,
+            "level = 2\n[flight_recorder]\nseconds = 30\n[labels]\njob_env = [\"MY_JOB\"]\n\
+             [rings]\nscheduler = \"16M\"\n",
+        )
+        .unwrap();
+        let v = c.reload().unwrap();
+        assert_eq!(keys(&v, "applied"), ["level", "labels.job_env"]);
+        assert_eq!(
+            keys(&v, "restart_needed_for"),
+            ["flight_recorder.seconds", "rings.scheduler"]
+        );
+        assert_eq!(v["level"], 2);
+        assert_eq!(&*c.job_env.get(), ["MY_JOB".to_string()]);
+        // Again, unchanged file: nothing more to apply, the same to restart.
+        let v = c.reload().unwrap();
+        assert!(keys(&v, "applied").is_empty(), "{v}");
+        assert_eq!(
+            keys(&v, "restart_needed_for"),
+            ["flight_recorder.seconds", "rings.scheduler"]
+        );
+        assert_eq!(
+            c.status()["restart_needed_for"],
+            json!(["flight_recorder.seconds", "rings.scheduler"])
+        );
+        // A level set at runtime goes back to the file's at a reload.
+        c.set_level(CaptureLevel::new(3).unwrap()).unwrap();
+        let v = c.reload().unwrap();
+        assert_eq!(keys(&v, "applied"), ["level"]);
+        assert_eq!(v["level"], 2);
+        // The file back as started with: nothing waits for a restart.
+        std::fs::write(&path, start).unwrap();
+        let v = c.reload().unwrap();
+        assert_eq!(keys(&v, "applied"), ["level", "labels.job_env"]);
+        assert!(keys(&v, "restart_needed_for").is_empty(), "{v}");
+        assert_eq!(
+            &*c.job_env.get(),
+            &crate::model::identity::default_job_env()[..]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_level_the_kernel_refuses_fails_the_reload_and_applies_nothing() {
+        let dir = std::env::temp_dir().join(format!("xpuscope-reload-no-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (c, path) = control_of(&dir, "level = 1\n", Arc::new(KernelNotAttached));
+        std::fs::write(&path, "level = 2\n[labels]\njob_env = [\"MY_JOB\"]\n").unwrap();
+        let e = c.reload().unwrap_err();
+        assert!(
+            e.starts_with("level 2: ") && e.contains("not attached"),
+            "{e}"
+        );
+        assert_eq!(c.current_level().get(), 1);
+        assert_eq!(
+            &*c.job_env.get(),
+            &crate::model::identity::default_job_env()[..]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -154,7 +154,8 @@ pub fn procfs(data: &[u8]) {
 /// `/proc/PID/environ`: the rank identity the agent labels processes with
 /// (values bounded, names and labels well formed).
 pub fn environ(data: &[u8]) {
-    let id = agent::identity::RankIdentity::from_environ(data);
+    let id =
+        agent::identity::RankIdentity::from_environ_with(data, &agent::identity::default_job_env());
     for v in [&id.rank, &id.local_rank, &id.world_size, &id.job]
         .into_iter()
         .flatten()

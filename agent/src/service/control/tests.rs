@@ -350,10 +350,94 @@ fn tcp_needs_the_token() {
     assert!(
         read_token(&token)
             .unwrap_err()
-            .contains("readable by others")
+            .contains("readable by its group or others")
+    );
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o620)).unwrap();
+    let e = read_token(&token).unwrap_err();
+    assert!(
+        e.contains(&token.display().to_string())
+            && e.contains("writable by its group or others (mode 620)")
+            && e.contains("chmod 600"),
+        "{e}"
     );
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     assert_eq!(read_token(&token).unwrap(), "s3cret-token-0123456789");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A token file another user owns is refused even when private: its
+/// owner could write a token of their choosing.
+#[test]
+#[cfg(feature = "root-tests")]
+fn a_token_file_owned_by_another_user_is_refused() {
+    require_root();
+    let dir = std::env::temp_dir().join(format!("xpuscope-token-owner-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let token = dir.join("token");
+    std::fs::write(&token, "s3cret-token-0123456789\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&token, Some(65534), Some(65534)).unwrap();
+    let e = read_token(&token).unwrap_err();
+    assert!(
+        e.contains(&token.display().to_string())
+            && e.contains("owned by uid 65534, not root")
+            && e.contains("chown root:root"),
+        "{e}"
+    );
+    // Through a symlink, the file it points to is what is checked.
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&token, &link).unwrap();
+    assert!(
+        read_token(&link)
+            .unwrap_err()
+            .contains("owned by uid 65534")
+    );
+    std::os::unix::fs::chown(&token, Some(0), Some(0)).unwrap();
+    assert_eq!(read_token(&link).unwrap(), "s3cret-token-0123456789");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rival that swaps the freshly bound socket for a symlink (the window
+/// between bind and chmod) gets its target left alone: the mode is set
+/// through a descriptor of the socket, never through the path.
+#[test]
+fn the_socket_mode_is_never_set_through_a_symlink() {
+    let dir = std::env::temp_dir().join(format!("xpuscope-sock-link-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "x").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let path = dir.join("agent.sock");
+    let e = bind_socket_with(&path, None, |bound| {
+        std::fs::remove_file(bound).unwrap();
+        std::os::unix::fs::symlink(&victim, bound).unwrap();
+    })
+    .unwrap_err();
+    assert!(
+        e.contains("was replaced after the agent bound it (now a symlink"),
+        "{e}"
+    );
+    let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644, "the symlink's target kept its mode");
+    assert!(path.symlink_metadata().is_err(), "nothing placed");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["victim"], "the private directory is gone");
+    // Unhindered, the socket is placed private.
+    let (_l, file) = bind_socket(&path, None).unwrap();
+    let mode = std::fs::symlink_metadata(&path)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+    drop(file);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -377,5 +461,25 @@ fn a_stale_socket_is_replaced_and_other_files_are_not() {
             .unwrap_err()
             .contains("is not a socket")
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With `control.group`, the socket (not what a path might point to) gets
+/// mode 0660 and the group.
+#[test]
+#[cfg(feature = "root-tests")]
+fn the_socket_goes_to_the_control_group() {
+    use std::os::unix::fs::MetadataExt;
+    require_root();
+    let dir = std::env::temp_dir().join(format!("xpuscope-sock-group-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let path = dir.join("agent.sock");
+    let (_l, file) = bind_socket(&path, Some(65534)).unwrap();
+    let meta = std::fs::symlink_metadata(&path).unwrap();
+    assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, 65534));
+    drop(file);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -86,7 +86,7 @@ impl Default for DetectConfig {
 #[derive(Default)]
 pub struct Ranks {
     by_tgid: HashMap<u32, u32>,
-    /// Its job label (`XPUSCOPE_JOB`, `JOB_NAME`), where it has one.
+    /// Its job label ([`crate::model::identity::job_label`]), where it has one.
     jobs: HashMap<u32, String>,
     /// The job's step markers, per process.
     pub marks: step_marks::StepMarks,
