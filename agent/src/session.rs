@@ -17,6 +17,7 @@ use tracing::Instrument;
 use crate::btf::{self, Btf};
 use crate::config::{AttachConfig, StackPolicy};
 use crate::kernel::load::DEFAULT_LOADER;
+use crate::kernel::probes::closer;
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl};
 use crate::model::Finding;
@@ -29,7 +30,6 @@ use crate::sinks::perfetto::{PerfettoSink, Written};
 use crate::sinks::summary::{RecordTotals, SummarySink};
 use crate::sinks::{FanOut, SinkHandle, SinkReport};
 use crate::summary::{RunSummary, StopReason};
-use crate::kernel::probes::closer;
 use crate::supervise::{announce_and_apply, on_loader_notices, send_drops};
 use crate::{host, preflight, procfs};
 

@@ -181,7 +181,8 @@ fn releases_in_progress() -> bool {
         .flatten()
         .flatten()
         .any(|e| {
-            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "xpuscope-close")
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "xpuscope-close")
         })
 }
 

@@ -309,6 +309,33 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
             .sum();
         assert_eq!(count, STEPS as f64, "rank {rank}:\n{metrics}");
     }
+    // The probes' own accounting: attached, none failed or slow (the
+    // agent's own figures are refreshed about once a second).
+    let attaches = |metrics: &str, outcome: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "xpuscope_agent_device_probe_attaches_total{{outcome=\"{outcome}\"}}"
+                ))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {outcome} attaches in\n{metrics}"))
+    };
+    let asked = Instant::now();
+    let metrics = loop {
+        let metrics = http_get(port, "/metrics");
+        if attaches(&metrics, "attached") > 0.0 {
+            break metrics;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "no attached probes counted:\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(attaches(&metrics, "failed"), 0.0);
+    assert_eq!(attaches(&metrics, "slow"), 0.0);
 
     // Level 2 on the running service: launches appear in a later job.
     let agent_pid = agent.pid();

@@ -35,6 +35,7 @@ use super::seam::{JobEnv, LevelSwitch, Running};
 use crate::btf::{self, Btf};
 use crate::config::AttachConfig;
 use crate::kernel::load::DEFAULT_LOADER;
+use crate::kernel::probes::closer::ReleaseWait;
 use crate::kernel::probes::plan::{FileId, Predicted};
 use crate::kernel::probes::{AyaDeviceProbes, DeviceProbes, LiveProcesses, ProcessSource};
 use crate::kernel::{CaptureLevels, DeviceLevel, EBPF_OBJECT, Kernel, KernelControl};
@@ -148,6 +149,10 @@ pub fn load(cfg: &ServiceConfig) -> Result<Kernel> {
     Kernel::load_and_attach(&options)
 }
 
+/// How long the service waits at start for earlier agents' uprobe
+/// releases (well inside systemd's start timeout).
+const RELEASE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The running kernel side, as the supervisor holds it.
 pub struct KernelHandle {
     stop: oneshot::Sender<()>,
@@ -183,6 +188,29 @@ pub async fn start(
     let rings = kernel.take_rings()?;
     let (stop_collect, stop_rx) = watch::channel(false);
     let (notice_tx, notices) = mpsc::channel(NOTICE_QUEUE);
+    // A service restarted while its predecessor's probes are still being
+    // released would attach its own behind each release, late for the
+    // jobs starting now: it waits (bounded: it must report ready to
+    // systemd within its start timeout).
+    let waited = crate::kernel::probes::closer::wait_for_releases(
+        RELEASE_WAIT_LIMIT,
+        || false,
+        |pids| {
+            tracing::info!(
+                "waiting for earlier agents' device probes to be released (closer pids {pids:?})"
+            )
+        },
+    );
+    match waited {
+        ReleaseWait::None => {}
+        ReleaseWait::Done { waited, .. } => {
+            tracing::info!("earlier agents' probes released after {waited:.1?}")
+        }
+        ReleaseWait::GaveUp { closers, waited } => tracing::warn!(
+            "{closers} earlier agents still release their probes after {waited:.1?}; starting now: \
+             device probes may land late (counted as slow attaches)"
+        ),
+    }
     // The host's loader's debugger hook: a traced process's start-up and
     // every dlopen are reported at once.
     let hooked = kernel
@@ -218,6 +246,7 @@ pub async fn start(
         traced: running.traced,
         known: HashMap::new(),
         drops_seen: vec![0; host::possible_cpus()],
+        probe_stats: running.probe_stats,
     };
     // Programs verified beforehand: a starting process's probes are then
     // attached within milliseconds of its loader's first report.
@@ -253,6 +282,7 @@ struct KernelSide {
     /// (dropped when it leaves the set).
     known: HashMap<u32, Value>,
     drops_seen: Vec<u64>,
+    probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
 }
 
 impl KernelSide {
@@ -356,6 +386,9 @@ impl KernelSide {
         }
         send_drops(&self.kernel, &mut self.drops_seen, &self.tx).await;
         self.describe(&targets, &reasons);
+        if let Ok(mut s) = self.probe_stats.lock() {
+            *s = self.device.stats();
+        }
         Ok(())
     }
 

@@ -41,6 +41,9 @@ pub struct Running {
     pub traced: Arc<Mutex<BTreeMap<u32, Value>>>,
     /// `labels.job_env` as it applies now.
     pub job_env: JobEnv,
+    /// The device probes' counters, as of the kernel side's last round
+    /// (for the metrics).
+    pub probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
 }
 
 /// `labels.job_env` in effect: the kernel side reads it whenever it reads

@@ -380,6 +380,7 @@ where
         announce,
         traced: traced.clone(),
         job_env,
+        probe_stats: sources.probe_stats.clone(),
     })
     .await
     {

@@ -116,6 +116,11 @@ struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SinkLabels {
     sink: String,
     outcome: String,
@@ -158,6 +163,7 @@ struct Families {
     rss: Gauge,
     recorder_bytes: Gauge,
     recorder_evicted: Counter,
+    probe_attaches: Family<OutcomeLabels, Counter>,
     dumps: Family<TriggerLabels, Counter>,
     folded: Family<FamilyLabels, Counter>,
     in_flight_oldest: Family<RankLabels, Gauge<f64, AtomicU64>>,
@@ -183,6 +189,7 @@ impl Families {
             rss: Gauge::default(),
             recorder_bytes: Gauge::default(),
             recorder_evicted: Counter::default(),
+            probe_attaches: Family::default(),
             dumps: Family::default(),
             folded: Family::default(),
             in_flight_oldest: Family::default(),
@@ -266,6 +273,11 @@ impl Families {
             f.rss.clone(),
         );
         r.register(
+            "xpuscope_agent_device_probe_attaches",
+            "Device-library probe attaches: functions made live (attached), functions or libraries that could not be attached (failed), library files whose probes took over a second (slow: calls in that time unrecorded)",
+            f.probe_attaches.clone(),
+        );
+        r.register(
             "xpuscope_flight_recorder_bytes",
             "Estimated bytes the flight recorder holds",
             f.recorder_bytes.clone(),
@@ -305,6 +317,8 @@ impl Families {
 pub struct AgentSources {
     pub sinks: Mutex<Vec<(&'static str, Arc<SinkCounters>)>>,
     pub recorder: Mutex<Option<Arc<RecorderStats>>>,
+    /// The device probes' counters (the kernel side's, updated each round).
+    pub probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
 }
 
 /// What `/metrics` and `/healthz` read.
@@ -912,6 +926,27 @@ impl MetricsSink {
                     })
                     .inc_by(d as u64);
             }
+        }
+        let probes = self
+            .sources
+            .probe_stats
+            .lock()
+            .map(|s| *s)
+            .unwrap_or_default();
+        for (outcome, total) in [
+            ("attached", probes.attached),
+            ("failed", probes.attach_failures),
+            ("slow", probes.slow_attaches),
+        ] {
+            let d = self
+                .deltas
+                .delta(&format!("probes/{outcome}"), total as f64);
+            self.f
+                .probe_attaches
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.into(),
+                })
+                .inc_by(d as u64);
         }
         let recorder = self.sources.recorder.lock().ok().and_then(|r| r.clone());
         if let Some(stats) = recorder {

@@ -79,9 +79,15 @@ pub enum ReleaseWait {
     /// None were in progress.
     None,
     /// They finished after this long.
-    Done { closers: usize, waited: std::time::Duration },
+    Done {
+        closers: usize,
+        waited: std::time::Duration,
+    },
     /// Still going at the limit (or a stop was asked for): attaching now.
-    GaveUp { closers: usize, waited: std::time::Duration },
+    GaveUp {
+        closers: usize,
+        waited: std::time::Duration,
+    },
 }
 
 /// Waits (up to `limit`, or until `stop` says so) for earlier agents'
