@@ -9,7 +9,7 @@
 //! | `elf` | a library file: `.dynsym`, program headers, probe placement |
 //! | `placement` | a function's first bytes: x86-64 decoding, placement, thunks |
 //! | `maps` | `/proc/PID/maps` and library discovery |
-//! | `procfs` | `/proc/PID/stat`, `status`, `cmdline` |
+//! | `procfs` | `/proc/PID/stat` (as the process model and service discovery read it), `status`, `cmdline` |
 //! | `btf` | a `--kernel-btf` file |
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
@@ -141,12 +141,34 @@ pub fn maps(data: &[u8]) {
     }
 }
 
-/// `/proc/PID/stat`, `status` and `cmdline` text.
+/// `/proc/PID/stat`, `status` and `cmdline` text; and the bytes as a
+/// process's own name in a well-formed `stat`, whose fields it must not
+/// shift.
 pub fn procfs(data: &[u8]) {
+    use agent::procfs::{ProcStat, parse_stat};
     let text = String::from_utf8_lossy(data);
-    if let Some(s) = agent::procfs::parse_stat(&text) {
+    let stat = parse_stat(&text);
+    if let Some(s) = &stat {
         assert!(text.contains(&s.comm));
     }
+    if let Some(p) = ProcStat::parse(&text) {
+        assert!(text.contains(&p.comm));
+        if let Some(s) = stat {
+            assert_eq!(s.comm, p.comm, "one comm for both parsers");
+        }
+    }
+    let comm: String = text.chars().filter(|&c| c != '\0').collect();
+    let line = format!("4242 ({comm}) S 7 4242 4242 0 -1 4194304 1 0 0 0 3 4 0 0 20 0 2 0 777 123456 100\n");
+    let s = parse_stat(&line).expect("a stat line");
+    assert_eq!((s.comm.as_str(), s.state, s.ppid), (comm.as_str(), 'S', 7));
+    assert_eq!(
+        ProcStat::parse(&line),
+        Some(ProcStat {
+            comm,
+            start_time: 777,
+            vsize: 123456
+        })
+    );
     let _ = agent::procfs::parse_status_uid(&text);
     let _ = agent::procfs::parse_cmdline(data);
 }
