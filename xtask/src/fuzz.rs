@@ -29,6 +29,7 @@ pub const TARGETS: &[&str] = &[
     "ld_cache",
     "elf_dynamic",
     "python_frames",
+    "cfi",
 ];
 
 fn fuzz_dir() -> PathBuf {

@@ -14,12 +14,14 @@
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
 //! | `python_frames` | a CPython process's memory: thread list, frames, code objects, strings, line tables (3.10-3.13 layouts) |
+//! | `cfi` | a mapped file's unwind tables (`.eh_frame_hdr`, `.eh_frame`, `.debug_frame`), read and unwound through |
 //! | `elf_dynamic` | a program's or library's `PT_INTERP`, `DT_NEEDED`, `DT_RPATH`/`DT_RUNPATH`, and `LD_LIBRARY_PATH` from its environment |
 //!
 //! Run them with `cargo xtask fuzz [--seconds N] [TARGET]` (libFuzzer,
 //! nightly) or replay the kept corpus with `cargo test -p xpuscope-fuzz`.
 
 pub mod agent;
+pub mod cfi;
 mod device_calls;
 pub mod mutate;
 pub mod python_frames;
@@ -32,6 +34,7 @@ use xpuscope_probes::loader::{self, DynamicInfo, LdCache};
 use xpuscope_probes::placement::{self, Reg, RegSet};
 use xpuscope_probes::{discover, maps::ProcessMaps, resolve};
 
+pub use cfi::cfi;
 pub use device_calls::device_calls;
 pub use python_frames::python_frames;
 
@@ -51,6 +54,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ld_cache", ld_cache),
     ("elf_dynamic", elf_dynamic),
     ("python_frames", python_frames),
+    ("cfi", cfi),
 ];
 
 /// The target called `name`.
@@ -158,7 +162,9 @@ pub fn procfs(data: &[u8]) {
         }
     }
     let comm: String = text.chars().filter(|&c| c != '\0').collect();
-    let line = format!("4242 ({comm}) S 7 4242 4242 0 -1 4194304 1 0 0 0 3 4 0 0 20 0 2 0 777 123456 100\n");
+    let line = format!(
+        "4242 ({comm}) S 7 4242 4242 0 -1 4194304 1 0 0 0 3 4 0 0 20 0 2 0 777 123456 100\n"
+    );
     let s = parse_stat(&line).expect("a stat line");
     assert_eq!((s.comm.as_str(), s.state, s.ppid), (comm.as_str(), 'S', 7));
     assert_eq!(

@@ -5,12 +5,16 @@
 //! `target/fuzz-failures/`, ready to become a unit test.
 //!
 //! `XPUSCOPE_FUZZ_CASES` changes the number of mutated inputs per target
-//! (default 4,000; `elf` runs a tenth: each case writes and parses a file).
+//! (default 4,000; the targets that read a file run a tenth: each case
+//! writes one).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use xpuscope_fuzz::mutate::{Rng, mutate};
+
+/// Targets that write each input to a file (slower per case).
+const FILE_TARGETS: [&str; 2] = ["elf", "cfi"];
 
 fn fuzz_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -64,7 +68,11 @@ fn replay(target: &str) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4_000);
-    let cases = if target == "elf" { cases / 10 } else { cases };
+    let cases = if FILE_TARGETS.contains(&target) {
+        cases / 10
+    } else {
+        cases
+    };
     // One seed per target, so a failure reproduces with the same run.
     let seed = target
         .bytes()
@@ -93,7 +101,8 @@ fn every_target_has_a_test_and_a_corpus() {
             "environ",
             "ld_cache",
             "elf_dynamic",
-            "python_frames"
+            "python_frames",
+            "cfi"
         ]
     );
     for n in names {
@@ -163,6 +172,49 @@ fn elf_dynamic() {
 #[test]
 fn python_frames() {
     replay("python_frames");
+}
+
+#[test]
+fn cfi() {
+    replay("cfi");
+}
+
+/// The kept seeds' tables are read and used: from the body of the
+/// function that saves six registers, the unwind finds its caller by
+/// their CFI (`.eh_frame` through `.eh_frame_hdr`, or `.debug_frame`),
+/// and stops at the zero return address above it.
+#[test]
+fn cfi_seeds_unwind() {
+    use xpuscope_fuzz::cfi::{MAPPED_AT, SEED_FRAMES, STACK_AT};
+    use xpuscope_probes::maps::ProcessMaps;
+    use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
+    let root = fuzz_dir().join("corpus/cfi");
+    for (seed, ip, ret) in SEED_FRAMES {
+        let maps = ProcessMaps::parse(&format!(
+            "{MAPPED_AT:x}-{:x} r-xp 00000000 08:01 7 /{seed}\n",
+            MAPPED_AT + 0x1000
+        ));
+        let mut unwinder = Unwinder::new();
+        let mut process = unwinder.process(&maps, &root);
+        assert_eq!(process.modules(), 1, "{seed}");
+        // The return address 56 bytes above rsp (CFA - 8), then the
+        // caller's 24 bytes above its CFA... zero.
+        let mut stack = vec![0u8; 128];
+        stack[56..64].copy_from_slice(&(MAPPED_AT + ret).to_le_bytes());
+        let copy = StackCopy {
+            base: STACK_AT,
+            bytes: &stack,
+        };
+        let regs = UserRegs {
+            ip: MAPPED_AT + ip,
+            sp: STACK_AT,
+            bp: 0,
+        };
+        let u = process.unwind(regs, &copy, 127);
+        assert_eq!(u.frames, [MAPPED_AT + ip, MAPPED_AT + ret], "{seed}: {u:?}");
+        assert!(!u.truncated, "{seed}: {u:?}");
+        assert_eq!(u.stack_bytes_used, 64 + 32, "{seed}");
+    }
 }
 
 /// The kept seeds are well-formed images: every layout's walk reaches

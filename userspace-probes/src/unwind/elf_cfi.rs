@@ -57,9 +57,22 @@ pub struct FileCfi {
     pub(crate) text_svma: Option<Range<u64>>,
     pub(crate) text: Option<Bytes>,
     pub(crate) got: Option<Range<u64>>,
-    /// `(file offset, virtual address)` of each load segment, to find the
-    /// load bias of a mapping from its file offset.
-    load_segments: Vec<(u64, u64)>,
+    /// Each load segment, to find the load bias of a mapping from its
+    /// file offset.
+    load_segments: Vec<LoadSegment>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct LoadSegment {
+    offset: u64,
+    vaddr: u64,
+    executable: bool,
+}
+
+/// Where a section says it lives; `None` for a range past the end of the
+/// address space (a corrupt header).
+fn svma<'d>(s: &impl ObjectSection<'d>) -> Option<Range<u64>> {
+    Some(s.address()..s.address().checked_add(s.size())?)
 }
 
 impl FileCfi {
@@ -102,11 +115,14 @@ impl FileCfi {
             let data = s.uncompressed_data().ok()?;
             Some(Arc::from(&*data))
         };
+        // An empty section is no section: framehop takes an empty
+        // `.eh_frame` over a `.debug_frame` that has the entries (code
+        // built with `-fno-asynchronous-unwind-tables -g` has both).
         let section = |name: &str| -> Option<Section> {
             let s = elf.section_by_name(name)?;
             Some(Section {
-                svma: s.address()..s.address() + s.size(),
-                data: bytes(&s)?,
+                svma: svma(&s)?,
+                data: bytes(&s).filter(|d| !d.is_empty())?,
             })
         };
         // Code is read for the unwinder's look at the first frame's
@@ -116,13 +132,20 @@ impl FileCfi {
         // 0.87 GB of the agent's heap on a GPU node (commit 8b803c1). Bigger
         // code unwinds by its CFI alone.
         let text = elf.section_by_name(".text");
-        let text_svma = text.as_ref().map(|s| s.address()..s.address() + s.size());
+        let text_svma = text.as_ref().and_then(svma);
         let text = text
             .filter(|s| s.size() <= max_text)
             .and_then(|s| bytes(&s));
         let load_segments = elf
             .segments()
-            .map(|seg| (seg.file_range().0, seg.address()))
+            .map(|seg| LoadSegment {
+                offset: seg.file_range().0,
+                vaddr: seg.address(),
+                executable: matches!(
+                    seg.flags(),
+                    object::SegmentFlags::Elf { p_flags } if p_flags & object::elf::PF_X != 0
+                ),
+            })
             .collect();
         Ok(Self {
             eh_frame_hdr: section(".eh_frame_hdr"),
@@ -130,11 +153,18 @@ impl FileCfi {
             debug_frame: section(".debug_frame").map(|s| s.data),
             text_svma,
             text,
-            got: elf
-                .section_by_name(".got")
-                .map(|s| s.address()..s.address() + s.size()),
+            got: elf.section_by_name(".got").as_ref().and_then(svma),
             load_segments,
         })
+    }
+
+    /// Bytes of the file's sections held: what keeping this file costs.
+    pub fn held_bytes(&self) -> u64 {
+        let len = |b: Option<&Bytes>| b.map_or(0, |b| b.len() as u64);
+        len(self.eh_frame_hdr.as_ref().map(|s| &s.data))
+            + len(self.eh_frame.as_ref().map(|s| &s.data))
+            + len(self.debug_frame.as_ref())
+            + len(self.text.as_ref())
     }
 
     /// Whether the file carries any CFI at all (else every frame in it
@@ -143,26 +173,38 @@ impl FileCfi {
         self.eh_frame.is_some() || self.debug_frame.is_some()
     }
 
-    /// The load bias (address of virtual address 0) of a mapping of this
-    /// file that starts at `start` with file offset `offset`, from the load
-    /// segment holding that offset. `None` when no segment holds it.
+    /// The load bias (address of virtual address 0) of an executable
+    /// mapping of this file that starts at `start` with file offset
+    /// `offset`, from the load segment holding that offset. `None` when no
+    /// segment holds it.
     pub fn load_bias(&self, start: u64, offset: u64) -> Option<u64> {
         // The segment with the greatest file offset not above `offset`: the
         // kernel maps a segment from its page-aligned file offset, so the
-        // mapping's offset may sit up to a page below p_offset.
+        // mapping's offset may sit up to a page below p_offset. Where
+        // segments share a page (a small library linked without separate
+        // code pages: its data segment starts in the code's last page), the
+        // executable one is the mapping's.
         let page = 4096;
-        let (seg_off, seg_vaddr) = self
+        let holds = |s: &&LoadSegment| s.offset & !(page - 1) <= offset;
+        let seg = self
             .load_segments
             .iter()
-            .filter(|(off, _)| off & !(page - 1) <= offset)
-            .max_by_key(|(off, _)| *off)?;
+            .filter(|s| s.executable)
+            .filter(holds)
+            .max_by_key(|s| s.offset)
+            .or_else(|| {
+                self.load_segments
+                    .iter()
+                    .filter(holds)
+                    .max_by_key(|s| s.offset)
+            })?;
         // avma = bias + svma, and file offset `offset` is at svma
-        // seg_vaddr + (offset - seg_off).
+        // seg.vaddr + (offset - seg.offset).
         Some(
             start
-                .wrapping_sub(*seg_vaddr)
+                .wrapping_sub(seg.vaddr)
                 .wrapping_sub(offset)
-                .wrapping_add(*seg_off),
+                .wrapping_add(seg.offset),
         )
     }
 }
