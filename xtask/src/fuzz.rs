@@ -30,6 +30,7 @@ pub const TARGETS: &[&str] = &[
     "elf_dynamic",
     "python_frames",
     "cfi",
+    "python_interpreter",
 ];
 
 fn fuzz_dir() -> PathBuf {

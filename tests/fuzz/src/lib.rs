@@ -14,6 +14,7 @@
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
 //! | `python_frames` | a CPython process's memory: thread list, frames, code objects, strings, line tables (3.10-3.13 layouts) |
+//! | `python_interpreter` | the files a process maps, taken for a CPython interpreter: `_PyRuntime`, `Py_Version`, the evaluation loop and type objects in their symbols, the version in the name |
 //! | `cfi` | a mapped file's unwind tables (`.eh_frame_hdr`, `.eh_frame`, `.debug_frame`), read and unwound through |
 //! | `elf_dynamic` | a program's or library's `PT_INTERP`, `DT_NEEDED`, `DT_RPATH`/`DT_RUNPATH`, and `LD_LIBRARY_PATH` from its environment |
 //!
@@ -25,6 +26,7 @@ pub mod cfi;
 mod device_calls;
 pub mod mutate;
 pub mod python_frames;
+pub mod python_interpreter;
 
 use std::io::Write;
 
@@ -37,6 +39,7 @@ use xpuscope_probes::{discover, maps::ProcessMaps, resolve};
 pub use cfi::cfi;
 pub use device_calls::device_calls;
 pub use python_frames::python_frames;
+pub use python_interpreter::python_interpreter;
 
 /// A fuzz target: returns, or panics on a bug.
 pub type Target = fn(&[u8]);
@@ -55,6 +58,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("elf_dynamic", elf_dynamic),
     ("python_frames", python_frames),
     ("cfi", cfi),
+    ("python_interpreter", python_interpreter),
 ];
 
 /// The target called `name`.

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use xpuscope_fuzz::mutate::{Rng, mutate};
 
 /// Targets that write each input to a file (slower per case).
-const FILE_TARGETS: [&str; 2] = ["elf", "cfi"];
+const FILE_TARGETS: [&str; 3] = ["elf", "cfi", "python_interpreter"];
 
 fn fuzz_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -102,7 +102,8 @@ fn every_target_has_a_test_and_a_corpus() {
             "ld_cache",
             "elf_dynamic",
             "python_frames",
-            "cfi"
+            "cfi",
+            "python_interpreter"
         ]
     );
     for n in names {
@@ -177,6 +178,42 @@ fn python_frames() {
 #[test]
 fn cfi() {
     replay("cfi");
+}
+
+#[test]
+fn python_interpreter() {
+    replay("python_interpreter");
+}
+
+/// The kept seeds are interpreters: found with their version (from
+/// `Py_Version`, or from the file name), the evaluation loop in two
+/// ranges and the type objects.
+#[test]
+fn python_interpreter_seeds_find() {
+    use xpuscope_fuzz::python_interpreter::{BASE, NAMES, find};
+    let root = std::env::temp_dir().join(format!("xpuscope-fuzz-seeds-{}", std::process::id()));
+    std::fs::create_dir_all(&root).expect("scratch");
+    // (seed, version, the function, its .cold part, _PyRuntime) in the file.
+    let seeds = [
+        ("seed-3.10", (3, 10, 0), 0x2a0, 0x290, 0x14a0),
+        ("seed-3.11", (3, 11, 7), 0x2d0, 0x2c0, 0x14e0),
+    ];
+    for (seed, version, eval, cold, runtime) in seeds {
+        let input = std::fs::read(fuzz_dir().join("corpus/python_interpreter").join(seed))
+            .expect("kept seed");
+        let name = NAMES[usize::from(input[0]) % NAMES.len()];
+        std::fs::write(root.join(name), &input[9..]).expect("write");
+        let word = input[1..9].try_into().expect("8 bytes");
+        let i = find(&root, name, word).unwrap_or_else(|| panic!("{seed}: no interpreter"));
+        assert_eq!(i.version, version, "{seed}");
+        assert_eq!(
+            i.eval_frames,
+            [BASE + eval..BASE + eval + 5, BASE + cold..BASE + cold + 2],
+            "{seed}"
+        );
+        assert_eq!(i.runtime, BASE + runtime, "{seed}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// The kept seeds' tables are read and used: from the body of the
