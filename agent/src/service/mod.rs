@@ -20,7 +20,7 @@ pub mod config;
 pub mod control;
 pub mod discovery;
 #[cfg(test)]
-mod fuzzing;
+pub(crate) mod fuzzing;
 pub mod heap;
 pub mod http;
 pub mod kernel_side;
