@@ -49,5 +49,6 @@ pub mod loader;
 pub mod maps;
 pub mod placement;
 pub mod python;
+mod read_budget;
 pub mod resolve;
 pub mod unwind;

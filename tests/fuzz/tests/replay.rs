@@ -1,13 +1,16 @@
 //! The stable, bounded run of every fuzz target inside `cargo test`: the
 //! kept corpus (`tests/fuzz/corpus/<target>/`, including every crash found
-//! so far) replayed, then a fixed number of seeded mutations of it. A panic
-//! fails the test with the input in hex and saved under
-//! `target/fuzz-failures/`, ready to become a unit test.
+//! so far) replayed, then a fixed number of seeded mutations of it. A panic,
+//! or a case whose heap peaks above [`memory_bound`] of its input, fails
+//! the test with the input saved under `target/fuzz-failures/` (a panic's
+//! also in hex), ready to become a unit test.
 //!
 //! `XPUSCOPE_FUZZ_CASES` changes the number of mutated inputs per target
 //! (default 4,000; the targets that read a file run a tenth: each case
 //! writes one).
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
@@ -44,8 +47,72 @@ fn save_failure(target: &str, input: &[u8]) -> PathBuf {
     path
 }
 
+/// Counts each thread's live heap bytes and their peak, so a case's peak
+/// memory is known (every target runs on its test's thread).
+struct Counting;
+
+thread_local! {
+    static LIVE: Cell<i64> = const { Cell::new(0) };
+    static PEAK: Cell<i64> = const { Cell::new(0) };
+}
+
+fn count(delta: i64) {
+    let _ = LIVE.try_with(|l| {
+        l.set(l.get() + delta);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(l.get())));
+    });
+}
+
+// SAFETY: forwards to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout.size() as i64);
+        // SAFETY: the caller's contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        count(-(layout.size() as i64));
+        // SAFETY: the caller's contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count(new_size as i64 - layout.size() as i64);
+        // SAFETY: the caller's contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Peak heap bytes above the start while `f` runs on this thread.
+fn peak_during(f: impl FnOnce()) -> i64 {
+    let start = LIVE.with(Cell::get);
+    PEAK.with(|p| p.set(start));
+    f();
+    PEAK.with(Cell::get) - start
+}
+
+/// What a case may hold at its peak: a parser keeps what it read of its
+/// input, in proportion to it, never what the input claims.
+fn memory_bound(input: &[u8]) -> i64 {
+    (1 << 20) + 64 * input.len() as i64
+}
+
 fn run_one(target: &str, f: xpuscope_fuzz::Target, input: &[u8], what: &str) {
-    if catch_unwind(AssertUnwindSafe(|| f(input))).is_err() {
+    let mut peak = 0;
+    let ran = catch_unwind(AssertUnwindSafe(|| peak = peak_during(|| f(input))));
+    if ran.is_ok() && peak > memory_bound(input) {
+        let saved = save_failure(target, input);
+        panic!(
+            "fuzz target {target} held {peak} bytes at its peak on {what} ({} bytes, saved as {})",
+            input.len(),
+            saved.display()
+        );
+    }
+    if ran.is_err() {
         let saved = save_failure(target, input);
         let hex: Vec<String> = input.iter().map(|b| format!("{b:02x}")).collect();
         panic!(

@@ -51,6 +51,7 @@ use object::read::elf::{ElfFile64, ProgramHeader};
 use object::{Endianness, Object, ObjectSymbol};
 
 use crate::maps::ProcessMaps;
+use crate::read_budget::{ReadBudget, limit_for};
 use memory::{Memory, ProcMem, ReadError};
 use walk::{FrameReader, KnownTypes};
 
@@ -403,9 +404,14 @@ fn find_interpreter(maps: &ProcessMaps, root: &Path) -> Option<Found> {
     None
 }
 
+/// The most read of a candidate file's headers and symbols (a real
+/// interpreter's, tens of MB with its full symbol table, read a few MB).
+const MAX_SYMBOL_READ: u64 = 64 << 20;
+
 fn symbols_of(maps: &ProcessMaps, root: &Path, path: &str) -> Option<Found> {
     let file = File::open(root.join(path.trim_start_matches('/'))).ok()?;
-    let cache = ReadCache::new(file);
+    let len = file.metadata().ok()?.len();
+    let cache = ReadCache::new(ReadBudget::new(file, limit_for(len, MAX_SYMBOL_READ)));
     let elf = ElfFile64::<Endianness, _>::parse(&cache).ok()?;
     let endian = elf.endian();
     // Load bias from the first PT_LOAD and the lowest mapping of the file.

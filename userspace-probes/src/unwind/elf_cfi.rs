@@ -4,9 +4,10 @@
 //! and the load segments that turn a mapping into the file's load bias.
 //!
 //! Read once per file and shared (`Arc`) by every process that maps it. The
-//! file's headers are read through [`ReadCache`] and only the sections named
-//! here are read: a 200 MB libnccl costs its CFI and `.text`, not its device
-//! code; a `.text` over [`MAX_TEXT_BYTES`] is not read.
+//! file's headers are read through [`ReadCache`], a limited number of bytes
+//! (`read_budget`), and only the sections named here are read: a 200 MB
+//! libnccl costs its CFI and `.text`, not its device code; a `.text` over
+//! [`MAX_TEXT_BYTES`] is not read.
 
 use std::fs::File;
 use std::ops::Range;
@@ -16,6 +17,8 @@ use std::sync::Arc;
 
 use object::read::ReadCache;
 use object::{Object, ObjectSection, ObjectSegment};
+
+use crate::read_budget::{ReadBudget, limit_for};
 
 /// Errors reading a file's unwind tables.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +39,10 @@ pub enum CfiError {
 
 /// The largest `.text` read (see [`FileCfi::read`]).
 pub const MAX_TEXT_BYTES: u64 = 32 << 20;
+
+/// The most read through the cache: the file's headers, section headers
+/// and section names (at most 65,535 headers of 64 bytes).
+const MAX_HEADER_READ: u64 = 16 << 20;
 
 /// Section bytes shared between every module built from one file.
 pub(crate) type Bytes = Arc<[u8]>;
@@ -89,7 +96,7 @@ impl FileCfi {
             source,
         })?;
         let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
-        let cache = ReadCache::new(&file);
+        let cache = ReadCache::new(ReadBudget::new(&file, limit_for(file_len, MAX_HEADER_READ)));
         let elf = object::File::parse(&cache).map_err(|source| CfiError::Parse {
             path: path.to_path_buf(),
             source,
@@ -98,7 +105,7 @@ impl FileCfi {
         // compressed .debug_frame) is treated as absent: the unwinder then
         // falls back to frame pointers for that code, it does not fail the
         // whole process.
-        let bytes = |s: &object::Section<'_, '_, &ReadCache<&File>>| -> Option<Bytes> {
+        let bytes = |s: &object::Section<'_, '_, &ReadCache<ReadBudget<&File>>>| -> Option<Bytes> {
             // Uncompressed (every CFI and code section in practice): read
             // straight into the shared buffer, not through the cache (which
             // would hold a second copy until this returns).
