@@ -32,20 +32,63 @@ pub struct Stat {
     pub ppid: u32,
 }
 
-/// Parses `/proc/PID/stat`; the comm may contain spaces and parentheses, so
-/// the fields after it are found from the LAST `)`.
-pub fn parse_stat(text: &str) -> Option<Stat> {
+/// The fields of `/proc/PID/stat` service discovery uses (parsed here,
+/// with [`Stat`], so that the fuzz targets reach it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcStat {
+    pub comm: String,
+    /// Clock ticks after boot: with the pid, names one process.
+    pub start_time: u64,
+    /// Bytes of address space; 0 for kernel threads.
+    pub vsize: u64,
+}
+
+impl ProcStat {
+    pub fn parse(text: &str) -> Option<ProcStat> {
+        let (comm, rest) = split_stat(text)?;
+        // starttime is field 22 and vsize field 23 (proc(5)); `rest`
+        // starts at field 3.
+        let mut rest = rest.skip(19);
+        Some(ProcStat {
+            comm: comm.to_string(),
+            start_time: rest.next()?.parse().ok()?,
+            vsize: rest.next()?.parse().ok()?,
+        })
+    }
+}
+
+/// `/proc/PID/stat` as its comm and the fields after it (from field 3,
+/// the state). A process names itself, so its comm may hold spaces, `(`
+/// and `)`: it runs from the first `(` to the LAST `)`, as the fields
+/// after it hold no parenthesis.
+pub fn split_stat(text: &str) -> Option<(&str, std::str::SplitWhitespace<'_>)> {
     let open = text.find('(')?;
     let close = text.rfind(')')?;
-    let comm = text.get(open + 1..close)?.to_string();
-    let mut rest = text.get(close + 1..)?.split_whitespace();
+    let comm = text.get(open + 1..close)?;
+    Some((comm, text.get(close + 1..)?.split_whitespace()))
+}
+
+pub fn parse_stat(text: &str) -> Option<Stat> {
+    let (comm, mut rest) = split_stat(text)?;
     let state = rest.next()?.chars().next()?;
     let ppid = rest.next()?.parse().ok()?;
-    Some(Stat { comm, state, ppid })
+    Some(Stat {
+        comm: comm.to_string(),
+        state,
+        ppid,
+    })
+}
+
+/// A `/proc` text file, bytes that are not UTF-8 replaced. A comm is any
+/// bytes a process gives `prctl(PR_SET_NAME)`, and it is in `stat` and
+/// `status`: read as strict UTF-8, such a process would look gone (left
+/// out of discovery and of a traced job's descendants, taken for dead).
+pub fn read_lossy(path: &str) -> Option<String> {
+    Some(String::from_utf8_lossy(&fs::read(path).ok()?).into_owned())
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {
-    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    parse_stat(&read_lossy(&format!("/proc/{pid}/stat"))?)
 }
 
 fn is_dead(state: char) -> bool {
@@ -72,8 +115,7 @@ fn threads_alive(pid: u32) -> bool {
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|tid| *tid != pid)
         .any(|tid| {
-            fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
-                .ok()
+            read_lossy(&format!("/proc/{pid}/task/{tid}/stat"))
                 .and_then(|t| parse_stat(&t))
                 .is_some_and(|s| !is_dead(s.state))
         })
@@ -95,7 +137,7 @@ pub fn parse_cmdline(raw: &[u8]) -> Vec<String> {
 }
 
 fn uid(pid: u32) -> Option<u32> {
-    parse_status_uid(&fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+    parse_status_uid(&read_lossy(&format!("/proc/{pid}/status"))?)
 }
 
 /// The real uid from the `Uid:` line of `/proc/PID/status`.
@@ -112,7 +154,7 @@ pub fn threads(pid: u32) -> Vec<ThreadEntry> {
     let mut out: Vec<ThreadEntry> = dir
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(|tid| {
-            let comm = fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).ok()?;
+            let comm = read_lossy(&format!("/proc/{pid}/task/{tid}/comm"))?;
             Some(ThreadEntry {
                 tid,
                 comm: comm.trim_end_matches('\n').to_string(),
@@ -184,6 +226,64 @@ mod tests {
         assert_eq!((s.state, s.ppid), ('S', 77));
         assert!(parse_stat("garbage").is_none());
         assert!(parse_stat("1 (x) S notanumber").is_none());
+    }
+
+    #[test]
+    fn a_comm_closing_its_own_parenthesis_does_not_shift_the_fields() {
+        let tail = "S 77 8 8 0 -1 4194304 1 0 0 0 3 4 0 0 20 0 2 0 777 123456 100";
+        for comm in ["(a) b)", "a) b", ")", "x) S 1 (y", ") R 5 6 7 8", " )( "] {
+            let text = format!("1234 ({comm}) {tail}");
+            let s = parse_stat(&text).unwrap();
+            assert_eq!(
+                (s.comm.as_str(), s.state, s.ppid),
+                (comm, 'S', 77),
+                "{text}"
+            );
+            assert_eq!(
+                ProcStat::parse(&text),
+                Some(ProcStat {
+                    comm: comm.into(),
+                    start_time: 777,
+                    vsize: 123456
+                }),
+                "{text}"
+            );
+        }
+        // Fields missing after the comm: no stat, not a shifted one.
+        assert!(ProcStat::parse("1 ((a) b) S 1 2 3").is_none());
+        assert!(parse_stat("1 ((a) b)").is_none());
+        assert!(parse_stat(") 1 (").is_none());
+    }
+
+    #[test]
+    fn a_thread_named_with_bytes_that_are_not_utf8_is_read() {
+        // The kernel keeps the first 15 bytes: all of these.
+        let name = b"\xff(a) b)\xfe";
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            // A thread may rename itself through its own comm file.
+            fs::write("/proc/thread-self/comm", name).unwrap();
+            let link = fs::read_link("/proc/thread-self").unwrap();
+            let tid: u32 = link.file_name().unwrap().to_str().unwrap().parse().unwrap();
+            tx.send(tid).unwrap();
+            done_rx.recv().ok();
+        });
+        let tid = rx.recv().unwrap();
+        let want = "\u{fffd}(a) b)\u{fffd}";
+        let s = stat(tid).expect("a thread's stat with a comm that is not UTF-8");
+        assert_eq!(s.comm, want);
+        let p = ProcStat::parse(&read_lossy(&format!("/proc/{tid}/stat")).unwrap()).unwrap();
+        assert_eq!(p.comm, want);
+        assert!(p.vsize > 0 && p.start_time > 0);
+        let me = std::process::id();
+        let listed = threads(me);
+        assert!(
+            listed.iter().any(|t| t.tid == tid && t.comm == want),
+            "{listed:?}"
+        );
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub mod loader;
 pub mod maps;
 pub mod placement;
 pub mod python;
+mod read_budget;
 pub mod regular_file;
 pub mod resolve;
 pub mod unwind;

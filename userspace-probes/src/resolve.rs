@@ -28,6 +28,7 @@ use object::{Architecture, Endianness, Object, ObjectSymbol, ReadRef};
 
 use crate::catalog::{FunctionSpec, Library};
 use crate::placement::{CODE_BYTES, Placement, place, tail_call_target};
+use crate::read_budget::{ReadBudget, limit_for};
 
 /// Errors resolving a library; each names the file.
 #[derive(Debug, thiserror::Error)]
@@ -69,7 +70,8 @@ pub fn exported_functions(path: &Path) -> Result<Vec<ExportedFunction>, ResolveE
         path: path.to_path_buf(),
         source,
     })?;
-    let cache = ReadCache::new(file);
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let cache = ReadCache::new(ReadBudget::new(file, limit_for(len, MAX_RESOLVE_READ)));
     let elf = parse(path, &cache)?;
     Ok(Image::new(&elf).exports)
 }
@@ -220,7 +222,8 @@ pub fn resolve(path: &Path, library: Library) -> Result<ResolvedLibrary, Resolve
         path: path.to_path_buf(),
         source,
     })?;
-    let cache = ReadCache::new(file);
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let cache = ReadCache::new(ReadBudget::new(file, limit_for(len, MAX_RESOLVE_READ)));
     let elf = parse(path, &cache)?;
     if elf.architecture() != Architecture::X86_64 {
         return Err(ResolveError::Architecture {
@@ -294,9 +297,14 @@ pub fn resolve(path: &Path, library: Library) -> Result<ResolvedLibrary, Resolve
     })
 }
 
-type Elf<'a> = ElfFile64<'a, Endianness, &'a ReadCache<File>>;
+/// The most read of a library's headers and dynamic symbols (a device
+/// library's are a few MB; the budget keeps a crafted file from making the
+/// cache hold many times its size).
+const MAX_RESOLVE_READ: u64 = 256 << 20;
 
-fn parse<'a>(path: &Path, cache: &'a ReadCache<File>) -> Result<Elf<'a>, ResolveError> {
+type Elf<'a> = ElfFile64<'a, Endianness, &'a ReadCache<ReadBudget<File>>>;
+
+fn parse<'a>(path: &Path, cache: &'a ReadCache<ReadBudget<File>>) -> Result<Elf<'a>, ResolveError> {
     ElfFile64::parse(cache).map_err(|source| ResolveError::Parse {
         path: path.to_path_buf(),
         source,

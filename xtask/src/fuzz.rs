@@ -29,6 +29,8 @@ pub const TARGETS: &[&str] = &[
     "ld_cache",
     "elf_dynamic",
     "python_frames",
+    "cfi",
+    "python_interpreter",
 ];
 
 fn fuzz_dir() -> PathBuf {

@@ -36,33 +36,7 @@ use super::config::DiscoveryConfig;
 /// Rounds between re-checks of processes seen before and not traced.
 pub const RECHECK_EVERY: u64 = 4;
 
-/// The fields of `/proc/PID/stat` discovery uses.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProcStat {
-    pub comm: String,
-    /// Clock ticks after boot: with the pid, names one process.
-    pub start_time: u64,
-    /// Bytes of address space; 0 for kernel threads.
-    pub vsize: u64,
-}
-
-impl ProcStat {
-    /// Parses `/proc/PID/stat` (the comm may hold spaces and parentheses:
-    /// the other fields follow the LAST `)`).
-    pub fn parse(text: &str) -> Option<ProcStat> {
-        let open = text.find('(')?;
-        let close = text.rfind(')')?;
-        let comm = text.get(open + 1..close)?.to_string();
-        // Fields after the comm, from field 3 (state): starttime is field
-        // 22 and vsize field 23 (proc(5)).
-        let rest: Vec<&str> = text.get(close + 1..)?.split_whitespace().collect();
-        Some(ProcStat {
-            comm,
-            start_time: rest.get(19)?.parse().ok()?,
-            vsize: rest.get(20)?.parse().ok()?,
-        })
-    }
-}
+pub use crate::procfs::ProcStat;
 
 /// What discovery reads about processes ([`LiveProcTable`] reads `/proc`).
 pub trait ProcTable {
@@ -83,7 +57,7 @@ impl ProcTable for LiveProcTable {
     }
 
     fn stat(&mut self, pid: u32) -> Option<ProcStat> {
-        ProcStat::parse(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+        ProcStat::parse(&crate::procfs::read_lossy(&format!("/proc/{pid}/stat"))?)
     }
 
     fn maps(&mut self, pid: u32) -> Option<ProcessMaps> {
@@ -95,7 +69,7 @@ impl ProcTable for LiveProcTable {
     }
 
     fn cgroup(&mut self, pid: u32) -> Option<String> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+        let text = crate::procfs::read_lossy(&format!("/proc/{pid}/cgroup"))?;
         text.lines()
             .find_map(|l| l.strip_prefix("0::"))
             .map(str::to_string)

@@ -1,7 +1,8 @@
-//! A seeded byte mutator for the service's input fuzz tests (the config
-//! file, control API requests): deterministic, bounded, run by `cargo test`
-//! like the parser targets in `tests/fuzz` (which cannot reach these
-//! modules: the agent is a binary crate). Longer runs: raise `ROUNDS`.
+//! A seeded byte mutator for the agent's input fuzz tests (the config
+//! file, control API requests, trace files): deterministic, bounded, run
+//! by `cargo test` like the parser targets in `tests/fuzz` (which cannot
+//! reach these modules: the agent is a binary crate). Longer runs: raise
+//! `ROUNDS`.
 
 /// xorshift64*: enough randomness for mutations, reproducible by seed.
 pub struct Mutator(u64);

@@ -22,7 +22,7 @@ pub mod control;
 pub mod discovery;
 pub mod dump_dir;
 #[cfg(test)]
-mod fuzzing;
+pub(crate) mod fuzzing;
 pub mod heap;
 pub mod http;
 pub mod kernel_side;

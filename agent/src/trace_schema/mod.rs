@@ -18,6 +18,8 @@ pub mod names;
 pub mod read;
 
 #[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
 mod round_trip_tests;
 
 use std::marker::PhantomData;

@@ -280,8 +280,21 @@ fn switch(ts: u64, prev: u32, state: i64, next: u32, next_comm: &str) -> Record 
     }
 }
 
-#[test]
-fn records_come_back_from_the_trace_they_wrote() {
+/// Records of every kind the reader gives back, in the order the sink
+/// takes them, and what they are made of.
+pub(super) struct Recording {
+    identity: RankIdentity,
+    calls: Vec<DeviceCallRecord>,
+    hung: DeviceCall,
+    step: StepSeen,
+    marker: EnqueueMarker,
+    work: DeviceWork,
+    exit: Exit,
+    off_cpu: [OffCpuInterval; 2],
+    pub(super) written: Vec<Record>,
+}
+
+pub(super) fn recording() -> Recording {
     let identity = RankIdentity {
         rank: Some("1".into()),
         local_rank: Some("1".into()),
@@ -352,7 +365,6 @@ fn records_come_back_from_the_trace_they_wrote() {
         exit_code: Some(9),
     };
 
-    let mut sink = PerfettoSink::new(TraceWriter::new(Vec::new()));
     // The rank's main thread: asleep 2000..5000, then preempted by a
     // task the trace knows nothing of 6000..7000.
     let mut written = vec![
@@ -418,13 +430,44 @@ fn records_come_back_from_the_trace_they_wrote() {
         Record::Switch { switch, .. } => switch.ts,
         _ => 0,
     });
-    for r in &written {
+    Recording {
+        identity,
+        calls,
+        hung,
+        step,
+        marker,
+        work,
+        exit,
+        off_cpu,
+        written,
+    }
+}
+
+/// The trace the Perfetto sink writes of `records`.
+pub(super) fn trace_of(records: &[Record]) -> Vec<u8> {
+    let mut sink = PerfettoSink::new(TraceWriter::new(Vec::new()));
+    for r in records {
         sink.record(r).unwrap();
     }
-    let trace = sink
-        .finish_trace(300_000, &SinkCounters::default())
+    sink.finish_trace(300_000, &SinkCounters::default())
         .unwrap()
-        .out;
+        .out
+}
+
+#[test]
+fn records_come_back_from_the_trace_they_wrote() {
+    let Recording {
+        identity,
+        calls,
+        hung,
+        step,
+        marker,
+        work,
+        exit,
+        off_cpu,
+        written,
+    } = recording();
+    let trace = trace_of(&written);
 
     let mut read = Vec::new();
     let mut open = Vec::new();

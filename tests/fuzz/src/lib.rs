@@ -9,20 +9,24 @@
 //! | `elf` | a library file: `.dynsym`, program headers, probe placement |
 //! | `placement` | a function's first bytes: x86-64 decoding, placement, thunks |
 //! | `maps` | `/proc/PID/maps` and library discovery |
-//! | `procfs` | `/proc/PID/stat`, `status`, `cmdline` |
+//! | `procfs` | `/proc/PID/stat` (as the process model and service discovery read it), `status`, `cmdline` |
 //! | `btf` | a `--kernel-btf` file |
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
 //! | `python_frames` | a CPython process's memory: thread list, frames, code objects, strings, line tables (3.10-3.13 layouts) |
+//! | `python_interpreter` | the files a process maps, taken for a CPython interpreter: `_PyRuntime`, `Py_Version`, the evaluation loop and type objects in their symbols, the version in the name |
+//! | `cfi` | a mapped file's unwind tables (`.eh_frame_hdr`, `.eh_frame`, `.debug_frame`), read and unwound through |
 //! | `elf_dynamic` | a program's or library's `PT_INTERP`, `DT_NEEDED`, `DT_RPATH`/`DT_RUNPATH`, and `LD_LIBRARY_PATH` from its environment |
 //!
 //! Run them with `cargo xtask fuzz [--seconds N] [TARGET]` (libFuzzer,
 //! nightly) or replay the kept corpus with `cargo test -p xpuscope-fuzz`.
 
 pub mod agent;
+pub mod cfi;
 mod device_calls;
 pub mod mutate;
 pub mod python_frames;
+pub mod python_interpreter;
 
 use std::io::Write;
 
@@ -32,8 +36,10 @@ use xpuscope_probes::loader::{self, DynamicInfo, LdCache};
 use xpuscope_probes::placement::{self, Reg, RegSet};
 use xpuscope_probes::{discover, maps::ProcessMaps, resolve};
 
+pub use cfi::cfi;
 pub use device_calls::device_calls;
 pub use python_frames::python_frames;
+pub use python_interpreter::python_interpreter;
 
 /// A fuzz target: returns, or panics on a bug.
 pub type Target = fn(&[u8]);
@@ -51,6 +57,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ld_cache", ld_cache),
     ("elf_dynamic", elf_dynamic),
     ("python_frames", python_frames),
+    ("cfi", cfi),
+    ("python_interpreter", python_interpreter),
 ];
 
 /// The target called `name`.
@@ -141,12 +149,36 @@ pub fn maps(data: &[u8]) {
     }
 }
 
-/// `/proc/PID/stat`, `status` and `cmdline` text.
+/// `/proc/PID/stat`, `status` and `cmdline` text; and the bytes as a
+/// process's own name in a well-formed `stat`, whose fields it must not
+/// shift.
 pub fn procfs(data: &[u8]) {
+    use agent::procfs::{ProcStat, parse_stat};
     let text = String::from_utf8_lossy(data);
-    if let Some(s) = agent::procfs::parse_stat(&text) {
+    let stat = parse_stat(&text);
+    if let Some(s) = &stat {
         assert!(text.contains(&s.comm));
     }
+    if let Some(p) = ProcStat::parse(&text) {
+        assert!(text.contains(&p.comm));
+        if let Some(s) = stat {
+            assert_eq!(s.comm, p.comm, "one comm for both parsers");
+        }
+    }
+    let comm: String = text.chars().filter(|&c| c != '\0').collect();
+    let line = format!(
+        "4242 ({comm}) S 7 4242 4242 0 -1 4194304 1 0 0 0 3 4 0 0 20 0 2 0 777 123456 100\n"
+    );
+    let s = parse_stat(&line).expect("a stat line");
+    assert_eq!((s.comm.as_str(), s.state, s.ppid), (comm.as_str(), 'S', 7));
+    assert_eq!(
+        ProcStat::parse(&line),
+        Some(ProcStat {
+            comm,
+            start_time: 777,
+            vsize: 123456
+        })
+    );
     let _ = agent::procfs::parse_status_uid(&text);
     let _ = agent::procfs::parse_cmdline(data);
 }

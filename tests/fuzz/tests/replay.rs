@@ -1,16 +1,23 @@
 //! The stable, bounded run of every fuzz target inside `cargo test`: the
 //! kept corpus (`tests/fuzz/corpus/<target>/`, including every crash found
-//! so far) replayed, then a fixed number of seeded mutations of it. A panic
-//! fails the test with the input in hex and saved under
-//! `target/fuzz-failures/`, ready to become a unit test.
+//! so far) replayed, then a fixed number of seeded mutations of it. A panic,
+//! or a case whose heap peaks above [`memory_bound`] of its input, fails
+//! the test with the input saved under `target/fuzz-failures/` (a panic's
+//! also in hex), ready to become a unit test.
 //!
 //! `XPUSCOPE_FUZZ_CASES` changes the number of mutated inputs per target
-//! (default 4,000; `elf` runs a tenth: each case writes and parses a file).
+//! (default 4,000; the targets that read a file run a tenth: each case
+//! writes one).
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use xpuscope_fuzz::mutate::{Rng, mutate};
+
+/// Targets that write each input to a file (slower per case).
+const FILE_TARGETS: [&str; 3] = ["elf", "cfi", "python_interpreter"];
 
 fn fuzz_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -40,8 +47,72 @@ fn save_failure(target: &str, input: &[u8]) -> PathBuf {
     path
 }
 
+/// Counts each thread's live heap bytes and their peak, so a case's peak
+/// memory is known (every target runs on its test's thread).
+struct Counting;
+
+thread_local! {
+    static LIVE: Cell<i64> = const { Cell::new(0) };
+    static PEAK: Cell<i64> = const { Cell::new(0) };
+}
+
+fn count(delta: i64) {
+    let _ = LIVE.try_with(|l| {
+        l.set(l.get() + delta);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(l.get())));
+    });
+}
+
+// SAFETY: forwards to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout.size() as i64);
+        // SAFETY: the caller's contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        count(-(layout.size() as i64));
+        // SAFETY: the caller's contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count(new_size as i64 - layout.size() as i64);
+        // SAFETY: the caller's contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Peak heap bytes above the start while `f` runs on this thread.
+fn peak_during(f: impl FnOnce()) -> i64 {
+    let start = LIVE.with(Cell::get);
+    PEAK.with(|p| p.set(start));
+    f();
+    PEAK.with(Cell::get) - start
+}
+
+/// What a case may hold at its peak: a parser keeps what it read of its
+/// input, in proportion to it, never what the input claims.
+fn memory_bound(input: &[u8]) -> i64 {
+    (1 << 20) + 64 * input.len() as i64
+}
+
 fn run_one(target: &str, f: xpuscope_fuzz::Target, input: &[u8], what: &str) {
-    if catch_unwind(AssertUnwindSafe(|| f(input))).is_err() {
+    let mut peak = 0;
+    let ran = catch_unwind(AssertUnwindSafe(|| peak = peak_during(|| f(input))));
+    if ran.is_ok() && peak > memory_bound(input) {
+        let saved = save_failure(target, input);
+        panic!(
+            "fuzz target {target} held {peak} bytes at its peak on {what} ({} bytes, saved as {})",
+            input.len(),
+            saved.display()
+        );
+    }
+    if ran.is_err() {
         let saved = save_failure(target, input);
         let hex: Vec<String> = input.iter().map(|b| format!("{b:02x}")).collect();
         panic!(
@@ -64,7 +135,11 @@ fn replay(target: &str) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4_000);
-    let cases = if target == "elf" { cases / 10 } else { cases };
+    let cases = if FILE_TARGETS.contains(&target) {
+        cases / 10
+    } else {
+        cases
+    };
     // One seed per target, so a failure reproduces with the same run.
     let seed = target
         .bytes()
@@ -93,7 +168,9 @@ fn every_target_has_a_test_and_a_corpus() {
             "environ",
             "ld_cache",
             "elf_dynamic",
-            "python_frames"
+            "python_frames",
+            "cfi",
+            "python_interpreter"
         ]
     );
     for n in names {
@@ -163,6 +240,85 @@ fn elf_dynamic() {
 #[test]
 fn python_frames() {
     replay("python_frames");
+}
+
+#[test]
+fn cfi() {
+    replay("cfi");
+}
+
+#[test]
+fn python_interpreter() {
+    replay("python_interpreter");
+}
+
+/// The kept seeds are interpreters: found with their version (from
+/// `Py_Version`, or from the file name), the evaluation loop in two
+/// ranges and the type objects.
+#[test]
+fn python_interpreter_seeds_find() {
+    use xpuscope_fuzz::python_interpreter::{BASE, NAMES, find};
+    let root = std::env::temp_dir().join(format!("xpuscope-fuzz-seeds-{}", std::process::id()));
+    std::fs::create_dir_all(&root).expect("scratch");
+    // (seed, version, the function, its .cold part, _PyRuntime) in the file.
+    let seeds = [
+        ("seed-3.10", (3, 10, 0), 0x2a0, 0x290, 0x14a0),
+        ("seed-3.11", (3, 11, 7), 0x2d0, 0x2c0, 0x14e0),
+    ];
+    for (seed, version, eval, cold, runtime) in seeds {
+        let input = std::fs::read(fuzz_dir().join("corpus/python_interpreter").join(seed))
+            .expect("kept seed");
+        let name = NAMES[usize::from(input[0]) % NAMES.len()];
+        std::fs::write(root.join(name), &input[9..]).expect("write");
+        let word = input[1..9].try_into().expect("8 bytes");
+        let i = find(&root, name, word).unwrap_or_else(|| panic!("{seed}: no interpreter"));
+        assert_eq!(i.version, version, "{seed}");
+        assert_eq!(
+            i.eval_frames,
+            [BASE + eval..BASE + eval + 5, BASE + cold..BASE + cold + 2],
+            "{seed}"
+        );
+        assert_eq!(i.runtime, BASE + runtime, "{seed}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The kept seeds' tables are read and used: from the body of the
+/// function that saves six registers, the unwind finds its caller by
+/// their CFI (`.eh_frame` through `.eh_frame_hdr`, or `.debug_frame`),
+/// and stops at the zero return address above it.
+#[test]
+fn cfi_seeds_unwind() {
+    use xpuscope_fuzz::cfi::{MAPPED_AT, SEED_FRAMES, STACK_AT};
+    use xpuscope_probes::maps::ProcessMaps;
+    use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
+    let root = fuzz_dir().join("corpus/cfi");
+    for (seed, ip, ret) in SEED_FRAMES {
+        let maps = ProcessMaps::parse(&format!(
+            "{MAPPED_AT:x}-{:x} r-xp 00000000 08:01 7 /{seed}\n",
+            MAPPED_AT + 0x1000
+        ));
+        let mut unwinder = Unwinder::new();
+        let mut process = unwinder.process(&maps, &root);
+        assert_eq!(process.modules(), 1, "{seed}");
+        // The return address 56 bytes above rsp (CFA - 8), then the
+        // caller's 24 bytes above its CFA... zero.
+        let mut stack = vec![0u8; 128];
+        stack[56..64].copy_from_slice(&(MAPPED_AT + ret).to_le_bytes());
+        let copy = StackCopy {
+            base: STACK_AT,
+            bytes: &stack,
+        };
+        let regs = UserRegs {
+            ip: MAPPED_AT + ip,
+            sp: STACK_AT,
+            bp: 0,
+        };
+        let u = process.unwind(regs, &copy, 127);
+        assert_eq!(u.frames, [MAPPED_AT + ip, MAPPED_AT + ret], "{seed}: {u:?}");
+        assert!(!u.truncated, "{seed}: {u:?}");
+        assert_eq!(u.stack_bytes_used, 64 + 32, "{seed}");
+    }
 }
 
 /// The kept seeds are well-formed images: every layout's walk reaches

@@ -123,7 +123,12 @@ impl DynamicInfo {
             path: path.to_path_buf(),
             source,
         })?;
-        let cache = object::read::ReadCache::new(file);
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        // Bounded: any file a traced process's search path names is read.
+        let cache = object::read::ReadCache::new(crate::read_budget::ReadBudget::new(
+            file,
+            crate::read_budget::limit_for(len, 64 << 20),
+        ));
         Self::parse(&cache).map_err(|source| ReadError::Parse {
             path: path.to_path_buf(),
             source,

@@ -4,7 +4,9 @@
 //! - [`PythonProcess::attach`] finds the interpreter in the process's
 //!   mappings (the executable or a `libpython3.X.so` whose ELF symbols
 //!   hold `_PyRuntime`), its version (`Py_Version`, 3.11+; the file name
-//!   for 3.10) and the address range of `_PyEval_EvalFrameDefault`.
+//!   for 3.10) and the address range of `_PyEval_EvalFrameDefault`
+//!   ([`Interpreter::find`]; fuzzed by `tests/fuzz`'s `python_interpreter`
+//!   target: any process may map a file called `python3`).
 //! - [`PythonProcess::frames`] maps a kernel tid to its thread state
 //!   (interpreters -> thread list; `native_thread_id` on 3.11+, the tid in
 //!   glibc's `struct pthread` on 3.10) and walks its frames (3.11+
@@ -48,6 +50,7 @@ use object::read::elf::{ElfFile64, ProgramHeader};
 use object::{Endianness, Object, ObjectSymbol};
 
 use crate::maps::ProcessMaps;
+use crate::read_budget::{ReadBudget, limit_for};
 use memory::{Memory, ProcMem, ReadError};
 use walk::{FrameReader, KnownTypes};
 
@@ -123,9 +126,65 @@ pub struct Interpreter {
     /// Address of `_PyRuntime` in the process.
     pub runtime: u64,
     /// Where `_PyEval_EvalFrameDefault` (and its `.cold` part where the
-    /// symbol table has one) lies in the process.
+    /// symbol table has one) lies in the process: at most
+    /// [`MAX_EVAL_FRAMES`] ranges.
     pub eval_frames: Vec<Range<u64>>,
     types: KnownTypes,
+    layout: &'static layout::Layout,
+}
+
+/// The most evaluation-loop ranges kept from a file's symbols: a real
+/// one has the function and its `.cold` part, once in `.dynsym` and once
+/// in `.symtab`; a crafted one may repeat them without end.
+pub const MAX_EVAL_FRAMES: usize = 4;
+
+impl Interpreter {
+    /// The CPython interpreter of a process whose mappings are `maps`: the
+    /// first mapped file (as `/proc/PID/maps` names it, opened under
+    /// `root`) whose ELF symbols hold `_PyRuntime`, its version read
+    /// through the memory `open` gives (opened only once a file is found),
+    /// and the layout of that version. `Ok(None)` when no such file is
+    /// mapped.
+    pub fn find<M: Memory>(
+        maps: &ProcessMaps,
+        root: &Path,
+        open: impl FnOnce() -> Result<M, PyError>,
+    ) -> Result<Option<(Interpreter, M)>, PyError> {
+        let Some(found) = find_interpreter(maps, root) else {
+            return Ok(None);
+        };
+        let mem = open()?;
+        let (major, minor, micro) = match found.py_version {
+            Some(addr) => {
+                let mut b = [0; 8];
+                mem.read(addr, &mut b)?;
+                let hex = u64::from_le_bytes(b);
+                ((hex >> 24) as u8, (hex >> 16) as u8, (hex >> 8) as u8)
+            }
+            None => version_from_name(&found.path).ok_or_else(|| PyError::NoVersion {
+                path: found.path.clone(),
+            })?,
+        };
+        let layout = layout::for_version(major, minor).ok_or_else(|| PyError::Unsupported {
+            path: found.path.clone(),
+            major,
+            minor,
+        })?;
+        let interpreter = Interpreter {
+            path: found.path,
+            version: (major, minor, micro),
+            runtime: found.runtime,
+            eval_frames: found.eval_frames,
+            types: found.types,
+            layout,
+        };
+        Ok(Some((interpreter, mem)))
+    }
+
+    /// The structure layout of its version.
+    pub fn layout(&self) -> &'static layout::Layout {
+        self.layout
+    }
 }
 
 /// A CPython process being read.
@@ -154,36 +213,18 @@ impl PythonProcess {
             return Ok(None);
         };
         let root = format!("/proc/{pid}/root");
-        let Some(found) = find_interpreter(&maps, Path::new(&root)) else {
+        let open = || ProcMem::open(pid).map_err(|source| PyError::Open { pid, source });
+        let Some((interpreter, mem)) = Interpreter::find(&maps, Path::new(&root), open)? else {
             return Ok(None);
-        };
-        let mem = ProcMem::open(pid).map_err(|source| PyError::Open { pid, source })?;
-        let (major, minor, micro) = match found.py_version {
-            Some(addr) => {
-                let mut b = [0; 8];
-                mem.read(addr, &mut b)?;
-                let hex = u64::from_le_bytes(b);
-                ((hex >> 24) as u8, (hex >> 16) as u8, (hex >> 8) as u8)
-            }
-            None => version_from_name(&found.path).ok_or_else(|| PyError::NoVersion {
-                path: found.path.clone(),
-            })?,
-        };
-        let layout = layout::for_version(major, minor).ok_or_else(|| PyError::Unsupported {
-            path: found.path.clone(),
-            major,
-            minor,
-        })?;
-        let interpreter = Interpreter {
-            path: found.path,
-            version: (major, minor, micro),
-            runtime: found.runtime,
-            eval_frames: found.eval_frames,
-            types: found.types,
         };
         Ok(Some(Self {
             pid,
-            reader: FrameReader::new(mem, layout, interpreter.runtime, interpreter.types),
+            reader: FrameReader::new(
+                mem,
+                interpreter.layout,
+                interpreter.runtime,
+                interpreter.types,
+            ),
             interpreter,
             threads: HashMap::new(),
             listed: None,
@@ -362,9 +403,14 @@ fn find_interpreter(maps: &ProcessMaps, root: &Path) -> Option<Found> {
     None
 }
 
+/// The most read of a candidate file's headers and symbols (a real
+/// interpreter's, tens of MB with its full symbol table, read a few MB).
+const MAX_SYMBOL_READ: u64 = 64 << 20;
+
 fn symbols_of(maps: &ProcessMaps, root: &Path, path: &str) -> Option<Found> {
     let file = crate::regular_file::open(&root.join(path.trim_start_matches('/'))).ok()?;
-    let cache = ReadCache::new(file);
+    let len = file.metadata().ok()?.len();
+    let cache = ReadCache::new(ReadBudget::new(file, limit_for(len, MAX_SYMBOL_READ)));
     let elf = ElfFile64::<Endianness, _>::parse(&cache).ok()?;
     let endian = elf.endian();
     // Load bias from the first PT_LOAD and the lowest mapping of the file.
@@ -386,10 +432,16 @@ fn symbols_of(maps: &ProcessMaps, root: &Path, path: &str) -> Option<Found> {
         match name {
             "_PyRuntime" => runtime = Some(addr),
             "Py_Version" => py_version = Some(addr),
-            "_PyEval_EvalFrameDefault" | "_PyEval_EvalFrameDefault.cold" if sym.size() > 0 => {
-                let r = addr..addr.wrapping_add(sym.size());
-                if !eval_frames.contains(&r) {
-                    eval_frames.push(r);
+            "_PyEval_EvalFrameDefault" | "_PyEval_EvalFrameDefault.cold"
+                if eval_frames.len() < MAX_EVAL_FRAMES =>
+            {
+                // A range that wraps around the address space holds no
+                // return address.
+                let Some(end) = addr.checked_add(sym.size()).filter(|&e| e > addr) else {
+                    continue;
+                };
+                if !eval_frames.contains(&(addr..end)) {
+                    eval_frames.push(addr..end);
                 }
             }
             "PyCode_Type" => types.code = Some(addr),

@@ -351,9 +351,11 @@ mod tests {
             let cfi = FileCfi::read(Path::new(path)).expect("read");
             let whole = std::fs::read(path).expect("read whole");
             let elf = object::File::parse(&*whole).expect("parse");
+            // FileCfi holds no empty section.
             let of = |name: &str| {
                 elf.section_by_name(name)
                     .map(|s| s.uncompressed_data().expect("data").into_owned())
+                    .filter(|d| !d.is_empty())
             };
             let ours = |s: &Option<elf_cfi::Section>| s.as_ref().map(|s| s.data.to_vec());
             assert_eq!(ours(&cfi.eh_frame), of(".eh_frame"), "{path} .eh_frame");
@@ -379,6 +381,40 @@ mod tests {
                 "{path}"
             );
         }
+    }
+
+    fn corpus(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fuzz/corpus/cfi")
+            .join(name)
+    }
+
+    #[test]
+    fn a_code_mapping_takes_the_code_segments_bias_where_segments_share_a_page() {
+        // Its code segment at file offset 0, its data segment at 0x390
+        // (vaddr 0x1390): both in the file's first page.
+        let cfi = FileCfi::read(&corpus("eh-frame")).expect("read");
+        assert_eq!(cfi.load_bias(0x7f00_0000_0000, 0), Some(0x7f00_0000_0000));
+    }
+
+    #[test]
+    fn a_section_past_the_end_of_the_address_space_is_absent() {
+        // `.text` and `.eh_frame` at 0xffff_ffff_ffff_ffc0, longer than
+        // the 64 bytes left.
+        let cfi = FileCfi::read(&corpus("crash-section-address-overflow")).expect("read");
+        assert!(cfi.text_svma.is_none() && cfi.eh_frame.is_none());
+        assert!(cfi.eh_frame_hdr.is_some());
+    }
+
+    #[test]
+    fn an_empty_eh_frame_leaves_the_debug_frame_in_use() {
+        let cfi = FileCfi::read(&corpus("debug-frame")).expect("read");
+        assert!(cfi.eh_frame.is_none() && cfi.eh_frame_hdr.is_none());
+        assert!(cfi.debug_frame.is_some() && cfi.has_cfi());
+        // Compressed, it is not read (object is built without
+        // decompression): frame pointers then.
+        let zlib = FileCfi::read(&corpus("debug-frame-zlib")).expect("read");
+        assert!(!zlib.has_cfi());
     }
 
     #[test]

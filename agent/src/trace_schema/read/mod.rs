@@ -19,6 +19,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use xpuscope_perfetto::rewrite::{EventView, Interning, Packet, PacketReader, Truncated};
 
+/// The most live sites read from a failed allocation's instant. The sink
+/// writes the few largest; each row is looked up among all the instant's
+/// arguments, so a trace naming thousands would cost their square.
+pub const MAX_LIVE_SITES: usize = 16;
+
 /// A trace's packets in order, decoded, with each packet's interned names
 /// taken in before it is handed out (so its events resolve).
 pub struct TracePackets<R: Read> {

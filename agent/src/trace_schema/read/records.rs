@@ -25,8 +25,8 @@ use xpuscope_probes::decode::args::CallArgs;
 use xpuscope_probes::decode::memory::{Device, MemoryEffect};
 use xpuscope_probes::python::STEP_LOCALS;
 
-use super::TracePackets;
 use super::offcpu::{self, MainThreadSwitches};
+use super::{MAX_LIVE_SITES, TracePackets};
 use crate::events::Exit;
 use crate::model::{
     DeviceCallRecord, DeviceWork, EnqueueMarker, Field, FieldValue, LiveSiteRow, RankIdentity,
@@ -533,7 +533,7 @@ fn failed_allocation(event: &EventView, tgid: u32, tid: u32) -> Option<DeviceCal
     };
     let uint = |key: &str| event.arg(key).and_then(|v| v.as_u64());
     let mut rows = Vec::new();
-    for i in 1.. {
+    for i in 1..=MAX_LIVE_SITES {
         let Some(bytes) = uint(&k::live_site(i, "bytes")) else {
             break;
         };
