@@ -46,7 +46,7 @@ impl IdMap for NodeMap {
         self.pids.get(&pid).copied().unwrap_or(pid)
     }
     fn cpu(&mut self, cpu: u32) -> u32 {
-        self.cpu_base + cpu
+        self.cpu_base.saturating_add(cpu)
     }
     fn flow(&mut self, id: u64) -> u64 {
         mix(id ^ self.salt ^ 0x666c_6f77)
@@ -94,7 +94,7 @@ pub fn node_maps(scans: &[NodeScan], offsets: &[i64]) -> Vec<NodeMap> {
                 cpu_base,
                 next_sequence: 0,
             };
-            cpu_base += s.cpu_span();
+            cpu_base = cpu_base.saturating_add(s.cpu_span());
             map
         })
         .collect()

@@ -198,7 +198,10 @@ pub fn run(opts: &MergeOptions) -> Result<MergeReport> {
             ));
         }
     }
-    let cpus: u32 = scans.iter().map(NodeScan::cpu_span).sum();
+    let cpus: u32 = scans
+        .iter()
+        .map(NodeScan::cpu_span)
+        .fold(0, u32::saturating_add);
     if cpus > MAX_CPUS && !opts.no_sched {
         bail!(
             "the nodes have {cpus} CPUs in all, more than Perfetto's {MAX_CPUS}: merge fewer nodes, or pass --no-sched to leave scheduler data out"

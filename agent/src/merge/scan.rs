@@ -257,7 +257,9 @@ pub fn scan(path: &Path) -> Result<NodeScan> {
 impl NodeScan {
     /// CPUs this node's CPU numbers span.
     pub fn cpu_span(&self) -> u32 {
-        self.num_cpus.max(self.max_cpu.map_or(0, |m| m + 1))
+        // Saturating: a CPU number is the trace file's to claim.
+        self.num_cpus
+            .max(self.max_cpu.map_or(0, |m| m.saturating_add(1)))
     }
 
     /// The job labels of its ranks.
