@@ -336,6 +336,28 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
     };
     assert_eq!(attaches(&metrics, "failed"), 0.0);
     assert_eq!(attaches(&metrics, "slow"), 0.0);
+    // Every loss the kernel side counts is in the status and the metrics.
+    let status = ctl(&socket, &["status"]);
+    for key in ["dropped_events", "skipped_events", "decode_errors"] {
+        assert!(
+            status["kernel"][key].is_u64(),
+            "status.kernel.{key}: {status}"
+        );
+    }
+    assert!(
+        status["device_probes"]["attached"].as_u64() > Some(0),
+        "{status}"
+    );
+    for family in [
+        "xpuscope_agent_kernel_dropped_events_total",
+        "xpuscope_agent_kernel_skipped_events_total",
+        "xpuscope_agent_decode_errors_total",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l.starts_with(family)),
+            "no {family} in\n{metrics}"
+        );
+    }
 
     // Level 2 on the running service: launches appear in a later job.
     let agent_pid = agent.pid();

@@ -217,11 +217,12 @@ pub async fn start(
         .hook_loader(DEFAULT_LOADER)
         .inspect_err(|e| tracing::warn!("loader hook: {e:#}"))
         .is_ok();
+    let reader_counters = Arc::new(ReaderCounters::default());
     let reader = Reader {
         notices: Some(notice_tx),
         rings,
         out: running.pipeline.clone(),
-        counters: Arc::new(ReaderCounters::default()),
+        counters: reader_counters.clone(),
         drain_interval: tuning.drain_interval,
         delay: tuning.reader_delay,
     };
@@ -247,6 +248,8 @@ pub async fn start(
         known: HashMap::new(),
         drops_seen: vec![0; host::possible_cpus()],
         probe_stats: running.probe_stats,
+        losses: running.losses,
+        reader_counters,
     };
     // Programs verified beforehand: a starting process's probes are then
     // attached within milliseconds of its loader's first report.
@@ -283,6 +286,8 @@ struct KernelSide {
     known: HashMap<u32, Value>,
     drops_seen: Vec<u64>,
     probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
+    losses: Arc<crate::sinks::metrics::KernelLosses>,
+    reader_counters: Arc<ReaderCounters>,
 }
 
 impl KernelSide {
@@ -389,6 +394,7 @@ impl KernelSide {
         if let Ok(mut s) = self.probe_stats.lock() {
             *s = self.device.stats();
         }
+        self.publish_losses();
         Ok(())
     }
 
@@ -412,6 +418,25 @@ impl KernelSide {
                 Err(e) => tracing::warn!("tracing pid {pid}, child of {}: {e}", f.pid),
             }
         }
+    }
+
+    /// The kernel side's losses, for the metrics and the status.
+    fn publish_losses(&self) {
+        let l = &self.losses;
+        l.dropped_events.store(
+            self.drops_seen.iter().sum(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        l.skipped_events.store(
+            self.kernel.kernel_skips().iter().sum(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        l.decode_errors.store(
+            self.reader_counters
+                .decode_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Keeps [`Running::traced`] equal to the kernel's traced set.

@@ -44,6 +44,8 @@ pub struct Running {
     /// The device probes' counters, as of the kernel side's last round
     /// (for the metrics).
     pub probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
+    /// What the kernel side lost, as running totals.
+    pub losses: Arc<crate::sinks::metrics::KernelLosses>,
 }
 
 /// `labels.job_env` in effect: the kernel side reads it whenever it reads

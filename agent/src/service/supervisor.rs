@@ -60,6 +60,9 @@ struct ServiceControl {
     sinks: Vec<(&'static str, Arc<SinkCounters>)>,
     traced: Arc<Mutex<BTreeMap<u32, Value>>>,
     started: Instant,
+    /// What the kernel side lost, and its probes' counters.
+    losses: Arc<crate::sinks::metrics::KernelLosses>,
+    probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
 }
 
 impl ServiceControl {
@@ -87,6 +90,7 @@ impl Control for ServiceControl {
             })
             .collect();
         let last = s.last_dump.lock().ok().and_then(|d| d.clone());
+        let probes = self.probe_stats.lock().map(|p| *p).unwrap_or_default();
         json!({
             "level": self.current_level().get(),
             "uptime_seconds": self.started.elapsed().as_secs(),
@@ -107,6 +111,16 @@ impl Control for ServiceControl {
             "memory": {
                 "resident": super::heap::resident(),
                 "allocator": super::heap::allocator(),
+            },
+            "kernel": {
+                "dropped_events": self.losses.dropped_events.load(Ordering::Relaxed),
+                "skipped_events": self.losses.skipped_events.load(Ordering::Relaxed),
+                "decode_errors": self.losses.decode_errors.load(Ordering::Relaxed),
+            },
+            "device_probes": {
+                "attached": probes.attached,
+                "attach_failures": probes.attach_failures,
+                "slow_attaches": probes.slow_attaches,
             },
             "sinks": self.sinks.iter().map(|(name, c)| json!({
                 "name": name,
@@ -342,6 +356,8 @@ where
         ],
         traced: traced.clone(),
         started: Instant::now(),
+        losses: sources.kernel_losses.clone(),
+        probe_stats: sources.probe_stats.clone(),
     });
     let group = cfg
         .control
@@ -381,6 +397,7 @@ where
         traced: traced.clone(),
         job_env,
         probe_stats: sources.probe_stats.clone(),
+        losses: sources.kernel_losses.clone(),
     })
     .await
     {
@@ -595,6 +612,8 @@ mod tests {
             sinks: Vec::new(),
             traced: Arc::new(Mutex::new(BTreeMap::new())),
             started: Instant::now(),
+            losses: Arc::default(),
+            probe_stats: Arc::default(),
         };
         (control, path)
     }

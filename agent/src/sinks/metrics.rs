@@ -163,6 +163,8 @@ struct Families {
     rss: Gauge,
     recorder_bytes: Gauge,
     recorder_evicted: Counter,
+    kernel_skips: Counter,
+    decode_errors: Counter,
     probe_attaches: Family<OutcomeLabels, Counter>,
     dumps: Family<TriggerLabels, Counter>,
     folded: Family<FamilyLabels, Counter>,
@@ -189,6 +191,8 @@ impl Families {
             rss: Gauge::default(),
             recorder_bytes: Gauge::default(),
             recorder_evicted: Counter::default(),
+            kernel_skips: Counter::default(),
+            decode_errors: Counter::default(),
             probe_attaches: Family::default(),
             dumps: Family::default(),
             folded: Family::default(),
@@ -273,6 +277,16 @@ impl Families {
             f.rss.clone(),
         );
         r.register(
+            "xpuscope_agent_kernel_skipped_events",
+            "Program runs the kernel skipped because a program already ran on that CPU (their events are missing)",
+            f.kernel_skips.clone(),
+        );
+        r.register(
+            "xpuscope_agent_decode_errors",
+            "Ring records the agent could not decode (skipped)",
+            f.decode_errors.clone(),
+        );
+        r.register(
             "xpuscope_agent_device_probe_attaches",
             "Device-library probe attaches: functions made live (attached), functions or libraries that could not be attached (failed), library files whose probes took over a second (slow: calls in that time unrecorded)",
             f.probe_attaches.clone(),
@@ -319,6 +333,21 @@ pub struct AgentSources {
     pub recorder: Mutex<Option<Arc<RecorderStats>>>,
     /// The device probes' counters (the kernel side's, updated each round).
     pub probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
+    /// What the kernel side lost (updated each round).
+    pub kernel_losses: Arc<KernelLosses>,
+}
+
+/// What the kernel side of the service lost, as running totals: for the
+/// metrics and `agent ctl status` (the trace carries the drops as records).
+#[derive(Debug, Default)]
+pub struct KernelLosses {
+    /// Events the kernel rings could not hold.
+    pub dropped_events: AtomicU64,
+    /// Program runs the kernel skipped (a program already running on that
+    /// CPU: recursion protection), per the programs' own counts.
+    pub skipped_events: AtomicU64,
+    /// Ring records collect could not decode (counted, then skipped).
+    pub decode_errors: AtomicU64,
 }
 
 /// What `/metrics` and `/healthz` read.
@@ -927,6 +956,17 @@ impl MetricsSink {
                     .inc_by(d as u64);
             }
         }
+        let losses = &self.sources.kernel_losses;
+        let d = self.deltas.delta(
+            "kernel_skips",
+            losses.skipped_events.load(Ordering::Relaxed) as f64,
+        );
+        self.f.kernel_skips.inc_by(d as u64);
+        let d = self.deltas.delta(
+            "decode_errors",
+            losses.decode_errors.load(Ordering::Relaxed) as f64,
+        );
+        self.f.decode_errors.inc_by(d as u64);
         let probes = self
             .sources
             .probe_stats
