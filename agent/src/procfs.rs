@@ -128,12 +128,75 @@ pub fn cmdline(pid: u32) -> Vec<String> {
 }
 
 /// `/proc/PID/cmdline`: NUL-separated arguments (any bytes; a process may
-/// rewrite its own).
+/// rewrite its own), secrets redacted ([`redact_secrets`]).
 pub fn parse_cmdline(raw: &[u8]) -> Vec<String> {
-    raw.split(|b| *b == 0)
-        .filter(|s| !s.is_empty())
-        .map(|s| String::from_utf8_lossy(s).into_owned())
-        .collect()
+    redact_secrets(
+        raw.split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .collect(),
+    )
+}
+
+/// What replaces a secret in a command line.
+pub const REDACTED: &str = "[redacted]";
+
+/// A command line with the values of secret-looking arguments replaced:
+/// `--api-key=X`, `--password X`, `HF_TOKEN=X` (a flag or variable whose
+/// name says token, password, secret, key, credential or auth). Traces and
+/// dumps keep command lines, and secrets are passed in argv more often than
+/// they should be; the agent is not where they should end up.
+pub fn redact_secrets(args: Vec<String>) -> Vec<String> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut value_next = false;
+    for arg in args {
+        if value_next && !arg.starts_with('-') {
+            value_next = false;
+            out.push(REDACTED.to_string());
+            continue;
+        }
+        value_next = false;
+        match arg.split_once('=') {
+            Some((name, value)) if !value.is_empty() && secret_name(name) => {
+                out.push(format!("{name}={REDACTED}"));
+            }
+            None if arg.starts_with('-') && secret_name(&arg) => {
+                value_next = true;
+                out.push(arg);
+            }
+            _ => out.push(arg),
+        }
+    }
+    out
+}
+
+/// A flag (`--hf-token`) or variable (`WANDB_API_KEY`) naming a secret,
+/// by its words: `token` names one, `tokenizer` does not.
+fn secret_name(name: &str) -> bool {
+    const WORDS: [&str; 9] = [
+        "token",
+        "password",
+        "passwd",
+        "secret",
+        "credential",
+        "credentials",
+        "apikey",
+        "accesskey",
+        "auth",
+    ];
+    const KEYS: [&str; 4] = ["api", "access", "secret", "private"];
+    let name = name.trim_start_matches('-');
+    if name.is_empty() || name.len() > 64 {
+        return false;
+    }
+    let words: Vec<String> = name
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .map(str::to_ascii_lowercase)
+        .collect();
+    words.iter().any(|w| WORDS.contains(&w.as_str()))
+        || words
+            .windows(2)
+            .any(|p| KEYS.contains(&p[0].as_str()) && p[1] == "key")
 }
 
 fn uid(pid: u32) -> Option<u32> {
@@ -284,6 +347,42 @@ mod tests {
         );
         done_tx.send(()).unwrap();
         t.join().unwrap();
+    }
+
+    #[test]
+    fn secrets_in_command_lines_are_redacted_and_nothing_else() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            redact_secrets(args(&[
+                "torchrun",
+                "--hf-token=hf_abc",
+                "--password",
+                "hunter2",
+                "WANDB_API_KEY=k1",
+                "--tokenizer-model=/m/tok.model",
+                "--api_key",
+                "--lr=0.1",
+                "--keys=3",
+                "train.py",
+            ])),
+            args(&[
+                "torchrun",
+                "--hf-token=[redacted]",
+                "--password",
+                "[redacted]",
+                "WANDB_API_KEY=[redacted]",
+                "--tokenizer-model=/m/tok.model",
+                "--api_key",
+                "--lr=0.1",
+                "--keys=3",
+                "train.py",
+            ]),
+            "a flag with no value before the next flag keeps the next flag"
+        );
+        assert_eq!(
+            parse_cmdline(b"python\0--secret\0s3cr3t\0--auth=u:p\0"),
+            args(&["python", "--secret", "[redacted]", "--auth=[redacted]"])
+        );
     }
 
     #[test]

@@ -231,3 +231,69 @@ fn an_agent_started_while_earlier_probes_are_released_records_every_call() {
     let device = &second.stats["device"];
     assert_eq!(device["slow_attaches"], 0, "{device}");
 }
+
+/// Thread churn against the stack rate limit: each new thread used to
+/// start with a full burst of stack credit (20 stacks at the default
+/// policy), so a process starting short-lived threads took a stack at
+/// nearly every switch-out, the rate limit bypassed. A new thread now
+/// starts with one stack's credit and earns more at the policy's rate.
+#[test]
+fn thread_churn_does_not_bypass_the_stack_rate_limit() {
+    use xpuscope_tests::device::python_program;
+    use xpuscope_tests::trace_check::{Timeline, decode};
+    let _serial = exclusive();
+    let dir = TempDir::new("churn-stack-rate");
+    // 100 threads one after another, each blocking 30 times in 0.5 ms
+    // sleeps (about 20 ms of life): 3,000 switch-outs.
+    let program = r#"
+import sys, threading, time
+sys.stdin.readline()
+def worker():
+    for _ in range(30):
+        time.sleep(0.0005)
+for _ in range(100):
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+print("done", flush=True)
+sys.stdin.readline()
+"#;
+    let mut py = python_program("thread-churn", program, &[] as &[&str]);
+    let rec =
+        xpuscope_tests::agent::Recording::start(dir.path(), &["--pid", &py.pid().to_string()]);
+    let mut out = xpuscope_tests::agent::Lines::new(py.stdout());
+    xpuscope_tests::agent::go(&mut py.stdin());
+    out.wait_for("done", Duration::from_secs(60));
+    drop(py);
+    let done = rec.finish(Duration::from_secs(60));
+    let tl = Timeline::new(&decode(&done.trace).expect("decodes"));
+    let mut per_thread: std::collections::BTreeMap<i32, usize> = Default::default();
+    for s in &tl.stack_samples {
+        *per_thread.entry(s.tid).or_default() += 1;
+    }
+    // The workers: every thread of the process but its main one.
+    let main_tid = tl
+        .stack_samples
+        .iter()
+        .find(|s| s.tid == s.pid)
+        .map(|s| s.tid);
+    let mut workers: Vec<usize> = per_thread
+        .iter()
+        .filter(|(tid, _)| Some(**tid) != main_tid)
+        .map(|(_, n)| *n)
+        .collect();
+    workers.sort_unstable();
+    assert!(
+        workers.len() >= 50,
+        "stacks of {} worker threads",
+        workers.len()
+    );
+    let median = workers[workers.len() / 2];
+    // One stack at the start and one per 10 ms (100 per second) of a
+    // ~20 ms life: about 3; the old burst gave each up to 20.
+    assert!(
+        median <= 6,
+        "a short-lived thread took {median} stacks (median of {}): {workers:?}",
+        workers.len()
+    );
+}

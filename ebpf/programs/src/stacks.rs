@@ -59,8 +59,11 @@ fn take_token(cfg: &Config, tid: u32, now: u64) -> bool {
             }
         }
         None => {
+            // A new thread's first stack, and no burst to spend: with one,
+            // threads started one after another would each take a burst
+            // of stacks, the rate limit bypassed by thread churn.
             let fresh = StackBudget {
-                credit_ns: cap - cost,
+                credit_ns: 0,
                 last_ns: now,
             };
             let _ = STACK_BUDGETS.insert(&tid, &fresh, 0);
