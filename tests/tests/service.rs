@@ -348,10 +348,15 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
         status["device_probes"]["attached"].as_u64() > Some(0),
         "{status}"
     );
+    assert!(
+        status["interpret"]["threads_seen"].as_u64() > Some(0),
+        "the interpret stage's counters: {status}"
+    );
     for family in [
         "xpuscope_agent_kernel_dropped_events_total",
         "xpuscope_agent_kernel_skipped_events_total",
         "xpuscope_agent_decode_errors_total",
+        "xpuscope_agent_interpret_losses_total{what=\"stacks_unmatched\"}",
     ] {
         assert!(
             metrics.lines().any(|l| l.starts_with(family)),

@@ -31,6 +31,7 @@ mod sched_tests;
 pub mod testing;
 
 use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Result, anyhow};
 use tokio::sync::mpsc;
@@ -88,6 +89,9 @@ pub struct Pipeline<E: Enrich> {
     /// Findings fed back by the detect sink.
     findings: Option<std::sync::mpsc::Receiver<Finding>>,
     announcements: Option<std::sync::mpsc::Receiver<PipelineMsg>>,
+    /// Where the interpret stage's counters are published at each sink
+    /// tick (a long-running service's metrics and status read them).
+    published: Option<Arc<Mutex<InterpretCounters>>>,
 }
 
 impl<E: Enrich> Pipeline<E> {
@@ -99,7 +103,15 @@ impl<E: Enrich> Pipeline<E> {
             last_tick: 0,
             findings: None,
             announcements: None,
+            published: None,
         }
+    }
+
+    /// Publishes the interpret stage's counters into `to` at every sink
+    /// tick.
+    pub fn with_published_counters(mut self, to: Arc<Mutex<InterpretCounters>>) -> Self {
+        self.published = Some(to);
+        self
     }
 
     /// Reads probe announcements from their own channel (see
@@ -157,6 +169,11 @@ impl<E: Enrich> Pipeline<E> {
                     self.take_findings(&mut out);
                     self.fanout.send(std::mem::take(&mut out));
                     self.fanout.tick(now);
+                    if let Some(to) = &self.published
+                        && let Ok(mut c) = to.lock()
+                    {
+                        *c = self.interpreter.counters;
+                    }
                 }
             }
         }

@@ -63,6 +63,8 @@ struct ServiceControl {
     /// What the kernel side lost, and its probes' counters.
     losses: Arc<crate::sinks::metrics::KernelLosses>,
     probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
+    /// The interpret stage's counters, as of the last sink tick.
+    interpret: Arc<Mutex<crate::pipeline::interpret::InterpretCounters>>,
 }
 
 impl ServiceControl {
@@ -117,6 +119,7 @@ impl Control for ServiceControl {
                 "skipped_events": self.losses.skipped_events.load(Ordering::Relaxed),
                 "decode_errors": self.losses.decode_errors.load(Ordering::Relaxed),
             },
+            "interpret": self.interpret.lock().map(|c| json!(*c)).unwrap_or_default(),
             "device_probes": {
                 "attached": probes.attached,
                 "attach_failures": probes.attach_failures,
@@ -316,9 +319,11 @@ where
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
     let (announce, announce_rx) = std::sync::mpsc::channel();
+    let interpret_counters = sources.interpret.clone();
     let pipeline = crate::pipeline::start_thread(
         move || {
             let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
+                .with_published_counters(interpret_counters)
                 .with_findings(findings_rx)
                 .with_announcements(announce_rx);
             pipeline.start(host::boottime_ns(), Vec::new());
@@ -358,6 +363,7 @@ where
         started: Instant::now(),
         losses: sources.kernel_losses.clone(),
         probe_stats: sources.probe_stats.clone(),
+        interpret: sources.interpret.clone(),
     });
     let group = cfg
         .control
@@ -614,6 +620,7 @@ mod tests {
             started: Instant::now(),
             losses: Arc::default(),
             probe_stats: Arc::default(),
+            interpret: Arc::default(),
         };
         (control, path)
     }

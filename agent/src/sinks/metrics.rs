@@ -116,6 +116,11 @@ struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WhatLabels {
+    what: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: String,
 }
@@ -165,6 +170,7 @@ struct Families {
     recorder_evicted: Counter,
     kernel_skips: Counter,
     decode_errors: Counter,
+    interpret_losses: Family<WhatLabels, Counter>,
     probe_attaches: Family<OutcomeLabels, Counter>,
     dumps: Family<TriggerLabels, Counter>,
     folded: Family<FamilyLabels, Counter>,
@@ -193,6 +199,7 @@ impl Families {
             recorder_evicted: Counter::default(),
             kernel_skips: Counter::default(),
             decode_errors: Counter::default(),
+            interpret_losses: Family::default(),
             probe_attaches: Family::default(),
             dumps: Family::default(),
             folded: Family::default(),
@@ -287,6 +294,11 @@ impl Families {
             f.decode_errors.clone(),
         );
         r.register(
+            "xpuscope_agent_interpret_losses",
+            "What the interpret stage could not make whole: stacks the kernel could not take (stack_errors) or whose switch-out was not found (stacks_unmatched), Python stacks not read, allocation stacks not given a site (alloc_sites_over_limit), returns without their entry, activity records not read or not decodable, records of unknown probes",
+            f.interpret_losses.clone(),
+        );
+        r.register(
             "xpuscope_agent_device_probe_attaches",
             "Device-library probe attaches: functions made live (attached), functions or libraries that could not be attached (failed), library files whose probes took over a second (slow: calls in that time unrecorded)",
             f.probe_attaches.clone(),
@@ -335,6 +347,8 @@ pub struct AgentSources {
     pub probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
     /// What the kernel side lost (updated each round).
     pub kernel_losses: Arc<KernelLosses>,
+    /// The interpret stage's counters (published at each sink tick).
+    pub interpret: Arc<Mutex<crate::pipeline::interpret::InterpretCounters>>,
 }
 
 /// What the kernel side of the service lost, as running totals: for the
@@ -955,6 +969,31 @@ impl MetricsSink {
                     })
                     .inc_by(d as u64);
             }
+        }
+        let c = self
+            .sources
+            .interpret
+            .lock()
+            .map(|c| *c)
+            .unwrap_or_default();
+        for (what, total) in [
+            ("stack_errors", c.stack_errors),
+            ("stacks_unmatched", c.stacks_unmatched),
+            ("python_stack_errors", c.python_stack_errors),
+            ("alloc_stack_errors", c.alloc_stack_errors),
+            ("alloc_sites_over_limit", c.alloc_sites_over_limit),
+            ("returns_without_entry", c.returns_without_entry),
+            ("activity_unread", c.activity_unread),
+            ("activity_errors", c.activity_errors),
+            ("unknown_probes", c.unknown_probes),
+        ] {
+            let d = self
+                .deltas
+                .delta(&format!("interpret/{what}"), total as f64);
+            self.f
+                .interpret_losses
+                .get_or_create(&WhatLabels { what: what.into() })
+                .inc_by(d as u64);
         }
         let losses = &self.sources.kernel_losses;
         let d = self.deltas.delta(
