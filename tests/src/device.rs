@@ -59,21 +59,24 @@ pub fn arg_text(s: &Slice, name: &str) -> String {
 /// background (`xpuscope-close`): the kernel serialises those closes with
 /// new attaches, which would delay this test's probes.
 pub fn wait_for_closers() {
-    let closing = || {
-        std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|e| {
-                std::fs::read_to_string(e.path().join("comm"))
-                    .is_ok_and(|c| c.trim() == "xpuscope-close")
-            })
-    };
     wait_until(
         Duration::from_secs(60),
         "earlier agents' uprobe closes",
-        || !closing(),
+        || !closers_running(),
     );
+}
+
+/// Whether an earlier agent's probes are still being released (its
+/// `xpuscope-close` child lives until the kernel let go of them).
+pub fn closers_running() -> bool {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "xpuscope-close")
+        })
 }
 
 pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {

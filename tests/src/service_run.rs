@@ -214,3 +214,43 @@ pub fn try_http_get(port: u16, path: &str) -> Option<String> {
     s.read_to_string(&mut text).ok()?;
     Some(text)
 }
+
+/// `agent ctl --socket SOCKET ARGS...`, its JSON answer.
+pub fn ctl(socket: &Path, args: &[&str]) -> Value {
+    let out = Command::new(agent_bin())
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run agent ctl");
+    assert!(
+        out.status.success(),
+        "agent ctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("agent ctl {args:?}: not JSON ({e}): {:?}", out.stdout))
+}
+
+/// Waits (up to `limit`) until `agent ctl processes` lists `pid`.
+pub fn wait_traced(socket: &Path, pid: u32, limit: Duration) {
+    let started = Instant::now();
+    loop {
+        let list = ctl(socket, &["processes"]);
+        if list
+            .as_array()
+            .expect("a list")
+            .iter()
+            .any(|e| e["pid"].as_u64() == Some(pid as u64))
+        {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "pid {pid} was not traced within {limit:?}: {list}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -12,10 +12,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-use xpuscope_tests::agent::{Proc, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{Proc, TempDir, exclusive};
 use xpuscope_tests::device::wait_for_closers;
-use xpuscope_tests::service_run::Service;
+use xpuscope_tests::service_run::{Service, ctl, wait_traced};
 
 /// `GET path` on the service's metrics port, answered within `limit`
 /// (status line and body), or why not.
@@ -33,43 +32,6 @@ fn http_get_within(port: u16, path: &str, limit: Duration) -> Result<String, Str
     s.read_to_string(&mut text)
         .map_err(|e| format!("no answer within {limit:?}: {e}"))?;
     Ok(text)
-}
-
-fn ctl(socket: &Path, args: &[&str]) -> Value {
-    let out = Command::new(agent_bin())
-        .arg("ctl")
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("agent ctl");
-    assert!(
-        out.status.success(),
-        "agent ctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("agent ctl prints JSON")
-}
-
-/// Waits until `agent ctl processes` lists `pid`.
-fn wait_traced(socket: &Path, pid: u32, limit: Duration) {
-    let started = Instant::now();
-    loop {
-        let list = ctl(socket, &["processes"]);
-        if list
-            .as_array()
-            .expect("a list")
-            .iter()
-            .any(|e| e["pid"].as_u64() == Some(pid as u64))
-        {
-            return;
-        }
-        assert!(
-            started.elapsed() < limit,
-            "pid {pid} was not traced within {limit:?}: {list}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// A shell under a command name the service's discovery matches, running
@@ -173,19 +135,6 @@ fn a_fifo_in_a_library_path_stalls_nothing() {
     );
 }
 
-/// Whether an earlier agent's probes are still being released (its
-/// `xpuscope-close` child lives until the kernel let go of them).
-fn releases_in_progress() -> bool {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .any(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| c.trim() == "xpuscope-close")
-        })
-}
-
 /// Agents one after another: the kernel releases an agent's uprobes after
 /// it exits, slowly (one perf event at a time where uprobe-multi links are
 /// not used: about 90 ms each, under the mutex that attaching takes too).
@@ -211,7 +160,7 @@ fn an_agent_started_while_earlier_probes_are_released_records_every_call() {
     );
     assert!(!first.rank_pids.is_empty());
     assert!(
-        releases_in_progress(),
+        xpuscope_tests::device::closers_running(),
         "the first agent's probes were released already: this test shows nothing"
     );
     let second = run_spawn_gated_with(

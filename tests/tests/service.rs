@@ -12,10 +12,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use xpuscope_tests::agent::{Lines, Proc, TempDir, agent_bin, exclusive};
+use xpuscope_tests::agent::{Lines, Proc, TempDir, exclusive};
 use xpuscope_tests::device::{GroupGuard, arg_text, start_gated_job, thread_of, wait_for_closers};
 use xpuscope_tests::fixtures;
-use xpuscope_tests::service_run::Service;
+use xpuscope_tests::service_run::{Service, ctl, wait_traced};
 use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode};
 
 const STEPS: u64 = 5;
@@ -72,24 +72,6 @@ fn our_program_ids() -> BTreeSet<u64> {
         .filter(|(_, name, _)| is_ours(name))
         .map(|(id, _, _)| id)
         .collect()
-}
-
-fn ctl(socket: &Path, args: &[&str]) -> Value {
-    let out = Command::new(agent_bin())
-        .arg("ctl")
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run agent ctl");
-    assert!(
-        out.status.success(),
-        "agent ctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("agent ctl {args:?}: not JSON ({e}): {:?}", out.stdout))
 }
 
 fn http_get(port: u16, path: &str) -> String {
@@ -454,23 +436,7 @@ fn the_service_probes_a_traced_process_at_its_dlopen() {
             .stdout(Stdio::piped()),
     );
     let pid = wl.pid();
-    let listed = Instant::now();
-    loop {
-        let list = ctl(&socket, &["processes"]);
-        if list
-            .as_array()
-            .expect("a list")
-            .iter()
-            .any(|e| e["pid"].as_u64() == Some(pid as u64))
-        {
-            break;
-        }
-        assert!(
-            listed.elapsed() < Duration::from_secs(5),
-            "the workload (pid {pid}) was not discovered: {list}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_traced(&socket, pid, Duration::from_secs(5));
     let mut out = Lines::new(wl.stdout());
     xpuscope_tests::agent::go(&mut wl.stdin());
     out.wait_for("dlopen_return_ns", Duration::from_secs(30));
