@@ -302,9 +302,10 @@ where
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
     let (announce, announce_rx) = std::sync::mpsc::channel();
+    let caches = sources.caches.clone();
     let pipeline = crate::pipeline::start_thread(
         move || {
-            let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
+            let mut pipeline = Pipeline::new(LiveEnricher::with_caches(caches), fanout)
                 .with_findings(findings_rx)
                 .with_announcements(announce_rx);
             pipeline.start(host::boottime_ns(), Vec::new());
