@@ -13,6 +13,7 @@ use xpuscope_probes::catalog::Library;
 
 use crate::analysis::steps::slowest_lines;
 use crate::config::AttachConfig;
+use crate::pipeline::enrich::CacheReport;
 use crate::pipeline::interpret::InterpretCounters;
 use crate::sinks::SinkReport;
 use crate::sinks::summary::offcpu::OffCpuSummary;
@@ -91,6 +92,10 @@ pub struct RunSummary {
     pub python_stacks: u64,
     pub python_stack_errors: u64,
     pub python_read_us_mean: f64,
+    /// The byte-bounded caches that traced processes feed: `python` (code
+    /// objects) and `cfi` (files' unwind tables), each with what it holds
+    /// at the end, its peak, and what it evicted and refused.
+    pub caches: CacheReport,
 
     pub preemptions: u64,
     pub offcpu_ns: u64,
@@ -312,6 +317,7 @@ impl RunSummary {
             user_stacks_cfi: interpret.user_stacks_cfi,
             user_stacks_truncated: interpret.user_stacks_truncated,
             user_stacks_past_uretprobes: interpret.user_stacks_past_uretprobes,
+            caches: interpret.caches,
             python_stacks: interpret.python_stacks,
             python_stack_errors: interpret.python_stack_errors,
             python_read_us_mean: if interpret.python_stacks + interpret.python_stack_errors > 0 {
@@ -611,6 +617,22 @@ impl RunSummary {
             self.agent_peak_rss_bytes as f64 / 1e6,
             2.0 * self.ring_bytes as f64 / 1e6
         );
+        // Only when a bound acted: then stacks may have lost Python frames
+        // (evictions cost re-reads only) or fallen back to frame pointers.
+        for (name, c) in [
+            ("Python code objects", &self.caches.python),
+            ("CFI", &self.caches.cfi),
+        ] {
+            if c.evicted > 0 || c.refused > 0 {
+                eprintln!(
+                    "  cache:   {name}: peak {:.1} MiB, {} evicted ({:.1} MiB), {} refused as too large",
+                    c.peak_bytes as f64 / (1u64 << 20) as f64,
+                    c.evicted,
+                    c.evicted_bytes as f64 / (1u64 << 20) as f64,
+                    c.refused
+                );
+            }
+        }
         if self.findings.is_empty() {
             eprintln!("  findings: none");
         } else {

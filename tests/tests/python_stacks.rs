@@ -188,3 +188,95 @@ fn a_python_rank_that_hangs_is_found_where_it_waits() {
         "rank 0 has no stack through train_step"
     );
 }
+
+/// A traced Python program that makes 20,000 distinct functions, each
+/// with a 128 KiB line table, and goes off CPU in each, recorded with a
+/// stack at every switch: the agent reads every code object, and an
+/// unbounded code cache would copy up to 16,384 of those tables (2 GiB).
+/// The agent stays far below that (its peak resident memory), the Python
+/// code cache stays within its per-process bound and counts what it
+/// evicted, and the trace still decodes with the flood's Python frames.
+#[test]
+fn a_code_object_flood_keeps_the_agent_bounded() {
+    let _serial = exclusive();
+    let python = std::path::Path::new("/usr/bin/python3.11");
+    if !python.exists() && std::env::var("CI").is_ok_and(|v| v == "true") {
+        xpuscope_tests::packages::apt_install(&["python3.11"]);
+    }
+    assert!(
+        python.exists(),
+        "/usr/bin/python3.11 is missing (apt-get install python3.11)"
+    );
+    const FUNCTIONS: u64 = 20_000;
+    const TABLE: u64 = 128 << 10;
+    let script = fixtures::repo_root().join("tests/workloads/py_code_flood.py");
+    let dir = TempDir::new("pyflood");
+    let mut py = Proc::spawn(
+        "python",
+        Command::new(python)
+            .arg(&script)
+            .arg(FUNCTIONS.to_string())
+            .arg(TABLE.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut stdin = py.stdin();
+    let mut out = Lines::new(py.stdout());
+    out.wait_for("pid ", Duration::from_secs(60));
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &py.pid().to_string(), "--stacks", "all"],
+    );
+    go(&mut stdin);
+    let done = rec.finish(Duration::from_secs(180));
+    let stats = &done.stats;
+    let peak_rss = stats["agent_peak_rss_bytes"].as_u64().expect("peak RSS");
+    let code = &stats["caches"]["python"];
+    eprintln!(
+        "python_stacks {} errors {}; agent peak RSS {} MiB; python code cache {code}",
+        stats["python_stacks"],
+        stats["python_stack_errors"],
+        peak_rss >> 20
+    );
+    let stacks = stats["python_stacks"].as_u64().expect("python_stacks");
+    // Enough code objects read that an unbounded cache would hold
+    // gigabytes: each is a 128 KiB copy.
+    assert!(stacks > 5_000, "too few Python stacks to flood: {stats}");
+    assert!(
+        peak_rss < 512 << 20,
+        "the agent's peak RSS {} MiB (an unbounded cache of {stacks} code objects would hold up to {} MiB)",
+        peak_rss >> 20,
+        (stacks.min(16_384) * TABLE) >> 20
+    );
+    let peak_code = code["peak_bytes"]
+        .as_u64()
+        .expect("caches.python.peak_bytes");
+    assert!(
+        peak_code > 0 && peak_code <= 64 << 20,
+        "the code cache held {peak_code} bytes at its peak: {code}"
+    );
+    assert!(
+        code["evicted"].as_u64().expect("caches.python.evicted") > 0
+            && code["evicted_bytes"].as_u64().expect("evicted_bytes") > 0,
+        "{code}"
+    );
+    let trace = decode(&done.trace).expect("decodes with the official schema");
+    check_importer_rules(&trace).expect("importer rules hold");
+    let tl = Timeline::new(&trace);
+    let pid = py.pid() as i32;
+    let flood_frames = tl
+        .stack_samples
+        .iter()
+        .filter(|s| s.pid == pid)
+        .filter(|s| {
+            s.frames
+                .iter()
+                .zip(&s.mappings)
+                .any(|(f, m)| m.starts_with("[python]") && f.starts_with("flood_"))
+        })
+        .count();
+    assert!(
+        flood_frames > 1_000,
+        "only {flood_frames} stacks show a flood_ function's Python frame"
+    );
+}

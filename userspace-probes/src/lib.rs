@@ -40,6 +40,7 @@
 //! the optimized nop5 path of 6.18.
 
 pub mod activity;
+pub mod bounds;
 mod bytes;
 pub mod catalog;
 pub mod decode;

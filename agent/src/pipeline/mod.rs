@@ -213,6 +213,7 @@ impl<E: Enrich> Pipeline<E> {
                     .collect()
             })
         });
+        self.interpreter.counters.caches = self.enricher.caches();
         self.interpreter.counters
     }
 

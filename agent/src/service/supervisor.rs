@@ -319,10 +319,11 @@ where
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
     let (announce, announce_rx) = std::sync::mpsc::channel();
+    let caches = sources.caches.clone();
     let interpret_counters = sources.interpret.clone();
     let pipeline = crate::pipeline::start_thread(
         move || {
-            let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
+            let mut pipeline = Pipeline::new(LiveEnricher::with_caches(caches), fanout)
                 .with_published_counters(interpret_counters)
                 .with_findings(findings_rx)
                 .with_announcements(announce_rx);

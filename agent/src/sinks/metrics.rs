@@ -20,7 +20,12 @@
 //!   `xpuscope_flight_recorder_bytes`,
 //!   `xpuscope_flight_recorder_evicted_records_total`,
 //!   `xpuscope_flight_recorder_dumps_total` [trigger, outcome],
-//!   `xpuscope_metrics_series_folded_total` [family].
+//!   `xpuscope_metrics_series_folded_total` [family],
+//!   `xpuscope_agent_cache_bytes` [cache],
+//!   `xpuscope_agent_cache_evictions_total` [cache],
+//!   `xpuscope_agent_cache_evicted_bytes_total` [cache],
+//!   `xpuscope_agent_cache_refused_total` [cache] (the caches traced
+//!   processes feed: `python`, `cfi`).
 //!
 //! The series of a rank whose processes all exited are served for
 //! [`EXITED_SERIES_RETENTION_NS`](series::EXITED_SERIES_RETENTION_NS) more (5 minutes), then removed (the
@@ -142,6 +147,11 @@ struct FamilyLabels {
     family: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabels {
+    cache: String,
+}
+
 type Hist<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn seconds_histogram() -> Histogram {
@@ -176,6 +186,10 @@ struct Families {
     folded: Family<FamilyLabels, Counter>,
     in_flight_oldest: Family<RankLabels, Gauge<f64, AtomicU64>>,
     findings: Family<KindLabels, Counter>,
+    cache_bytes: Family<CacheLabels, Gauge>,
+    cache_evictions: Family<CacheLabels, Counter>,
+    cache_evicted_bytes: Family<CacheLabels, Counter>,
+    cache_refused: Family<CacheLabels, Counter>,
 }
 
 impl Families {
@@ -205,6 +219,10 @@ impl Families {
             folded: Family::default(),
             in_flight_oldest: Family::default(),
             findings: Family::default(),
+            cache_bytes: Family::default(),
+            cache_evictions: Family::default(),
+            cache_evicted_bytes: Family::default(),
+            cache_refused: Family::default(),
         };
         // Every kind from the start: a query for a kind sees 0, not nothing.
         for kind in crate::model::FindingKind::ALL {
@@ -329,6 +347,26 @@ impl Families {
             f.findings.clone(),
         );
         r.register(
+            "xpuscope_agent_cache_bytes",
+            "Bytes held by the caches traced processes feed (python: code objects; cfi: files' unwind tables)",
+            f.cache_bytes.clone(),
+        );
+        r.register(
+            "xpuscope_agent_cache_evictions",
+            "Entries evicted from those caches by their byte bounds",
+            f.cache_evictions.clone(),
+        );
+        r.register(
+            "xpuscope_agent_cache_evicted_bytes",
+            "Bytes evicted from those caches by their byte bounds",
+            f.cache_evicted_bytes.clone(),
+        );
+        r.register(
+            "xpuscope_agent_cache_refused",
+            "Items those caches refused unread as larger than their cap or the room left",
+            f.cache_refused.clone(),
+        );
+        r.register(
             "xpuscope_metrics_series_folded",
             "Observations folded into `other` label values by the cardinality bound",
             f.folded.clone(),
@@ -349,6 +387,9 @@ pub struct AgentSources {
     pub kernel_losses: Arc<KernelLosses>,
     /// The interpret stage's counters (published at each sink tick).
     pub interpret: Arc<Mutex<crate::pipeline::interpret::InterpretCounters>>,
+    /// The pipeline's caches that traced processes feed (the pipeline's
+    /// enricher is built with these).
+    pub caches: crate::pipeline::enrich::CacheCounters,
 }
 
 /// What the kernel side of the service lost, as running totals: for the
@@ -1026,6 +1067,30 @@ impl MetricsSink {
                     outcome: outcome.into(),
                 })
                 .inc_by(d as u64);
+        }
+        let caches = self.sources.caches.report();
+        for (cache, c) in [("python", caches.python), ("cfi", caches.cfi)] {
+            let labels = CacheLabels {
+                cache: cache.into(),
+            };
+            self.f
+                .cache_bytes
+                .get_or_create(&labels)
+                .set(c.bytes as i64);
+            for (family, what, total) in [
+                (&self.f.cache_evictions, "evicted", c.evicted),
+                (
+                    &self.f.cache_evicted_bytes,
+                    "evicted_bytes",
+                    c.evicted_bytes,
+                ),
+                (&self.f.cache_refused, "refused", c.refused),
+            ] {
+                let d = self
+                    .deltas
+                    .delta(&format!("cache/{cache}/{what}"), total as f64);
+                family.get_or_create(&labels).inc_by(d as u64);
+            }
         }
         let recorder = self.sources.recorder.lock().ok().and_then(|r| r.clone());
         if let Some(stats) = recorder {

@@ -59,7 +59,7 @@ fn unwind_all(root: &Path, len: u64) {
         return;
     };
     // At most four sections are held, none larger than the file.
-    assert!(cfi.held_bytes() <= 4 * len, "{} of {len}", cfi.held_bytes());
+    assert!(cfi.bytes() <= 4 * len, "{} of {len}", cfi.bytes());
     for offset in [0, 0x1000, len, u64::MAX] {
         let _ = cfi.load_bias(MAPPED_AT, offset);
     }

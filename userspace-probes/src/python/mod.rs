@@ -39,20 +39,23 @@ pub mod linetable;
 pub mod memory;
 pub mod walk;
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use object::elf::PT_LOAD;
+use object::Endianness;
+use object::elf::{FileHeader64, PT_LOAD, SHT_DYNSYM, SHT_SYMTAB};
 use object::read::ReadCache;
-use object::read::elf::{ElfFile64, ProgramHeader};
-use object::{Endianness, Object, ObjectSymbol};
+use object::read::elf::{FileHeader, ProgramHeader, SectionHeader, Sym};
 
+use crate::bounds::{CacheStats, CappedRead};
 use crate::maps::ProcessMaps;
 use crate::read_budget::{ReadBudget, limit_for};
 use memory::{Memory, ProcMem, ReadError};
-use walk::{FrameReader, KnownTypes};
+use walk::{CODE_CACHE_PROCESS_BYTES, FrameReader, KnownTypes};
 
 /// One Python frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,7 +153,18 @@ impl Interpreter {
         root: &Path,
         open: impl FnOnce() -> Result<M, PyError>,
     ) -> Result<Option<(Interpreter, M)>, PyError> {
-        let Some(found) = find_interpreter(maps, root) else {
+        Self::find_counting(maps, root, open, &CacheStats::default())
+    }
+
+    /// [`Self::find`], counting a symbol table refused for its size into
+    /// `stats`.
+    fn find_counting<M: Memory>(
+        maps: &ProcessMaps,
+        root: &Path,
+        open: impl FnOnce() -> Result<M, PyError>,
+        stats: &CacheStats,
+    ) -> Result<Option<(Interpreter, M)>, PyError> {
+        let Some(found) = find_interpreter(maps, root, stats) else {
             return Ok(None);
         };
         let mem = open()?;
@@ -209,12 +223,25 @@ const ABSENT_FOR: Duration = Duration::from_secs(1);
 impl PythonProcess {
     /// `Ok(None)` when the process has no CPython interpreter mapped.
     pub fn attach(pid: u32) -> Result<Option<Self>, PyError> {
+        Self::attach_with(pid, CODE_CACHE_PROCESS_BYTES, &Arc::default())
+    }
+
+    /// [`Self::attach`], caching at most `code_cache` bytes of code
+    /// objects; the cache, and a symbol table refused for its size, count
+    /// into `stats`.
+    fn attach_with(
+        pid: u32,
+        code_cache: u64,
+        stats: &Arc<CacheStats>,
+    ) -> Result<Option<Self>, PyError> {
         let Ok(maps) = ProcessMaps::read(pid) else {
             return Ok(None);
         };
         let root = format!("/proc/{pid}/root");
         let open = || ProcMem::open(pid).map_err(|source| PyError::Open { pid, source });
-        let Some((interpreter, mem)) = Interpreter::find(&maps, Path::new(&root), open)? else {
+        let Some((interpreter, mem)) =
+            Interpreter::find_counting(&maps, Path::new(&root), open, stats)?
+        else {
             return Ok(None);
         };
         Ok(Some(Self {
@@ -224,7 +251,8 @@ impl PythonProcess {
                 interpreter.layout,
                 interpreter.runtime,
                 interpreter.types,
-            ),
+            )
+            .with_code_cache(code_cache, stats.clone()),
             interpreter,
             threads: HashMap::new(),
             listed: None,
@@ -301,12 +329,37 @@ impl PythonProcess {
     }
 }
 
+/// Bytes of code objects cached for all Python processes together.
+pub const CODE_CACHE_TOTAL_BYTES: u64 = 256 << 20;
+
+/// Bounds of the code-object caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CodeCacheBounds {
+    pub per_process: u64,
+    pub total: u64,
+}
+
+impl Default for CodeCacheBounds {
+    fn default() -> Self {
+        Self {
+            per_process: CODE_CACHE_PROCESS_BYTES,
+            total: CODE_CACHE_TOTAL_BYTES,
+        }
+    }
+}
+
 /// Python processes by pid, attached on first use. A process that is not
 /// Python is remembered as such; [`PythonProcesses::forget`] drops a pid
 /// at its exit (a reused pid is attached afresh).
+///
+/// Each process's code-object cache is bounded ([`CodeCacheBounds`]); past
+/// the total, the process caching the most gives up its least used code
+/// objects ([`PythonProcesses::trim`]).
 #[derive(Debug, Default)]
 pub struct PythonProcesses {
     procs: HashMap<u32, Option<PythonProcess>>,
+    bounds: CodeCacheBounds,
+    stats: Arc<CacheStats>,
 }
 
 impl PythonProcesses {
@@ -314,20 +367,64 @@ impl PythonProcesses {
         Self::default()
     }
 
+    /// Code caches within `bounds`, counting into `stats`.
+    pub fn with_bounds(bounds: CodeCacheBounds, stats: Arc<CacheStats>) -> Self {
+        Self {
+            procs: HashMap::new(),
+            bounds,
+            stats,
+        }
+    }
+
     /// The Python process `pid`, or `None` if it is not one (or attaching
     /// failed: the error is returned once, then `None`).
     pub fn get(&mut self, pid: u32) -> Result<Option<&mut PythonProcess>, PyError> {
+        self.trim();
         let entry = match self.procs.entry(pid) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => match PythonProcess::attach(pid) {
-                Ok(p) => e.insert(p),
-                Err(err) => {
-                    e.insert(None);
-                    return Err(err);
+            std::collections::hash_map::Entry::Vacant(e) => {
+                match PythonProcess::attach_with(pid, self.bounds.per_process, &self.stats) {
+                    Ok(p) => e.insert(p),
+                    Err(err) => {
+                        e.insert(None);
+                        return Err(err);
+                    }
                 }
-            },
+            }
         };
         Ok(entry.as_mut())
+    }
+
+    /// Brings the code caches back within the total bound: the process
+    /// caching the most evicts first. Call after reading frames (each
+    /// process keeps its own bound as it reads).
+    pub fn trim(&mut self) {
+        let caches = || self.procs.values().flatten().map(|p| p.reader.code_bytes());
+        let mut held: u64 = caches().sum();
+        while held > self.bounds.total {
+            let Some(biggest) = self
+                .procs
+                .values_mut()
+                .flatten()
+                .max_by_key(|p| p.reader.code_bytes())
+            else {
+                return;
+            };
+            let freed = biggest.reader.evict_code(held - self.bounds.total);
+            if freed == 0 {
+                return;
+            }
+            held -= freed;
+        }
+    }
+
+    /// Bytes of code objects cached for every process.
+    pub fn code_bytes(&self) -> u64 {
+        self.procs
+            .values()
+            .flatten()
+            .map(|p| p.reader.code_bytes())
+            .sum()
     }
 
     pub fn forget(&mut self, pid: u32) {
@@ -389,76 +486,162 @@ fn candidate(path: &str) -> bool {
     name.starts_with("libpython3") || name.starts_with("python3") || name == "python"
 }
 
-fn find_interpreter(maps: &ProcessMaps, root: &Path) -> Option<Found> {
+fn find_interpreter(maps: &ProcessMaps, root: &Path, stats: &CacheStats) -> Option<Found> {
     let mut seen: Vec<&str> = Vec::new();
     for m in maps.mappings() {
         if !m.is_file() || !candidate(&m.path) || seen.contains(&m.path.as_str()) {
             continue;
         }
         seen.push(&m.path);
-        if let Some(f) = symbols_of(maps, root, &m.path) {
+        let file = root.join(m.path.trim_start_matches('/'));
+        let symbols = symbols_of(&file, MAX_SYMBOL_TABLE);
+        stats.refused(symbols.refused);
+        if let Some(f) = symbols.found.and_then(|s| s.relocated(maps, &m.path)) {
             return Some(f);
         }
     }
     None
 }
 
+/// The largest symbol table (`.dynsym`, `.symtab`) read to find the
+/// interpreter: CPython's are well under a MB. A larger one is refused
+/// unread; the other table may still name `_PyRuntime`.
+const MAX_SYMBOL_TABLE: u64 = 64 << 20;
+
 /// The most read of a candidate file's headers and symbols (a real
 /// interpreter's, tens of MB with its full symbol table, read a few MB).
 const MAX_SYMBOL_READ: u64 = 64 << 20;
 
-fn symbols_of(maps: &ProcessMaps, root: &Path, path: &str) -> Option<Found> {
-    let file = crate::regular_file::open(&root.join(path.trim_start_matches('/'))).ok()?;
+/// What the interpreter's symbols give, before relocation.
+#[derive(Debug, Default)]
+struct Symbols {
+    /// `(p_offset, p_vaddr)` of the first load segment.
+    first_load: Option<(u64, u64)>,
+    runtime: Option<u64>,
+    py_version: Option<u64>,
+    eval_frames: Vec<Range<u64>>,
+    types: KnownTypes,
+}
+
+/// [`Symbols`] of a file, and how many of its symbol tables were refused
+/// as larger than the cap.
+struct SymbolsRead {
+    found: Option<Symbols>,
+    refused: u64,
+}
+
+fn symbols_of(path: &Path, max_table: u64) -> SymbolsRead {
+    let mut refused = 0;
+    let over = Cell::new(false);
+    let found = read_symbols(path, max_table, &over, &mut refused);
+    // A header table over the cap (the symbol tables are checked first).
+    refused += u64::from(over.get());
+    SymbolsRead { found, refused }
+}
+
+fn read_symbols(
+    path: &Path,
+    max_table: u64,
+    over: &Cell<bool>,
+    refused: &mut u64,
+) -> Option<Symbols> {
+    let file = crate::regular_file::open(path).ok()?;
     let len = file.metadata().ok()?.len();
+    // Every read through the cache is capped: section and symbol tables
+    // are sized by the file's headers, checked by `object` only against
+    // the file's length, which a sparse file makes free. And all of them
+    // together are: the cache keeps every range and string it reads.
     let cache = ReadCache::new(ReadBudget::new(file, limit_for(len, MAX_SYMBOL_READ)));
-    let elf = ElfFile64::<Endianness, _>::parse(&cache).ok()?;
-    let endian = elf.endian();
-    // Load bias from the first PT_LOAD and the lowest mapping of the file.
-    let first = elf
-        .elf_program_headers()
+    let data = CappedRead::new(&cache, max_table, over);
+    let header = FileHeader64::<Endianness>::parse(data).ok()?;
+    let endian = header.endian().ok()?;
+    let sections = header.sections(endian, data).ok()?;
+    let first_load = header
+        .program_headers(endian, data)
+        .ok()?
         .iter()
-        .find(|ph| ph.p_type(endian) == PT_LOAD)?;
-    let base = maps.base_of(path)?;
-    let bias = base
-        .wrapping_add(first.p_offset(endian))
-        .wrapping_sub(first.p_vaddr(endian));
-    let mut runtime = None;
-    let mut py_version = None;
-    let mut eval_frames = Vec::new();
-    let mut types = KnownTypes::default();
-    for sym in elf.dynamic_symbols().chain(elf.symbols()) {
-        let Ok(name) = sym.name() else { continue };
-        let addr = bias.wrapping_add(sym.address());
-        match name {
-            "_PyRuntime" => runtime = Some(addr),
-            "Py_Version" => py_version = Some(addr),
-            "_PyEval_EvalFrameDefault" | "_PyEval_EvalFrameDefault.cold"
-                if eval_frames.len() < MAX_EVAL_FRAMES =>
-            {
-                // A range that wraps around the address space holds no
-                // return address.
-                let Some(end) = addr.checked_add(sym.size()).filter(|&e| e > addr) else {
-                    continue;
-                };
-                if !eval_frames.contains(&(addr..end)) {
-                    eval_frames.push(addr..end);
+        .find(|ph| ph.p_type(endian) == PT_LOAD)
+        .map(|ph| (ph.p_offset(endian), ph.p_vaddr(endian)));
+    let mut out = Symbols {
+        first_load,
+        ..Symbols::default()
+    };
+    for kind in [SHT_DYNSYM, SHT_SYMTAB] {
+        let Some(table) = sections.iter().find(|s| s.sh_type(endian) == kind) else {
+            continue;
+        };
+        if table.sh_size(endian) > max_table {
+            *refused += 1;
+            continue;
+        }
+        let Ok(symbols) = sections.symbols(endian, data, kind) else {
+            continue;
+        };
+        for sym in symbols.iter() {
+            let Ok(name) = sym.name(endian, symbols.strings()) else {
+                continue;
+            };
+            let (addr, size) = (sym.st_value(endian), sym.st_size(endian));
+            match name {
+                b"_PyRuntime" => out.runtime = Some(addr),
+                b"Py_Version" => out.py_version = Some(addr),
+                b"_PyEval_EvalFrameDefault" | b"_PyEval_EvalFrameDefault.cold"
+                    if out.eval_frames.len() < MAX_EVAL_FRAMES =>
+                {
+                    // A range that wraps around the address space holds no
+                    // return address (checked again where it is placed).
+                    let Some(end) = addr.checked_add(size).filter(|&e| e > addr) else {
+                        continue;
+                    };
+                    if !out.eval_frames.contains(&(addr..end)) {
+                        out.eval_frames.push(addr..end);
+                    }
                 }
+                b"PyCode_Type" => out.types.code = Some(addr),
+                b"PyUnicode_Type" => out.types.unicode = Some(addr),
+                b"PyBytes_Type" => out.types.bytes = Some(addr),
+                b"PyLong_Type" => out.types.int = Some(addr),
+                b"PyTuple_Type" => out.types.tuple = Some(addr),
+                _ => {}
             }
-            "PyCode_Type" => types.code = Some(addr),
-            "PyUnicode_Type" => types.unicode = Some(addr),
-            "PyBytes_Type" => types.bytes = Some(addr),
-            "PyLong_Type" => types.int = Some(addr),
-            "PyTuple_Type" => types.tuple = Some(addr),
-            _ => {}
         }
     }
-    Some(Found {
-        path: path.to_string(),
-        runtime: runtime?,
-        py_version,
-        eval_frames,
-        types,
-    })
+    Some(out)
+}
+
+impl Symbols {
+    /// Where the symbols are in the process whose `maps` map `path`.
+    fn relocated(self, maps: &ProcessMaps, path: &str) -> Option<Found> {
+        // Load bias from the first PT_LOAD and the lowest mapping of the file.
+        let (offset, vaddr) = self.first_load?;
+        let base = maps.base_of(path)?;
+        let bias = base.wrapping_add(offset).wrapping_sub(vaddr);
+        let at = |addr: u64| bias.wrapping_add(addr);
+        let types = KnownTypes {
+            code: self.types.code.map(at),
+            unicode: self.types.unicode.map(at),
+            bytes: self.types.bytes.map(at),
+            int: self.types.int.map(at),
+            tuple: self.types.tuple.map(at),
+        };
+        Some(Found {
+            path: path.to_string(),
+            runtime: at(self.runtime?),
+            py_version: self.py_version.map(at),
+            // Placed, a range may wrap around the address space: it holds
+            // no return address.
+            eval_frames: self
+                .eval_frames
+                .into_iter()
+                .filter_map(|r| {
+                    let start = at(r.start);
+                    let end = start.checked_add(r.end - r.start)?;
+                    Some(start..end)
+                })
+                .collect(),
+            types,
+        })
+    }
 }
 
 /// `3.10` from `.../libpython3.10.so.1.0` or `.../python3.10`.
@@ -503,6 +686,101 @@ mod tests {
         // A native stack cut short keeps the Python frames at its end.
         let mixed = interleave(&native[..1], &python, |_| false);
         assert_eq!(mixed.len(), 4);
+    }
+
+    /// A process that is not Python, read as if it were (this test's own
+    /// memory), with `n` code objects of `table` bytes cached.
+    fn process_caching(n: u64, table: usize, limit: u64, stats: &Arc<CacheStats>) -> PythonProcess {
+        let pid = std::process::id();
+        let mem = ProcMem::open(pid).expect("own memory");
+        let mut reader = FrameReader::new(mem, &layout::PY311, 0, KnownTypes::default())
+            .with_code_cache(limit, stats.clone());
+        reader.cache_made_up_code(n, table);
+        PythonProcess {
+            pid,
+            interpreter: Interpreter {
+                path: String::new(),
+                version: (3, 11, 0),
+                runtime: 0,
+                eval_frames: Vec::new(),
+                types: KnownTypes::default(),
+                layout: &layout::PY311,
+            },
+            reader,
+            threads: HashMap::new(),
+            listed: None,
+            absent: HashSet::new(),
+        }
+    }
+
+    #[test]
+    fn past_the_total_bound_the_process_caching_most_evicts() {
+        let stats = Arc::new(CacheStats::default());
+        let each = {
+            let p = process_caching(1, 4096, u64::MAX, &stats);
+            p.reader.code_bytes()
+        };
+        let bounds = CodeCacheBounds {
+            per_process: 10 * each,
+            total: 15 * each,
+        };
+        let mut procs = PythonProcesses::with_bounds(bounds, stats.clone());
+        procs
+            .procs
+            .insert(1, Some(process_caching(12, 4096, 10 * each, &stats)));
+        procs
+            .procs
+            .insert(2, Some(process_caching(8, 4096, 10 * each, &stats)));
+        // Each within its own bound (the first evicted 2 of its 12)...
+        let held = |p: &PythonProcesses, pid| p.procs[&pid].as_ref().unwrap().reader.code_bytes();
+        assert_eq!((held(&procs, 1), held(&procs, 2)), (10 * each, 8 * each));
+        // ...but 18 over the total of 15: the biggest gives 3 back.
+        procs.trim();
+        assert_eq!((held(&procs, 1), held(&procs, 2)), (7 * each, 8 * each));
+        assert_eq!(procs.code_bytes(), 15 * each);
+        let f = stats.figures();
+        assert_eq!((f.evicted, f.bytes, f.entries), (5, 15 * each, 15));
+        procs.forget(1);
+        procs.forget(2);
+        assert_eq!(stats.figures().bytes, 0);
+    }
+
+    #[test]
+    fn a_symbol_table_over_its_cap_is_refused_unread() {
+        use crate::bounds::test_elf::{Sec, dir, write};
+        let d = dir("symtab-cap");
+        // A 4 GiB .dynsym in a sparse file: free on disk, a cap away from
+        // being read whole.
+        let path = write(
+            &d.join("libpython3.11.so.1.0"),
+            &[
+                Sec {
+                    name: ".dynsym",
+                    kind: SHT_DYNSYM,
+                    offset: 8192,
+                    size: 4 << 30,
+                },
+                Sec {
+                    name: ".symtab",
+                    kind: SHT_SYMTAB,
+                    offset: 4096,
+                    size: 24 * 4,
+                },
+            ],
+            (4 << 30) + 8192,
+        );
+        let started = Instant::now();
+        let read = symbols_of(&path, MAX_SYMBOL_TABLE);
+        assert_eq!(read.refused, 1);
+        let symbols = read.found.expect("the headers and .symtab read");
+        assert_eq!(symbols.first_load, Some((0, 0)));
+        assert!(symbols.runtime.is_none());
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

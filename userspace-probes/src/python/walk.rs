@@ -5,7 +5,7 @@
 //! value that does not check out ends the walk with an error.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::layout::{
@@ -15,6 +15,7 @@ use super::layout::{
 use super::linetable;
 use super::memory::{Memory, ReadError};
 use super::{PyError, PyFrame, STEP_LOCALS, StepLocal};
+use crate::bounds::CacheStats;
 use crate::bytes::{i32_at, u32_at, u64_at};
 
 /// The deepest Python stack returned (recursion limit is 1,000 by
@@ -30,8 +31,11 @@ const MAX_LINETABLE: u64 = 1 << 20;
 /// Local variable names looked through for a step counter: the training
 /// loop's own locals come first in its code's names.
 const MAX_LOCAL_NAMES: u64 = 64;
-/// Code objects remembered per process before the cache starts over.
-const MAX_CACHED_CODE: usize = 16_384;
+/// Bytes of code objects (names and line tables) cached per process: a
+/// large training program runs a few tens of thousands of functions with
+/// tables of a few hundred bytes, a few MB in all; each entry's size is
+/// the target's choice (a line table up to [`MAX_LINETABLE`]).
+pub const CODE_CACHE_PROCESS_BYTES: u64 = 64 << 20;
 /// During one stack walk, memory is read by whole pages and kept: the
 /// frames of a thread sit next to each other on its data stack (3.11+) and
 /// code objects of a module share pages, so a 40-frame stack costs a few
@@ -77,6 +81,113 @@ struct CodeInfo {
     step_local: Option<(u64, &'static str)>,
 }
 
+impl CodeInfo {
+    /// What the cache holds for it: its strings and table, the entry, its
+    /// key (in the map and in the eviction queue) and the `Arc`'s counts.
+    fn cost(&self) -> u64 {
+        let fixed = std::mem::size_of::<Self>()
+            + std::mem::size_of::<Cached>()
+            + 2 * std::mem::size_of::<CodeKey>()
+            + 16;
+        (fixed + self.function.capacity() + self.file.capacity() + self.linetable.capacity()) as u64
+    }
+}
+
+#[derive(Debug)]
+struct Cached {
+    info: Arc<CodeInfo>,
+    bytes: u64,
+    /// Used since the eviction queue last passed it: it gets another turn.
+    used: bool,
+}
+
+/// The code objects of one process, bounded in bytes. Eviction is
+/// second-chance (clock) over insertion order: a code object on every
+/// stack (the training loop's) keeps its place, a flood of code run once
+/// goes first, and a hit costs a flag, not a reordering.
+#[derive(Debug)]
+struct CodeCache {
+    map: HashMap<CodeKey, Cached>,
+    order: VecDeque<CodeKey>,
+    bytes: u64,
+    limit: u64,
+    stats: Arc<CacheStats>,
+}
+
+impl CodeCache {
+    fn new(limit: u64, stats: Arc<CacheStats>) -> Self {
+        Self {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            bytes: 0,
+            limit,
+            stats,
+        }
+    }
+
+    fn get(&mut self, key: &CodeKey) -> Option<Arc<CodeInfo>> {
+        let c = self.map.get_mut(key)?;
+        c.used = true;
+        Some(c.info.clone())
+    }
+
+    fn insert(&mut self, key: CodeKey, info: Arc<CodeInfo>) {
+        let bytes = info.cost();
+        if bytes > self.limit {
+            self.stats.refused(1);
+            return;
+        }
+        self.evict(self.bytes.saturating_add(bytes).saturating_sub(self.limit));
+        if let Some(old) = self.map.insert(
+            key,
+            Cached {
+                info,
+                bytes,
+                used: false,
+            },
+        ) {
+            // Not reached (a hit is never inserted again), kept exact.
+            self.bytes -= old.bytes;
+            self.stats.dropped(1, old.bytes);
+        } else {
+            self.order.push_back(key);
+        }
+        self.bytes += bytes;
+        self.stats.added(bytes);
+    }
+
+    /// Evicts entries until at least `want` bytes are freed (or none is
+    /// left); returns the bytes freed.
+    fn evict(&mut self, want: u64) -> u64 {
+        let mut freed = 0;
+        while freed < want {
+            let Some(key) = self.order.pop_front() else {
+                break;
+            };
+            let Some(c) = self.map.get_mut(&key) else {
+                continue;
+            };
+            if c.used {
+                c.used = false;
+                self.order.push_back(key);
+                continue;
+            }
+            let bytes = c.bytes;
+            self.map.remove(&key);
+            self.bytes -= bytes;
+            self.stats.evicted(bytes);
+            freed += bytes;
+        }
+        freed
+    }
+}
+
+impl Drop for CodeCache {
+    fn drop(&mut self) {
+        self.stats.dropped(self.map.len() as u64, self.bytes);
+    }
+}
+
 /// The fields of a code object header that identify what was cached: a
 /// freed code object whose address is reused has other names and tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,7 +206,7 @@ pub struct FrameReader<M> {
     layout: &'static Layout,
     runtime: u64,
     types: KnownTypes,
-    code: HashMap<CodeKey, Arc<CodeInfo>>,
+    code: CodeCache,
     /// Pages read during the current walk, `None` outside a walk.
     pages: RefCell<Option<Vec<Page>>>,
 }
@@ -108,9 +219,50 @@ impl<M: Memory> FrameReader<M> {
             layout,
             runtime,
             types,
-            code: HashMap::new(),
+            code: CodeCache::new(CODE_CACHE_PROCESS_BYTES, Arc::default()),
             pages: RefCell::new(None),
         }
+    }
+
+    /// Caches at most `limit` bytes of code objects, counting into `stats`
+    /// (shared by the readers of every process, for the agent's figures).
+    pub fn with_code_cache(mut self, limit: u64, stats: Arc<CacheStats>) -> Self {
+        self.code = CodeCache::new(limit, stats);
+        self
+    }
+
+    /// Bytes of code objects cached.
+    pub fn code_bytes(&self) -> u64 {
+        self.code.bytes
+    }
+
+    /// Caches `n` made-up code objects with `table`-byte line tables.
+    #[cfg(test)]
+    pub(crate) fn cache_made_up_code(&mut self, n: u64, table: usize) {
+        for i in 0..n {
+            let key = CodeKey {
+                addr: i,
+                filename: 0,
+                name: 0,
+                linetable: 0,
+                firstlineno: 0,
+            };
+            let info = CodeInfo {
+                function: String::new(),
+                file: String::new(),
+                firstlineno: 0,
+                linetable: vec![0; table],
+                step_local: None,
+            };
+            self.code.insert(key, Arc::new(info));
+        }
+    }
+
+    /// Evicts cached code objects (least used first) until at least `want`
+    /// bytes are freed or none is left; returns the bytes freed. For a
+    /// bound over several processes.
+    pub fn evict_code(&mut self, want: u64) -> u64 {
+        self.code.evict(want)
     }
 
     pub fn layout(&self) -> &'static Layout {
@@ -358,7 +510,7 @@ impl<M: Memory> FrameReader<M> {
             firstlineno,
         };
         if let Some(info) = self.code.get(&key) {
-            return Ok(Some(info.clone()));
+            return Ok(Some(info));
         }
         let info = Arc::new(CodeInfo {
             function: self.string(key.name)?,
@@ -372,9 +524,6 @@ impl<M: Memory> FrameReader<M> {
                 .ok()
                 .flatten(),
         });
-        if self.code.len() >= MAX_CACHED_CODE {
-            self.code.clear();
-        }
         self.code.insert(key, info.clone());
         Ok(Some(info))
     }
@@ -498,6 +647,7 @@ impl<M: Memory> FrameReader<M> {
         }
         let len = field(&head, BYTES_SIZE)?;
         if len > MAX_LINETABLE {
+            self.code.stats.refused(1);
             return Err(PyError::Malformed("a line table over 1 MiB"));
         }
         Ok(self.read_vec(add(addr, BYTES_DATA)?, len as usize)?)
@@ -521,6 +671,81 @@ mod tests {
     use super::super::layout::PY311;
     use super::super::memory::ImageMemory;
     use super::*;
+
+    fn key(i: u64) -> CodeKey {
+        CodeKey {
+            addr: 0x1000 + i * 0x100,
+            filename: 1,
+            name: 2,
+            linetable: 3,
+            firstlineno: 1,
+        }
+    }
+
+    fn info(table: usize) -> Arc<CodeInfo> {
+        Arc::new(CodeInfo {
+            function: "f".into(),
+            file: "f.py".into(),
+            firstlineno: 1,
+            linetable: vec![0xff; table],
+            step_local: None,
+        })
+    }
+
+    #[test]
+    fn the_code_cache_keeps_its_bytes_bound_and_evicts_code_run_once_first() {
+        let stats = Arc::new(CacheStats::default());
+        let each = info(1000).cost();
+        let mut cache = CodeCache::new(10 * each, stats.clone());
+        // The training loop's code is on every stack; a flood of code run
+        // once passes through.
+        let hot = key(0);
+        cache.insert(hot, info(1000));
+        for i in 1..=1000 {
+            assert!(
+                cache.get(&hot).is_some(),
+                "the hot code object evicted at {i}"
+            );
+            assert!(cache.get(&key(i)).is_none());
+            cache.insert(key(i), info(1000));
+            assert!(cache.bytes <= 10 * each, "{} bytes", cache.bytes);
+        }
+        let f = stats.figures();
+        assert_eq!(f.entries, 10);
+        assert_eq!(f.bytes, 10 * each);
+        assert_eq!(f.peak_bytes, 10 * each);
+        assert_eq!(f.evicted, 1001 - 10);
+        assert_eq!(f.evicted_bytes, (1001 - 10) * each);
+        assert_eq!(f.refused, 0);
+        // One entry larger than the whole bound is not kept, and counted.
+        cache.insert(key(5000), info(20 * 1000));
+        assert!(cache.get(&key(5000)).is_none());
+        assert_eq!(stats.figures().refused, 1);
+        // A bound over several processes takes what it asks for.
+        assert!(cache.evict(3 * each) >= 3 * each);
+        assert_eq!(stats.figures().entries, 7);
+        drop(cache);
+        let f = stats.figures();
+        assert_eq!(
+            (f.bytes, f.entries),
+            (0, 0),
+            "a reader dropped gives back its bytes"
+        );
+    }
+
+    #[test]
+    fn a_line_table_over_its_cap_is_refused_unread_and_counted() {
+        let mut mem = ImageMemory::new();
+        // A bytes object header claiming 2 GiB of line table.
+        let mut head = vec![0u8; BYTES_DATA as usize];
+        head[BYTES_SIZE as usize..][..8].copy_from_slice(&(2u64 << 30).to_le_bytes());
+        mem.map(0x5000, head);
+        let stats = Arc::new(CacheStats::default());
+        let r = FrameReader::new(mem, &PY311, 0, KnownTypes::default())
+            .with_code_cache(CODE_CACHE_PROCESS_BYTES, stats.clone());
+        assert!(matches!(r.bytes(0x5000), Err(PyError::Malformed(_))));
+        assert_eq!(stats.figures().refused, 1);
+    }
 
     #[test]
     fn page_reads_match_direct_reads_and_stay_in_bounds() {

@@ -12,7 +12,11 @@
 //! Costs, and why they stay small in steady state:
 //! - [`Unwinder`] keeps each file's CFI sections once, keyed by path and
 //!   inode (a file replaced on disk has a new inode), shared by every
-//!   process that maps it.
+//!   process that maps it; bounded in bytes ([`CfiBounds`]: a section over
+//!   256 MiB is refused unread, one process pins at most 512 MiB, the
+//!   cache holds at most 1 GiB, evicting files no process uses, least
+//!   recently used first). Code whose CFI was refused unwinds by frame
+//!   pointer.
 //! - [`ProcessUnwinder`] is built per process from its [`ProcessMaps`] (one
 //!   framehop module per executable mapping, cheap: sections are shared) and
 //!   holds framehop's per-address rule cache, so a return address seen
@@ -56,9 +60,10 @@ use std::sync::Arc;
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _};
 
-pub use elf_cfi::{CfiError, FileCfi};
+pub use elf_cfi::{CfiError, CfiLimits, FileCfi, MAX_SECTION_BYTES, MAX_TEXT_BYTES};
 pub use frame_pointer::frame_pointer_walk;
 
+use crate::bounds::CacheStats;
 use crate::maps::ProcessMaps;
 
 /// The deepest stack returned, as the kernel's `PERF_MAX_STACK_DEPTH`.
@@ -113,10 +118,78 @@ struct FileKey {
     inode: u64,
 }
 
+/// The most CFI bytes (sections and `.text`) one process's unwinder may
+/// pin: a PyTorch CUDA process maps a few hundred MB of it at most.
+pub const CFI_PROCESS_BYTES: u64 = 512 << 20;
+/// The most CFI bytes the cache holds for all processes together (a
+/// node's ranks share their libraries, each file held once).
+pub const CFI_TOTAL_BYTES: u64 = 1 << 30;
+
+/// The CFI cache's bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CfiBounds {
+    /// The largest CFI section read ([`MAX_SECTION_BYTES`]).
+    pub section: u64,
+    pub per_process: u64,
+    pub total: u64,
+}
+
+impl Default for CfiBounds {
+    fn default() -> Self {
+        Self {
+            section: MAX_SECTION_BYTES,
+            per_process: CFI_PROCESS_BYTES,
+            total: CFI_TOTAL_BYTES,
+        }
+    }
+}
+
+/// A file in the CFI cache.
+#[derive(Debug)]
+struct CachedFile {
+    /// `None`: unreadable, or not read for want of room.
+    cfi: Option<Arc<FileCfi>>,
+    /// Not read for want of room: tried again when a process asks for it
+    /// (room may have been freed since), unlike an unreadable file.
+    no_room: bool,
+    /// When a process last asked for it (a counter): the least recently
+    /// used file goes first.
+    used: u64,
+}
+
+impl CachedFile {
+    fn bytes(&self) -> u64 {
+        self.cfi.as_ref().map_or(0, |c| c.bytes())
+    }
+
+    /// Held by no process's unwinder, so evicting it frees its bytes.
+    fn idle(&self) -> bool {
+        self.cfi.as_ref().is_some_and(|c| Arc::strong_count(c) == 1)
+    }
+}
+
 /// The per-file CFI cache, shared by the per-process unwinders.
+///
+/// Bounded in bytes: a traced process chooses the files it maps, and a
+/// sparse file can claim sections of any size at no cost on disk. A file
+/// past the room left once idle files (held by no process) are evicted,
+/// least recently used first, is not read, and neither is a file past
+/// what its process may pin; its code unwinds by frame pointer.
 #[derive(Debug, Default)]
 pub struct Unwinder {
-    files: HashMap<FileKey, Option<Arc<FileCfi>>>,
+    files: HashMap<FileKey, CachedFile>,
+    bounds: CfiBounds,
+    stats: Arc<CacheStats>,
+    /// Bytes of every file held.
+    held: u64,
+    clock: u64,
+}
+
+impl Drop for Unwinder {
+    fn drop(&mut self) {
+        let entries = self.files.values().filter(|f| f.cfi.is_some()).count();
+        self.stats.dropped(entries as u64, self.held);
+    }
 }
 
 impl Unwinder {
@@ -124,16 +197,40 @@ impl Unwinder {
         Self::default()
     }
 
+    /// A cache within `bounds`, counting into `stats`.
+    pub fn with_bounds(bounds: CfiBounds, stats: Arc<CacheStats>) -> Self {
+        Self {
+            files: HashMap::new(),
+            bounds,
+            stats,
+            held: 0,
+            clock: 0,
+        }
+    }
+
     /// Files whose CFI is held (read, or found unreadable).
     pub fn cached_files(&self) -> usize {
         self.files.len()
+    }
+
+    /// Bytes of CFI held.
+    pub fn cached_bytes(&self) -> u64 {
+        self.held
     }
 
     /// Keeps only the files `keep(path, inode)` says are still mapped by
     /// some process (the cache would otherwise hold every binary an
     /// always-on agent ever unwound).
     pub fn retain_files(&mut self, keep: impl Fn(&str, u64) -> bool) {
-        self.files.retain(|k, _| keep(&k.path, k.inode));
+        let (held, stats) = (&mut self.held, &self.stats);
+        self.files.retain(|k, f| {
+            let kept = keep(&k.path, k.inode);
+            if !kept && f.cfi.is_some() {
+                *held -= f.bytes();
+                stats.dropped(1, f.bytes());
+            }
+            kept
+        });
     }
 
     /// An unwinder for one process, from its mappings. Paths in `maps` are
@@ -144,6 +241,8 @@ impl Unwinder {
     pub fn process(&mut self, maps: &ProcessMaps, root: &Path) -> ProcessUnwinder {
         let mut unwinder = UnwinderX86_64::new();
         let mut modules = 0;
+        let mut pinned: Vec<Arc<FileCfi>> = Vec::new();
+        let mut pinned_bytes = 0;
         for m in maps
             .mappings()
             .iter()
@@ -153,12 +252,25 @@ impl Unwinder {
                 path: m.path.clone(),
                 inode: m.inode,
             };
-            let cfi = self
-                .files
-                .entry(key)
-                .or_insert_with(|| FileCfi::read(&under_root(root, &m.path)).ok().map(Arc::new))
-                .clone();
+            self.clock += 1;
+            let room = self.bounds.per_process.saturating_sub(pinned_bytes);
+            let cfi = match self.files.get_mut(&key) {
+                Some(f) if !f.no_room => {
+                    f.used = self.clock;
+                    f.cfi.clone()
+                }
+                _ => self.load(key, &under_root(root, &m.path), room),
+            };
             let Some(cfi) = cfi else { continue };
+            if !pinned.iter().any(|p| Arc::ptr_eq(p, &cfi)) {
+                if pinned_bytes + cfi.bytes() > self.bounds.per_process {
+                    // Read for another process, over this one's share.
+                    self.stats.refused(1);
+                    continue;
+                }
+                pinned_bytes += cfi.bytes();
+                pinned.push(cfi.clone());
+            }
             let Some(bias) = cfi.load_bias(m.start, m.offset) else {
                 continue;
             };
@@ -169,6 +281,75 @@ impl Unwinder {
             unwinder,
             cache: CacheX86_64::new(),
             modules,
+            _pinned: pinned,
+        }
+    }
+
+    /// Reads a file into the cache, within `room` (what its process may
+    /// still pin) and the cache's own bound, evicting idle files for it.
+    fn load(&mut self, key: FileKey, path: &Path, room: u64) -> Option<Arc<FileCfi>> {
+        let idle: u64 = self
+            .files
+            .values()
+            .filter(|f| f.idle())
+            .map(CachedFile::bytes)
+            .sum();
+        let free = self.bounds.total.saturating_sub(self.held - idle);
+        let limits = CfiLimits {
+            section: self.bounds.section,
+            room: room.min(free),
+            ..CfiLimits::default()
+        };
+        let (cfi, no_room) = match FileCfi::read_limited(path, &limits) {
+            Ok(cfi) => {
+                self.stats.refused(cfi.refused());
+                let bytes = cfi.bytes();
+                self.evict_for(bytes);
+                self.held += bytes;
+                self.stats.added(bytes);
+                (Some(Arc::new(cfi)), false)
+            }
+            Err(CfiError::TooLarge { .. }) => {
+                self.stats.refused(1);
+                (None, true)
+            }
+            Err(CfiError::HeadersTooLarge { .. }) => {
+                self.stats.refused(1);
+                (None, false)
+            }
+            Err(_) => (None, false),
+        };
+        let file = CachedFile {
+            cfi: cfi.clone(),
+            no_room,
+            used: self.clock,
+        };
+        if let Some(old) = self.files.insert(key, file)
+            && old.cfi.is_some()
+        {
+            self.held -= old.bytes();
+            self.stats.dropped(1, old.bytes());
+        }
+        cfi
+    }
+
+    /// Evicts idle files, least recently used first, until `bytes` more
+    /// fit the total bound (or none is idle).
+    fn evict_for(&mut self, bytes: u64) {
+        while self.held + bytes > self.bounds.total {
+            let Some(key) = self
+                .files
+                .iter()
+                .filter(|(_, f)| f.idle())
+                .min_by_key(|(_, f)| f.used)
+                .map(|(k, _)| k.clone())
+            else {
+                return;
+            };
+            if let Some(f) = self.files.remove(&key) {
+                self.held -= f.bytes();
+                self.stats.evicted(f.bytes());
+            }
         }
     }
 }
@@ -204,6 +385,9 @@ pub struct ProcessUnwinder {
     unwinder: UnwinderX86_64<Arc<[u8]>>,
     cache: CacheX86_64,
     modules: usize,
+    /// The files its modules read from: what the CFI cache must not count
+    /// as idle (their bytes stay in memory while this unwinder lives).
+    _pinned: Vec<Arc<FileCfi>>,
 }
 
 impl ProcessUnwinder {
@@ -321,6 +505,143 @@ mod tests {
         };
         let u = process.unwind(regs, &s, 127);
         assert_eq!(u.frames, vec![0x1500, 0xa1]);
+    }
+
+    use crate::bounds::test_elf::{Sec, dir, write};
+
+    const PROGBITS: u32 = 1;
+
+    /// A library whose `.eh_frame` is `size` bytes at offset 8192, in a
+    /// file of `len` bytes.
+    fn library(path: &Path, size: u64, len: u64) -> PathBuf {
+        write(
+            path,
+            &[
+                Sec {
+                    name: ".eh_frame_hdr",
+                    kind: PROGBITS,
+                    offset: 4096,
+                    size: 64,
+                },
+                Sec {
+                    name: ".eh_frame",
+                    kind: PROGBITS,
+                    offset: 8192,
+                    size,
+                },
+            ],
+            len,
+        )
+    }
+
+    #[test]
+    fn a_cfi_section_over_its_cap_is_refused_unread() {
+        let d = dir("cfi-cap");
+        // 4 GiB of .eh_frame claimed in a sparse file that long: nothing on
+        // disk, checked against the file's length only, it would be read.
+        let huge = library(&d.join("libhuge.so"), 4 << 30, (4 << 30) + 8192);
+        let cfi = FileCfi::read(&huge).expect("the headers read");
+        assert!(cfi.eh_frame.is_none(), "read past its cap");
+        assert_eq!(cfi.refused(), 1);
+        assert_eq!(cfi.bytes(), 64, ".eh_frame_hdr alone");
+        // Claimed past the file's end: absent, as before (not a refusal).
+        let cut = library(&d.join("libcut.so"), 4096, 8192);
+        let cfi = FileCfi::read(&cut).expect("read");
+        assert!(cfi.eh_frame.is_none() && cfi.refused() == 0);
+        // Within its cap and the file: read.
+        let fine = library(&d.join("libfine.so"), 4096, 8192 + 4096);
+        let cfi = FileCfi::read(&fine).expect("read");
+        assert_eq!(cfi.eh_frame.as_ref().map(|s| s.data.len()), Some(4096));
+        assert_eq!(cfi.bytes(), 4096 + 64);
+        // More than the room left: not read at all.
+        let small_room = CfiLimits {
+            room: 4096,
+            ..CfiLimits::default()
+        };
+        assert!(matches!(
+            FileCfi::read_limited(&fine, &small_room),
+            Err(CfiError::TooLarge { bytes: 4160, .. })
+        ));
+        // 2^28 section headers (16 GiB; extended numbering: e_shnum 0, the
+        // count in section 0's sh_size) in a sparse file that long.
+        let many = library(&d.join("libmany.so"), 4096, 16 << 30);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&many)
+            .unwrap();
+        let mut shoff = [0u8; 8];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut shoff, 40).unwrap();
+        let shoff = u64::from_le_bytes(shoff);
+        std::os::unix::fs::FileExt::write_all_at(&file, &0u16.to_le_bytes(), 60).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, &(1u64 << 28).to_le_bytes(), shoff + 32)
+            .unwrap();
+        assert!(matches!(
+            FileCfi::read(&many),
+            Err(CfiError::HeadersTooLarge { .. })
+        ));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_cfi_cache_evicts_idle_files_and_refuses_past_its_bounds() {
+        let d = dir("cfi-bounds");
+        let files: Vec<PathBuf> = (1..=4)
+            .map(|i| library(&d.join(format!("lib{i}.so")), 936, 8192 + 936))
+            .collect();
+        // Each file holds 1,000 bytes (936 + the 64 of .eh_frame_hdr).
+        assert_eq!(FileCfi::read(&files[0]).unwrap().bytes(), 1000);
+        let maps = |which: &[usize]| {
+            let text: String = which
+                .iter()
+                .map(|&i| {
+                    let start = 0x10_0000 * (i as u64 + 1);
+                    format!(
+                        "{start:x}-{:x} r-xp 00000000 08:01 {} {}\n",
+                        start + 0x1000,
+                        i + 1,
+                        files[i].display()
+                    )
+                })
+                .collect();
+            ProcessMaps::parse(&text)
+        };
+        let stats = Arc::new(CacheStats::default());
+        let bounds = CfiBounds {
+            section: 1 << 20,
+            per_process: 2500,
+            total: 3000,
+        };
+        let mut u = Unwinder::with_bounds(bounds, stats.clone());
+        let root = Path::new("/");
+        let a = u.process(&maps(&[0, 1]), root);
+        assert_eq!(a.modules(), 2);
+        assert_eq!(stats.figures().bytes, 2000);
+        // A third file is over one process's share: not read.
+        let a3 = u.process(&maps(&[0, 1, 2]), root);
+        assert_eq!(a3.modules(), 2);
+        assert_eq!((stats.figures().bytes, stats.figures().refused), (2000, 1));
+        drop(a3);
+        // Another process: one more file fits the total, the next does not
+        // (the first two are still in use).
+        let b = u.process(&maps(&[2, 3]), root);
+        assert_eq!(b.modules(), 1);
+        assert_eq!((stats.figures().bytes, stats.figures().refused), (3000, 2));
+        // The first process gone, its files are idle: the least recently
+        // used one is evicted for a file that now fits.
+        drop(a);
+        let c = u.process(&maps(&[3]), root);
+        assert_eq!(c.modules(), 1);
+        let f = stats.figures();
+        assert_eq!(
+            (f.bytes, f.entries, f.evicted, f.evicted_bytes, f.peak_bytes),
+            (3000, 3, 1, 1000, 3000)
+        );
+        assert_eq!(u.cached_bytes(), 3000);
+        drop((b, c));
+        drop(u);
+        assert_eq!(stats.figures().bytes, 0);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -442,7 +763,11 @@ mod tests {
         );
         // Over the cap: where the code is stays known, its bytes are not
         // read, the CFI is.
-        let capped = FileCfi::read_with_text_limit(Path::new(&m.path), 0).expect("read");
+        let no_text = CfiLimits {
+            text: 0,
+            ..CfiLimits::default()
+        };
+        let capped = FileCfi::read_limited(Path::new(&m.path), &no_text).expect("read");
         assert_eq!(capped.text_svma.as_ref(), Some(text));
         assert!(capped.text.is_none() && capped.has_cfi());
         assert_eq!(

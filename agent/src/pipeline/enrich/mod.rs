@@ -14,7 +14,11 @@ pub mod python;
 pub mod symbolize;
 pub mod unwind;
 
+use std::sync::Arc;
+
+use serde::Serialize;
 use xpuscope_probes::activity::names::RemoteStrings;
+use xpuscope_probes::bounds::{CacheFigures, CacheStats};
 use xpuscope_probes::maps::ProcessMaps;
 
 use crate::events::UserCopy;
@@ -32,6 +36,55 @@ pub struct UnwoundUser {
     /// The walk stopped before the outermost frame (the stack is deeper
     /// than the copy, or a rule failed).
     pub truncated: bool,
+}
+
+/// The byte accounting of the caches that traced processes feed (Python
+/// code objects, files' CFI), shared with whoever reports it: the caches
+/// live on the pipeline thread, the figures are read elsewhere.
+#[derive(Clone, Debug, Default)]
+pub struct CacheCounters {
+    pub python: Arc<CacheStats>,
+    pub cfi: Arc<CacheStats>,
+}
+
+impl CacheCounters {
+    pub fn report(&self) -> CacheReport {
+        CacheReport {
+            python: self.python.figures().into(),
+            cfi: self.cfi.figures().into(),
+        }
+    }
+}
+
+/// [`CacheCounters`] read, for the summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CacheReport {
+    pub python: CacheFigure,
+    pub cfi: CacheFigure,
+}
+
+/// One cache's figures (see `xpuscope_probes::bounds::CacheFigures`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CacheFigure {
+    pub bytes: u64,
+    pub peak_bytes: u64,
+    pub entries: u64,
+    pub evicted: u64,
+    pub evicted_bytes: u64,
+    pub refused: u64,
+}
+
+impl From<CacheFigures> for CacheFigure {
+    fn from(f: CacheFigures) -> Self {
+        Self {
+            bytes: f.bytes,
+            peak_bytes: f.peak_bytes,
+            entries: f.entries,
+            evicted: f.evicted,
+            evicted_bytes: f.evicted_bytes,
+            refused: f.refused,
+        }
+    }
 }
 
 /// What interpretation may ask of the live system.
@@ -53,6 +106,10 @@ pub trait Enrich {
     /// Time spent reading Python frames so far (ns).
     fn python_read_ns(&self) -> u64 {
         0
+    }
+    /// The caches' figures so far.
+    fn caches(&self) -> CacheReport {
+        CacheReport::default()
     }
     /// The time now (CLOCK_BOOTTIME ns): when a read of the live process
     /// was done.
@@ -89,12 +146,31 @@ pub trait Enrich {
 }
 
 /// The real enricher: blazesym, `/proc`, `/proc/PID/mem`.
-#[derive(Default)]
 pub struct LiveEnricher {
     symbolizer: StackSymbolizer,
     strings: RemoteStrings,
     unwind: CfiUnwind,
     python: PythonStacks,
+    caches: CacheCounters,
+}
+
+impl Default for LiveEnricher {
+    fn default() -> Self {
+        Self::with_caches(CacheCounters::default())
+    }
+}
+
+impl LiveEnricher {
+    /// An enricher whose caches count into `caches`.
+    pub fn with_caches(caches: CacheCounters) -> Self {
+        Self {
+            symbolizer: StackSymbolizer::default(),
+            strings: RemoteStrings::default(),
+            unwind: CfiUnwind::with_stats(caches.cfi.clone()),
+            python: PythonStacks::with_stats(caches.python.clone()),
+            caches,
+        }
+    }
 }
 
 impl Enrich for LiveEnricher {
@@ -118,6 +194,10 @@ impl Enrich for LiveEnricher {
 
     fn python_read_ns(&self) -> u64 {
         self.python.read_ns
+    }
+
+    fn caches(&self) -> CacheReport {
+        self.caches.report()
     }
 
     fn python_frames_now(&mut self, tgid: u32, tid: u32) -> Option<Vec<SymFrame>> {

@@ -19,8 +19,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use xpuscope_probes::bounds::CacheStats;
 use xpuscope_probes::python::{
-    MixedFrame, PyFrame, PythonProcesses, StepLocal, interleave, step_of,
+    CodeCacheBounds, MixedFrame, PyFrame, PythonProcesses, StepLocal, interleave, step_of,
 };
 
 use crate::model::SymFrame;
@@ -47,9 +48,31 @@ pub struct PythonStacks {
 }
 
 impl PythonStacks {
+    /// Code caches within the default bounds, counting into `stats`.
+    pub fn with_stats(stats: Arc<CacheStats>) -> Self {
+        Self {
+            procs: PythonProcesses::with_bounds(CodeCacheBounds::default(), stats),
+            ..Self::default()
+        }
+    }
+
     /// `native` symbolized (`frames`, one per address, leaf first) with
     /// thread `tid`'s Python frames in place of its evaluation frames.
     pub fn mix(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        native: &[u64],
+        frames: Vec<SymFrame>,
+    ) -> (Vec<SymFrame>, PyOutcome) {
+        let mixed = self.mix_frames(tgid, tid, native, frames);
+        // What the read cached counts against every process's total now,
+        // not at the next stack.
+        self.procs.trim();
+        mixed
+    }
+
+    fn mix_frames(
         &mut self,
         tgid: u32,
         tid: u32,
@@ -116,6 +139,7 @@ impl PythonStacks {
         let py = proc.frames(tid);
         self.read_ns += started.elapsed().as_nanos() as u64;
         self.reads += 1;
+        self.procs.trim();
         let py = py.ok().filter(|p| !p.is_empty())?;
         Some(py.iter().map(python_frame).collect())
     }

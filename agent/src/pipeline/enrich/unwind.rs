@@ -13,9 +13,11 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use xpuscope_probes::bounds::CacheStats;
 use xpuscope_probes::maps::ProcessMaps;
-use xpuscope_probes::unwind::{ProcessUnwinder, StackCopy, Unwinder, UserRegs};
+use xpuscope_probes::unwind::{CfiBounds, ProcessUnwinder, StackCopy, Unwinder, UserRegs};
 
 use super::UnwoundUser;
 use crate::events::UserCopy;
@@ -56,6 +58,14 @@ fn boottime_ns() -> u64 {
 }
 
 impl CfiUnwind {
+    /// A CFI cache within the default bounds, counting into `stats`.
+    pub fn with_stats(stats: Arc<CacheStats>) -> Self {
+        Self {
+            files: Unwinder::with_bounds(CfiBounds::default(), stats),
+            ..Self::default()
+        }
+    }
+
     /// Frames of the thread of `tgid` whose copy was taken at `ts` (the
     /// sampled ip, then return addresses, leaf first), or `None` when no
     /// unwind is possible (nothing copied, the process gone before its
@@ -209,7 +219,8 @@ mod tests {
     #[test]
     fn unwinds_own_stack_through_the_caller_and_forgets_the_process() {
         let pid = std::process::id();
-        let mut u = CfiUnwind::default();
+        let stats = Arc::new(CacheStats::default());
+        let mut u = CfiUnwind::with_stats(stats.clone());
         let (copy, caller) = caller_of_own_copy();
         let frames = u.unwind(pid, 0, &copy).expect("unwound").frames;
         assert_eq!(frames[0], copy.ip);
@@ -222,9 +233,13 @@ mod tests {
         assert!(frames.len() > 3, "{frames:#x?}");
         assert_eq!(u.processes(), 1);
         assert!(u.cached_files() > 0, "the test binary's CFI is cached");
+        let held = stats.figures();
+        assert!(held.bytes > 0 && held.entries > 0, "{held:?}");
         u.forget_process(pid);
         assert_eq!(u.processes(), 0);
         assert_eq!(u.cached_files(), 0, "no process maps them: the CFI goes");
+        let after = stats.figures();
+        assert_eq!((after.bytes, after.entries, after.evicted), (0, 0, 0));
     }
 
     #[test]

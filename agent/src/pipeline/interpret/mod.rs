@@ -53,6 +53,9 @@ pub struct InterpretCounters {
     pub python_stacks: u64,
     pub python_stack_errors: u64,
     pub python_read_ns: u64,
+    /// What the caches that traced processes feed held, evicted and
+    /// refused (read from the enricher at the end).
+    pub caches: super::enrich::CacheReport,
 
     /// Distinct threads seen.
     pub threads_seen: u64,

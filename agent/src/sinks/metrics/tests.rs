@@ -178,6 +178,11 @@ fn families_render_from_records() {
         .written
         .store(2, std::sync::atomic::Ordering::Relaxed);
     *sources.recorder.lock().unwrap() = Some(stats);
+    let code = &sources.caches.python;
+    code.added(5000);
+    code.added(3000);
+    code.evicted(3000);
+    code.refused(2);
     sink.on_tick(0, &lost).unwrap();
 
     let text = handle.render();
@@ -273,6 +278,22 @@ fn families_render_from_records() {
         2.0
     );
     assert!(value(&text, "xpuscope_agent_resident_bytes") > 1e6);
+    for (series, want) in [
+        (r#"xpuscope_agent_cache_bytes{cache="python"}"#, 5000.0),
+        (
+            r#"xpuscope_agent_cache_evictions_total{cache="python"}"#,
+            1.0,
+        ),
+        (
+            r#"xpuscope_agent_cache_evicted_bytes_total{cache="python"}"#,
+            3000.0,
+        ),
+        (r#"xpuscope_agent_cache_refused_total{cache="python"}"#, 2.0),
+        (r#"xpuscope_agent_cache_bytes{cache="cfi"}"#, 0.0),
+        (r#"xpuscope_agent_cache_evictions_total{cache="cfi"}"#, 0.0),
+    ] {
+        assert_eq!(value(&text, series), want, "{series}");
+    }
     assert!(text.ends_with("# EOF\n"));
 
     // A process that ends takes its memory gauge with it.
