@@ -7,6 +7,7 @@
 //! [`Record::Exit`] with `process_ended`, so it may drop what it keeps about
 //! the process there (pids are reused).
 
+pub mod counters;
 pub mod device;
 pub mod finding;
 pub mod identity;

@@ -386,10 +386,10 @@ pub struct AgentSources {
     /// What the kernel side lost (updated each round).
     pub kernel_losses: Arc<KernelLosses>,
     /// The interpret stage's counters (published at each sink tick).
-    pub interpret: Arc<Mutex<crate::pipeline::interpret::InterpretCounters>>,
+    pub interpret: Arc<Mutex<crate::model::counters::InterpretCounters>>,
     /// The pipeline's caches that traced processes feed (the pipeline's
     /// enricher is built with these).
-    pub caches: crate::pipeline::enrich::CacheCounters,
+    pub caches: crate::model::counters::CacheCounters,
 }
 
 /// What the kernel side of the service lost, as running totals: for the

@@ -14,11 +14,7 @@ pub mod python;
 pub mod symbolize;
 pub mod unwind;
 
-use std::sync::Arc;
-
-use serde::Serialize;
 use xpuscope_probes::activity::names::RemoteStrings;
-use xpuscope_probes::bounds::{CacheFigures, CacheStats};
 use xpuscope_probes::maps::ProcessMaps;
 
 use crate::events::UserCopy;
@@ -38,54 +34,7 @@ pub struct UnwoundUser {
     pub truncated: bool,
 }
 
-/// The byte accounting of the caches that traced processes feed (Python
-/// code objects, files' CFI), shared with whoever reports it: the caches
-/// live on the pipeline thread, the figures are read elsewhere.
-#[derive(Clone, Debug, Default)]
-pub struct CacheCounters {
-    pub python: Arc<CacheStats>,
-    pub cfi: Arc<CacheStats>,
-}
-
-impl CacheCounters {
-    pub fn report(&self) -> CacheReport {
-        CacheReport {
-            python: self.python.figures().into(),
-            cfi: self.cfi.figures().into(),
-        }
-    }
-}
-
-/// [`CacheCounters`] read, for the summary.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct CacheReport {
-    pub python: CacheFigure,
-    pub cfi: CacheFigure,
-}
-
-/// One cache's figures (see `xpuscope_probes::bounds::CacheFigures`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct CacheFigure {
-    pub bytes: u64,
-    pub peak_bytes: u64,
-    pub entries: u64,
-    pub evicted: u64,
-    pub evicted_bytes: u64,
-    pub refused: u64,
-}
-
-impl From<CacheFigures> for CacheFigure {
-    fn from(f: CacheFigures) -> Self {
-        Self {
-            bytes: f.bytes,
-            peak_bytes: f.peak_bytes,
-            entries: f.entries,
-            evicted: f.evicted,
-            evicted_bytes: f.evicted_bytes,
-            refused: f.refused,
-        }
-    }
-}
+pub use crate::model::counters::{CacheCounters, CacheReport};
 
 /// What interpretation may ask of the live system.
 pub trait Enrich {
