@@ -168,21 +168,7 @@ pub fn run_untold_job(dir: &Path, tag: &str, extra: &[&str]) -> Value {
 impl Service {
     /// `agent ctl` on this service's socket; its JSON answer.
     pub fn ctl(&self, args: &[&str]) -> Value {
-        let out = Command::new(agent_bin())
-            .arg("ctl")
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run agent ctl");
-        assert!(
-            out.status.success(),
-            "agent ctl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("agent ctl {args:?}: not JSON ({e}): {:?}", out.stdout))
+        ctl(&self.socket, args)
     }
 }
 

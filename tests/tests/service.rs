@@ -6,7 +6,6 @@
 //! stops on SIGTERM leaving no program behind. Root and eBPF; never skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,7 +14,7 @@ use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, TempDir, exclusive};
 use xpuscope_tests::device::{GroupGuard, arg_text, start_gated_job, thread_of, wait_for_closers};
 use xpuscope_tests::fixtures;
-use xpuscope_tests::service_run::{Service, ctl, wait_traced};
+use xpuscope_tests::service_run::{Service, ctl, http_get, wait_traced};
 use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode};
 
 const STEPS: u64 = 5;
@@ -72,19 +71,6 @@ fn our_program_ids() -> BTreeSet<u64> {
         .filter(|(_, name, _)| is_ours(name))
         .map(|(id, _, _)| id)
         .collect()
-}
-
-fn http_get(port: u16, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to /metrics");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).expect("read the answer");
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    text
 }
 
 /// A simulated 2-rank job started with no agent told about it; it waits
