@@ -60,6 +60,21 @@ fn roots(found: &[Value]) -> Vec<&Value> {
     found.iter().filter(|f| f.get("cause").is_none()).collect()
 }
 
+/// One line per finding (incident, id, cause, kind, ranks, step, summary):
+/// what a failure message shows first (a whole document is cut short in
+/// CI logs).
+fn listing(found: &[Value]) -> String {
+    found
+        .iter()
+        .map(|f| {
+            format!(
+                "  #{} id {} cause {} {} ranks {} step {}: {}\n",
+                f["incident"], f["id"], f["cause"], f["kind"], f["ranks"], f["step"], f["summary"]
+            )
+        })
+        .collect()
+}
+
 /// Every finding has an id and an incident; a consequence's cause is a
 /// finding of its own incident.
 fn check_links(found: &[Value], what: &str) {
@@ -107,7 +122,12 @@ fn fault_incidents<'a>(found: &'a [Value], step: Option<u64>, what: &str) -> Vec
 fn check_one_incident(found: &[Value], kind: &str, rank: u64, step: Option<u64>, what: &str) {
     check_links(found, what);
     let r = fault_incidents(found, step, what);
-    assert_eq!(r.len(), 1, "{what}: one incident: {found:#?}");
+    assert_eq!(
+        r.len(),
+        1,
+        "{what}: one incident:\n{}\n{found:#?}",
+        listing(found)
+    );
     let root = r[0];
     assert_eq!(found[0], *root, "{what}: the root comes first");
     assert_eq!(root["kind"], kind, "{what}: {root:#}");
@@ -310,7 +330,12 @@ fn a_noisy_neighbour_is_one_incident() {
     ] {
         check_links(&found, driver);
         let r = fault_incidents(&found, Some(5), driver);
-        assert_eq!(r.len(), 1, "{driver}: one incident: {found:#?}");
+        assert_eq!(
+            r.len(),
+            1,
+            "{driver}: one incident:\n{}\n{found:#?}",
+            listing(&found)
+        );
         assert_eq!(r[0]["kind"], "host_contention", "{driver}: {:#}", r[0]);
         assert_eq!(
             r[0]["ranks"],
