@@ -178,10 +178,11 @@ pub struct AttachArgs {
     /// trace's `xpuscope findings` track), e.g. `30s`, `5m`.
     #[arg(long, default_value = "300s", value_parser = parse_hang_timeout)]
     pub hang_timeout: Duration,
-    /// host_contention: a step counts as contended when other processes
-    /// kept the rank's training thread off its CPU for at least this
-    /// percentage of it (1-100; and `contention_min_lost`, 3 steps in a
-    /// row: the service's `[detect]` keys).
+    /// host_contention: a step counts as contended when outsiders (not
+    /// the job's other ranks, not the agent) kept the rank's training
+    /// thread off its CPU for at least this percentage of it above what it
+    /// usually loses (1-100; and `contention_min_lost`, 3 steps in a row
+    /// spanning `contention_min_span`: the service's `[detect]` keys).
     #[arg(long, default_value_t = host_config::DEFAULT_CONTENTION_MIN_SHARE_PCT,
           value_parser = clap::value_parser!(u32).range(1..=100))]
     pub contention_min_share: u32,

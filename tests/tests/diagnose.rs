@@ -12,7 +12,7 @@ use serde_json::Value;
 use xpuscope_tests::agent::{agent_bin, exclusive};
 use xpuscope_tests::device::*;
 
-use crate::shared_runs::{self, LATE_MIN};
+use crate::shared_runs;
 
 /// A job with `launcher` options (2 ranks, dp 2, unless they say
 /// otherwise), recorded by `agent attach` from before its ranks start.
@@ -74,13 +74,9 @@ fn a_late_arrival_is_found_offline_and_online() {
     for flavor in ["nvidia", "ascend"] {
         let mut args = two_ranks(flavor, "delay:rank=1,ms=120,step=5", "60");
         args.extend(["--steps", "10"].map(String::from));
-        let run = run_job(
-            &format!("diaglate{flavor}"),
-            &strs(&args),
-            &["--late-min", LATE_MIN],
-        );
+        let run = run_job(&format!("diaglate{flavor}"), &strs(&args), &[]);
         let expected = &run.ground_truth["faults"][0]["expected"];
-        let (found, text) = diagnose(&run, &["--late-min", LATE_MIN]);
+        let (found, text) = diagnose(&run, &[]);
         for fs in [&found, &online(&run)] {
             let late = of_kind(fs, "late_arrival");
             assert_eq!(late.len(), 1, "{flavor}: {fs:#?}\n{text}");
@@ -112,7 +108,7 @@ fn a_late_arrival_is_found_offline_and_online() {
 fn a_clean_8_rank_job_has_no_findings() {
     let serial = exclusive();
     let clean = shared_runs::clean_8_ranks(&serial);
-    let (found, text) = diagnose(clean, &["--late-min", LATE_MIN]);
+    let (found, text) = diagnose(clean, &[]);
     assert!(found.is_empty(), "{found:#?}");
     let online = online(clean);
     assert!(online.is_empty(), "{online:#?}");
@@ -185,15 +181,14 @@ fn a_hang_is_found_offline_from_the_calls_running_when_the_job_was_stopped() {
 /// then stops rank 0 (SIGTERM). Offline (the trace's process-exit
 /// instants) and online: one `crash`, rank 1, the signal, at step 2
 /// (within 2); rank 0's stop is no second crash. Both flavors. (The
-/// recordings are shared with `findings`; their late-arrival floor is above
-/// the CI machine's scheduling noise.)
+/// recordings are shared with `findings`, at the agent's defaults.)
 #[test]
 fn a_crash_is_found_offline_with_its_signal_and_step_and_the_stopped_peer_is_not() {
     let serial = exclusive();
     for flavor in ["nvidia", "ascend"] {
         let run = shared_runs::crash_at_step_2(&serial, flavor);
         let expected = &run.ground_truth["faults"][0]["expected"];
-        let (found, text) = diagnose(run, &["--late-min", LATE_MIN]);
+        let (found, text) = diagnose(run, &[]);
         let online = online(run);
         for (driver, fs) in [("offline", &found), ("online", &online)] {
             assert_eq!(fs.len(), 1, "{flavor} {driver}: {fs:#?}\n{text}");
@@ -242,7 +237,7 @@ fn hangs_by_communicator_number_and_inside_a_collective_are_found_offline_and_on
             let tag = format!("diaghang2{flavor}");
             // Above the CI machine's scheduling noise (a 10.8 ms "late
             // arrival" at the 10 ms default was seen once).
-            let args = ["--hang-timeout", "1s", "--late-min", LATE_MIN];
+            let args = ["--hang-timeout", "1s"];
             let run = run_job(&tag, &strs(&two_ranks(flavor, fault, "6")), &args);
             let injected = &run.ground_truth["faults"][0]["injected"][0];
             let (found, text) = diagnose(&run, &args);
@@ -343,7 +338,7 @@ fn diagnose_writes_json_to_stdout_and_exits_3_on_a_root_finding() {
     let serial = exclusive();
     let to_stdout = |run: &SimRun| {
         let out = Command::new(agent_bin())
-            .args(["diagnose", "--json", "-", "--late-min", LATE_MIN])
+            .args(["diagnose", "--json", "-"])
             .arg(run._dir.path().join("trace.pftrace"))
             .output()
             .expect("run agent diagnose");
@@ -365,7 +360,7 @@ fn diagnose_writes_json_to_stdout_and_exits_3_on_a_root_finding() {
     assert_eq!(code, Some(DIAGNOSE_EXIT_ROOT_FINDING), "{text}");
     assert_eq!(doc["findings"][0]["kind"], "crash", "{doc:#}");
     assert!(text.starts_with("crash: rank 1"), "{text}");
-    let (file_found, _) = diagnose(crash, &["--late-min", LATE_MIN]);
+    let (file_found, _) = diagnose(crash, &[]);
     assert_eq!(
         doc["findings"].as_array(),
         Some(&file_found),

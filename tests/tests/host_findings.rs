@@ -212,12 +212,13 @@ fn grade_driver(run: &Run, driver: Driver) {
 
 /// The three faults in one job: rank 1's loader stalls 500 ms before batch
 /// 6, rank 0 leaks 16 MiB per step from step 3, four spinning threads
-/// share rank 1's CPU from step 10. Each step has 10 ms of host work on the
-/// main thread (the CPU time a neighbour can take: the simulator's kernels
+/// share rank 1's CPU from step 10 (to the end: more than the 1 s a
+/// contention must span). Each step has 10 ms of host work on the main
+/// thread (the CPU time a neighbour can take: the simulator's kernels
 /// sleep).
 const FAULTS: &[&str] = &[
     "--steps",
-    "24",
+    "48",
     "--host-us",
     "10000",
     "--fault",

@@ -5,10 +5,10 @@
 //! (attach's `--stats-json`) and offline (`agent diagnose`, also at its
 //! defaults): the first root finding is the injected kind, rank and step
 //! (within 2); every other finding of its incident carries a `cause`; one
-//! incident for the fault (an incident more than 2 steps away, of a kind
-//! the 2-CPU test machine's scheduling noise makes, is printed, not
-//! graded); offline gives the incidents online gives. Layouts where a fault cascades (tp 2, pp 2, dp 2: peers wait for
-//! the faulty rank across communicators). Root and eBPF; these never skip.
+//! incident for the fault and none besides; offline gives the incidents
+//! online gives. Layouts where a fault cascades (tp 2, pp 2, dp 2: peers
+//! wait for the faulty rank across communicators), and more ranks than
+//! the 2-CPU test machine has CPUs. Root and eBPF; these never skip.
 
 use std::process::Command;
 
@@ -90,15 +90,11 @@ fn check_links(found: &[Value], what: &str) {
     }
 }
 
-/// Kinds a busy 2-CPU machine makes of its own scheduling noise (another
-/// engineer's builds, the agent's threads): a rank a few tens of ms late
-/// steps away from the fault. Printed, not graded (the detectors judge
-/// lateness by absolute floors, not against the job's step time).
-const NOISE_KINDS: &[&str] = &["late_arrival", "slow_rank", "host_contention"];
-
-/// The incidents of the fault: those whose root is within 2 steps of the
-/// injected one (or has no step). The others must be noise kinds; they
-/// are printed.
+/// The incidents of the fault: every root must be within 2 steps of the
+/// injected one (or have no step): the whole run has one incident per
+/// fault, at default options, on the busy 2-CPU test machine too (the
+/// detectors judge the job against itself: its step time, each rank's own
+/// jitter and baseline, its peers).
 fn fault_incidents<'a>(found: &'a [Value], step: Option<u64>, what: &str) -> Vec<&'a Value> {
     let (near, far): (Vec<&Value>, Vec<&Value>) =
         roots(found)
@@ -107,13 +103,11 @@ fn fault_incidents<'a>(found: &'a [Value], step: Option<u64>, what: &str) -> Vec
                 (Some(s), Some(step)) => s.abs_diff(step) <= 2,
                 _ => true,
             });
-    for r in far {
-        assert!(
-            NOISE_KINDS.contains(&r["kind"].as_str().unwrap_or("")),
-            "{what}: an incident of its own away from the fault: {r:#}"
-        );
-        eprintln!("{what}: not graded, steps from the fault: {}", r["summary"]);
-    }
+    assert!(
+        far.is_empty(),
+        "{what}: incidents of their own away from the fault:\n{}",
+        listing(found)
+    );
     near
 }
 
@@ -281,15 +275,13 @@ fn a_clean_job_has_no_incident() {
 }
 
 /// A noisy neighbour (four spinning threads) on rank 1's CPU from step 5
-/// of a 2-rank job with 10 ms of host work per step: rank 1 loses time to
+/// of a 2-rank job of 48 steps with 10 ms of host work per step (the
+/// contention spans more than 1 s, as one must): rank 1 loses time to
 /// it and arrives late, rank 0 waits for it. One incident: its root rank
 /// 1's `host_contention` naming the neighbour, the late arrivals under it.
 /// (The launcher's SIGKILL of its neighbour, a traced child of the
-/// launcher, is a `crash` of that process, no rank's: not graded.) Not 8
-/// ranks: on the 2-CPU test machine 8 ranks with host work contend with
-/// one another from the first step, which the detectors' absolute
-/// thresholds report as every rank's contention and every step's late
-/// arrivals (judging them against the job's own step time is not done).
+/// launcher, is a `crash` of that process, no rank's: not graded.) The
+/// 8-rank case is [`a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident`].
 #[test]
 fn a_noisy_neighbour_is_one_incident() {
     let _serial = exclusive();
@@ -297,30 +289,19 @@ fn a_noisy_neighbour_is_one_incident() {
         "rcnoisy",
         "nvidia",
         &["--host-us", "10000"],
-        "16",
+        "48",
         "cpu_contention:rank=1,from_step=5,threads=4",
         &[],
     );
     let fault = &run.ground_truth["faults"][0];
     let neighbour = &fault["injected"][0]["neighbour_pid"];
-    // As `host_findings` grades: contention whose top preemptor is neither
-    // a rank nor the neighbour comes from elsewhere on the shared machine
-    // (the agent's own threads among them), printed, not graded.
+    // The launcher's SIGKILL of its neighbour is that process's crash, no
+    // rank's: not graded.
     let of_ranks = |found: Vec<Value>| -> Vec<Value> {
         found
             .into_iter()
             .filter(|f| {
                 !(f["ranks"] == serde_json::json!([]) && f["evidence"]["pid"] == *neighbour)
-            })
-            .filter(|f| {
-                let top = &f["evidence"]["preemptors"][0];
-                let elsewhere = f["kind"] == "host_contention"
-                    && top["pid"] != *neighbour
-                    && top["rank"].is_null();
-                if elsewhere {
-                    eprintln!("contention from elsewhere (not graded): {}", f["summary"]);
-                }
-                !elsewhere
             })
             .collect()
     };
@@ -348,5 +329,80 @@ fn a_noisy_neighbour_is_one_incident() {
             "{driver}: {:#}",
             r[0]
         );
+    }
+}
+
+/// A clean 8-rank job (tp 2, pp 2, dp 2) with 10 ms of host work per step
+/// on a machine with fewer CPUs than ranks: the ranks take one another's
+/// CPUs every step, alike. That is the job's shape, not a fault: no
+/// incident, at default options.
+#[test]
+fn a_clean_job_with_more_ranks_than_cpus_has_no_incident() {
+    let _serial = exclusive();
+    let mut layout = TP2_PP2_DP2.to_vec();
+    layout.extend(["--host-us", "10000"]);
+    let run = record("rcoversub", "nvidia", &layout, "24", "", &[]);
+    let on = online(&run);
+    assert!(roots(&on).is_empty(), "online:\n{}", listing(&on));
+    let (off, code, text) = offline(&run, &[]);
+    assert!(roots(&off).is_empty(), "offline:\n{}", listing(&off));
+    assert_eq!(code, Some(0), "{text}");
+}
+
+/// A noisy neighbour on rank 1's CPU from step 5 of an 8-rank job (tp 2,
+/// pp 2, dp 2) with 10 ms of host work per step: more ranks than CPUs,
+/// so every rank already shares its CPU with its siblings, and the
+/// neighbour takes from every rank on that CPU (the ground truth's
+/// `ranks_on_cpu`). One incident: `host_contention` of a rank on that CPU
+/// naming the neighbour, at step 5 (within 2).
+#[test]
+fn a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident() {
+    let _serial = exclusive();
+    let mut layout = TP2_PP2_DP2.to_vec();
+    layout.extend(["--host-us", "10000"]);
+    let run = record(
+        "rcnoisy8",
+        "nvidia",
+        &layout,
+        "40",
+        "cpu_contention:rank=1,from_step=5,threads=4",
+        &[],
+    );
+    let fault = &run.ground_truth["faults"][0];
+    let neighbour = fault["injected"][0]["neighbour_pid"].clone();
+    let on_cpu: Vec<Value> = fault["expected"]["ranks_on_cpu"]
+        .as_array()
+        .expect("the ranks on the neighbour's CPU")
+        .clone();
+    assert!(on_cpu.contains(&serde_json::json!(1)), "{fault:#}");
+    for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
+        // The launcher's SIGKILL of its neighbour is that process's crash,
+        // no rank's: not graded.
+        let found: Vec<Value> = found
+            .into_iter()
+            .filter(|f| !(f["kind"] == "crash" && f["evidence"]["pid"] == neighbour))
+            .collect();
+        check_links(&found, driver);
+        let r = fault_incidents(&found, Some(5), driver);
+        assert_eq!(r.len(), 1, "{driver}: one incident:\n{}", listing(&found));
+        assert_eq!(
+            r[0]["kind"],
+            "host_contention",
+            "{driver}:\n{}",
+            listing(&found)
+        );
+        let ranks = r[0]["ranks"].as_array().expect("ranks");
+        assert!(
+            ranks.len() == 1 && on_cpu.contains(&ranks[0]),
+            "{driver}: a rank on the neighbour's CPU {on_cpu:?}: {:#}",
+            r[0]
+        );
+        assert_eq!(
+            r[0]["evidence"]["preemptors"][0]["pid"], neighbour,
+            "{driver}: {:#}",
+            r[0]
+        );
+        let step = r[0]["step"].as_u64().expect("a step");
+        assert!(step.abs_diff(5) <= 2, "{driver}: step {step}: {:#}", r[0]);
     }
 }

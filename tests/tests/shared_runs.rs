@@ -15,11 +15,6 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use xpuscope_tests::device::{SimRun, TP2_PP2_DP2, print_time_to_finding, run_from_spawn};
 
-/// The late-arrival floor of the tests that grade a whole job's findings:
-/// a CI machine of 2 vCPUs running 8 ranks delays a rank by up to ~25 ms
-/// now and then (seen), the floor's default (10ms) is for real machines.
-pub const LATE_MIN: &str = "40ms";
-
 /// A 2-rank job (dp 2) of `flavor` (`nvidia` or `ascend`) whose rank 1
 /// never joins the all-reduce of step 2: rank 0 waits in it until the
 /// launcher's timeout (5 s) stops both ranks. Recorded with a 1 s hang
@@ -46,8 +41,7 @@ pub fn hang_at_step_2(_serial: &MutexGuard<'static, ()>, flavor: &str) -> &'stat
 
 /// A 2-rank job (dp 2) of `flavor` (`nvidia` or `ascend`) whose rank 1
 /// kills itself with its fault's signal at step 2; the launcher then stops
-/// rank 0. Recorded with the late-arrival floor at [`LATE_MIN`], so a busy
-/// machine's noise is no finding.
+/// rank 0. Recorded at the agent's defaults.
 pub fn crash_at_step_2(_serial: &MutexGuard<'static, ()>, flavor: &str) -> &'static SimRun {
     static RUNS: [OnceLock<SimRun>; 2] = [OnceLock::new(), OnceLock::new()];
     RUNS[flavor_index(flavor)].get_or_init(|| {
@@ -63,25 +57,21 @@ pub fn crash_at_step_2(_serial: &MutexGuard<'static, ()>, flavor: &str) -> &'sta
                 "--timeout",
                 "20",
             ],
-            &["--late-min", LATE_MIN],
+            &[],
         )
     })
 }
 
 /// A clean job of 8 ranks (tp 2, pp 2, dp 2: pipeline stages enter some
 /// collectives later than their peers every step, by design), 6 steps,
-/// recorded with a 2 s hang timeout and the late-arrival floor at
-/// [`LATE_MIN`]: it must have no findings at all.
+/// recorded with a 2 s hang timeout and otherwise the agent's defaults:
+/// it must have no findings at all.
 pub fn clean_8_ranks(_serial: &MutexGuard<'static, ()>) -> &'static SimRun {
     static RUN: OnceLock<SimRun> = OnceLock::new();
     RUN.get_or_init(|| {
         let mut launcher_args = TP2_PP2_DP2.to_vec();
         launcher_args.extend(["--steps", "6"]);
-        record(
-            "sharedclean",
-            &launcher_args,
-            &["--hang-timeout", "2s", "--late-min", LATE_MIN],
-        )
+        record("sharedclean", &launcher_args, &["--hang-timeout", "2s"])
     })
 }
 

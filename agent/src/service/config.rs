@@ -260,6 +260,7 @@ impl ServiceConfig {
             "detect.contention_min_share_pct" => h.contention_min_share_pct,
             "detect.contention_min_lost" => h.contention_min_lost,
             "detect.contention_min_steps" => h.contention_min_steps,
+            "detect.contention_min_span" => h.contention_min_span,
             "detect.stall_min" => h.stall_min,
             "detect.stall_factor" => h.stall_factor,
             "detect.stall_min_history" => h.stall_min_history,
@@ -600,6 +601,9 @@ fn host_detect_keys(
     if let Some(v) = s.take("contention_min_steps") {
         host.contention_min_steps = count(&v, "detect.contention_min_steps", 1, 10_000)?;
     }
+    if let Some(v) = s.take("contention_min_span") {
+        host.contention_min_span = ctx.duration(&v, "detect.contention_min_span")?;
+    }
     if let Some(v) = s.take("stall_min") {
         host.stall_min = ctx.duration(&v, "detect.stall_min")?;
     }
@@ -919,6 +923,7 @@ dump_on_finding = false
 contention_min_share_pct = 30
 contention_min_lost = "2ms"
 contention_min_steps = 4
+contention_min_span = "2s"
 stall_min = "200ms"
 stall_factor = 6
 stall_min_history = 3
@@ -967,6 +972,7 @@ job_env = ["MY_JOB"]
                 contention_min_share_pct: 30,
                 contention_min_lost: Duration::from_millis(2),
                 contention_min_steps: 4,
+                contention_min_span: Duration::from_secs(2),
                 stall_min: Duration::from_millis(200),
                 stall_factor: 6,
                 stall_min_history: 3,

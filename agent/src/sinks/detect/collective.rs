@@ -6,28 +6,37 @@
 //!
 //! - An operation (communicator, seq) is analysed once every member of the
 //!   communicator (its size) entered it. Its last arrival is *late* when it
-//!   came more than `max(late_min, late_mad_k * 1.4826 * MAD)` after the
-//!   median arrival of the other members (the MAD of theirs: robust to one
-//!   outlier, and with two members only the floor counts), less its own
+//!   came after the median arrival of the other members, less its own
 //!   usual offset at that function (the median of its on-time ones: a
-//!   pipeline stage that always enters later is not late). A member is
-//!   judged once it entered the function `WARMUP_OPS` times on the
-//!   communicator (start-up skew): a rank slow from its first step has
-//!   no on-time baseline and is not found.
+//!   pipeline stage that always enters later is not late), by more than a
+//!   threshold judged against the job itself ([`ThresholdParts`]): the
+//!   largest of `late_min` (a floor), `late_mad_k` robust deviations
+//!   (1.4826 MAD) of the others' arrivals (robust to one outlier; with two
+//!   members only the other parts count), `late_mad_k` robust deviations
+//!   of the member's own on-time offsets (its recent baseline: a rank on a
+//!   busy host that arrives a few ms apart every step), and a quarter of
+//!   its usual step (the median of its recent data-parallel all-reduce
+//!   intervals). A member is judged once it entered the function
+//!   `WARMUP_OPS` times on the communicator (start-up skew): a rank slow
+//!   from its first step has no on-time baseline and is not found.
 //! - `slow_rank`: a rank late at `slow_rank_persist` or more of the last
 //!   `2 * slow_rank_persist` operations of a communicator (a rank that
 //!   persistently makes its peers wait). Its start is its first late
 //!   arrival in that window; the evidence compares its delays with its own
 //!   offset in earlier, on-time operations.
 //! - `late_arrival`: a late arrival that did not become a `slow_rank`
-//!   (reported once it left the window, or at the end).
+//!   (reported once it left the window, or at the end), and that stands
+//!   alone: it cost its peers at least half of the rank's usual step
+//!   (100 ms before that is known). A one-off of a fraction of a step is
+//!   what a busy host does now and then; repeated, it is a `slow_rank`.
 //! - `slow_link`: operations of at least `link_min_bytes` (bandwidth, not
 //!   latency, sets their time) whose transfer time per bus byte is
 //!   `slow_link_ratio` times that of a typical communicator (the lower
 //!   median of them): from the device where activity records link each
 //!   member's collective kernel to its host call (the shortest member's
 //!   kernel is the transfer), else from the host (the time from the last
-//!   arrival to the members' syncs, nobody arriving late). Its ranks are those in
+//!   arrival to the first member's sync that saw it done, nobody arriving
+//!   late: the later ones may have waited for a CPU). Its ranks are those in
 //!   every slow communicator and in no fast one (where a link slows every
 //!   operation through it); the members of the slow ones when that leaves
 //!   none. It needs a fast communicator to compare with: a job with one
@@ -98,6 +107,52 @@ impl Default for CollectiveConfig {
 struct Arrival {
     enter: u64,
     done: Option<u64>,
+    /// The thread that entered it (its waits before are the evidence of
+    /// why it came late).
+    tid: u32,
+}
+
+/// A device call a thread blocked in (a sync, a blocking send or receive,
+/// any call of [`MIN_WAIT_NS`] or more): what a late rank was doing while
+/// its peers waited for it.
+#[derive(Clone, Copy, Debug)]
+struct Wait {
+    start: u64,
+    end: u64,
+    function: &'static str,
+}
+
+/// Calls shorter than this are not waits.
+const MIN_WAIT_NS: u64 = 100_000;
+/// Waits kept per thread (the most recent).
+const WAITS_PER_THREAD: usize = 32;
+
+/// How much of `[from, to]` the thread spent in device calls that block,
+/// when it last left one in it, and the longest's function.
+fn waited_in(waits: Option<&VecDeque<Wait>>, from: u64, to: u64) -> Option<WaitedIn> {
+    let mut w = WaitedIn::default();
+    let mut longest = 0;
+    for x in waits.into_iter().flatten() {
+        let (a, b) = (x.start.max(from), x.end.min(to));
+        if a >= b {
+            continue;
+        }
+        w.ns += b - a;
+        w.until = w.until.max(x.end);
+        if b - a > longest {
+            longest = b - a;
+            w.function = x.function;
+        }
+    }
+    (w.ns > 0).then_some(w)
+}
+
+/// A late member's waits in the time it was late (`waited_in`).
+#[derive(Clone, Copy, Debug, Default)]
+struct WaitedIn {
+    ns: u64,
+    until: u64,
+    function: &'static str,
 }
 
 #[derive(Default)]
@@ -119,8 +174,145 @@ struct Late {
     enter: u64,
     delay_ns: u64,
     threshold_ns: u64,
+    /// What set the threshold.
+    parts: ThresholdParts,
+    /// Its delay beyond its own usual offset.
+    beyond_usual_ns: u64,
+    /// Half its usual step (0 while not known).
+    half_step_ns: u64,
+    /// Its waits in device calls while it was late.
+    waited: Option<WaitedIn>,
     peers_wait_ns: u64,
     function: &'static str,
+}
+
+/// The parts of a late-arrival threshold: the largest sets it. Lateness is
+/// judged against the job itself (how far its members' arrivals spread,
+/// how much this member's own arrivals vary, how long its steps are) with
+/// an absolute floor under it: on a busy or oversubscribed host every rank
+/// arrives tens of ms apart now and then, and on a job of 1 s steps a
+/// 10 ms lateness is noise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ThresholdParts {
+    /// `late_min`.
+    floor: u64,
+    /// `late_mad_k` robust deviations of the other members' arrivals.
+    peers_spread: u64,
+    /// `late_mad_k` robust deviations of the member's own on-time offsets
+    /// at this function (its recent baseline).
+    own_jitter: u64,
+    /// A share of the member's usual step time (1/[`STEP_SHARE_DIVISOR`]).
+    step_share: u64,
+}
+
+impl ThresholdParts {
+    fn threshold(&self) -> u64 {
+        self.floor
+            .max(self.peers_spread)
+            .max(self.own_jitter)
+            .max(self.step_share)
+    }
+
+    /// Which part set the threshold, in words.
+    fn set_by(&self) -> &'static str {
+        let t = self.threshold();
+        if t == self.floor {
+            "the floor"
+        } else if t == self.step_share {
+            "a quarter of the rank's usual step"
+        } else if t == self.own_jitter {
+            "the rank's own arrival jitter"
+        } else {
+            "the spread of its peers' arrivals"
+        }
+    }
+
+    fn evidence(&self) -> serde_json::Value {
+        json!({
+            "floor_ms": ms(self.floor),
+            "peers_spread_ms": ms(self.peers_spread),
+            "own_jitter_ms": ms(self.own_jitter),
+            "step_share_ms": ms(self.step_share),
+        })
+    }
+}
+
+/// A lateness under a quarter of the rank's usual step is not judged late.
+const STEP_SHARE_DIVISOR: u64 = 4;
+
+impl Late {
+    /// The evidence of its waits, and the words for the summary.
+    fn waited_evidence(&self) -> (serde_json::Value, String) {
+        match self.waited {
+            Some(w) => (
+                json!({
+                    "ms": ms(w.ns),
+                    "function": w.function,
+                    "until_ns": w.until,
+                }),
+                format!(
+                    "; it spent {:.1} ms of its lateness waiting in {}",
+                    ms(w.ns),
+                    w.function
+                ),
+            ),
+            None => (serde_json::Value::Null, String::new()),
+        }
+    }
+
+    /// Whether it is worth a finding on its own (not part of a slow
+    /// rank): it cost its peers at least half a step. A one-off lateness
+    /// of a fraction of a step is what a busy host does now and then; the
+    /// same lateness step after step is a `slow_rank`.
+    fn stands_alone(&self) -> bool {
+        let bar = match self.half_step_ns {
+            0 => LONE_LATE_WITHOUT_STEPS_NS,
+            half => half,
+        };
+        self.beyond_usual_ns >= bar
+    }
+}
+/// A one-off lateness before the rank's step time is known (its first
+/// steps, start-up skew among them) stands alone from this much.
+const LONE_LATE_WITHOUT_STEPS_NS: u64 = 100_000_000;
+/// On-time offsets a member needs before its own jitter counts.
+const MIN_JITTER_SAMPLES: usize = 4;
+/// Data-parallel all-reduces (steps) the usual step time is the median of.
+const USUAL_STEP_WINDOW: usize = 16;
+
+/// `k` robust deviations (1.4826 MAD) of a member's sorted on-time offsets.
+fn own_jitter(sorted: &[i64], k: f64) -> u64 {
+    if sorted.len() < MIN_JITTER_SAMPLES {
+        return 0;
+    }
+    let med = sorted[sorted.len() / 2];
+    let mut dev: Vec<u64> = sorted.iter().map(|&o| o.abs_diff(med)).collect();
+    (k * 1.4826 * median_u64(&mut dev) as f64) as u64
+}
+
+/// The member's usual step time before `ts`: the median interval of its
+/// last [`USUAL_STEP_WINDOW`] data-parallel all-reduces (the all-reduce
+/// communicator with the fewest: one per step); None before 3 steps.
+fn usual_step(
+    allreduces: &HashMap<u32, HashMap<CommKey, Vec<u64>>>,
+    tgid: u32,
+    ts: u64,
+) -> Option<u64> {
+    let dp = allreduces
+        .get(&tgid)?
+        .values()
+        .filter(|v| !v.is_empty())
+        .min_by_key(|v| v.len())?;
+    let before = &dp[..dp.partition_point(|&t| t < ts)];
+    let recent = &before[before.len().saturating_sub(USUAL_STEP_WINDOW + 1)..];
+    if recent.len() < 4 {
+        return None;
+    }
+    let mut steps: Vec<u64> = recent
+        .windows(2)
+        .map(|w| w[1].saturating_sub(w[0]))
+        .collect();
+    Some(median_u64(&mut steps))
 }
 
 #[derive(Default)]
@@ -317,6 +509,9 @@ pub struct CollectiveDetector {
     /// tid -> its latest large collectives (start, end, tgid, op): an
     /// enqueue marker inside one is that collective's device work.
     recent_calls: HashMap<u32, VecDeque<(u64, u64, u32, DeviceOp)>>,
+    /// (tgid, tid) -> the thread's latest blocking device calls (evidence
+    /// of why it came late: it waited for something).
+    waits: HashMap<(u32, u32), VecDeque<Wait>>,
 }
 
 /// Large collectives remembered per thread for their enqueue markers.
@@ -370,6 +565,7 @@ impl CollectiveDetector {
             device_kernels: HashMap::new(),
             recent_calls: HashMap::new(),
             ended_links: VecDeque::new(),
+            waits: HashMap::new(),
         }
     }
 
@@ -379,6 +575,22 @@ impl CollectiveDetector {
 
     pub fn device_call(&mut self, c: &DeviceCallRecord, ranks: &Ranks, out: &mut Vec<Finding>) {
         let call = &c.call;
+        if let Some(end) = call.end_ts
+            && end.saturating_sub(call.start_ts) >= MIN_WAIT_NS
+            && !matches!(call.kind, CallKind::Collective(_))
+        {
+            // Collectives only enqueue: their time is the wait that
+            // follows (a sync), which is recorded as a wait itself.
+            let w = self.waits.entry((call.tgid, call.tid)).or_default();
+            w.push_back(Wait {
+                start: call.start_ts,
+                end,
+                function: call.function,
+            });
+            if w.len() > WAITS_PER_THREAD {
+                w.pop_front();
+            }
+        }
         match call.kind {
             CallKind::Collective(op) => {
                 let Some(cc) = &call.comm else { return };
@@ -417,6 +629,7 @@ impl CollectiveDetector {
                 o.members.entry(call.tgid).or_insert(Arrival {
                     enter: call.start_ts,
                     done: None,
+                    tid: call.tid,
                 });
                 while comm.open.len() > MAX_OPEN_OPS {
                     comm.open.pop_first();
@@ -539,8 +752,17 @@ impl CollectiveDetector {
             let op = comm.open.remove(&seq).expect("present");
             if !op.late && op.bus_bytes >= self.cfg.link_min_bytes {
                 let last = op.members.values().map(|a| a.enter).max().unwrap_or(0);
-                let mut done: Vec<u64> = op.members.values().filter_map(|a| a.done).collect();
-                let post = median_u64(&mut done).saturating_sub(last);
+                // The first member to see the operation done: the others
+                // may have waited for a CPU to return from their syncs (a
+                // busy or oversubscribed host), which is not the link's
+                // time.
+                let first_done = op
+                    .members
+                    .values()
+                    .filter_map(|a| a.done)
+                    .min()
+                    .unwrap_or(last);
+                let post = first_done.saturating_sub(last);
                 comm.link.push_back(post as f64 / op.bus_bytes as f64);
                 if comm.link.len() > MAX_LINK_SAMPLES {
                     comm.link.pop_front();
@@ -566,10 +788,9 @@ impl CollectiveDetector {
         let med = median_u64(&mut others);
         let mut dev: Vec<u64> = others.iter().map(|&a| a.abs_diff(med)).collect();
         let mad = median_u64(&mut dev);
-        let threshold = late_min.max((k * 1.4826 * mad as f64) as u64);
         // Compared with its own on-time offset at this function: a member
         // that always enters this operation later is not late by it.
-        let own = comm
+        let own_offsets: Option<Vec<i64>> = comm
             .history
             .get(&last)
             .and_then(|h| h.baseline.get(op.function))
@@ -577,10 +798,30 @@ impl CollectiveDetector {
             .map(|b| {
                 let mut v: Vec<i64> = b.iter().copied().collect();
                 v.sort_unstable();
-                v[v.len() / 2].max(0) as u64
+                v
             });
+        let own = own_offsets.as_ref().map(|v| v[v.len() / 2].max(0) as u64);
+        let step = usual_step(&self.allreduces, last, last_enter);
+        let parts = ThresholdParts {
+            floor: late_min,
+            peers_spread: (k * 1.4826 * mad as f64) as u64,
+            own_jitter: own_offsets.as_deref().map_or(0, |v| own_jitter(v, k)),
+            step_share: step.map_or(0, |s| s / STEP_SHARE_DIVISOR),
+        };
+        let threshold = parts.threshold();
         let delay = last_enter.saturating_sub(med);
         let late = own.is_some_and(|own| delay.saturating_sub(own) > threshold);
+        let last_tid = op.members.get(&last).map_or(last, |a| a.tid);
+        let waited = late
+            .then(|| {
+                let beyond = delay.saturating_sub(own.unwrap_or(0));
+                waited_in(
+                    self.waits.get(&(last, last_tid)),
+                    last_enter.saturating_sub(beyond),
+                    last_enter,
+                )
+            })
+            .flatten();
         op.late = late;
         let function = op.function;
         let peers_wait: u64 = others.iter().map(|&a| last_enter - a).sum();
@@ -599,6 +840,10 @@ impl CollectiveDetector {
                     enter: last_enter,
                     delay_ns: delay,
                     threshold_ns: threshold,
+                    parts,
+                    beyond_usual_ns: delay.saturating_sub(own.unwrap_or(0)),
+                    half_step_ns: step.map_or(0, |s| s / 2),
+                    waited,
                     peers_wait_ns: peers_wait,
                     function,
                 });
@@ -657,11 +902,13 @@ impl CollectiveDetector {
                 summary: format!(
                     "{who} is a slow rank: it arrived last at {late_in_window} of the last {} \
                      collectives on {cname}, a median {:.2} ms (max {:.2} ms) after its peers, \
-                     above the {:.2} ms threshold{earlier_words}; its peers waited {:.1} ms in all",
+                     above the {:.2} ms threshold (set by {}){earlier_words}; its peers waited \
+                     {:.1} ms in all",
                     h_window_len(window, index),
                     ms(med_delay),
                     ms(max_delay),
                     ms(first.threshold_ns),
+                    first.parts.set_by(),
                     ms(wait),
                 ),
                 evidence: json!({
@@ -671,6 +918,8 @@ impl CollectiveDetector {
                     "median_delay_ms": ms(med_delay),
                     "max_delay_ms": ms(max_delay),
                     "threshold_ms": ms(first.threshold_ns),
+                    "threshold_parts": first.parts.evidence(),
+                    "waited": first.waited_evidence().0,
                     "earlier_offset_ms": earlier_ms,
                     "peers_wait_ms": ms(wait),
                     "first_seq": first.seq,
@@ -688,7 +937,11 @@ impl CollectiveDetector {
                 .partition(|l| l.index + window as u64 <= index);
             h.pending = keep;
             if !self.slow_reported.contains(tgid) {
-                expired.extend(old.into_iter().map(|l| (*tgid, l)));
+                expired.extend(
+                    old.into_iter()
+                        .filter(Late::stands_alone)
+                        .map(|l| (*tgid, l)),
+                );
             }
         }
         for (tgid, l) in expired {
@@ -704,6 +957,7 @@ impl CollectiveDetector {
             Some(s) => format!(" in step {s}"),
             None => String::new(),
         };
+        let (waited, waited_words) = l.waited_evidence();
         Finding {
             link: Default::default(),
             kind: FindingKind::LateArrival,
@@ -714,18 +968,21 @@ impl CollectiveDetector {
             start_ns: l.enter.saturating_sub(l.delay_ns),
             end_ns: Some(l.enter),
             summary: format!(
-                "{who} arrived {:.2} ms late at {} #{} on {cname}{at} (threshold {:.2} ms); \
-                 its peers waited {:.1} ms in all",
+                "{who} arrived {:.2} ms late at {} #{} on {cname}{at} (threshold {:.2} ms, \
+                 set by {}); its peers waited {:.1} ms in all{waited_words}",
                 ms(l.delay_ns),
                 l.function,
                 l.seq,
                 ms(l.threshold_ns),
+                l.parts.set_by(),
                 ms(l.peers_wait_ns),
             ),
             evidence: json!({
                 "step_source": step_source(tgid, ranks),
                 "delay_ms": ms(l.delay_ns),
                 "threshold_ms": ms(l.threshold_ns),
+                "threshold_parts": l.parts.evidence(),
+                "waited": waited,
                 "peers_wait_ms": ms(l.peers_wait_ns),
                 "function": l.function,
             }),
@@ -786,7 +1043,12 @@ impl CollectiveDetector {
                 .iter_mut()
             {
                 if !self.slow_reported.contains(tgid) {
-                    pend.extend(h.pending.drain(..).map(|l| (*tgid, l)));
+                    pend.extend(
+                        h.pending
+                            .drain(..)
+                            .filter(Late::stands_alone)
+                            .map(|l| (*tgid, l)),
+                    );
                 }
             }
             pend.sort_by_key(|p| p.1.enter);
@@ -804,7 +1066,12 @@ impl CollectiveDetector {
             if let Some(h) = comm.history.remove(&tgid)
                 && !self.slow_reported.contains(&tgid)
             {
-                pend.extend(h.pending.into_iter().map(|l| (*key, l)));
+                pend.extend(
+                    h.pending
+                        .into_iter()
+                        .filter(Late::stands_alone)
+                        .map(|l| (*key, l)),
+                );
             }
             comm.members.remove(&tgid);
         }
@@ -817,6 +1084,7 @@ impl CollectiveDetector {
             calls.retain(|c| c.2 != tgid);
             !calls.is_empty()
         });
+        self.waits.retain(|k, _| k.0 != tgid);
         self.awaiting_sync.remove(&tgid);
         self.slow_reported.remove(&tgid);
         // Communicators no live member uses any more: their link samples
@@ -859,6 +1127,7 @@ impl CollectiveDetector {
     pub fn forgot(&self, tgid: u32) -> bool {
         !self.allreduces.contains_key(&tgid)
             && self.comms.values().all(|c| !c.members.contains(&tgid))
+            && self.waits.keys().all(|k| k.0 != tgid)
     }
 }
 

@@ -113,9 +113,32 @@ fn job(
     xfer: u64,
     late: impl Fn(u32, u64) -> u64,
 ) -> Vec<(u64, Record)> {
+    job_stepped(comm, ranks, ops, bytes, xfer, 100 * MS, late)
+}
+
+/// As [`job`], 8 MiB all-reduces of 2 ms, one per `step` ns.
+fn job_every(
+    comm: u64,
+    ranks: &[u32],
+    ops: u64,
+    step: u64,
+    late: impl Fn(u32, u64) -> u64,
+) -> Vec<(u64, Record)> {
+    job_stepped(comm, ranks, ops, 8 * MB, 2 * MS, step, late)
+}
+
+fn job_stepped(
+    comm: u64,
+    ranks: &[u32],
+    ops: u64,
+    bytes: u64,
+    xfer: u64,
+    step: u64,
+    late: impl Fn(u32, u64) -> u64,
+) -> Vec<(u64, Record)> {
     let mut out = Vec::new();
     for op in 0..ops {
-        let t0 = op * 100 * MS;
+        let t0 = op * step;
         let enters: Vec<u64> = ranks
             .iter()
             .map(|&r| t0 + (u64::from(r) * 7 + op * 3) % 11 * 10_000 + late(r, op))
@@ -166,7 +189,7 @@ fn one_late_arrival_names_rank_step_and_delay() {
         4,
         DetectConfig::default(),
         vec![job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, |r, op| {
-            if (r, op) == (2, 7) { 40 * MS } else { 0 }
+            if (r, op) == (2, 7) { 60 * MS } else { 0 }
         })],
     );
     assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
@@ -176,9 +199,119 @@ fn one_late_arrival_names_rank_step_and_delay() {
     assert_eq!(l.step, Some(7));
     assert_eq!(l.comm.as_deref(), Some("nccl:000000000000000a"));
     let delay = l.evidence["delay_ms"].as_f64().unwrap();
-    assert!((39.0..41.0).contains(&delay), "{delay}");
-    assert!(l.summary.contains("rank 2 arrived 39.9"), "{}", l.summary);
-    assert!(l.summary.contains("threshold 10.00 ms"), "{}", l.summary);
+    assert!((59.0..61.0).contains(&delay), "{delay}");
+    assert!(l.summary.contains("rank 2 arrived 59.9"), "{}", l.summary);
+    // 100 ms steps: a quarter of the step sets the bar, not the 10 ms floor.
+    assert!(
+        l.summary
+            .contains("set by a quarter of the rank's usual step"),
+        "{}",
+        l.summary
+    );
+    let share = l.evidence["threshold_parts"]["step_share_ms"]
+        .as_f64()
+        .unwrap();
+    assert!((24.9..25.1).contains(&share), "{share}");
+    assert_eq!(l.evidence["threshold_parts"]["floor_ms"], 10.0);
+}
+
+/// A rank late because its thread was blocked in a sync for most of its
+/// lateness (waiting for a pipeline peer's send, say) carries that wait:
+/// how long, in what, until when. A rank late by its own doing carries
+/// none.
+#[test]
+fn a_late_arrival_carries_what_it_waited_in() {
+    let late = |r: u32, op: u64| {
+        if (r, op) == (2, 12) || (r, op) == (1, 15) {
+            80 * MS
+        } else {
+            0
+        }
+    };
+    let mut records = job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, late);
+    let t0 = 12 * 100 * MS;
+    let mut s = base(
+        2,
+        CallKind::Sync(SyncKind::Stream),
+        "cudaStreamSynchronize",
+        t0 + 5 * MS,
+        t0 + 75 * MS,
+    );
+    s.library = Library::Cudart;
+    records.push((
+        t0 + 75 * MS,
+        Record::DeviceCall(Box::new(DeviceCallRecord::new(s))),
+    ));
+    let f = run(4, DetectConfig::default(), vec![records]);
+    assert_eq!(
+        kinds(&f),
+        vec![FindingKind::LateArrival, FindingKind::LateArrival],
+        "{f:#?}"
+    );
+    let waited = f.iter().find(|f| f.ranks == [2]).expect("rank 2");
+    let w = &waited.evidence["waited"];
+    assert_eq!(w["function"], "cudaStreamSynchronize", "{w}");
+    assert_eq!(w["until_ns"], t0 + 75 * MS, "{w}");
+    let ms = w["ms"].as_f64().unwrap();
+    assert!((69.0..71.0).contains(&ms), "{ms}");
+    assert!(
+        waited.summary.contains("waiting in cudaStreamSynchronize"),
+        "{}",
+        waited.summary
+    );
+    let own = f.iter().find(|f| f.ranks == [1]).expect("rank 1");
+    assert!(own.evidence["waited"].is_null(), "{own:#?}");
+}
+
+/// Lateness is judged against the job: on 100 ms steps a rank 22 ms late
+/// is within a quarter of its step (no finding); on 40 ms steps the same
+/// 22 ms is late, and more than half a step: a finding of its own.
+#[test]
+fn the_threshold_follows_the_step_time() {
+    let late_20 = |r: u32, op: u64| if (r, op) == (2, 7) { 22 * MS } else { 0 };
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, late_20)],
+    );
+    assert!(f.is_empty(), "{f:#?}");
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job_every(0xa, &[0, 1, 2, 3], 20, 40 * MS, late_20)],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
+    let share = f[0].evidence["threshold_parts"]["step_share_ms"]
+        .as_f64()
+        .unwrap();
+    assert!((9.9..10.1).contains(&share), "{share}");
+}
+
+/// A rank whose own arrivals vary by several ms every step (a busy host)
+/// is judged against that: a lateness within its own jitter is none.
+#[test]
+fn the_threshold_follows_the_ranks_own_jitter() {
+    // Rank 3 arrives 0-16 ms after its peers, varying every step, on 40 ms
+    // steps (a quarter: 10 ms): once 25 ms, within 5 deviations of its own.
+    let jittery = |r: u32, op: u64| match (r, op) {
+        (3, 12) => 25 * MS,
+        (3, _) => (op * 7 % 5) * 4 * MS,
+        _ => 0,
+    };
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job_every(0xa, &[0, 1, 2, 3], 20, 40 * MS, jittery)],
+    );
+    assert!(f.is_empty(), "{f:#?}");
+    // The same 25 ms from a rank that is otherwise punctual is late.
+    let steady = |r: u32, op: u64| if (r, op) == (3, 12) { 25 * MS } else { 0 };
+    let f = run(
+        4,
+        DetectConfig::default(),
+        vec![job_every(0xa, &[0, 1, 2, 3], 20, 40 * MS, steady)],
+    );
+    assert_eq!(kinds(&f), vec![FindingKind::LateArrival], "{f:#?}");
 }
 
 #[test]
@@ -221,7 +354,7 @@ fn the_threshold_follows_the_spread_of_the_others() {
         DetectConfig::default(),
         vec![job(0xc, &[0, 1], 12, 8 * MB, 2 * MS, |r, op| {
             if (r, op) == (1, 4) {
-                12 * MS
+                60 * MS
             } else if (r, op) == (0, 8) {
                 8 * MS
             } else {
@@ -271,7 +404,7 @@ fn a_slow_link_is_localized_to_the_rank_in_every_slow_communicator() {
 fn thresholds_come_from_the_config() {
     let cfg = DetectConfig {
         collective: collective::CollectiveConfig {
-            late_min: Duration::from_millis(50),
+            late_min: Duration::from_millis(70),
             ..Default::default()
         },
         ..Default::default()
@@ -280,7 +413,7 @@ fn thresholds_come_from_the_config() {
         4,
         cfg,
         vec![job(0xa, &[0, 1, 2, 3], 20, 8 * MB, 2 * MS, |r, op| {
-            if (r, op) == (2, 7) { 40 * MS } else { 0 }
+            if (r, op) == (2, 7) { 60 * MS } else { 0 }
         })],
     );
     assert!(f.is_empty(), "{f:#?}");
@@ -294,7 +427,7 @@ fn a_process_end_reports_its_pending_late_arrival_and_forgets_it() {
         d.record(&identity(r), &mut out);
     }
     let mut all = job(0xd, &[0, 1], 4, 8 * MB, 2 * MS, |r, op| {
-        if (r, op) == (1, 3) { 20 * MS } else { 0 }
+        if (r, op) == (1, 3) { 120 * MS } else { 0 }
     });
     all.sort_by_key(|p| p.0);
     for (_, r) in &all {
@@ -337,7 +470,7 @@ fn a_member_is_compared_with_its_own_usual_offset() {
             8 * MB,
             2 * MS,
             |r, op| match (r, op) {
-                (3, 9) => 60 * MS,
+                (3, 9) => 80 * MS,
                 (3, _) => 20 * MS,
                 _ => 0,
             },
@@ -696,7 +829,7 @@ fn a_late_arrival_in_a_marked_step_carries_the_jobs_step_number() {
         vec![
             step_ranges(&ranks, 20),
             job(0xa, &ranks, 20, 8 * MB, 2 * MS, |r, op| {
-                if (r, op) == (2, 7) { 40 * MS } else { 0 }
+                if (r, op) == (2, 7) { 60 * MS } else { 0 }
             }),
         ],
     );

@@ -13,8 +13,11 @@ pub struct HostDetectConfig {
     pub contention_min_share_pct: u32,
     /// ...and at least this much time.
     pub contention_min_lost: Duration,
-    /// Contended steps in a row before a finding.
+    /// Contended steps in a row before a finding...
     pub contention_min_steps: u32,
+    /// ...spanning at least this long (a few short steps of contention
+    /// are a blip of the host, not a neighbour).
+    pub contention_min_span: Duration,
     /// A data wait shorter than this is never a stall.
     pub stall_min: Duration,
     /// A stall is this many times the rank's usual (median) wait.
@@ -30,6 +33,7 @@ pub struct HostDetectConfig {
 pub const DEFAULT_CONTENTION_MIN_SHARE_PCT: u32 = 10;
 pub const DEFAULT_CONTENTION_MIN_LOST: Duration = Duration::from_millis(1);
 pub const DEFAULT_CONTENTION_MIN_STEPS: u32 = 3;
+pub const DEFAULT_CONTENTION_MIN_SPAN: Duration = Duration::from_secs(1);
 pub const DEFAULT_STALL_MIN: Duration = Duration::from_millis(50);
 pub const DEFAULT_STALL_FACTOR: u32 = 4;
 pub const DEFAULT_STALL_MIN_HISTORY: u32 = 2;
@@ -42,6 +46,7 @@ impl Default for HostDetectConfig {
             contention_min_share_pct: DEFAULT_CONTENTION_MIN_SHARE_PCT,
             contention_min_lost: DEFAULT_CONTENTION_MIN_LOST,
             contention_min_steps: DEFAULT_CONTENTION_MIN_STEPS,
+            contention_min_span: DEFAULT_CONTENTION_MIN_SPAN,
             stall_min: DEFAULT_STALL_MIN,
             stall_factor: DEFAULT_STALL_FACTOR,
             stall_min_history: DEFAULT_STALL_MIN_HISTORY,

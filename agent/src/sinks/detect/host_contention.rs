@@ -6,17 +6,29 @@
 //! the main thread's off-CPU time in intervals where it was preempted
 //! (runnable) by a thread of another process, as the scheduler's switch
 //! named it; the rank's own threads (its data loader, the device
-//! libraries' workers) are its own business and not counted. A step is
-//! contended when the time lost is at least `contention_min_lost` and at
-//! least `contention_min_share_pct` percent of the step. It fires when a
-//! run holds `contention_min_steps` contended steps, once per run: a run
-//! goes on through one uncontended step (contention flickers with the rest
-//! of the machine's load) and ends at two in a row, or, once reported, at
-//! `contention_min_steps` in a row. The finding names the first step of the run, the time lost per step and the top
+//! libraries' workers) are its own business and not counted, and neither
+//! are the job's other ranks (a node with more ranks than CPUs: every rank
+//! loses time to its siblings alike, every step; that is the job's shape,
+//! not a fault) nor the agent's own threads (its overhead). A step is
+//! contended when the time lost, above what the rank usually loses, is at
+//! least `contention_min_lost` and at least `contention_min_share_pct`
+//! percent of the step. What it usually loses is the larger of its own
+//! recent baseline and its peers' (see [`reference_share`]). It fires when
+//! a run holds `contention_min_steps` contended steps spanning
+//! `contention_min_span`, and the run as a whole (its lulls included)
+//! lost `contention_min_share_pct` above the usual; once per run. A run
+//! goes on through two uncontended steps (contention flickers with the
+//! rest of the machine's load, and a rank sharing its CPU with siblings
+//! and a neighbour is preempted by one or the other, step by step) and
+//! ends at three in a row, or, once reported, at `contention_min_steps`
+//! (at least 3) in a row. An isolated blip (one contended step, then two
+//! uncontended) does not start a run (blips before a neighbour do not date
+//! it). The finding names the first step of the run,
+//! the time lost per step and the top
 //! preemptors (command name, pid, time taken; a traced one by its rank,
 //! and whether it is of the same job).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use serde_json::json;
 
@@ -78,11 +90,89 @@ struct Run {
     reported: bool,
     /// Uncontended steps since the last contended one.
     clean: u32,
+    /// The share outsiders usually took when the run began.
+    usual_share: f64,
+    /// Time lost above the usual share, and time, over every step of the
+    /// run (its lulls too).
+    all_excess: u64,
+    all_dur: u64,
 }
 
 #[derive(Default)]
 pub struct ContentionDetector {
     runs: HashMap<u32, Run>,
+    /// Per rank: the share of its recent steps (outside contended runs)
+    /// outsiders took, its own baseline; and the share of its latest step.
+    usual: HashMap<u32, Usual>,
+}
+
+#[derive(Default)]
+struct Usual {
+    shares: VecDeque<f64>,
+    latest: f64,
+}
+
+/// Steps a rank's own baseline is the median of.
+const BASELINE_STEPS: usize = 16;
+/// Steps of history before a rank's own baseline counts.
+const BASELINE_MIN_STEPS: usize = 3;
+
+/// The share of its steps a rank usually loses to outsiders, to judge a
+/// step against: the larger of its own recent baseline and its peers'
+/// (the lower median of the job's other ranks' latest steps). What every
+/// rank of the job loses alike (a busy host, the launcher's polling) and
+/// what this rank always lost are the background; contention is what
+/// comes on top of both. A neighbour present from the first step is still
+/// found: its peers do not suffer it.
+fn reference_share(usual: &HashMap<u32, Usual>, tgid: u32, ranks: &Ranks) -> f64 {
+    let own = usual
+        .get(&tgid)
+        .filter(|u| u.shares.len() >= BASELINE_MIN_STEPS)
+        .map_or(0.0, |u| {
+            let mut v: Vec<f64> = u.shares.iter().copied().collect();
+            v.sort_unstable_by(f64::total_cmp);
+            v[v.len() / 2]
+        });
+    let job = ranks.job_of(tgid);
+    let mut peers: Vec<f64> = usual
+        .iter()
+        .filter(|(t, _)| **t != tgid && ranks.of(**t).is_some() && ranks.job_of(**t) == job)
+        .map(|(_, u)| u.latest)
+        .collect();
+    peers.sort_unstable_by(f64::total_cmp);
+    let peer = peers
+        .get(peers.len().saturating_sub(1) / 2)
+        .copied()
+        .unwrap_or(0.0);
+    own.max(peer)
+}
+
+/// Who a preemptor is to the rank it preempted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TakerClass {
+    /// A rank of the same job (an oversubscribed node).
+    Sibling,
+    /// The agent itself (its threads are named [`AGENT_THREAD_PREFIX`]).
+    Agent,
+    /// Anything else: a neighbour, another job, the system.
+    Outsider,
+}
+
+/// The agent names each of its threads with this prefix; a preemptor
+/// process with such a thread is the agent (live and in a trace alike).
+pub const AGENT_THREAD_PREFIX: &str = "xpuscope-";
+
+pub fn taker_class(pid: u32, t: &Taken, preempted: u32, ranks: &Ranks) -> TakerClass {
+    if t.comms
+        .iter()
+        .any(|(c, _)| c.starts_with(AGENT_THREAD_PREFIX))
+    {
+        return TakerClass::Agent;
+    }
+    if ranks.of(pid).is_some() && ranks.job_of(pid) == ranks.job_of(preempted) {
+        return TakerClass::Sibling;
+    }
+    TakerClass::Outsider
 }
 
 /// The time a window's main thread lost to other processes, by preemptor.
@@ -107,6 +197,7 @@ pub fn lost_in(w: &Window) -> (u64, Takers) {
 impl ContentionDetector {
     pub fn forget(&mut self, tgid: u32) {
         self.runs.remove(&tgid);
+        self.usual.remove(&tgid);
     }
 
     pub fn step_ended(
@@ -116,20 +207,43 @@ impl ContentionDetector {
         ranks: &Ranks,
         out: &mut Vec<Finding>,
     ) {
-        let (lost, by) = lost_in(w);
-        let contended = lost >= cfg.contention_min_lost.as_nanos() as u64
-            && lost.saturating_mul(100) >= w.dur() * u64::from(cfg.contention_min_share_pct);
+        let (_, mut by) = lost_in(w);
+        // Only outsiders contend: the job's own ranks taking one another's
+        // CPUs (more ranks than CPUs) is the job's shape, alike on every
+        // rank and every step, and the agent's own threads are its
+        // overhead, not a neighbour.
+        by.retain(|pid, t| taker_class(*pid, t, w.tgid, ranks) == TakerClass::Outsider);
+        let lost: u64 = by.values().map(|t| t.ns).sum();
+        let dur = w.dur().max(1);
+        let share = lost as f64 / dur as f64;
+        let usual = reference_share(&self.usual, w.tgid, ranks);
+        let excess = ((share - usual).max(0.0) * dur as f64) as u64;
+        let contended = excess >= cfg.contention_min_lost.as_nanos() as u64
+            && excess.saturating_mul(100) >= dur * u64::from(cfg.contention_min_share_pct);
+        let in_run = self.runs.contains_key(&w.tgid);
+        let u = self.usual.entry(w.tgid).or_default();
+        u.latest = share;
+        if !contended && !in_run {
+            u.shares.push_back(share);
+            if u.shares.len() > BASELINE_STEPS {
+                u.shares.pop_front();
+            }
+        }
         if !contended {
-            // A run survives one step under the bar (contention flickers
-            // with what else the machine runs); a reported one ends only
-            // after `contention_min_steps` such steps in a row, so a lull
-            // in a long contention is not a new finding.
+            // A run survives two steps under the bar (contention flickers
+            // with what else the machine runs: a rank that shares its CPU
+            // with its siblings and a neighbour is preempted by one or the
+            // other, step by step); a reported one ends only after
+            // `contention_min_steps` (at least 3) such steps in a row, so
+            // a lull in a long contention is not a new finding.
             if let Some(run) = self.runs.get_mut(&w.tgid) {
                 run.clean += 1;
+                run.all_excess += excess;
+                run.all_dur += dur;
                 let ends = if run.reported {
-                    cfg.contention_min_steps.max(2)
+                    cfg.contention_min_steps.max(3)
                 } else {
-                    2
+                    3
                 };
                 if run.clean >= ends {
                     self.runs.remove(&w.tgid);
@@ -140,9 +254,25 @@ impl ContentionDetector {
         let run = self.runs.entry(w.tgid).or_insert_with(|| Run {
             first_step: w.step,
             start: w.start,
+            usual_share: usual,
             ..Run::default()
         });
+        // An isolated blip (one contended step, then two or more
+        // uncontended) does not start the run: it starts again here
+        // (blips before a neighbour do not date it: a neighbour that comes
+        // at step N is reported at step N; one step under the bar inside
+        // contention is the flicker of a shared CPU, not its end).
+        if !run.reported && run.clean >= 2 && run.steps == 1 {
+            *run = Run {
+                first_step: w.step,
+                start: w.start,
+                usual_share: usual,
+                ..Run::default()
+            };
+        }
         run.clean = 0;
+        run.all_excess += excess;
+        run.all_dur += dur;
         run.end = w.end;
         run.steps += 1;
         run.lost += lost;
@@ -156,10 +286,18 @@ impl ContentionDetector {
                 }
             }
         }
-        if run.reported || run.steps < u64::from(cfg.contention_min_steps.max(1)) {
+        // The run as a whole, its lulls included, must be contended too:
+        // scattered contended steps are the host's blips, not a neighbour.
+        if run.reported
+            || run.steps < u64::from(cfg.contention_min_steps.max(1))
+            || run.end.saturating_sub(run.start) < cfg.contention_min_span.as_nanos() as u64
+            || run.all_excess.saturating_mul(100)
+                < run.all_dur * u64::from(cfg.contention_min_share_pct)
+        {
             return;
         }
         run.reported = true;
+        let (first_step, start) = (run.first_step, run.start);
         let mut top: Vec<_> = run.by.iter().collect();
         top.sort_by_key(|(pid, t)| (std::cmp::Reverse(t.ns), **pid));
         top.truncate(TOP_PREEMPTORS);
@@ -196,23 +334,25 @@ impl ContentionDetector {
             ranks: ranks.of(w.tgid).into_iter().collect(),
             comm: None,
             seq: None,
-            step: Some(run.first_step),
-            start_ns: run.start,
+            step: Some(first_step),
+            start_ns: start,
             end_ns: Some(run.end),
             summary: format!(
                 "host_contention: {who}'s training thread lost {:.1} ms per step ({share:.0}% \
-                 of its steps) to other processes taking its CPU, {} steps in a row from step \
-                 {}; most by {names}",
+                 of its steps, usually {:.0}%) to other processes taking its CPU, {} steps in a \
+                 row from step {}; most by {names}",
                 ms(per_step),
+                100.0 * run.usual_share,
                 run.steps,
-                run.first_step
+                first_step
             ),
             evidence: json!({
                 "pid": w.tgid,
-                "first_step": run.first_step,
+                "first_step": first_step,
                 "steps": run.steps,
                 "lost_ms_per_step": ms(per_step),
                 "lost_share_pct": share,
+                "usual_share_pct": 100.0 * run.usual_share,
                 "step_ms": ms(run.dur / run.steps),
                 "preemptors": top.iter().map(|(pid, t)| json!({
                     "comm": t.comm(),
@@ -227,8 +367,142 @@ impl ContentionDetector {
                 "contention_min_share_pct": cfg.contention_min_share_pct,
                 "contention_min_lost_ms": ms(cfg.contention_min_lost.as_nanos() as u64),
                 "contention_min_steps": cfg.contention_min_steps,
+                "contention_min_span_ms": ms(cfg.contention_min_span.as_nanos() as u64),
             }),
             detected_ns: w.end,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RankIdentity;
+    use crate::sinks::detect::host_steps::{MainOffCpu, Taker};
+    use crate::sinks::detect::step_marks::StepSource;
+
+    const MS: u64 = 1_000_000;
+    const STEP: u64 = 100 * MS;
+
+    fn ranks(n: u32) -> Ranks {
+        let mut r = Ranks::default();
+        for rank in 0..n {
+            r.identity(
+                100 + rank,
+                &RankIdentity::from_environ(format!("RANK={rank}\0XPUSCOPE_JOB=j\0").as_bytes()),
+            );
+        }
+        r
+    }
+
+    /// Rank `rank`'s step `step` of 100 ms, its main thread preempted by
+    /// each (pid, comm, ms).
+    fn window(rank: u32, step: u64, takers: &[(u32, &str, u64)]) -> Window {
+        let start = step * STEP;
+        let mut t = start + MS;
+        let off_cpu = takers
+            .iter()
+            .map(|&(pid, comm, ms)| {
+                let i = MainOffCpu {
+                    start: t,
+                    end: t + ms * MS,
+                    asleep: false,
+                    in_loader: false,
+                    preempted_by: Some(Taker {
+                        comm: comm.into(),
+                        pid,
+                        in_job: false,
+                    }),
+                };
+                t += ms * MS + MS;
+                i
+            })
+            .collect();
+        Window {
+            tgid: 100 + rank,
+            step,
+            source: StepSource::AllReduces,
+            start,
+            end: start + STEP,
+            named_at: start + STEP,
+            calls: Vec::new(),
+            off_cpu,
+        }
+    }
+
+    /// Steps 0..30 of every rank, each taking `takers(rank, step)`.
+    fn run(n: u32, takers: impl Fn(u32, u64) -> Vec<(u32, &'static str, u64)>) -> Vec<Finding> {
+        let (ranks, cfg) = (ranks(n), HostDetectConfig::default());
+        let mut d = ContentionDetector::default();
+        let mut out = Vec::new();
+        for step in 0..30 {
+            for rank in 0..n {
+                d.step_ended(
+                    &window(rank, step, &takers(rank, step)),
+                    &cfg,
+                    &ranks,
+                    &mut out,
+                );
+            }
+        }
+        out
+    }
+
+    /// What every rank loses alike (the launcher polling, a busy host) is
+    /// the background, however large: no finding.
+    #[test]
+    fn a_background_every_rank_suffers_alike_is_not_contention() {
+        let found = run(4, |_, step| vec![(9, "launcher", 15 + step % 3)]);
+        assert!(found.is_empty(), "{found:#?}");
+    }
+
+    /// A neighbour on one rank's CPU from the first step: its peers do not
+    /// suffer it, so it is found without a history of its own.
+    #[test]
+    fn a_neighbour_from_the_first_step_is_found_against_the_peers() {
+        let found = run(4, |rank, _| match rank {
+            1 => vec![(9, "launcher", 5), (77, "noisy", 20)],
+            _ => vec![(9, "launcher", 5)],
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].ranks.clone(), found[0].step), (vec![1], Some(0)));
+        assert_eq!(found[0].evidence["preemptors"][0]["pid"], 77);
+    }
+
+    /// Blips at steps 4 and 7 (two quiet steps after each) do not date a
+    /// neighbour that comes at step 10: the finding says step 10.
+    #[test]
+    fn blips_before_a_neighbour_do_not_date_it() {
+        let found = run(4, |rank, step| {
+            if rank == 2 && (step == 4 || step == 7 || step >= 10) {
+                vec![(77, "noisy", 30)]
+            } else {
+                vec![]
+            }
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].ranks.clone(), found[0].step), (vec![2], Some(10)));
+    }
+
+    /// A neighbour that comes at step 12 on top of a background every
+    /// rank has: found at step 12, its usual share in the evidence.
+    #[test]
+    fn a_neighbour_on_top_of_the_background_is_found_where_it_starts() {
+        let found = run(4, |rank, step| {
+            let mut t = vec![(9, "launcher", 15)];
+            if rank == 2 && step >= 12 {
+                t.push((77, "noisy", 30));
+            }
+            t
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].ranks.clone(), found[0].step), (vec![2], Some(12)));
+        let usual = found[0].evidence["usual_share_pct"].as_f64().unwrap();
+        assert!((14.0..16.0).contains(&usual), "{usual}");
+        assert!(
+            found[0].summary.contains("usually 15%"),
+            "{}",
+            found[0].summary
+        );
     }
 }

@@ -18,12 +18,19 @@
 //!   same time, that a rank never entered (its members wait, through their
 //!   streams, on point-to-point work with the stuck ranks);
 //! - a data-loader stall or host contention explains a late arrival or
-//!   slow rank whose lateness overlaps it (the peers waited for the stalled
+//!   slow rank whose lateness overlaps it (contention from up to two of
+//!   its steps before its first: its onset trails the neighbour when the
+//!   share it takes flickers step by step) (the peers waited for the stalled
 //!   rank, then came late themselves), and one neighbour's contention on
 //!   several ranks is one incident (the same top preemptor), as is the
 //!   contention of ranks whose top preemptors are ranks (more ranks than
 //!   CPUs: the job's own doing, every rank alike);
 //! - a hang explains a late arrival at the operation that hung;
+//! - a late arrival or slow rank that spent most of its lateness blocked
+//!   in a device call (the collective detector's `waited` evidence: a
+//!   sync on a receive from a pipeline peer) inherited it: another rank's
+//!   delay, stall or contention under way while it waited explains it,
+//!   whatever the steps between them;
 //! - a late arrival explains a later late arrival that it overlaps (or
 //!   that comes in the catch-up just after it): of
 //!   another rank (it waited for the first, e.g. a pipeline peer), or of
@@ -130,6 +137,19 @@ fn overlaps_or_follows(g: &Finding, f: &Finding) -> bool {
     g.start_ns <= f_end && f.start_ns <= g_end.saturating_add(tail)
 }
 
+/// When a late rank spent most of its lateness blocked in a device call
+/// (a sync on a receive, a blocking send: the collective detector's
+/// `waited` evidence), it was waiting for someone: the end of that wait.
+/// Its lateness is inherited, not its own.
+fn inherited_until(f: &Finding) -> Option<u64> {
+    let waited = &f.evidence["waited"];
+    let ms = waited["ms"].as_f64()?;
+    let delay = f.evidence["delay_ms"]
+        .as_f64()
+        .or_else(|| f.evidence["median_delay_ms"].as_f64())?;
+    (ms * 2.0 >= delay).then(|| waited["until_ns"].as_u64())?
+}
+
 fn top_preemptor(f: &Finding) -> Option<u64> {
     f.evidence["preemptors"].get(0)?["pid"].as_u64()
 }
@@ -182,6 +202,35 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
             // Late at an operation that then hung: part of the hang.
             if g.kind == Hang && g.comm.is_some() && g.comm == f.comm && g.seq == f.seq {
                 return Some(2);
+            }
+            // It waited, blocked in a device call, for most of its
+            // lateness: another rank's delay that was under way while it
+            // waited (begun before its wait ended, not over before its
+            // lateness began) is what it waited for, however many steps
+            // the catch-up takes.
+            if let Some(until) = inherited_until(f)
+                && !shares_rank(g, f)
+                && matches!(
+                    g.kind,
+                    LateArrival | SlowRank | DataloaderStall | HostContention
+                )
+                && g.start_ns <= until
+                && g.end_ns.unwrap_or(u64::MAX) >= f.start_ns
+            {
+                return Some(1);
+            }
+            // Contention is dated from steps whose share flickers (a rank
+            // sharing its CPU with siblings and a neighbour is preempted by
+            // one or the other): its onset can trail the neighbour by a
+            // step or two, so it explains lateness up to two of its steps
+            // before it.
+            if g.kind == HostContention {
+                let lead = (g.evidence["step_ms"].as_f64().unwrap_or(0.0) * 2e6) as u64;
+                let start = g.start_ns.saturating_sub(lead);
+                let g_end = g.end_ns.unwrap_or(u64::MAX);
+                let tail = g_end.saturating_sub(g.start_ns) / 4;
+                let f_end = f.end_ns.unwrap_or(u64::MAX);
+                return (start <= f_end && f.start_ns <= g_end.saturating_add(tail)).then_some(3);
             }
             if !steps_close(g, f) || !overlaps_or_follows(g, f) {
                 return None;

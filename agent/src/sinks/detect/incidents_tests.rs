@@ -284,3 +284,39 @@ fn the_catch_up_after_a_long_delay_follows_from_it_and_later_lateness_does_not()
         ]
     );
 }
+
+/// A rank 1 s late (root); steps later, while the job catches up, rank 3
+/// arrives late after waiting, blocked in a sync, for most of its
+/// lateness, the wait ending while rank 1's delay was still under way:
+/// it inherited the lateness (its evidence says so), however many steps
+/// lie between them. A late arrival of the same step without such a wait,
+/// after the catch-up, is an incident of its own.
+#[test]
+fn a_late_arrival_that_waited_for_a_late_peer_is_its_consequence() {
+    let mut root = finding(FindingKind::LateArrival, &[1], Some(3), (100, 1_100));
+    root.evidence = json!({"delay_ms": 1000.0});
+    let mut waited = finding(FindingKind::LateArrival, &[3], Some(7), (1_050, 1_130));
+    waited.evidence = json!({"delay_ms": 80.0,
+        "waited": {"ms": 70.0, "function": "cudaStreamSynchronize", "until_ns": 1_120 * MS}});
+    let mut own = finding(FindingKind::LateArrival, &[5], Some(7), (1_500, 1_570));
+    own.evidence = json!({"delay_ms": 70.0});
+    let mut found = vec![waited, own, root];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::LateArrival, vec![1], None),
+            (1, FindingKind::LateArrival, vec![3], Some(1)),
+            (2, FindingKind::LateArrival, vec![5], None),
+        ]
+    );
+    // A wait that ended before the peer's delay began explains nothing.
+    let mut early = finding(FindingKind::LateArrival, &[3], Some(7), (20, 90));
+    early.evidence = json!({"delay_ms": 70.0,
+        "waited": {"ms": 60.0, "function": "cudaStreamSynchronize", "until_ns": 80 * MS}});
+    let mut root = finding(FindingKind::LateArrival, &[1], Some(3), (100, 1_100));
+    root.evidence = json!({"delay_ms": 1000.0});
+    let mut found = vec![early, root];
+    group(&mut found);
+    assert!(found.iter().all(|f| f.link.cause.is_none()), "{found:#?}");
+}
