@@ -194,9 +194,12 @@ pub struct AttachArgs {
     /// (5 steps in a row), e.g. `1M`.
     #[arg(long, default_value = "1M", value_parser = parse_leak_rate)]
     pub leak_min_per_step: u64,
-    /// The last member to enter a collective is late when it came more
-    /// than this (or 5 MADs of the others' arrivals, if more) after the
-    /// others' median arrival (`late_arrival`, `slow_rank` findings).
+    /// The floor of the lateness threshold: the last member to enter a
+    /// collective is late when it came, beyond its own usual offset, more
+    /// than the largest of this, 5 MADs of the others' arrivals, 5 MADs of
+    /// its own on-time offsets and a quarter of its usual step after the
+    /// others' median arrival (`slow_rank`; a lone `late_arrival` must also
+    /// cost half a step).
     #[arg(long, default_value = "10ms", value_parser = config::parse_duration)]
     pub late_min: Duration,
     /// A rank late at this many of the last twice as many collectives of a

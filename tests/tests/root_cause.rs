@@ -140,6 +140,24 @@ fn check_one_incident(found: &[Value], kind: &str, rank: u64, step: Option<u64>,
     {
         assert!(f["cause"].is_u64(), "{what}: a consequence: {f:#}");
     }
+    matrix_line(what, found, root, step);
+}
+
+/// The matrix's figures (the detection chapter's table), printed: the
+/// root, the findings of its incident, the incidents in all.
+fn matrix_line(what: &str, found: &[Value], root: &Value, injected: Option<u64>) {
+    eprintln!(
+        "matrix: {what}: root {} rank {} step {} (injected {injected:?}); {} finding(s) in its \
+         incident; {} incident(s) in all",
+        root["kind"],
+        root["ranks"],
+        root["step"],
+        found
+            .iter()
+            .filter(|f| f["incident"] == root["incident"])
+            .count(),
+        roots(found).len()
+    );
 }
 
 /// The incidents' shape, to compare online with offline: each root's kind
@@ -229,36 +247,40 @@ fn a_hang_with_waiting_peers_is_one_incident_rooted_at_the_hung_rank() {
 
 /// Rank 2 of 8 arrives 1 s late at step 3's gradient all-reduce; its
 /// pipeline peer waits for it and comes late itself. One incident, rooted
-/// at rank 2.
+/// at rank 2. Both flavors.
 #[test]
 fn a_delayed_rank_is_the_root_and_the_peer_that_waited_for_it_a_consequence() {
     let _serial = exclusive();
-    let run = record(
-        "rcdelay",
-        "nvidia",
-        TP2_PP2_DP2,
-        "8",
-        "delay:rank=2,step=3,ms=1000",
-        &[],
-    );
-    grade(&run, "late_arrival", &[], "delay");
+    for flavor in ["nvidia", "ascend"] {
+        let run = record(
+            &format!("rcdelay{flavor}"),
+            flavor,
+            TP2_PP2_DP2,
+            "8",
+            "delay:rank=2,step=3,ms=1000",
+            &[],
+        );
+        grade(&run, "late_arrival", &[], &format!("delay {flavor}"));
+    }
 }
 
 /// Rank 6's data loader sleeps 800 ms before batch 4 (8 ranks): its peers
-/// that wait for it are consequences of the stall.
+/// that wait for it are consequences of the stall. Both flavors, online
+/// and offline.
 #[test]
 fn a_dataloader_stall_is_the_root_of_the_lateness_it_causes() {
     let _serial = exclusive();
-    let run = record(
-        "rcstall",
-        "nvidia",
-        TP2_PP2_DP2,
-        "10",
-        "dataloader_stall:rank=6,step=4,ms=800",
-        &[],
-    );
-    let on = online(&run);
-    check_one_incident(&on, "dataloader_stall", 6, Some(4), "stall online");
+    for flavor in ["nvidia", "ascend"] {
+        let run = record(
+            &format!("rcstall{flavor}"),
+            flavor,
+            TP2_PP2_DP2,
+            "10",
+            "dataloader_stall:rank=6,step=4,ms=800",
+            &[],
+        );
+        grade(&run, "dataloader_stall", &[], &format!("stall {flavor}"));
+    }
 }
 
 /// A clean 8-rank job at default options: no incident, and `agent
@@ -329,6 +351,7 @@ fn a_noisy_neighbour_is_one_incident() {
             "{driver}: {:#}",
             r[0]
         );
+        matrix_line(&format!("noisy 2 ranks {driver}"), &found, r[0], Some(5));
     }
 }
 
@@ -404,5 +427,6 @@ fn a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident() {
         );
         let step = r[0]["step"].as_u64().expect("a step");
         assert!(step.abs_diff(5) <= 2, "{driver}: step {step}: {:#}", r[0]);
+        matrix_line(&format!("noisy 8 ranks {driver}"), &found, r[0], Some(5));
     }
 }
