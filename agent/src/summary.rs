@@ -438,6 +438,21 @@ impl RunSummary {
         why
     }
 
+    /// What this recording could not show, and how to see it: a rank
+    /// whose device computes slower than its peers' makes no host late
+    /// (its host enqueues and returns; every member waits in the same
+    /// sync), so without the devices' activity records no detector sees
+    /// it.
+    pub fn unseen(&self) -> Option<String> {
+        let c = &self.device.counts;
+        (c.calls > 0 && c.device_slices == 0).then(|| {
+            "not seen: device compute per rank (no activity records were recorded): a rank \
+             whose device computes slower than its peers' shows at `agent attach --probe-level \
+             2` (the service's level 3)"
+                .to_string()
+        })
+    }
+
     pub fn print(&self) {
         let secs = |ns: u64| ns as f64 / 1e9;
         eprintln!(
@@ -648,6 +663,9 @@ impl RunSummary {
                 }
             }
         }
+        if let Some(line) = self.unseen() {
+            eprintln!("  {line}");
+        }
         eprintln!(
             "  trace:   {} ({:.1} MB); open it at https://ui.perfetto.dev",
             self.output,
@@ -677,6 +695,19 @@ mod tests {
             RecordTotals::default(),
             Vec::new(),
         )
+    }
+
+    /// Device calls without activity records: the summary says what it
+    /// could not see and which level shows it; with them, nothing.
+    #[test]
+    fn device_compute_unseen_without_activity_records_names_the_level() {
+        let mut s = summary_with_drops(&[]);
+        assert_eq!(s.unseen(), None, "no device calls: nothing to say");
+        s.device.counts.calls = 40;
+        let line = s.unseen().expect("a line");
+        assert!(line.contains("--probe-level 2"), "{line}");
+        s.device.counts.device_slices = 12;
+        assert_eq!(s.unseen(), None);
     }
 
     #[test]
