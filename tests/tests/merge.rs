@@ -580,6 +580,82 @@ fn check_diagnose_parity(run: &ClusterRun) {
     );
 }
 
+/// Rank 5 of an 8-rank job (tp 2, pp 2, dp 2) on two nodes (ranks 4-7 on
+/// node 1) stops before step 2's gradient all-reduce; its peers on both
+/// nodes wait for it, through every communicator, until the launchers'
+/// timeout stops the job. `agent diagnose` (hang timeout 2 s, otherwise
+/// its defaults) over the two node traces gives one incident rooted at
+/// rank 5's hang, every other finding its consequence, as over the trace
+/// of all ranks: the wait-for chain crosses the nodes.
+#[test]
+fn a_hang_across_nodes_is_one_incident_over_the_node_traces() {
+    let _x = exclusive();
+    let run = run_cluster(
+        "merge-hang",
+        2,
+        &[
+            "--world-size",
+            "8",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "6",
+            "--fault",
+            "hang:rank=5,step=2",
+            // The ranks start 5 s in (`run_cluster`'s init delay); the
+            // peers that wait for the peers that wait for rank 5 enter
+            // their waits last: every wait is past the 2 s hang timeout
+            // when the launchers stop the job.
+            "--timeout",
+            "14",
+        ],
+    );
+    let diagnose = |traces: &[&Path]| -> Vec<Value> {
+        let out = std::process::Command::new(xpuscope_tests::agent::agent_bin())
+            .args(["diagnose", "--json", "-", "--hang-timeout", "2s"])
+            .args(traces)
+            .output()
+            .expect("run agent diagnose");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let doc: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("the findings on stdout ({e}): {stderr}"));
+        let found = doc["findings"].as_array().expect("a list").clone();
+        xpuscope_tests::device::assert_diagnose_status(&out.status, &found, &stderr);
+        found
+    };
+    let nodes: Vec<&Path> = run.node_traces.iter().map(|p| p.as_path()).collect();
+    for (what, found) in [
+        ("node traces", diagnose(&nodes)),
+        ("all ranks", diagnose(&[run.all_trace.as_path()])),
+    ] {
+        let shown: Vec<String> = found
+            .iter()
+            .map(|f| {
+                format!(
+                    "#{} {} {} cause {}",
+                    f["incident"], f["kind"], f["ranks"], f["cause"]
+                )
+            })
+            .collect();
+        let roots: Vec<&Value> = found.iter().filter(|f| f.get("cause").is_none()).collect();
+        assert_eq!(roots.len(), 1, "{what}: one incident: {shown:#?}");
+        assert_eq!(roots[0]["kind"], "hang", "{what}: {shown:#?}");
+        assert_eq!(
+            roots[0]["ranks"],
+            serde_json::json!([5]),
+            "{what}: {shown:#?}"
+        );
+        assert!(
+            found.len() > 1 && found.iter().skip(1).all(|f| f["cause"].is_u64()),
+            "{what}: its peers' hangs are its consequences: {shown:#?}"
+        );
+    }
+}
+
 #[test]
 fn four_nodes_of_a_16_rank_job_merge_with_their_groups() {
     // tp2 pp2 dp4 over 4 nodes of 4 ranks: DP groups join nodes 0-1 and
