@@ -590,30 +590,20 @@ fn check_diagnose_parity(run: &ClusterRun) {
 #[test]
 fn a_hang_across_nodes_is_one_incident_over_the_node_traces() {
     let _x = exclusive();
-    let run = run_cluster(
-        "merge-hang",
-        2,
-        &[
-            "--world-size",
-            "8",
-            "--tp",
-            "2",
-            "--pp",
-            "2",
-            "--dp",
-            "2",
-            "--steps",
-            "6",
-            "--fault",
-            "hang:rank=5,step=2",
-            // The ranks start 5 s in (`run_cluster`'s init delay); the
-            // peers that wait for the peers that wait for rank 5 enter
-            // their waits last: every wait is past the 2 s hang timeout
-            // when the launchers stop the job.
-            "--timeout",
-            "14",
-        ],
-    );
+    let mut args = xpuscope_tests::device::TP2_PP2_DP2.to_vec();
+    args.extend([
+        "--steps",
+        "6",
+        "--fault",
+        "hang:rank=5,step=2",
+        // The ranks start 5 s in (`run_cluster`'s init delay); the peers
+        // that wait for the peers that wait for rank 5 enter their waits
+        // last: every wait is past the 2 s hang timeout when the launchers
+        // stop the job.
+        "--timeout",
+        "14",
+    ]);
+    let run = run_cluster("merge-hang", 2, &args);
     let diagnose = |traces: &[&Path]| -> Vec<Value> {
         let out = std::process::Command::new(xpuscope_tests::agent::agent_bin())
             .args(["diagnose", "--json", "-", "--hang-timeout", "2s"])

@@ -298,11 +298,7 @@ fn usual_step(
     tgid: u32,
     ts: u64,
 ) -> Option<u64> {
-    let dp = allreduces
-        .get(&tgid)?
-        .values()
-        .filter(|v| !v.is_empty())
-        .min_by_key(|v| v.len())?;
+    let dp = dp_allreduces(allreduces, tgid)?;
     let before = &dp[..dp.partition_point(|&t| t < ts)];
     let recent = &before[before.len().saturating_sub(USUAL_STEP_WINDOW + 1)..];
     if recent.len() < 4 {
@@ -1147,12 +1143,22 @@ fn step_in(
     tgid: u32,
     ts: u64,
 ) -> Option<u64> {
-    let dp = allreduces
+    let dp = dp_allreduces(allreduces, tgid)?;
+    Some(dp.partition_point(|&t| t < ts) as u64)
+}
+
+/// The entry times of the rank's all-reduces on its data-parallel
+/// communicator (the all-reduce communicator with the fewest: one per
+/// step, the gradients).
+fn dp_allreduces(
+    allreduces: &HashMap<u32, HashMap<CommKey, Vec<u64>>>,
+    tgid: u32,
+) -> Option<&Vec<u64>> {
+    allreduces
         .get(&tgid)?
         .values()
         .filter(|v| !v.is_empty())
-        .min_by_key(|v| v.len())?;
-    Some(dp.partition_point(|&t| t < ts) as u64)
+        .min_by_key(|v| v.len())
 }
 
 fn h_window_len(window: usize, index: u64) -> u64 {
