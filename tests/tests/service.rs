@@ -158,15 +158,19 @@ fn wait_allreduce_counts<'a>(port: u16, job: &str, ranks: impl Iterator<Item = &
     }
 }
 
-/// Polls `agent ctl processes` until every rank of `job` is listed;
-/// returns how long that took and the entries.
+/// Polls `agent ctl processes` until every rank of `job` is listed with
+/// its rank; returns how long that took and the entries.
 fn wait_listed(socket: &Path, job: &Job, name: &str) -> (Duration, Vec<Value>) {
     let started = Instant::now();
     loop {
         let list = ctl(socket, &["processes"]);
         let entries: Vec<Value> = list.as_array().expect("a list").clone();
+        // Listed with its identity: a rank is listed from its fork (a
+        // child of its launcher) and named once the agent has read its
+        // environment at its exec, which a loaded machine can delay.
         let listed: BTreeSet<u32> = entries
             .iter()
+            .filter(|e| !e["rank"].is_null())
             .filter_map(|e| e["pid"].as_u64())
             .map(|p| p as u32)
             .collect();
@@ -183,7 +187,7 @@ fn wait_listed(socket: &Path, job: &Job, name: &str) -> (Duration, Vec<Value>) {
         }
         assert!(
             started.elapsed() < Duration::from_secs(20),
-            "{name}: ranks {:?} not all listed within 20 s: {list}",
+            "{name}: ranks {:?} not all listed with their identity within 20 s: {list}",
             job.ranks
         );
         std::thread::sleep(Duration::from_millis(50));
