@@ -488,6 +488,12 @@ pub struct MetricsSink {
     /// Whether a process still runs (the sweep's backstop for an exit the
     /// stream did not carry); a fake in tests.
     alive: fn(u32) -> bool,
+    /// Processes the last sweep found gone from `/proc` while the stream
+    /// had not yet carried their exit, and when. Their last records may
+    /// still be on the way (the pipeline runs behind the kernel on a
+    /// loaded machine), so a process is dropped only when the next sweep
+    /// finds it gone too.
+    gone_since: HashMap<u32, u64>,
     /// The latest CLOCK_BOOTTIME ns the sink was told of.
     latest: u64,
     next_sweep: u64,
@@ -514,6 +520,7 @@ impl MetricsSink {
             in_flight_series: HashSet::new(),
             book: SeriesBook::default(),
             alive: process_alive,
+            gone_since: HashMap::new(),
             latest: 0,
             next_sweep: 0,
             deltas: Deltas::default(),
@@ -616,6 +623,7 @@ impl MetricsSink {
 
     /// The last thread of `tgid` exited at `ts`.
     fn process_ended(&mut self, tgid: u32, ts: u64) {
+        self.gone_since.remove(&tgid);
         self.ranks.remove(&tgid);
         self.resolved.remove(&tgid);
         for labels in self.memory_series.remove(&tgid).unwrap_or_default() {
@@ -632,14 +640,21 @@ impl MetricsSink {
             return;
         }
         self.next_sweep = now + EVERY_NS;
-        let gone: Vec<u32> = self
+        let gone: HashMap<u32, u64> = self
             .ranks
             .keys()
             .copied()
             .filter(|t| !(self.alive)(*t))
+            .map(|t| (t, self.gone_since.get(&t).copied().unwrap_or(now)))
             .collect();
-        for tgid in gone {
-            self.process_ended(tgid, now);
+        // Gone at two sweeps in a row: its exit was lost, not late.
+        let previous = std::mem::take(&mut self.gone_since);
+        for (tgid, since) in gone {
+            if previous.contains_key(&tgid) {
+                self.process_ended(tgid, since);
+            } else {
+                self.gone_since.insert(tgid, since);
+            }
         }
         for (rank, owner) in self.book.expire(now) {
             let f = &self.f;

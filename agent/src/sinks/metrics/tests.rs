@@ -498,6 +498,31 @@ fn series_of_exited_ranks_go_after_the_retention() {
     );
 }
 
+/// On a loaded machine the pipeline runs behind the kernel: a rank can be
+/// gone from `/proc` while its last calls are still on the way. A sweep in
+/// between keeps its labels, so those calls count under its rank.
+#[test]
+fn calls_arriving_after_the_process_left_proc_keep_its_rank() {
+    let (mut sink, handle, _) = MetricsSink::new("node-a");
+    sink.alive = |_| false;
+    let lost = SinkCounters::default();
+    sink.on_batch(&[identity(10, 0), allreduce(10, MS, MS, 1, 0xabcd)], &lost)
+        .unwrap();
+    sink.on_tick(20_000 * MS, &lost).unwrap();
+    sink.on_batch(&[allreduce(10, 2 * MS, MS, 2, 0xabcd)], &lost)
+        .unwrap();
+    let text = handle.render();
+    let count = lines_with(&text, "xpuscope_collective_duration_seconds_count{");
+    assert_eq!(count.len(), 1, "one series, the rank's: {count:?}");
+    assert!(
+        count[0].contains(r#"rank="0""#) && count[0].ends_with(" 2"),
+        "{count:?}"
+    );
+    // Gone at the next sweep too: its exit was lost; it is dropped.
+    sink.on_tick(40_000 * MS, &lost).unwrap();
+    assert!(sink.ranks.is_empty() && sink.gone_since.is_empty());
+}
+
 /// Removing a finished job's series gives their room under the bound back:
 /// the next job's series are not folded.
 #[test]
