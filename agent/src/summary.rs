@@ -168,6 +168,11 @@ pub struct DeviceSummary {
     /// Library files whose probes took over a second to attach (calls
     /// in that time unrecorded).
     pub slow_attaches: u64,
+    /// Probe slots held at the end.
+    pub probe_slots: u64,
+    /// Library files whose probes were released (no traced process used
+    /// them for a while).
+    pub files_released: u64,
     /// What the device records show (calls, device slices, allocations).
     #[serde(flatten)]
     pub counts: DeviceRecordCounts,
@@ -396,6 +401,8 @@ impl RunSummary {
         self.device.probe_links = stats.links;
         self.device.multi_links = stats.multi_links;
         self.device.slow_attaches = stats.slow_attaches;
+        self.device.probe_slots = stats.slots_in_use;
+        self.device.files_released = stats.files_released;
     }
 
     /// Why records were lost to a full ring, per ring: each names the
@@ -549,7 +556,8 @@ impl RunSummary {
         if d.attached_probes + d.attach_failures + c.calls > 0 {
             eprintln!(
                 "  device:  {} calls ({} errors), {} probes on {} libraries ({} links, {} uprobe-multi), \
-                 {} attach failures, {} slow attaches, unmatched: {} entries {} returns, {} in flight at end",
+                 {} attach failures, {} slow attaches, {} slots held, {} files released, \
+                 unmatched: {} entries {} returns, {} in flight at end",
                 c.calls,
                 c.errors,
                 d.attached_probes,
@@ -558,6 +566,8 @@ impl RunSummary {
                 d.multi_links,
                 d.attach_failures,
                 d.slow_attaches,
+                d.probe_slots,
+                d.files_released,
                 c.entries_without_return,
                 dc.returns_without_entry,
                 c.in_flight_at_end

@@ -640,3 +640,118 @@ fn the_service_labels_jobs_by_the_configured_variable_everywhere() {
         stderr.rest(Duration::from_secs(1))
     );
 }
+
+/// Copies `from` (a directory of files) into `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// The service's status figure `device_probes.<key>`.
+fn probe_figure(socket: &Path, key: &str) -> u64 {
+    let status = ctl(socket, &["status"]);
+    status["device_probes"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("status.device_probes.{key}: {status}"))
+}
+
+/// Jobs one after another, each on its own copy of the device libraries
+/// (a per-job virtual environment, a container layer): probe slots for
+/// fewer than two copies serve any number of them, because a copy no
+/// traced process maps any more has its probes released and its slots
+/// reused. Every job's calls are recorded, no attach fails, and the
+/// slots held come back to none between jobs (earlier builds: the slots
+/// and uprobes of every copy were held until the agent stopped, and the
+/// second copy found none free).
+#[test]
+fn library_copies_one_job_after_another_reuse_the_probe_slots() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("service-copies");
+    // One copy's libraries take 29 slots at level 1 (printed below).
+    const SLOTS: u64 = 40;
+    let Service {
+        mut agent,
+        mut stderr,
+        socket,
+        port,
+        ..
+    } = Service::start(
+        dir.path(),
+        &format!("[probes]\nslots = {SLOTS}\nrelease_after = \"1s\"\n"),
+    );
+    for n in 0..3u64 {
+        let copy = dir.path().join(format!("copy{n}"));
+        copy_dir(&fixtures.join("sim/bin"), &copy.join("sim/bin"));
+        copy_dir(&fixtures.join("standins/lib"), &copy.join("standins/lib"));
+        let name = format!("copyjob{n}");
+        let build = copy.join("sim");
+        let job = Job::start_with(dir.path(), &name, &["--build-dir", build.to_str().unwrap()]);
+        wait_listed(&socket, &job, &name);
+        let held = probe_figure(&socket, "slots_in_use");
+        eprintln!("job {n}: {held} probe slots held");
+        assert!(
+            held > SLOTS / 2 && held <= SLOTS,
+            "job {n}: {held} slots held: one copy's probes, more than half the room"
+        );
+        let ranks = job.run();
+        wait_allreduce_counts(port, &name, ranks.keys());
+        assert_eq!(
+            probe_figure(&socket, "attach_failures"),
+            0,
+            "job {n}: every probe attached"
+        );
+        // Released once no process has mapped the copy for a second.
+        let started = Instant::now();
+        while probe_figure(&socket, "slots_in_use") > 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "job {n}: its probe slots still held after 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let released = probe_figure(&socket, "files_released");
+        eprintln!("job {n}: {released} library files released so far");
+        assert!(
+            released >= 3 * (n + 1),
+            "job {n}: libcudart, libnccl and libcupti of each copy released: {released}"
+        );
+    }
+    // The same figures on /metrics (refreshed about once a second).
+    let value = |metrics: &str, family: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(family) && l[family.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {family} in\n{metrics}"))
+    };
+    let started = Instant::now();
+    loop {
+        let metrics = http_get(port, "/metrics");
+        let held = value(&metrics, "xpuscope_agent_device_probe_slots");
+        let released = value(&metrics, "xpuscope_agent_device_probe_files_released_total");
+        if held == 0.0 && released >= 9.0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "metrics: {held} slots held, {released} files released"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    agent.signal(libc::SIGTERM);
+    assert!(
+        agent
+            .wait_timeout(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "{}",
+        stderr.rest(Duration::from_secs(1))
+    );
+}

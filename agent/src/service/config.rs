@@ -86,6 +86,26 @@ impl Default for StacksConfig {
     }
 }
 
+/// The device-library probes' capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbesConfig {
+    /// Probe slots handed out at most: one per probed function of each
+    /// distinct library file in use (at most `MAX_PROBE_SLOTS` - 1).
+    pub slots: u32,
+    /// A library file no traced process has used this long has its probes
+    /// released (detached, their slots free again).
+    pub release_after: Duration,
+}
+
+impl Default for ProbesConfig {
+    fn default() -> Self {
+        Self {
+            slots: xpuscope_common::MAX_PROBE_SLOTS - 1,
+            release_after: crate::kernel::probes::RELEASE_AFTER,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct FlightRecorderConfig {
     /// The window kept: the last this many seconds of records.
@@ -189,6 +209,7 @@ pub struct ServiceConfig {
     pub labels: LabelsConfig,
     pub rings: RingsConfig,
     pub stacks: StacksConfig,
+    pub probes: ProbesConfig,
 }
 
 impl Default for ServiceConfig {
@@ -223,6 +244,7 @@ impl Default for ServiceConfig {
             },
             rings: RingsConfig::default(),
             stacks: StacksConfig::default(),
+            probes: ProbesConfig::default(),
         }
     }
 }
@@ -273,6 +295,8 @@ impl ServiceConfig {
             "rings.bystander" => c.rings.bystander,
             "stacks.rate" => c.stacks.rate,
             "stacks.burst" => c.stacks.burst,
+            "probes.slots" => c.probes.slots,
+            "probes.release_after" => c.probes.release_after,
             "metrics.listen" => c.metrics.listen,
             "control.socket" => c.control.socket,
             "control.group" => c.control.group,
@@ -478,6 +502,27 @@ impl ServiceConfig {
                         ctx.value_error(&v, &name, format!("{n} must be between 0 and {max}"))
                     })?;
                 }
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("probes")? {
+            let mut s = Section::new(&ctx, "probes", &t);
+            if let Some(v) = s.take("slots") {
+                let max = xpuscope_common::MAX_PROBE_SLOTS - 1;
+                let n = ctx.integer(&v, "probes.slots")?;
+                cfg.probes.slots = u32::try_from(n)
+                    .ok()
+                    .filter(|n| (1..=max).contains(n))
+                    .ok_or_else(|| {
+                        ctx.value_error(
+                            &v,
+                            "probes.slots",
+                            format!("{n} must be between 1 and {max}"),
+                        )
+                    })?;
+            }
+            if let Some(v) = s.take("release_after") {
+                cfg.probes.release_after = ctx.duration(&v, "probes.release_after")?;
             }
             s.finish()?;
         }

@@ -238,7 +238,8 @@ pub async fn start(
                 device: level.device,
             },
             true,
-        ),
+        )
+        .with_capacity(cfg.probes.slots, cfg.probes.release_after),
         kernel,
         discovery: Discovery::new(cfg.discovery.clone()),
         job_env: running.job_env,

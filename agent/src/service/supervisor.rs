@@ -124,6 +124,8 @@ impl Control for ServiceControl {
                 "attached": probes.attached,
                 "attach_failures": probes.attach_failures,
                 "slow_attaches": probes.slow_attaches,
+                "slots_in_use": probes.slots_in_use,
+                "files_released": probes.files_released,
             },
             "sinks": self.sinks.iter().map(|(name, c)| json!({
                 "name": name,

@@ -25,7 +25,10 @@
 //!   `xpuscope_agent_cache_evictions_total` [cache],
 //!   `xpuscope_agent_cache_evicted_bytes_total` [cache],
 //!   `xpuscope_agent_cache_refused_total` [cache] (the caches traced
-//!   processes feed: `python`, `cfi`).
+//!   processes feed: `python`, `cfi`),
+//!   `xpuscope_agent_device_probe_attaches_total` [outcome],
+//!   `xpuscope_agent_device_probe_slots` (slots held now),
+//!   `xpuscope_agent_device_probe_files_released_total`.
 //!
 //! The series of a rank whose processes all exited are served for
 //! [`EXITED_SERIES_RETENTION_NS`](series::EXITED_SERIES_RETENTION_NS) more (5 minutes), then removed (the
@@ -182,6 +185,8 @@ struct Families {
     decode_errors: Counter,
     interpret_losses: Family<WhatLabels, Counter>,
     probe_attaches: Family<OutcomeLabels, Counter>,
+    probe_slots: Gauge,
+    probe_files_released: Counter,
     dumps: Family<TriggerLabels, Counter>,
     folded: Family<FamilyLabels, Counter>,
     in_flight_oldest: Family<RankLabels, Gauge<f64, AtomicU64>>,
@@ -215,6 +220,8 @@ impl Families {
             decode_errors: Counter::default(),
             interpret_losses: Family::default(),
             probe_attaches: Family::default(),
+            probe_slots: Gauge::default(),
+            probe_files_released: Counter::default(),
             dumps: Family::default(),
             folded: Family::default(),
             in_flight_oldest: Family::default(),
@@ -320,6 +327,16 @@ impl Families {
             "xpuscope_agent_device_probe_attaches",
             "Device-library probe attaches: functions made live (attached), functions or libraries that could not be attached (failed), library files whose probes took over a second (slow: calls in that time unrecorded)",
             f.probe_attaches.clone(),
+        );
+        r.register(
+            "xpuscope_agent_device_probe_slots",
+            "Device-library probe slots held now (one per probed function of each library file in use; at most probes.slots)",
+            f.probe_slots.clone(),
+        );
+        r.register(
+            "xpuscope_agent_device_probe_files_released",
+            "Library files whose probes were released because no traced process used them for probes.release_after (their slots reused)",
+            f.probe_files_released.clone(),
         );
         r.register(
             "xpuscope_flight_recorder_bytes",
@@ -1083,6 +1100,11 @@ impl MetricsSink {
                 })
                 .inc_by(d as u64);
         }
+        self.f.probe_slots.set(probes.slots_in_use as i64);
+        let d = self
+            .deltas
+            .delta("probes/files_released", probes.files_released as f64);
+        self.f.probe_files_released.inc_by(d as u64);
         let caches = self.sources.caches.report();
         for (cache, c) in [("python", caches.python), ("cfi", caches.cfi)] {
             let labels = CacheLabels {

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
 
 use aya::Ebpf;
 use aya::maps::{Array, Map, MapData, PerCpuArray};
@@ -16,7 +17,7 @@ use xpuscope_common::maps;
 use xpuscope_common::uprobe::ProbeSpec;
 
 use super::closer;
-use super::plan::{Plan, ProbeSite, SiteWork};
+use super::plan::{FileId, FileRelease, Plan, ProbeSite, SiteWork};
 use super::uprobe_multi;
 use crate::kernel::config_map;
 use crate::kernel::error::KernelError;
@@ -87,6 +88,10 @@ pub trait Attacher {
 
     /// Hands `links` over to be closed after the agent exits.
     fn release(&mut self, links: Vec<Self::Link>);
+
+    /// Closes `links` off the calling thread (each close waits for the
+    /// kernel, see [`closer`]), then calls `closed`.
+    fn close_soon(&mut self, links: Vec<Self::Link>, closed: Box<dyn FnOnce() + Send>);
 }
 
 /// Counters for the summary.
@@ -110,6 +115,11 @@ pub struct DeviceProbeStats {
     /// attach (the kernel busy releasing other probes): calls in that time
     /// went unrecorded.
     pub slow_attaches: u64,
+    /// Probe slots held now (of [`xpuscope_common::MAX_PROBE_SLOTS`] - 1).
+    pub slots_in_use: u64,
+    /// Library files whose probes were released: no traced process used
+    /// them for a while (see [`super::plan::RELEASE_AFTER`]).
+    pub files_released: u64,
 }
 
 /// An attach slower than this is counted and reported: a rank calls its
@@ -123,18 +133,29 @@ struct LinkedSite {
     /// Its spec is written (not silenced).
     live: bool,
     name: (&'static str, &'static str),
+    /// The slot's hit count when this site got it (a released site's slot
+    /// is handed out again; the kernel's counter goes on).
+    hits_base: u64,
 }
 
-/// The attached uprobe pairs. A pair stays attached until the recording
-/// ends: a lowered level silences it, a raised one re-enables it.
+/// The attached uprobe pairs. A pair stays attached while a traced process
+/// uses its file: a lowered level silences it, a raised one re-enables it;
+/// the planner releases a file's pairs once no process has used it for a
+/// while.
 pub struct ProbeLinks<L> {
     loaded: bool,
     /// Loading the programs failed: no further attempts.
     disabled: bool,
     sites: HashMap<ProbeSite, LinkedSite>,
-    /// Every link (a site's entry or return, or a library's many), kept
-    /// until [`ProbeLinks::detach_all`].
-    links: Vec<L>,
+    /// Every link (a site's entry or return, or a library's many) by the
+    /// file it sits on, kept until the file is released or
+    /// [`ProbeLinks::detach_all`].
+    links: HashMap<FileId, Vec<L>>,
+    /// Hits of released sites, by (library, function).
+    released_hits: HashMap<(&'static str, &'static str), u64>,
+    /// Slots of released sites whose links are closed (filled by the
+    /// closing thread).
+    closed_slots: Arc<Mutex<Vec<u32>>>,
     pub stats: DeviceProbeStats,
 }
 
@@ -144,7 +165,9 @@ impl<L> Default for ProbeLinks<L> {
             loaded: false,
             disabled: false,
             sites: HashMap::new(),
-            links: Vec::new(),
+            links: HashMap::new(),
+            released_hits: HashMap::new(),
+            closed_slots: Arc::default(),
             stats: DeviceProbeStats::default(),
         }
     }
@@ -160,6 +183,9 @@ impl<L> ProbeLinks<L> {
     ) -> Result<(), KernelError> {
         if let Some(mask) = plan.probe_levels {
             attacher.set_probe_levels(mask)?;
+        }
+        for file in &plan.release {
+            self.release_file(attacher, file);
         }
         for (site, slot) in &plan.silence {
             if let Some(s) = self.sites.get_mut(site)
@@ -241,6 +267,49 @@ impl<L> ProbeLinks<L> {
         Ok(())
     }
 
+    /// Silences a released file's sites, then closes its links off this
+    /// thread; its slots are free once they are closed
+    /// ([`Self::take_closed_slots`]).
+    fn release_file<A: Attacher<Link = L>>(&mut self, attacher: &mut A, file: &FileRelease) {
+        let mut slots = Vec::with_capacity(file.sites.len());
+        for (site, slot) in &file.sites {
+            if let Some(s) = self.sites.remove(site) {
+                silence(attacher, s.slot);
+                let hits = attacher.read_hits(s.slot).saturating_sub(s.hits_base);
+                *self.released_hits.entry(s.name).or_default() += hits;
+            }
+            slots.push(*slot);
+        }
+        let links = self.links.remove(&file.file).unwrap_or_default();
+        tracing::info!(
+            "device probes: releasing {} probes and {} links of file {}:{} (no traced process uses it)",
+            slots.len(),
+            links.len(),
+            file.file.0,
+            file.file.1
+        );
+        let closed = self.closed_slots.clone();
+        let done: Box<dyn FnOnce() + Send> = Box::new(move || {
+            if let Ok(mut c) = closed.lock() {
+                c.extend(slots);
+            }
+        });
+        if links.is_empty() {
+            done();
+        } else {
+            attacher.close_soon(links, done);
+        }
+    }
+
+    /// Slots of released probes whose links are closed since the last
+    /// call.
+    pub fn take_closed_slots(&self) -> Vec<u32> {
+        self.closed_slots
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c))
+            .unwrap_or_default()
+    }
+
     /// A site attached before and silenced: its spec written again.
     fn re_enable<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
         let Some(s) = self.sites.get_mut(&work.site) else {
@@ -303,11 +372,12 @@ impl<L> ProbeLinks<L> {
             None => {}
             Some(Ok(entry)) => match attacher.attach_many(ProbeEnd::Return, path, &sites) {
                 Some(Ok(ret)) => {
-                    self.links.extend([entry, ret]);
+                    let file = ready[0].site.file();
+                    self.links.entry(file).or_default().extend([entry, ret]);
                     self.stats.links += 2;
                     self.stats.multi_links += 2;
                     for work in ready {
-                        self.insert(work);
+                        self.insert(attacher, work);
                     }
                     return;
                 }
@@ -331,13 +401,14 @@ impl<L> ProbeLinks<L> {
         }
     }
 
-    fn insert(&mut self, work: &SiteWork) {
+    fn insert<A: Attacher<Link = L>>(&mut self, attacher: &A, work: &SiteWork) {
         self.sites.insert(
             work.site,
             LinkedSite {
                 slot: work.slot,
                 live: true,
                 name: work.name,
+                hits_base: attacher.read_hits(work.slot),
             },
         );
     }
@@ -348,9 +419,12 @@ impl<L> ProbeLinks<L> {
         let ret = attacher.attach(ProbeEnd::Return, &work.path, work.site.offset, work.slot);
         match (entry, ret) {
             (Ok(entry), Ok(ret)) => {
-                self.links.extend([entry, ret]);
+                self.links
+                    .entry(work.site.file())
+                    .or_default()
+                    .extend([entry, ret]);
                 self.stats.links += 2;
-                self.insert(work);
+                self.insert(attacher, work);
             }
             (entry, ret) => {
                 let err = entry.as_ref().err().or(ret.as_ref().err());
@@ -373,8 +447,12 @@ impl<L> ProbeLinks<L> {
         }
     }
 
-    pub fn live_slot(&self, site: &ProbeSite) -> Option<u32> {
-        self.sites.get(site).filter(|s| s.live).map(|s| s.slot)
+    /// Calls of a live site by traced processes since it got its slot.
+    pub fn live_hits<A: Attacher<Link = L>>(&self, attacher: &A, site: &ProbeSite) -> Option<u64> {
+        self.sites
+            .get(site)
+            .filter(|s| s.live)
+            .map(|s| attacher.read_hits(s.slot).saturating_sub(s.hits_base))
     }
 
     /// Calls of every attached probe by traced processes so far (exited
@@ -384,9 +462,10 @@ impl<L> ProbeLinks<L> {
         &self,
         attacher: &A,
     ) -> HashMap<(&'static str, &'static str), u64> {
-        let mut out = HashMap::new();
+        let mut out = self.released_hits.clone();
         for s in self.sites.values() {
-            *out.entry(s.name).or_default() += attacher.read_hits(s.slot);
+            *out.entry(s.name).or_default() +=
+                attacher.read_hits(s.slot).saturating_sub(s.hits_base);
         }
         out
     }
@@ -397,7 +476,10 @@ impl<L> ProbeLinks<L> {
         for (_, s) in self.sites.drain() {
             silence(attacher, s.slot);
         }
-        let links = std::mem::take(&mut self.links);
+        let links: Vec<L> = std::mem::take(&mut self.links)
+            .into_values()
+            .flatten()
+            .collect();
         if !links.is_empty() {
             attacher.release(links);
         }
@@ -654,6 +736,21 @@ impl Attacher for AyaAttacher<'_> {
     fn release(&mut self, links: Vec<DeviceLink>) {
         closer::close_after_exit(links);
     }
+
+    fn close_soon(&mut self, links: Vec<DeviceLink>, closed: Box<dyn FnOnce() + Send>) {
+        // A thread of the agent's own (its name marks it as the agent's
+        // for the contention detector): the kernel side goes on attaching
+        // while the kernel waits on each close.
+        let spawned = std::thread::Builder::new()
+            .name("xpuscope-release".into())
+            .spawn(move || {
+                drop(links);
+                closed();
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("device probes: no thread to release probes on ({e}); kept until exit");
+        }
+    }
 }
 
 /// A call [`FakeAttacher`] saw.
@@ -681,6 +778,8 @@ pub enum FakeCall {
     },
     SetProbeLevels(u32),
     Release(Vec<u64>),
+    /// Links closed at once (a released file's).
+    Close(Vec<u64>),
 }
 
 /// [`Attacher`] in memory: links are numbers, specs and hits a map.
@@ -811,5 +910,13 @@ impl Attacher for FakeAttacher {
             self.open_links.remove(l);
         }
         self.calls.push(FakeCall::Release(links));
+    }
+
+    fn close_soon(&mut self, links: Vec<u64>, closed: Box<dyn FnOnce() + Send>) {
+        for l in &links {
+            self.open_links.remove(l);
+        }
+        self.calls.push(FakeCall::Close(links));
+        closed();
     }
 }

@@ -23,11 +23,11 @@
 //! so the trace stage learns a probe's meaning before the kernel can report
 //! a hit on it: [`DeviceProbes::plan`] (or [`DeviceProbes::set_device_level`])
 //! returns the table updates to send, then [`DeviceProbes::apply`] attaches
-//! and writes the specs. A probe stays attached until the recording ends,
-//! even when no traced process maps its file any more or the level drops
-//! it (then it is silenced): one that maps it again, or a raised level,
-//! reuses it (a second probe on the same place would record every call
-//! twice).
+//! and writes the specs. A probe the level drops is silenced, not
+//! detached: a raised level reuses it (a second probe on the same place
+//! would record every call twice). A file no traced process has used for
+//! [`plan::RELEASE_AFTER`] has its probes detached (off the kernel side's
+//! thread) and their slots handed out again once they are.
 
 pub mod attach;
 pub mod closer;
@@ -39,7 +39,7 @@ pub mod uprobe_multi;
 use std::collections::HashMap;
 
 pub use attach::{Attacher, AyaAttacher, DeviceLink, DeviceProbeStats, MultiPrograms, ProbeLinks};
-pub use plan::{LiveProcesses, Plan, Planner, ProcessSource, TableUpdate};
+pub use plan::{LiveProcesses, Plan, Planner, ProcessSource, RELEASE_AFTER, TableUpdate};
 
 use super::error::KernelError;
 use super::levels::{CaptureLevels, DeviceLevel};
@@ -64,6 +64,16 @@ impl<L> DeviceProbes<L> {
         }
     }
 
+    /// At most `slots` probe slots (1 to `MAX_PROBE_SLOTS` - 1), and files
+    /// unused for `release_after` have their probes released.
+    pub fn with_capacity(mut self, slots: u32, release_after: std::time::Duration) -> Self {
+        self.planner = self
+            .planner
+            .with_slot_limit(slots.saturating_add(1))
+            .with_release_after(release_after);
+        self
+    }
+
     /// The capture levels now (what `CONFIG` holds once applied).
     pub fn levels(&self) -> CaptureLevels {
         self.planner.levels()
@@ -72,6 +82,7 @@ impl<L> DeviceProbes<L> {
     /// Reads the libraries of `pids` (the traced processes now) and
     /// returns what changed; processes not in `pids` are forgotten.
     pub fn plan(&mut self, pids: &[u32], source: &mut impl ProcessSource) -> Plan {
+        self.planner.slots_closed(self.links.take_closed_slots());
         self.planner.plan(pids, source)
     }
 
@@ -132,7 +143,7 @@ impl<L> DeviceProbes<L> {
     ) -> HashMap<u64, u64> {
         self.planner
             .probes_of(pid)
-            .filter_map(|(ip, site)| Some((ip, attacher.read_hits(self.links.live_slot(&site)?))))
+            .filter_map(|(ip, site)| Some((ip, self.links.live_hits(attacher, &site)?)))
             .collect()
     }
 
@@ -143,8 +154,10 @@ impl<L> DeviceProbes<L> {
 
     pub fn stats(&self) -> DeviceProbeStats {
         let mut stats = self.links.stats;
-        let plan = self.planner.stats;
+        let plan = self.planner.stats();
         stats.attach_failures += plan.library_failures + plan.slots_exhausted;
+        stats.slots_in_use = plan.slots_in_use;
+        stats.files_released = plan.files_released;
         stats
     }
 }

@@ -9,11 +9,19 @@
 //! [`ProbeSite`]. Every traced process mapping that file shares the site,
 //! its slot (the attach cookie naming the probe's spec and hit counter in
 //! the kernel arrays) and its uprobe pair.
+//!
+//! A file no traced process maps (or is predicted to map) for
+//! [`RELEASE_AFTER`] has its probes released ([`Plan::release`]): its
+//! uprobes detached, its slots handed out again once they are. Without it,
+//! distinct copies of a library (per-job virtual environments, container
+//! layers) would use up the slots for good, and each attachment would keep
+//! a deleted file's inode alive.
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use xpuscope_common::MAX_PROBE_SLOTS;
 use xpuscope_common::uprobe::{ProbeSpec, RETURN_USER_STACK};
@@ -216,6 +224,29 @@ pub struct Plan {
     /// Dynamic loaders whose debugger hook to probe (a predicted
     /// program's interpreter).
     pub loaders: Vec<String>,
+    /// Library files no traced process has used for [`RELEASE_AFTER`]:
+    /// their probes to detach, their slots to free once detached.
+    pub release: Vec<FileRelease>,
+}
+
+/// The probes of one library file to release.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileRelease {
+    pub file: FileId,
+    /// Every site of the file with a slot (live or silenced).
+    pub sites: Vec<(ProbeSite, u32)>,
+}
+
+/// How long a library file's probes stay attached after the last traced
+/// process using it is gone: longer than records take through the
+/// pipeline, and long enough that a job restarted at once finds them in
+/// place (attaching a file's probes again costs a few milliseconds).
+pub const RELEASE_AFTER: Duration = Duration::from_secs(10);
+
+impl ProbeSite {
+    pub fn file(&self) -> FileId {
+        (self.dev, self.ino)
+    }
 }
 
 impl Plan {
@@ -230,6 +261,7 @@ impl Plan {
             && self.slots.is_empty()
             && self.files.is_empty()
             && self.loaders.is_empty()
+            && self.release.is_empty()
     }
 
     fn add_live(&mut self, work: SiteWork) {
@@ -246,6 +278,11 @@ pub struct PlanStats {
     pub library_failures: u64,
     /// Functions left without a probe: every slot was in use.
     pub slots_exhausted: u64,
+    /// Slots held by probes now (live, silenced, or being released).
+    pub slots_in_use: u64,
+    /// Library files whose probes were released (no traced process used
+    /// them for [`RELEASE_AFTER`]).
+    pub files_released: u64,
 }
 
 /// One probe of a traced library, at every level.
@@ -258,6 +295,8 @@ struct SiteProbe {
 struct TracedLibrary {
     lib: LoadedLibrary,
     path: String,
+    /// The file its probes sit on.
+    file: FileId,
     probes: Vec<SiteProbe>,
 }
 
@@ -274,6 +313,18 @@ pub struct Planner {
     alloc_stacks: bool,
     /// Slots 1..slot_limit are handed out (0 means none).
     slot_limit: u32,
+    /// The next slot never handed out.
+    next_slot: u32,
+    /// Slots of released probes whose links are closed: handed out first.
+    free_slots: Vec<u32>,
+    /// Slots of released probes whose links are still being closed.
+    closing_slots: u64,
+    /// How long an unused file keeps its probes.
+    release_after: Duration,
+    /// Library files with probes that no traced process uses, since when.
+    idle_since: HashMap<FileId, Instant>,
+    /// Files probed ahead for each process predicted to map them.
+    ahead: HashMap<u32, Vec<FileId>>,
     /// (path, inode) -> the resolved library (None: resolution failed).
     cache: HashMap<(String, u64), Option<Arc<ResolvedLibrary>>>,
     procs: HashMap<u32, Vec<TracedLibrary>>,
@@ -295,6 +346,12 @@ impl Planner {
             levels,
             alloc_stacks,
             slot_limit: MAX_PROBE_SLOTS,
+            next_slot: 1,
+            free_slots: Vec::new(),
+            closing_slots: 0,
+            release_after: RELEASE_AFTER,
+            idle_since: HashMap::new(),
+            ahead: HashMap::new(),
             cache: HashMap::new(),
             procs: HashMap::new(),
             slots: HashMap::new(),
@@ -304,11 +361,30 @@ impl Planner {
         }
     }
 
-    /// At most `limit - 1` slots (tests of exhaustion).
-    #[cfg(test)]
+    /// At most `limit - 1` slots (1 to [`MAX_PROBE_SLOTS`]).
     pub fn with_slot_limit(mut self, limit: u32) -> Self {
-        self.slot_limit = limit.min(MAX_PROBE_SLOTS);
+        self.slot_limit = limit.clamp(1, MAX_PROBE_SLOTS);
         self
+    }
+
+    /// Files unused this long have their probes released.
+    pub fn with_release_after(mut self, after: Duration) -> Self {
+        self.release_after = after;
+        self
+    }
+
+    /// Slots whose released probes are now detached: free to hand out.
+    pub fn slots_closed(&mut self, slots: Vec<u32>) {
+        self.closing_slots = self.closing_slots.saturating_sub(slots.len() as u64);
+        self.free_slots.extend(slots);
+    }
+
+    /// The planning counters now.
+    pub fn stats(&self) -> PlanStats {
+        PlanStats {
+            slots_in_use: self.slots.len() as u64 + self.closing_slots,
+            ..self.stats
+        }
     }
 
     pub fn levels(&self) -> CaptureLevels {
@@ -332,11 +408,57 @@ impl Planner {
             self.procs.remove(pid);
             self.predicted.remove(pid);
         }
+        // Predicted, never mapped, and gone: its files are not held.
+        self.ahead.retain(|pid, _| wanted.contains(pid));
         plan.gone = gone;
         for &pid in pids {
             self.scan(pid, source, &mut plan);
         }
+        self.release_unused(Instant::now(), &mut plan);
         plan
+    }
+
+    /// Files with probes that no traced process maps or is predicted to
+    /// map: idle from now, released once idle for `release_after`.
+    fn release_unused(&mut self, now: Instant, plan: &mut Plan) {
+        let used: HashSet<FileId> = self
+            .procs
+            .values()
+            .flatten()
+            .map(|l| l.file)
+            .chain(self.ahead.values().flatten().copied())
+            .collect();
+        let mut probed: HashMap<FileId, Vec<(ProbeSite, u32)>> = HashMap::new();
+        for (site, s) in &self.slots {
+            probed.entry(site.file()).or_default().push((*site, s.slot));
+        }
+        self.idle_since
+            .retain(|f, _| probed.contains_key(f) && !used.contains(f));
+        let mut release: Vec<FileRelease> = Vec::new();
+        for (file, mut sites) in probed {
+            if used.contains(&file) {
+                continue;
+            }
+            let since = *self.idle_since.entry(file).or_insert(now);
+            if now.duration_since(since) < self.release_after {
+                continue;
+            }
+            sites.sort_unstable();
+            release.push(FileRelease { file, sites });
+        }
+        release.sort_unstable_by_key(|r| r.file);
+        for r in &release {
+            self.idle_since.remove(&r.file);
+            for (site, _) in &r.sites {
+                self.slots.remove(site);
+            }
+            self.closing_slots += r.sites.len() as u64;
+            self.files.remove(&r.file);
+            // Its resolution too: a later file at this inode is another.
+            self.cache.retain(|(_, ino), _| *ino != r.file.1);
+            self.stats.files_released += 1;
+        }
+        plan.release = release;
     }
 
     /// A traced process started a program (`exec`) or its loader reported
@@ -349,25 +471,29 @@ impl Planner {
         let mut plan = Plan::default();
         if exec {
             self.predicted.remove(&pid);
+            self.ahead.remove(&pid);
         }
         if self.predicted.insert(pid)
             && let Some(predicted) = source.predict(pid)
         {
-            self.plan_files(&predicted.libraries, source, &mut plan);
+            let files = self.plan_files(&predicted.libraries, source, &mut plan);
+            self.ahead.insert(pid, files);
             plan.loaders.extend(predicted.interpreter);
         }
         self.scan(pid, source, &mut plan);
         plan
     }
 
-    /// Probes of library files no traced process maps yet.
+    /// Probes of library files no traced process maps yet; returns the
+    /// files (probed now or before), held while the process lives.
     fn plan_files(
         &mut self,
         files: &[(Library, String)],
         source: &mut impl ProcessSource,
         plan: &mut Plan,
-    ) {
+    ) -> Vec<FileId> {
         let mask = self.levels.device.mask();
+        let mut held = Vec::new();
         for (library, path) in files {
             let id = match source.file_id(path) {
                 Ok(id) => id,
@@ -376,6 +502,7 @@ impl Planner {
                     continue;
                 }
             };
+            held.push(id);
             if self.files.get(&id) == Some(&mask) {
                 continue;
             }
@@ -418,6 +545,7 @@ impl Planner {
             }
             plan.files.push((path.clone(), n));
         }
+        held
     }
 
     /// Reads `pid`'s maps and plans the probes of libraries it newly maps.
@@ -579,7 +707,12 @@ impl Planner {
                 SiteProbe { probe, site }
             })
             .collect();
-        Some(TracedLibrary { lib, path, probes })
+        Some(TracedLibrary {
+            lib,
+            path,
+            file: (dev, ino),
+            probes,
+        })
     }
 
     /// The slot of the probe's site, handed out at its first use.
@@ -587,16 +720,22 @@ impl Planner {
         if let Some(s) = self.slots.get(&p.site) {
             return Some(s.slot);
         }
-        let next = self.slots.len() as u32 + 1;
-        if next >= self.slot_limit {
-            tracing::warn!(
-                "device probes: {}: all {} probe slots in use",
-                p.probe.target.function.name,
-                self.slot_limit - 1
-            );
-            self.stats.slots_exhausted += 1;
-            return None;
-        }
+        let next = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None if self.next_slot < self.slot_limit => {
+                self.next_slot += 1;
+                self.next_slot - 1
+            }
+            None => {
+                tracing::warn!(
+                    "device probes: {}: all {} probe slots in use",
+                    p.probe.target.function.name,
+                    self.slot_limit - 1
+                );
+                self.stats.slots_exhausted += 1;
+                return None;
+            }
+        };
         self.slots.insert(
             p.site,
             SiteSlot {

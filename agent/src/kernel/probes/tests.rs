@@ -439,3 +439,126 @@ fn a_uprobe_multi_link_that_fails_falls_back_to_one_link_per_function() {
     );
     assert!(k.is_live(1) && k.is_live(2));
 }
+
+/// A copy of the stand-in CUDA runtime at `path`, inode `ino` (a job's own
+/// virtual environment, a container layer).
+fn copy_of_cudart(src: &mut FakeSource, path: &str, ino: u64) {
+    src.files.insert(path.into(), (1, ino));
+    src.exports.insert(path.into(), src.exports[CUDART].clone());
+}
+
+/// Jobs one after another, each on its own copy of a library: a copy no
+/// traced process maps any more has its links closed and its slots handed
+/// to the next copy, so two slots serve any number of copies; hits stay
+/// counted per function across the reuse.
+#[test]
+fn copies_of_a_library_reuse_the_slots_of_released_ones() {
+    let (mut src, mut k) = (FakeSource::nvidia(), FakeAttacher::default());
+    // Two slots: one copy's two level-1 functions.
+    let mut p = probes(1).with_capacity(2, std::time::Duration::ZERO);
+    let mut open_before = Vec::new();
+    for job in 0..4u32 {
+        let (pid, ino) = (100 + job, 1_000 + u64::from(job));
+        let path = format!("/jobs/{job}/venv/libcudart.so.12");
+        copy_of_cudart(&mut src, &path, ino);
+        src.map(pid, &[(&path, ino, BASE)]);
+        scan(&mut p, &[pid], &mut src, &mut k);
+        let cookies: Vec<u32> = k
+            .attaches()
+            .iter()
+            .rev()
+            .take(4)
+            .map(|(_, _, c)| *c)
+            .collect();
+        assert!(
+            cookies.iter().all(|c| [1, 2].contains(c)),
+            "job {job}: slots {cookies:?}"
+        );
+        assert!(k.is_live(1) && k.is_live(2), "job {job}");
+        let stats = p.stats();
+        assert_eq!(stats.attach_failures, 0, "job {job}: {stats:?}");
+        assert_eq!(stats.slots_in_use, 2, "job {job}");
+        assert_eq!(stats.files_released, u64::from(job));
+        // The previous copy's links are closed, none of this one's.
+        assert!(open_before.iter().all(|l| !k.open_links.contains(l)));
+        open_before = k.open_links.iter().copied().collect();
+        assert_eq!(open_before.len(), 4);
+        // The job calls cudaMalloc 3 times, then exits.
+        let malloc = k
+            .attaches()
+            .into_iter()
+            .rev()
+            .find(|(_, o, _)| *o == MALLOC)
+            .unwrap()
+            .2;
+        *k.hits.entry(malloc).or_default() += 3;
+        assert_eq!(
+            p.hits(&k)[&("cudart", "cudaMalloc")],
+            3 * u64::from(job + 1)
+        );
+        src.maps.remove(&pid);
+        scan(&mut p, &[], &mut src, &mut k);
+        assert!(!k.is_live(1) && !k.is_live(2), "silenced at its release");
+        assert_eq!(
+            p.stats().slots_in_use,
+            2,
+            "held until their links are closed"
+        );
+        scan(&mut p, &[], &mut src, &mut k);
+        assert_eq!(p.stats().slots_in_use, 0, "free at the next round");
+    }
+    let closes = k
+        .calls
+        .iter()
+        .filter(|c| matches!(c, FakeCall::Close(l) if l.len() == 4))
+        .count();
+    assert_eq!(closes, 4, "each copy's links closed together");
+    assert_eq!(p.hits(&k)[&("cudart", "cudaMalloc")], 12);
+}
+
+/// A file is released only when no traced process maps it or is about to
+/// (predicted from its program), and only after the quiet period.
+#[test]
+fn a_file_in_use_or_about_to_be_is_kept() {
+    use super::plan::Predicted;
+    let (mut src, mut k) = (FakeSource::nvidia(), FakeAttacher::default());
+    let mut p = probes(1).with_capacity(100, std::time::Duration::ZERO);
+    // Process 10 maps it, 11 is predicted to.
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.predicted.insert(
+        11,
+        Predicted {
+            libraries: vec![(Library::Cudart, CUDART.into())],
+            interpreter: None,
+        },
+    );
+    src.maps.insert(11, String::new());
+    scan(&mut p, &[10, 11], &mut src, &mut k);
+    let plan = p.plan_early(11, true, &mut src);
+    p.apply(&mut k, plan).unwrap();
+    src.maps.remove(&10);
+    let plan = p.plan(&[11], &mut src);
+    assert!(plan.release.is_empty(), "11 will map it: {plan:?}");
+    p.apply(&mut k, plan).unwrap();
+    assert!(k.is_live(1));
+    let plan = p.plan(&[], &mut src);
+    assert_eq!(plan.release.len(), 1, "{plan:?}");
+    assert_eq!(plan.release[0].file, (1, 11));
+    assert_eq!(plan.release[0].sites.len(), 2);
+
+    // With the default quiet period, a file left a moment ago stays.
+    let (mut src, mut k) = (FakeSource::nvidia(), FakeAttacher::default());
+    let mut p = probes(1);
+    src.map(10, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    src.maps.remove(&10);
+    for _ in 0..3 {
+        assert!(p.plan(&[], &mut src).release.is_empty());
+    }
+    // Mapped again within it: the same probes, nothing attached again.
+    src.map(12, &[(CUDART, 11, OTHER_BASE)]);
+    let attaches = k.attaches().len();
+    scan(&mut p, &[12], &mut src, &mut k);
+    assert_eq!(k.attaches().len(), attaches);
+    assert!(k.is_live(1) && k.is_live(2));
+}
