@@ -172,6 +172,18 @@ impl Service {
     }
 }
 
+/// Stops the service with SIGTERM and asserts it exits cleanly within
+/// 30 s (its log so far in the failure).
+pub fn stop_service(agent: &mut Proc, stderr: &mut Lines) {
+    agent.signal(libc::SIGTERM);
+    let stopped = agent.wait_timeout(Duration::from_secs(30));
+    assert!(
+        stopped.is_some_and(|s| s.success()),
+        "the service did not stop cleanly on SIGTERM ({stopped:?}):\n{}",
+        stderr.rest(Duration::from_secs(1))
+    );
+}
+
 /// GET `path` from `127.0.0.1:port`; the answer must be 200.
 pub fn http_get(port: u16, path: &str) -> String {
     use std::io::{Read, Write};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use xpuscope_tests::agent::{Proc, TempDir, exclusive};
 use xpuscope_tests::device::wait_for_closers;
-use xpuscope_tests::service_run::{Service, ctl, wait_traced};
+use xpuscope_tests::service_run::{Service, ctl, stop_service, wait_traced};
 
 /// `GET path` on the service's metrics port, answered within `limit`
 /// (status line and body), or why not.
@@ -125,14 +125,7 @@ fn a_fifo_in_a_library_path_stalls_nothing() {
         .write(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(&fifo);
-    agent.signal(libc::SIGTERM);
-    assert!(
-        agent
-            .wait_timeout(Duration::from_secs(30))
-            .is_some_and(|s| s.success()),
-        "the service did not stop cleanly:\n{}",
-        stderr.rest(Duration::from_secs(1))
-    );
+    stop_service(&mut agent, &mut stderr);
 }
 
 /// Agents one after another: the kernel releases an agent's uprobes after

@@ -1036,6 +1036,23 @@ job_env = ["MY_JOB"]
             }
         );
         assert_eq!(cfg.stacks, StacksConfig { rate: 50, burst: 0 });
+        let probes = parse("[probes]\nslots = 500\nrelease_after = \"2m\"\n").unwrap();
+        assert_eq!(
+            probes.probes,
+            ProbesConfig {
+                slots: 500,
+                release_after: Duration::from_secs(120)
+            }
+        );
+        for bad in ["slots = 0", "slots = 16384"] {
+            let e = parse(&format!("[probes]\n{bad}\n")).unwrap_err();
+            assert!(
+                e.contains("agent.toml:2")
+                    && e.contains("probes.slots")
+                    && e.contains("between 1 and 16383"),
+                "{e}"
+            );
+        }
         let e = parse("[stacks]\nrate = -1\n").unwrap_err();
         assert!(
             e.contains("agent.toml:2") && e.contains("stacks.rate") && e.contains("between 0 and"),

@@ -180,6 +180,9 @@ struct Late {
     beyond_usual_ns: u64,
     /// Half its usual step (0 while not known).
     half_step_ns: u64,
+    /// The communicator's usual worst lateness, times
+    /// [`LONE_TAIL_FACTOR`] (0 while not known).
+    usual_worst_ns: u64,
     /// Its waits in device calls while it was late.
     waited: Option<WaitedIn>,
     peers_wait_ns: u64,
@@ -261,16 +264,43 @@ impl Late {
     }
 
     /// Whether it is worth a finding on its own (not part of a slow
-    /// rank): it cost its peers at least half a step. A one-off lateness
-    /// of a fraction of a step is what a busy host does now and then; the
-    /// same lateness step after step is a `slow_rank`.
+    /// rank): it cost its peers at least half a step, and several times
+    /// what the communicator's last arrivals usually cost. A one-off
+    /// lateness of a fraction of a step is what a busy host does now and
+    /// then (on a host with more ranks than CPUs, every operation's last
+    /// arrival is late by a share of a step); the same lateness step after
+    /// step is a `slow_rank`.
     fn stands_alone(&self) -> bool {
-        let bar = match self.half_step_ns {
+        self.beyond_usual_ns >= self.lone_bar()
+    }
+
+    /// The lateness [`Self::stands_alone`] asks for.
+    fn lone_bar(&self) -> u64 {
+        let half = match self.half_step_ns {
             0 => LONE_LATE_WITHOUT_STEPS_NS,
             half => half,
         };
-        self.beyond_usual_ns >= bar
+        half.max(self.usual_worst_ns)
     }
+}
+
+/// A lone late arrival stands out from this many times the communicator's
+/// usual worst lateness.
+const LONE_TAIL_FACTOR: u64 = 3;
+/// Operations whose last arrival's lateness the usual worst is taken over.
+const LATENESS_WINDOW: usize = 64;
+/// Operations needed before the usual worst counts.
+const LATENESS_MIN_OPS: usize = 16;
+
+/// The usual worst lateness of a communicator's last arrivals: the 90th
+/// percentile of their recent lateness beyond their own usual offsets.
+fn usual_worst(lateness: &VecDeque<u64>) -> Option<u64> {
+    if lateness.len() < LATENESS_MIN_OPS {
+        return None;
+    }
+    let mut v: Vec<u64> = lateness.iter().copied().collect();
+    v.sort_unstable();
+    Some(v[(v.len() * 9 / 10).min(v.len() - 1)])
 }
 /// A one-off lateness before the rank's step time is known (its first
 /// steps, start-up skew among them) stands alone from this much.
@@ -327,6 +357,9 @@ struct CommOps {
     open: BTreeMap<u64, Op>,
     analysed: u64,
     history: HashMap<u32, MemberHistory>,
+    /// How late each recent operation's last member came, beyond its own
+    /// usual offset (the last [`LATENESS_WINDOW`]).
+    lateness: VecDeque<u64>,
     /// ns per bus byte of clean, large operations.
     link: VecDeque<f64>,
     /// The same from the device (activity records): the shortest member
@@ -807,6 +840,14 @@ impl CollectiveDetector {
         let threshold = parts.threshold();
         let delay = last_enter.saturating_sub(med);
         let late = own.is_some_and(|own| delay.saturating_sub(own) > threshold);
+        let worst = usual_worst(&comm.lateness).map_or(0, |w| w * LONE_TAIL_FACTOR);
+        // Past its warm-up only: start-up skew is no usual lateness.
+        if let Some(own) = own {
+            comm.lateness.push_back(delay.saturating_sub(own));
+            if comm.lateness.len() > LATENESS_WINDOW {
+                comm.lateness.pop_front();
+            }
+        }
         let last_tid = op.members.get(&last).map_or(last, |a| a.tid);
         let waited = late
             .then(|| {
@@ -839,6 +880,7 @@ impl CollectiveDetector {
                     parts,
                     beyond_usual_ns: delay.saturating_sub(own.unwrap_or(0)),
                     half_step_ns: step.map_or(0, |s| s / 2),
+                    usual_worst_ns: worst,
                     waited,
                     peers_wait_ns: peers_wait,
                     function,
@@ -978,6 +1020,10 @@ impl CollectiveDetector {
                 "delay_ms": ms(l.delay_ns),
                 "threshold_ms": ms(l.threshold_ns),
                 "threshold_parts": l.parts.evidence(),
+                // What a lone lateness must reach: half a step, and
+                // several times the communicator's usual worst.
+                "lone_bar_ms": ms(l.lone_bar()),
+                "usual_worst_x3_ms": ms(l.usual_worst_ns),
                 "waited": waited,
                 "peers_wait_ms": ms(l.peers_wait_ns),
                 "function": l.function,

@@ -287,6 +287,46 @@ fn the_threshold_follows_the_step_time() {
     assert!((9.9..10.1).contains(&share), "{share}");
 }
 
+/// More ranks than CPUs: every operation's last arrival is 8-16 ms late
+/// (a different rank each time), 60 ms steps. A lone lateness just over
+/// half a step is that noise's tail, no finding; one of several steps is.
+#[test]
+fn a_lone_lateness_is_judged_against_the_usual_worst() {
+    let noisy = |r: u32, op: u64| -> u64 {
+        let noise = if u64::from(r) == op % 8 {
+            (8 + (op * 5) % 9) * MS
+        } else {
+            0
+        };
+        match (r, op) {
+            (3, 40) => 32 * MS,
+            (5, 50) => 150 * MS,
+            _ => noise,
+        }
+    };
+    let ranks: Vec<u32> = (0..8).collect();
+    let f = run(
+        8,
+        DetectConfig::default(),
+        vec![job_every(0xa, &ranks, 64, 60 * MS, noisy)],
+    );
+    let late: Vec<&Finding> = f
+        .iter()
+        .filter(|f| f.kind == FindingKind::LateArrival)
+        .collect();
+    assert_eq!(late.len(), 1, "{f:#?}");
+    assert_eq!((late[0].ranks.clone(), late[0].seq), (vec![5], Some(50)));
+    let bar = late[0].evidence["lone_bar_ms"].as_f64().unwrap();
+    assert!(
+        (40.0..60.0).contains(&bar),
+        "three times the usual worst: {bar}"
+    );
+    assert!(
+        kinds(&f).iter().all(|k| *k == FindingKind::LateArrival),
+        "{f:#?}"
+    );
+}
+
 /// A rank whose own arrivals vary by several ms every step (a busy host)
 /// is judged against that: a lateness within its own jitter is none.
 #[test]

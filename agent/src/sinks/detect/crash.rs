@@ -9,6 +9,11 @@
 //! SIGKILL) are counted in `stopped_after_trouble`, not reported. A fault
 //! signal (SIGSEGV, SIGABRT, SIGBUS, ...) is always a crash. The trouble
 //! ends when the job gets a new rank (an elastic restart).
+//!
+//! A traced process that is no rank (a launcher's helper, a tool it
+//! started) stopped by a stop signal is how a launcher tidies up at the
+//! end of a job, not a fault: counted in `stopped_without_rank`, not
+//! reported.
 
 use std::collections::HashMap;
 
@@ -26,6 +31,8 @@ pub struct CrashDetector {
     troubled: HashMap<String, (FindingKind, Vec<u32>)>,
     /// Ranks killed by a stop signal in a troubled job (not reported).
     pub stopped_after_trouble: u64,
+    /// Processes without a rank killed by a stop signal (not reported).
+    pub stopped_without_rank: u64,
 }
 
 /// Signals another process sends to stop a job (a launcher, an operator,
@@ -85,6 +92,10 @@ impl CrashDetector {
             return;
         };
         let sent = is_stop_signal(sig);
+        if sent && ranks.of(exit.tgid).is_none() {
+            self.stopped_without_rank += 1;
+            return;
+        }
         if sent && self.troubled.contains_key(ranks.job_of(exit.tgid)) {
             self.stopped_after_trouble += 1;
             return;

@@ -23,8 +23,12 @@
 //! ends at three in a row, or, once reported, at `contention_min_steps`
 //! (at least 3) in a row. An isolated blip (one contended step, then two
 //! uncontended) does not start a run (blips before a neighbour do not date
-//! it). The finding names the first step of the run,
-//! the time lost per step and the top
+//! it). The finding names the step the contention began: the first of the
+//! run, or earlier, the first step of its top preemptor's presence (steps
+//! it took a noticeable share in, at most [`PRESENCE_GAP`] apart: a
+//! neighbour's share flickers on a CPU it shares with several ranks, so
+//! the run can be confirmed steps after it came), the time lost per step
+//! and the top
 //! preemptors (command name, pid, time taken; a traced one by its rank,
 //! and whether it is of the same job).
 
@@ -98,9 +102,25 @@ struct Run {
     all_dur: u64,
 }
 
+/// Steps an outsider may take nothing noticeable and still be present.
+const PRESENCE_GAP: u64 = 2;
+
+/// An outsider's presence on a rank's CPU: the steps it took a noticeable
+/// share of the rank's main thread in, from `first_step` (whose window
+/// began at `first_start`) to `last_step`, at most [`PRESENCE_GAP`]
+/// apart.
+#[derive(Clone, Copy, Debug)]
+struct Presence {
+    first_step: u64,
+    first_start: u64,
+    last_step: u64,
+}
+
 #[derive(Default)]
 pub struct ContentionDetector {
     runs: HashMap<u32, Run>,
+    /// Per rank, per outsider process: its presence.
+    presence: HashMap<u32, HashMap<u32, Presence>>,
     /// Per rank: the share of its recent steps (outside contended runs)
     /// outsiders took, its own baseline; and the share of its latest step.
     usual: HashMap<u32, Usual>,
@@ -198,6 +218,35 @@ impl ContentionDetector {
     pub fn forget(&mut self, tgid: u32) {
         self.runs.remove(&tgid);
         self.usual.remove(&tgid);
+        self.presence.remove(&tgid);
+    }
+
+    /// Outsiders that took a noticeable share of this step (half the
+    /// contention share, and `contention_min_lost`) extend or begin their
+    /// presence; presences past the gap end.
+    fn note_presence(&mut self, w: &Window, by: &Takers, cfg: &HostDetectConfig) {
+        let dur = w.dur().max(1);
+        let noticeable = (cfg.contention_min_lost.as_nanos() as u64)
+            .max(dur * u64::from(cfg.contention_min_share_pct) / 200);
+        let seen = self.presence.entry(w.tgid).or_default();
+        seen.retain(|_, p| w.step.saturating_sub(p.last_step) <= PRESENCE_GAP);
+        for (pid, t) in by {
+            if t.ns < noticeable {
+                continue;
+            }
+            if let Some(p) = seen.get_mut(pid) {
+                p.last_step = w.step;
+            } else if seen.len() < MAX_PREEMPTORS {
+                seen.insert(
+                    *pid,
+                    Presence {
+                        first_step: w.step,
+                        first_start: w.start,
+                        last_step: w.step,
+                    },
+                );
+            }
+        }
     }
 
     pub fn step_ended(
@@ -213,6 +262,7 @@ impl ContentionDetector {
         // rank and every step, and the agent's own threads are its
         // overhead, not a neighbour.
         by.retain(|pid, t| taker_class(*pid, t, w.tgid, ranks) == TakerClass::Outsider);
+        self.note_presence(w, &by, cfg);
         let lost: u64 = by.values().map(|t| t.ns).sum();
         let dur = w.dur().max(1);
         let share = lost as f64 / dur as f64;
@@ -297,10 +347,18 @@ impl ContentionDetector {
             return;
         }
         run.reported = true;
-        let (first_step, start) = (run.first_step, run.start);
         let mut top: Vec<_> = run.by.iter().collect();
         top.sort_by_key(|(pid, t)| (std::cmp::Reverse(t.ns), **pid));
         top.truncate(TOP_PREEMPTORS);
+        // Dated from its top preemptor's arrival when that came first.
+        let came = top
+            .first()
+            .and_then(|(pid, _)| self.presence.get(&w.tgid)?.get(pid))
+            .filter(|p| p.first_step < run.first_step);
+        let (first_step, start) = match came {
+            Some(p) => (p.first_step, p.first_start),
+            None => (run.first_step, run.start),
+        };
         let ms = |ns: u64| ns as f64 / 1e6;
         let per_step = run.lost / run.steps;
         let share = 100.0 * run.lost as f64 / run.dur.max(1) as f64;
@@ -349,6 +407,8 @@ impl ContentionDetector {
             evidence: json!({
                 "pid": w.tgid,
                 "first_step": first_step,
+                // The first step of the contended run itself.
+                "run_first_step": run.first_step,
                 "steps": run.steps,
                 "lost_ms_per_step": ms(per_step),
                 "lost_share_pct": share,
@@ -482,6 +542,23 @@ mod tests {
         });
         assert_eq!(found.len(), 1, "{found:#?}");
         assert_eq!((found[0].ranks.clone(), found[0].step), (vec![2], Some(10)));
+    }
+
+    /// A neighbour that comes at step 10 but takes under the contention
+    /// bar until step 14 (its share flickers on a CPU it shares with
+    /// several ranks): dated step 10, when it came; the contended run's
+    /// own first step is in the evidence.
+    #[test]
+    fn a_neighbour_is_dated_from_when_it_came() {
+        let found = run(4, |rank, step| match (rank, step) {
+            (2, 10..=13) => vec![(77, "noisy", 8)],
+            (2, 14..) => vec![(77, "noisy", 30)],
+            _ => vec![],
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].ranks.clone(), found[0].step), (vec![2], Some(10)));
+        assert_eq!(found[0].evidence["run_first_step"], 14);
+        assert_eq!(found[0].start_ns, 10 * STEP);
     }
 
     /// A neighbour that comes at step 12 on top of a background every

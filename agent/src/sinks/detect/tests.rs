@@ -593,6 +593,28 @@ fn ranks_stopped_after_a_crash_are_not_more_crashes() {
     assert_eq!(d.crash.stopped_after_trouble, 2);
 }
 
+/// A traced process that is no rank (a launcher's helper) stopped by a
+/// stop signal is the launcher tidying up, not a crash; killed by a fault
+/// signal it is one.
+#[test]
+fn a_process_without_a_rank_stopped_by_its_launcher_is_no_crash() {
+    let mut d = detectors(300);
+    let out = feed(
+        &mut d,
+        &[
+            identity(100, 0),
+            exit(150, Some(libc::SIGKILL)),
+            exit(151, Some(libc::SIGTERM)),
+            exit(152, Some(libc::SIGSEGV)),
+        ],
+    );
+    assert_eq!(out.len(), 1, "{out:#?}");
+    assert_eq!(out[0].kind, FindingKind::Crash);
+    assert_eq!(out[0].evidence["pid"], 152);
+    assert!(out[0].ranks.is_empty());
+    assert_eq!(d.crash.stopped_without_rank, 2);
+}
+
 /// A hang puts its job in trouble too; a stop signal with no trouble
 /// before it is reported once (the first rank stopped; the rest of that
 /// stop follow it); another job's ranks are judged on their own, and a
