@@ -344,10 +344,20 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
         status["device_probes"]["attached"].as_u64() > Some(0),
         "{status}"
     );
-    assert!(
-        status["interpret"]["threads_seen"].as_u64() > Some(0),
-        "the interpret stage's counters: {status}"
-    );
+    // The interpret stage's counters, published at the pipeline's ticks
+    // (about once a second).
+    let asked = Instant::now();
+    loop {
+        let status = ctl(&socket, &["status"]);
+        if status["interpret"]["threads_seen"].as_u64() > Some(0) {
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "the interpret stage's counters: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     for family in [
         "xpuscope_agent_kernel_dropped_events_total",
         "xpuscope_agent_kernel_skipped_events_total",
