@@ -302,7 +302,7 @@ fn a_clean_job_has_no_incident() {
 /// it and arrives late, rank 0 waits for it. One incident: its root rank
 /// 1's `host_contention` naming the neighbour, the late arrivals under it.
 /// The launcher's SIGKILL of its neighbour at the end (a traced child of
-/// the launcher, no rank) is no crash. The 8-rank case is [`a_noisy_neighbour_among_oversubscribed_ranks_is_found_on_its_cpu`].
+/// the launcher, no rank) is no crash. The 8-rank case is [`a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident_on_its_cpu`].
 #[test]
 fn a_noisy_neighbour_is_one_incident() {
     let _serial = exclusive();
@@ -343,26 +343,23 @@ fn a_noisy_neighbour_is_one_incident() {
 
 /// A clean 8-rank job (tp 2, pp 2, dp 2) with 10 ms of host work per step
 /// on a machine with fewer CPUs than ranks: the ranks take one another's
-/// CPUs every step, alike, and the agent's threads take theirs. That is
-/// the job's shape, not a fault: no `host_contention`, `slow_rank` or
-/// `slow_link`, online or offline, at default options. (A lone late
-/// arrival just over half a step still comes in about 1 run in 4 on the
-/// 2-CPU machine: printed, not graded, until the thresholds hold it.)
+/// CPUs every step, alike, and the agent's threads take theirs; every
+/// operation's last member comes 5-30 ms late. That is the job's shape,
+/// not a fault: no finding at all, online or offline, at default options
+/// (earlier builds: `host_contention` on every rank, and lone late
+/// arrivals just over half a step in about 1 run in 4).
 #[test]
-fn a_clean_job_with_more_ranks_than_cpus_has_no_contention() {
+fn a_clean_job_with_more_ranks_than_cpus_has_no_incident() {
     let _serial = exclusive();
     let mut layout = TP2_PP2_DP2.to_vec();
     layout.extend(["--host-us", "10000"]);
     let run = record("rcoversub", "nvidia", &layout, "24", "", &[]);
     for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
-        for f in &found {
-            assert!(
-                f["kind"] == "late_arrival",
-                "{driver}: a clean oversubscribed job:\n{}",
-                listing(&found)
-            );
-            eprintln!("{driver}: not graded: {}", f["summary"]);
-        }
+        assert!(
+            found.is_empty(),
+            "{driver}: a clean oversubscribed job:\n{}",
+            listing(&found)
+        );
     }
 }
 
@@ -370,15 +367,14 @@ fn a_clean_job_with_more_ranks_than_cpus_has_no_contention() {
 /// pp 2, dp 2) with 10 ms of host work per step: more ranks than CPUs,
 /// so every rank already shares its CPU with its siblings, and the
 /// neighbour takes from every rank on that CPU (the ground truth's
-/// `ranks_on_cpu`). Online and offline: the first root is a
-/// `host_contention` of a rank on that CPU naming the neighbour, and every
-/// `host_contention` names it (never a sibling or the agent). (Its step
-/// and the incident count are printed, not graded: about 1 run in 4 dates
-/// the contention steps after the neighbour came, when the share it takes
-/// flickers step by step, and the late arrivals before it are an incident
-/// of their own.)
+/// `ranks_on_cpu`). Online and offline: one incident, its root a
+/// `host_contention` of a rank on that CPU naming the neighbour, dated at
+/// the neighbour's step (within 2: the share it takes above the usual
+/// flickers step by step, so the contention is dated from when the
+/// neighbour came among the job's ranks), and every `host_contention`
+/// names it (never a sibling or the agent).
 #[test]
-fn a_noisy_neighbour_among_oversubscribed_ranks_is_found_on_its_cpu() {
+fn a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident_on_its_cpu() {
     let _serial = exclusive();
     let mut layout = TP2_PP2_DP2.to_vec();
     layout.extend(["--host-us", "10000"]);
@@ -420,13 +416,15 @@ fn a_noisy_neighbour_among_oversubscribed_ranks_is_found_on_its_cpu() {
             "{driver}: the launcher stopping its neighbour is no crash:\n{}",
             listing(&found)
         );
-        let first = roots(&found).first().copied().cloned().unwrap_or_default();
+        let r = fault_incidents(&found, Some(5), driver);
+        assert_eq!(r.len(), 1, "{driver}: one incident:\n{}", listing(&found));
+        let first = r[0];
         assert_eq!(
             first["kind"],
             "host_contention",
             "{driver}:\n{}",
             listing(&found)
         );
-        matrix_line(&format!("noisy 8 ranks {driver}"), &found, &first, Some(5));
+        matrix_line(&format!("noisy 8 ranks {driver}"), &found, first, Some(5));
     }
 }

@@ -24,11 +24,11 @@
 //! (at least 3) in a row. An isolated blip (one contended step, then two
 //! uncontended) does not start a run (blips before a neighbour do not date
 //! it). The finding names the step the contention began: the first of the
-//! run, or earlier, the first step of its top preemptor's presence (steps
-//! it took a noticeable share in, at most [`PRESENCE_GAP`] apart: a
-//! neighbour's share flickers on a CPU it shares with several ranks, so
-//! the run can be confirmed steps after it came), the time lost per step
-//! and the top
+//! run, or earlier, the first step of its top preemptor's presence in the
+//! job (steps it took a noticeable share of some rank's thread in, at most
+//! [`PRESENCE_GAP`] apart: a neighbour's share above the usual flickers on
+//! a CPU it shares with several ranks, so a rank's run can be confirmed
+//! steps after it came), the time lost per step and the top
 //! preemptors (command name, pid, time taken; a traced one by its rank,
 //! and whether it is of the same job).
 
@@ -102,13 +102,16 @@ struct Run {
     all_dur: u64,
 }
 
+/// Steps of each rank kept to name a time by its step.
+const RECENT_STEPS: usize = 64;
+
 /// Steps an outsider may take nothing noticeable and still be present.
 const PRESENCE_GAP: u64 = 2;
 
-/// An outsider's presence on a rank's CPU: the steps it took a noticeable
-/// share of the rank's main thread in, from `first_step` (whose window
-/// began at `first_start`) to `last_step`, at most [`PRESENCE_GAP`]
-/// apart.
+/// An outsider's presence among a job's ranks: the steps it took a
+/// noticeable share of a rank's main thread in, from `first_step` (whose
+/// window began at `first_start`) to `last_step`, at most
+/// [`PRESENCE_GAP`] apart.
 #[derive(Clone, Copy, Debug)]
 struct Presence {
     first_step: u64,
@@ -119,8 +122,14 @@ struct Presence {
 #[derive(Default)]
 pub struct ContentionDetector {
     runs: HashMap<u32, Run>,
-    /// Per rank, per outsider process: its presence.
-    presence: HashMap<u32, HashMap<u32, Presence>>,
+    /// Per job (label), per outsider process: its presence.
+    presence: HashMap<String, HashMap<u32, Presence>>,
+    /// The job of each rank judged.
+    jobs: HashMap<u32, String>,
+    /// Per rank, the start and number of its recent steps (to name a
+    /// time by the rank's own step: ranks of a pipeline count theirs
+    /// apart).
+    recent_steps: HashMap<u32, VecDeque<(u64, u64)>>,
     /// Per rank: the share of its recent steps (outside contended runs)
     /// outsiders took, its own baseline; and the share of its latest step.
     usual: HashMap<u32, Usual>,
@@ -218,24 +227,37 @@ impl ContentionDetector {
     pub fn forget(&mut self, tgid: u32) {
         self.runs.remove(&tgid);
         self.usual.remove(&tgid);
-        self.presence.remove(&tgid);
+        self.recent_steps.remove(&tgid);
+        if let Some(job) = self.jobs.remove(&tgid)
+            && !self.jobs.values().any(|j| *j == job)
+        {
+            self.presence.remove(&job);
+        }
     }
 
     /// Outsiders that took a noticeable share of this step (half the
     /// contention share, and `contention_min_lost`) extend or begin their
     /// presence; presences past the gap end.
-    fn note_presence(&mut self, w: &Window, by: &Takers, cfg: &HostDetectConfig) {
+    fn note_presence(&mut self, w: &Window, by: &Takers, job: &str, cfg: &HostDetectConfig) {
         let dur = w.dur().max(1);
         let noticeable = (cfg.contention_min_lost.as_nanos() as u64)
             .max(dur * u64::from(cfg.contention_min_share_pct) / 200);
-        let seen = self.presence.entry(w.tgid).or_default();
+        if self.jobs.get(&w.tgid).is_none_or(|j| j != job) {
+            self.jobs.insert(w.tgid, job.to_string());
+        }
+        let steps = self.recent_steps.entry(w.tgid).or_default();
+        steps.push_back((w.start, w.step));
+        if steps.len() > RECENT_STEPS {
+            steps.pop_front();
+        }
+        let seen = self.presence.entry(job.to_string()).or_default();
         seen.retain(|_, p| w.step.saturating_sub(p.last_step) <= PRESENCE_GAP);
         for (pid, t) in by {
             if t.ns < noticeable {
                 continue;
             }
             if let Some(p) = seen.get_mut(pid) {
-                p.last_step = w.step;
+                p.last_step = p.last_step.max(w.step);
             } else if seen.len() < MAX_PREEMPTORS {
                 seen.insert(
                     *pid,
@@ -262,7 +284,7 @@ impl ContentionDetector {
         // rank and every step, and the agent's own threads are its
         // overhead, not a neighbour.
         by.retain(|pid, t| taker_class(*pid, t, w.tgid, ranks) == TakerClass::Outsider);
-        self.note_presence(w, &by, cfg);
+        self.note_presence(w, &by, ranks.job_of(w.tgid), cfg);
         let lost: u64 = by.values().map(|t| t.ns).sum();
         let dur = w.dur().max(1);
         let share = lost as f64 / dur as f64;
@@ -353,10 +375,18 @@ impl ContentionDetector {
         // Dated from its top preemptor's arrival when that came first.
         let came = top
             .first()
-            .and_then(|(pid, _)| self.presence.get(&w.tgid)?.get(pid))
-            .filter(|p| p.first_step < run.first_step);
+            .and_then(|(pid, _)| self.presence.get(ranks.job_of(w.tgid))?.get(pid))
+            .filter(|p| p.first_start < run.start);
+        // Named by this rank's own step at that time.
         let (first_step, start) = match came {
-            Some(p) => (p.first_step, p.first_start),
+            Some(p) => {
+                let steps = self.recent_steps.get(&w.tgid);
+                let own = steps
+                    .and_then(|s| s.iter().rev().find(|(start, _)| *start <= p.first_start))
+                    .or_else(|| steps.and_then(|s| s.front()))
+                    .map_or(p.first_step, |(_, step)| *step);
+                (own.min(run.first_step), p.first_start.min(run.start))
+            }
             None => (run.first_step, run.start),
         };
         let ms = |ns: u64| ns as f64 / 1e6;
@@ -559,6 +589,21 @@ mod tests {
         assert_eq!((found[0].ranks.clone(), found[0].step), (vec![2], Some(10)));
         assert_eq!(found[0].evidence["run_first_step"], 14);
         assert_eq!(found[0].start_ns, 10 * STEP);
+    }
+
+    /// A neighbour that takes a noticeable share of rank 1 from step 10
+    /// and contends with rank 3 from step 14: rank 3's contention is dated
+    /// from step 10, when the neighbour came among the job's ranks.
+    #[test]
+    fn a_neighbour_is_dated_from_when_it_came_to_any_rank() {
+        let found = run(4, |rank, step| match (rank, step) {
+            (1, 10..) => vec![(77, "noisy", 8)],
+            (3, 14..) => vec![(77, "noisy", 30)],
+            _ => vec![],
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].ranks.clone(), found[0].step), (vec![3], Some(10)));
+        assert_eq!(found[0].evidence["run_first_step"], 14);
     }
 
     /// A neighbour that comes at step 12 on top of a background every
