@@ -23,12 +23,13 @@
 //! ends at three in a row, or, once reported, at `contention_min_steps`
 //! (at least 3) in a row. An isolated blip (one contended step, then two
 //! uncontended) does not start a run (blips before a neighbour do not date
-//! it). The finding names the step the contention began: the first of the
-//! run, or earlier, the first step of its top preemptor's presence in the
-//! job (steps it took a noticeable share of some rank's thread in, at most
-//! [`PRESENCE_GAP`] apart: a neighbour's share above the usual flickers on
-//! a CPU it shares with several ranks, so a rank's run can be confirmed
-//! steps after it came), the time lost per step and the top
+//! it). The finding names the step the contention began: the first step
+//! of its top preemptor's presence in the job (steps it took a noticeable
+//! share of some rank's thread in, at most [`PRESENCE_GAP`] apart: a
+//! neighbour's share above the usual flickers on a CPU it shares with
+//! several ranks, so a rank's run can be confirmed steps after it came, or
+//! begun by a blip of something else just before it), else the run's
+//! first step; the time lost per step and the top
 //! preemptors (command name, pid, time taken; a traced one by its rank,
 //! and whether it is of the same job).
 
@@ -372,11 +373,13 @@ impl ContentionDetector {
         let mut top: Vec<_> = run.by.iter().collect();
         top.sort_by_key(|(pid, t)| (std::cmp::Reverse(t.ns), **pid));
         top.truncate(TOP_PREEMPTORS);
-        // Dated from its top preemptor's arrival when that came first.
+        // Dated from its top preemptor's arrival among the job's ranks:
+        // before the run when the share it took flickered under the bar,
+        // after the run's first step when a blip of something else began
+        // it (the finding is about what took the most).
         let came = top
             .first()
-            .and_then(|(pid, _)| self.presence.get(ranks.job_of(w.tgid))?.get(pid))
-            .filter(|p| p.first_start < run.start);
+            .and_then(|(pid, _)| self.presence.get(ranks.job_of(w.tgid))?.get(pid));
         // Named by this rank's own step at that time.
         let (first_step, start) = match came {
             Some(p) => {
@@ -385,7 +388,7 @@ impl ContentionDetector {
                     .and_then(|s| s.iter().rev().find(|(start, _)| *start <= p.first_start))
                     .or_else(|| steps.and_then(|s| s.front()))
                     .map_or(p.first_step, |(_, step)| *step);
-                (own.min(run.first_step), p.first_start.min(run.start))
+                (own, p.first_start)
             }
             None => (run.first_step, run.start),
         };
@@ -604,6 +607,22 @@ mod tests {
         assert_eq!(found.len(), 1, "{found:#?}");
         assert_eq!((found[0].ranks.clone(), found[0].step), (vec![3], Some(10)));
         assert_eq!(found[0].evidence["run_first_step"], 14);
+    }
+
+    /// Something else's blip at step 8, one quiet step, then a neighbour
+    /// from step 10: the run began at the blip, the finding names the
+    /// neighbour and the step it came.
+    #[test]
+    fn a_blip_of_another_process_just_before_does_not_date_the_neighbour() {
+        let found = run(4, |rank, step| match (rank, step) {
+            (2, 8) => vec![(55, "cron", 30)],
+            (2, 10..) => vec![(77, "noisy", 30)],
+            _ => vec![],
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].ranks.clone(), found[0].step), (vec![2], Some(10)));
+        assert_eq!(found[0].evidence["run_first_step"], 8);
+        assert_eq!(found[0].evidence["preemptors"][0]["pid"], 77);
     }
 
     /// A neighbour that comes at step 12 on top of a background every
