@@ -298,46 +298,45 @@ fn a_clean_job_has_no_incident() {
 
 /// A noisy neighbour (four spinning threads) on rank 1's CPU from step 5
 /// of a 2-rank job of 48 steps with 10 ms of host work per step (the
-/// contention spans more than 1 s, as one must): rank 1 loses time to
-/// it and arrives late, rank 0 waits for it. One incident: its root rank
-/// 1's `host_contention` naming the neighbour, the late arrivals under it.
-/// The launcher's SIGKILL of its neighbour at the end (a traced child of
-/// the launcher, no rank) is no crash. The 8-rank case is [`a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident_on_its_cpu`].
+/// contention spans more than 1 s, as one must), on both flavors: rank 1
+/// loses time to it and arrives late, rank 0 waits for it. One incident:
+/// its root rank 1's `host_contention` naming the neighbour, the late
+/// arrivals under it. The launcher's SIGKILL of its neighbour at the end
+/// (a traced child of the launcher, no rank) is no crash. The 8-rank case
+/// is [`a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident_on_its_cpu`].
 #[test]
 fn a_noisy_neighbour_is_one_incident() {
     let _serial = exclusive();
-    let run = record(
-        "rcnoisy",
-        "nvidia",
-        &["--host-us", "10000"],
-        "48",
-        "cpu_contention:rank=1,from_step=5,threads=4",
-        &[],
-    );
-    let fault = &run.ground_truth["faults"][0];
-    let neighbour = &fault["injected"][0]["neighbour_pid"];
-    for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
-        check_links(&found, driver);
-        let r = fault_incidents(&found, Some(5), driver);
-        assert_eq!(
-            r.len(),
-            1,
-            "{driver}: one incident:\n{}\n{found:#?}",
-            listing(&found)
+    for flavor in ["nvidia", "ascend"] {
+        let run = record(
+            &format!("rcnoisy-{flavor}"),
+            flavor,
+            &["--host-us", "10000"],
+            "48",
+            "cpu_contention:rank=1,from_step=5,threads=4",
+            &[],
         );
-        assert_eq!(r[0]["kind"], "host_contention", "{driver}: {:#}", r[0]);
-        assert_eq!(
-            r[0]["ranks"],
-            serde_json::json!([1]),
-            "{driver}: {:#}",
-            r[0]
-        );
-        assert_eq!(
-            r[0]["evidence"]["preemptors"][0]["pid"], *neighbour,
-            "{driver}: {:#}",
-            r[0]
-        );
-        matrix_line(&format!("noisy 2 ranks {driver}"), &found, r[0], Some(5));
+        let fault = &run.ground_truth["faults"][0];
+        let neighbour = &fault["injected"][0]["neighbour_pid"];
+        for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
+            let what = format!("{flavor} {driver}");
+            check_links(&found, &what);
+            let r = fault_incidents(&found, Some(5), &what);
+            assert_eq!(
+                r.len(),
+                1,
+                "{what}: one incident:\n{}\n{found:#?}",
+                listing(&found)
+            );
+            assert_eq!(r[0]["kind"], "host_contention", "{what}: {:#}", r[0]);
+            assert_eq!(r[0]["ranks"], serde_json::json!([1]), "{what}: {:#}", r[0]);
+            assert_eq!(
+                r[0]["evidence"]["preemptors"][0]["pid"], *neighbour,
+                "{what}: {:#}",
+                r[0]
+            );
+            matrix_line(&format!("noisy 2 ranks {what}"), &found, r[0], Some(5));
+        }
     }
 }
 
