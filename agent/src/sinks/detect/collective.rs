@@ -394,7 +394,13 @@ type LinkSamples<'a> = (CommKey, BTreeSet<u32>, &'a VecDeque<f64>, &'a VecDeque<
 /// The `slow_link` verdict over one job's communicators, if one is slow.
 fn judge_links(cfg: &CollectiveConfig, comms: &[LinkSamples<'_>], now: u64) -> Option<Finding> {
     let min_ops = cfg.link_min_ops.max(1) as usize;
-    let per_comm_of = |device: bool| -> Vec<(CommKey, f64, usize, BTreeSet<u32>)> {
+    // Per communicator: its median time per byte, and what it must stay
+    // above to be slow at all times: the median from the device; from the
+    // host its lower quartile, since a host's samples also hold the time
+    // a member's thread waited for a CPU to see the transfer done (on a
+    // busy or oversubscribed host a share of operations take several
+    // times their time that way; a slow link is slow at its best too).
+    let per_comm_of = |device: bool| -> Vec<(CommKey, f64, usize, BTreeSet<u32>, f64)> {
         comms
             .iter()
             .filter_map(|(k, r, dev, host)| {
@@ -403,7 +409,14 @@ fn judge_links(cfg: &CollectiveConfig, comms: &[LinkSamples<'_>], now: u64) -> O
                     return None;
                 }
                 let mut v: Vec<f64> = samples.iter().copied().collect();
-                Some((*k, median_f64(&mut v), v.len(), r.clone()))
+                let median = median_f64(&mut v);
+                let best = if device {
+                    median
+                } else {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 4]
+                };
+                Some((*k, median, v.len(), r.clone(), best))
             })
             .collect()
     };
@@ -426,9 +439,10 @@ fn judge_links(cfg: &CollectiveConfig, comms: &[LinkSamples<'_>], now: u64) -> O
     // slow.
     let reference = per_comm[(per_comm.len() - 1) / 2].1.max(1e-12);
     let ratio = f64::from(cfg.slow_link_ratio.max(1));
-    type Judged = (CommKey, f64, usize, BTreeSet<u32>);
-    let (slow, fast): (Vec<&Judged>, Vec<&Judged>) =
-        per_comm.iter().partition(|c| c.1 >= ratio * reference);
+    type Judged = (CommKey, f64, usize, BTreeSet<u32>, f64);
+    let (slow, fast): (Vec<&Judged>, Vec<&Judged>) = per_comm
+        .iter()
+        .partition(|c| c.1 >= ratio * reference && c.4 >= ratio * reference);
     if slow.is_empty() {
         return None;
     }
@@ -1209,4 +1223,43 @@ fn dp_allreduces(
 
 fn h_window_len(window: usize, index: u64) -> u64 {
     (window as u64).min(index + 1)
+}
+
+#[cfg(test)]
+mod link_tests {
+    use super::*;
+    use xpuscope_probes::catalog::Library;
+
+    fn samples(v: &[f64]) -> VecDeque<f64> {
+        v.iter().copied().collect()
+    }
+
+    fn ranks(r: &[u32]) -> BTreeSet<u32> {
+        r.iter().copied().collect()
+    }
+
+    /// From the host, a communicator whose operations are several times
+    /// slower only now and then (its members waited for a CPU to see them
+    /// done) is no slow link; one slow at its best too is.
+    #[test]
+    fn a_host_timed_link_is_slow_only_when_slow_at_its_best() {
+        let cfg = CollectiveConfig::default();
+        let none = VecDeque::new();
+        let typical = samples(&[1.0; 8]);
+        let noisy = samples(&[1.0, 1.1, 0.9, 1.0, 4.0, 4.5, 5.0, 4.2, 3.9]);
+        let slow = samples(&[3.5, 4.0, 4.1, 3.8, 4.4, 4.0, 3.9, 4.2]);
+        let key = |n: u64| (Library::Nccl, n);
+        let judged = |suspect: &VecDeque<f64>| {
+            let comms: Vec<LinkSamples<'_>> = vec![
+                (key(1), ranks(&[0, 1]), &none, &typical),
+                (key(2), ranks(&[2, 3]), &none, &typical),
+                (key(3), ranks(&[0, 2]), &none, suspect),
+            ];
+            judge_links(&cfg, &comms, 0)
+        };
+        assert!(judged(&noisy).is_none(), "{:#?}", judged(&noisy));
+        let f = judged(&slow).expect("a slow link");
+        assert_eq!(f.evidence["source"], "host");
+        assert_eq!(f.ranks, vec![0, 2]);
+    }
 }
