@@ -6,6 +6,7 @@
 //! stops on SIGTERM leaving no program behind. Root and eBPF; never skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -754,5 +755,93 @@ fn library_copies_one_job_after_another_reuse_the_probe_slots() {
         std::thread::sleep(Duration::from_millis(200));
     }
 
+    stop_service(&mut agent, &mut stderr);
+}
+
+/// A traced process's child seen between its fork and its exec carries
+/// its parent's environment: once it runs its own program it is listed
+/// with the identity that program was started with (earlier builds: the
+/// listing kept the parent's, no rank, for good). The child waits 1.5 s
+/// between fork and exec, so the service surely lists it before.
+#[test]
+fn a_child_listed_before_its_exec_gets_its_identity_after_it() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fixtures = fixtures::build_all();
+    let dir = TempDir::new("service-fork-exec");
+    let Service {
+        mut agent,
+        mut stderr,
+        socket,
+        ..
+    } = Service::start(dir.path(), "");
+    let lib = fixtures.join("standins/lib/libcudart.so.12");
+    let script = format!(
+        "import ctypes, os, sys, time\n\
+         ctypes.CDLL({lib:?})\n\
+         pid = os.fork()\n\
+         if pid == 0:\n\
+         \x20   time.sleep(1.5)\n\
+         \x20   os.execve('/bin/sleep', ['sleep', '6'], \
+         {{'RANK': '3', 'LOCAL_RANK': '1', 'WORLD_SIZE': '4', 'XPUSCOPE_JOB': 'forkexec'}})\n\
+         print(pid, flush=True)\n\
+         os.waitpid(pid, 0)\n",
+        lib = lib.to_str().unwrap()
+    );
+    let mut parent = Command::new("python3")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .expect("start the parent");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(parent.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let child: u64 = line.trim().parse().expect("the child's pid");
+    let entry = |list: &Value| -> Option<Value> {
+        list.as_array()?
+            .iter()
+            .find(|e| e["pid"].as_u64() == Some(child))
+            .cloned()
+    };
+    // Listed as the parent's copy first, then as its own program.
+    let started = Instant::now();
+    let mut seen_before_exec = false;
+    let listed = loop {
+        let list = ctl(&socket, &["processes"]);
+        if let Some(e) = entry(&list) {
+            if e["comm"] == "python3" {
+                seen_before_exec = true;
+            }
+            if e["rank"] == "3" {
+                break e;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the child {child} not listed with its identity: {list}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(seen_before_exec, "listed before its exec too");
+    assert_eq!(listed["comm"], "sleep", "{listed}");
+    assert_eq!(listed["job"], "forkexec", "{listed}");
+    assert_eq!(listed["world_size"], "4", "{listed}");
+    // Why it is traced stays what it was when first listed (it maps what
+    // its parent mapped, or is its parent's child).
+    assert!(
+        listed["traced_because"]
+            .as_str()
+            .is_some_and(|r| !r.is_empty()),
+        "{listed}"
+    );
+    // The parent and its child (its process group).
+    // SAFETY: a signal to a process group this test started.
+    unsafe { libc::killpg(parent.id() as i32, libc::SIGKILL) };
+    let _ = parent.wait();
     stop_service(&mut agent, &mut stderr);
 }

@@ -445,17 +445,31 @@ impl KernelSide {
         let now: HashSet<u32> = targets.iter().copied().collect();
         self.known.retain(|pid, _| now.contains(pid));
         for &pid in targets {
-            if self.known.contains_key(&pid) {
-                continue;
-            }
-            let Some(stat) = procfs::stat(pid) else {
-                continue; // gone: the kernel prunes it at its exit
+            let known = self.known.get(&pid);
+            // A process described before it executed its program (a rank
+            // forked by a traced launcher, seen between its fork and its
+            // exec) carried its parent's environment: described again once
+            // its name says it ran another program.
+            let earlier_reason = known
+                .and_then(|d| d["traced_because"].as_str())
+                .map(str::to_string);
+            let stat = match known {
+                Some(d) if !d["rank"].is_null() => continue,
+                Some(d) => match procfs::stat(pid) {
+                    Some(stat) if d["comm"] != stat.comm.as_str() => stat,
+                    _ => continue,
+                },
+                None => match procfs::stat(pid) {
+                    Some(stat) => stat,
+                    None => continue, // gone: the kernel prunes it at its exit
+                },
             };
             let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
             let id = RankIdentity::from_environ_with(&environ, &self.job_env.get());
             let reason = reasons
                 .get(&pid)
                 .cloned()
+                .or(earlier_reason)
                 .unwrap_or_else(|| format!("child of {}", stat.ppid));
             let json = json!({
                 "pid": pid,
