@@ -741,14 +741,33 @@ impl Attacher for AyaAttacher<'_> {
         // A thread of the agent's own (its name marks it as the agent's
         // for the contention detector): the kernel side goes on attaching
         // while the kernel waits on each close.
+        let release = Closing {
+            links,
+            closed: Some(closed),
+        };
         let spawned = std::thread::Builder::new()
             .name("xpuscope-release".into())
-            .spawn(move || {
-                drop(links);
-                closed();
-            });
+            .spawn(move || drop(release));
         if let Err(e) = spawned {
-            tracing::warn!("device probes: no thread to release probes on ({e}); kept until exit");
+            // The release was dropped with the thread's closure: closed
+            // here, slowly.
+            tracing::warn!("device probes: no thread to release probes on ({e}); released here");
+        }
+    }
+}
+
+/// Links being closed: dropping it closes them, then reports it, wherever
+/// it is dropped (on its thread, or here when no thread could start).
+struct Closing<L> {
+    links: Vec<L>,
+    closed: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl<L> Drop for Closing<L> {
+    fn drop(&mut self) {
+        self.links.clear();
+        if let Some(closed) = self.closed.take() {
+            closed();
         }
     }
 }
