@@ -39,6 +39,15 @@ const TOLERANCE_NS: i64 = 50_000;
 /// commit b336322), or two busy loops on the same CPUs, node 1 came out
 /// 22-59 us off (5 runs): twice the two-node bound holds that.
 const TOLERANCE_16_RANKS_NS: i64 = 100_000;
+/// A node that the causality joins to node 0 only through intervals wider
+/// than this (all-reduces lasting milliseconds, with no pipeline send
+/// between the two) is placed by those intervals' midpoints, which a
+/// systematic arrival order or wake-up asymmetry between the nodes pulls
+/// by half its size: the fresh-clone run of commit 5816acd, with other
+/// end-to-end tests on the two CPUs, put nodes 1 and 3 of the 16-rank job
+/// 424 us off together, inside the 7.7 ms the merge stated. Such a node is
+/// held to what the merge states and to this.
+const LOOSE_CHAIN_NS: i64 = 1_000_000;
 
 fn timeline(path: &Path) -> Timeline {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -207,20 +216,49 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
     let nodes = st["nodes"].as_array().expect("nodes");
     assert_eq!(nodes.len(), run.nodes.len());
     assert_eq!(nodes[0]["offset_ns"], 0);
-    let off = nodes[1]["offset_ns"].as_i64().expect("offset");
-    assert!(
-        (off + D_NS).abs() <= tolerance_ns,
-        "node 1's offset {off} ns, expected {} ns within {tolerance_ns}",
-        -D_NS
-    );
+    // Every node's alignment error: node 1 was shifted by D, the others
+    // share node 0's clock. Held to the tolerance (twice it for nodes 2
+    // and up, which nothing shifted) where a tight chain of bounds joins
+    // the node to node 0, else to what the merge states; the truth always
+    // lies inside the interval the merge states.
+    let mut max_err = 0;
+    let mut node1_bar = tolerance_ns;
+    for (k, n) in nodes.iter().enumerate().skip(1) {
+        let truth = if k == 1 { -D_NS } else { 0 };
+        let off = n["offset_ns"].as_i64().expect("offset");
+        let err = off - truth;
+        let bounds = n["bounds_ns"]
+            .as_array()
+            .map(|b| (b[0].as_i64().unwrap(), b[1].as_i64().unwrap()));
+        if let Some((lo, hi)) = bounds {
+            assert!(
+                lo <= truth && truth <= hi,
+                "node {k}: the true offset {truth} ns outside the stated {lo}..{hi}"
+            );
+        }
+        let bar = match bounds {
+            Some((lo, hi)) if (hi - lo) / 2 > LOOSE_CHAIN_NS => LOOSE_CHAIN_NS,
+            _ if k == 1 => tolerance_ns,
+            _ => 2 * tolerance_ns,
+        };
+        assert!(
+            err.abs() <= bar,
+            "node {k}'s offset {off} ns, expected {truth} ns within {bar} (bounds {bounds:?})"
+        );
+        max_err = max_err.max(err.abs());
+        if k == 1 {
+            node1_bar = bar;
+        }
+    }
+    // The correction over REALTIME is node 1's offset error plus the wall
+    // clock's: E, give or take the offset's error and the microseconds
+    // between two agents' clock snapshots.
     let corr = nodes[1]["correction_ns"].as_i64().expect("correction");
     assert!(
-        (corr + E_NS).abs() <= tolerance_ns,
+        (corr + E_NS).abs() <= node1_bar + TOLERANCE_NS,
         "correction over REALTIME {corr} ns, expected {} ns",
         -E_NS
     );
-    // The largest alignment error of any node (all share one real clock).
-    let mut max_err = (off + D_NS).abs();
     for (k, n) in nodes.iter().enumerate() {
         assert_eq!(
             n["hostname"],
@@ -234,15 +272,6 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
             n["residual_median_ns"].as_u64().unwrap() < 1_000_000,
             "{n:#}"
         );
-        if k >= 2 {
-            // Recorded on the same clock as node 0, not shifted.
-            let off = n["offset_ns"].as_i64().unwrap();
-            assert!(
-                off.abs() <= 2 * tolerance_ns,
-                "node {k} offset {off} ns, expected 0"
-            );
-            max_err = max_err.max(off.abs());
-        }
         let want: Vec<u64> = run.nodes[k]["node"]["ranks"]
             .as_array()
             .unwrap()

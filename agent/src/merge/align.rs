@@ -88,7 +88,9 @@ pub struct Alignment {
     pub residual_p90_ns: Option<u64>,
     pub method: Method,
     /// The interval the collectives' causality leaves for the offset
-    /// (lower, upper), when both sides are bounded.
+    /// (lower, upper) relative to the first node, through every chain of
+    /// bounded pairs that joins the node to it; none when no chain does
+    /// or the pairs' intervals contradict each other.
     pub bounds_ns: Option<(i64, i64)>,
 }
 
@@ -210,6 +212,9 @@ fn pair_interval(nodes: &[NodeClock<'_>], k: usize, j: usize) -> Option<(i64, i6
 struct Edge {
     k: usize,
     j: usize,
+    /// The interval for `o_k - o_j`.
+    lo: i64,
+    hi: i64,
     /// Midpoint for `o_k - o_j`.
     mid: f64,
     /// 1 / half width squared: a tight interval outweighs a loose one.
@@ -230,6 +235,8 @@ fn edges(nodes: &[NodeClock<'_>]) -> Vec<Edge> {
                 out.push(Edge {
                     k,
                     j,
+                    lo,
+                    hi,
                     mid: lo as f64 + half,
                     weight: 1.0 / (half * half).max(1.0),
                 });
@@ -348,6 +355,59 @@ fn fit_bounded(offsets: &mut [i64], edges: &[Edge]) -> Vec<bool> {
     placed
 }
 
+/// What the pairs' intervals together allow for each node's offset
+/// relative to node 0: `o_k - o_j` in `[lo, hi]` for every bounded pair is
+/// a system of difference constraints, whose tightest consequence for
+/// `o_a - o_0` is the shortest path over the pairs (Bellman-Ford): the
+/// upper end from node 0 to a, the lower end from a back to node 0. A
+/// node joined to node 0 only through loose pairs gets the loose
+/// interval, however tight its own pairs are: that, not the interval
+/// given the others' estimates, is how far off its offset can be. None
+/// for a node no chain joins to node 0, and for every node when the
+/// intervals contradict each other (a negative cycle: operations matched
+/// wrongly or not waiting as assumed).
+fn chained_bounds(n: usize, edges: &[Edge]) -> Vec<Option<(i64, i64)>> {
+    // Arcs u -> v with weight w mean o_v - o_u <= w.
+    let mut arcs: Vec<(usize, usize, i64)> = Vec::with_capacity(2 * edges.len());
+    for e in edges {
+        arcs.push((e.j, e.k, e.hi));
+        arcs.push((e.k, e.j, e.lo.saturating_neg()));
+    }
+    let shortest = |arcs: &[(usize, usize, i64)]| -> Option<Vec<Option<i64>>> {
+        let mut dist: Vec<Option<i64>> = vec![None; n];
+        if n > 0 {
+            dist[0] = Some(0);
+        }
+        for round in 0..=n {
+            let mut changed = false;
+            for &(u, v, w) in arcs {
+                if let Some(du) = dist[u] {
+                    let d = du.saturating_add(w);
+                    if dist[v].is_none_or(|dv| d < dv) {
+                        dist[v] = Some(d);
+                        changed = true;
+                    }
+                }
+            }
+            if !changed {
+                return Some(dist);
+            }
+            if round == n {
+                // Still shrinking after n rounds: a negative cycle.
+                return None;
+            }
+        }
+        Some(dist)
+    };
+    let reversed: Vec<(usize, usize, i64)> = arcs.iter().map(|&(u, v, w)| (v, u, w)).collect();
+    let (Some(upper), Some(back)) = (shortest(&arcs), shortest(&reversed)) else {
+        return vec![None; n];
+    };
+    (0..n)
+        .map(|a| Some((back[a]?.saturating_neg(), upper[a]?)))
+        .collect()
+}
+
 fn realtime_offset(
     snapshot: Option<ClockSnapshot>,
     reference: Option<ClockSnapshot>,
@@ -386,8 +446,9 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
     // The causality bounds: the best fit of every bounded pair's
     // midpoint, then each node moved into its own interval if the fit
     // left it outside (the intervals move with the others' offsets).
-    let placed = fit_bounded(&mut offsets, &edges(nodes));
-    let mut bounded: Vec<Option<(i64, i64)>> = vec![None; n];
+    let edges = edges(nodes);
+    let placed = fit_bounded(&mut offsets, &edges);
+    let chained = chained_bounds(n, &edges);
     for _round in 0..60 {
         let mut moved = 0i64;
         for k in (1..n).filter(|&k| placed[k]) {
@@ -397,9 +458,6 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
                 let inside = offsets[k].clamp(lo, hi);
                 moved = moved.max((inside - offsets[k]).abs());
                 offsets[k] = inside;
-                bounded[k] = Some((lo, hi));
-            } else {
-                bounded[k] = None;
             }
         }
         if moved < 1 {
@@ -434,7 +492,7 @@ pub fn align(nodes: &[NodeClock<'_>]) -> Vec<Alignment> {
                 residual_median_ns: pct(0.5),
                 residual_p90_ns: pct(0.9),
                 method,
-                bounds_ns: bounded[k],
+                bounds_ns: if k > 0 { chained[k] } else { None },
             }
         })
         .collect()
@@ -669,8 +727,10 @@ mod tests {
             (30_000..=60_000).contains(&(o1 - o2)),
             "the bounds' midpoint inside the pair: {o1} {o2}"
         );
-        let (lo, hi) = al[2].bounds_ns.unwrap();
-        assert!(lo <= o2 && o2 <= hi, "{lo} {o2} {hi}");
+        // Bounded among themselves, by no chain to node 0: how far off
+        // the pair is from node 0 is not something the causality says.
+        assert_eq!(al[1].bounds_ns, None);
+        assert_eq!(al[2].bounds_ns, None);
     }
 
     #[test]
@@ -723,6 +783,18 @@ mod tests {
         for (k, a) in al.iter().enumerate().skip(1) {
             assert_eq!(a.method, Method::Bounds, "node {k}");
             assert!(a.offset_ns.abs() <= 20_000, "node {k}: {a:?}");
+            let (lo, hi) = a.bounds_ns.expect("chained to node 0");
+            assert!(lo <= 0 && 0 <= hi, "node {k}: the truth inside {lo}..{hi}");
+        }
+        // Node 2 hangs on node 0 by tight sends; nodes 1 and 3 only through
+        // a 7.7 ms all-reduce, whatever their own sends: the bounds say so.
+        let half = |k: usize| {
+            let (lo, hi) = al[k].bounds_ns.unwrap();
+            (hi - lo) / 2
+        };
+        assert!(half(2) < 300_000, "node 2: {:?}", al[2].bounds_ns);
+        for k in [1, 3] {
+            assert!(half(k) > 7_000_000, "node {k}: {:?}", al[k].bounds_ns);
         }
     }
 

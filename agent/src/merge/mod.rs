@@ -386,11 +386,11 @@ impl MergeReport {
                 a.residual_p90_ns.map_or("-".into(), |v| us(v as i64)),
                 a.matched_collectives,
                 a.method,
-                // The causality interval's half width: the most the
-                // offset can be off, given the others'.
+                // The most the offset can be off: its distance to the
+                // far end of what the causality allows relative to node 0.
                 a.bounds_ns.map_or(String::new(), |(lo, hi)| format!(
                     ", within {}",
-                    us((hi - lo) / 2)
+                    us((a.offset_ns - lo).max(hi - a.offset_ns))
                 ))
             );
         }
