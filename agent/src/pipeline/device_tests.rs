@@ -13,7 +13,7 @@ use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, dec
 use super::testing::TestPipeline;
 use crate::events::Event;
 use crate::kernel::probes::TableUpdate;
-use crate::model::RankIdentity;
+use crate::model::{RankIdentity, Record};
 
 fn entry(ts: u64, ip: u64, args: [u64; 6]) -> Event {
     Event::ProbeEntry(Box::new(UprobeEntry {
@@ -126,6 +126,69 @@ fn device_calls_become_slices_and_counters() {
     assert_eq!(stats.device.calls, 3);
     assert_eq!(stats.device.errors, 1);
     assert_eq!(stats.device.returns_without_entry, 1);
+}
+
+/// A process whose calls hit probes attached by file before its own plan
+/// came (a new rank of a job whose libraries are probed already, on a
+/// loaded machine): its identity is read at its first call, so its track
+/// and every sink name it by its rank from that call on, and the plan's
+/// later identity is not sent again.
+#[test]
+fn calls_decoded_by_slot_before_the_plan_carry_the_process_identity() {
+    let identity = RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0");
+    let mut b = TestPipeline::with_identities([(42, identity.clone())].into());
+    let target = ProbeTarget {
+        library: Library::Nccl,
+        function: Library::Nccl.function("ncclAllReduce").unwrap(),
+        sp_delta: 0,
+    };
+    b.slots_added(vec![(5, target)]);
+    let slotted = |e: Event| match e {
+        Event::ProbeEntry(mut x) => {
+            x.slot = 5;
+            Event::ProbeEntry(x)
+        }
+        Event::ProbeReturn(mut x) => {
+            x.slot = 5;
+            Event::ProbeReturn(x)
+        }
+        other => other,
+    };
+    b.handle(slotted(entry(
+        1_000,
+        0x1000,
+        [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0],
+    )));
+    b.handle(slotted(ret(9_000, 0x1000, 0, &[])));
+    b.probes_added(TableUpdate {
+        tgid: 42,
+        probes: vec![(0x1000, 5, target)],
+        identity,
+        maps: Default::default(),
+    });
+    b.handle(entry(
+        10_000,
+        0x1000,
+        [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0],
+    ));
+    b.handle(ret(12_000, 0x1000, 0, &[]));
+    let records = b.records();
+    let identities: Vec<usize> = records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| matches!(r, Record::Identity { tgid: 42, .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let first_call = records
+        .iter()
+        .position(|r| matches!(r, Record::DeviceCall(_)))
+        .expect("the calls");
+    assert_eq!(identities.len(), 1, "one identity: {records:?}");
+    assert!(identities[0] < first_call, "before the first call");
+    let (bytes, stats) = b.finish(20_000);
+    assert_eq!(stats.device.calls, 2);
+    let tl = Timeline::new(&decode(&bytes).unwrap());
+    assert_eq!(tl.processes[&42].name.as_deref(), Some("rank 1/2 job j"));
 }
 
 fn builder() -> TestPipeline {

@@ -3,14 +3,18 @@
 //! in order on the calling thread (no queues, nothing lost), so a test can
 //! feed a small known story and decode the trace back.
 
+use std::collections::HashMap;
+
 use xpuscope_perfetto::TraceWriter;
 use xpuscope_probes::decode::Decoded;
+use xpuscope_probes::decode::table::ProbeTarget;
 
 use super::enrich::LiveEnricher;
 use super::interpret::Interpreter;
 use crate::events::Event;
 use crate::kernel::probes::TableUpdate;
 use crate::model::Record;
+use crate::model::identity::RankIdentity;
 use crate::procfs::ProcessEntry;
 use crate::sinks::perfetto::PerfettoSink;
 use crate::sinks::summary::offcpu::OffCpuSummary;
@@ -23,6 +27,7 @@ pub struct TestPipeline {
     trace: PerfettoSink<Vec<u8>>,
     summary: SummarySink,
     lost: SinkCounters,
+    delivered: Vec<Record>,
 }
 
 /// The device counters tests check, from both stages.
@@ -44,6 +49,13 @@ pub struct TestStats {
 
 impl TestPipeline {
     pub fn new() -> Self {
+        Self::with_identities(HashMap::new())
+    }
+
+    /// With the rank identities the live system would give these
+    /// processes (none for any other: the test's pids are not this
+    /// machine's).
+    pub fn with_identities(identities: HashMap<u32, RankIdentity>) -> Self {
         let mut trace = PerfettoSink::new(TraceWriter::new(Vec::new()));
         trace
             .writer()
@@ -54,14 +66,22 @@ impl TestPipeline {
             .expect("writing to a Vec cannot fail");
         Self {
             interpreter: Interpreter::default(),
-            enricher: LiveEnricher::default(),
+            enricher: LiveEnricher::default()
+                .with_identities(Box::new(move |pid| identities.get(&pid).cloned())),
             trace,
             summary: SummarySink::default(),
             lost: SinkCounters::default(),
+            delivered: Vec::new(),
         }
     }
 
+    /// Every record delivered so far, in order.
+    pub fn records(&self) -> Vec<Record> {
+        self.delivered.clone()
+    }
+
     fn deliver(&mut self, out: Vec<Record>) {
+        self.delivered.extend(out.iter().cloned());
         self.trace.on_batch(&out, &self.lost).unwrap();
         self.summary.on_batch(&out, &self.lost).unwrap();
     }
@@ -83,6 +103,11 @@ impl TestPipeline {
         let mut out = Vec::new();
         self.interpreter.drops(ts, cpus.to_vec(), total, &mut out);
         self.deliver(out);
+    }
+
+    /// Probe slots attached by file, ahead of any process's plan.
+    pub fn slots_added(&mut self, slots: Vec<(u32, ProbeTarget)>) {
+        self.interpreter.slots_added(slots);
     }
 
     pub fn probes_added(&mut self, update: TableUpdate) {

@@ -29,7 +29,7 @@ use super::notify::Notifier;
 use super::seam::KernelNotAttached;
 use super::seam::{JobEnv, LevelSwitch, Running};
 use crate::host;
-use crate::pipeline::enrich::LiveEnricher;
+use crate::pipeline::enrich::{LiveEnricher, identities_from_proc};
 use crate::pipeline::{PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::flight_recorder::{
@@ -323,9 +323,13 @@ where
     let (announce, announce_rx) = std::sync::mpsc::channel();
     let caches = sources.caches.clone();
     let interpret_counters = sources.interpret.clone();
+    let job_env = JobEnv::new(&cfg.labels.job_env);
+    let pipeline_job_env = job_env.clone();
     let pipeline = crate::pipeline::start_thread(
         move || {
-            let mut pipeline = Pipeline::new(LiveEnricher::with_caches(caches), fanout)
+            let enricher = LiveEnricher::with_caches(caches)
+                .with_identities(identities_from_proc(move || pipeline_job_env.get()));
+            let mut pipeline = Pipeline::new(enricher, fanout)
                 .with_published_counters(interpret_counters)
                 .with_findings(findings_rx)
                 .with_announcements(announce_rx);
@@ -347,7 +351,6 @@ where
         ));
     }
     let traced = Arc::new(Mutex::new(BTreeMap::new()));
-    let job_env = JobEnv::new(&cfg.labels.job_env);
     let control: Arc<dyn Control> = Arc::new(ServiceControl {
         config_path,
         running: Mutex::new(cfg.clone()),

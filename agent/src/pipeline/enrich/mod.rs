@@ -2,7 +2,8 @@
 //! the pipeline thread the moment a record needs it, before any sink sees
 //! the record: symbolized stacks (blazesym), process command lines, kernel
 //! names in the applications' memory. (Rank identity is read earlier still,
-//! when device probes are planned: see `TableUpdate`.)
+//! when device probes are planned: see `TableUpdate`; and here, for a
+//! process whose calls come before its plan does.)
 //!
 //! The interpret stage asks through the [`Enrich`] trait, so it stays pure
 //! and testable with [`fake::FakeEnricher`]; [`LiveEnricher`] is the real
@@ -17,8 +18,11 @@ pub mod unwind;
 use xpuscope_probes::activity::names::RemoteStrings;
 use xpuscope_probes::maps::ProcessMaps;
 
+use std::sync::Arc;
+
 use crate::events::UserCopy;
 use crate::model::SymFrame;
+use crate::model::identity::{RankIdentity, default_job_env};
 use crate::procfs;
 use python::{PyOutcome, PythonStacks};
 use symbolize::StackSymbolizer;
@@ -77,6 +81,11 @@ pub trait Enrich {
     fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser>;
     /// A NUL-terminated string at `ptr` in process `tgid` (kernel names).
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String>;
+    /// Rank identity from process `pid`'s environment; `None` when it
+    /// cannot be read (gone).
+    fn identity(&mut self, _pid: u32) -> Option<RankIdentity> {
+        None
+    }
     /// argv of process `pid` (empty when gone).
     fn cmdline(&mut self, pid: u32) -> Vec<String>;
     /// The parent of process `pid` (0 when gone).
@@ -94,6 +103,22 @@ pub trait Enrich {
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps);
 }
 
+/// Where a process's rank identity comes from: its environment in
+/// `/proc` (with the job label's variables as configured now: the service
+/// reloads them); a table in tests.
+pub type IdentitySource = Box<dyn FnMut(u32) -> Option<RankIdentity> + Send>;
+
+/// An [`IdentitySource`] reading `/proc/PID/environ`, the job label from
+/// the first of `job_env()`'s variables the process sets.
+pub fn identities_from_proc(
+    job_env: impl Fn() -> Arc<[String]> + Send + 'static,
+) -> IdentitySource {
+    Box::new(move |pid| {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        Some(RankIdentity::from_environ_with(&environ, &job_env()))
+    })
+}
+
 /// The real enricher: blazesym, `/proc`, `/proc/PID/mem`.
 pub struct LiveEnricher {
     symbolizer: StackSymbolizer,
@@ -101,6 +126,7 @@ pub struct LiveEnricher {
     unwind: CfiUnwind,
     python: PythonStacks,
     caches: CacheCounters,
+    identities: IdentitySource,
 }
 
 impl Default for LiveEnricher {
@@ -118,7 +144,14 @@ impl LiveEnricher {
             unwind: CfiUnwind::with_stats(caches.cfi.clone()),
             python: PythonStacks::with_stats(caches.python.clone()),
             caches,
+            identities: identities_from_proc(|| default_job_env().into()),
         }
+    }
+
+    /// Rank identities from `source`.
+    pub fn with_identities(mut self, source: IdentitySource) -> Self {
+        self.identities = source;
+        self
     }
 }
 
@@ -162,6 +195,10 @@ impl Enrich for LiveEnricher {
             .get(tgid, ptr)
             .map(|s| s.to_string())
             .map_err(|e| e.to_string())
+    }
+
+    fn identity(&mut self, pid: u32) -> Option<RankIdentity> {
+        (self.identities)(pid)
     }
 
     fn cmdline(&mut self, pid: u32) -> Vec<String> {

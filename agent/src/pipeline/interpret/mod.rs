@@ -339,6 +339,7 @@ impl Interpreter {
         self.note_thread(e.tid, e.tgid, &new);
         // A new program: addresses cached for the old one mean nothing now.
         en.process_exec(e.tgid);
+        self.device.process_exec(e.tgid);
         let process = Box::new(ProcessStart {
             ts: e.ts,
             pid: e.tgid,

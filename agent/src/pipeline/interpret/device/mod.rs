@@ -8,7 +8,7 @@ mod flood;
 mod sites;
 mod streams;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use sites::{AllocSites, TOP_SITES};
 use streams::{CollectiveView, DeviceStreams, HeldCall, HostCall, OpenWindow, StreamKey, Work};
@@ -33,6 +33,9 @@ pub struct DeviceInterpreter {
     decoder: Decoder,
     /// Processes whose identity was sent.
     identified: HashMap<u32, ()>,
+    /// Processes whose environment could not be read at their first call
+    /// (gone already): their identity waits for their probes' plan.
+    unreadable: HashSet<u32>,
     out: Vec<Decoded>,
     /// Device-stream state (activity records, estimates, held calls).
     streams: DeviceStreams,
@@ -47,6 +50,7 @@ impl Default for DeviceInterpreter {
         Self {
             decoder: Decoder::new(Default::default()),
             identified: HashMap::new(),
+            unreadable: HashSet::new(),
             out: Vec::new(),
             streams: DeviceStreams::default(),
             sites: AllocSites::default(),
@@ -85,6 +89,36 @@ impl DeviceInterpreter {
                 identity: Box::new(update.identity),
             });
         }
+    }
+
+    /// A process's rank identity before its first call's record. Probes
+    /// attached by file record a new process's calls at once (decoded by
+    /// slot), while its plan, which reads its identity too, comes on the
+    /// planner's next round: on a loaded machine after its first calls,
+    /// which every sink would then see without a rank.
+    fn identify(&mut self, tgid: u32, en: &mut dyn Enrich, out: &mut Vec<Record>) {
+        if self.identified.contains_key(&tgid) || self.unreadable.contains(&tgid) {
+            return;
+        }
+        match en.identity(tgid) {
+            Some(identity) => {
+                self.identified.insert(tgid, ());
+                out.push(Record::Identity {
+                    tgid,
+                    identity: Box::new(identity),
+                });
+            }
+            None => {
+                self.unreadable.insert(tgid);
+            }
+        }
+    }
+
+    /// `tgid` runs another program: its environment, and so its identity,
+    /// may be another.
+    pub fn process_exec(&mut self, tgid: u32) {
+        self.identified.remove(&tgid);
+        self.unreadable.remove(&tgid);
     }
 
     /// Probes attached by file ahead of any process mapping them: their
@@ -189,6 +223,7 @@ impl DeviceInterpreter {
             self.flood.process_ended(tgid, out);
             self.sites.forget_process(tgid);
             self.identified.remove(&tgid);
+            self.unreadable.remove(&tgid);
         } else {
             self.streams.current_device.remove(&(tgid, tid));
             self.decoder.thread_exited(tgid, tid, &mut decoded);
@@ -267,9 +302,13 @@ impl DeviceInterpreter {
     ) {
         for d in decoded.drain(..) {
             match d {
-                Decoded::Call(call) => self.device_call(call, out),
+                Decoded::Call(call) => {
+                    self.identify(call.tgid, en, out);
+                    self.device_call(call, out)
+                }
                 Decoded::Activity(a) => self.device_activity(&a, en, out),
                 Decoded::Unmatched(Unmatched::EntryWithoutReturn { call, reason }) => {
+                    self.identify(call.tgid, en, out);
                     let mut r = self.record(*call);
                     r.unmatched = Some(reason);
                     out.push(Record::DeviceCall(Box::new(r)));
