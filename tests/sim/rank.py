@@ -92,6 +92,7 @@ def parse_args(argv):
     p.add_argument("--activity-api", action="store_true")
     p.add_argument("--activity-log")
     p.add_argument("--slow")
+    p.add_argument("--host-work")
     p.add_argument("--stall")
     p.add_argument("--leak")
     p.add_argument("--crash")
@@ -119,6 +120,7 @@ class Rank:
         self.leaked = []
         self.hang_inside_logged = False
         self.slow = num_at(args.slow) if args.slow else (1.0, -1)
+        self.host_work = num_at(args.host_work, int) if args.host_work else (0, -1)
         self.stall = num_at(args.stall, int) if args.stall else (0, -1)
         self.leak = num_at(args.leak, int) if args.leak else (0, -1)
         self.crash = num_at(args.crash, int) if args.crash else (0, -1)
@@ -396,7 +398,9 @@ def optimizer_step(r: Rank) -> None:
 
 
 def dispatch_host_work(r: Rank) -> None:
-    cpu_work_us(r.a.host_us)
+    extra_ms, from_step = r.host_work
+    extra = extra_ms * 1000 if 0 <= from_step <= r.step else 0
+    cpu_work_us(r.a.host_us + extra)
 
 
 def train_step(r: Rank, q: queue.Queue) -> None:
@@ -407,6 +411,8 @@ def train_step(r: Rank, q: queue.Queue) -> None:
     if r.step == crash_step:
         r.log.fault("crash", r.step, signal=sig)
         crash_now(sig)
+    if r.step == r.host_work[1]:
+        r.log.fault("host_work", r.step, ms=r.host_work[0])
     if r.step == r.slow[1]:
         r.log.fault("slow", r.step, factor=r.slow[0])
     rng = r.dev.range_start(f"step {r.step}")

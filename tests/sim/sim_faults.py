@@ -8,6 +8,8 @@ the operations the rank issues on that communicator, the start-up broadcast
 included (see sim_layout.collectives_per_step), as the stand-ins count them.
 
   slow            rank, factor=3, from_step=0      compute kernels take factor x longer
+  host_work       rank, ms, from_step=0            the main thread spends ms more CPU time
+                                                   on host work every step (host-bound)
   hang            rank, step | comm+seq            stop before that collective (the
                                                    step's DP gradient all-reduce for step=)
   hang_inside     rank, seq (0-based)              STANDIN_*_HANG_AT_SEQ: block inside the
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 KINDS = {
     "slow": {"rank": int, "factor": float, "from_step": int},
+    "host_work": {"rank": int, "ms": int, "from_step": int},
     "hang": {"rank": int, "step": int, "comm": str, "seq": int},
     "hang_inside": {"rank": int, "seq": int},
     "delay": {"rank": int, "ms": int, "step": int, "comm": str, "seq": int},
@@ -50,6 +53,7 @@ DEVICE_ERROR_CODE = {"nvidia": 100, "ascend": 507000}
 
 DEFAULTS = {
     "slow": {"factor": 3.0, "from_step": 0},
+    "host_work": {"from_step": 0},
     "cpu_contention": {"from_step": 0, "threads": 2, "duration_ms": 0},
     "mem_leak": {"mb": 64, "from_step": 0},
     "slow_link": {"factor": 4.0},
@@ -59,6 +63,7 @@ DEFAULTS = {
 REQUIRED = {
     "hang_inside": ["seq"],
     "delay": ["ms"],
+    "host_work": ["ms"],
     "dataloader_stall": ["step", "ms"],
     "crash": ["step"],
     "device_error": ["step"],
@@ -176,6 +181,8 @@ def injections(faults: list[Fault], flavor: str) -> dict[int, RankInjection]:
         p = f.params
         if f.kind == "slow":
             inj.args += ["--slow", f"{p['factor']}@{p['from_step']}"]
+        elif f.kind == "host_work":
+            inj.args += ["--host-work", f"{p['ms']}@{p['from_step']}"]
         elif f.kind == "hang":
             if "step" in p:
                 inj.args += ["--hang-step", str(p["step"])]
@@ -209,6 +216,7 @@ def injections(faults: list[Fault], flavor: str) -> dict[int, RankInjection]:
 # The kind of the rank's own {"event":"fault"} line for each fault kind.
 EVENT_KIND = {
     "slow": "slow",
+    "host_work": "host_work",
     "hang": "hang",
     "hang_inside": "hang_inside",
     "delay": "delay",

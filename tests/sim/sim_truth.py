@@ -100,6 +100,10 @@ def fault_truth(job, fault: sim_faults.Fault, events_by_rank: dict[int, list[dic
         expected = {"slowed_rank": r, "compute_factor": p["factor"], "from_step": p["from_step"],
                     "note": "the rank's kernel_ns grows by factor; every rank's step time "
                             "grows through the collectives, peers wait in them"}
+    elif fault.kind == "host_work":
+        expected = {"host_bound_rank": r, "extra_host_ms": p["ms"], "from_step": p["from_step"],
+                    "note": "the rank's host_ns grows by ms; it arrives last at the "
+                            "collectives, its peers wait in them"}
     elif fault.kind in ("hang", "delay"):
         if "step" in p:
             dp = job.layout.dp_comm_of(r)

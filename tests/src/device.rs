@@ -113,6 +113,7 @@ pub fn finding_kind_of(fault: &str) -> &'static str {
         "crash" => "crash",
         "slow_link" => "slow_link",
         "cpu_contention" => "host_contention",
+        "host_work" => "host_bound",
         _ => "?",
     }
 }

@@ -39,15 +39,17 @@ const TOLERANCE_NS: i64 = 50_000;
 /// commit b336322), or two busy loops on the same CPUs, node 1 came out
 /// 22-59 us off (5 runs): twice the two-node bound holds that.
 const TOLERANCE_16_RANKS_NS: i64 = 100_000;
-/// A node that the causality joins to node 0 only through intervals wider
-/// than this (all-reduces lasting milliseconds, with no pipeline send
-/// between the two) is placed by those intervals' midpoints, which a
-/// systematic arrival order or wake-up asymmetry between the nodes pulls
-/// by half its size: the fresh-clone run of commit 5816acd, with other
-/// end-to-end tests on the two CPUs, put nodes 1 and 3 of the 16-rank job
-/// 424 us off together, inside the 7.7 ms the merge stated. Such a node is
-/// held to what the merge states and to this.
-const LOOSE_CHAIN_NS: i64 = 1_000_000;
+/// A node is placed by the midpoints of the causality intervals that join
+/// it to node 0, each off by half the difference of its two sides'
+/// quickest wake-ups after a collective: a share of the interval's width
+/// that a loaded host makes larger. Fresh-clone CI runs, with other
+/// end-to-end tests on the two CPUs, put nodes off by 5.5 % of their
+/// stated half width (the 16-rank job's nodes 1 and 3 424 us off, inside
+/// the 7.7 ms stated; commit 5816acd) and 8.2 % (a two-node job's node 1
+/// 71 us off, inside 864 us; the commit after it). A node is held to the
+/// tolerance or this fraction of its stated half width, whichever is
+/// larger, and always to the interval the merge states.
+const HALF_WIDTH_FRACTION: i64 = 6;
 
 fn timeline(path: &Path) -> Timeline {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -218,9 +220,9 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
     assert_eq!(nodes[0]["offset_ns"], 0);
     // Every node's alignment error: node 1 was shifted by D, the others
     // share node 0's clock. Held to the tolerance (twice it for nodes 2
-    // and up, which nothing shifted) where a tight chain of bounds joins
-    // the node to node 0, else to what the merge states; the truth always
-    // lies inside the interval the merge states.
+    // and up, which nothing shifted) or to a share of the interval the
+    // merge states, whichever is larger; the truth always lies inside that
+    // interval.
     let mut max_err = 0;
     let mut node1_bar = tolerance_ns;
     for (k, n) in nodes.iter().enumerate().skip(1) {
@@ -236,11 +238,14 @@ fn check_merge(run: &ClusterRun, tolerance_ns: i64) {
                 "node {k}: the true offset {truth} ns outside the stated {lo}..{hi}"
             );
         }
-        let bar = match bounds {
-            Some((lo, hi)) if (hi - lo) / 2 > LOOSE_CHAIN_NS => LOOSE_CHAIN_NS,
-            _ if k == 1 => tolerance_ns,
-            _ => 2 * tolerance_ns,
+        let tolerance = if k == 1 {
+            tolerance_ns
+        } else {
+            2 * tolerance_ns
         };
+        let bar = bounds.map_or(tolerance, |(lo, hi)| {
+            tolerance.max((hi - lo) / 2 / HALF_WIDTH_FRACTION)
+        });
         assert!(
             err.abs() <= bar,
             "node {k}'s offset {off} ns, expected {truth} ns within {bar} (bounds {bounds:?})"

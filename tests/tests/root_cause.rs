@@ -283,6 +283,46 @@ fn a_dataloader_stall_is_the_root_of_the_lateness_it_causes() {
     }
 }
 
+/// Rank 6's main thread spends 150 ms more CPU time on host work in every
+/// step from step 4 (8 ranks, more than the CPUs): its steps turn
+/// host-bound, its peers' do not; it arrives last and they wait for it.
+/// One incident rooted at rank 6's `host_bound` at step 4 (within 2),
+/// their lateness under it. Both flavors, online and offline.
+#[test]
+fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
+    let _serial = exclusive();
+    for flavor in ["nvidia", "ascend"] {
+        let run = record(
+            &format!("rchost{flavor}"),
+            flavor,
+            TP2_PP2_DP2,
+            "10",
+            "host_work:rank=6,ms=150,from_step=4",
+            &[],
+        );
+        let what = format!("host-bound {flavor}");
+        let fault = &run.ground_truth["faults"][0];
+        assert_eq!(fault["from_step"], 4, "{what}: {fault}");
+        let step = Some(4);
+        let on = online(&run);
+        check_one_incident(&on, "host_bound", 6, step, &format!("{what} online"));
+        let e = &on[0]["evidence"];
+        assert!(
+            e["host_share_pct"].as_f64().unwrap_or(0.0) >= 50.0
+                && e["host_ms_per_step"].as_f64().unwrap_or(0.0) >= 100.0,
+            "{what}: most of its steps on its CPU, the injected work among it: {e:#}"
+        );
+        let (off, code, text) = offline(&run, &[]);
+        check_one_incident(&off, "host_bound", 6, step, &format!("{what} offline"));
+        assert_eq!(code, Some(DIAGNOSE_EXIT_ROOT_FINDING), "{what}: {text}");
+        assert_eq!(
+            root_shape(&on, step),
+            root_shape(&off, step),
+            "{what}: offline = online"
+        );
+    }
+}
+
 /// A clean 8-rank job at default options: no incident, and `agent
 /// diagnose` exits 0.
 #[test]

@@ -446,6 +446,42 @@ fn a_hang_inside_the_collective_library_blocks_every_rank() {
     }
 }
 
+/// A host-bound rank: its main thread's host work grows by the injected
+/// milliseconds from the fault's step (C and Python ranks), and its peers
+/// wait for it in the gradient all-reduce.
+#[test]
+fn host_work_grows_the_rank_s_host_time_and_its_peers_wait() {
+    let _t = timing_lock();
+    for lang in ["c", "python"] {
+        let job = run_job(
+            &format!("hostwork{lang}"),
+            &[
+                "--lang",
+                lang,
+                "--world-size",
+                "2",
+                "--steps",
+                "12",
+                "--fault",
+                "host_work:rank=1,ms=60,from_step=6",
+            ],
+            LIMIT,
+        );
+        assert_eq!(job.status(), "completed", "{lang}");
+        let events = job.fault_events(1, "host_work");
+        assert_eq!(events.len(), 1, "{lang}");
+        assert_eq!(events[0]["step"], 6, "{lang}");
+        let before = job.median_ms(1, 2, 6, "host_ns");
+        let after = job.median_ms(1, 7, 12, "host_ns");
+        assert!(
+            (after - before - 60.0).abs() < 15.0,
+            "{lang}: rank 1's host work {before:.1} -> {after:.1} ms"
+        );
+        let wait = job.median_ms(0, 7, 12, "grad_sync_ns");
+        assert!(wait > 40.0, "{lang}: rank 0 waits {wait:.1} ms for rank 1");
+    }
+}
+
 #[test]
 fn a_slow_rank_slows_its_compute_and_everyone_s_steps() {
     let _t = timing_lock();

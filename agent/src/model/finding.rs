@@ -23,6 +23,9 @@ pub enum FindingKind {
     Crash,
     /// A rank's training thread kept off its CPU by other processes.
     HostContention,
+    /// A rank's training thread busy in its own host code while its
+    /// device and peers wait (its steps turned host-bound, its peers' not).
+    HostBound,
     /// A rank's training thread waited for its data loader.
     DataloaderStall,
     /// A rank's device memory growing every step at one site.
@@ -37,12 +40,13 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 10] = [
+    pub const ALL: [FindingKind; 11] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
         FindingKind::DeviceError,
         FindingKind::Crash,
         FindingKind::HostContention,
+        FindingKind::HostBound,
         FindingKind::DataloaderStall,
         FindingKind::MemoryLeak,
         FindingKind::SlowRank,
@@ -57,6 +61,7 @@ impl FindingKind {
             FindingKind::DeviceError => "device_error",
             FindingKind::Crash => "crash",
             FindingKind::HostContention => "host_contention",
+            FindingKind::HostBound => "host_bound",
             FindingKind::DataloaderStall => "dataloader_stall",
             FindingKind::MemoryLeak => "memory_leak",
             FindingKind::SlowRank => "slow_rank",

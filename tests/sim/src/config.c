@@ -20,6 +20,8 @@ static const char usage[] =
     "  --activity-log FILE      write every activity record read, one JSON line each\n"
     "faults:\n"
     "  --slow FACTOR@STEP       kernels take FACTOR times longer from STEP\n"
+    "  --host-work MS@STEP      the main thread spends MS more CPU time on host work in\n"
+    "                           every step from STEP (a host-bound rank)\n"
     "  --stall MS@STEP          dataloader sleeps MS before batch STEP\n"
     "  --leak MB@STEP           allocate MB more device memory every step from STEP\n"
     "  --crash SIGNAL@STEP      raise SIGNAL at the start of STEP\n"
@@ -94,7 +96,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         .prefetch = 2,
         .grad_mb = 4,
         .act_kb = 256,
-        .faults = {.slow_factor = 1.0, .slow_from_step = -1, .stall_step = -1,
+        .faults = {.slow_factor = 1.0, .slow_from_step = -1, .host_work_from_step = -1, .stall_step = -1,
                    .leak_from_step = -1, .crash_step = -1, .device_error_step = -1, .hang_seq = -1, .hang_step = -1, .hang_inside_seq = -1,
                    .delay_seq = -1, .delay_step = -1},
     };
@@ -102,7 +104,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
         O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_ACTAPI,
-        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HELP
+        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HOSTWORK, O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -119,7 +121,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"hang-step", 1, 0, O_HANGSTEP},   {"delay", 1, 0, O_DELAY},
         {"delay-step", 1, 0, O_DELAYSTEP}, {"hang-inside", 1, 0, O_HANGIN},
         {"activity-api", 0, 0, O_ACTAPI},  {"activity-log", 1, 0, O_ACTLOG},
-        {"init-delay-ms", 1, 0, O_INITDELAY}, {"device-error", 1, 0, O_DEVERR}, {"help", 0, 0, O_HELP},
+        {"init-delay-ms", 1, 0, O_INITDELAY}, {"device-error", 1, 0, O_DEVERR},
+        {"host-work", 1, 0, O_HOSTWORK},   {"help", 0, 0, O_HELP},
         {0, 0, 0, 0},
     };
     struct sim_faults *f = &cfg->faults;
@@ -152,6 +155,10 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         case O_SLOW:
             if (split_num_at(v, &d, &n) || d <= 0) return bad("slow", v);
             f->slow_factor = d, f->slow_from_step = n;
+            break;
+        case O_HOSTWORK:
+            if (split_num_at(v, &d, &n) || d <= 0) return bad("host-work", v);
+            f->host_work_ms = (long)d, f->host_work_from_step = n;
             break;
         case O_STALL:
             if (split_num_at(v, &d, &n)) return bad("stall", v);

@@ -289,8 +289,15 @@ SIM_NOINLINE void optimizer_step(void) {
     check(dev_stream_sync(R.compute), "compute stream sync");
 }
 
-/* Host-side work of the step: graph dispatch, Python overhead. */
-SIM_NOINLINE void dispatch_host_work(void) { sim_cpu_work_us(R.cfg.host_us); }
+/* Host-side work of the step: graph dispatch, Python overhead; more of
+ * it from the host_work fault's step on (a rank turned host-bound). */
+SIM_NOINLINE void dispatch_host_work(void) {
+    const struct sim_faults *f = &R.cfg.faults;
+    long us = R.cfg.host_us;
+    if (f->host_work_from_step >= 0 && R.step >= f->host_work_from_step)
+        us += f->host_work_ms * 1000;
+    sim_cpu_work_us(us);
+}
 
 SIM_NOINLINE void train_step(void) {
     const struct sim_faults *f = &R.cfg.faults;
@@ -310,6 +317,11 @@ SIM_NOINLINE void train_step(void) {
         setenv("STANDIN_MALLOC_ERROR", code, 1);
         log_fault("device_error", "");
         lose_device();
+    }
+    if (R.step == f->host_work_from_step) {
+        char extra[48];
+        snprintf(extra, sizeof extra, ",\"ms\":%ld", f->host_work_ms);
+        log_fault("host_work", extra);
     }
     if (R.step == f->slow_from_step) {
         char extra[48];

@@ -25,6 +25,8 @@ struct sim_comm {
 struct sim_faults {
     double slow_factor;
     long slow_from_step;
+    long host_work_ms;        /* extra host CPU work per step... */
+    long host_work_from_step; /* ...from this step */
     long stall_step;
     long stall_ms;
     long leak_from_step;

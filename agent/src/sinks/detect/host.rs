@@ -1,11 +1,13 @@
 //! The host-side detectors, fed together from the step clock
 //! ([`host_steps`](super::host_steps)): [`host_contention`](super::host_contention),
+//! [`host_bound`](super::host_bound),
 //! [`dataloader_stall`](super::dataloader_stall),
 //! [`memory_leak`](super::memory_leak). Each judges a rank's finished steps,
 //! so each finding names its step.
 
 use super::Ranks;
 use super::dataloader_stall::StallDetector;
+use super::host_bound::HostBoundDetector;
 use super::host_config::HostDetectConfig;
 use super::host_contention::ContentionDetector;
 use super::host_steps::{StepClock, Window};
@@ -18,6 +20,7 @@ pub struct HostDetectors {
     cfg: HostDetectConfig,
     clock: StepClock,
     contention: ContentionDetector,
+    bound: HostBoundDetector,
     stall: StallDetector,
     leak: LeakDetector,
 }
@@ -28,6 +31,7 @@ impl HostDetectors {
             cfg,
             clock: StepClock::default(),
             contention: ContentionDetector::default(),
+            bound: HostBoundDetector::default(),
             stall: StallDetector::default(),
             leak: LeakDetector::default(),
         }
@@ -59,6 +63,7 @@ impl HostDetectors {
             } => {
                 self.clock.forget(exit.tgid);
                 self.contention.forget(exit.tgid);
+                self.bound.forget(exit.tgid);
                 self.stall.forget(exit.tgid);
                 self.leak.forget(exit.tgid);
             }
@@ -98,6 +103,7 @@ impl HostDetectors {
         };
         let first_new = out.len();
         self.contention.step_ended(w, &self.cfg, ranks, out);
+        self.bound.step_ended(w, ranks, out);
         self.stall.step_ended(w, &self.cfg, ranks, out);
         self.leak.step_ended(w, &self.cfg, ranks, out);
         for f in &mut out[first_new..] {

@@ -57,9 +57,10 @@ pub fn importance(kind: FindingKind) -> u8 {
         FindingKind::SlowRank => 4,
         FindingKind::SlowLink => 5,
         FindingKind::HostContention => 6,
-        FindingKind::DataloaderStall => 7,
-        FindingKind::MemoryLeak => 8,
-        FindingKind::LateArrival => 9,
+        FindingKind::HostBound => 7,
+        FindingKind::DataloaderStall => 8,
+        FindingKind::MemoryLeak => 9,
+        FindingKind::LateArrival => 10,
     }
 }
 
@@ -212,7 +213,7 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
                 && !shares_rank(g, f)
                 && matches!(
                     g.kind,
-                    LateArrival | SlowRank | DataloaderStall | HostContention
+                    LateArrival | SlowRank | DataloaderStall | HostContention | HostBound
                 )
                 && g.start_ns <= until
                 && g.end_ns.unwrap_or(u64::MAX) >= f.start_ns
@@ -236,7 +237,7 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
                 return None;
             }
             match g.kind {
-                DataloaderStall | HostContention => Some(3),
+                DataloaderStall | HostContention | HostBound => Some(3),
                 // Another rank's: it waited for that one. Its own: one
                 // delay seen at two collectives (its peers on another
                 // communicator waited for it too).
@@ -251,7 +252,7 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
             let siblings = taken_by_a_rank(g) && taken_by_a_rank(f);
             (g.kind == HostContention && g_first && (same_taker || siblings)).then_some(3)
         }
-        DataloaderStall | MemoryLeak | SlowLink | DeviceError => None,
+        DataloaderStall | HostBound | MemoryLeak | SlowLink | DeviceError => None,
     }
 }
 

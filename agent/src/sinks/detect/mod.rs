@@ -12,7 +12,7 @@
 //!   an illegal address, ...), once per process and status code.
 //! - [`crash`]: a traced process killed by a signal.
 //! - [`host`]: the host-side detectors over each rank's steps
-//!   ([`host_steps`]): [`host_contention`], [`dataloader_stall`],
+//!   ([`host_steps`]): [`host_contention`], [`host_bound`], [`dataloader_stall`],
 //!   [`memory_leak`].
 //! - [`collective`]: `slow_rank`, `late_arrival` and `slow_link`, from
 //!   the members' arrivals at each collective (communicator + seq).
@@ -34,6 +34,7 @@ pub mod device_compute;
 pub mod device_error;
 pub mod hang;
 pub mod host;
+pub mod host_bound;
 pub mod host_config;
 pub mod host_contention;
 pub mod host_steps;

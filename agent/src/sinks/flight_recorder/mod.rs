@@ -139,6 +139,7 @@ impl Trigger {
             FindingKind::DeviceOom | FindingKind::DeviceError => Trigger::Oom,
             FindingKind::Crash => Trigger::Signal,
             FindingKind::HostContention
+            | FindingKind::HostBound
             | FindingKind::DataloaderStall
             | FindingKind::MemoryLeak
             | FindingKind::SlowRank
