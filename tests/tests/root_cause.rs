@@ -312,6 +312,26 @@ fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
                 && e["host_ms_per_step"].as_f64().unwrap_or(0.0) >= 100.0,
             "{what}: most of its steps on its CPU, the injected work among it: {e:#}"
         );
+        // The trace's step counters: rank 6's host share rises past half
+        // its steps from the fault on; its peers' stays under it.
+        for (&rank, &pid) in &run.rank_pids {
+            let host = step_counter(&run.tl, pid, "step host work %");
+            let device = step_counter(&run.tl, pid, "step device wait %");
+            assert!(
+                host.len() >= 8 && host.len() == device.len(),
+                "{what}: rank {rank}'s step counters: {host:?} {device:?}"
+            );
+            let late = &host[host.len() - 3..];
+            if rank == 6 {
+                assert!(late.iter().all(|v| *v >= 50.0), "{what}: rank 6: {host:?}");
+                assert!(host[0] < 50.0, "{what}: rank 6 before the fault: {host:?}");
+            } else {
+                assert!(
+                    late.iter().all(|v| *v < 50.0),
+                    "{what}: rank {rank}: {host:?}"
+                );
+            }
+        }
         let (off, code, text) = offline(&run, &[]);
         check_one_incident(&off, "host_bound", 6, step, &format!("{what} offline"));
         assert_eq!(code, Some(DIAGNOSE_EXIT_ROOT_FINDING), "{what}: {text}");
@@ -321,6 +341,47 @@ fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
             "{what}: offline = online"
         );
     }
+}
+
+/// The values of counter `name` on process `pid`'s track, in time order;
+/// the track is one, under the process track named by the rank (`rank 6/8
+/// job ...`): a late record drawn on a track of its own would rename it.
+fn step_counter(tl: &xpuscope_tests::trace_check::Timeline, pid: i32, name: &str) -> Vec<f64> {
+    use xpuscope_tests::trace_check::TrackKind;
+    let process: Vec<(u64, Option<String>)> = tl
+        .tracks
+        .values()
+        .filter_map(|t| match &t.kind {
+            TrackKind::Process { pid: p, name, .. } if *p == pid => Some((t.uuid, name.clone())),
+            _ => None,
+        })
+        .collect();
+    let counters: Vec<(u64, u64)> = tl
+        .tracks
+        .values()
+        .filter(|t| t.name.as_deref() == Some(name))
+        .filter_map(|t| Some((t.uuid, t.parent?)))
+        .filter(|(_, parent)| process.iter().any(|(p, _)| p == parent))
+        .collect();
+    assert_eq!(
+        counters.len(),
+        1,
+        "pid {pid}: one {name} track: {process:?}"
+    );
+    let parent = process.iter().find(|(p, _)| *p == counters[0].1);
+    assert!(
+        parent.is_some_and(|(_, n)| n.as_deref().is_some_and(|n| n.starts_with("rank "))),
+        "pid {pid}: {name} under its rank's process track: {parent:?}"
+    );
+    let counters: Vec<u64> = counters.iter().map(|(c, _)| *c).collect();
+    let mut v: Vec<(u64, f64)> = tl
+        .counters
+        .iter()
+        .filter(|c| counters.contains(&c.track))
+        .map(|c| (c.ts, c.value))
+        .collect();
+    v.sort_by_key(|(ts, _)| *ts);
+    v.into_iter().map(|(_, value)| value).collect()
 }
 
 /// A clean 8-rank job at default options: no incident, and `agent

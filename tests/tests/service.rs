@@ -335,6 +335,30 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
     };
     assert_eq!(attaches(&metrics, "failed"), 0.0);
     assert_eq!(attaches(&metrics, "slow"), 0.0);
+    // Each rank's steps (one per all-reduce after its first), split into
+    // host work and waits in device calls, which together fit in the step.
+    let step_metric = |family: &str, rank: u64| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(&format!("{family}{{")))
+            .filter(|l| l.contains("job=\"svcjob\"") && l.contains(&format!("rank=\"{rank}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    for &rank in ranks.keys() {
+        assert_eq!(
+            step_metric("xpuscope_step_duration_seconds_count", rank),
+            (STEPS - 1) as f64,
+            "rank {rank}'s steps:\n{metrics}"
+        );
+        let total = step_metric("xpuscope_step_duration_seconds_sum", rank);
+        let host = step_metric("xpuscope_step_host_seconds_sum", rank);
+        let device = step_metric("xpuscope_step_device_wait_seconds_sum", rank);
+        assert!(
+            host > 0.0 && device > 0.0 && host + device <= total + 1e-9,
+            "rank {rank}: host {host} s + device waits {device} s within {total} s"
+        );
+    }
     // Every loss the kernel side counts is in the status and the metrics.
     let status = ctl(&socket, &["status"]);
     for key in ["dropped_events", "skipped_events", "decode_errors"] {

@@ -13,6 +13,7 @@ pub mod finding;
 pub mod identity;
 pub mod sched;
 pub mod stack;
+pub mod step;
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ pub use device::{
 pub use finding::{Finding, FindingKind};
 pub use identity::RankIdentity;
 pub use stack::{Site, Stack, SymFrame, site_label};
+pub use step::{StepSplit, StepSplitRecord};
 
 use crate::procfs::ProcessEntry;
 use sched::{Comm, Exec, Exit, Fork, LinkMap, Rename, Switch, Waking};
@@ -195,11 +197,14 @@ pub enum Record {
     /// so every sink sees it in order: the trace renders it, metrics count
     /// it, the flight recorder dumps on it).
     Finding(Box<Finding>),
+    /// A rank's finished step and where its main thread spent it (fed
+    /// back by the detect sink like a finding).
+    StepSplit(Box<StepSplitRecord>),
 }
 
 impl Record {
     /// Number of kinds ([`Record::kind_index`] is below it).
-    pub const KINDS: usize = 21;
+    pub const KINDS: usize = 22;
     /// The kinds' short names, by [`Record::kind_index`].
     pub const KIND_NAMES: [&'static str; Record::KINDS] = [
         "initial_processes",
@@ -223,6 +228,7 @@ impl Record {
         "finding",
         "link_map_changed",
         "step_seen",
+        "step_split",
     ];
 
     /// A dense index per kind (counting per kind without a map lookup).
@@ -249,6 +255,7 @@ impl Record {
             Record::Finding(_) => 18,
             Record::LinkMapChanged(_) => 19,
             Record::StepSeen(_) => 20,
+            Record::StepSplit(_) => 21,
         }
     }
 

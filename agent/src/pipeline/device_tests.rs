@@ -191,6 +191,82 @@ fn calls_decoded_by_slot_before_the_plan_carry_the_process_identity() {
     assert_eq!(tl.processes[&42].name.as_deref(), Some("rank 1/2 job j"));
 }
 
+/// A rank's step splits are two counters on its process track; one the
+/// detect sink feeds back after the rank exited is drawn on that track
+/// too, not on a new one without the rank's name.
+#[test]
+fn step_splits_are_counters_on_the_rank_s_track_even_after_its_exit() {
+    use crate::events::{Comm, Exit};
+    use crate::model::{StepSplit, StepSplitRecord};
+    let identity = RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0");
+    let mut b = TestPipeline::with_identities([(42, identity)].into());
+    let target = ProbeTarget {
+        library: Library::Nccl,
+        function: Library::Nccl.function("ncclAllReduce").unwrap(),
+        sp_delta: 0,
+    };
+    b.slots_added(vec![(5, target)]);
+    b.probes_added(TableUpdate {
+        tgid: 42,
+        probes: vec![(0x1000, 5, target)],
+        identity: RankIdentity::from_environ(b"RANK=1\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0"),
+        maps: Default::default(),
+    });
+    b.handle(entry(
+        1_000,
+        0x1000,
+        [0xa000, 0xb000, 32 << 20, 9, 0, 0xc0c0],
+    ));
+    b.handle(ret(9_000, 0x1000, 0, &[]));
+    let split = |step: u64, host: u64| {
+        Record::StepSplit(Box::new(StepSplitRecord {
+            tgid: 42,
+            step,
+            start: step * 100_000,
+            end: (step + 1) * 100_000,
+            split: StepSplit {
+                dur: 100_000,
+                in_device_calls: 100_000 - host,
+                host,
+                ..StepSplit::default()
+            },
+        }))
+    };
+    b.deliver_records(vec![split(1, 20_000)]);
+    b.handle(Event::Exit(Exit {
+        cpu: 0,
+        ts: 300_000,
+        tid: 42,
+        tgid: 42,
+        prio: 120,
+        comm: Comm::from_str_lossy("rank"),
+        group_dead: true,
+        group_known: true,
+        exit_code: None,
+    }));
+    b.deliver_records(vec![split(2, 70_000)]);
+    let (bytes, _) = b.finish(400_000);
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let named: Vec<_> = tl
+        .tracks
+        .values()
+        .filter(|t| matches!(&t.kind, TrackKind::Process { pid: 42, .. }))
+        .collect();
+    assert_eq!(named.len(), 1, "one process track: {named:?}");
+    assert_eq!(tl.processes[&42].name.as_deref(), Some("rank 1/2 job j"));
+    assert_eq!(tl.counter_values("step host work %"), vec![20.0, 70.0]);
+    assert_eq!(tl.counter_values("step device wait %"), vec![80.0, 30.0]);
+    let parents: Vec<_> = tl
+        .tracks
+        .values()
+        .filter(|t| t.name.as_deref() == Some("step host work %"))
+        .map(|t| t.parent)
+        .collect();
+    assert_eq!(parents, vec![Some(named[0].uuid)]);
+}
+
 fn builder() -> TestPipeline {
     TestPipeline::new()
 }

@@ -38,7 +38,7 @@ use tokio::sync::mpsc;
 
 use crate::events::Event;
 use crate::kernel::probes::TableUpdate;
-use crate::model::{Finding, Record};
+use crate::model::Record;
 use crate::procfs::ProcessEntry;
 use crate::sinks::{FanOut, panic_message};
 use enrich::Enrich;
@@ -87,7 +87,8 @@ pub struct Pipeline<E: Enrich> {
     pub fanout: FanOut,
     last_tick: u64,
     /// Findings fed back by the detect sink.
-    findings: Option<std::sync::mpsc::Receiver<Finding>>,
+    /// What the detect sink feeds back: findings and step splits.
+    findings: Option<std::sync::mpsc::Receiver<Record>>,
     announcements: Option<std::sync::mpsc::Receiver<PipelineMsg>>,
     /// Where the interpret stage's counters are published at each sink
     /// tick (a long-running service's metrics and status read them).
@@ -185,14 +186,13 @@ impl<E: Enrich> Pipeline<E> {
     /// every sink sees in order.
     fn take_findings(&mut self, out: &mut Vec<Record>) {
         if let Some(rx) = &self.findings {
-            while let Ok(f) = rx.try_recv() {
-                out.push(Record::Finding(Box::new(f)));
-            }
+            out.extend(rx.try_iter());
         }
     }
 
-    /// Findings sent on `rx` (by the detect sink) join the record stream.
-    pub fn with_findings(mut self, rx: std::sync::mpsc::Receiver<Finding>) -> Self {
+    /// Records sent on `rx` (by the detect sink: findings, step splits)
+    /// join the record stream.
+    pub fn with_findings(mut self, rx: std::sync::mpsc::Receiver<Record>) -> Self {
         self.findings = Some(rx);
         self
     }
@@ -207,11 +207,7 @@ impl<E: Enrich> Pipeline<E> {
         // slow link judged on the last records) go into the trace too.
         let findings = self.findings.as_ref();
         self.fanout.finish_with(end, || {
-            findings.map_or_else(Vec::new, |rx| {
-                rx.try_iter()
-                    .map(|f| Record::Finding(Box::new(f)))
-                    .collect()
-            })
+            findings.map_or_else(Vec::new, |rx| rx.try_iter().collect())
         });
         self.interpreter.counters.caches = self.enricher.caches();
         self.interpreter.counters

@@ -492,7 +492,7 @@ fn announcements_are_read_before_queued_batches() {
 
 /// An inline sink with a verdict only at the end (as the detectors'
 /// pending late arrivals): it sends it back to the pipeline as it finishes.
-struct VerdictAtEnd(std_mpsc::Sender<crate::model::Finding>);
+struct VerdictAtEnd(std_mpsc::Sender<Record>);
 
 impl Sink for VerdictAtEnd {
     type Output = ();
@@ -500,7 +500,7 @@ impl Sink for VerdictAtEnd {
         Ok(())
     }
     fn finish(self, end: u64, _lost: &SinkCounters) -> Result<()> {
-        let _ = self.0.send(crate::model::Finding {
+        let _ = self.0.send(Record::Finding(Box::new(crate::model::Finding {
             link: Default::default(),
             kind: crate::model::FindingKind::SlowLink,
             ranks: vec![2],
@@ -512,7 +512,7 @@ impl Sink for VerdictAtEnd {
             summary: "slow link through rank 2".into(),
             evidence: serde_json::json!({}),
             detected_ns: end,
-        });
+        })));
         Ok(())
     }
 }

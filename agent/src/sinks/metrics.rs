@@ -74,7 +74,9 @@ mod series;
 use self::series::{Admission, RankFamily, RankPart, RankSeries, SeriesBook};
 use super::flight_recorder::{RecorderStats, Trigger};
 use super::{Sink, SinkCounters};
-use crate::model::{DeviceCallRecord, InFlightSnapshot, OffCpuInterval, RankIdentity, Record};
+use crate::model::{
+    DeviceCallRecord, InFlightSnapshot, OffCpuInterval, RankIdentity, Record, StepSplitRecord,
+};
 use crate::own_usage::OwnUsage;
 
 /// The pipeline is alive while the sink heard from it this recently.
@@ -162,6 +164,9 @@ fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(1e-5, 4.0, 13))
 }
 
+/// How long a rank's labels outlive its process for its late records.
+const ENDED_KEPT_NS: u64 = 60_000_000_000;
+
 /// The families, registered once.
 #[derive(Clone)]
 struct Families {
@@ -174,6 +179,9 @@ struct Families {
     launches: Family<RankLabels, Counter>,
     off_cpu: Family<RankLabels, Counter<f64, AtomicU64>>,
     runqueue: Hist<RankLabels>,
+    step_seconds: Hist<RankLabels>,
+    step_host_seconds: Hist<RankLabels>,
+    step_device_wait_seconds: Hist<RankLabels>,
     records: Family<KindLabels, Counter>,
     kernel_drops: Counter,
     sink_records: Family<SinkLabels, Counter>,
@@ -209,6 +217,9 @@ impl Families {
             launches: Family::default(),
             off_cpu: Family::default(),
             runqueue: Family::new_with_constructor(seconds_histogram),
+            step_seconds: Family::new_with_constructor(seconds_histogram),
+            step_host_seconds: Family::new_with_constructor(seconds_histogram),
+            step_device_wait_seconds: Family::new_with_constructor(seconds_histogram),
             records: Family::default(),
             kernel_drops: Counter::default(),
             sink_records: Family::default(),
@@ -282,6 +293,21 @@ impl Families {
             "xpuscope_runqueue_delay_seconds",
             "Time preempted training threads waited for a CPU",
             f.runqueue.clone(),
+        );
+        r.register(
+            "xpuscope_step_duration_seconds",
+            "Training steps of each rank (from its gradient all-reduces)",
+            f.step_seconds.clone(),
+        );
+        r.register(
+            "xpuscope_step_host_seconds",
+            "Per step, the training thread on its CPU outside device calls: its host work (a step mostly this is host-bound)",
+            f.step_host_seconds.clone(),
+        );
+        r.register(
+            "xpuscope_step_device_wait_seconds",
+            "Per step, the training thread in device calls: waiting for its device or its peers (a step mostly this is device- or communication-bound)",
+            f.step_device_wait_seconds.clone(),
         );
         r.register(
             "xpuscope_agent_records",
@@ -511,6 +537,10 @@ pub struct MetricsSink {
     /// loaded machine), so a process is dropped only when the next sweep
     /// finds it gone too.
     gone_since: HashMap<u32, u64>,
+    /// Ranks whose process ended, and when: records about them that come
+    /// after their exit (a step split the detect sink fed back) still count
+    /// under their rank. Kept [`ENDED_KEPT_NS`].
+    ended: HashMap<u32, (RankLabels, u64)>,
     /// The latest CLOCK_BOOTTIME ns the sink was told of.
     latest: u64,
     next_sweep: u64,
@@ -538,6 +568,7 @@ impl MetricsSink {
             book: SeriesBook::default(),
             alive: process_alive,
             gone_since: HashMap::new(),
+            ended: HashMap::new(),
             latest: 0,
             next_sweep: 0,
             deltas: Deltas::default(),
@@ -641,7 +672,11 @@ impl MetricsSink {
     /// The last thread of `tgid` exited at `ts`.
     fn process_ended(&mut self, tgid: u32, ts: u64) {
         self.gone_since.remove(&tgid);
-        self.ranks.remove(&tgid);
+        if let Some(labels) = self.ranks.remove(&tgid)
+            && !(labels.rank.is_empty() && labels.job.is_empty())
+        {
+            self.ended.insert(tgid, (labels, ts));
+        }
         self.resolved.remove(&tgid);
         for labels in self.memory_series.remove(&tgid).unwrap_or_default() {
             self.f.memory.remove(&labels);
@@ -657,6 +692,8 @@ impl MetricsSink {
             return;
         }
         self.next_sweep = now + EVERY_NS;
+        self.ended
+            .retain(|_, (_, exited)| now.saturating_sub(*exited) < ENDED_KEPT_NS);
         let gone: HashMap<u32, u64> = self
             .ranks
             .keys()
@@ -691,6 +728,11 @@ impl MetricsSink {
                         f.in_flight_oldest.remove(&rank);
                         self.in_flight_series.remove(&rank);
                     }
+                    RankFamily::Steps => {
+                        f.step_seconds.remove(&rank);
+                        f.step_host_seconds.remove(&rank);
+                        f.step_device_wait_seconds.remove(&rank);
+                    }
                 }
             }
             for l in &owner.collective {
@@ -723,6 +765,7 @@ impl MetricsSink {
             Record::Identity { tgid, identity } => self.identity(*tgid, identity),
             Record::DeviceCall(c) if c.unmatched.is_none() => self.device_call(c),
             Record::OffCpu(i) => self.off_cpu(i),
+            Record::StepSplit(s) => self.step_split(s),
             Record::InFlight(s) => self.in_flight(s),
             Record::Finding(f) => {
                 self.f
@@ -982,6 +1025,28 @@ impl MetricsSink {
             self.f.in_flight_oldest.get_or_create(gone).set(0.0);
         }
         self.in_flight_series = now;
+    }
+
+    /// A rank's step ended: where its main thread spent it (the detect
+    /// sink's split, fed back into the stream).
+    fn step_split(&mut self, r: &StepSplitRecord) {
+        let s = r.split;
+        // Fed back after the step: its process may have ended since (a
+        // pid that came back as another process ended after it began).
+        let rank = match self.ended.get(&r.tgid) {
+            Some((labels, exited)) if r.end <= *exited => labels.clone(),
+            _ => self.rank(r.tgid),
+        };
+        let labels = self.admit_rank(r.tgid, RankFamily::Steps, rank);
+        let secs = |ns: u64| ns as f64 / 1e9;
+        let f = &self.f;
+        f.step_seconds.get_or_create(&labels).observe(secs(s.dur));
+        f.step_host_seconds
+            .get_or_create(&labels)
+            .observe(secs(s.host));
+        f.step_device_wait_seconds
+            .get_or_create(&labels)
+            .observe(secs(s.in_device_calls));
     }
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {

@@ -36,6 +36,12 @@ pub const WRITER_LOSSES_TRACK: &str = "xpuscope records lost by the trace writer
 /// The counter, in a flight-recorder dump, of the window's records the
 /// recorder lost while it lagged (the dump is missing them).
 pub const RECORDER_LOSSES_TRACK: &str = "xpuscope records lost by the flight recorder";
+/// A rank's counter of the share of each step its main thread spent on
+/// its CPU outside device calls (host work), in percent.
+pub const STEP_HOST_TRACK: &str = "step host work %";
+/// A rank's counter of the share of each step its main thread spent in
+/// device calls (waiting for its device or its peers), in percent.
+pub const STEP_DEVICE_WAIT_TRACK: &str = "step device wait %";
 /// A process's device memory counter, before the device's index.
 pub const DEVICE_MEMORY_TRACK: &str = "device memory dev";
 

@@ -8,13 +8,18 @@
 use super::Ranks;
 use super::dataloader_stall::StallDetector;
 use super::host_bound::HostBoundDetector;
+use super::host_bound::split;
 use super::host_config::HostDetectConfig;
 use super::host_contention::ContentionDetector;
 use super::host_steps::{StepClock, Window};
 use super::memory_leak::LeakDetector;
 use super::step_marks::{StepMark, StepSource};
 use crate::analysis::steps::in_data_loader;
-use crate::model::{Finding, Record};
+use crate::model::{Finding, Record, StepSplitRecord};
+
+/// Splits held between two takes (a sink that never takes them, as
+/// `agent diagnose` does not, keeps at most these).
+const MAX_SPLITS: usize = 4096;
 
 pub struct HostDetectors {
     cfg: HostDetectConfig,
@@ -22,6 +27,8 @@ pub struct HostDetectors {
     contention: ContentionDetector,
     bound: HostBoundDetector,
     stall: StallDetector,
+    /// Finished steps' splits, until the sink takes them.
+    splits: Vec<StepSplitRecord>,
     leak: LeakDetector,
 }
 
@@ -32,6 +39,7 @@ impl HostDetectors {
             clock: StepClock::default(),
             contention: ContentionDetector::default(),
             bound: HostBoundDetector::default(),
+            splits: Vec::new(),
             stall: StallDetector::default(),
             leak: LeakDetector::default(),
         }
@@ -103,7 +111,17 @@ impl HostDetectors {
         };
         let first_new = out.len();
         self.contention.step_ended(w, &self.cfg, ranks, out);
-        self.bound.step_ended(w, ranks, out);
+        let s = split(w);
+        self.bound.step_ended(w, &s, ranks, out);
+        if ranks.of(w.tgid).is_some() && w.dur() > 0 && self.splits.len() < MAX_SPLITS {
+            self.splits.push(StepSplitRecord {
+                tgid: w.tgid,
+                step: w.step,
+                start: w.start,
+                end: w.end,
+                split: s,
+            });
+        }
         self.stall.step_ended(w, &self.cfg, ranks, out);
         self.leak.step_ended(w, &self.cfg, ranks, out);
         for f in &mut out[first_new..] {
@@ -111,6 +129,11 @@ impl HostDetectors {
                 e.insert("step_source".into(), w.source.describe().into());
             }
         }
+    }
+
+    /// The steps split since the last call.
+    pub fn take_splits(&mut self) -> Vec<StepSplitRecord> {
+        std::mem::take(&mut self.splits)
     }
 
     #[cfg(test)]

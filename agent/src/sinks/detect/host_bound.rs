@@ -36,7 +36,7 @@ use serde_json::json;
 
 use super::Ranks;
 use super::host_steps::Window;
-use crate::model::{Finding, FindingKind};
+use crate::model::{Finding, FindingKind, StepSplit};
 
 /// Steps a rank's own baseline is the median of.
 const BASELINE_STEPS: usize = 16;
@@ -50,26 +50,6 @@ pub const MIN_RISE: f64 = 0.25;
 pub const MIN_HOST_NS: u64 = 10_000_000;
 /// Host-bound steps in a row before a finding.
 pub const MIN_STEPS: u64 = 3;
-
-/// Where a rank's main thread spent one step (ns).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StepSplit {
-    pub dur: u64,
-    /// In device calls: waiting for the device or the peers.
-    pub in_device_calls: u64,
-    /// Off CPU outside device calls, runnable (preempted).
-    pub runnable: u64,
-    /// Off CPU outside device calls, asleep.
-    pub asleep: u64,
-    /// On CPU outside device calls: the host's own work.
-    pub host: u64,
-}
-
-impl StepSplit {
-    pub fn host_share(&self) -> f64 {
-        self.host as f64 / self.dur.max(1) as f64
-    }
-}
 
 /// Merged `[start, end)` intervals, clipped to `[lo, hi)`, sorted.
 fn merged(mut v: Vec<(u64, u64)>, lo: u64, hi: u64) -> Vec<(u64, u64)> {
@@ -191,11 +171,11 @@ impl HostBoundDetector {
         )
     }
 
-    pub fn step_ended(&mut self, w: &Window, ranks: &Ranks, out: &mut Vec<Finding>) {
+    /// Rank `w`'s step ended, split as `s` ([`split`]).
+    pub fn step_ended(&mut self, w: &Window, s: &StepSplit, ranks: &Ranks, out: &mut Vec<Finding>) {
         if ranks.of(w.tgid).is_none() || w.dur() == 0 {
             return;
         }
-        let s = split(w);
         let share = s.host_share();
         let own = self.own(w.tgid);
         let peers = self.peers(w.tgid, ranks).unwrap_or(0.0);
@@ -361,7 +341,8 @@ mod tests {
         for s in 0..12 {
             for tgid in 10..14 {
                 let (h, r) = host(tgid, s);
-                d.step_ended(&step(tgid, s, h, r), &ranks, &mut out);
+                let w = step(tgid, s, h, r);
+                d.step_ended(&w, &split(&w), &ranks, &mut out);
             }
         }
         out

@@ -166,6 +166,12 @@ pub struct Detectors {
 }
 
 impl Detectors {
+    /// The ranks' steps finished since the last call, split by where their
+    /// main threads spent them.
+    pub fn take_step_splits(&mut self) -> Vec<crate::model::StepSplitRecord> {
+        self.host.take_splits()
+    }
+
     pub fn new(cfg: DetectConfig) -> Self {
         Self {
             ranks: Ranks::default(),
@@ -349,14 +355,15 @@ fn note_step_source(found: &mut [Finding]) {
 /// The sink around [`Detectors`].
 pub struct DetectSink {
     detectors: Detectors,
-    /// Back into the pipeline (None: kept only for the output).
-    feedback: Option<Sender<Finding>>,
+    /// Back into the pipeline (None: kept only for the output): each
+    /// finding, and each rank's step split.
+    feedback: Option<Sender<Record>>,
     found: Vec<Finding>,
     scratch: Vec<Finding>,
 }
 
 impl DetectSink {
-    pub fn new(cfg: DetectConfig, feedback: Option<Sender<Finding>>) -> Self {
+    pub fn new(cfg: DetectConfig, feedback: Option<Sender<Record>>) -> Self {
         Self {
             detectors: Detectors::new(cfg),
             feedback,
@@ -370,10 +377,16 @@ impl DetectSink {
             tracing::warn!("finding: {}", f.summary);
             if let Some(tx) = &self.feedback {
                 // The pipeline is gone at the very end: the output has it.
-                let _ = tx.send(f.clone());
+                let _ = tx.send(Record::Finding(Box::new(f.clone())));
             }
             if self.found.len() < MAX_FINDINGS {
                 self.found.push(f);
+            }
+        }
+        let splits = self.detectors.take_step_splits();
+        if let Some(tx) = &self.feedback {
+            for s in splits {
+                let _ = tx.send(Record::StepSplit(Box::new(s)));
             }
         }
     }

@@ -711,7 +711,13 @@ fn the_sink_feeds_findings_back_and_returns_them() {
     let lost = SinkCounters::default();
     sink.on_batch(&[identity(100, 0), exit(100, Some(libc::SIGSEGV))], &lost)
         .unwrap();
-    let back: Vec<Finding> = rx.try_iter().collect();
+    let back: Vec<Finding> = rx
+        .try_iter()
+        .map(|r| match r {
+            Record::Finding(f) => *f,
+            other => panic!("a finding, not {other:?}"),
+        })
+        .collect();
     assert_eq!(back.len(), 1);
     let all = sink.finish(10 * S, &lost).unwrap();
     // Streamed as found; at the end grouped into incidents (its own).

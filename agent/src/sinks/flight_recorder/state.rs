@@ -39,6 +39,7 @@ pub fn span(r: &Record) -> Option<(u64, u64)> {
         Record::Finding(f) => Some((f.start_ns.min(f.detected_ns), f.detected_ns)),
         Record::LinkMapChanged(l) => at(l.ts),
         Record::StepSeen(s) => at(s.ts),
+        Record::StepSplit(s) => Some((s.start, s.end.max(s.start))),
     }
 }
 
@@ -61,6 +62,7 @@ pub fn owner(r: &Record) -> Option<u32> {
         Record::InFlightAtEnd(c) => Some(c.tgid),
         Record::LinkMapChanged(l) => Some(l.tgid),
         Record::StepSeen(s) => Some(s.tgid),
+        Record::StepSplit(s) => Some(s.tgid),
         Record::InitialProcesses { .. }
         | Record::Switch { .. }
         | Record::Waking(_)
@@ -209,6 +211,7 @@ pub fn heap_bytes(r: &Record) -> usize {
             alloc(size_of::<crate::model::InFlightSnapshot>())
                 + alloc(s.calls.capacity() * size_of::<crate::model::OpenCall>())
         }
+        Record::StepSplit(_) => alloc(size_of::<crate::model::StepSplitRecord>()),
         Record::Finding(f) => {
             alloc(size_of::<crate::model::Finding>())
                 + alloc(f.summary.capacity())

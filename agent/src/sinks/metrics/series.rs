@@ -33,6 +33,8 @@ pub enum RankFamily {
     /// Off-CPU seconds and the run-queue delay histogram (one bound).
     OffCpu,
     InFlightOldest,
+    /// The step split's three histograms (one bound).
+    Steps,
 }
 
 impl RankFamily {
@@ -42,6 +44,7 @@ impl RankFamily {
             RankFamily::Launches => "launches",
             RankFamily::OffCpu => "off_cpu",
             RankFamily::InFlightOldest => "in_flight_oldest",
+            RankFamily::Steps => "step",
         }
     }
 }

@@ -12,7 +12,7 @@ use xpuscope_probes::decode::memory::{Device, MemoryEffect};
 use super::series::MAX_SERIES;
 use super::*;
 use crate::events::{Comm, Exit};
-use crate::model::Preemptor;
+use crate::model::{Preemptor, StepSplit, StepSplitRecord};
 
 const MS: u64 = 1_000_000;
 
@@ -629,4 +629,62 @@ fn a_process_feeds_its_new_rank_after_its_identity() {
         value(&text, r#"xpuscope_agent_records_total{kind="off_cpu"}"#),
         3.0
     );
+}
+
+/// Each rank's finished step (the detect sink's split, fed back into the
+/// stream) is observed: its duration, its host work (on CPU outside device
+/// calls) and its wait in device calls.
+#[test]
+fn steps_are_split_into_host_work_and_device_waits() {
+    let (mut sink, handle, _) = MetricsSink::new("node-a");
+    sink.alive = |_| true;
+    let lost = SinkCounters::default();
+    let step = |n: u64, host: u64, device: u64| {
+        Record::StepSplit(Box::new(StepSplitRecord {
+            tgid: 10,
+            step: n,
+            start: n * 100 * MS,
+            end: (n + 1) * 100 * MS,
+            split: StepSplit {
+                dur: 100 * MS,
+                in_device_calls: device * MS,
+                runnable: 0,
+                asleep: 100 * MS - (host + device) * MS,
+                host: host * MS,
+            },
+        }))
+    };
+    // The second comes back from the detect sink after the rank's exit.
+    sink.on_batch(
+        &[
+            identity(10, 0),
+            step(1, 59, 41),
+            exit(10, 300 * MS),
+            step(2, 89, 11),
+            // Its pid comes back as rank 1's process.
+            identity(10, 1),
+            step(5, 10, 10),
+        ],
+        &lost,
+    )
+    .unwrap();
+    let text = handle.render();
+    let of_rank = |family: &str, part: &str, rank: u32| -> f64 {
+        let lines: Vec<&str> = lines_with(&text, &format!("{family}_{part}{{"))
+            .into_iter()
+            .filter(|l| l.contains(&format!("rank=\"{rank}\"")))
+            .collect();
+        assert_eq!(lines.len(), 1, "{family}: {lines:?}\n{text}");
+        lines[0].rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(of_rank("xpuscope_step_duration_seconds", "count", 1), 1.0);
+    let one = |family: &str, part: &str| of_rank(family, part, 0);
+    assert_eq!(one("xpuscope_step_duration_seconds", "count"), 2.0);
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    assert!(close(one("xpuscope_step_duration_seconds", "sum"), 0.2));
+    assert!(close(
+        one("xpuscope_step_device_wait_seconds", "sum"),
+        0.052
+    ));
+    assert!(close(one("xpuscope_step_host_seconds", "sum"), 0.148));
 }

@@ -17,7 +17,7 @@ use xpuscope_probes::decode::OpenReason;
 use super::{PerfettoSink, args};
 use crate::model::{
     CallSummary, DeviceCallRecord, DeviceWork, EnqueueMarker, InFlightCall, LiveSiteRow,
-    MemoryHeld, RankIdentity, Site, StreamTrack, site_label,
+    MemoryHeld, RankIdentity, Site, StepSplitRecord, StreamTrack, site_label,
 };
 use crate::trace_schema::call::{call_args, slice_name};
 use crate::trace_schema::keys as k;
@@ -27,6 +27,12 @@ use crate::trace_schema::names as n;
 #[derive(Default)]
 pub struct DeviceTracks {
     memory: HashMap<(u32, Vendor, u32), TrackUuid>,
+    /// Per rank process: its steps' host-work and device-wait counters.
+    step_split: HashMap<u32, (TrackUuid, TrackUuid)>,
+    /// Processes that ended, with their process track and step counters
+    /// and when: a step split fed back after the exit (the detect sink's
+    /// records come late) is drawn on them, not on a new, unnamed track.
+    ended: HashMap<u32, EndedProcess>,
     /// Process tracks written, with the rank identity as labels.
     pub(super) processes: HashMap<u32, TrackUuid>,
     /// Lane tracks of each device stream and where each lane's last slice
@@ -39,10 +45,36 @@ pub struct DeviceTracks {
     threads: HashMap<u32, TrackUuid>,
 }
 
+/// What late records of an ended process are drawn on.
+#[derive(Clone, Copy)]
+struct EndedProcess {
+    track: TrackUuid,
+    step_split: Option<(TrackUuid, TrackUuid)>,
+    exited: u64,
+}
+
+/// Ended processes remembered for their late records.
+const MAX_ENDED: usize = 4096;
+
 impl DeviceTracks {
-    /// A process ended: its tracks were written; its pid may come back.
-    pub fn process_ended(&mut self, tgid: u32) {
+    /// A process ended at `ts`: its tracks were written; its pid may come
+    /// back.
+    pub fn process_ended(&mut self, tgid: u32, ts: u64) {
         self.memory.retain(|k, _| k.0 != tgid);
+        let step_split = self.step_split.remove(&tgid);
+        if let Some(&track) = self.processes.get(&tgid) {
+            if self.ended.len() >= MAX_ENDED {
+                self.ended.clear();
+            }
+            self.ended.insert(
+                tgid,
+                EndedProcess {
+                    track,
+                    step_split,
+                    exited: ts,
+                },
+            );
+        }
         self.processes.remove(&tgid);
         self.lanes.retain(|k, _| k.tgid != tgid);
         self.site_frames.retain(|_, (t, _)| *t != tgid);
@@ -212,6 +244,51 @@ impl<W: Write> PerfettoSink<W> {
                 stack.as_deref(),
             )?;
         }
+        Ok(())
+    }
+
+    /// A rank's finished step: the share of it that was host work and the
+    /// share spent in device calls, two counters on its process track
+    /// stepping at each step's start (a host-bound rank's first rises,
+    /// its peers' second).
+    pub(super) fn step_split(&mut self, s: &StepSplitRecord) -> Result<()> {
+        let ended = self
+            .device
+            .ended
+            .get(&s.tgid)
+            .copied()
+            .filter(|e| s.end <= e.exited);
+        let known = match ended {
+            Some(e) => e.step_split,
+            None => self.device.step_split.get(&s.tgid).copied(),
+        };
+        let (host, device) = match known {
+            Some(t) => t,
+            None => {
+                let process = match ended {
+                    Some(e) => e.track,
+                    None => self.device_process_track(s.tgid)?,
+                };
+                let pct = || CounterUnit::Other("%".into());
+                let t = (
+                    self.writer
+                        .counter_track(Some(process), n::STEP_HOST_TRACK, pct())?,
+                    self.writer
+                        .counter_track(Some(process), n::STEP_DEVICE_WAIT_TRACK, pct())?,
+                );
+                match self.device.ended.get_mut(&s.tgid) {
+                    Some(e) if ended.is_some() => e.step_split = Some(t),
+                    _ => {
+                        self.device.step_split.insert(s.tgid, t);
+                    }
+                }
+                t
+            }
+        };
+        self.writer
+            .counter(host, s.start, 100.0 * s.split.host_share())?;
+        self.writer
+            .counter(device, s.start, 100.0 * s.split.device_wait_share())?;
         Ok(())
     }
 

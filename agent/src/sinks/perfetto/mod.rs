@@ -145,7 +145,7 @@ impl<W: Write> PerfettoSink<W> {
                 self.thread_gone(exit.tid)?;
                 if *process_ended {
                     self.process_exited(exit)?;
-                    self.device.process_ended(exit.tgid);
+                    self.device.process_ended(exit.tgid, exit.ts);
                 }
             }
             Record::Preempted(p) => self.preempted(p)?,
@@ -166,6 +166,7 @@ impl<W: Write> PerfettoSink<W> {
             // early are what the trace shows.
             Record::LinkMapChanged(_) => {}
             Record::StepSeen(s) => self.step_seen(s)?,
+            Record::StepSplit(s) => self.step_split(s)?,
         }
         Ok(())
     }
