@@ -16,6 +16,7 @@ use crate::config::AttachConfig;
 use crate::pipeline::enrich::CacheReport;
 use crate::pipeline::interpret::InterpretCounters;
 use crate::sinks::SinkReport;
+use crate::sinks::summary::bound::RankStepSplit;
 use crate::sinks::summary::offcpu::OffCpuSummary;
 use crate::sinks::summary::steps::RankStep;
 use crate::sinks::summary::{DeviceRecordCounts, FunctionCalls, RecordTotals, SiteReport};
@@ -126,6 +127,10 @@ pub struct RunSummary {
     /// Each rank's step breakdown (the first step of each rank has no
     /// start marker and is left out), by rank and step.
     pub steps: Vec<RankStep>,
+    /// Where each rank's steps went over the recording (host work, waits
+    /// in device calls, runnable, asleep), and whether that makes it host-
+    /// or device-bound, by rank.
+    pub step_split: Vec<RankStepSplit>,
     /// What the detectors found, as the `xpuscope-findings/1` document
     /// (`{"schema": ..., "findings": [...]}`).
     #[serde(serialize_with = "findings_doc")]
@@ -367,6 +372,7 @@ impl RunSummary {
             records: totals.records,
             findings: Vec::new(),
             steps: totals.steps,
+            step_split: totals.step_split,
         }
     }
 
@@ -548,6 +554,33 @@ impl RunSummary {
             );
             for line in slowest_lines(self.steps.iter().map(|r| (r.rank, &r.step)), 5) {
                 eprintln!("    {line}");
+            }
+        }
+        if !self.step_split.is_empty() {
+            // The ranks most host-bound first: the one whose host work
+            // holds the others up leads.
+            let mut rows: Vec<&RankStepSplit> = self.step_split.iter().collect();
+            rows.sort_by(|a, b| b.host_pct.total_cmp(&a.host_pct).then(a.rank.cmp(&b.rank)));
+            eprintln!(
+                "  where the steps went (share of each rank's steps; {} ranks, all in --stats-json):",
+                rows.len()
+            );
+            for r in rows.iter().take(5) {
+                eprintln!(
+                    "    rank {:<4} {:>4} steps of {:>8.2} ms  host work {:>3.0}%  in device calls {:>3.0}%  runnable {:>3.0}%  asleep {:>3.0}%  ({})",
+                    r.rank,
+                    r.steps,
+                    r.step_ms,
+                    r.host_pct,
+                    r.device_calls_pct,
+                    r.runnable_pct,
+                    r.asleep_pct,
+                    match r.bound {
+                        "host" => "host-bound",
+                        "device" => "device-bound",
+                        _ => "neither",
+                    }
+                );
             }
         }
         let d = &self.device;

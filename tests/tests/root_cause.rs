@@ -332,6 +332,18 @@ fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
                 );
             }
         }
+        // The summary's split over the recording: rank 6 did the most host
+        // work of all ranks.
+        let rows = run.stats["step_split"].as_array().expect("step_split");
+        assert_eq!(rows.len(), 8, "{what}: {rows:#?}");
+        let host = |r: &serde_json::Value| r["host_pct"].as_f64().unwrap_or(0.0);
+        let six = rows.iter().find(|r| r["rank"] == 6).expect("rank 6");
+        assert!(
+            rows.iter()
+                .filter(|r| r["rank"] != 6)
+                .all(|r| host(r) < host(six)),
+            "{what}: {rows:#?}"
+        );
         let (off, code, text) = offline(&run, &[]);
         check_one_incident(&off, "host_bound", 6, step, &format!("{what} offline"));
         assert_eq!(code, Some(DIAGNOSE_EXIT_ROOT_FINDING), "{what}: {text}");

@@ -2,6 +2,7 @@
 //! summary (off-CPU time and its reasons, preemptors, device calls per
 //! function, device work, failed allocations, memory still held).
 
+pub mod bound;
 pub mod offcpu;
 pub mod steps;
 
@@ -89,6 +90,8 @@ pub struct RecordTotals {
     /// Each rank's step breakdown (ranks whose data-parallel all-reduce
     /// was seen), by rank.
     pub steps: Vec<RankStep>,
+    /// Where each rank's steps went, summed, by rank.
+    pub step_split: Vec<bound::RankStepSplit>,
 }
 
 const RECENT: usize = 32;
@@ -108,6 +111,7 @@ pub struct SummarySink {
     /// (library, function) -> (calls, errors).
     by_function: HashMap<(&'static str, &'static str), (u64, u64)>,
     steps: RecordSteps,
+    bound: bound::StepBound,
 }
 
 impl SummarySink {
@@ -135,6 +139,7 @@ impl SummarySink {
             _ => {}
         }
         self.steps.record(r);
+        self.bound.record(r);
         let t = &mut self.totals;
         match r {
             Record::OffCpu(i) => {
@@ -220,6 +225,7 @@ impl Sink for SummarySink {
         self.totals.functions = functions;
         self.totals.tasks_ran = self.tasks.len() as u64;
         self.totals.steps = std::mem::take(&mut self.steps).finish();
+        self.totals.step_split = std::mem::take(&mut self.bound).finish();
         self.totals.cpus_seen = self.cpus.iter().filter(|c| **c).count() as u64;
         self.totals.records = Record::KIND_NAMES
             .iter()
