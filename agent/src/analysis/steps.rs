@@ -457,7 +457,7 @@ struct DeviceParts {
 }
 
 /// Merges `iv` into disjoint intervals, in time order.
-fn union(mut iv: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+pub(crate) fn union(mut iv: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     iv.sort_unstable();
     let mut out: Vec<(u64, u64)> = Vec::with_capacity(iv.len());
     for (s, e) in iv {
@@ -469,12 +469,12 @@ fn union(mut iv: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     out
 }
 
-fn total(iv: &[(u64, u64)]) -> u64 {
+pub(crate) fn total(iv: &[(u64, u64)]) -> u64 {
     iv.iter().map(|(s, e)| e - s).sum()
 }
 
 /// Overlap of two unions of disjoint sorted intervals.
-fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> u64 {
+pub(crate) fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> u64 {
     let (mut i, mut j, mut sum) = (0, 0, 0);
     while i < a.len() && j < b.len() {
         let (s, e) = (a[i].0.max(b[j].0), a[i].1.min(b[j].1));

@@ -36,6 +36,7 @@ use serde_json::json;
 
 use super::Ranks;
 use super::host_steps::Window;
+use crate::analysis::steps::{overlap, total, union};
 use crate::model::{Finding, FindingKind, StepSplit};
 
 /// Steps a rank's own baseline is the median of.
@@ -51,39 +52,19 @@ pub const MIN_HOST_NS: u64 = 10_000_000;
 /// Host-bound steps in a row before a finding.
 pub const MIN_STEPS: u64 = 3;
 
-/// Merged `[start, end)` intervals, clipped to `[lo, hi)`, sorted.
-fn merged(mut v: Vec<(u64, u64)>, lo: u64, hi: u64) -> Vec<(u64, u64)> {
-    v.retain_mut(|(s, e)| {
-        *s = (*s).max(lo);
-        *e = (*e).min(hi);
-        s < e
-    });
-    v.sort_unstable();
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
-    for (s, e) in v {
-        match out.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => out.push((s, e)),
-        }
-    }
-    out
-}
-
-/// How much of `[s, e)` the sorted, disjoint `spans` cover.
-fn covered(spans: &[(u64, u64)], s: u64, e: u64) -> u64 {
-    spans
-        .iter()
-        .map(|&(a, b)| b.min(e).saturating_sub(a.max(s)))
-        .sum()
-}
-
 /// The split of one step. Calls on the main thread run one at a time,
 /// but a library's call can wrap another's (a collective launching
 /// through the runtime): their union counts once.
 pub fn split(w: &Window) -> StepSplit {
     let (lo, hi) = (w.start, w.end.max(w.start));
-    let calls = merged(w.calls.iter().map(|c| (c.start, c.end)).collect(), lo, hi);
-    let in_device_calls: u64 = calls.iter().map(|(s, e)| e - s).sum();
+    let calls = union(
+        w.calls
+            .iter()
+            .map(|c| (c.start.max(lo), c.end.min(hi)))
+            .filter(|(s, e)| s < e)
+            .collect(),
+    );
+    let in_device_calls = total(&calls);
     let (mut runnable, mut asleep) = (0, 0);
     // Off-CPU intervals are disjoint (one thread); each counted outside
     // the device calls only.
@@ -92,7 +73,7 @@ pub fn split(w: &Window) -> StepSplit {
         if s >= e {
             continue;
         }
-        let outside = (e - s) - covered(&calls, s, e);
+        let outside = (e - s) - overlap(&calls, &[(s, e)]);
         if i.asleep {
             asleep += outside;
         } else {
