@@ -385,15 +385,7 @@ fn step_counter(tl: &xpuscope_tests::trace_check::Timeline, pid: i32, name: &str
         parent.is_some_and(|(_, n)| n.as_deref().is_some_and(|n| n.starts_with("rank "))),
         "pid {pid}: {name} under its rank's process track: {parent:?}"
     );
-    let counters: Vec<u64> = counters.iter().map(|(c, _)| *c).collect();
-    let mut v: Vec<(u64, f64)> = tl
-        .counters
-        .iter()
-        .filter(|c| counters.contains(&c.track))
-        .map(|c| (c.ts, c.value))
-        .collect();
-    v.sort_by_key(|(ts, _)| *ts);
-    v.into_iter().map(|(_, value)| value).collect()
+    tl.counter_values_on(&counters.iter().map(|(c, _)| *c).collect())
 }
 
 /// A clean 8-rank job at default options: no incident, and `agent

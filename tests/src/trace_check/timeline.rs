@@ -373,6 +373,11 @@ impl Timeline {
             .filter(|t| t.name.as_deref() == Some(track_name))
             .map(|t| t.uuid)
             .collect();
+        self.counter_values_on(&uuids)
+    }
+
+    /// Values of the counter tracks `uuids`, by time.
+    pub fn counter_values_on(&self, uuids: &BTreeSet<u64>) -> Vec<f64> {
         let mut v: Vec<(u64, f64)> = self
             .counters
             .iter()
