@@ -26,15 +26,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use xpuscope_probes::maps::ProcessMaps;
-use xpuscope_probes::python::layout::Layout;
+use xpuscope_probes::maps::{MappedFiles, ProcessMaps};
+use xpuscope_probes::python::layout::{self, Layout};
 use xpuscope_probes::python::memory::ProcMem;
 use xpuscope_probes::python::walk::{FrameReader, KnownTypes};
 use xpuscope_probes::python::{
-    MixedFrame, PyFrame, PythonProcess, PythonProcesses, interleave, step_of,
+    LayoutSource, MixedFrame, PyFrame, PythonProcess, PythonProcesses, interleave, step_of,
 };
 use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
 use xpuscope_tests::fixtures;
+use xpuscope_tests::roots::{self, Entry};
 
 struct Killed(Child);
 
@@ -45,7 +46,46 @@ impl Drop for Killed {
     }
 }
 
-fn interpreters() -> Vec<PathBuf> {
+/// An interpreter the test runs the fixture under.
+struct Python {
+    /// How the test names it.
+    label: String,
+    /// The interpreter's path as its process sees it.
+    program: String,
+    /// The root it runs in and how it entered it; `None`: the host's.
+    root: Option<(&'static Path, Entry)>,
+}
+
+impl Python {
+    fn host(path: PathBuf) -> Self {
+        Self {
+            label: path.display().to_string(),
+            program: path.display().to_string(),
+            root: None,
+        }
+    }
+
+    /// `script` (a host file) run by this interpreter: placed inside its
+    /// root first when it has one.
+    fn command(&self, script: &Path) -> Command {
+        match self.root {
+            None => {
+                let mut cmd = Command::new(&self.program);
+                cmd.arg(script);
+                cmd
+            }
+            Some((root, entry)) => {
+                let dir = roots::place(root, "py_frames", &[script]);
+                let name = script.file_name().expect("a file name").to_string_lossy();
+                let mut cmd = entry.command(root, &self.program);
+                cmd.arg(format!("{dir}/{name}"));
+                cmd
+            }
+        }
+    }
+}
+
+fn interpreters() -> Vec<Python> {
     let system = PathBuf::from("/usr/bin/python3.11");
     if !system.exists() && std::env::var("CI").is_ok_and(|v| v == "true") {
         xpuscope_tests::packages::apt_install(&["python3.11"]);
@@ -54,7 +94,7 @@ fn interpreters() -> Vec<PathBuf> {
         system.exists(),
         "/usr/bin/python3.11 is missing (apt-get install python3.11)"
     );
-    let mut out = vec![system];
+    let mut out = vec![Python::host(system)];
     let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
     if let Ok(dir) = std::fs::read_dir(Path::new(&home).join(".pyenv/versions")) {
         let mut extra: Vec<PathBuf> = dir
@@ -66,7 +106,17 @@ fn interpreters() -> Vec<PathBuf> {
             })
             .collect();
         extra.sort();
-        out.extend(extra);
+        out.extend(extra.into_iter().map(Python::host));
+    }
+    // CPython 3.14 in a root of its own (Debian unstable's), entered both
+    // ways a job's container may be.
+    let sid = roots::sid();
+    for entry in Entry::ALL {
+        out.push(Python {
+            label: format!("python3.14 in {} ({entry:?})", sid.display()),
+            program: "/usr/bin/python3.14".into(),
+            root: Some((sid, entry)),
+        });
     }
     out
 }
@@ -96,10 +146,6 @@ fn got(frames: &[PyFrame]) -> Vec<(String, String, u32)> {
         .iter()
         .map(|f| (f.function.clone(), f.file.clone(), f.line.unwrap_or(0)))
         .collect()
-}
-
-fn proc_layout(v: &(u8, u8, u8)) -> &'static Layout {
-    xpuscope_probes::python::layout::for_version(v.0, v.1).expect("a supported version")
 }
 
 /// Stops thread `tid` with ptrace, copies its registers and the top 64 KiB
@@ -143,14 +189,14 @@ fn stop_and_copy(tid: u32) -> (UserRegs, u64, Vec<u8>) {
     }
 }
 
-fn check_interpreter(python: &Path) {
+fn check_interpreter(python: &Python) {
     let script = fixtures::repo_root().join("tests/workloads/py_frames.py");
-    let child = Command::new(python)
-        .arg(&script)
+    let child = python
+        .command(&script)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .unwrap_or_else(|e| panic!("start {}: {e}", python.display()));
+        .unwrap_or_else(|e| panic!("start {}: {e}", python.label));
     let mut child = Killed(child);
     let pid = child.0.id();
     let mut line = String::new();
@@ -158,14 +204,30 @@ fn check_interpreter(python: &Path) {
         .read_line(&mut line)
         .expect("read the fixture's report");
     let report: serde_json::Value = serde_json::from_str(&line)
-        .unwrap_or_else(|e| panic!("{}: the fixture's report {line:?}: {e}", python.display()));
+        .unwrap_or_else(|e| panic!("{}: the fixture's report {line:?}: {e}", python.label));
 
     let t0 = Instant::now();
     let mut proc = PythonProcess::attach(pid)
         .expect("attach")
-        .unwrap_or_else(|| panic!("{}: no interpreter found", python.display()));
+        .unwrap_or_else(|| panic!("{}: no interpreter found", python.label));
     let attach = t0.elapsed();
     let interp = proc.interpreter().clone();
+    // 3.13 and later are read by the layout they publish; 3.13's equals
+    // this project's table of it.
+    let minor = interp.version.1;
+    assert_eq!(
+        interp.layout_source,
+        if minor >= 13 {
+            LayoutSource::DebugOffsets
+        } else {
+            LayoutSource::Table
+        },
+        "{}",
+        python.label
+    );
+    if minor == 13 {
+        assert_eq!(*interp.layout(), layout::PY313, "{}", python.label);
+    }
     assert!(
         !interp.eval_frames.is_empty(),
         "{}: no _PyEval_EvalFrameDefault",
@@ -178,12 +240,7 @@ fn check_interpreter(python: &Path) {
         let tid = t["tid"].as_u64().expect("tid") as u32;
         let want = expected(&t["frames"]);
         let frames = proc.frames(tid).expect("read frames");
-        assert_eq!(
-            got(&frames),
-            want,
-            "{} thread {who} ({tid})",
-            python.display()
-        );
+        assert_eq!(got(&frames), want, "{} thread {who} ({tid})", python.label);
         assert!(
             frames.last().expect("frames").entry,
             "the outermost frame is entered from C"
@@ -199,7 +256,7 @@ fn check_interpreter(python: &Path) {
             "backward" => Some(("step", (1 << 35) + 3)),
             _ => None,
         };
-        assert_eq!(step, want_step, "{} thread {who}", python.display());
+        assert_eq!(step, want_step, "{} thread {who}", python.label);
     }
     let native = report["native_tid"].as_u64().expect("native tid") as u32;
     assert_eq!(
@@ -218,11 +275,11 @@ fn check_interpreter(python: &Path) {
 
     // The thread list through glibc's `struct pthread` (how 3.10, which
     // has no native_thread_id, maps tids) finds the same threads.
-    let mut via_pthread: Layout = *proc_layout(&interp.version);
+    let mut via_pthread: Layout = *interp.layout();
     via_pthread.tstate_native_thread_id = None;
     let reader = FrameReader::new(
         ProcMem::open(pid).expect("open mem"),
-        Box::leak(Box::new(via_pthread)),
+        via_pthread,
         interp.runtime,
         KnownTypes::default(),
     );
@@ -243,7 +300,8 @@ fn check_interpreter(python: &Path) {
     let (regs, base, stack) = stop_and_copy(main);
     let maps = ProcessMaps::read(pid).expect("maps");
     let mut unwinder = Unwinder::new();
-    let unwound = unwinder.process(&maps, Path::new("/")).unwind(
+    // The process's own files: another root's are not the host's.
+    let unwound = unwinder.process(&maps, MappedFiles::Process(pid)).unwind(
         regs,
         &StackCopy {
             base,
@@ -258,11 +316,18 @@ fn check_interpreter(python: &Path) {
         .filter(|&&a| proc.is_eval_frame(a))
         .count();
     let entries = py.iter().filter(|f| f.entry).count();
+    let described: Vec<String> = unwound
+        .frames
+        .iter()
+        .map(|&a| match maps.find(a) {
+            Some(m) => format!("{a:#x} {}+{:#x}", m.path, m.file_offset_of(a)),
+            None => format!("{a:#x} ?"),
+        })
+        .collect();
     assert_eq!(
-        evals,
-        entries,
-        "{}: evaluation frames vs entry frames",
-        python.display()
+        evals, entries,
+        "{}: evaluation frames vs entry frames; native stack {described:#?}, eval ranges {:x?}",
+        python.label, interp.eval_frames
     );
     let mixed = interleave(&unwound.frames, &py, |a| proc.is_eval_frame(a));
     let python_in_mixed: Vec<&PyFrame> = mixed
@@ -279,7 +344,7 @@ fn check_interpreter(python: &Path) {
     );
     println!(
         "{}: mixed main-thread stack: {} native + {} Python frames, {evals} evaluation call(s)",
-        python.display(),
+        python.label,
         unwound.frames.len() - evals,
         py.len()
     );
@@ -309,7 +374,7 @@ fn check_interpreter(python: &Path) {
     }
     println!(
         "{} ({}.{}.{}): attach {attach:?}; {}",
-        python.display(),
+        python.label,
         interp.version.0,
         interp.version.1,
         interp.version.2,
@@ -327,7 +392,7 @@ fn python_frames_match_the_interpreter() {
         "checked: {}",
         pythons
             .iter()
-            .map(|p| p.display().to_string())
+            .map(|p| p.label.clone())
             .collect::<Vec<_>>()
             .join(", ")
     );

@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use object::{Object, ObjectSymbol, SymbolKind};
-use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::maps::{MappedFiles, ProcessMaps};
 use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs, frame_pointer_walk};
 use xpuscope_tests::fixtures;
 
@@ -278,7 +278,7 @@ fn check_mode(args: &[&str], expected_own: &[&str], library: Option<&str>) -> Sa
         bytes: &s.stack,
     };
     let mut unwinder = Unwinder::new();
-    let mut process = unwinder.process(&s.maps, Path::new("/"));
+    let mut process = unwinder.process(&s.maps, MappedFiles::Root(Path::new("/")));
     let unwound = process.unwind(s.regs, &stack, 127);
     let syms = Symbols::read(&fixture());
     let own = fixture_names(&syms, &s.maps, &unwound.frames);
@@ -458,7 +458,7 @@ fn unwind_cost_against_frame_pointers() {
         // Cold: reading every mapped file's CFI and building the process.
         let cold_start = Instant::now();
         let mut unwinder = Unwinder::new();
-        let mut process = unwinder.process(&s.maps, Path::new("/"));
+        let mut process = unwinder.process(&s.maps, MappedFiles::Root(Path::new("/")));
         let first = process.unwind(s.regs, &stack, 127);
         let cold = cold_start.elapsed();
         // A further process mapping the same files (CFI cached, rule cache
@@ -466,7 +466,7 @@ fn unwind_cost_against_frame_pointers() {
         let fresh_rounds = 200u32;
         let warm_start = Instant::now();
         for _ in 0..fresh_rounds {
-            let mut again = unwinder.process(&s.maps, Path::new("/"));
+            let mut again = unwinder.process(&s.maps, MappedFiles::Root(Path::new("/")));
             let second = again.unwind(s.regs, &stack, 127);
             assert_eq!(first, second);
         }

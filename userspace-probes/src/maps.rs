@@ -24,6 +24,10 @@ pub struct Mapping {
     /// Offset in the backing file of `start`.
     pub offset: u64,
     pub perms: [u8; 4],
+    /// The backing file's device (`major << 32 | minor`) and inode: which
+    /// file it is, wherever its path leads (the same path in two
+    /// containers names two files).
+    pub dev: u64,
     pub inode: u64,
     /// The backing path, a pseudo name such as `[vdso]`, or empty.
     pub path: String,
@@ -37,6 +41,32 @@ impl Mapping {
     /// Whether this mapping is backed by a file (not anonymous or a pseudo map).
     pub fn is_file(&self) -> bool {
         self.path.starts_with('/')
+    }
+
+    /// A path that opens the very file this mapping of process `pid` maps,
+    /// whatever root or mount namespace the process runs in: its
+    /// `/proc/PID/map_files/START-END` link while it is mapped (root
+    /// only), else the mapped path under the process's own root
+    /// (`/proc/PID/root`), else in the agent's, each taken only when it
+    /// leads to the mapped inode. A process in a container maps files the
+    /// host may have too, under the same names, with other contents; a
+    /// chrooted one's maps name its files by their host paths.
+    pub fn file_path(&self, pid: u32) -> Option<PathBuf> {
+        use std::os::unix::fs::MetadataExt;
+        if !self.is_file() {
+            return None;
+        }
+        let candidates = [
+            PathBuf::from(format!(
+                "/proc/{pid}/map_files/{:x}-{:x}",
+                self.start, self.end
+            )),
+            PathBuf::from(format!("/proc/{pid}/root")).join(self.path.trim_start_matches('/')),
+            PathBuf::from(&self.path),
+        ];
+        candidates
+            .into_iter()
+            .find(|p| std::fs::metadata(p).is_ok_and(|m| m.ino() == self.inode))
     }
 
     /// The file offset of address `addr` inside this mapping.
@@ -95,7 +125,7 @@ fn parse_line(line: &str) -> Option<Mapping> {
     let range = fields.next()?;
     let perms = fields.next()?;
     let offset = fields.next()?;
-    let _dev = fields.next()?;
+    let dev = fields.next()?;
     let inode = fields.next()?;
     let path = fields.next().unwrap_or("").trim_start().to_string();
     let (start, end) = range.split_once('-')?;
@@ -110,9 +140,40 @@ fn parse_line(line: &str) -> Option<Mapping> {
         end,
         offset: u64::from_str_radix(offset, 16).ok()?,
         perms,
+        dev: parse_dev(dev)?,
         inode: inode.parse().ok()?,
         path,
     })
+}
+
+/// Where a process's mapped files are opened.
+#[derive(Clone, Copy, Debug)]
+pub enum MappedFiles<'a> {
+    /// Process `pid`'s own files ([`Mapping::file_path`]).
+    Process(u32),
+    /// Under a directory, by the mapped path (made-up maps over files
+    /// in it: tests, fuzzing).
+    Root(&'a std::path::Path),
+}
+
+impl MappedFiles<'_> {
+    /// The path to open for mapping `m`; for a live process one that
+    /// leads to the mapped file, or (none does: it is gone) the mapped
+    /// path itself, whose opening then fails or is checked by the caller.
+    pub fn path(&self, m: &Mapping) -> PathBuf {
+        match self {
+            MappedFiles::Process(pid) => {
+                m.file_path(*pid).unwrap_or_else(|| PathBuf::from(&m.path))
+            }
+            MappedFiles::Root(root) => root.join(m.path.trim_start_matches('/')),
+        }
+    }
+}
+
+/// `fe:01` (hex major and minor, as maps prints them).
+fn parse_dev(dev: &str) -> Option<u64> {
+    let (major, minor) = dev.split_once(':')?;
+    Some(u64::from_str_radix(major, 16).ok()? << 32 | u64::from_str_radix(minor, 16).ok()?)
 }
 
 #[cfg(test)]

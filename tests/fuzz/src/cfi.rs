@@ -15,7 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
-use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::maps::{MappedFiles, ProcessMaps};
 use xpuscope_probes::unwind::{FileCfi, MAX_FRAMES, StackCopy, Unwinder, UserRegs};
 
 /// Where the file is mapped (offset 0, executable).
@@ -69,7 +69,7 @@ fn unwind_all(root: &Path, len: u64) {
         MAPPED_AT + span
     ));
     let mut unwinder = Unwinder::new();
-    let mut process = unwinder.process(&maps, root);
+    let mut process = unwinder.process(&maps, MappedFiles::Root(root));
     let stack: Vec<u8> = (0..STACK_WORDS)
         .flat_map(|i| (MAPPED_AT + (i * 0x61 + 5) % span).to_le_bytes())
         .collect();

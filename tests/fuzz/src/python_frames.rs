@@ -28,7 +28,7 @@ pub fn python_frames(data: &[u8]) {
     let layout = LAYOUTS[usize::from(v) % LAYOUTS.len()];
     let mut mem = ImageMemory::new();
     mem.map(BASE, image.to_vec());
-    let mut reader = FrameReader::new(mem, layout, BASE, KnownTypes::default());
+    let mut reader = FrameReader::new(mem, *layout, BASE, KnownTypes::default());
     if let Ok(threads) = reader.thread_states() {
         for t in threads.iter().take(8) {
             if let Ok(frames) = reader.frames_at(t.addr) {

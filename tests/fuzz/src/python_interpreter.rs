@@ -13,9 +13,9 @@
 
 use std::path::{Path, PathBuf};
 
-use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::maps::{MappedFiles, ProcessMaps};
 use xpuscope_probes::python::memory::{Memory, ReadError};
-use xpuscope_probes::python::{Interpreter, MAX_EVAL_FRAMES, PyError, layout};
+use xpuscope_probes::python::{Interpreter, MAX_EVAL_FRAMES, PyError};
 
 /// What the mapped file is called: names taken for an interpreter, with a
 /// version or without, and one that is not.
@@ -77,11 +77,13 @@ pub fn find(root: &Path, name: &str, word: [u8; 8]) -> Option<Interpreter> {
         BASE + 0x1000,
         BASE + 0x3000,
     ));
-    match Interpreter::find(&maps, root, || Ok::<_, PyError>(Word(word))) {
+    match Interpreter::find(&maps, MappedFiles::Root(root), || {
+        Ok::<_, PyError>(Word(word))
+    }) {
         Ok(Some((i, _))) => {
             assert_eq!(i.path, format!("/{name}"));
             assert_eq!(i.version.0, 3, "{i:?}");
-            assert!(layout::for_version(3, i.version.1).is_some(), "{i:?}");
+            assert!(i.version.1 >= 10, "{i:?}");
             assert!(i.eval_frames.len() <= MAX_EVAL_FRAMES, "{i:?}");
             assert!(i.eval_frames.iter().all(|r| r.start < r.end), "{i:?}");
             Some(i)

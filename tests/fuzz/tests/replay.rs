@@ -290,7 +290,7 @@ fn python_interpreter_seeds_find() {
 #[test]
 fn cfi_seeds_unwind() {
     use xpuscope_fuzz::cfi::{MAPPED_AT, SEED_FRAMES, STACK_AT};
-    use xpuscope_probes::maps::ProcessMaps;
+    use xpuscope_probes::maps::{MappedFiles, ProcessMaps};
     use xpuscope_probes::unwind::{StackCopy, Unwinder, UserRegs};
     let root = fuzz_dir().join("corpus/cfi");
     for (seed, ip, ret) in SEED_FRAMES {
@@ -299,7 +299,7 @@ fn cfi_seeds_unwind() {
             MAPPED_AT + 0x1000
         ));
         let mut unwinder = Unwinder::new();
-        let mut process = unwinder.process(&maps, &root);
+        let mut process = unwinder.process(&maps, MappedFiles::Root(&root));
         assert_eq!(process.modules(), 1, "{seed}");
         // The return address 56 bytes above rsp (CFA - 8), then the
         // caller's 24 bytes above its CFA... zero.
@@ -343,7 +343,7 @@ fn python_frames_seeds_walk() {
         let layout = LAYOUTS[usize::from(v)];
         let mut mem = ImageMemory::new();
         mem.map(BASE, input[1..].to_vec());
-        let mut r = FrameReader::new(mem, layout, BASE, KnownTypes::default());
+        let mut r = FrameReader::new(mem, *layout, BASE, KnownTypes::default());
         let threads = r.thread_states().expect("threads");
         assert_eq!(threads.len(), 1);
         assert_eq!(threads[0].tid, Some(SEED_TID));

@@ -36,8 +36,10 @@ pub enum EntryMark {
     EveryFrame,
     /// 3.11: the frame's `is_entry` byte.
     IsEntryByte(u64),
-    /// 3.12, 3.13: the frame's caller is a shim frame owned by the C stack
-    /// (`owner == FRAME_OWNED_BY_CSTACK`), which is skipped.
+    /// 3.12+: the frame's caller is a frame that runs no Python: a shim
+    /// owned by the C stack, or (3.14+) the interpreter's base frame at
+    /// the bottom of each thread. Such frames have `owner >= cstack`
+    /// ([`FIRST_NON_PYTHON_OWNER`]) and are skipped.
     CStackOwner { owner: u64, cstack: u8 },
 }
 
@@ -107,12 +109,24 @@ pub struct Layout {
     pub ascii_header: u64,
     /// Size of `PyCompactUnicodeObject` (other compact data follows it).
     pub compact_header: u64,
+    /// 3.14+: a frame's executable and its locals are `_PyStackRef`s, an
+    /// object pointer with a reference-kind tag in its low bit, or a
+    /// tagged int (low two bits set, the value above them).
+    pub stack_refs: bool,
+    /// `PyTupleObject.ob_item`: [`TUPLE_ITEMS`] until 3.13; 3.14 put a
+    /// cached hash before the items.
+    pub tuple_items: u64,
 }
+
+/// The lowest `owner` of a frame that runs no Python: 3.12 and 3.13's
+/// `FRAME_OWNED_BY_CSTACK`, 3.14's `FRAME_OWNED_BY_INTERPRETER` (then
+/// `FRAME_OWNED_BY_CSTACK` is 4).
+pub const FIRST_NON_PYTHON_OWNER: u8 = 3;
 
 /// `PyVarObject.ob_size` and `PyBytesObject.ob_sval`, the same in 3.10-3.13.
 pub const BYTES_SIZE: u64 = 16;
 pub const BYTES_DATA: u64 = 32;
-/// `PyTupleObject`: `ob_size`, then the items.
+/// `PyTupleObject`: `ob_size`, then (until 3.13) the items.
 pub const TUPLE_SIZE: u64 = 16;
 pub const TUPLE_ITEMS: u64 = 24;
 /// `PyLongObject`: `ob_size` (3.10, 3.11) or `lv_tag` (3.12+), then the
@@ -172,6 +186,8 @@ pub const PY310: Layout = Layout {
     int_layout: IntLayout::SignedSize,
     ascii_header: 48,
     compact_header: 72,
+    stack_refs: false,
+    tuple_items: TUPLE_ITEMS,
 };
 
 pub const PY311: Layout = Layout {
@@ -205,6 +221,8 @@ pub const PY311: Layout = Layout {
     int_layout: IntLayout::SignedSize,
     ascii_header: 48,
     compact_header: 72,
+    stack_refs: false,
+    tuple_items: TUPLE_ITEMS,
 };
 
 pub const PY312: Layout = Layout {
@@ -225,7 +243,7 @@ pub const PY312: Layout = Layout {
     frame_owner: Some(70),
     entry: EntryMark::CStackOwner {
         owner: 70,
-        cstack: 3,
+        cstack: FIRST_NON_PYTHON_OWNER,
     },
     frame_size: 72,
     code_filename: 112,
@@ -241,6 +259,8 @@ pub const PY312: Layout = Layout {
     int_layout: IntLayout::Tagged,
     ascii_header: 40,
     compact_header: 56,
+    stack_refs: false,
+    tuple_items: TUPLE_ITEMS,
 };
 
 pub const PY313: Layout = Layout {
@@ -260,7 +280,7 @@ pub const PY313: Layout = Layout {
     frame_owner: Some(0x46),
     entry: EntryMark::CStackOwner {
         owner: 0x46,
-        cstack: 3,
+        cstack: FIRST_NON_PYTHON_OWNER,
     },
     frame_size: 0x48,
     code_filename: 0x70,
@@ -276,6 +296,8 @@ pub const PY313: Layout = Layout {
     int_layout: IntLayout::Tagged,
     ascii_header: 40,
     compact_header: 56,
+    stack_refs: false,
+    tuple_items: TUPLE_ITEMS,
 };
 
 /// The layout of a minor version, if supported.

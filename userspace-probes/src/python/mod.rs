@@ -34,9 +34,11 @@
 //! (syscalls) and 8-10 us for a 3-frame stack, 11-16 reads and 24-29 us for
 //! 40 frames (release, 2-vCPU VM; docs/src/measurements/stacks.md, "Reading Python frames").
 
+pub mod debug_offsets;
 pub mod layout;
 pub mod linetable;
 pub mod memory;
+pub mod split_parts;
 pub mod walk;
 
 use std::cell::Cell;
@@ -48,11 +50,11 @@ use std::time::{Duration, Instant};
 
 use object::Endianness;
 use object::elf::{FileHeader64, PT_LOAD, SHT_DYNSYM, SHT_SYMTAB};
-use object::read::ReadCache;
 use object::read::elf::{FileHeader, ProgramHeader, SectionHeader, Sym};
+use object::read::{ReadCache, ReadRef};
 
 use crate::bounds::{CacheStats, CappedRead};
-use crate::maps::ProcessMaps;
+use crate::maps::{MappedFiles, ProcessMaps};
 use crate::read_budget::{ReadBudget, limit_for};
 use memory::{Memory, ProcMem, ReadError};
 use walk::{CODE_CACHE_PROCESS_BYTES, FrameReader, KnownTypes};
@@ -108,8 +110,16 @@ pub enum PyError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: CPython {major}.{minor} is not supported (3.10-3.13 are)")]
+    #[error("{path}: CPython {major}.{minor} is not supported (3.10 and later are)")]
     Unsupported { path: String, major: u8, minor: u8 },
+    #[error("{path}: Python {major}.{minor}: layout not understood ({why})")]
+    LayoutNotUnderstood {
+        path: String,
+        major: u8,
+        minor: u8,
+        #[source]
+        why: debug_offsets::NotUnderstood,
+    },
     #[error(
         "{path}: the CPython version could not be found (no Py_Version symbol, no version in the file name)"
     )]
@@ -133,7 +143,18 @@ pub struct Interpreter {
     /// [`MAX_EVAL_FRAMES`] ranges.
     pub eval_frames: Vec<Range<u64>>,
     types: KnownTypes,
-    layout: &'static layout::Layout,
+    layout: layout::Layout,
+    /// Where the layout came from.
+    pub layout_source: LayoutSource,
+}
+
+/// Where an interpreter's layout came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutSource {
+    /// This project's per-version table (3.10-3.12).
+    Table,
+    /// The interpreter's own `_Py_DebugOffsets` (3.13+).
+    DebugOffsets,
 }
 
 /// The most evaluation-loop ranges kept from a file's symbols: a real
@@ -143,28 +164,28 @@ pub const MAX_EVAL_FRAMES: usize = 4;
 
 impl Interpreter {
     /// The CPython interpreter of a process whose mappings are `maps`: the
-    /// first mapped file (as `/proc/PID/maps` names it, opened under
-    /// `root`) whose ELF symbols hold `_PyRuntime`, its version read
+    /// first mapped file (as `/proc/PID/maps` names it, opened as `files`
+    /// says) whose ELF symbols hold `_PyRuntime`, its version read
     /// through the memory `open` gives (opened only once a file is found),
     /// and the layout of that version. `Ok(None)` when no such file is
     /// mapped.
     pub fn find<M: Memory>(
         maps: &ProcessMaps,
-        root: &Path,
+        files: MappedFiles,
         open: impl FnOnce() -> Result<M, PyError>,
     ) -> Result<Option<(Interpreter, M)>, PyError> {
-        Self::find_counting(maps, root, open, &CacheStats::default())
+        Self::find_counting(maps, files, open, &CacheStats::default())
     }
 
     /// [`Self::find`], counting a symbol table refused for its size into
     /// `stats`.
     fn find_counting<M: Memory>(
         maps: &ProcessMaps,
-        root: &Path,
+        files: MappedFiles,
         open: impl FnOnce() -> Result<M, PyError>,
         stats: &CacheStats,
     ) -> Result<Option<(Interpreter, M)>, PyError> {
-        let Some(found) = find_interpreter(maps, root, stats) else {
+        let Some(found) = find_interpreter(maps, files, stats) else {
             return Ok(None);
         };
         let mem = open()?;
@@ -179,11 +200,27 @@ impl Interpreter {
                 path: found.path.clone(),
             })?,
         };
-        let layout = layout::for_version(major, minor).ok_or_else(|| PyError::Unsupported {
-            path: found.path.clone(),
-            major,
-            minor,
-        })?;
+        let (layout, layout_source) = match debug_offsets::Table::for_minor(minor) {
+            Some(table) if major == 3 => (
+                layout_from_debug_offsets(&mem, found.runtime, table, major, minor).map_err(
+                    |why| PyError::LayoutNotUnderstood {
+                        path: found.path.clone(),
+                        major,
+                        minor,
+                        why,
+                    },
+                )?,
+                LayoutSource::DebugOffsets,
+            ),
+            _ => (
+                *layout::for_version(major, minor).ok_or_else(|| PyError::Unsupported {
+                    path: found.path.clone(),
+                    major,
+                    minor,
+                })?,
+                LayoutSource::Table,
+            ),
+        };
         let interpreter = Interpreter {
             path: found.path,
             version: (major, minor, micro),
@@ -191,14 +228,31 @@ impl Interpreter {
             eval_frames: found.eval_frames,
             types: found.types,
             layout,
+            layout_source,
         };
         Ok(Some((interpreter, mem)))
     }
 
     /// The structure layout of its version.
-    pub fn layout(&self) -> &'static layout::Layout {
-        self.layout
+    pub fn layout(&self) -> &layout::Layout {
+        &self.layout
     }
+}
+
+/// The layout a 3.13+ interpreter publishes at the start of `_PyRuntime`
+/// (read through `mem`), checked ([`debug_offsets`]).
+fn layout_from_debug_offsets<M: Memory>(
+    mem: &M,
+    runtime: u64,
+    table: &'static debug_offsets::Table,
+    major: u8,
+    minor: u8,
+) -> Result<layout::Layout, debug_offsets::NotUnderstood> {
+    let mut raw = vec![0u8; table.len()];
+    if mem.read(runtime, &mut raw).is_err() {
+        return Err(debug_offsets::NotUnderstood::Unreadable);
+    }
+    debug_offsets::DebugOffsets::new(table, &raw)?.layout(major, minor)
 }
 
 /// A CPython process being read.
@@ -237,10 +291,9 @@ impl PythonProcess {
         let Ok(maps) = ProcessMaps::read(pid) else {
             return Ok(None);
         };
-        let root = format!("/proc/{pid}/root");
         let open = || ProcMem::open(pid).map_err(|source| PyError::Open { pid, source });
         let Some((interpreter, mem)) =
-            Interpreter::find_counting(&maps, Path::new(&root), open, stats)?
+            Interpreter::find_counting(&maps, MappedFiles::Process(pid), open, stats)?
         else {
             return Ok(None);
         };
@@ -486,15 +539,14 @@ fn candidate(path: &str) -> bool {
     name.starts_with("libpython3") || name.starts_with("python3") || name == "python"
 }
 
-fn find_interpreter(maps: &ProcessMaps, root: &Path, stats: &CacheStats) -> Option<Found> {
+fn find_interpreter(maps: &ProcessMaps, files: MappedFiles, stats: &CacheStats) -> Option<Found> {
     let mut seen: Vec<&str> = Vec::new();
     for m in maps.mappings() {
         if !m.is_file() || !candidate(&m.path) || seen.contains(&m.path.as_str()) {
             continue;
         }
         seen.push(&m.path);
-        let file = root.join(m.path.trim_start_matches('/'));
-        let symbols = symbols_of(&file, MAX_SYMBOL_TABLE);
+        let symbols = symbols_of(&files.path(m), MAX_SYMBOL_TABLE);
         stats.refused(symbols.refused);
         if let Some(f) = symbols.found.and_then(|s| s.relocated(maps, &m.path)) {
             return Some(f);
@@ -502,6 +554,10 @@ fn find_interpreter(maps: &ProcessMaps, root: &Path, stats: &CacheStats) -> Opti
     }
     None
 }
+
+/// The largest named evaluation function scanned for split parts: an
+/// entry part is a few KiB; a whole loop (hundreds) is not split.
+const MAX_NAMED_EVAL: u64 = 64 << 10;
 
 /// The largest symbol table (`.dynsym`, `.symtab`) read to find the
 /// interpreter: CPython's are well under a MB. A larger one is refused
@@ -566,6 +622,7 @@ fn read_symbols(
         first_load,
         ..Symbols::default()
     };
+    let mut named_eval: Option<Range<u64>> = None;
     for kind in [SHT_DYNSYM, SHT_SYMTAB] {
         let Some(table) = sections.iter().find(|s| s.sh_type(endian) == kind) else {
             continue;
@@ -593,6 +650,9 @@ fn read_symbols(
                     let Some(end) = addr.checked_add(size).filter(|&e| e > addr) else {
                         continue;
                     };
+                    if name == b"_PyEval_EvalFrameDefault" && size <= MAX_NAMED_EVAL {
+                        named_eval = Some(addr..end);
+                    }
                     if !out.eval_frames.contains(&(addr..end)) {
                         out.eval_frames.push(addr..end);
                     }
@@ -603,6 +663,32 @@ fn read_symbols(
                 b"PyLong_Type" => out.types.int = Some(addr),
                 b"PyTuple_Type" => out.types.tuple = Some(addr),
                 _ => {}
+            }
+        }
+    }
+    // A stripped interpreter names only the hot part of a split loop.
+    if let Some(named) = named_eval.clone() {
+        let load = header
+            .program_headers(endian, data)
+            .ok()?
+            .iter()
+            .find(|ph| {
+                ph.p_type(endian) == PT_LOAD
+                    && (ph.p_vaddr(endian)..ph.p_vaddr(endian).saturating_add(ph.p_filesz(endian)))
+                        .contains(&named.start)
+            });
+        let code = load.and_then(|ph| {
+            let offset = named.start - ph.p_vaddr(endian) + ph.p_offset(endian);
+            data.read_bytes_at(offset, named.end - named.start).ok()
+        });
+        let hdr = sections
+            .section_by_name(endian, b".eh_frame_hdr")
+            .and_then(|(_, h)| Some((h.data(endian, data).ok()?, h.sh_addr(endian))));
+        if let (Some(code), Some((hdr, hdr_addr))) = (code, hdr) {
+            for part in split_parts::split_parts(&named, code, hdr, hdr_addr) {
+                if out.eval_frames.len() < MAX_EVAL_FRAMES && !out.eval_frames.contains(&part) {
+                    out.eval_frames.push(part);
+                }
             }
         }
     }
@@ -693,7 +779,7 @@ mod tests {
     fn process_caching(n: u64, table: usize, limit: u64, stats: &Arc<CacheStats>) -> PythonProcess {
         let pid = std::process::id();
         let mem = ProcMem::open(pid).expect("own memory");
-        let mut reader = FrameReader::new(mem, &layout::PY311, 0, KnownTypes::default())
+        let mut reader = FrameReader::new(mem, layout::PY311, 0, KnownTypes::default())
             .with_code_cache(limit, stats.clone());
         reader.cache_made_up_code(n, table);
         PythonProcess {
@@ -704,7 +790,8 @@ mod tests {
                 runtime: 0,
                 eval_frames: Vec::new(),
                 types: KnownTypes::default(),
-                layout: &layout::PY311,
+                layout: layout::PY311,
+                layout_source: LayoutSource::Table,
             },
             reader,
             threads: HashMap::new(),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::layout::{
     BYTES_DATA, BYTES_SIZE, EntryMark, FrameRoot, INT_DIGITS, INT_SIZE, IntLayout, Layout,
-    PTHREAD_SELF, PTHREAD_TID, TUPLE_ITEMS, TUPLE_SIZE, UNICODE_LENGTH, UNICODE_STATE,
+    PTHREAD_SELF, PTHREAD_TID, TUPLE_SIZE, UNICODE_LENGTH, UNICODE_STATE,
 };
 use super::linetable;
 use super::memory::{Memory, ReadError};
@@ -203,7 +203,7 @@ struct CodeKey {
 #[derive(Debug)]
 pub struct FrameReader<M> {
     pub(crate) mem: M,
-    layout: &'static Layout,
+    layout: Layout,
     runtime: u64,
     types: KnownTypes,
     code: CodeCache,
@@ -213,7 +213,7 @@ pub struct FrameReader<M> {
 
 impl<M: Memory> FrameReader<M> {
     /// `runtime` is the address of `_PyRuntime` in the target.
-    pub fn new(mem: M, layout: &'static Layout, runtime: u64, types: KnownTypes) -> Self {
+    pub fn new(mem: M, layout: Layout, runtime: u64, types: KnownTypes) -> Self {
         Self {
             mem,
             layout,
@@ -265,8 +265,8 @@ impl<M: Memory> FrameReader<M> {
         self.code.evict(want)
     }
 
-    pub fn layout(&self) -> &'static Layout {
-        self.layout
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     fn read_vec(&self, addr: u64, len: usize) -> Result<Vec<u8>, ReadError> {
@@ -421,7 +421,7 @@ impl<M: Memory> FrameReader<M> {
             addr = field(&raw, l.frame_previous)?;
             let owner = l.frame_owner.and_then(|o| raw.get(o as usize).copied());
             if let EntryMark::CStackOwner { cstack, .. } = l.entry
-                && owner == Some(cstack)
+                && owner.is_some_and(|o| o >= cstack)
             {
                 // The shim a C caller pushed: the frame run inside it was
                 // the first of its evaluation call.
@@ -430,7 +430,9 @@ impl<M: Memory> FrameReader<M> {
                 }
                 continue;
             }
-            let code_addr = field(&raw, l.frame_code)?;
+            let Some(code_addr) = object_ref(&l, field(&raw, l.frame_code)?) else {
+                continue;
+            };
             let Some(code) = self.code(code_addr)? else {
                 // 3.13: a frame running something other than a code object.
                 continue;
@@ -531,14 +533,14 @@ impl<M: Memory> FrameReader<M> {
     /// The slot of the first of [`STEP_LOCALS`] among a code object's
     /// local names (the tuple at `names`; its first [`MAX_LOCAL_NAMES`]).
     fn step_local(&self, names: u64) -> Result<Option<(u64, &'static str)>, PyError> {
-        let head = self.read_vec(names, TUPLE_ITEMS as usize)?;
+        let head = self.read_vec(names, self.layout.tuple_items as usize)?;
         if let Some(ty) = self.types.tuple
             && field(&head, 8)? != ty
         {
             return Err(PyError::Malformed("local names that are not a tuple"));
         }
         let n = field(&head, TUPLE_SIZE)?.min(MAX_LOCAL_NAMES);
-        let items = self.read_vec(add(names, TUPLE_ITEMS)?, (n * 8) as usize)?;
+        let items = self.read_vec(add(names, self.layout.tuple_items)?, (n * 8) as usize)?;
         let mut best: Option<(usize, u64)> = None;
         for slot in 0..n {
             let name = self.string(field(&items, slot * 8)?)?;
@@ -557,10 +559,14 @@ impl<M: Memory> FrameReader<M> {
     fn step_value(&self, frame: u64, slot: u64) -> Result<Option<u64>, PyError> {
         let l = self.layout;
         let at = add(add(frame, l.frame_locals)?, slot * 8)?;
-        let obj = self.read_u64(at)?;
-        if obj == 0 {
-            return Ok(None);
+        let raw = self.read_u64(at)?;
+        if l.stack_refs && raw & STACK_REF_INT == STACK_REF_INT {
+            // A tagged int: the value is in the bits above the tag.
+            return Ok(u64::try_from((raw as i64) >> 2).ok());
         }
+        let Some(obj) = object_ref(&l, raw) else {
+            return Ok(None);
+        };
         let head = self.read_vec(obj, (INT_DIGITS + 8) as usize)?;
         match self.types.int {
             Some(ty) if field(&head, 8)? != ty => return Ok(None),
@@ -654,6 +660,24 @@ impl<M: Memory> FrameReader<M> {
     }
 }
 
+/// 3.14+ `Py_INT_TAG`: both low bits set marks a tagged int.
+const STACK_REF_INT: u64 = 3;
+
+/// The object a frame slot refers to: the pointer itself before 3.14; from
+/// 3.14 a `_PyStackRef` with its reference-kind bit cleared. `None` for
+/// NULL (also `PyStackRef_NULL`, the tag alone) and a tagged int.
+fn object_ref(l: &Layout, raw: u64) -> Option<u64> {
+    let obj = if l.stack_refs {
+        if raw & STACK_REF_INT == STACK_REF_INT {
+            return None;
+        }
+        raw & !1
+    } else {
+        raw
+    };
+    (obj != 0).then_some(obj)
+}
+
 fn add(base: u64, off: u64) -> Result<u64, PyError> {
     base.checked_add(off)
         .ok_or(PyError::Malformed("an address past the end of memory"))
@@ -741,7 +765,7 @@ mod tests {
         head[BYTES_SIZE as usize..][..8].copy_from_slice(&(2u64 << 30).to_le_bytes());
         mem.map(0x5000, head);
         let stats = Arc::new(CacheStats::default());
-        let r = FrameReader::new(mem, &PY311, 0, KnownTypes::default())
+        let r = FrameReader::new(mem, PY311, 0, KnownTypes::default())
             .with_code_cache(CODE_CACHE_PROCESS_BYTES, stats.clone());
         assert!(matches!(r.bytes(0x5000), Err(PyError::Malformed(_))));
         assert_eq!(stats.figures().refused, 1);
@@ -755,7 +779,7 @@ mod tests {
         mem.map(0x1_0100, bytes.clone());
         let top = u64::MAX - 64;
         mem.map(top, vec![7; 64]);
-        let r = FrameReader::new(mem, &PY311, 0, KnownTypes::default());
+        let r = FrameReader::new(mem, PY311, 0, KnownTypes::default());
         *r.pages.borrow_mut() = Some(Vec::new());
         for (addr, len) in [
             (0x1_0100, 16),

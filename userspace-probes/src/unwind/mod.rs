@@ -54,7 +54,7 @@ mod elf_cfi;
 mod frame_pointer;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
@@ -64,7 +64,7 @@ pub use elf_cfi::{CfiError, CfiLimits, FileCfi, MAX_SECTION_BYTES, MAX_TEXT_BYTE
 pub use frame_pointer::frame_pointer_walk;
 
 use crate::bounds::CacheStats;
-use crate::maps::ProcessMaps;
+use crate::maps::{MappedFiles, ProcessMaps};
 
 /// The deepest stack returned, as the kernel's `PERF_MAX_STACK_DEPTH`.
 pub const MAX_FRAMES: usize = 127;
@@ -115,6 +115,7 @@ pub struct Unwound {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct FileKey {
     path: String,
+    dev: u64,
     inode: u64,
 }
 
@@ -221,10 +222,10 @@ impl Unwinder {
     /// Keeps only the files `keep(path, inode)` says are still mapped by
     /// some process (the cache would otherwise hold every binary an
     /// always-on agent ever unwound).
-    pub fn retain_files(&mut self, keep: impl Fn(&str, u64) -> bool) {
+    pub fn retain_files(&mut self, keep: impl Fn(&str, u64, u64) -> bool) {
         let (held, stats) = (&mut self.held, &self.stats);
         self.files.retain(|k, f| {
-            let kept = keep(&k.path, k.inode);
+            let kept = keep(&k.path, k.dev, k.inode);
             if !kept && f.cfi.is_some() {
                 *held -= f.bytes();
                 stats.dropped(1, f.bytes());
@@ -233,12 +234,11 @@ impl Unwinder {
         });
     }
 
-    /// An unwinder for one process, from its mappings. Paths in `maps` are
-    /// opened under `root` (`/` for the agent's own namespace,
-    /// `/proc/PID/root` for a process in another mount namespace). A file
+    /// An unwinder for one process, from its mappings, each file opened
+    /// as `files` says (a live process's own files, wherever its root). A file
     /// that cannot be read is remembered as such and its code unwinds by
     /// frame pointer: one unreadable library must not cost every stack.
-    pub fn process(&mut self, maps: &ProcessMaps, root: &Path) -> ProcessUnwinder {
+    pub fn process(&mut self, maps: &ProcessMaps, files: MappedFiles) -> ProcessUnwinder {
         let mut unwinder = UnwinderX86_64::new();
         let mut modules = 0;
         let mut pinned: Vec<Arc<FileCfi>> = Vec::new();
@@ -250,6 +250,7 @@ impl Unwinder {
         {
             let key = FileKey {
                 path: m.path.clone(),
+                dev: m.dev,
                 inode: m.inode,
             };
             self.clock += 1;
@@ -259,7 +260,7 @@ impl Unwinder {
                     f.used = self.clock;
                     f.cfi.clone()
                 }
-                _ => self.load(key, &under_root(root, &m.path), room),
+                _ => self.load(key, &files.path(m), room),
             };
             let Some(cfi) = cfi else { continue };
             if !pinned.iter().any(|p| Arc::ptr_eq(p, &cfi)) {
@@ -354,10 +355,6 @@ impl Unwinder {
     }
 }
 
-fn under_root(root: &Path, path: &str) -> PathBuf {
-    root.join(path.trim_start_matches('/'))
-}
-
 fn module_for(
     name: &str,
     avma: std::ops::Range<u64>,
@@ -440,6 +437,7 @@ impl ProcessUnwinder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn words(ws: &[u64]) -> Vec<u8> {
         ws.iter().flat_map(|w| w.to_le_bytes()).collect()
@@ -491,7 +489,7 @@ mod tests {
         // rule is the frame-pointer walk.
         let maps = ProcessMaps::parse("1000-2000 r-xp 00000000 00:00 0 [anon]\n");
         let mut unwinder = Unwinder::new();
-        let mut process = unwinder.process(&maps, Path::new("/"));
+        let mut process = unwinder.process(&maps, MappedFiles::Root(Path::new("/")));
         assert_eq!(process.modules(), 0);
         let bytes = words(&[0, 0, 0x1020, 0xa1, 0, 0]);
         let s = StackCopy {
@@ -614,23 +612,23 @@ mod tests {
         };
         let mut u = Unwinder::with_bounds(bounds, stats.clone());
         let root = Path::new("/");
-        let a = u.process(&maps(&[0, 1]), root);
+        let a = u.process(&maps(&[0, 1]), MappedFiles::Root(root));
         assert_eq!(a.modules(), 2);
         assert_eq!(stats.figures().bytes, 2000);
         // A third file is over one process's share: not read.
-        let a3 = u.process(&maps(&[0, 1, 2]), root);
+        let a3 = u.process(&maps(&[0, 1, 2]), MappedFiles::Root(root));
         assert_eq!(a3.modules(), 2);
         assert_eq!((stats.figures().bytes, stats.figures().refused), (2000, 1));
         drop(a3);
         // Another process: one more file fits the total, the next does not
         // (the first two are still in use).
-        let b = u.process(&maps(&[2, 3]), root);
+        let b = u.process(&maps(&[2, 3]), MappedFiles::Root(root));
         assert_eq!(b.modules(), 1);
         assert_eq!((stats.figures().bytes, stats.figures().refused), (3000, 2));
         // The first process gone, its files are idle: the least recently
         // used one is evicted for a file that now fits.
         drop(a);
-        let c = u.process(&maps(&[3]), root);
+        let c = u.process(&maps(&[3]), MappedFiles::Root(root));
         assert_eq!(c.modules(), 1);
         let f = stats.figures();
         assert_eq!(
@@ -648,7 +646,7 @@ mod tests {
     fn unreadable_files_are_remembered_not_retried() {
         let maps = ProcessMaps::parse("1000-2000 r-xp 00000000 08:01 42 /nonexistent/libgone.so\n");
         let mut unwinder = Unwinder::new();
-        let process = unwinder.process(&maps, Path::new("/"));
+        let process = unwinder.process(&maps, MappedFiles::Root(Path::new("/")));
         assert_eq!(process.modules(), 0);
         assert_eq!(unwinder.cached_files(), 1);
     }

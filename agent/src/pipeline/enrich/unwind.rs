@@ -12,11 +12,10 @@
 //! leads into code those maps do not have.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use xpuscope_probes::bounds::CacheStats;
-use xpuscope_probes::maps::ProcessMaps;
+use xpuscope_probes::maps::{MappedFiles, ProcessMaps};
 use xpuscope_probes::unwind::{CfiBounds, ProcessUnwinder, StackCopy, Unwinder, UserRegs};
 
 use super::UnwoundUser;
@@ -125,9 +124,8 @@ impl CfiUnwind {
         let Ok(maps) = ProcessMaps::read(tgid) else {
             return;
         };
-        // Files are opened in the process's own mount namespace.
-        let root = PathBuf::from(format!("/proc/{tgid}/root"));
-        let unwinder = self.files.process(&maps, &root);
+        // The process's own files, wherever its root (a container's).
+        let unwinder = self.files.process(&maps, MappedFiles::Process(tgid));
         self.processes.insert(
             tgid,
             ProcessEntry {
@@ -150,15 +148,15 @@ impl CfiUnwind {
             return;
         }
         // Files no remaining process maps leave the CFI cache.
-        let mapped: std::collections::HashSet<(&str, u64)> = self
+        let mapped: std::collections::HashSet<(&str, u64, u64)> = self
             .processes
             .values()
             .flat_map(|e| e.maps.mappings().iter())
             .filter(|m| m.is_executable() && m.is_file())
-            .map(|m| (m.path.as_str(), m.inode))
+            .map(|m| (m.path.as_str(), m.dev, m.inode))
             .collect();
         self.files
-            .retain_files(|path, inode| mapped.contains(&(path, inode)));
+            .retain_files(|path, dev, inode| mapped.contains(&(path, dev, inode)));
     }
 
     /// Files whose CFI is cached (tests).

@@ -1,0 +1,110 @@
+//! Roots of their own standing in for container images: a Debian unstable
+//! root (another glibc, CPython 3.14) made by `tests/roots/make-sid-root.sh`
+//! (debootstrap, cached under /var/cache/xpuscope-test between runs), and
+//! processes started inside it the way a container runtime starts them: in
+//! a mount namespace of their own, with that root as theirs (`unshare
+//! --mount --root`), or with only `chroot`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use crate::fixtures;
+
+/// The Debian unstable root, made on first use (once per run; a concurrent
+/// maker waits on the script's lock).
+pub fn sid() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let dir = PathBuf::from(
+            std::env::var("XPUSCOPE_SID_ROOT")
+                .unwrap_or_else(|_| "/var/cache/xpuscope-test/sid".into()),
+        );
+        let script = fixtures::repo_root().join("tests/roots/make-sid-root.sh");
+        let out = Command::new("sh")
+            .arg(&script)
+            .arg(&dir)
+            .output()
+            .expect("run tests/roots/make-sid-root.sh");
+        assert!(
+            out.status.success(),
+            "making the Debian unstable root at {} failed ({}):\n{}",
+            dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        mount_proc(&dir);
+        dir
+    })
+}
+
+/// `/proc` inside `root` for processes that enter it by `chroot` (those
+/// in a mount namespace of their own mount their own): a container has
+/// one, and Python's threading reads it. Mounted once in the host's
+/// namespace and left for later runs (the root-making script unmounts it
+/// before it ever replaces the root).
+fn mount_proc(root: &Path) {
+    let target = root.join("proc");
+    let mounts = std::fs::read_to_string("/proc/self/mounts").expect("/proc/self/mounts");
+    let want = format!(" {} proc ", target.display());
+    if mounts.lines().any(|l| l.contains(&want)) {
+        return;
+    }
+    let status = Command::new("mount")
+        .args(["-t", "proc", "proc"])
+        .arg(&target)
+        .status()
+        .expect("run mount");
+    assert!(status.success(), "mount -t proc proc {}", target.display());
+}
+
+/// How a process enters the other root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// `chroot`: the host's mount namespace, another root directory.
+    Chroot,
+    /// `unshare --mount --root`: a mount namespace of its own, as a
+    /// container runtime gives.
+    MountNamespace,
+}
+
+impl Entry {
+    pub const ALL: [Entry; 2] = [Entry::Chroot, Entry::MountNamespace];
+
+    /// `program` (a path inside `root`) with `args`, run inside `root`.
+    /// The process that runs `program` is the command's own (each tool
+    /// execs the next), so the child's pid is the program's.
+    pub fn command(self, root: &Path, program: &str) -> Command {
+        let mut cmd = match self {
+            Entry::Chroot => {
+                let mut c = Command::new("chroot");
+                c.arg(root);
+                c
+            }
+            Entry::MountNamespace => {
+                let mut c = Command::new("unshare");
+                c.arg("--mount")
+                    .arg(format!("--root={}", root.display()))
+                    .arg("--mount-proc");
+                c
+            }
+        };
+        cmd.arg(program);
+        cmd
+    }
+}
+
+/// Copies `files` into `root`'s `/xpuscope/<dir>/` (made fresh); returns
+/// that directory as the processes inside see it.
+pub fn place(root: &Path, dir: &str, files: &[&Path]) -> String {
+    let inside = format!("/xpuscope/{dir}");
+    let host = root.join(inside.trim_start_matches('/'));
+    let _ = std::fs::remove_dir_all(&host);
+    std::fs::create_dir_all(&host).expect("make the fixture directory in the root");
+    for f in files {
+        let name = f.file_name().expect("a file name");
+        std::fs::copy(f, host.join(name))
+            .unwrap_or_else(|e| panic!("copy {} into {}: {e}", f.display(), host.display()));
+    }
+    inside
+}
