@@ -228,6 +228,9 @@ fn check_interpreter(python: &Python) {
     if minor == 13 {
         assert_eq!(*interp.layout(), layout::PY313, "{}", python.label);
     }
+    if minor >= 14 {
+        assert_eq!(*interp.layout(), layout::PY314, "{}", python.label);
+    }
     assert!(
         !interp.eval_frames.is_empty(),
         "{}: no _PyEval_EvalFrameDefault",

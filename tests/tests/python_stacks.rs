@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
 use xpuscope_tests::fixtures;
+use xpuscope_tests::roots::{self, Entry};
 use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
 /// The line of `tests/workloads/py_offcpu.py` marked `# MARK <mark>`.
@@ -35,14 +36,44 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
         "/usr/bin/python3.11 is missing (apt-get install python3.11)"
     );
     let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
+    let mut cmd = Command::new(python);
+    cmd.arg(&script_path);
+    check_offcpu_stacks(cmd);
+}
+
+/// The same for CPython 3.14 (Debian unstable's, stripped, its evaluation
+/// loop split by the compiler) in a root of its own and a mount namespace
+/// of its own, as in a container: its files are not the host's.
+#[test]
+fn attach_shows_python_frames_of_a_job_in_a_container() {
+    let _serial = exclusive();
+    let root = roots::sid();
+    let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
+    let dir = roots::place(root, "py_offcpu", &[&script_path]);
+    let mut cmd = Entry::MountNamespace.command(root, "/usr/bin/python3.14");
+    cmd.arg(format!("{dir}/py_offcpu.py"));
+    let stacks = check_offcpu_stacks(cmd);
+    // Named from the process's own glibc (the host's symbols at its
+    // offsets would name other functions): the main thread starts in its
+    // __libc_start_main.
+    assert!(
+        stacks.iter().any(|s| s
+            .iter()
+            .any(|(f, m)| f == "__libc_start_main" && m.ends_with("libc.so.6"))),
+        "no stack starts in glibc's __libc_start_main: {stacks:#?}"
+    );
+}
+
+/// Runs `tests/workloads/py_offcpu.py` as `python` (a command that runs
+/// it) under `agent attach` and checks its mixed stacks; returns them
+/// (frame, mapping), root first.
+fn check_offcpu_stacks(mut python: Command) -> Vec<Vec<(String, String)>> {
+    let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
     let script = std::fs::read_to_string(&script_path).expect("the fixture");
     let dir = TempDir::new("pystacks");
     let mut py = Proc::spawn(
         "python",
-        Command::new(python)
-            .arg(&script_path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
+        python.stdin(Stdio::piped()).stdout(Stdio::piped()),
     );
     let mut stdin = py.stdin();
     let mut out = Lines::new(py.stdout());
@@ -108,6 +139,16 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
                 .collect::<Vec<_>>()
         );
     }
+    // Native frames are named by function symbols: none after data.
+    for s in &samples {
+        for (f, m) in s.frames.iter().zip(&s.mappings) {
+            assert!(
+                !["_PyRuntime", "_Py_NoneStruct", "_Py_TrueStruct"].contains(&f.as_str()),
+                "a frame named after data: {f} ({m}) in {:?}",
+                s.frames
+            );
+        }
+    }
     let stats = &done.stats;
     assert!(stats["python_stacks"].as_u64().unwrap() > 0, "{stats}");
     // The summary names the Python function a thread waited in.
@@ -123,6 +164,16 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
             .any(|r| r.contains(&chains[0][0]) || r.contains(&chains[1][0])),
         "{reasons:?}"
     );
+    samples
+        .iter()
+        .map(|s| {
+            s.frames
+                .iter()
+                .cloned()
+                .zip(s.mappings.iter().cloned())
+                .collect()
+        })
+        .collect()
 }
 
 /// The simulator's Python flavor, rank 1 stuck before step 2's

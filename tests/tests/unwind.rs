@@ -683,3 +683,89 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         );
     }
 }
+
+/// The same blocking chains of the fixture run inside another root (Debian
+/// unstable's, with its own glibc; entered by `chroot`, so its maps name
+/// its files by their host paths): every chain is whole, through that
+/// glibc, and glibc's frames are named by its own symbols. Stacks of a
+/// job in a container are unwound and named from the container's files,
+/// never from the host's files of the same name.
+#[test]
+fn attach_unwinds_a_job_in_another_root() {
+    use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
+    use xpuscope_tests::roots::{self, Entry};
+    use xpuscope_tests::trace_check::{Timeline, decode};
+
+    let _serial = exclusive();
+    let root = roots::sid();
+    let dir = roots::place(root, "unwind_chain", &[&fixture()]);
+    let blocking: Vec<(&str, Vec<&str>)> = vec![
+        ("nanosleep", own_chain(&[])),
+        ("mutex", own_chain(&[])),
+        ("pipe", own_chain(&["block_on_pipe"])),
+    ];
+    let mut cmd = Entry::Chroot.command(root, &format!("{dir}/xpuscope-unwind-chain"));
+    cmd.arg("forks")
+        .args(blocking.iter().map(|(spec, _)| *spec))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    let out_dir = TempDir::new("unwind-root");
+    let mut fx = Proc::spawn("unwind fixture in another root", &mut cmd);
+    let mut stdin = fx.stdin();
+    let mut out = Lines::new(fx.stdout());
+    let rec = Recording::start(
+        out_dir.path(),
+        &["--pid", &fx.pid().to_string(), "--stacks", "all"],
+    );
+    go(&mut stdin);
+    let mut pids = Vec::new();
+    for i in 0..blocking.len() {
+        let line = out.wait_for(&format!("ready {i} "), Duration::from_secs(30));
+        let pid: i32 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("pid in {line:?}"));
+        pids.push(pid);
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(stdin);
+    let done = rec.finish(Duration::from_secs(30));
+    let trace = decode(&done.trace).expect("decodes with the official schema");
+    let tl = Timeline::new(&trace);
+    let libc_in_root = format!("{}/usr/lib/x86_64-linux-gnu/libc.so.6", root.display());
+    for ((spec, expected), &pid) in blocking.iter().zip(&pids) {
+        let want: Vec<&str> = expected.iter().rev().copied().collect();
+        let samples: Vec<_> = tl.stack_samples.iter().filter(|s| s.tid == pid).collect();
+        let found = samples.iter().find(|s| {
+            own_frames(&s.frames, &s.mappings) == want && s.mappings.iter().any(|m| m == "kernel")
+        });
+        let Some(found) = found else {
+            panic!(
+                "{spec}: no off-CPU stack of {pid} holds the chain {want:?}; its stacks:\n{:#?}",
+                samples
+                    .iter()
+                    .map(|s| s
+                        .frames
+                        .iter()
+                        .zip(&s.mappings)
+                        .map(|(f, m)| format!("{f} ({m})"))
+                        .collect::<Vec<_>>()
+                        .join(" > "))
+                    .collect::<Vec<_>>()
+            );
+        };
+        // The chain starts in the root's glibc, named by its symbols.
+        let start = found
+            .frames
+            .iter()
+            .zip(&found.mappings)
+            .find(|(f, _)| *f == "__libc_start_main");
+        assert_eq!(
+            start.map(|(_, m)| m.as_str()),
+            Some(libc_in_root.as_str()),
+            "{spec}: {:?}",
+            found.frames.iter().zip(&found.mappings).collect::<Vec<_>>()
+        );
+    }
+}

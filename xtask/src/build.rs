@@ -208,6 +208,18 @@ pub fn test(extra: &[String]) -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!(NEEDS_ROOT);
     }
+    // The container tests' Debian unstable root (debootstrap, about 40 s
+    // of downloads on a fresh machine; cached after) is made while the
+    // code builds. The tests make it themselves when it is missing, and
+    // report its failure.
+    let mut sid_root = ChildGuard(
+        clean_command("sh")
+            .arg("tests/roots/make-sid-root.sh")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("could not start tests/roots/make-sid-root.sh")?,
+    );
     // Cheap checks first: a formatting slip fails in seconds, not after the builds.
     run_checked(
         clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
@@ -255,6 +267,9 @@ pub fn test(extra: &[String]) -> Result<()> {
         ROOT_TEST_FEATURES,
     ]);
     cmd.env("XPUSCOPE_AGENT_BIN", test_agent_binary());
+    // Done before the tests start their clocks (the script's lock makes
+    // the tests wait anyway).
+    let _ = sid_root.0.wait();
     if !extra.is_empty() {
         cmd.args(extra);
     }

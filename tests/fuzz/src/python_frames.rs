@@ -2,7 +2,7 @@
 //! interpreter state (thread list, frames, code objects, strings, line
 //! tables) through every version's layout.
 //!
-//! Input: byte 0 picks the layout (3.10-3.13), the rest is the memory at
+//! Input: byte 0 picks the layout (3.10-3.14), the rest is the memory at
 //! [`BASE`], where `_PyRuntime` is. [`seed`] builds a well-formed image
 //! (one thread, two Python frames) so mutations start deep in the walk.
 
@@ -14,11 +14,12 @@ use xpuscope_probes::python::walk::{FrameReader, KnownTypes};
 /// Where the image is mapped (and `_PyRuntime` is).
 pub const BASE: u64 = 0x10_0000;
 
-pub const LAYOUTS: [&Layout; 4] = [
+pub const LAYOUTS: [&Layout; 5] = [
     &layout::PY310,
     &layout::PY311,
     &layout::PY312,
     &layout::PY313,
+    &layout::PY314,
 ];
 
 pub fn python_frames(data: &[u8]) {

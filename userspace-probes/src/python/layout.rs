@@ -3,10 +3,12 @@
 //!
 //! Facts from each version's published headers (`pycore_runtime.h`,
 //! `pycore_interp.h`, `cpython/pystate.h`, `pycore_frame.h` /
-//! `cpython/frameobject.h`, `cpython/code.h`, `cpython/unicodeobject.h`);
-//! the 3.13 ones equal that interpreter's own `_Py_DebugOffsets` (the table
-//! at the start of `_PyRuntime`). A layout is stable across the patch
-//! releases of a minor version, which is all CPython promises.
+//! `cpython/frameobject.h`, `cpython/code.h`, `cpython/unicodeobject.h`).
+//! A layout is stable across the patch releases of a minor version, which
+//! is all CPython promises. 3.10-3.12 are read with these tables; 3.13 and
+//! later with what the interpreter publishes in its `_Py_DebugOffsets`
+//! ([`super::debug_offsets`]), which the 3.13 and 3.14 tables here are
+//! checked against.
 
 /// How a thread state leads to its innermost frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -300,7 +302,50 @@ pub const PY313: Layout = Layout {
     tuple_items: TUPLE_ITEMS,
 };
 
-/// The layout of a minor version, if supported.
+/// 3.14 as its `_Py_DebugOffsets` give it (3.14.10, Debian unstable):
+/// 3.14 is read from those offsets, this table is what
+/// `tests/tests/python_frames.rs` checks them against and what the
+/// `python_frames` fuzz target walks. New in 3.14: tagged stack references
+/// in frames, the frame's `owner` moved, tuples' items after a cached hash.
+pub const PY314: Layout = Layout {
+    version: (3, 14),
+    runtime_interpreters_head: 0x328,
+    interp_next: 0x1c68,
+    interp_threads_head: 0x1cb0,
+    tstate_next: 8,
+    tstate_thread_id: 0x98,
+    tstate_native_thread_id: Some(0xa0),
+    frame_root: FrameRoot::Direct {
+        current_frame: 0x48,
+    },
+    frame_previous: 8,
+    frame_code: 0,
+    frame_instr: 0x38,
+    frame_owner: Some(0x4a),
+    entry: EntryMark::CStackOwner {
+        owner: 0x4a,
+        cstack: FIRST_NON_PYTHON_OWNER,
+    },
+    frame_size: 0x50,
+    code_filename: 0x70,
+    code_name: 0x78,
+    code_qualname: Some(0x80),
+    code_linetable: 0x88,
+    code_firstlineno: 0x44,
+    code_instructions: Some(0xd0),
+    code_size: 0x90,
+    linetable: LineTableFormat::Locations311,
+    code_local_names: 0x60,
+    frame_locals: 0x50,
+    int_layout: IntLayout::Tagged,
+    ascii_header: 40,
+    compact_header: 56,
+    stack_refs: true,
+    tuple_items: 0x20,
+};
+
+/// The table of a minor version (3.10-3.13), if this project has one:
+/// 3.13 and later are read from the interpreter's own debug offsets.
 pub fn for_version(major: u8, minor: u8) -> Option<&'static Layout> {
     match (major, minor) {
         (3, 10) => Some(&PY310),

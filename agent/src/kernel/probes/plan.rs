@@ -124,10 +124,13 @@ impl ProcessSource for LiveProcesses {
             };
             (a.dev(), a.ino()) == (b.dev(), b.ino())
         };
-        let root = if same_root(&format!("/proc/{pid}/root"), "/") {
-            std::path::PathBuf::from("/")
+        let (root, exe) = if same_root(&format!("/proc/{pid}/root"), "/") {
+            (std::path::PathBuf::from("/"), exe.to_string())
         } else {
-            std::path::PathBuf::from(format!("/proc/{pid}/root"))
+            (
+                std::path::PathBuf::from(format!("/proc/{pid}/root")),
+                path_inside_root(pid, exe),
+            )
         };
         // Bounded: the environment is the traced process's to fill.
         let environ = read_bounded(&format!("/proc/{pid}/environ"), loader::MAX_ENVIRON);
@@ -136,7 +139,7 @@ impl ProcessSource for LiveProcesses {
             ld_library_path: environ.as_deref().and_then(loader::ld_library_path),
             root,
         };
-        let prediction = match search.predict(exe) {
+        let prediction = match search.predict(&exe) {
             Ok(p) => p,
             Err(e) => {
                 tracing::debug!("device probes: pid {pid}: predicting its libraries: {e}");
@@ -151,6 +154,24 @@ impl ProcessSource for LiveProcesses {
                 .collect(),
             interpreter: prediction.interpreter.as_deref().map(host),
         })
+    }
+}
+
+/// `path`, as the agent sees a file of process `pid`, as the process sees
+/// it: a chrooted process's files are named by their paths from the
+/// agent's root (`/srv/root/usr/bin/python3` for its `/usr/bin/python3`);
+/// its root's own path is stripped. A process in another mount namespace
+/// is named by its own paths already.
+fn path_inside_root(pid: u32, path: &str) -> String {
+    let Ok(root) = std::fs::read_link(format!("/proc/{pid}/root")) else {
+        return path.to_string();
+    };
+    match root.to_str() {
+        Some(r) if r != "/" => match path.strip_prefix(r) {
+            Some(rest) if rest.starts_with('/') => rest.to_string(),
+            _ => path.to_string(),
+        },
+        _ => path.to_string(),
     }
 }
 

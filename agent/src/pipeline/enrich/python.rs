@@ -1,5 +1,5 @@
 //! Python frames in user stacks: for a thread of a CPython process
-//! (3.10-3.13), its Python frames (function, file, line) read from the
+//! (3.10 and later), its Python frames (function, file, line) read from the
 //! process's memory (`xpuscope_probes::python`) and put in place of the
 //! interpreter's evaluation frames of the native stack ("mixed" stacks, as
 //! py-spy `--native` shows them).
@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use xpuscope_probes::bounds::CacheStats;
 use xpuscope_probes::python::{
-    CodeCacheBounds, MixedFrame, PyFrame, PythonProcesses, StepLocal, interleave, step_of,
+    CodeCacheBounds, MixedFrame, PyError, PyFrame, PythonProcesses, StepLocal, interleave, step_of,
 };
 
 use crate::model::SymFrame;
@@ -86,7 +86,19 @@ impl PythonStacks {
             Ok(Some(p)) => p,
             Ok(None) => return (frames, PyOutcome::Native),
             Err(e) => {
-                tracing::debug!("python frames of pid {tgid}: {e}");
+                // Once per process (its failure is cached): an interpreter
+                // whose layout is not known says so, where frames would be
+                // wrong; a read that failed (it exited) is routine.
+                if matches!(
+                    e,
+                    PyError::LayoutNotUnderstood { .. }
+                        | PyError::Unsupported { .. }
+                        | PyError::NoVersion { .. }
+                ) {
+                    tracing::warn!("pid {tgid}: no Python frames: {e}");
+                } else {
+                    tracing::debug!("python frames of pid {tgid}: {e}");
+                }
                 return (frames, PyOutcome::Failed);
             }
         };
