@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use crate::agent::{Proc, Recording, TempDir};
 use crate::fixtures;
+use crate::roots::Entry;
 use crate::trace_check::{
     ArgValue, Slice, Timeline, Track, TrackKind, check_importer_rules, decode,
 };
@@ -391,24 +392,79 @@ pub const TP2_PP2_DP2: &[&str] = &["--world-size", "8", "--tp", "2", "--pp", "2"
 /// every communicator's set-up (identities and exact sequence numbers, as
 /// the collective detectors need). `launcher_extra` goes to `launch.py`.
 pub fn run_from_spawn(tag: &str, launcher_extra: &[&str], agent_extra: &[&str]) -> SimRun {
+    run_from_spawn_in(None, tag, launcher_extra, agent_extra)
+}
+
+/// [`run_from_spawn`] with the whole job (launcher, ranks, the stand-in
+/// device libraries, CPython) inside `root`, entered as `entry` says: a
+/// job in a container. The pids are the host's (no pid namespace).
+pub fn run_from_spawn_in(
+    root: Option<(&Path, Entry)>,
+    tag: &str,
+    launcher_extra: &[&str],
+    agent_extra: &[&str],
+) -> SimRun {
     wait_for_closers();
     let fx = fixtures::build_all();
     let _ = crate::agent::agent_bin(); // built before the launcher waits for it
     let dir = TempDir::new(tag);
-    let job_dir = dir.path().join("job");
-    let gate = dir.path().join("spawn.go");
+    // (the launcher command, the job directory and the spawn gate as the
+    // launcher names them, the same two as this test reaches them)
+    let (mut command, inside, host) = match root {
+        None => (
+            {
+                let mut c = Command::new("python3");
+                c.arg(fixtures::repo_root().join("tests/sim/launch.py"));
+                c
+            },
+            dir.path().to_path_buf(),
+            dir.path().to_path_buf(),
+        ),
+        Some((root, entry)) => {
+            // The job's own copy of the simulator and its fixtures, laid
+            // out as in the build (the ranks find the stand-ins by RUNPATH).
+            let inside = PathBuf::from(format!("/xpuscope/sim-{tag}"));
+            let host = root.join(inside.strip_prefix("/").expect("absolute"));
+            let _ = std::fs::remove_dir_all(&host);
+            std::fs::create_dir_all(host.join("fixtures")).expect("the job's directory");
+            let copied = Command::new("cp")
+                .arg("-a")
+                .arg(fx.join("sim"))
+                .arg(fx.join("standins"))
+                .arg(host.join("fixtures"))
+                .status()
+                .expect("cp")
+                .success()
+                && Command::new("cp")
+                    .arg("-a")
+                    .arg(fixtures::repo_root().join("tests/sim"))
+                    .arg(host.join("sim"))
+                    .status()
+                    .expect("cp")
+                    .success();
+            assert!(copied, "copying the simulator into {}", host.display());
+            let mut c = entry.command(root, "/usr/bin/python3.14");
+            c.arg(inside.join("sim/launch.py"));
+            (c, inside, host)
+        }
+    };
+    let job_dir = host.join("job");
+    let gate = host.join("spawn.go");
+    let build_dir = match root {
+        None => fx.join("sim"),
+        Some(_) => inside.join("fixtures/sim"),
+    };
     let mut launcher = GroupGuard(
-        Command::new("python3")
-            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        command
             .arg("--out-dir")
-            .arg(&job_dir)
+            .arg(inside.join("job"))
             .arg("--build-dir")
-            .arg(fx.join("sim"))
+            .arg(build_dir)
             .args(["--job-name", tag, "--quiet"])
             .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
             .args(["--init-delay-ms", "500", "--timeout", "60"])
             .arg("--spawn-gate")
-            .arg(&gate)
+            .arg(inside.join("spawn.go"))
             .args(launcher_extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -63,13 +63,36 @@ fn mount_proc(root: &Path) {
 pub enum Entry {
     /// `chroot`: the host's mount namespace, another root directory.
     Chroot,
-    /// `unshare --mount --root`: a mount namespace of its own, as a
-    /// container runtime gives.
+    /// `unshare --mount --root`: a mount namespace of its own, its root
+    /// a directory the host sees too.
     MountNamespace,
+    /// What a container runtime does: a mount namespace of its own, the
+    /// root an overlay of the image (writes go to a tmpfs) that only that
+    /// namespace has, switched to with `pivot_root`. Its maps name its
+    /// files by their paths inside it (`/usr/lib/x86_64-linux-gnu/libc.so.6`),
+    /// where the host has other files of the same names.
+    Container,
 }
 
+/// The container entry's set-up, run by `sh -c` in the new mount
+/// namespace; `$0` and its arguments are the program to run inside.
+const CONTAINER_SETUP: &str = r#"set -e
+image=$1; shift
+mount -t tmpfs xpuscope-container /mnt
+mkdir /mnt/upper /mnt/work /mnt/merged
+mount -t overlay overlay -o "lowerdir=$image,upperdir=/mnt/upper,workdir=/mnt/work" /mnt/merged
+mount -t proc proc /mnt/merged/proc
+# The fixtures' directory as a volume: what the job writes there, the test
+# reads on the host.
+if [ -d "$image/xpuscope" ]; then mount --bind "$image/xpuscope" /mnt/merged/xpuscope; fi
+mkdir /mnt/merged/.host
+cd /mnt/merged
+pivot_root . .host
+cd /
+exec "$0" "$@""#;
+
 impl Entry {
-    pub const ALL: [Entry; 2] = [Entry::Chroot, Entry::MountNamespace];
+    pub const ALL: [Entry; 3] = [Entry::Chroot, Entry::MountNamespace, Entry::Container];
 
     /// `program` (a path inside `root`) with `args`, run inside `root`.
     /// The process that runs `program` is the command's own (each tool
@@ -88,13 +111,22 @@ impl Entry {
                     .arg("--mount-proc");
                 c
             }
+            Entry::Container => {
+                let mut c = Command::new("unshare");
+                c.args(["--mount", "--propagation", "private", "sh", "-c"])
+                    .arg(CONTAINER_SETUP)
+                    .arg(program)
+                    .arg(root);
+                return c;
+            }
         };
         cmd.arg(program);
         cmd
     }
 }
 
-/// Copies `files` into `root`'s `/xpuscope/<dir>/` (made fresh); returns
+/// Copies `files` into `root`'s `/xpuscope/<dir>/` (made fresh; a
+/// volume of [`Entry::Container`]'s containers); returns
 /// that directory as the processes inside see it.
 pub fn place(root: &Path, dir: &str, files: &[&Path]) -> String {
     let inside = format!("/xpuscope/{dir}");

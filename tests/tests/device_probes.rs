@@ -1557,3 +1557,40 @@ fn a_slow_link_is_found_from_the_collectives_device_work() {
         }
     }
 }
+
+/// The simulated job (launcher, C ranks, the stand-in device libraries)
+/// in a container: an overlay of Debian unstable's root, a mount namespace
+/// of its own, the job's files in a volume; none of its paths lead to its
+/// files from the host. The agent attached to its launcher
+/// finds the ranks' libraries as they map them, attaches its probes to
+/// those files, and records every rank's all-reduces with its identity.
+#[test]
+fn sim_job_in_a_container_all_reduces_on_every_rank() {
+    let _serial = exclusive();
+    let steps = 4u64;
+    let root = xpuscope_tests::roots::sid();
+    let run = xpuscope_tests::device::run_from_spawn_in(
+        Some((root, xpuscope_tests::roots::Entry::Container)),
+        "devroot",
+        &["--steps", &steps.to_string()],
+        &[],
+    );
+    assert!(run.status.success(), "the job failed: {}", run.status);
+    let device = &run.stats["device"];
+    assert!(device["attached_probes"].as_u64().unwrap() > 0, "{device}");
+    assert_eq!(device["attach_failures"], 0, "{device}");
+    let tl = &run.tl;
+    assert_eq!(run.rank_pids.len(), 2);
+    for (&rank, &pid) in &run.rank_pids {
+        let reduces = tl
+            .slices
+            .iter()
+            .filter(|s| s.name.starts_with("ncclAllReduce"))
+            .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
+            .count() as u64;
+        assert_eq!(reduces, steps, "rank {rank}: one DP all-reduce per step");
+        let p = tl.processes.get(&pid).expect("rank process");
+        assert!(p.labels.contains(&format!("rank={rank}")), "{p:?}");
+        assert!(p.labels.contains(&"job=devroot".to_string()), "{p:?}");
+    }
+}

@@ -42,15 +42,17 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
 }
 
 /// The same for CPython 3.14 (Debian unstable's, stripped, its evaluation
-/// loop split by the compiler) in a root of its own and a mount namespace
-/// of its own, as in a container: its files are not the host's.
+/// loop split by the compiler) in a container: an overlay of Debian
+/// unstable's root as its root, in a mount namespace of its own. Its maps
+/// name its glibc `/usr/lib/x86_64-linux-gnu/libc.so.6`, which on the host
+/// is another glibc.
 #[test]
 fn attach_shows_python_frames_of_a_job_in_a_container() {
     let _serial = exclusive();
     let root = roots::sid();
     let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
     let dir = roots::place(root, "py_offcpu", &[&script_path]);
-    let mut cmd = Entry::MountNamespace.command(root, "/usr/bin/python3.14");
+    let mut cmd = Entry::Container.command(root, "/usr/bin/python3.14");
     cmd.arg(format!("{dir}/py_offcpu.py"));
     let stacks = check_offcpu_stacks(cmd);
     // Named from the process's own glibc (the host's symbols at its
@@ -185,8 +187,21 @@ fn check_offcpu_stacks(mut python: Command) -> Vec<Vec<(String, String)>> {
 #[test]
 fn a_python_rank_that_hangs_is_found_where_it_waits() {
     let _serial = exclusive();
-    let run = xpuscope_tests::device::run_from_spawn(
-        "pyhang",
+    python_rank_hang(None, "pyhang");
+}
+
+/// The same job in a container (an overlay of Debian unstable's root,
+/// CPython 3.14, a mount namespace of its own).
+#[test]
+fn a_python_rank_in_a_container_that_hangs_is_found_where_it_waits() {
+    let _serial = exclusive();
+    python_rank_hang(Some((roots::sid(), Entry::Container)), "pyhangroot");
+}
+
+fn python_rank_hang(root: Option<(&'static std::path::Path, Entry)>, tag: &str) {
+    let run = xpuscope_tests::device::run_from_spawn_in(
+        root,
+        tag,
         &[
             "--lang",
             "python",

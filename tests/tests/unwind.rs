@@ -685,18 +685,32 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
 }
 
 /// The same blocking chains of the fixture run inside another root (Debian
-/// unstable's, with its own glibc; entered by `chroot`, so its maps name
-/// its files by their host paths): every chain is whole, through that
-/// glibc, and glibc's frames are named by its own symbols. Stacks of a
-/// job in a container are unwound and named from the container's files,
-/// never from the host's files of the same name.
+/// unstable's, with its own glibc), chrooted and in a container (an
+/// overlay of that root, `pivot_root`, a mount namespace of its own): every
+/// chain is whole, through that glibc, and glibc's frames are named by its
+/// own symbols. Stacks of a job in a container are unwound and named from
+/// the container's files, never from the host's files of the same name.
 #[test]
 fn attach_unwinds_a_job_in_another_root() {
-    use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, exclusive, go};
-    use xpuscope_tests::roots::{self, Entry};
+    use xpuscope_tests::roots::Entry;
+    let _serial = xpuscope_tests::agent::exclusive();
+    // Chrooted, its maps name its glibc by the host path of the root's
+    // copy; in a container, `/usr/lib/x86_64-linux-gnu/libc.so.6`, the
+    // path of the host's own glibc.
+    let root = xpuscope_tests::roots::sid();
+    let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+    unwind_in_root(Entry::Chroot, &format!("{}{libc}", root.display()));
+    unwind_in_root(Entry::Container, libc);
+}
+
+/// The blocking chains of the fixture run inside the Debian unstable root
+/// as `entry` says, under `agent attach`; `libc` is the path its maps give
+/// the root's glibc.
+fn unwind_in_root(entry: xpuscope_tests::roots::Entry, libc: &str) {
+    use xpuscope_tests::agent::{Lines, Proc, Recording, TempDir, go};
+    use xpuscope_tests::roots;
     use xpuscope_tests::trace_check::{Timeline, decode};
 
-    let _serial = exclusive();
     let root = roots::sid();
     let dir = roots::place(root, "unwind_chain", &[&fixture()]);
     let blocking: Vec<(&str, Vec<&str>)> = vec![
@@ -704,7 +718,7 @@ fn attach_unwinds_a_job_in_another_root() {
         ("mutex", own_chain(&[])),
         ("pipe", own_chain(&["block_on_pipe"])),
     ];
-    let mut cmd = Entry::Chroot.command(root, &format!("{dir}/xpuscope-unwind-chain"));
+    let mut cmd = entry.command(root, &format!("{dir}/xpuscope-unwind-chain"));
     cmd.arg("forks")
         .args(blocking.iter().map(|(spec, _)| *spec))
         .stdin(Stdio::piped())
@@ -733,7 +747,6 @@ fn attach_unwinds_a_job_in_another_root() {
     let done = rec.finish(Duration::from_secs(30));
     let trace = decode(&done.trace).expect("decodes with the official schema");
     let tl = Timeline::new(&trace);
-    let libc_in_root = format!("{}/usr/lib/x86_64-linux-gnu/libc.so.6", root.display());
     for ((spec, expected), &pid) in blocking.iter().zip(&pids) {
         let want: Vec<&str> = expected.iter().rev().copied().collect();
         let samples: Vec<_> = tl.stack_samples.iter().filter(|s| s.tid == pid).collect();
@@ -742,7 +755,7 @@ fn attach_unwinds_a_job_in_another_root() {
         });
         let Some(found) = found else {
             panic!(
-                "{spec}: no off-CPU stack of {pid} holds the chain {want:?}; its stacks:\n{:#?}",
+                "{entry:?} {spec}: no off-CPU stack of {pid} holds the chain {want:?}; its stacks:\n{:#?}",
                 samples
                     .iter()
                     .map(|s| s
@@ -763,8 +776,8 @@ fn attach_unwinds_a_job_in_another_root() {
             .find(|(f, _)| *f == "__libc_start_main");
         assert_eq!(
             start.map(|(_, m)| m.as_str()),
-            Some(libc_in_root.as_str()),
-            "{spec}: {:?}",
+            Some(libc),
+            "{entry:?} {spec}: {:?}",
             found.frames.iter().zip(&found.mappings).collect::<Vec<_>>()
         );
     }

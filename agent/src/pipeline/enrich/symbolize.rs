@@ -168,12 +168,9 @@ impl StackSymbolizer {
         if !missing.is_empty() {
             let pid = self.live_stand_in(tgid, missing[0]);
             self.note_map_files(pid, &missing);
-            let src = Source::Process(Process::new(pid.into()));
             let lookup: Vec<u64> = missing.iter().map(|a| a.saturating_sub(1)).collect();
             let names: Vec<Option<String>> = self
-                .symbolizer
-                .symbolize(&src, Input::AbsAddr(&lookup))
-                .unwrap_or_default()
+                .symbolize_process(pid, &lookup)
                 .iter()
                 .map(|r| match r {
                     Symbolized::Sym(sym) => Some(sym.name.to_string()),
@@ -231,6 +228,35 @@ impl StackSymbolizer {
 }
 
 impl StackSymbolizer {
+    /// `addrs` of live process `pid` through blazesym, reading the
+    /// process's own files (`/proc/PID/map_files`). Separate debug files
+    /// (`.gnu_debuglink`, `/usr/lib/debug`) are looked up in the agent's
+    /// root, so only for a process that shares it: a container's
+    /// libraries are not described by the host's debug files (a same-named
+    /// one fails its checksum, and fails the whole batch). A batch that
+    /// still fails is tried once without debug files.
+    fn symbolize_process(&self, pid: u32, addrs: &[u64]) -> Vec<Symbolized<'_>> {
+        let mut process = Process::new(pid.into());
+        process.debug_syms = shares_agent_root(pid);
+        let first = self
+            .symbolizer
+            .symbolize(&Source::Process(process.clone()), Input::AbsAddr(addrs));
+        match first {
+            Ok(found) => found,
+            Err(e) if process.debug_syms => {
+                tracing::debug!("symbolizing pid {pid}: {e}; again without debug files");
+                process.debug_syms = false;
+                self.symbolizer
+                    .symbolize(&Source::Process(process), Input::AbsAddr(addrs))
+                    .unwrap_or_default()
+            }
+            Err(e) => {
+                tracing::debug!("symbolizing pid {pid}: {e}");
+                Vec::new()
+            }
+        }
+    }
+
     /// The files blazesym opens for `pid`'s addresses: it names each by
     /// `/proc/PID/map_files/START-END` of the mapping it is in.
     fn note_map_files(&mut self, pid: u32, addrs: &[u64]) {
@@ -274,7 +300,14 @@ impl StackSymbolizer {
         file_offset: u64,
     ) -> Option<String> {
         use std::os::unix::fs::MetadataExt;
-        if !m.path.starts_with('/') || std::fs::metadata(&m.path).ok()?.ino() != m.inode {
+        if !m.path.starts_with('/') {
+            return None;
+        }
+        // The same file: its inode, on the same device (a container's
+        // file of the same path and inode number is another file).
+        let meta = std::fs::metadata(&m.path).ok()?;
+        let dev = u64::from(libc::major(meta.dev())) << 32 | u64::from(libc::minor(meta.dev()));
+        if meta.ino() != m.inode || dev != m.dev {
             return None;
         }
         let src = Source::Elf(Elf::new(&m.path));
@@ -342,6 +375,19 @@ fn short_module(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
+/// Whether process `pid` has the agent's root directory (not a container's
+/// or a chroot's).
+fn shares_agent_root(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(theirs), Ok(ours)) = (
+        std::fs::metadata(format!("/proc/{pid}/root")),
+        std::fs::metadata("/"),
+    ) else {
+        return false;
+    };
+    (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -376,10 +422,20 @@ mod tests {
         // A path that no longer holds the mapped file (another inode) is not read.
         let replaced = xpuscope_probes::maps::Mapping {
             inode: m.inode.wrapping_add(1),
-            ..m
+            ..m.clone()
         };
         assert_eq!(
             s.symbol_in_file(&replaced, replaced.file_offset_of(addr)),
+            None
+        );
+        // Nor one on another device (a container's file of that path and
+        // inode number).
+        let elsewhere = xpuscope_probes::maps::Mapping {
+            dev: m.dev ^ 1,
+            ..m
+        };
+        assert_eq!(
+            s.symbol_in_file(&elsewhere, elsewhere.file_offset_of(addr)),
             None
         );
     }
