@@ -72,6 +72,11 @@ pub enum Entry {
     /// files by their paths inside it (`/usr/lib/x86_64-linux-gnu/libc.so.6`),
     /// where the host has other files of the same names.
     Container,
+    /// [`Entry::Container`] with a pid namespace of its own too, as
+    /// Docker and Kubernetes give by default: the program is pid 1 there,
+    /// and sees its own thread ids. The command's child is `unshare`; the
+    /// program is its only child ([`Entry::program_pid`]).
+    ContainerPidNamespace,
 }
 
 /// The container entry's set-up, run by `sh -c` in the new mount
@@ -92,7 +97,12 @@ cd /
 exec "$0" "$@""#;
 
 impl Entry {
-    pub const ALL: [Entry; 3] = [Entry::Chroot, Entry::MountNamespace, Entry::Container];
+    pub const ALL: [Entry; 4] = [
+        Entry::Chroot,
+        Entry::MountNamespace,
+        Entry::Container,
+        Entry::ContainerPidNamespace,
+    ];
 
     /// `program` (a path inside `root`) with `args`, run inside `root`.
     /// The process that runs `program` is the command's own (each tool
@@ -111,9 +121,13 @@ impl Entry {
                     .arg("--mount-proc");
                 c
             }
-            Entry::Container => {
+            Entry::Container | Entry::ContainerPidNamespace => {
                 let mut c = Command::new("unshare");
-                c.args(["--mount", "--propagation", "private", "sh", "-c"])
+                c.args(["--mount", "--propagation", "private"]);
+                if self == Entry::ContainerPidNamespace {
+                    c.args(["--pid", "--fork", "--kill-child"]);
+                }
+                c.args(["sh", "-c"])
                     .arg(CONTAINER_SETUP)
                     .arg(program)
                     .arg(root);
@@ -123,6 +137,56 @@ impl Entry {
         cmd.arg(program);
         cmd
     }
+}
+
+impl Entry {
+    /// The host pid of the program a command of this entry runs, given the
+    /// command's child (they differ only with a pid namespace, where
+    /// `unshare` forks it); waits up to 10 s for it.
+    pub fn program_pid(self, child: u32) -> u32 {
+        if self != Entry::ContainerPidNamespace {
+            return child;
+        }
+        let started = std::time::Instant::now();
+        loop {
+            let children = std::fs::read_to_string(format!("/proc/{child}/task/{child}/children"))
+                .unwrap_or_default();
+            if let Some(pid) = children
+                .split_whitespace()
+                .next()
+                .and_then(|p| p.parse().ok())
+            {
+                return pid;
+            }
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(10),
+                "unshare ({child}) started no program"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
+/// The host tid of the thread process `pid` numbers `own` in its own pid
+/// namespace (the last of its `NSpid` ids); `own` itself outside one.
+pub fn host_tid(pid: u32, own: u32) -> u32 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return own;
+    };
+    for task in tasks.flatten() {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        let last = status
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .and_then(|ids| ids.split_whitespace().last())
+            .and_then(|id| id.parse::<u32>().ok());
+        if last == Some(own) {
+            return task.file_name().to_string_lossy().parse().unwrap_or(own);
+        }
+    }
+    own
 }
 
 /// Copies `files` into `root`'s `/xpuscope/<dir>/` (made fresh; a

@@ -1561,9 +1561,11 @@ fn a_slow_link_is_found_from_the_collectives_device_work() {
 /// The simulated job (launcher, C ranks, the stand-in device libraries)
 /// in a container: an overlay of Debian unstable's root, a mount namespace
 /// of its own, the job's files in a volume; none of its paths lead to its
-/// files from the host. The agent attached to its launcher
-/// finds the ranks' libraries as they map them, attaches its probes to
-/// those files, and records every rank's all-reduces with its identity.
+/// files from the host. The agent attached to its launcher predicts each
+/// rank program's libraries from the container's own files (its loader,
+/// its `RUNPATH`) and probes them before the rank's first call, so the
+/// ranks' set-up calls (100 ms after start) are recorded; and it records
+/// every rank's all-reduces, with exact sequence numbers, and its identity.
 #[test]
 fn sim_job_in_a_container_all_reduces_on_every_rank() {
     let _serial = exclusive();
@@ -1572,13 +1574,17 @@ fn sim_job_in_a_container_all_reduces_on_every_rank() {
     let run = xpuscope_tests::device::run_from_spawn_in(
         Some((root, xpuscope_tests::roots::Entry::Container)),
         "devroot",
-        &["--steps", &steps.to_string()],
+        &["--steps", &steps.to_string(), "--init-delay-ms", "100"],
         &[],
     );
     assert!(run.status.success(), "the job failed: {}", run.status);
     let device = &run.stats["device"];
     assert!(device["attached_probes"].as_u64().unwrap() > 0, "{device}");
     assert_eq!(device["attach_failures"], 0, "{device}");
+    assert!(
+        device["libraries_ahead"].as_u64().unwrap_or(0) >= 2,
+        "libraries predicted from the rank program in the container: {device}"
+    );
     let tl = &run.tl;
     assert_eq!(run.rank_pids.len(), 2);
     for (&rank, &pid) in &run.rank_pids {
@@ -1589,6 +1595,22 @@ fn sim_job_in_a_container_all_reduces_on_every_rank() {
             .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
             .count() as u64;
         assert_eq!(reduces, steps, "rank {rank}: one DP all-reduce per step");
+        let on_rank = |s: &&Slice| thread_of(tl, s).is_some_and(|(p, _)| p == pid);
+        assert!(
+            tl.slices
+                .iter()
+                .filter(on_rank)
+                .any(|s| s.name.starts_with("ncclCommInitRank")),
+            "rank {rank}: its set-up (ncclCommInitRank) unrecorded"
+        );
+        for s in tl
+            .slices
+            .iter()
+            .filter(on_rank)
+            .filter(|s| s.name.starts_with("ncclAllReduce"))
+        {
+            assert_eq!(arg_text(s, "seq_exact"), "true", "rank {rank}: {s:?}");
+        }
         let p = tl.processes.get(&pid).expect("rank process");
         assert!(p.labels.contains(&format!("rank={rank}")), "{p:?}");
         assert!(p.labels.contains(&"job=devroot".to_string()), "{p:?}");

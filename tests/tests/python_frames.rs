@@ -198,7 +198,11 @@ fn check_interpreter(python: &Python) {
         .spawn()
         .unwrap_or_else(|e| panic!("start {}: {e}", python.label));
     let mut child = Killed(child);
-    let pid = child.0.id();
+    let entry = python.root.map(|(_, e)| e);
+    let pid = entry.map_or(child.0.id(), |e| e.program_pid(child.0.id()));
+    // The fixture reports its threads as it numbers them (in a pid
+    // namespace of its own, not as the kernel and the agent do).
+    let host = |own: u32| roots::host_tid(pid, own);
     let mut line = String::new();
     BufReader::new(child.0.stdout.take().expect("stdout"))
         .read_line(&mut line)
@@ -240,7 +244,7 @@ fn check_interpreter(python: &Python) {
     let threads = report["threads"].as_object().expect("threads");
     assert_eq!(threads.len(), 4);
     for (who, t) in threads {
-        let tid = t["tid"].as_u64().expect("tid") as u32;
+        let tid = host(t["tid"].as_u64().expect("tid") as u32);
         let want = expected(&t["frames"]);
         let frames = proc.frames(tid).expect("read frames");
         assert_eq!(got(&frames), want, "{} thread {who} ({tid})", python.label);
@@ -261,7 +265,7 @@ fn check_interpreter(python: &Python) {
         };
         assert_eq!(step, want_step, "{} thread {who}", python.label);
     }
-    let native = report["native_tid"].as_u64().expect("native tid") as u32;
+    let native = host(report["native_tid"].as_u64().expect("native tid") as u32);
     assert_eq!(
         proc.frames(native)
             .expect("read frames of the native thread"),
@@ -298,7 +302,7 @@ fn check_interpreter(python: &Python) {
     // A mixed stack of the main thread: native frames (CFI unwinding of
     // the stopped thread) with the Python frames at the evaluation frames,
     // one evaluation call per frame marked `entry`.
-    let main = threads["main"]["tid"].as_u64().expect("tid") as u32;
+    let main = host(threads["main"]["tid"].as_u64().expect("tid") as u32);
     let py = proc.frames(main).expect("frames");
     let (regs, base, stack) = stop_and_copy(main);
     let maps = ProcessMaps::read(pid).expect("maps");
@@ -357,7 +361,7 @@ fn check_interpreter(python: &Python) {
     // cached), for the 3-frame main thread and the deep thread.
     let mut figures = Vec::new();
     for who in ["main", "deep"] {
-        let tid = threads[who]["tid"].as_u64().expect("tid") as u32;
+        let tid = host(threads[who]["tid"].as_u64().expect("tid") as u32);
         let mut fresh = PythonProcess::attach(pid).expect("attach").expect("python");
         let t0 = Instant::now();
         let depth = fresh.frames(tid).expect("frames").len();

@@ -38,23 +38,24 @@ fn attach_shows_python_frames_in_off_cpu_stacks() {
     let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
     let mut cmd = Command::new(python);
     cmd.arg(&script_path);
-    check_offcpu_stacks(cmd);
+    check_offcpu_stacks(cmd, None);
 }
 
 /// The same for CPython 3.14 (Debian unstable's, stripped, its evaluation
 /// loop split by the compiler) in a container: an overlay of Debian
-/// unstable's root as its root, in a mount namespace of its own. Its maps
-/// name its glibc `/usr/lib/x86_64-linux-gnu/libc.so.6`, which on the host
-/// is another glibc.
+/// unstable's root as its root, in mount and pid namespaces of its own.
+/// Its maps name its glibc `/usr/lib/x86_64-linux-gnu/libc.so.6`, which on
+/// the host is another glibc; its thread states hold its own thread ids.
 #[test]
 fn attach_shows_python_frames_of_a_job_in_a_container() {
     let _serial = exclusive();
     let root = roots::sid();
     let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
     let dir = roots::place(root, "py_offcpu", &[&script_path]);
-    let mut cmd = Entry::Container.command(root, "/usr/bin/python3.14");
+    let entry = Entry::ContainerPidNamespace;
+    let mut cmd = entry.command(root, "/usr/bin/python3.14");
     cmd.arg(format!("{dir}/py_offcpu.py"));
-    let stacks = check_offcpu_stacks(cmd);
+    let stacks = check_offcpu_stacks(cmd, Some(entry));
     // Named from the process's own glibc (the host's symbols at its
     // offsets would name other functions): the main thread starts in its
     // __libc_start_main.
@@ -69,7 +70,7 @@ fn attach_shows_python_frames_of_a_job_in_a_container() {
 /// Runs `tests/workloads/py_offcpu.py` as `python` (a command that runs
 /// it) under `agent attach` and checks its mixed stacks; returns them
 /// (frame, mapping), root first.
-fn check_offcpu_stacks(mut python: Command) -> Vec<Vec<(String, String)>> {
+fn check_offcpu_stacks(mut python: Command, entry: Option<Entry>) -> Vec<Vec<(String, String)>> {
     let script_path = fixtures::repo_root().join("tests/workloads/py_offcpu.py");
     let script = std::fs::read_to_string(&script_path).expect("the fixture");
     let dir = TempDir::new("pystacks");
@@ -80,9 +81,11 @@ fn check_offcpu_stacks(mut python: Command) -> Vec<Vec<(String, String)>> {
     let mut stdin = py.stdin();
     let mut out = Lines::new(py.stdout());
     out.wait_for("pid ", Duration::from_secs(20));
+    // The interpreter's host pid (`unshare` forks it into a pid namespace).
+    let program = entry.map_or(py.pid(), |e| e.program_pid(py.pid()));
     let rec = Recording::start(
         dir.path(),
-        &["--pid", &py.pid().to_string(), "--stacks", "all"],
+        &["--pid", &program.to_string(), "--stacks", "all"],
     );
     go(&mut stdin);
     let done = rec.finish(Duration::from_secs(60));
@@ -105,7 +108,7 @@ fn check_offcpu_stacks(mut python: Command) -> Vec<Vec<(String, String)>> {
             format!("loader ({file}:{})", line_of(&script, "loader-call")),
         ],
     ];
-    let pid = py.pid() as i32;
+    let pid = program as i32;
     let samples: Vec<_> = tl.stack_samples.iter().filter(|s| s.pid == pid).collect();
     assert!(
         !samples.is_empty(),

@@ -268,6 +268,13 @@ pub struct PythonProcess {
     /// NCCL or CUDA thread) does not cost a walk per stack.
     listed: Option<Instant>,
     absent: HashSet<u32>,
+    /// Whether the process runs in a pid namespace of its own (a
+    /// container's): its thread states hold its own thread ids, not the
+    /// kernel's ones the agent sees.
+    own_pid_namespace: bool,
+    /// The agent's tid -> the process's own, read from `NSpid` and kept
+    /// until the thread list is walked again (tids are reused).
+    own_tids: HashMap<u32, u32>,
 }
 
 /// How long a tid without a thread state is taken to have none (a native
@@ -310,6 +317,8 @@ impl PythonProcess {
             threads: HashMap::new(),
             listed: None,
             absent: HashSet::new(),
+            own_pid_namespace: ns_pids(&format!("/proc/{pid}/status")).is_some_and(|p| p.len() > 1),
+            own_tids: HashMap::new(),
         }))
     }
 
@@ -337,6 +346,7 @@ impl PythonProcess {
     /// The Python frames of thread `tid`, innermost first; empty for a
     /// thread that has no Python thread state or runs no Python code.
     pub fn frames(&mut self, tid: u32) -> Result<Vec<PyFrame>, PyError> {
+        let tid = self.own_tid(tid);
         if let Some(&ts) = self.threads.get(&tid)
             && let Some(raw) = self.reader.tstate_is(ts, tid)?
         {
@@ -348,6 +358,7 @@ impl PythonProcess {
         }
         if !recent {
             self.absent.clear();
+            self.own_tids.clear();
         }
         // Unknown or stale: list the threads again (threads come and go).
         self.listed = Some(Instant::now());
@@ -369,7 +380,26 @@ impl PythonProcess {
         }
     }
 
-    /// Every Python thread's kernel tid.
+    /// Kernel thread `tid` (as the agent sees it) as the process numbers
+    /// it: the innermost of its `NSpid` ids in a pid namespace of its own.
+    fn own_tid(&mut self, tid: u32) -> u32 {
+        if !self.own_pid_namespace {
+            return tid;
+        }
+        if let Some(&own) = self.own_tids.get(&tid) {
+            return own;
+        }
+        let own = ns_pids(&format!("/proc/{}/task/{tid}/status", self.pid))
+            .and_then(|ids| ids.last().copied())
+            .unwrap_or(tid);
+        if self.own_tids.len() < MAX_THREADS_NAMED {
+            self.own_tids.insert(tid, own);
+        }
+        own
+    }
+
+    /// Every Python thread's tid, as the process numbers them (in a pid
+    /// namespace of its own, not the kernel's).
     pub fn threads(&mut self) -> Result<Vec<u32>, PyError> {
         let mut tids: Vec<u32> = self
             .reader
@@ -380,6 +410,33 @@ impl PythonProcess {
         tids.sort_unstable();
         Ok(tids)
     }
+}
+
+/// The most tid translations kept per process (a thread list is far
+/// shorter; walking it again clears them).
+const MAX_THREADS_NAMED: usize = 4096;
+
+/// The `NSpid` ids of a `/proc/.../status` file: the task's id in each pid
+/// namespace it is in, from the reader's to its own.
+fn ns_pids(status: &str) -> Option<Vec<u32>> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(status)
+        .ok()?
+        .take(8192)
+        .read_to_string(&mut text)
+        .ok()?;
+    parse_ns_pids(&text)
+}
+
+fn parse_ns_pids(text: &str) -> Option<Vec<u32>> {
+    let line = text.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    let ids: Vec<u32> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    (!ids.is_empty()).then_some(ids)
 }
 
 /// Bytes of code objects cached for all Python processes together.
@@ -797,6 +854,8 @@ mod tests {
             threads: HashMap::new(),
             listed: None,
             absent: HashSet::new(),
+            own_pid_namespace: false,
+            own_tids: HashMap::new(),
         }
     }
 
@@ -868,6 +927,18 @@ mod tests {
             started.elapsed()
         );
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn thread_ids_in_pid_namespaces() {
+        let status = "Name:\tpython3\nTgid:\t4100\nNSpid:\t4100\t7\nNSsid:\t1\n";
+        assert_eq!(parse_ns_pids(status), Some(vec![4100, 7]));
+        assert_eq!(parse_ns_pids("NSpid:\t42\n"), Some(vec![42]));
+        assert_eq!(parse_ns_pids("NSpid:\t42 x\n"), None);
+        assert_eq!(parse_ns_pids("Name:\tx\n"), None);
+        // This test's own process is in the agent's namespace.
+        let own = ns_pids(&format!("/proc/{}/status", std::process::id())).unwrap();
+        assert_eq!(own[0], std::process::id());
     }
 
     #[test]
