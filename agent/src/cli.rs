@@ -11,7 +11,7 @@ use crate::sinks::detect::host_config;
 #[derive(Parser, Debug)]
 #[command(
     name = "agent",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("XPUSCOPE_COMMIT"), ")"),
     about = "xpuscope: eBPF observability for AI training nodes",
     long_about = "xpuscope attaches to a running training process (no restart, no LD_PRELOAD) and \
                   writes a native Perfetto trace (open it at https://ui.perfetto.dev) of its \

@@ -59,7 +59,41 @@ pub fn system_info() -> SystemInfo {
     }
 }
 
+/// The node's name for the metrics and dumps: `NODE_NAME` where set (the
+/// DaemonSet sets it from the pod's `spec.nodeName`: inside a pod the host
+/// name is the pod's), else the host name. At most 128 characters.
+pub fn node_name() -> String {
+    node_name_from(std::env::var("NODE_NAME").ok(), system_info().machine_name)
+}
+
+fn node_name_from(env: Option<String>, hostname: Option<String>) -> String {
+    env.map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .or(hostname)
+        .unwrap_or_default()
+        .chars()
+        .take(128)
+        .collect()
+}
+
 /// Number of possible CPUs (per-CPU map values come in this many).
 pub fn possible_cpus() -> usize {
     aya::util::nr_cpus().unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_node_is_named_by_node_name_else_the_host_name() {
+        let host = Some("pod-xyz".to_string());
+        assert_eq!(
+            node_name_from(Some("gpu-node-7".into()), host.clone()),
+            "gpu-node-7"
+        );
+        assert_eq!(node_name_from(Some("  ".into()), host.clone()), "pod-xyz");
+        assert_eq!(node_name_from(None, host), "pod-xyz");
+        assert_eq!(node_name_from(Some("n".repeat(300)), None).len(), 128);
+    }
 }

@@ -37,6 +37,32 @@ fn resident_bytes() -> Option<u64> {
     Some(pages * page.max(0) as u64)
 }
 
+/// When this process started, in seconds since the Unix epoch: its start
+/// in clock ticks after boot (`/proc/self/stat` field 22) plus the boot
+/// time (`btime` of `/proc/stat`).
+pub fn start_time_unix_seconds() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name may hold spaces: fields count after its ')'.
+    let after = stat.rsplit_once(')')?.1;
+    let start_ticks: u64 = after.split_whitespace().nth(19)?.parse().ok()?;
+    let boot: u64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let hz = u64::try_from(hz).ok().filter(|&h| h > 0)?;
+    Some(boot + start_ticks / hz)
+}
+
+/// How many file descriptors this process has open.
+pub fn open_fds() -> Option<u64> {
+    Some(std::fs::read_dir("/proc/self/fd").ok()?.count() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,9 @@ use crate::agent::{Lines, Proc, agent_bin};
 use crate::device::{GroupGuard, read_json};
 use crate::fixtures;
 
+/// The node name test services are given (`NODE_NAME`).
+pub const TEST_NODE: &str = "xpuscope-test-node";
+
 /// `agent service` with `config` (TOML appended to the test's own keys),
 /// until stopped.
 pub struct Service {
@@ -23,6 +26,8 @@ pub struct Service {
 }
 
 impl Service {
+    /// Starts `agent service` with `config` added to a configuration of
+    /// its own in `dir`; `NODE_NAME` is [`TEST_NODE`].
     pub fn start(dir: &Path, config: &str) -> Service {
         let socket = dir.join("run/agent.sock");
         let dump_dir = dir.join("dumps");
@@ -49,6 +54,8 @@ impl Service {
                 .arg("--config")
                 .arg(&path)
                 .env("RUST_LOG", "info")
+                // As the DaemonSet sets it: the metrics' `node`.
+                .env("NODE_NAME", TEST_NODE)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped()),

@@ -202,6 +202,63 @@ fn the_daemonset_matches_the_unit() {
     assert_eq!(containers.len(), 1);
     let c = &containers[0];
 
+    // Kept running and scheduled where it is useful, with nothing it does
+    // not need.
+    assert_eq!(spec["priorityClassName"], "system-node-critical");
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    let terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"]
+        .as_array()
+        .expect("node selector terms: accelerator nodes only");
+    let keys: BTreeSet<&str> = terms
+        .iter()
+        .flat_map(|t| t["matchExpressions"].as_array().into_iter().flatten())
+        .filter_map(|e| e["key"].as_str())
+        .collect();
+    assert_eq!(
+        keys,
+        BTreeSet::from(["nvidia.com/gpu.present", "accelerator"]),
+        "{terms:?}"
+    );
+    let version = toml_string(&read("Cargo.toml"), "version");
+    assert_eq!(
+        c["image"]
+            .as_str()
+            .and_then(|i| i.rsplit_once(':'))
+            .map(|(_, tag)| tag),
+        Some(version.as_str()),
+        "the image's tag is the release's version"
+    );
+    // The metrics' `node` is the node's name (the downward API's
+    // spec.nodeName), not the pod's host name.
+    let node_name = c["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .find(|e| e["name"] == "NODE_NAME")
+        .expect("NODE_NAME in the environment");
+    assert_eq!(
+        node_name["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName",
+        "{node_name}"
+    );
+    // Every `kubectl ... -l KEY=VALUE` the guide tells a user to run selects
+    // the agent's pods.
+    let labels = &pod["metadata"]["labels"];
+    let guide = read("docs/src/guide/service.md");
+    let selectors: Vec<&str> = guide
+        .lines()
+        .filter(|l| l.contains("kubectl") && l.contains(" -l "))
+        .filter_map(|l| l.split(" -l ").nth(1)?.split_whitespace().next())
+        .collect();
+    assert!(!selectors.is_empty(), "the guide's kubectl selectors");
+    for sel in selectors {
+        let (key, value) = sel.split_once('=').expect("KEY=VALUE");
+        assert_eq!(
+            labels[key], value,
+            "selector {sel} against the pod's labels {labels}"
+        );
+    }
+
     // Same capabilities as the unit, nothing else.
     let sc = &c["securityContext"];
     assert_eq!(sc["privileged"], false);
@@ -347,4 +404,63 @@ fn the_daemonset_matches_the_unit() {
     assert!(dockerfile.contains("RUN cargo xtask install --root /stage"));
     assert!(dockerfile.contains(&format!("COPY --from=build /stage{0} {0}", command[0])));
     assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{}\"]", command[0])));
+}
+
+/// `kubernetes-validate` (PyPI: the Kubernetes API's own schemas, offline)
+/// in a virtual environment of its own, made once and kept in
+/// /var/cache/xpuscope-test.
+fn kubernetes_validate() -> std::path::PathBuf {
+    let venv = Path::new("/var/cache/xpuscope-test/k8s-venv");
+    let bin = venv.join("bin/kubernetes-validate");
+    if bin.exists() {
+        return bin;
+    }
+    // Made aside and renamed: a concurrent or interrupted run never
+    // leaves a half-installed environment in place.
+    let tmp = venv.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let made = Command::new(python())
+        .args(["-m", "venv"])
+        .arg(&tmp)
+        .status()
+        .is_ok_and(|s| s.success())
+        && Command::new(tmp.join("bin/pip"))
+            .args(["install", "-q", "kubernetes-validate"])
+            .status()
+            .is_ok_and(|s| s.success());
+    assert!(
+        made,
+        "installing kubernetes-validate from PyPI into {} failed (python3-venv and network to PyPI are needed)",
+        tmp.display()
+    );
+    let _ = std::fs::rename(&tmp, venv);
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert!(bin.exists(), "{} after installing", bin.display());
+    bin
+}
+
+/// The DaemonSet, its namespace and ConfigMap are valid objects for the
+/// Kubernetes versions fleets run (strict: no field the API does not know,
+/// so a misspelt key fails here rather than being dropped by the API
+/// server).
+#[test]
+fn the_kubernetes_manifests_validate_against_the_api_schemas() {
+    let validate = kubernetes_validate();
+    let manifest = fixtures::repo_root().join("deploy/kubernetes/daemonset.yaml");
+    for version in ["1.27", "1.30", "1.33"] {
+        let out = Command::new(&validate)
+            .args(["--strict", "-k", version])
+            .arg(&manifest)
+            .output()
+            .expect("run kubernetes-validate");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "Kubernetes {version}:\n{text}");
+        for kind in ["namespace", "configmap", "daemonset"] {
+            assert!(
+                text.contains(&format!("passed for resource {kind}/")),
+                "Kubernetes {version}: {kind} not validated:\n{text}"
+            );
+        }
+    }
 }

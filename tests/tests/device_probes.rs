@@ -1575,9 +1575,20 @@ fn sim_job_in_a_container_all_reduces_on_every_rank() {
         Some((root, xpuscope_tests::roots::Entry::Container)),
         "devroot",
         &["--steps", &steps.to_string(), "--init-delay-ms", "100"],
-        &[],
+        &["-v"],
     );
     assert!(run.status.success(), "the job failed: {}", run.status);
+    // The container's own loader got the debugger hook (through the
+    // process's root: the host's loader is another file), and the log,
+    // not a terminal, carries no colour codes.
+    assert!(
+        run.stderr
+            .lines()
+            .any(|l| l.contains("loader hook: /proc/") && l.contains("ld-linux")),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains('\u{1b}'), "{}", run.stderr);
     let device = &run.stats["device"];
     assert!(device["attached_probes"].as_u64().unwrap() > 0, "{device}");
     assert_eq!(device["attach_failures"], 0, "{device}");

@@ -297,7 +297,7 @@ impl Prometheus {
             &config,
             format!(
                 "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n\
-                 scrape_configs:\n  - job_name: xpuscope\n    honor_labels: true\n    static_configs:\n\
+                 scrape_configs:\n  - job_name: xpuscope\n    static_configs:\n\
                  \x20     - targets: ['127.0.0.1:{target}']\n"
             ),
         )
@@ -351,8 +351,10 @@ impl Prometheus {
     }
 }
 
-/// Debian's Prometheus scrapes the service (the agent's `job` label is
-/// kept: `honor_labels`; other jobs on the machine are told apart by it).
+/// Debian's Prometheus scrapes the service as configured by default (no
+/// `honor_labels`: the scrape's own `job` and `instance` stay Prometheus's;
+/// the training job is the agent's `training_job` label, which tells other
+/// jobs on the machine apart).
 /// PromQL over its HTTP API returns every rank's all-reduce count of a job
 /// whose rank 1 computes 4x slower; in a job whose rank 1 hangs, the rank
 /// whose last collective number lags its communicator's is rank 1, and the
@@ -390,7 +392,7 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
     let end = std::time::Instant::now() + Duration::from_secs(20);
     let (counts, by_rank) = loop {
         let counts = prom.query(
-            "sum by (rank) (xpuscope_collective_duration_seconds_count{job=\"promjob\",op=\"allreduce\"})",
+            "sum by (rank) (xpuscope_collective_duration_seconds_count{training_job=\"promjob\",op=\"allreduce\"})",
         );
         let by_rank: std::collections::BTreeMap<String, f64> = counts
             .iter()
@@ -402,6 +404,29 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
         std::thread::sleep(Duration::from_millis(250));
     };
     assert_eq!(by_rank, want, "{counts:?}");
+    // Under a plain scrape configuration the labels fit: `job` and
+    // `instance` are the scrape's, the training job is `training_job` (no
+    // `exported_job`), the node is the one NODE_NAME names.
+    for (m, _) in &counts {
+        let raw = prom.query(&format!(
+            "xpuscope_collective_duration_seconds_count{{training_job=\"promjob\",op=\"allreduce\",rank={}}}",
+            m["rank"]
+        ));
+        let labels = &raw.first().expect("a series").0;
+        assert_eq!(labels["job"], "xpuscope", "{labels}");
+        assert!(
+            labels["instance"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("127.0.0.1:")),
+            "{labels}"
+        );
+        assert!(labels["exported_job"].is_null(), "{labels}");
+        assert_eq!(
+            labels["node"],
+            xpuscope_tests::service_run::TEST_NODE,
+            "{labels}"
+        );
+    }
     // A slow rank does not lag in host-side numbers (collectives are
     // enqueued; the wait is in the stream sync on every rank alike). A rank
     // that never joins does: rank 1 stops before step 2's all-reduce.
@@ -424,8 +449,8 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
     // Samples where a rank's last collective number is below the highest
     // on its communicator, over the job: the lagging rank comes first.
     let lag = prom.query(
-        "topk(1, sum by (rank) (sum_over_time((xpuscope_collective_last_seq{job=\"promhang\"} \
-         < bool on (comm) group_left max by (comm) (xpuscope_collective_last_seq{job=\"promhang\"}))\
+        "topk(1, sum by (rank) (sum_over_time((xpuscope_collective_last_seq{training_job=\"promhang\"} \
+         < bool on (comm) group_left max by (comm) (xpuscope_collective_last_seq{training_job=\"promhang\"}))\
          [5m:250ms])))",
     );
     assert_eq!(lag.len(), 1, "{lag:?}");
@@ -433,7 +458,7 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
     assert!(lag[0].1 >= 4.0, "lagged for a second at least: {lag:?}");
     // The hang gauge: the rank left waiting had a call running for seconds.
     let waited = prom.query(
-        "max by (rank) (max_over_time(xpuscope_in_flight_oldest_seconds{job=\"promhang\"}[5m]))",
+        "max by (rank) (max_over_time(xpuscope_in_flight_oldest_seconds{training_job=\"promhang\"}[5m]))",
     );
     let rank0 = waited
         .iter()

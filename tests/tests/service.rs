@@ -137,7 +137,7 @@ fn wait_allreduce_counts<'a>(port: u16, job: &str, ranks: impl Iterator<Item = &
             .lines()
             .filter(|l| l.starts_with("xpuscope_collective_duration_seconds_count{"))
             // This job's only: the service traces every job on the machine.
-            .filter(|l| l.contains(&format!("job=\"{job}\"")))
+            .filter(|l| l.contains(&format!("training_job=\"{job}\"")))
             .filter(|l| l.contains(&format!("rank=\"{rank}\"")) && l.contains("op=\"allreduce\""))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
@@ -341,7 +341,9 @@ fn the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels
         metrics
             .lines()
             .filter(|l| l.starts_with(&format!("{family}{{")))
-            .filter(|l| l.contains("job=\"svcjob\"") && l.contains(&format!("rank=\"{rank}\"")))
+            .filter(|l| {
+                l.contains("training_job=\"svcjob\"") && l.contains(&format!("rank=\"{rank}\""))
+            })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };

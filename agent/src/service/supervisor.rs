@@ -282,7 +282,7 @@ where
 {
     let notifier = Notifier::from_env();
     super::dump_dir::prepare(&cfg.dump_dir).map_err(|e| anyhow!(e))?;
-    let node = host::system_info().machine_name.unwrap_or_default();
+    let node = host::node_name();
     let (recorder, dump_tx, stats) = FlightRecorder::new(RecorderSettings {
         window: cfg.flight_recorder.seconds,
         max_bytes: cfg.flight_recorder.max_bytes,

@@ -1,7 +1,9 @@
 //! The metrics sink: Prometheus families from the record stream, served as
 //! OpenMetrics text on `/metrics` (see `crate::service::metrics_endpoint`).
 //!
-//! Families (label sets in brackets; `R` = job, rank, local_rank, node):
+//! Families (label sets in brackets; `R` = training_job, rank, local_rank,
+//! node; `training_job`, not `job`: Prometheus owns `job` and `instance`,
+//! the scrape's, and renames a target's own to `exported_job`):
 //! - `xpuscope_collective_duration_seconds` histogram [R, comm, op, dtype]:
 //!   collectives and point-to-point calls from entry to return;
 //! - `xpuscope_collective_bytes_total` [R, comm, op, dtype];
@@ -16,7 +18,10 @@
 //! - the agent's own: `xpuscope_agent_records_total` [kind],
 //!   `xpuscope_agent_kernel_dropped_events_total`,
 //!   `xpuscope_agent_sink_records_total` [sink, outcome],
-//!   `xpuscope_agent_cpu_seconds_total`, `xpuscope_agent_resident_bytes`,
+//!   `xpuscope_agent_cpu_seconds_total`, `xpuscope_agent_resident_bytes`
+//!   (also as the standard `process_cpu_seconds_total`,
+//!   `process_resident_memory_bytes`, with `process_start_time_seconds`
+//!   and `process_open_fds`), `xpuscope_build_info` [version, commit],
 //!   `xpuscope_flight_recorder_bytes`,
 //!   `xpuscope_flight_recorder_evicted_records_total`,
 //!   `xpuscope_flight_recorder_dumps_total` [trigger, outcome],
@@ -85,7 +90,7 @@ const FOLDED: &str = "other";
 
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RankLabels {
-    pub job: String,
+    pub training_job: String,
     pub rank: String,
     pub local_rank: String,
     pub node: String,
@@ -93,7 +98,7 @@ pub struct RankLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CollectiveLabels {
-    pub job: String,
+    pub training_job: String,
     pub rank: String,
     pub local_rank: String,
     pub node: String,
@@ -104,7 +109,7 @@ pub struct CollectiveLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CommLabels {
-    pub job: String,
+    pub training_job: String,
     pub rank: String,
     pub local_rank: String,
     pub node: String,
@@ -113,11 +118,17 @@ pub struct CommLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DeviceLabels {
-    pub job: String,
+    pub training_job: String,
     pub rank: String,
     pub local_rank: String,
     pub node: String,
     pub device: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+    commit: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -187,6 +198,13 @@ struct Families {
     sink_records: Family<SinkLabels, Counter>,
     cpu: Counter<f64, AtomicU64>,
     rss: Gauge,
+    /// The same figures under the names every Prometheus client library
+    /// exports (`process_*`), for the dashboards that already read them.
+    process_cpu: Counter<f64, AtomicU64>,
+    process_rss: Gauge,
+    process_start: Gauge,
+    process_open_fds: Gauge,
+    build_info: Family<BuildLabels, Gauge>,
     recorder_bytes: Gauge,
     recorder_evicted: Counter,
     kernel_skips: Counter,
@@ -225,6 +243,11 @@ impl Families {
             sink_records: Family::default(),
             cpu: Counter::default(),
             rss: Gauge::default(),
+            process_cpu: Counter::default(),
+            process_rss: Gauge::default(),
+            process_start: Gauge::default(),
+            process_open_fds: Gauge::default(),
+            build_info: Family::default(),
             recorder_bytes: Gauge::default(),
             recorder_evicted: Counter::default(),
             kernel_skips: Counter::default(),
@@ -334,6 +357,39 @@ impl Families {
             "Resident memory of the agent",
             f.rss.clone(),
         );
+        r.register(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds (the agent's)",
+            f.process_cpu.clone(),
+        );
+        r.register(
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes (the agent's)",
+            f.process_rss.clone(),
+        );
+        r.register(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds (the agent's)",
+            f.process_start.clone(),
+        );
+        r.register(
+            "process_open_fds",
+            "Number of open file descriptors (the agent's)",
+            f.process_open_fds.clone(),
+        );
+        r.register(
+            "xpuscope_build_info",
+            "The agent's version and the commit it was built from (always 1)",
+            f.build_info.clone(),
+        );
+        f.build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                commit: env!("XPUSCOPE_COMMIT").to_string(),
+            })
+            .set(1);
+        f.process_start
+            .set(crate::own_usage::start_time_unix_seconds().unwrap_or(0) as i64);
         r.register(
             "xpuscope_agent_kernel_skipped_events",
             "Program runs the kernel skipped because a program already ran on that CPU (their events are missing)",
@@ -600,7 +656,7 @@ impl MetricsSink {
     fn identity(&mut self, tgid: u32, id: &RankIdentity) {
         let v = |s: &Option<String>| s.clone().unwrap_or_default();
         let labels = RankLabels {
-            job: v(&id.job),
+            training_job: v(&id.job),
             rank: v(&id.rank),
             local_rank: v(&id.local_rank),
             node: self.node.clone(),
@@ -673,7 +729,7 @@ impl MetricsSink {
     fn process_ended(&mut self, tgid: u32, ts: u64) {
         self.gone_since.remove(&tgid);
         if let Some(labels) = self.ranks.remove(&tgid)
-            && !(labels.rank.is_empty() && labels.job.is_empty())
+            && !(labels.rank.is_empty() && labels.training_job.is_empty())
         {
             self.ended.insert(tgid, (labels, ts));
         }
@@ -899,7 +955,7 @@ impl MetricsSink {
             },
         );
         let labels = CollectiveLabels {
-            job: rank.job.clone(),
+            training_job: rank.training_job.clone(),
             rank: rank.rank.clone(),
             local_rank: rank.local_rank.clone(),
             node: rank.node.clone(),
@@ -929,7 +985,7 @@ impl MetricsSink {
         let bytes = self.f.collective_bytes.get_or_create(&labels).clone();
         let last_seq = with_seq.then(|| {
             let labels = CommLabels {
-                job: rank.job,
+                training_job: rank.training_job,
                 rank: rank.rank,
                 local_rank: rank.local_rank,
                 node: rank.node,
@@ -969,7 +1025,7 @@ impl MetricsSink {
             xpuscope_probes::catalog::Vendor::Ascend => "npu",
         };
         let labels = DeviceLabels {
-            job: rank.job,
+            training_job: rank.training_job,
             rank: rank.rank,
             local_rank: rank.local_rank,
             node: rank.node,
@@ -1079,7 +1135,12 @@ impl MetricsSink {
         let own = OwnUsage::now();
         let d = self.deltas.delta("cpu", own.cpu_seconds);
         self.f.cpu.inc_by(d);
+        self.f.process_cpu.inc_by(d);
         self.f.rss.set(own.resident_bytes as i64);
+        self.f.process_rss.set(own.resident_bytes as i64);
+        if let Some(fds) = crate::own_usage::open_fds() {
+            self.f.process_open_fds.set(fds as i64);
+        }
         let mut sinks: Vec<(String, u64, u64)> = vec![(
             "metrics".into(),
             lost.delivered_records.load(Ordering::Relaxed),

@@ -8,7 +8,7 @@
 //!   after job serves the jobs of the last minutes, not of its uptime (and
 //!   the bound never fills with finished jobs, folding the new ones).
 //!
-//! A series belongs to the rank part of its labels (job, rank, local_rank,
+//! A series belongs to the rank part of its labels (training_job, rank, local_rank,
 //! node); a process feeds the rank its identity names, and also a folded
 //! one once its series were folded.
 
@@ -72,7 +72,7 @@ macro_rules! rank_part {
         impl RankPart for $t {
             fn rank_part(&self) -> RankLabels {
                 RankLabels {
-                    job: self.job.clone(),
+                    training_job: self.training_job.clone(),
                     rank: self.rank.clone(),
                     local_rank: self.local_rank.clone(),
                     node: self.node.clone(),

@@ -186,8 +186,38 @@ fn families_render_from_records() {
     sink.on_tick(0, &lost).unwrap();
 
     let text = handle.render();
-    let r0 = r#"job="llama",rank="0",local_rank="0",node="node-a""#;
-    let r1 = r#"job="llama",rank="1",local_rank="1",node="node-a""#;
+    // The training job is `training_job`: `job` and `instance` are the
+    // scrape's own in Prometheus.
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.contains("{job=") || l.contains(",job=")),
+        "{text}"
+    );
+    // The build, and the agent's own cost under the standard names.
+    let build = format!(
+        "xpuscope_build_info{{version=\"{}\",commit=\"{}\"}}",
+        env!("CARGO_PKG_VERSION"),
+        env!("XPUSCOPE_COMMIT")
+    );
+    assert_eq!(value(&text, &build), 1.0);
+    assert!(value(&text, "process_cpu_seconds_total") > 0.0, "{text}");
+    assert!(
+        value(&text, "process_resident_memory_bytes") > 1e6,
+        "{text}"
+    );
+    assert!(value(&text, "process_open_fds") >= 3.0, "{text}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let started = value(&text, "process_start_time_seconds");
+    assert!(
+        started <= now && started > now - 3600.0,
+        "started {started}, now {now}"
+    );
+    let r0 = r#"training_job="llama",rank="0",local_rank="0",node="node-a""#;
+    let r1 = r#"training_job="llama",rank="1",local_rank="1",node="node-a""#;
     let coll = r#"comm="nccl:1a2b3c4d",op="allreduce",dtype="bf16""#;
     assert_eq!(
         value(
@@ -362,7 +392,7 @@ fn the_hang_gauge_and_findings() {
         }))
     };
     let text = handle.render();
-    let rank0 = "xpuscope_in_flight_oldest_seconds{job=\"llama\",rank=\"0\",local_rank=\"0\",node=\"node-a\"}";
+    let rank0 = "xpuscope_in_flight_oldest_seconds{training_job=\"llama\",rank=\"0\",local_rank=\"0\",node=\"node-a\"}";
     assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 0.0);
     sink.on_batch(
         &[
@@ -590,8 +620,8 @@ fn a_process_feeds_its_new_rank_after_its_identity() {
     )
     .unwrap();
     let text = handle.render();
-    let before = r#"job="",rank="",local_rank="",node="node-a""#;
-    let after = r#"job="llama",rank="0",local_rank="0",node="node-a""#;
+    let before = r#"training_job="",rank="",local_rank="",node="node-a""#;
+    let after = r#"training_job="llama",rank="0",local_rank="0",node="node-a""#;
     assert_eq!(
         value(
             &text,
