@@ -464,3 +464,71 @@ fn the_kubernetes_manifests_validate_against_the_api_schemas() {
         }
     }
 }
+
+/// Debian's promtool (with its Prometheus), installed when missing.
+fn promtool() -> &'static str {
+    let have = || {
+        Command::new("promtool")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !have() {
+        xpuscope_tests::packages::apt_install(&["prometheus"]);
+    }
+    assert!(
+        have(),
+        "promtool is not runnable after installing prometheus"
+    );
+    "promtool"
+}
+
+/// The cluster-wide rules: valid, each alert firing on what it means and
+/// quiet on a healthy job (`promtool test rules` on the unit tests beside
+/// them), and the PrometheusRule holding the very same groups.
+#[test]
+fn the_prometheus_rules_check_and_pass_their_unit_tests() {
+    let dir = fixtures::repo_root().join("deploy/prometheus");
+    for (args, what) in [
+        (
+            vec!["check", "rules", "xpuscope-rules.yml"],
+            "promtool check rules",
+        ),
+        (
+            vec!["test", "rules", "tests/xpuscope-rules.test.yml"],
+            "promtool test rules",
+        ),
+    ] {
+        let out = Command::new(promtool())
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .expect("run promtool");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{what}:\n{text}");
+        assert!(text.contains("SUCCESS"), "{what}:\n{text}");
+    }
+    let rules = yaml_documents("deploy/prometheus/xpuscope-rules.yml");
+    let operator = yaml_documents("deploy/prometheus/xpuscope-rules.prometheusrule.yaml");
+    let resource = kind(&operator, "PrometheusRule");
+    assert_eq!(resource["spec"]["groups"], rules[0]["groups"]);
+    let alerts: BTreeSet<&str> = rules[0]["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .filter_map(|r| r["alert"].as_str())
+        .collect();
+    assert_eq!(
+        alerts,
+        BTreeSet::from([
+            "XpuscopeRankHoldsBackJob",
+            "XpuscopeSlowRank",
+            "XpuscopeDeviceMemoryGrowing",
+            "XpuscopeAgentLosingEvents",
+        ])
+    );
+}

@@ -296,9 +296,13 @@ impl Prometheus {
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n\
+                "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n  evaluation_interval: 1s\n\
+                 rule_files:\n  - {rules}\n\
                  scrape_configs:\n  - job_name: xpuscope\n    static_configs:\n\
-                 \x20     - targets: ['127.0.0.1:{target}']\n"
+                 \x20     - targets: ['127.0.0.1:{target}']\n",
+                rules = fixtures::repo_root()
+                    .join("deploy/prometheus/xpuscope-rules.yml")
+                    .display()
             ),
         )
         .unwrap();
@@ -465,6 +469,23 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
         .find(|(m, _)| m["rank"] == "0")
         .unwrap_or_else(|| panic!("{waited:?}"));
     assert!(rank0.1 >= 1.0, "{waited:?}");
+    // The shipped rules, as loaded: the hang alert names rank 1 (pending
+    // for its minute; its series stay served for minutes after the job).
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let alert = loop {
+        let alert =
+            prom.query("ALERTS{alertname=\"XpuscopeRankHoldsBackJob\",training_job=\"promhang\"}");
+        if !alert.is_empty() || std::time::Instant::now() > end {
+            break alert;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let ranks: Vec<&str> = alert
+        .iter()
+        .filter_map(|(m, _)| m["rank"].as_str())
+        .collect();
+    assert_eq!(ranks, ["1"], "{alert:?}");
+    assert_eq!(alert[0].0["node"], xpuscope_tests::service_run::TEST_NODE);
     drop(prom);
     svc.stop();
 }
