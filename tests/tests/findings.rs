@@ -284,6 +284,41 @@ impl Drop for Prometheus {
     }
 }
 
+/// The body of an HTTP/1.1 response, de-chunked when it came in chunks
+/// (Prometheus chunks larger answers).
+fn body_of(response: &str) -> String {
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((response, ""));
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return body.to_string();
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// `text` as a URL query value.
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 impl Prometheus {
     /// Scrapes `127.0.0.1:{target}` every 250 ms, storage in `dir`.
     fn start(dir: &Path, target: u16) -> Prometheus {
@@ -326,6 +361,27 @@ impl Prometheus {
         p
     }
 
+    /// How many series a range query over the last `seconds` returns (as
+    /// Grafana runs a time-series panel's query).
+    fn range_series(&self, promql: &str, seconds: u64) -> usize {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let text = http_get(
+            self.port,
+            &format!(
+                "/api/v1/query_range?query={}&start={}&end={now}&step=1",
+                encode(promql),
+                now - seconds
+            ),
+        );
+        let v: Value =
+            serde_json::from_str(&body_of(&text)).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(v["status"], "success", "{promql}: {v}");
+        v["data"]["result"].as_array().map_or(0, Vec::len)
+    }
+
     /// An instant PromQL query's result vector: (labels, value).
     fn query(&self, promql: &str) -> Vec<(Value, f64)> {
         let enc: String = promql
@@ -338,8 +394,8 @@ impl Prometheus {
             })
             .collect();
         let text = http_get(self.port, &format!("/api/v1/query?query={enc}"));
-        let body = text.split("\r\n\r\n").nth(1).unwrap_or_default();
-        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"));
+        let v: Value =
+            serde_json::from_str(&body_of(&text)).unwrap_or_else(|e| panic!("{e}: {text}"));
         assert_eq!(v["status"], "success", "{promql}: {v}");
         v["data"]["result"]
             .as_array()
@@ -383,6 +439,10 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
             "1000",
             "--fault",
             "slow:rank=1,factor=4",
+            // Rank 0's activations cache grows (4 MiB a step, far from
+            // its device's memory): the dashboard's device-memory panel.
+            "--fault",
+            "mem_leak:rank=0,mb=4,from_step=2",
         ],
     );
     assert_eq!(truth["status"], "completed", "{truth:#}");
@@ -486,6 +546,41 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
         .collect();
     assert_eq!(ranks, ["1"], "{alert:?}");
     assert_eq!(alert[0].0["node"], xpuscope_tests::service_run::TEST_NODE);
+    // Every query of the shipped Grafana dashboard, its variables set to
+    // these jobs and this scrape, returns series.
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures::repo_root().join("deploy/grafana/xpuscope.json"))
+            .expect("the dashboard"),
+    )
+    .expect("the dashboard is JSON");
+    let mut empty = Vec::new();
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"]
+                .as_str()
+                .expect("a PromQL target")
+                .replace("$training_job", "promjob|promhang")
+                .replace("$agent_job", "xpuscope");
+            queries += 1;
+            // Tables are instant queries, time series ranges over the
+            // recording (series of ended ranks are gone at its end).
+            let found = if target["instant"] == true {
+                !prom.query(&expr).is_empty()
+            } else {
+                prom.range_series(&expr, 300) > 0
+            };
+            if !found {
+                empty.push(format!("{}: {expr}", panel["title"]));
+            }
+        }
+    }
+    assert!(queries >= 10, "{queries} queries");
+    assert!(
+        empty.is_empty(),
+        "dashboard queries without series:\n{}",
+        empty.join("\n")
+    );
     drop(prom);
     svc.stop();
 }
