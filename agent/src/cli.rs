@@ -51,6 +51,15 @@ pub enum Command {
     /// arrival, slow link) over recorded traces of one job (one per node,
     /// or one of all ranks) and print the findings, most important first.
     Diagnose(DiagnoseArgs),
+    /// Print the manual page (roff), as the package installs it:
+    /// `agent man | man -l -`.
+    Man,
+    /// Print the completion script for a shell (bash, zsh, fish, ...), as
+    /// the package installs it.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Args, Debug)]

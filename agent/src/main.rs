@@ -96,6 +96,22 @@ fn main() -> ExitCode {
         Command::Ctl(args) => service::control::client::run(&args),
         Command::Merge(args) => run_merge(args),
         Command::Diagnose(args) => run_diagnose(args),
+        Command::Man => {
+            use clap::CommandFactory;
+            let mut out = std::io::stdout().lock();
+            match clap_mangen::Man::new(Cli::command()).render(&mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("xpuscope: error: writing the manual page: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "agent", &mut std::io::stdout());
+            ExitCode::SUCCESS
+        }
         Command::Attach(args) => {
             let cfg = args.into_config();
             let stats_path = cfg.stats_json.clone();

@@ -1,6 +1,7 @@
-//! Roots of their own standing in for container images: a Debian unstable
-//! root (another glibc, CPython 3.14) made by `tests/roots/make-sid-root.sh`
-//! (debootstrap, cached under /var/cache/xpuscope-test between runs), and
+//! Roots of their own standing in for container images and other machines:
+//! a Debian unstable root (another glibc, CPython 3.14) and a Debian 12 one
+//! made by `tests/roots/make-root.sh` (debootstrap, cached under
+//! /var/cache/xpuscope-test between runs), and
 //! processes started inside it the way a container runtime starts them: in
 //! a mount namespace of their own, with that root as theirs (`unshare
 //! --mount --root`), or with only `chroot`.
@@ -16,26 +17,40 @@ use crate::fixtures;
 pub fn sid() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
-        let dir = PathBuf::from(
-            std::env::var("XPUSCOPE_SID_ROOT")
-                .unwrap_or_else(|_| "/var/cache/xpuscope-test/sid".into()),
-        );
-        let script = fixtures::repo_root().join("tests/roots/make-sid-root.sh");
-        let out = Command::new("sh")
-            .arg(&script)
-            .arg(&dir)
-            .output()
-            .expect("run tests/roots/make-sid-root.sh");
-        assert!(
-            out.status.success(),
-            "making the Debian unstable root at {} failed ({}):\n{}",
-            dir.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let dir = made("sid", "XPUSCOPE_SID_ROOT");
         mount_proc(&dir);
         dir
     })
+}
+
+/// A Debian 12 root with systemd and procps (the distribution fleets run, without
+/// this machine's toolchain), made on first use.
+pub fn bookworm() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| made("bookworm", "XPUSCOPE_BOOKWORM_ROOT"))
+}
+
+/// Root `name` made by `tests/roots/make-root.sh`, in the directory `var`
+/// names or its default.
+fn made(name: &str, var: &str) -> PathBuf {
+    let dir = PathBuf::from(
+        std::env::var(var).unwrap_or_else(|_| format!("/var/cache/xpuscope-test/{name}")),
+    );
+    let script = fixtures::repo_root().join("tests/roots/make-root.sh");
+    let out = Command::new("sh")
+        .arg(&script)
+        .arg(name)
+        .arg(&dir)
+        .output()
+        .expect("run tests/roots/make-root.sh");
+    assert!(
+        out.status.success(),
+        "making the Debian {name} root at {} failed ({}):\n{}",
+        dir.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
 }
 
 /// `/proc` inside `root` for processes that enter it by `chroot` (those

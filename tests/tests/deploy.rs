@@ -532,3 +532,91 @@ fn the_prometheus_rules_check_and_pass_their_unit_tests() {
         ])
     );
 }
+
+/// The Debian package (`cargo xtask package`, here of the agent the tests
+/// built): its files, a conffile for the configuration, glibc and procps
+/// (the unit's `kill`) its only dependencies; installed with dpkg on Debian 12 (a root without this
+/// machine's toolchain, run as a container so the cached root stays
+/// clean), its agent runs, reads the packaged configuration, and
+/// systemd accepts its unit.
+#[test]
+fn the_package_installs_on_debian_12_and_its_agent_runs() {
+    use xpuscope_tests::roots::{self, Entry};
+    let agent = xpuscope_tests::agent::agent_bin();
+    let out = Command::new("cargo")
+        .args(["xtask", "package", "--binary"])
+        .arg(&agent)
+        .current_dir(fixtures::repo_root())
+        .output()
+        .expect("run cargo xtask package");
+    assert!(
+        out.status.success(),
+        "cargo xtask package failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let version = toml_string(&read("Cargo.toml"), "version");
+    let deb = fixtures::repo_root().join(format!("target/debian/xpuscope_{version}_amd64.deb"));
+    let dpkg_deb = |args: &[&str]| {
+        let out = Command::new("dpkg-deb")
+            .args(args)
+            .arg(&deb)
+            .output()
+            .expect("run dpkg-deb");
+        assert!(out.status.success(), "dpkg-deb {args:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let listing = dpkg_deb(&["-c"]);
+    for file in [
+        "./usr/bin/agent",
+        "./lib/systemd/system/xpuscope-agent.service",
+        "./etc/xpuscope/agent.toml",
+        "./usr/share/man/man1/agent.1.gz",
+        "./usr/share/bash-completion/completions/agent",
+        "./usr/share/zsh/vendor-completions/_agent",
+        "./usr/share/fish/vendor_completions.d/agent.fish",
+        "./usr/share/doc/xpuscope/copyright",
+    ] {
+        assert!(
+            listing.lines().any(|l| l.ends_with(file)),
+            "{file} not in the package:\n{listing}"
+        );
+    }
+    // Files owned by root, whoever built the package.
+    assert!(
+        listing.lines().all(|l| l.contains(" root/root ")),
+        "{listing}"
+    );
+    assert_eq!(
+        dpkg_deb(&["-f"])
+            .lines()
+            .find(|l| l.starts_with("Depends:")),
+        Some("Depends: libc6 (>= 2.34), procps")
+    );
+
+    let root = roots::bookworm();
+    let dir = roots::place(root, "package", &[&deb]);
+    let script = format!(
+        "set -e\n\
+         ! command -v cargo\n\
+         ! command -v gdb\n\
+         dpkg -i {dir}/xpuscope_{version}_amd64.deb\n\
+         agent --version\n\
+         agent service --check-config --config /etc/xpuscope/agent.toml\n\
+         systemd-analyze verify /lib/systemd/system/xpuscope-agent.service\n\
+         dpkg-query -W -f='${{Conffiles}}\\n' xpuscope\n\
+         test -s /usr/share/man/man1/agent.1.gz\n"
+    );
+    let out = Entry::Container
+        .command(root, "/bin/sh")
+        .args(["-c", &script])
+        .output()
+        .expect("run the install in the Debian 12 root");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "installing on Debian 12:\n{text}");
+    assert!(text.contains(&format!("agent {version} (")), "{text}");
+    assert!(
+        text.contains("/etc/xpuscope/agent.toml "),
+        "the configuration is a conffile:\n{text}"
+    );
+}

@@ -208,18 +208,21 @@ pub fn test(extra: &[String]) -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!(NEEDS_ROOT);
     }
-    // The container tests' Debian unstable root (debootstrap, about 40 s
-    // of downloads on a fresh machine; cached after) is made while the
-    // code builds. The tests make it themselves when it is missing, and
-    // report its failure.
-    let mut sid_root = ChildGuard(
-        clean_command("sh")
-            .arg("tests/roots/make-sid-root.sh")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("could not start tests/roots/make-sid-root.sh")?,
-    );
+    // The Debian roots of the container and package tests (debootstrap,
+    // about 40 s of downloads each on a fresh machine; cached after) are
+    // made while the code builds. The tests make them themselves when they
+    // are missing, and report a failure.
+    let mut roots = Vec::new();
+    for name in ["sid", "bookworm"] {
+        roots.push(ChildGuard(
+            clean_command("sh")
+                .args(["tests/roots/make-root.sh", name])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("could not start tests/roots/make-root.sh")?,
+        ));
+    }
     // Cheap checks first: a formatting slip fails in seconds, not after the builds.
     run_checked(
         clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
@@ -239,6 +242,7 @@ pub fn test(extra: &[String]) -> Result<()> {
     )?;
     book()?;
     ebpf()?;
+    setup::ensure_gdb()?;
     fixtures()?;
     // `cargo clippy --workspace --all-targets --features xpuscope-tests/e2e
     // -- -D warnings`, folded into the one build the tests need: every
@@ -269,7 +273,9 @@ pub fn test(extra: &[String]) -> Result<()> {
     cmd.env("XPUSCOPE_AGENT_BIN", test_agent_binary());
     // Done before the tests start their clocks (the script's lock makes
     // the tests wait anyway).
-    let _ = sid_root.0.wait();
+    for root in &mut roots {
+        let _ = root.0.wait();
+    }
     if !extra.is_empty() {
         cmd.args(extra);
     }

@@ -10,7 +10,8 @@
 //! - `bench`: the overhead and throughput benchmarks;
 //! - `fuzz`: the parsers of untrusted input under libFuzzer (`tests/fuzz`);
 //! - `install`: the agent as a systemd service (binary, unit, default
-//!   configuration), or `--uninstall`.
+//!   configuration), or `--uninstall`;
+//! - `package`: the agent as a Debian package (`target/debian/*.deb`).
 
 mod bench;
 mod bench_floor;
@@ -23,6 +24,7 @@ mod install;
 #[cfg(test)]
 mod layering;
 mod measure;
+mod package;
 mod setup;
 
 use std::path::PathBuf;
@@ -116,6 +118,14 @@ enum Task {
         #[arg(long, value_name = "PATH", conflicts_with = "uninstall")]
         binary: Option<PathBuf>,
     },
+    /// Build the Debian package `target/debian/xpuscope_<version>_amd64.deb`
+    /// (binary, unit, configuration as a conffile, manual page,
+    /// completions).
+    Package {
+        /// Package this agent binary instead of building the release one.
+        #[arg(long, value_name = "PATH")]
+        binary: Option<PathBuf>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -150,6 +160,7 @@ fn main() -> Result<()> {
             uninstall,
             binary,
         } => install::run(&prefix, root.as_deref(), uninstall, binary.as_deref()),
+        Task::Package { binary } => package::run(binary.as_deref()).map(|_| ()),
     }
 }
 
