@@ -30,3 +30,24 @@ pub fn apt_install(packages: &[&str]) {
         if updated { "worked" } else { "failed too" }
     );
 }
+
+/// `program` runnable (`program --version` succeeds), installing Debian's
+/// `package` when it is not; panics naming both when that fails.
+pub fn ensure_tool(program: &'static str, package: &str) -> &'static str {
+    let have = || {
+        Command::new(program)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !have() {
+        apt_install(&[package]);
+    }
+    assert!(
+        have(),
+        "{program} is not runnable after installing {package}"
+    );
+    program
+}

@@ -467,22 +467,7 @@ fn the_kubernetes_manifests_validate_against_the_api_schemas() {
 
 /// Debian's promtool (with its Prometheus), installed when missing.
 fn promtool() -> &'static str {
-    let have = || {
-        Command::new("promtool")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !have() {
-        xpuscope_tests::packages::apt_install(&["prometheus"]);
-    }
-    assert!(
-        have(),
-        "promtool is not runnable after installing prometheus"
-    );
-    "promtool"
+    xpuscope_tests::packages::ensure_tool("promtool", "prometheus")
 }
 
 /// The cluster-wide rules: valid, each alert firing on what it means and

@@ -255,19 +255,7 @@ fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
 /// Debian's `prometheus`, installed if missing (a test that needs a tool
 /// installs it; under CI a failed install fails the test).
 fn prometheus_bin() -> &'static str {
-    let have = || {
-        Command::new("prometheus")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !have() {
-        xpuscope_tests::packages::apt_install(&["prometheus"]);
-    }
-    assert!(have(), "prometheus is not runnable after installing it");
-    "prometheus"
+    xpuscope_tests::packages::ensure_tool("prometheus", "prometheus")
 }
 
 /// A Prometheus server on loopback, killed when dropped (also when the

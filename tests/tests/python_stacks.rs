@@ -134,13 +134,7 @@ fn check_offcpu_stacks(mut python: Command, entry: Option<Entry>) -> Vec<Vec<(St
             samples
                 .iter()
                 .take(12)
-                .map(|s| s
-                    .frames
-                    .iter()
-                    .zip(&s.mappings)
-                    .map(|(f, m)| format!("{f} ({m})"))
-                    .collect::<Vec<_>>()
-                    .join(" > "))
+                .map(|s| s.describe())
                 .collect::<Vec<_>>()
         );
     }

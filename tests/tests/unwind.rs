@@ -615,16 +615,7 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         let Some(found) = found else {
             panic!(
                 "{spec}: no off-CPU stack of {pid} holds the chain {want:?}; its stacks:\n{:#?}",
-                samples
-                    .iter()
-                    .map(|s| s
-                        .frames
-                        .iter()
-                        .zip(&s.mappings)
-                        .map(|(f, m)| format!("{f} ({m})"))
-                        .collect::<Vec<_>>()
-                        .join(" > "))
-                    .collect::<Vec<_>>()
+                samples.iter().map(|s| s.describe()).collect::<Vec<_>>()
             );
         };
         if let Some(lib) = library {
@@ -756,16 +747,7 @@ fn unwind_in_root(entry: xpuscope_tests::roots::Entry, libc: &str) {
         let Some(found) = found else {
             panic!(
                 "{entry:?} {spec}: no off-CPU stack of {pid} holds the chain {want:?}; its stacks:\n{:#?}",
-                samples
-                    .iter()
-                    .map(|s| s
-                        .frames
-                        .iter()
-                        .zip(&s.mappings)
-                        .map(|(f, m)| format!("{f} ({m})"))
-                        .collect::<Vec<_>>()
-                        .join(" > "))
-                    .collect::<Vec<_>>()
+                samples.iter().map(|s| s.describe()).collect::<Vec<_>>()
             );
         };
         // The chain starts in the root's glibc, named by its symbols.

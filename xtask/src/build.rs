@@ -93,6 +93,26 @@ pub fn test_agent_binary() -> PathBuf {
     root().join("target").join(TEST_PROFILE).join("agent")
 }
 
+/// The agent binary to install or package: `binary` (`--binary`, built
+/// elsewhere) when given, else the release build, made now.
+pub fn agent_or(binary: Option<&Path>) -> Result<PathBuf> {
+    match binary {
+        Some(path) => {
+            anyhow::ensure!(
+                path.is_file(),
+                "--binary {}: no such file (build the agent first)",
+                path.display()
+            );
+            Ok(path.to_path_buf())
+        }
+        None => {
+            ebpf()?;
+            agent_release()?;
+            Ok(agent_binary())
+        }
+    }
+}
+
 /// Kills and reaps a child on drop.
 pub struct ChildGuard(pub Child);
 

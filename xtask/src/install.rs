@@ -270,21 +270,7 @@ pub fn run(
             layout.unit().display()
         );
     } else {
-        let binary = match binary {
-            Some(path) => {
-                anyhow::ensure!(
-                    path.is_file(),
-                    "--binary {}: no such file (build the agent first)",
-                    path.display()
-                );
-                path.to_path_buf()
-            }
-            None => {
-                build::ebpf()?;
-                build::agent_release()?;
-                build::agent_binary()
-            }
-        };
+        let binary = build::agent_or(binary)?;
         let done = install_files(&layout, &binary, &unit, &config)?;
         report(&done, &layout);
         let bin = layout.under_root(&layout.binary());

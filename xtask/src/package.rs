@@ -46,21 +46,7 @@ pub fn version() -> Result<String> {
 }
 
 pub fn run(binary: Option<&Path>) -> Result<PathBuf> {
-    let binary = match binary {
-        Some(path) => {
-            anyhow::ensure!(
-                path.is_file(),
-                "--binary {}: no such file (build the agent first)",
-                path.display()
-            );
-            path.to_path_buf()
-        }
-        None => {
-            build::ebpf()?;
-            build::agent_release()?;
-            build::agent_binary()
-        }
-    };
+    let binary = build::agent_or(binary)?;
     let version = version()?;
     let stage = root().join("target/debian/stage");
     let _ = fs::remove_dir_all(&stage);

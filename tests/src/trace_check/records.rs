@@ -228,6 +228,19 @@ pub struct StackSample {
     pub source: SampleSource,
 }
 
+impl StackSample {
+    /// `frame (mapping) > ...`, root first: a stack as a failing test
+    /// prints it.
+    pub fn describe(&self) -> String {
+        self.frames
+            .iter()
+            .zip(&self.mappings)
+            .map(|(f, m)| format!("{f} ({m})"))
+            .collect::<Vec<_>>()
+            .join(" > ")
+    }
+}
+
 /// A thread state as the UI shows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum State {
