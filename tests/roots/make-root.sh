@@ -30,9 +30,12 @@ if [ -f "$dir/.xpuscope-root" ] && [ "$(cat "$dir/.xpuscope-root")" = "$suite $p
     exit 0
 fi
 if ! command -v debootstrap >/dev/null; then
+    # The other root's maker (and a test) may be installing too: apt waits
+    # for dpkg's lock rather than failing.
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends debootstrap >/dev/null ||
-        { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends debootstrap >/dev/null; }
+    apt="apt-get -o DPkg::Lock::Timeout=300 -y -q"
+    $apt install --no-install-recommends debootstrap >/dev/null ||
+        { $apt update >/dev/null && $apt install --no-install-recommends debootstrap >/dev/null; }
 fi
 # The tests mount /proc inside the root for chrooted processes.
 for d in "$dir" "$dir.tmp"; do

@@ -7,6 +7,8 @@ use std::process::{Command, Stdio};
 
 fn apt_get(args: &[&str]) -> bool {
     Command::new("apt-get")
+        // Another test (or a root's maker) may hold dpkg's lock: wait.
+        .args(["-o", "DPkg::Lock::Timeout=300"])
         .args(args)
         .env("DEBIAN_FRONTEND", "noninteractive")
         .stdout(Stdio::null())

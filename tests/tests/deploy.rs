@@ -419,11 +419,18 @@ fn kubernetes_validate() -> std::path::PathBuf {
     // leaves a half-installed environment in place.
     let tmp = venv.with_extension(format!("tmp{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let made = Command::new(python())
-        .args(["-m", "venv"])
-        .arg(&tmp)
-        .status()
-        .is_ok_and(|s| s.success())
+    let venv_made = || {
+        Command::new(python())
+            .args(["-m", "venv"])
+            .arg(&tmp)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    // Debian keeps venv's pip bootstrap in python3-venv.
+    if !venv_made() {
+        xpuscope_tests::packages::apt_install(&["python3-venv"]);
+    }
+    let made = venv_made()
         && Command::new(tmp.join("bin/pip"))
             .args(["install", "-q", "kubernetes-validate"])
             .status()
