@@ -15,7 +15,9 @@
 //! rank.py.
 //!
 //! Interpreters: Debian's /usr/bin/python3.11 always (installed with apt
-//! under CI), plus every pyenv CPython 3.10-3.13 under ~/.pyenv/versions
+//! under CI), Debian unstable's 3.14 in a root of its own (chrooted, in a
+//! mount namespace, in a container with and without its own pid
+//! namespace), plus every pyenv CPython 3.10-3.13 under ~/.pyenv/versions
 //! (the development machine has 3.10.13, 3.11.7, 3.12.1 and 3.13.0); the
 //! test prints which ones it checked.
 

@@ -13,7 +13,7 @@
 //! | `btf` | a `--kernel-btf` file |
 //! | `environ` | `/proc/PID/environ`: a rank's identity (`RANK`, `WORLD_SIZE`, job) |
 //! | `ld_cache` | a process's `/etc/ld.so.cache` (the loader cache) |
-//! | `python_frames` | a CPython process's memory: thread list, frames, code objects, strings, line tables (3.10-3.13 layouts) |
+//! | `python_frames` | a CPython process's memory: thread list, frames, code objects, strings, line tables (3.10-3.14 layouts) |
 //! | `python_interpreter` | the files a process maps, taken for a CPython interpreter: `_PyRuntime`, `Py_Version`, the evaluation loop and type objects in their symbols, the version in the name |
 //! | `cfi` | a mapped file's unwind tables (`.eh_frame_hdr`, `.eh_frame`, `.debug_frame`), read and unwound through |
 //! | `elf_dynamic` | a program's or library's `PT_INTERP`, `DT_NEEDED`, `DT_RPATH`/`DT_RUNPATH`, and `LD_LIBRARY_PATH` from its environment |

@@ -125,7 +125,8 @@ pub struct Layout {
 /// `FRAME_OWNED_BY_CSTACK` is 4).
 pub const FIRST_NON_PYTHON_OWNER: u8 = 3;
 
-/// `PyVarObject.ob_size` and `PyBytesObject.ob_sval`, the same in 3.10-3.13.
+/// `PyVarObject.ob_size` and `PyBytesObject.ob_sval`, the same in 3.10-3.14
+/// (checked against the debug offsets from 3.13 on).
 pub const BYTES_SIZE: u64 = 16;
 pub const BYTES_DATA: u64 = 32;
 /// `PyTupleObject`: `ob_size`, then (until 3.13) the items.
@@ -344,7 +345,8 @@ pub const PY314: Layout = Layout {
     tuple_items: 0x20,
 };
 
-/// The table of a minor version (3.10-3.13), if this project has one:
+/// The table of a minor version (3.10-3.13), if this project has one
+/// (3.14's is a check, not used to read):
 /// 3.13 and later are read from the interpreter's own debug offsets.
 pub fn for_version(major: u8, minor: u8) -> Option<&'static Layout> {
     match (major, minor) {

@@ -24,9 +24,12 @@
 //! frame, never a crash); every pointer is untrusted and every read
 //! bounded ([`walk`]; fuzzed by `tests/fuzz`'s `python_frames` target).
 //!
-//! Supported: CPython 3.10-3.13, x86-64, default (GIL) builds; layouts in
-//! [`layout`]. Tested against 3.11 (Debian) in CI and 3.10.13, 3.11.7,
-//! 3.12.1 and 3.13.0 where pyenv has them (`tests/tests/python_frames.rs`).
+//! Supported: CPython 3.10 and later, x86-64, default (GIL) builds: 3.10-3.12
+//! by the tables in [`layout`], 3.13 and later by the layout the
+//! interpreter publishes ([`debug_offsets`]). Tested against 3.11 (Debian)
+//! and 3.14 (Debian unstable, in a root of its own) in CI, and 3.10.13,
+//! 3.11.7, 3.12.1 and 3.13.0 where pyenv has them
+//! (`tests/tests/python_frames.rs`).
 //!
 //! Cost per stack in steady state (code objects cached): the thread state,
 //! then the frames and code object headers, read by 4 KiB page during the
