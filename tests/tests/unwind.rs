@@ -573,16 +573,7 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         &["--pid", &fx.pid().to_string(), "--stacks", "all"],
     );
     go(&mut stdin);
-    let mut pids = Vec::new();
-    for i in 0..=blocking.len() {
-        let line = out.wait_for(&format!("ready {i} "), Duration::from_secs(30));
-        let pid: i32 = line
-            .rsplit(' ')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("pid in {line:?}"));
-        pids.push(pid);
-    }
+    let pids = ready_pids(&mut out, blocking.len() + 1);
     // The allocating child goes on calling cudaMalloc (every 50 ms) while
     // its probes are attached after its dlopen.
     std::thread::sleep(Duration::from_millis(1500));
@@ -694,6 +685,20 @@ fn attach_unwinds_a_job_in_another_root() {
     unwind_in_root(Entry::Container, libc);
 }
 
+/// The pids of the fixture's first `n` children, as each says
+/// "ready INDEX PID" (`forks` mode).
+fn ready_pids(out: &mut xpuscope_tests::agent::Lines, n: usize) -> Vec<i32> {
+    (0..n)
+        .map(|i| {
+            let line = out.wait_for(&format!("ready {i} "), Duration::from_secs(30));
+            line.rsplit(' ')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or_else(|| panic!("pid in {line:?}"))
+        })
+        .collect()
+}
+
 /// The blocking chains of the fixture run inside the Debian unstable root
 /// as `entry` says, under `agent attach`; `libc` is the path its maps give
 /// the root's glibc.
@@ -723,16 +728,7 @@ fn unwind_in_root(entry: xpuscope_tests::roots::Entry, libc: &str) {
         &["--pid", &fx.pid().to_string(), "--stacks", "all"],
     );
     go(&mut stdin);
-    let mut pids = Vec::new();
-    for i in 0..blocking.len() {
-        let line = out.wait_for(&format!("ready {i} "), Duration::from_secs(30));
-        let pid: i32 = line
-            .rsplit(' ')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("pid in {line:?}"));
-        pids.push(pid);
-    }
+    let pids = ready_pids(&mut out, blocking.len());
     std::thread::sleep(Duration::from_millis(1000));
     drop(stdin);
     let done = rec.finish(Duration::from_secs(30));
