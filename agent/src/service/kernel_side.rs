@@ -247,6 +247,7 @@ pub async fn start(
         announce: running.announce,
         traced: running.traced,
         known: HashMap::new(),
+        environ_unset: HashSet::new(),
         drops_seen: vec![0; host::possible_cpus()],
         probe_stats: running.probe_stats,
         losses: running.losses,
@@ -285,6 +286,10 @@ struct KernelSide {
     /// What `GET /processes` says about each traced process, read once
     /// (dropped when it leaves the set).
     known: HashMap<u32, Value>,
+    /// Processes whose environment read empty when they were described:
+    /// a process in the middle of its exec has its new name before its new
+    /// environment is in place, so it is described again until one is.
+    environ_unset: HashSet<u32>,
     drops_seen: Vec<u64>,
     probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
     losses: Arc<crate::sinks::metrics::KernelLosses>,
@@ -444,6 +449,7 @@ impl KernelSide {
     fn describe(&mut self, targets: &[u32], reasons: &HashMap<u32, String>) {
         let now: HashSet<u32> = targets.iter().copied().collect();
         self.known.retain(|pid, _| now.contains(pid));
+        self.environ_unset.retain(|pid| now.contains(pid));
         for &pid in targets {
             let known = self.known.get(&pid);
             // A process described before it executed its program (a rank
@@ -456,7 +462,11 @@ impl KernelSide {
             let stat = match known {
                 Some(d) if !d["rank"].is_null() => continue,
                 Some(d) => match procfs::stat(pid) {
-                    Some(stat) if d["comm"] != stat.comm.as_str() => stat,
+                    Some(stat)
+                        if d["comm"] != stat.comm.as_str() || self.environ_unset.contains(&pid) =>
+                    {
+                        stat
+                    }
                     _ => continue,
                 },
                 None => match procfs::stat(pid) {
@@ -465,6 +475,11 @@ impl KernelSide {
                 },
             };
             let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            if environ.is_empty() {
+                self.environ_unset.insert(pid);
+            } else {
+                self.environ_unset.remove(&pid);
+            }
             let id = RankIdentity::from_environ_with(&environ, &self.job_env.get());
             let reason = reasons
                 .get(&pid)
