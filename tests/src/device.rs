@@ -292,21 +292,44 @@ pub fn start_gated_job(
     steps: u64,
     extra: &[&str],
 ) -> GatedJob {
+    start_gated_job_in(None, dir, name, job_name, steps, extra)
+}
+
+/// [`start_gated_job`] with the whole job inside `root`, entered as
+/// `entry` says (its directory and gate are then in the root's
+/// `/xpuscope/sim-<name>`). The ranks' pids are read from the job's
+/// ground truth, so `entry` has no pid namespace of its own.
+pub fn start_gated_job_in(
+    root: Option<(&Path, Entry)>,
+    dir: &Path,
+    name: &str,
+    job_name: &str,
+    steps: u64,
+    extra: &[&str],
+) -> GatedJob {
+    assert!(
+        root.is_none_or(|(_, e)| e != Entry::ContainerPidNamespace),
+        "the ground truth's pids are the host's only outside a pid namespace"
+    );
     let fixtures = fixtures::build_all();
-    let job_dir = dir.join(name);
-    let gate = dir.join(format!("{name}.go"));
-    let launcher = Command::new("python3")
-        .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+    let (mut command, inside, host) = launcher_in(root, dir, name);
+    let job_dir = host.join(name);
+    let gate = host.join(format!("{name}.go"));
+    let build_dir = match root {
+        None => fixtures.join("sim"),
+        Some(_) => inside.join("fixtures/sim"),
+    };
+    let launcher = command
         .arg("--out-dir")
-        .arg(&job_dir)
+        .arg(inside.join(name))
         .arg("--build-dir")
-        .arg(fixtures.join("sim"))
+        .arg(build_dir)
         .args(["--job-name", job_name, "--quiet", "--timeout", "60"])
         .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
         .args(["--steps", &steps.to_string()])
         .args(extra)
         .arg("--start-gate")
-        .arg(&gate)
+        .arg(inside.join(format!("{name}.go")))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .process_group(0)
@@ -329,6 +352,43 @@ pub fn start_gated_job(
         ground_truth,
         rank_pids,
     }
+}
+
+/// The launcher command of a simulated job, with the directory its job
+/// files go under as the launcher names it and as this test reaches it:
+/// the host's `dir`, or, in `root`, the job's own copy of the simulator
+/// and its fixtures laid out as in the build (the ranks find the
+/// stand-ins by RUNPATH).
+fn launcher_in(root: Option<(&Path, Entry)>, dir: &Path, tag: &str) -> (Command, PathBuf, PathBuf) {
+    let fx = fixtures::build_all();
+    let Some((root, entry)) = root else {
+        let mut c = Command::new("python3");
+        c.arg(fixtures::repo_root().join("tests/sim/launch.py"));
+        return (c, dir.to_path_buf(), dir.to_path_buf());
+    };
+    let inside = PathBuf::from(format!("/xpuscope/sim-{tag}"));
+    let host = root.join(inside.strip_prefix("/").expect("absolute"));
+    let _ = std::fs::remove_dir_all(&host);
+    std::fs::create_dir_all(host.join("fixtures")).expect("the job's directory");
+    let copied = Command::new("cp")
+        .arg("-a")
+        .arg(fx.join("sim"))
+        .arg(fx.join("standins"))
+        .arg(host.join("fixtures"))
+        .status()
+        .expect("cp")
+        .success()
+        && Command::new("cp")
+            .arg("-a")
+            .arg(fixtures::repo_root().join("tests/sim"))
+            .arg(host.join("sim"))
+            .status()
+            .expect("cp")
+            .success();
+    assert!(copied, "copying the simulator into {}", host.display());
+    let mut c = entry.command(root, "/usr/bin/python3.14");
+    c.arg(inside.join("sim/launch.py"));
+    (c, inside, host)
 }
 
 /// [`run_sim_job`] for a job that may fail (an injected fault): its
@@ -408,46 +468,7 @@ pub fn run_from_spawn_in(
     let fx = fixtures::build_all();
     let _ = crate::agent::agent_bin(); // built before the launcher waits for it
     let dir = TempDir::new(tag);
-    // (the launcher command, the job directory and the spawn gate as the
-    // launcher names them, the same two as this test reaches them)
-    let (mut command, inside, host) = match root {
-        None => (
-            {
-                let mut c = Command::new("python3");
-                c.arg(fixtures::repo_root().join("tests/sim/launch.py"));
-                c
-            },
-            dir.path().to_path_buf(),
-            dir.path().to_path_buf(),
-        ),
-        Some((root, entry)) => {
-            // The job's own copy of the simulator and its fixtures, laid
-            // out as in the build (the ranks find the stand-ins by RUNPATH).
-            let inside = PathBuf::from(format!("/xpuscope/sim-{tag}"));
-            let host = root.join(inside.strip_prefix("/").expect("absolute"));
-            let _ = std::fs::remove_dir_all(&host);
-            std::fs::create_dir_all(host.join("fixtures")).expect("the job's directory");
-            let copied = Command::new("cp")
-                .arg("-a")
-                .arg(fx.join("sim"))
-                .arg(fx.join("standins"))
-                .arg(host.join("fixtures"))
-                .status()
-                .expect("cp")
-                .success()
-                && Command::new("cp")
-                    .arg("-a")
-                    .arg(fixtures::repo_root().join("tests/sim"))
-                    .arg(host.join("sim"))
-                    .status()
-                    .expect("cp")
-                    .success();
-            assert!(copied, "copying the simulator into {}", host.display());
-            let mut c = entry.command(root, "/usr/bin/python3.14");
-            c.arg(inside.join("sim/launch.py"));
-            (c, inside, host)
-        }
-    };
+    let (mut command, inside, host) = launcher_in(root, dir.path(), tag);
     let job_dir = host.join("job");
     let gate = host.join("spawn.go");
     let build_dir = match root {

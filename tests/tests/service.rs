@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use xpuscope_tests::agent::{Lines, Proc, TempDir, exclusive};
 use xpuscope_tests::device::{
-    GroupGuard, arg_text, start_gated_job, thread_of, wait_for_closers, wait_until,
+    GroupGuard, arg_text, start_gated_job_in, thread_of, wait_for_closers, wait_until,
 };
 use xpuscope_tests::fixtures;
+use xpuscope_tests::roots::Entry;
 use xpuscope_tests::service_run::{Service, ctl, http_get, stop_service, wait_traced};
 use xpuscope_tests::trace_check::{Slice, Timeline, check_importer_rules, decode};
 
@@ -93,7 +94,12 @@ impl Job {
 
     /// With `extra` launcher options.
     fn start_with(dir: &Path, name: &str, extra: &[&str]) -> Job {
-        let job = start_gated_job(dir, name, name, STEPS, extra);
+        Job::start_in(None, dir, name, extra)
+    }
+
+    /// In `root`, entered as `entry` says (a job in a container).
+    fn start_in(root: Option<(&Path, Entry)>, dir: &Path, name: &str, extra: &[&str]) -> Job {
+        let job = start_gated_job_in(root, dir, name, name, STEPS, extra);
         Job {
             launcher: job.launcher,
             gate: job.gate,
@@ -872,5 +878,88 @@ fn a_child_listed_before_its_exec_gets_its_identity_after_it() {
     // SAFETY: a signal to a process group this test started.
     unsafe { libc::killpg(parent.id() as i32, libc::SIGKILL) };
     let _ = parent.wait();
+    stop_service(&mut agent, &mut stderr);
+}
+
+/// A job in a container (its own mount namespace and root, with its own
+/// CPython, glibc and copies of the device libraries): the service finds
+/// it by the libraries its ranks map, which it reads through the ranks'
+/// own root (the host has no file at those paths), lists its ranks with
+/// their identity, probes them, and counts and dumps their all-reduces.
+#[test]
+fn the_service_finds_and_probes_a_job_in_a_container() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let root = xpuscope_tests::roots::sid();
+    let dir = TempDir::new("service-container");
+    let Service {
+        mut agent,
+        mut stderr,
+        dump_dir,
+        socket,
+        port,
+    } = Service::start(dir.path(), "");
+    let name = "ctrjob";
+    let job = Job::start_in(Some((root, Entry::Container)), dir.path(), name, &[]);
+    let (_, listed) = wait_listed(&socket, &job, name);
+    for e in &listed {
+        let pid = e["pid"].as_u64().unwrap() as u32;
+        let rank = job.ranks.iter().find(|(_, p)| **p == pid).unwrap().0;
+        assert_eq!(e["rank"], rank.to_string(), "{e}");
+        assert_eq!(e["job"], name, "{e}");
+        assert_eq!(e["world_size"], "2", "{e}");
+    }
+    // Found by a library it maps (the rank itself or its launcher, whose
+    // children it is): the container's copy, a path the host lacks.
+    let why: Vec<String> = listed
+        .iter()
+        .map(|e| e["traced_because"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let all = ctl(&socket, &["processes"]);
+    let found_by_library = all.as_array().expect("a list").iter().any(|e| {
+        e["traced_because"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("maps lib"))
+            && (job
+                .ranks
+                .values()
+                .any(|&p| e["pid"].as_u64() == Some(p as u64))
+                || job.launcher.0.id() as u64 == e["pid"].as_u64().unwrap_or(0))
+    });
+    assert!(
+        found_by_library,
+        "the job was found by a library it maps: {why:?} in {all}"
+    );
+    for pid in job.ranks.values() {
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+        let nccl = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .find(|p| p.contains("libnccl"))
+            .unwrap_or_else(|| panic!("rank {pid} maps no libnccl:\n{maps}"));
+        assert!(
+            !Path::new(nccl).exists(),
+            "{nccl}: the job's libraries exist only in its root"
+        );
+    }
+    let ranks = job.run();
+
+    let tl = dump(&socket, &dump_dir);
+    for (&rank, &pid) in &ranks {
+        let reduces = slices_of(&tl, pid, "ncclAllReduce");
+        assert_eq!(
+            reduces.len() as u64,
+            STEPS,
+            "rank {rank} (pid {pid}): every step's all-reduce"
+        );
+        for s in &reduces {
+            assert_eq!(arg_text(s, "return"), "0", "{s:?}");
+        }
+        let p = tl.processes.get(&(pid as i32)).expect("the rank's process");
+        assert!(p.labels.contains(&format!("rank={rank}")), "{p:?}");
+        assert!(p.labels.contains(&format!("job={name}")), "{p:?}");
+    }
+    wait_allreduce_counts(port, name, ranks.keys());
     stop_service(&mut agent, &mut stderr);
 }
