@@ -1,4 +1,6 @@
-//! Just enough of a BTF reader to find `task_struct` field offsets.
+//! Just enough of a BTF reader to find `task_struct` field offsets, and
+//! the facts [`crate::kernel::features`] checks (enumerators, tracepoint
+//! signatures).
 //!
 //! Rust eBPF programs get no CO-RE relocations, so the agent reads the
 //! offsets of the fields its programs need from the running kernel's BTF
@@ -49,9 +51,13 @@ pub enum BtfError {
 }
 
 const BTF_MAGIC: u16 = 0xeb9f;
+const KIND_PTR: u32 = 2;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
+const KIND_ENUM: u32 = 6;
 const KIND_TYPEDEF: u32 = 8;
+const KIND_FUNC_PROTO: u32 = 13;
+const KIND_ENUM64: u32 = 19;
 const KIND_VOLATILE: u32 = 9;
 const KIND_CONST: u32 = 10;
 const KIND_RESTRICT: u32 = 11;
@@ -70,6 +76,9 @@ struct Type {
     kind: u32,
     /// Referenced type for modifiers and typedefs.
     type_ref: u32,
+    /// A struct's or union's members; an enum's enumerators and a function
+    /// prototype's parameters (names and, for parameters, types; no
+    /// offsets).
     members: Vec<Member>,
 }
 
@@ -221,12 +230,23 @@ impl Btf {
                     }
                     vlen * 12
                 }
-                6 => vlen * 8,   // ENUM
-                13 => vlen * 8,  // FUNC_PROTO
+                KIND_ENUM | KIND_FUNC_PROTO | KIND_ENUM64 => {
+                    // (name, value) or (name, type); ENUM64 adds the
+                    // value's high half.
+                    let size = if kind == KIND_ENUM64 { 12 } else { 8 };
+                    for i in 0..vlen {
+                        let m = o + i * size;
+                        members.push(Member {
+                            name_off: u32_at(d, m).ok_or("truncated enumerator or parameter")?,
+                            type_id: u32_at(d, m + 4).ok_or("truncated enumerator or parameter")?,
+                            bit_offset: 0,
+                        });
+                    }
+                    vlen * size
+                }
                 14 => 4,         // VAR
                 15 => vlen * 12, // DATASEC
                 17 => 4,         // DECL_TAG
-                19 => vlen * 12, // ENUM64
                 2 | 7 | 8 | 9 | 10 | 11 | 12 | 16 | 18 => 0,
                 other => return Err(format!("unknown BTF kind {other}")),
             };
@@ -318,6 +338,43 @@ impl Btf {
         None
     }
 
+    /// Whether the kernel's enum `enum_name` has the enumerator `value`
+    /// (`bpf_func_id` has `BPF_FUNC_task_pt_regs` where the kernel has that
+    /// helper).
+    pub fn has_enumerator(&self, enum_name: &str, value: &str) -> bool {
+        self.types.iter().any(|t| {
+            matches!(t.kind, KIND_ENUM | KIND_ENUM64)
+                && self.name(t.name_off) == enum_name
+                && t.members.iter().any(|m| self.name(m.name_off) == value)
+        })
+    }
+
+    /// Whether the kernel has a struct named `name` (with members).
+    pub fn has_struct(&self, name: &str) -> bool {
+        self.struct_id(name).is_some()
+    }
+
+    /// The arguments raw tracepoint `name` hands its programs: the
+    /// parameters of its `btf_trace_<name>` typedef (a pointer to a
+    /// function prototype) after the first (the probe's own data). `None`
+    /// when the kernel has no such tracepoint.
+    pub fn tracepoint_args(&self, name: &str) -> Option<usize> {
+        let typedef = format!("btf_trace_{name}");
+        let t = self
+            .types
+            .iter()
+            .find(|t| t.kind == KIND_TYPEDEF && self.name(t.name_off) == typedef)?;
+        let ptr = self.types.get(t.type_ref as usize)?;
+        if ptr.kind != KIND_PTR {
+            return None;
+        }
+        let proto = self.types.get(ptr.type_ref as usize)?;
+        if proto.kind != KIND_FUNC_PROTO {
+            return None;
+        }
+        proto.members.len().checked_sub(1)
+    }
+
     /// Offset of a dotted member path (`"thread_info.cpu"`) in struct `strukt`.
     pub fn offset_of(&self, strukt: &str, path: &str) -> Option<u32> {
         let mut ty = self.types.get(self.struct_id(strukt)? as usize)?;
@@ -360,6 +417,10 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
         ri_stack: optional("return_instance", "stack"),
         ri_orig_ret_vaddr: optional("return_instance", "orig_ret_vaddr"),
         ri_next: optional("return_instance", "next"),
+        // Only kernels before 6.16 need these (whether an exit is its
+        // process's last): optional.
+        signal: optional("task_struct", "signal"),
+        signal_live: optional("signal_struct", "live"),
     })
 }
 

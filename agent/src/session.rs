@@ -228,7 +228,9 @@ async fn record(
         && hooked
         && let Err(e) = device.load_programs(&mut probes.attacher())
     {
-        tracing::warn!("device probes: {e:#}");
+        // With the cause (aya's error and the verifier's log), which the
+        // kernel error's own message leaves to its source.
+        tracing::warn!("device probes: {:#}", anyhow::Error::new(e));
     }
     if target.is_some()
         && let Err(e) = scan_devices(&mut device, &mut probes, &stages.announce).await

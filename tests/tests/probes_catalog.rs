@@ -276,8 +276,42 @@ impl Loaded {
     }
 }
 
+/// Set, to the test's name, in the child process [`in_own_process`] runs
+/// a test in.
+const IN_CHILD: &str = "XPUSCOPE_TEST_IN_OWN_PROCESS";
+
+/// Runs test `name`'s `body` in a child process of its own (this test
+/// binary again, on that test only). For tests that load a device library:
+/// it stays mapped, and a process mapping one is a process `agent
+/// service` traces with all its children, the later tests' jobs among
+/// them.
+fn in_own_process(name: &str, body: fn()) {
+    if std::env::var(IN_CHILD).is_ok_and(|n| n == name) {
+        return body();
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--test-threads", "1", "--nocapture"])
+        .env(IN_CHILD, name)
+        .output()
+        .expect("run the test in a child");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name} in its own process: {}\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn probe_addresses_match_the_dynamic_linker() {
+    in_own_process(
+        "probes_catalog::probe_addresses_match_the_dynamic_linker",
+        probe_addresses_match_the_dynamic_linker_here,
+    );
+}
+
+fn probe_addresses_match_the_dynamic_linker_here() {
     let dir = standins();
     let mut libs: Vec<(PathBuf, Library)> = STANDINS
         .iter()
@@ -632,6 +666,13 @@ fn activity_parsers_match_the_c_layouts() {
 /// hide the process's libraries: maps are read as bytes, lossily.
 #[test]
 fn a_non_utf8_mapping_name_does_not_hide_the_libraries() {
+    in_own_process(
+        "probes_catalog::a_non_utf8_mapping_name_does_not_hide_the_libraries",
+        a_non_utf8_mapping_name_does_not_hide_the_libraries_here,
+    );
+}
+
+fn a_non_utf8_mapping_name_does_not_hide_the_libraries_here() {
     use std::os::unix::ffi::OsStrExt;
     let mut name = format!("xpuscope-odd-{}-", std::process::id()).into_bytes();
     name.extend([0xff, 0xfe]);

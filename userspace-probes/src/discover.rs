@@ -83,7 +83,10 @@ impl LoadedLibrary {
 }
 
 /// The catalog libraries in `maps`, one per (path, inode), sorted by path,
-/// inode and base. Anonymous and pseudo mappings are ignored.
+/// inode and base. Anonymous and pseudo mappings are ignored, and so is a
+/// file mapped without an executable range: the process reads it (a
+/// symbolizer, a packager, a test reading the library's symbols), it does
+/// not run it.
 pub fn discover(maps: &ProcessMaps) -> Vec<LoadedLibrary> {
     let mut libs: Vec<LoadedLibrary> = Vec::new();
     for m in maps.mappings().iter().filter(|m| m.is_file()) {
@@ -115,6 +118,7 @@ pub fn discover(maps: &ProcessMaps) -> Vec<LoadedLibrary> {
             }),
         }
     }
+    libs.retain(|l| l.ranges.iter().any(|r| r.executable));
     libs.sort_by(|a, b| a.key().cmp(&b.key()));
     libs
 }
@@ -242,6 +246,22 @@ mod tests {
              7f0000003000-7f0000004000 r-xp 00000000 00:00 0\n",
         );
         assert!(libs.is_empty());
+    }
+
+    #[test]
+    fn a_library_mapped_only_for_reading_is_not_loaded() {
+        // A process that reads the file's symbols through mmap (one
+        // read-only mapping at offset 0) does not run it; the loader's
+        // mappings of it do, once the executable segment is mapped.
+        let read = format!("7f0000000000-7f0000100000 r--p 00000000 fe:01 9 {CUDART}\n");
+        assert!(maps(&read).is_empty());
+        let loaded = format!(
+            "{read}7f1000000000-7f1000010000 r--p 00000000 fe:01 9 {CUDART}\n\
+             7f1000010000-7f1000090000 r-xp 00010000 fe:01 9 {CUDART}\n"
+        );
+        let libs = maps(&loaded);
+        assert_eq!(libs.len(), 1, "{libs:?}");
+        assert_eq!(libs[0].address_of(0x10000), Some(0x7f1000010000));
     }
 
     #[test]

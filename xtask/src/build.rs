@@ -197,7 +197,7 @@ const NEEDS_ROOT: &str = "cargo xtask test runs the eBPF end-to-end tests: run i
 /// The cargo features of the tests that need root: the end-to-end target
 /// (`tests/tests/main.rs`) and the agent's unit tests that load its eBPF
 /// object or switch uids.
-const ROOT_TEST_FEATURES: &str = "xpuscope-tests/e2e,xpuscope-agent/root-tests";
+pub const ROOT_TEST_FEATURES: &str = "xpuscope-tests/e2e,xpuscope-agent/root-tests";
 
 /// Clippy as the compiler of the workspace's own crates (what `cargo
 /// clippy` does on top of `cargo check`), with its lints denied: given to

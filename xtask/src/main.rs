@@ -21,6 +21,7 @@ mod bench_soak;
 mod build;
 mod fuzz;
 mod install;
+mod kernels;
 #[cfg(test)]
 mod layering;
 mod measure;
@@ -59,6 +60,10 @@ enum Task {
     },
     /// Build everything and run all tests.
     Test {
+        /// Instead: the agent's core checks on Debian's kernel of this
+        /// series (6.1, 6.12) in a QEMU virtual machine; repeatable.
+        #[arg(long = "kernel", value_name = "SERIES")]
+        kernels: Vec<String>,
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
@@ -135,7 +140,14 @@ fn main() -> Result<()> {
         Task::BuildEbpf => build::ebpf(),
         Task::Build => build::all(),
         Task::Demo { output, duration } => build::demo(&output, &duration),
-        Task::Test { args } => build::test(&args),
+        Task::Test { kernels, args } if kernels.is_empty() => build::test(&args),
+        Task::Test { kernels, args } => {
+            anyhow::ensure!(
+                args.is_empty(),
+                "--kernel runs a fixed set of checks: no cargo test arguments ({args:?})"
+            );
+            kernels::test(&kernels)
+        }
         Task::Bench {
             seconds,
             minutes,

@@ -15,11 +15,12 @@ use xpuscope_common::{
 use super::config_map;
 use super::control::KernelControl;
 use super::error::KernelError;
+use super::features::{self, KernelFeatures};
 use super::object::EBPF_OBJECT;
 use super::probes::{AyaAttacher, MultiPrograms};
 
 /// A tracepoint program of the object: attached at load, for the whole run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub struct TracepointProgram {
     /// Its name in the object (the kernel function's name).
     pub name: &'static str,
@@ -27,15 +28,26 @@ pub struct TracepointProgram {
     pub tracepoint: &'static str,
     /// The record it pushes: its skipped runs are counted as drops of it.
     pub kind: EventKind,
-    /// A program loaded instead when this one does not verify on the
-    /// running kernel (an older tracepoint signature).
-    pub fallback: Option<&'static str>,
+    /// A program for kernels without a feature this one needs (an older
+    /// tracepoint signature).
+    pub fallback: Option<Fallback>,
+}
+
+/// [`TracepointProgram::fallback`].
+#[derive(Clone, Copy, Debug)]
+pub struct Fallback {
+    /// Its name in the object.
+    pub name: &'static str,
+    /// Whether the running kernel has what the primary program needs:
+    /// without it the fallback is loaded straight away. (With it, the
+    /// fallback is still tried if the primary fails to verify.)
+    pub primary_runs: fn(&KernelFeatures) -> bool,
 }
 
 impl TracepointProgram {
     /// This program's names in the object: itself and its fallback.
     fn names(&self) -> impl Iterator<Item = &'static str> {
-        std::iter::once(self.name).chain(self.fallback)
+        std::iter::once(self.name).chain(self.fallback.map(|f| f.name))
     }
 }
 
@@ -58,9 +70,12 @@ pub const PROGRAMS: &[TracepointProgram] = &[
         name: "sched_process_exit",
         tracepoint: "sched_process_exit",
         kind: EventKind::ProcessExit,
-        // Before Linux 6.16 the tracepoint has no `group_dead`: exits are
-        // recorded, but processes stay in TARGETS.
-        fallback: Some("sched_process_exit_compat"),
+        // Before Linux 6.16 the tracepoint has no `group_dead`: the
+        // fallback reads it from the task's `signal->live`.
+        fallback: Some(Fallback {
+            name: "sched_process_exit_compat",
+            primary_runs: |f| f.exit_group_dead,
+        }),
     },
     TracepointProgram {
         name: "task_rename",
@@ -135,6 +150,9 @@ pub struct LoadOptions<'a> {
 impl Kernel {
     /// Loads the object and attaches every [`PROGRAMS`] entry.
     pub fn load_and_attach(opts: &LoadOptions) -> Result<Kernel> {
+        // What the programs need, named with the release that brought it,
+        // before the verifier gets to fail on it.
+        let features = features::check(&crate::btf::Btf::from_file(opts.kernel_btf)?)?;
         let agent_tgid = std::process::id();
         let mut bpf = EbpfLoader::new()
             .override_global(globals::AGENT_TGID, &agent_tgid, true)
@@ -159,20 +177,27 @@ impl Kernel {
         let btf = Btf::parse_file(opts.kernel_btf, aya::Endianness::default())
             .with_context(|| format!("reading kernel BTF from {}", opts.kernel_btf.display()))?;
         for p in PROGRAMS {
-            let name = match (
-                load_tracepoint(&mut bpf, p.name, p.tracepoint, &btf),
-                p.fallback,
-            ) {
-                (Ok(()), _) => p.name,
-                (Err(e), Some(fallback)) => {
-                    tracing::warn!(
-                        "{} does not load on this kernel ({e:#}); using {fallback}",
-                        p.name
-                    );
-                    load_tracepoint(&mut bpf, fallback, p.tracepoint, &btf)?;
-                    fallback
+            let name = match p.fallback {
+                Some(f) if !(f.primary_runs)(&features) => {
+                    load_tracepoint(&mut bpf, f.name, p.tracepoint, &btf)?;
+                    f.name
                 }
-                (Err(e), None) => return Err(e),
+                fallback => match (
+                    load_tracepoint(&mut bpf, p.name, p.tracepoint, &btf),
+                    fallback,
+                ) {
+                    (Ok(()), _) => p.name,
+                    (Err(e), Some(f)) => {
+                        tracing::warn!(
+                            "{} does not load on this kernel ({e:#}); using {}",
+                            p.name,
+                            f.name
+                        );
+                        load_tracepoint(&mut bpf, f.name, p.tracepoint, &btf)?;
+                        f.name
+                    }
+                    (Err(e), None) => return Err(e),
+                },
             };
             let program: &mut BtfTracePoint = bpf
                 .program_mut(name)

@@ -9,7 +9,8 @@
 //!
 //! # Bounded state
 //! A traced process leaves `TARGETS` when its last thread exits (the
-//! `sched_process_exit` program, `group_dead`), so the map holds the live
+//! `sched_process_exit` program, `group_dead`; before Linux 6.16, whose
+//! tracepoint lacks it, `signal->live`), so the map holds the live
 //! traced processes, however many come and go in a long run, and a pid the
 //! kernel hands out again is not traced as if it were the old process.
 //! [`probes::Planner::plan`] forgets processes no longer in `TARGETS`.
@@ -39,6 +40,7 @@
 pub mod config_map;
 pub mod control;
 pub mod error;
+pub mod features;
 pub mod levels;
 pub mod load;
 pub mod misses;

@@ -256,7 +256,7 @@ pub async fn start(
     // Programs verified beforehand: a starting process's probes are then
     // attached within milliseconds of its loader's first report.
     if hooked && let Err(e) = side.device.load_programs(&mut side.kernel.attacher()) {
-        tracing::warn!("device probes: {e:#}");
+        tracing::warn!("device probes: {:#}", anyhow::Error::new(e));
     }
     side.round().await?;
     let (stop, stop_rx) = oneshot::channel();

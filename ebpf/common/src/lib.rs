@@ -332,6 +332,12 @@ pub struct TaskOffsets {
     pub ri_stack: u32,
     pub ri_orig_ret_vaddr: u32,
     pub ri_next: u32,
+    /// `task_struct.signal` and `signal_struct.live` (the process's
+    /// threads not yet exiting): on kernels whose `sched_process_exit`
+    /// tracepoint has no `group_dead` (before 6.16), whether an exiting
+    /// thread is its process's last; [`TaskOffsets::ABSENT`] if missing.
+    pub signal: u32,
+    pub signal_live: u32,
 }
 
 impl TaskOffsets {
@@ -405,7 +411,7 @@ const _: () = assert!(
         == 32 + 2 * 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
 );
 const _: () = assert!(core::mem::size_of::<Config>() == 48);
-const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 44);
+const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 52);
 
 #[cfg(feature = "user")]
 mod pod {

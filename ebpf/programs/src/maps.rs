@@ -103,6 +103,8 @@ pub static TASK_OFFSETS: TaskOffsets = TaskOffsets {
     ri_stack: TaskOffsets::ABSENT,
     ri_orig_ret_vaddr: TaskOffsets::ABSENT,
     ri_next: TaskOffsets::ABSENT,
+    signal: TaskOffsets::ABSENT,
+    signal_live: TaskOffsets::ABSENT,
 };
 
 #[inline(always)]

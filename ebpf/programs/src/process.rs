@@ -108,11 +108,9 @@ fn try_exec(ctx: &BtfTracePointContext) -> Option<u32> {
 /// 3e816361e94a, "sched/tracepoints: Move and extend the
 /// sched_process_exit() tracepoint"); before, the tracepoint has only the
 /// task, and the verifier rejects this program's read of a second
-/// argument. The agent then loads [`sched_process_exit_compat`] instead:
-/// exits are recorded without the flag and nothing leaves `TARGETS` (as
-/// before pruning existed). A fallback that prunes on older kernels would
-/// read `task->signal->live` (zero once the last thread is exiting) through
-/// BTF offsets.
+/// argument. The agent then loads [`sched_process_exit_compat`] instead,
+/// which reads the same fact from `task->signal->live` (zero once the last
+/// thread is exiting) at offsets from the kernel's BTF.
 ///
 /// Pruning is what keeps `TARGETS` bounded in a long run (16,384 entries,
 /// however many short-lived children come and go) and what makes a reused
@@ -127,10 +125,13 @@ pub fn sched_process_exit(ctx: BtfTracePointContext) -> u32 {
     try_exit(&ctx, Some(group_dead as u8 != 0)).unwrap_or(0)
 }
 
-/// [`sched_process_exit`] for kernels before 6.16 (no `group_dead`).
+/// [`sched_process_exit`] for kernels before 6.16 (no `group_dead`): the
+/// last thread known by `signal->live`
+/// ([`task::group_dead_from_signal`]).
 #[btf_tracepoint(function = "sched_process_exit")]
 pub fn sched_process_exit_compat(ctx: BtfTracePointContext) -> u32 {
-    try_exit(&ctx, None).unwrap_or(0)
+    let p: *const u8 = ctx.arg(0);
+    try_exit(&ctx, task::group_dead_from_signal(p, &offsets())).unwrap_or(0)
 }
 
 fn try_exit(ctx: &BtfTracePointContext, group_dead: Option<bool>) -> Option<u32> {

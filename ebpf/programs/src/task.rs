@@ -64,3 +64,33 @@ pub fn comm(task: *const u8, off: &TaskOffsets, dst: &mut [u8; COMM_LEN]) {
         *dst = (((hi as u128) << 64) | lo as u128).to_le_bytes();
     }
 }
+
+/// Whether the exiting `task` is the last thread of its process, from its
+/// `signal->live` (the count of its threads not yet exiting: `do_exit`
+/// decrements it before the `sched_process_exit` tracepoint), for kernels
+/// whose tracepoint has no `group_dead`; `None` without the offsets.
+///
+/// Two threads exiting at once can both read zero: both exits then say
+/// "last", which removes the process from the traced set once and tells
+/// user space twice that it ended; never "not last" for the last one.
+#[inline(always)]
+pub fn group_dead_from_signal(task: *const u8, off: &TaskOffsets) -> Option<bool> {
+    if off.signal == TaskOffsets::ABSENT || off.signal_live == TaskOffsets::ABSENT {
+        return None;
+    }
+    // SAFETY: kernel pointers read only through bpf_probe_read_kernel,
+    // which fails cleanly on a bad one.
+    unsafe {
+        let signal: u64 =
+            aya_ebpf::helpers::bpf_probe_read_kernel(task.add(off.signal as usize) as *const u64)
+                .ok()?;
+        if signal == 0 {
+            return None;
+        }
+        let live: i32 = aya_ebpf::helpers::bpf_probe_read_kernel(
+            (signal as *const u8).add(off.signal_live as usize) as *const i32,
+        )
+        .ok()?;
+        Some(live == 0)
+    }
+}

@@ -94,7 +94,13 @@ fn copy_user(ptr: u64, len: u16, dst: &mut [u8; DEREF_BYTES]) -> u32 {
     if in_page >= n {
         return 0;
     }
-    // Masked then capped again for the verifier (in_page < n already).
+    // Masked then capped again for the verifier (in_page < n already). The
+    // compiler proves both redundant and drops them, and verifiers before
+    // Linux 6.8 do not carry `in_page < n` over from a comparison of two
+    // registers: read through a volatile load, the value is opaque to the
+    // compiler and the bounds stay in the code.
+    // SAFETY: a read of a local.
+    let in_page = unsafe { core::ptr::read_volatile(&in_page) };
     let mut m = in_page & 0xff;
     if m > DEREF_BYTES as u32 {
         m = DEREF_BYTES as u32;

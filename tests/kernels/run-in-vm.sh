@@ -1,0 +1,45 @@
+#!/bin/sh
+# Runs COMMAND (a shell command line) as root in a QEMU virtual machine
+# booted on Debian's kernel SERIES (made by make-kernel.sh, on first use),
+# in this machine's root seen read-only, from the current directory, with
+# the environment variables named in XPUSCOPE_VM_ENV passed on; exits
+# with COMMAND's status. The machine's console (the kernel's messages and
+# COMMAND's output) goes to stdout.
+#
+# TCG emulation, not KVM (KVM guests hang on the machines this runs on):
+# code runs several times slower than on the host.
+#
+# Usage: run-in-vm.sh SERIES COMMAND
+set -eu
+series=$1
+command=$2
+here=$(cd "$(dirname "$0")" && pwd)
+kernel=${XPUSCOPE_KERNEL_DIR:-/var/cache/xpuscope-test/kernel-$series}
+sh "$here/make-kernel.sh" "$series" "$kernel"
+
+shared=$(mktemp -d /tmp/xpuscope-vm.XXXXXX)
+trap 'rm -rf "$shared"' EXIT
+{
+    echo "cd '$PWD' || exit 97"
+    for name in ${XPUSCOPE_VM_ENV:-}; do
+        eval "value=\${$name-}"
+        printf "export %s='%s'\n" "$name" "$(printf %s "$value" | sed "s/'/'\\\\''/g")"
+    done
+    echo "$command"
+} >"$shared/run.sh"
+
+# Two CPUs as CI has, memory for the job and the agent's rings; no
+# network device (the tests use loopback), no display.
+timeout "${XPUSCOPE_VM_TIMEOUT:-1800}" qemu-system-x86_64 \
+    -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 6G \
+    -nic none -vga none -nographic -no-reboot \
+    -kernel "$kernel/vmlinuz" -initrd "$kernel/initrd.img" \
+    -append "console=ttyS0 quiet panic=-1 XPUSCOPE_VM_SHARED=$shared" \
+    -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
+    -virtfs "local,path=$shared,mount_tag=shared,security_model=none" </dev/null ||
+    { echo "run-in-vm: qemu failed or timed out ($?)" >&2; exit 98; }
+if [ ! -f "$shared/rc" ]; then
+    echo "run-in-vm: the machine stopped before the command finished" >&2
+    exit 99
+fi
+exit "$(cat "$shared/rc")"

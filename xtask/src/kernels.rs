@@ -1,0 +1,130 @@
+//! `cargo xtask test --kernel SERIES`: the agent's core checks on the
+//! kernels fleets run, each in a QEMU virtual machine booted on Debian's
+//! own kernel of that series (tests/kernels: the kernel and an initramfs
+//! made once and cached, this machine's root shared read-only).
+//!
+//! The same test binaries as on the host run there, on a chosen set of
+//! tests: every kernel program verifies and loads; scheduling and off-CPU
+//! stacks under `agent attach`; processes leaving the traced set at exit;
+//! the device probes on the simulated job; `agent service` finding a job,
+//! serving its metrics and dumping it. TCG emulation runs code several
+//! times slower than the host, so tests whose subject is speed or volume
+//! stay on the host.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+
+use crate::build::{ROOT_TEST_FEATURES, TEST_PROFILE, test_agent_binary};
+use crate::{clean_command, root, run_checked};
+
+/// The kernel series a virtual machine can boot (tests/kernels/make-kernel.sh).
+pub const SERIES: &[&str] = &["6.1", "6.12"];
+
+/// The agent's unit tests that load programs into the running kernel.
+const AGENT_KERNEL_TESTS: &[&str] = &[
+    "kernel::load::tests::every_program_and_fallback_verifies_on_this_kernel",
+    "kernel::features::tests::every_required_feature_is_here",
+];
+
+/// The end-to-end tests run on each kernel.
+const E2E_KERNEL_TESTS: &[&str] = &[
+    "attach::attach_records_the_known_pattern",
+    "attach::a_process_whose_main_thread_exited_is_traced",
+    "unwind::omit_frame_pointer_chain_through_glibc_blocking_calls",
+    "churn::churning_children_leave_the_traced_set",
+    "device_probes::sim_job_all_reduces_on_every_rank",
+    "service::the_service_finds_a_job_by_itself_dumps_it_serves_metrics_and_switches_levels",
+];
+
+/// Builds the test binaries (as `cargo xtask test` does, without running
+/// them) and runs the kernel checks in a machine for each of `series`.
+pub fn test(series: &[String]) -> Result<()> {
+    for s in series {
+        if !SERIES.contains(&s.as_str()) {
+            bail!(
+                "--kernel {s}: no such kernel series here; choose from {}",
+                SERIES.join(", ")
+            );
+        }
+    }
+    crate::build::ebpf()?;
+    crate::build::fixtures()?;
+    // The build `cargo xtask test` makes (so the two share it), then the
+    // test executables' paths.
+    run_checked(
+        clean_command("cargo").current_dir(root()).args([
+            "build",
+            "--profile",
+            TEST_PROFILE,
+            "--workspace",
+            "--all-targets",
+            "--features",
+            ROOT_TEST_FEATURES,
+        ]),
+        "the build",
+    )?;
+    let agent_tests = test_executable("xpuscope-agent", "agent")?;
+    let e2e = test_executable("xpuscope-tests", "e2e")?;
+    let command = format!(
+        "{} --exact --test-threads 1 {} && {} --exact --test-threads 1 {}",
+        agent_tests.display(),
+        AGENT_KERNEL_TESTS.join(" "),
+        e2e.display(),
+        E2E_KERNEL_TESTS.join(" ")
+    );
+    let mut failed = Vec::new();
+    for s in series {
+        eprintln!("xtask: the kernel checks on Debian's {s} kernel (QEMU, TCG)");
+        let started = std::time::Instant::now();
+        let status = clean_command("sh")
+            .arg(root().join("tests/kernels/run-in-vm.sh"))
+            .arg(s)
+            .arg(&command)
+            .current_dir(root())
+            .env("CI", "true")
+            .env("XPUSCOPE_AGENT_BIN", test_agent_binary())
+            .env("XPUSCOPE_VM_ENV", "CI XPUSCOPE_AGENT_BIN")
+            .status()
+            .context("could not start tests/kernels/run-in-vm.sh")?;
+        eprintln!(
+            "xtask: kernel {s}: {} in {:.0} s",
+            if status.success() { "passed" } else { "FAILED" },
+            started.elapsed().as_secs_f64()
+        );
+        if !status.success() {
+            failed.push(s.clone());
+        }
+    }
+    if !failed.is_empty() {
+        bail!("the kernel checks failed on {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// The test executable of `package`'s target `target`, as cargo names it
+/// (already built: this only asks).
+fn test_executable(package: &str, target: &str) -> Result<PathBuf> {
+    let out = clean_command("cargo")
+        .current_dir(root())
+        .args(["test", "--no-run", "--profile", TEST_PROFILE, "--workspace"])
+        .args(["--features", ROOT_TEST_FEATURES, "--message-format", "json"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .context("could not run cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("cargo test --no-run failed");
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+        .filter(|m| {
+            m["target"]["name"] == target
+                && m["package_id"]
+                    .as_str()
+                    .is_some_and(|id| id.contains(&format!("#{package}@")))
+        })
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .with_context(|| format!("cargo built no test executable for {package}'s {target}"))
+}
