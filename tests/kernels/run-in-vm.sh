@@ -20,6 +20,7 @@ sh "$here/make-kernel.sh" "$series" "$kernel"
 shared=$(mktemp -d /tmp/xpuscope-vm.XXXXXX)
 trap 'rm -rf "$shared"' EXIT
 {
+    echo "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     echo "cd '$PWD' || exit 97"
     for name in ${XPUSCOPE_VM_ENV:-}; do
         eval "value=\${$name-}"

@@ -27,17 +27,23 @@ pub fn run() -> Result<()> {
 /// Installed by `cargo xtask test` only: building, installing and
 /// packaging the agent (a node, the container image) installs no test tool.
 pub fn ensure_gdb() -> Result<()> {
-    let present = Command::new("gdb")
+    ensure_debian_tool("gdb", "gdb", "the unwinding test's reference")
+}
+
+/// Debian's `package`, installed when `command --version` does not run;
+/// `why` says what needs it.
+pub fn ensure_debian_tool(command: &str, package: &str, why: &str) -> Result<()> {
+    let present = Command::new(command)
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     if present {
         return Ok(());
     }
-    eprintln!("xtask: installing gdb (the unwinding test's reference)");
+    eprintln!("xtask: installing {package} ({why})");
     run_checked(
-        Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "gdb"]),
-        "apt-get install gdb (on Debian; elsewhere install gdb by hand)",
+        Command::new("apt-get").args(["install", "-y", "--no-install-recommends", package]),
+        &format!("apt-get install {package} (on Debian; elsewhere install {package} by hand)"),
     )
 }
 

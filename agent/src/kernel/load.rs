@@ -442,7 +442,8 @@ mod tests {
     /// Every program of the table, fallbacks included, verifies on the
     /// running kernel (needs root and BPF, like the end-to-end tests: it
     /// fails without them). The exit program's fallback is the one an
-    /// older kernel loads, so it is checked here, where the primary loads.
+    /// older kernel loads, so it is checked here too, where the primary
+    /// loads; so are the device-call and loader programs.
     #[test]
     #[cfg(feature = "root-tests")]
     fn every_program_and_fallback_verifies_on_this_kernel() {
@@ -455,19 +456,30 @@ mod tests {
             .load(EBPF_OBJECT)
             .expect("loading the object (root and BPF are required)");
         let btf = Btf::parse_file(vmlinux, aya::Endianness::default()).unwrap();
+        let features =
+            features::check(&crate::btf::Btf::from_file(vmlinux).unwrap()).expect("features");
         for p in PROGRAMS {
-            for name in p.names() {
+            // A primary program whose feature the kernel lacks is not
+            // loaded there (`cargo xtask test --kernel` runs this on
+            // older kernels).
+            let primary_runs = p.fallback.is_none_or(|f| (f.primary_runs)(&features));
+            for name in p.names().filter(|&n| n != p.name || primary_runs) {
                 load_tracepoint(&mut bpf, name, p.tracepoint, &btf)
                     .unwrap_or_else(|e| panic!("{name}: {e:#}"));
             }
         }
-        let hook: &mut aya::programs::UProbe = bpf
-            .program_mut(LOADER_PROGRAM)
-            .expect("the loader hook program")
-            .try_into()
-            .unwrap();
-        hook.load()
-            .unwrap_or_else(|e| panic!("{LOADER_PROGRAM}: {e:#}"));
+        for name in [
+            LOADER_PROGRAM,
+            crate::kernel::probes::attach::ENTRY_PROGRAM,
+            crate::kernel::probes::attach::RETURN_PROGRAM,
+        ] {
+            let program: &mut aya::programs::UProbe = bpf
+                .program_mut(name)
+                .unwrap_or_else(|| panic!("no program {name}"))
+                .try_into()
+                .unwrap();
+            program.load().unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        }
     }
 
     /// This machine's loader exports the debugger hook the agent probes
