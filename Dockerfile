@@ -1,13 +1,14 @@
 # The xpuscope agent image for deploy/kubernetes/daemonset.yaml, built from
 # this repository:
 #
-#   docker build -t xpuscope-agent .
+#   docker build -t xpuscope-agent:0.1.0 .
 #
-# Stage 1 does what `cargo xtask install` does on a node (nightly with
-# rust-src and bpf-linker for the eBPF programs, embedded in the release
-# agent), staged under /stage; stage 2 is the agent and its default
-# configuration on Debian 12 (same glibc). The DaemonSet mounts its own
-# configuration over /etc/xpuscope.
+# Stage 1 builds the Debian package as a release does (`cargo xtask
+# package`: nightly with rust-src and bpf-linker for the eBPF programs,
+# embedded in the release agent); stage 2 installs that package on Debian
+# 12 (same glibc), exactly as deploy/docker/Dockerfile.package does from a
+# package built elsewhere (and offline, from a local base). The DaemonSet
+# mounts its own configuration over /etc/xpuscope.
 FROM rust:1.95-bookworm AS build
 # The toolchains the project is built with (docs/src/development/toolchain.md):
 # stable 1.95 for user space; for the kernel programs the nightly whose
@@ -21,11 +22,15 @@ RUN rustup toolchain install "$NIGHTLY" --profile minimal --component rust-src \
     && rustc +nightly --version | grep -q 1.97.0-nightly
 WORKDIR /src
 COPY . .
-RUN cargo xtask install --root /stage
+RUN cargo xtask package
 
 FROM debian:bookworm-slim
-COPY --from=build /stage/usr/local/bin/agent /usr/local/bin/agent
-COPY --from=build /stage/etc/xpuscope/agent.toml /etc/xpuscope/agent.toml
+COPY --from=build /src/target/debian/xpuscope_*_amd64.deb /tmp/
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends /tmp/xpuscope_*_amd64.deb \
+    && rm -f /tmp/xpuscope_*_amd64.deb \
+    && rm -rf /var/lib/apt/lists/* \
+    && /usr/bin/agent --version
 # Root, with the capabilities the DaemonSet grants (no more).
-ENTRYPOINT ["/usr/local/bin/agent"]
+ENTRYPOINT ["/usr/bin/agent"]
 CMD ["service", "--config", "/etc/xpuscope/agent.toml"]

@@ -53,3 +53,34 @@ pub fn ensure_tool(program: &'static str, package: &str) -> &'static str {
     );
     program
 }
+
+/// This project's own Debian package of the agent the tests run (`cargo
+/// xtask package --binary`), built once per test process: the tests that
+/// install it share one file rather than rewrite it under each other.
+pub fn xpuscope_deb() -> &'static std::path::Path {
+    static DEB: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DEB.get_or_init(|| {
+        let repo = crate::fixtures::repo_root();
+        let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["xtask", "package", "--binary"])
+            .arg(crate::agent::agent_bin())
+            .current_dir(&repo)
+            .output()
+            .expect("run cargo xtask package");
+        assert!(
+            out.status.success(),
+            "cargo xtask package failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        let deb = std::fs::read_dir(repo.join("target/debian"))
+            .expect("target/debian")
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "deb"))
+            .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+            .unwrap_or_else(|| panic!("cargo xtask package wrote no .deb:\n{text}"));
+        deb
+    })
+}

@@ -23,11 +23,55 @@
 # - /dev/console is STAGE/console (PID 1's status and log lines).
 # - `container=` tells systemd it is not on bare metal (no clock, hostname
 #   or kernel module set-up), and only xpuscope-test.target is started.
+#
+# With a second argument ROOT (a Debian root with systemd, from
+# tests/roots/make-root.sh), that root is the machine instead: an overlay
+# with ROOT below and STAGE/root-upper above (what the test placed there
+# before the boot, and everything written after), the host's /proc, /sys
+# and /dev bound in, fresh tmpfs on /tmp, /var/tmp, /run, /var/log and
+# /var/cache, every package in STAGE/root-upper/xpuscope-pkg installed
+# with dpkg, and systemd started chrooted into it: a machine with only
+# Debian 12 and the package, no toolchain. Its /proc is its pid
+# namespace's own; the host's is at /run/host-proc for the agent.
 set -eu
 stage=$1
+root=${2:-}
 if [ "$$" != 1 ]; then
     echo "private-systemd.sh: must run as PID 1 of a new pid namespace (see the header)" >&2
     exit 1
+fi
+if [ -n "$root" ]; then
+    m=$stage/merged
+    mkdir -p "$m" "$stage/root-upper" "$stage/.work/root"
+    : > "$stage/console"
+    mount -t overlay overlay \
+        -o "lowerdir=$root,upperdir=$stage/root-upper,workdir=$stage/.work/root" "$m"
+    mount -t proc proc "$m/proc"
+    mount --rbind /sys "$m/sys"
+    umount -R -l "$m/sys/fs/cgroup"
+    mount -t cgroup2 cgroup2 "$m/sys/fs/cgroup"
+    mount --rbind /dev "$m/dev"
+    mount --bind "$stage/console" "$m/dev/console"
+    for d in tmp var/tmp; do
+        mount -t tmpfs -o mode=1777,size=256m tmpfs "$m/$d"
+    done
+    for d in run var/log var/cache; do
+        mount -t tmpfs -o mode=0755,size=256m tmpfs "$m/$d"
+    done
+    # The host's /proc, for the agent's unit to bind over its own /proc
+    # (the test's drop-in): the agent must see the pids its eBPF programs
+    # report, as it does under the host's systemd; systemd itself sees
+    # its own pid namespace's, as PID 1 does.
+    mkdir -p "$m/run/host-proc"
+    mount --rbind /proc "$m/run/host-proc"
+    for deb in "$m"/xpuscope-pkg/*.deb; do
+        [ -e "$deb" ] || continue
+        chroot "$m" dpkg -i "/xpuscope-pkg/$(basename "$deb")"
+    done
+    exec env -i container=xpuscope-test \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        chroot "$m" /lib/systemd/systemd --unit=xpuscope-test.target --log-target=console \
+        --log-level=info --show-status=no
 fi
 mkdir -p "$stage/etc" "$stage/usr/local" "$stage/.work/etc" "$stage/.work/usr-local"
 : > "$stage/console"

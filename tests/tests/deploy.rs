@@ -9,7 +9,7 @@
 //! python3-yaml, installed if missing.
 
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::Value;
@@ -313,9 +313,13 @@ fn the_daemonset_matches_the_unit() {
         .chain(c["args"].as_array().unwrap())
         .map(|a| a.as_str().unwrap())
         .collect();
+    // The image installs the package, whose unit runs /usr/bin/agent (the
+    // shipped unit's /usr/local/bin/agent is `cargo xtask install`'s).
+    assert_eq!(command[0], "/usr/bin/agent");
     assert_eq!(
-        command[0],
-        unit_value(&unit, "ExecStart").split(' ').next().unwrap()
+        unit_value(&unit, "ExecStart").split_once(' ').map(|c| c.1),
+        Some(command[1..].join(" ").as_str()),
+        "the unit's arguments"
     );
     check_service_args(&command[1..]);
     let config_path = command[command.iter().position(|a| *a == "--config").unwrap() + 1];
@@ -399,11 +403,21 @@ fn the_daemonset_matches_the_unit() {
         named["name"]
     );
 
-    // The image: what `cargo xtask install` stages, run as the DaemonSet says.
+    // The image: the Debian package installed, run as the DaemonSet says
+    // (built from source, or from a package built elsewhere).
     let dockerfile = read("Dockerfile");
-    assert!(dockerfile.contains("RUN cargo xtask install --root /stage"));
-    assert!(dockerfile.contains(&format!("COPY --from=build /stage{0} {0}", command[0])));
-    assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{}\"]", command[0])));
+    assert!(dockerfile.contains("RUN cargo xtask package"));
+    for file in ["Dockerfile", "deploy/docker/Dockerfile.package"] {
+        let text = read(file);
+        assert!(
+            text.contains("apt-get install -y --no-install-recommends /tmp/xpuscope_*_amd64.deb"),
+            "{file}"
+        );
+        assert!(
+            text.contains(&format!("ENTRYPOINT [\"{}\"]", command[0])),
+            "{file}"
+        );
+    }
 }
 
 /// `kubernetes-validate` (PyPI: the Kubernetes API's own schemas, offline)
@@ -534,24 +548,16 @@ fn the_prometheus_rules_check_and_pass_their_unit_tests() {
 #[test]
 fn the_package_installs_on_debian_12_and_its_agent_runs() {
     use xpuscope_tests::roots::{self, Entry};
-    let agent = xpuscope_tests::agent::agent_bin();
-    let out = Command::new("cargo")
-        .args(["xtask", "package", "--binary"])
-        .arg(&agent)
-        .current_dir(fixtures::repo_root())
-        .output()
-        .expect("run cargo xtask package");
-    assert!(
-        out.status.success(),
-        "cargo xtask package failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let version = toml_string(&read("Cargo.toml"), "version");
-    let deb = fixtures::repo_root().join(format!("target/debian/xpuscope_{version}_amd64.deb"));
+    let deb = xpuscope_tests::packages::xpuscope_deb();
+    assert_eq!(
+        deb.file_name().unwrap().to_string_lossy(),
+        format!("xpuscope_{version}_amd64.deb")
+    );
     let dpkg_deb = |args: &[&str]| {
         let out = Command::new("dpkg-deb")
             .args(args)
-            .arg(&deb)
+            .arg(deb)
             .output()
             .expect("run dpkg-deb");
         assert!(out.status.success(), "dpkg-deb {args:?}");
@@ -586,7 +592,7 @@ fn the_package_installs_on_debian_12_and_its_agent_runs() {
     );
 
     let root = roots::bookworm();
-    let dir = roots::place(root, "package", &[&deb]);
+    let dir = roots::place(root, "package", &[deb]);
     let script = format!(
         "set -e\n\
          ! command -v cargo\n\
@@ -611,4 +617,93 @@ fn the_package_installs_on_debian_12_and_its_agent_runs() {
         text.contains("/etc/xpuscope/agent.toml "),
         "the configuration is a conffile:\n{text}"
     );
+}
+
+/// The runtime image from the package, offline: Debian's podman builds
+/// `deploy/docker/Dockerfile.package` on a local base (the cached Debian
+/// 12 root, imported; nothing pulled, nothing downloaded: the base has the
+/// package's dependencies), and the image holds the agent at the
+/// DaemonSet's path, runnable there, with its configuration.
+#[test]
+fn the_image_builds_offline_from_the_package() {
+    let podman = xpuscope_tests::packages::ensure_tool("podman", "podman");
+    let deb = xpuscope_tests::packages::xpuscope_deb();
+    let root = xpuscope_tests::roots::bookworm();
+    let base = "localhost/xpuscope-test-base:bookworm";
+    let image = format!("localhost/xpuscope-agent-test:{}", std::process::id());
+    let run = |args: &[&str]| {
+        let out = Command::new(podman)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("podman {args:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "podman {args:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    // The base, once per root (podman keeps it between runs).
+    let stamp = std::fs::read_to_string(root.join(".xpuscope-root")).unwrap_or_default();
+    let have = Command::new(podman)
+        .args([
+            "image",
+            "inspect",
+            "--format",
+            "{{index .Labels \"xpuscope.root\"}}",
+            base,
+        ])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == stamp.trim());
+    if !have {
+        let import = format!(
+            "tar -C '{}' --exclude=./proc/* --exclude=./xpuscope -c . | {podman} import \
+             --change 'LABEL xpuscope.root=\"{}\"' - {base}",
+            root.display(),
+            stamp.trim()
+        );
+        let out = Command::new("sh").args(["-c", &import]).output().unwrap();
+        assert!(out.status.success(), "importing the base: {out:?}");
+    }
+    let context = TempDir::new("image");
+    std::fs::copy(deb, context.path().join(deb.file_name().unwrap())).unwrap();
+    let dockerfile = fixtures::repo_root().join("deploy/docker/Dockerfile.package");
+    // chroot isolation: no cgroups or network set-up needed for the RUN
+    // step (this machine's cgroups are hybrid, which crun refuses).
+    run(&[
+        "build",
+        "--isolation=chroot",
+        "--pull=never",
+        "--build-arg",
+        &format!("BASE={base}"),
+        "-f",
+        dockerfile.to_str().unwrap(),
+        "-t",
+        &image,
+        context.path().to_str().unwrap(),
+    ]);
+    let mounted = PathBuf::from(run(&["image", "mount", &image]));
+    let version = Command::new("chroot")
+        .arg(&mounted)
+        .args(["/usr/bin/agent", "--version"])
+        .output()
+        .expect("run the image's agent");
+    let config = mounted.join("etc/xpuscope/agent.toml").exists();
+    let entrypoint = run(&[
+        "image",
+        "inspect",
+        "--format",
+        "{{json .Config.Entrypoint}}",
+        &image,
+    ]);
+    run(&["image", "umount", &image]);
+    run(&["rmi", &image]);
+    assert!(version.status.success(), "{version:?}");
+    assert!(
+        String::from_utf8_lossy(&version.stdout).starts_with("agent "),
+        "{version:?}"
+    );
+    assert!(config, "/etc/xpuscope/agent.toml in the image");
+    assert_eq!(entrypoint, "[\"/usr/bin/agent\"]");
 }

@@ -163,6 +163,8 @@ struct PrivateSystemd {
     pid1: u32,
     cgroup: PathBuf,
     stage: PathBuf,
+    /// Booted in a root of its own (systemctl is run in it).
+    in_root: bool,
 }
 
 /// A fresh directory at the root of the cgroup2 hierarchy (on hybrid
@@ -211,6 +213,12 @@ fn remove_cgroup(dir: &Path) {
 
 impl PrivateSystemd {
     fn boot(stage: &Path) -> PrivateSystemd {
+        PrivateSystemd::boot_in(stage, None)
+    }
+
+    /// Booted in `root` (the script's second argument) rather than over
+    /// the host's own.
+    fn boot_in(stage: &Path, root: Option<&Path>) -> PrivateSystemd {
         let cgroup = fresh_cgroup();
         let script = fixtures::repo_root().join("tests/systemd/private-systemd.sh");
         let log = std::fs::File::create(stage.with_extension("boot.log")).expect("boot log");
@@ -218,12 +226,13 @@ impl PrivateSystemd {
         cmd.arg("-c")
             .arg(
                 r#"echo $$ > "$1/cgroup.procs" && exec unshare --pid --mount --uts --ipc --net \
-                   --cgroup --fork --kill-child --propagation private -- "$2" "$3""#,
+                   --cgroup --fork --kill-child --propagation private -- "$2" "$3" $4"#,
             )
             .arg("sh")
             .arg(&cgroup)
             .arg(&script)
             .arg(stage)
+            .arg(root.map(|r| r.display().to_string()).unwrap_or_default())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
@@ -242,6 +251,7 @@ impl PrivateSystemd {
             pid1: 0,
             cgroup,
             stage: stage.to_path_buf(),
+            in_root: root.is_some(),
         };
         let end = Instant::now() + Duration::from_secs(60);
         loop {
@@ -292,11 +302,17 @@ impl PrivateSystemd {
     }
 
     fn systemctl_raw(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--target={}", self.pid1))
+            .args(["--mount", "--pid"]);
+        if self.in_root {
+            // Its own systemctl, in its root.
+            cmd.args(["--root", "--wd", "--"]);
+        } else {
+            cmd.arg("--");
+        }
         run_bounded(
-            Command::new("nsenter")
-                .arg(format!("--target={}", self.pid1))
-                .args(["--mount", "--pid", "--", "systemctl"])
-                .args(args),
+            cmd.arg("systemctl").args(args),
             Duration::from_secs(150),
             &format!("systemctl {}", args.join(" ")),
         )
@@ -852,5 +868,91 @@ fn the_unit_runs_the_agent_under_a_private_systemd() {
     assert!(
         drop_in.join("test.conf").exists(),
         "drop-ins are the user's"
+    );
+}
+
+/// The Debian package on a Debian 12 machine with no toolchain (the
+/// cached debootstrap root, overlaid), booted under its own systemd: dpkg
+/// installs it, `systemctl start` of the packaged unit reaches `active`
+/// through the agent's READY=1, and the agent finds a simulated job on
+/// its own and dumps every rank's all-reduces.
+#[test]
+fn the_package_s_unit_runs_on_debian_12_under_its_own_systemd() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    require("unshare", "util-linux");
+    require("nsenter", "util-linux");
+    let root = xpuscope_tests::roots::bookworm();
+    let dir = TempDir::new("systemd-package");
+    let stage = dir.path().join("stage");
+    let deb = xpuscope_tests::packages::xpuscope_deb();
+    // What the machine gets before it boots: the package to install, and
+    // the test's target and drop-in (as the other systemd test's).
+    let upper = stage.join("root-upper");
+    std::fs::create_dir_all(upper.join("xpuscope-pkg")).unwrap();
+    std::fs::copy(
+        deb,
+        upper.join("xpuscope-pkg").join(deb.file_name().unwrap()),
+    )
+    .unwrap();
+    let units = upper.join("etc/systemd/system");
+    std::fs::create_dir_all(units.join(format!("{UNIT}.d"))).unwrap();
+    std::fs::write(
+        units.join("xpuscope-test.target"),
+        "[Unit]\nDescription=xpuscope test: this systemd and nothing else\nDefaultDependencies=no\n",
+    )
+    .unwrap();
+    // The agent sees the host's /proc, as under the host's systemd (see
+    // the boot script).
+    std::fs::write(
+        units.join(format!("{UNIT}.d/test.conf")),
+        "[Unit]\nDefaultDependencies=no\n[Service]\n\
+         StandardOutput=append:/var/log/xpuscope-agent.log\n\
+         StandardError=append:/var/log/xpuscope-agent.log\n\
+         BindPaths=/run/host-proc:/proc\n",
+    )
+    .unwrap();
+
+    let sd = PrivateSystemd::boot_in(&stage, Some(root));
+    // The machine has no toolchain; the package put the agent in /usr/bin
+    // and the unit in /lib/systemd/system.
+    for absent in ["usr/bin/cargo", "usr/bin/rustc", "usr/bin/gdb"] {
+        assert!(!sd.path(&format!("/{absent}")).exists(), "{absent}");
+    }
+    let agent = sd.path("/usr/bin/agent");
+    assert!(agent.exists(), "{}", sd.logs());
+    assert!(
+        sd.systemctl(&["cat", UNIT])
+            .contains("# /lib/systemd/system/xpuscope-agent.service")
+    );
+    sd.systemctl(&["start", UNIT]);
+    let show = sd.show();
+    assert_eq!(show["ActiveState"], "active", "{show:?}\n{}", sd.logs());
+    assert_eq!(show["SubState"], "running", "{show:?}");
+    assert!(
+        show["StatusText"].starts_with("level 1, "),
+        "the agent's STATUS=: {show:?}"
+    );
+    let socket = sd.path(SOCKET);
+    let status = ctl(&agent, &socket, &["status"]);
+    assert_eq!(status["level"], 1, "{status}");
+
+    // (Its files are the host's: the agent reads them as the ranks' own,
+    // through /proc/PID/map_files.)
+    let job = Job::start(dir.path(), "pkgjob", &[]);
+    let took = job.wait_listed(&agent, &socket, "pkgjob");
+    eprintln!("ranks listed {took:?} after they were ready");
+    let ranks = job.run();
+    dump_with_every_rank(&sd, &agent, &ranks);
+    sd.systemctl(&["stop", UNIT]);
+    let show = sd.show();
+    let status = sd.systemctl_raw(&["status", "--no-pager", UNIT]);
+    assert_eq!(
+        show["ActiveState"],
+        "inactive",
+        "{show:?}\n{}\n{}",
+        String::from_utf8_lossy(&status.stdout),
+        sd.logs()
     );
 }
