@@ -74,13 +74,12 @@ pub fn xpuscope_deb() -> &'static std::path::Path {
         );
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
             + &String::from_utf8_lossy(&out.stderr);
-        let deb = std::fs::read_dir(repo.join("target/debian"))
+        std::fs::read_dir(repo.join("target/debian"))
             .expect("target/debian")
             .flatten()
             .map(|e| e.path())
             .filter(|p| p.extension().is_some_and(|e| e == "deb"))
             .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
-            .unwrap_or_else(|| panic!("cargo xtask package wrote no .deb:\n{text}"));
-        deb
+            .unwrap_or_else(|| panic!("cargo xtask package wrote no .deb:\n{text}"))
     })
 }
