@@ -172,6 +172,49 @@ pub fn run_untold_job(dir: &Path, tag: &str, extra: &[&str]) -> Value {
     read_json(&job_dir.join("ground_truth.json")).expect("ground truth")
 }
 
+/// [`run_untold_job`] over `nnodes` launchers, one per simulated node
+/// (`--nnodes`, each in a UTS namespace of its own named `node-K`, meeting
+/// in a rendezvous directory), with the job's layout and faults in
+/// `extra`; returns the job's ground truth (every node's ranks).
+pub fn run_untold_job_on_nodes(dir: &Path, tag: &str, nnodes: usize, extra: &[&str]) -> Value {
+    let rdv = dir.join(format!("{tag}-rdv"));
+    let mut launchers: Vec<GroupGuard> = (0..nnodes)
+        .map(|k| {
+            GroupGuard(
+                Command::new("python3")
+                    .arg(fixtures::repo_root().join("tests/sim/launch.py"))
+                    .arg("--build-dir")
+                    .arg(fixtures::build_all().join("sim"))
+                    .args(["--job-name", tag, "--quiet"])
+                    .args([
+                        "--nnodes",
+                        &nnodes.to_string(),
+                        "--node-rank",
+                        &k.to_string(),
+                    ])
+                    .args(["--node-name", &format!("node-{k}")])
+                    .arg("--rdv-dir")
+                    .arg(&rdv)
+                    .args(["--init-delay-ms", "1500"])
+                    .args(extra)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .process_group(0)
+                    .spawn()
+                    .expect("start a node's launcher"),
+            )
+        })
+        .collect();
+    let end = Instant::now() + Duration::from_secs(90);
+    for launcher in &mut launchers {
+        while launcher.0.try_wait().expect("try_wait").is_none() {
+            assert!(Instant::now() < end, "job {tag} did not end");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    read_json(&rdv.join("ground_truth.json")).expect("the job's ground truth")
+}
+
 impl Service {
     /// `agent ctl` on this service's socket; its JSON answer.
     pub fn ctl(&self, args: &[&str]) -> Value {

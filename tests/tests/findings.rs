@@ -5,6 +5,7 @@
 //! set-up is seen and sequence numbers are exact across ranks.
 //! Root and eBPF; these never skip.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -14,7 +15,9 @@ use serde_json::Value;
 use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
-use xpuscope_tests::service_run::{Service, http_get, run_untold_job, try_http_get};
+use xpuscope_tests::service_run::{
+    Service, http_get, run_untold_job, run_untold_job_on_nodes, try_http_get,
+};
 use xpuscope_tests::trace_check::{Slice, Timeline, TrackKind, check_importer_rules, decode};
 
 fn findings(run: &SimRun) -> Vec<Value> {
@@ -481,23 +484,52 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
     }
     // A slow rank does not lag in host-side numbers (collectives are
     // enqueued; the wait is in the stream sync on every rank alike). A rank
-    // that never joins does: rank 1 stops before step 2's all-reduce.
-    let truth = run_untold_job(
+    // that never joins does: rank 3, on the second of two simulated nodes
+    // (one launcher each, ranks 0-1 and 2-3, one data-parallel
+    // communicator across both), stops before step 2's all-reduce.
+    let truth = run_untold_job_on_nodes(
         dir.path(),
         "promhang",
+        2,
         // The launcher's timeout (from its start) leaves the hang a few
         // seconds, the gauge's snapshots come once a second.
         &[
+            "--world-size",
+            "4",
+            "--dp",
+            "4",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
             "--steps",
             "6",
             "--fault",
-            "hang:rank=1,step=2",
+            "hang:rank=3,step=2",
             "--timeout",
             "8",
         ],
     );
-    assert_eq!(truth["faults"][0]["rank"], 1);
+    assert_eq!(truth["faults"][0]["rank"], 3, "{truth:#}");
+    let hosts: Vec<&str> = truth["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter_map(|n| n["hostname"].as_str())
+        .collect();
+    assert_eq!(hosts, ["node-0", "node-1"]);
     std::thread::sleep(Duration::from_secs(1));
+    // Every rank of both nodes is served.
+    let served: BTreeSet<String> = prom
+        .query("xpuscope_collective_last_seq{training_job=\"promhang\"}")
+        .iter()
+        .filter_map(|(m, _)| m["rank"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(
+        served,
+        ["0", "1", "2", "3"].map(String::from).into(),
+        "ranks of both nodes"
+    );
     // Samples where a rank's last collective number is below the highest
     // on its communicator, over the job: the lagging rank comes first.
     let lag = prom.query(
@@ -506,7 +538,7 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
          [5m:250ms])))",
     );
     assert_eq!(lag.len(), 1, "{lag:?}");
-    assert_eq!(lag[0].0["rank"], "1", "{lag:?}");
+    assert_eq!(lag[0].0["rank"], "3", "{lag:?}");
     assert!(lag[0].1 >= 4.0, "lagged for a second at least: {lag:?}");
     // The hang gauge: the rank left waiting had a call running for seconds.
     let waited = prom.query(
@@ -517,7 +549,7 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
         .find(|(m, _)| m["rank"] == "0")
         .unwrap_or_else(|| panic!("{waited:?}"));
     assert!(rank0.1 >= 1.0, "{waited:?}");
-    // The shipped rules, as loaded: the hang alert names rank 1 (pending
+    // The shipped rules, as loaded: the hang alert names rank 3 (pending
     // for its minute; its series stay served for minutes after the job).
     let end = std::time::Instant::now() + Duration::from_secs(20);
     let alert = loop {
@@ -532,7 +564,7 @@ fn prometheus_scrapes_the_service_and_promql_finds_the_lagging_rank() {
         .iter()
         .filter_map(|(m, _)| m["rank"].as_str())
         .collect();
-    assert_eq!(ranks, ["1"], "{alert:?}");
+    assert_eq!(ranks, ["3"], "{alert:?}");
     assert_eq!(alert[0].0["node"], xpuscope_tests::service_run::TEST_NODE);
     // Every query of the shipped Grafana dashboard, its variables set to
     // these jobs and this scrape, returns series.
