@@ -1,7 +1,8 @@
 #!/bin/sh
 # Runs COMMAND (a shell command line) as root in a QEMU virtual machine
 # booted on Debian's kernel SERIES (made by make-kernel.sh, on first use),
-# in this machine's root seen read-only, from the current directory, with
+# in this machine's root seen read-only, from the current directory (also
+# seen read-only, wherever it is: /tmp is the machine's own), with
 # the environment variables named in XPUSCOPE_VM_ENV passed on; exits
 # with COMMAND's status. The machine's console (the kernel's messages and
 # COMMAND's output) goes to stdout.
@@ -35,8 +36,9 @@ timeout "${XPUSCOPE_VM_TIMEOUT:-1800}" qemu-system-x86_64 \
     -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 6G \
     -nic none -vga none -nographic -no-reboot \
     -kernel "$kernel/vmlinuz" -initrd "$kernel/initrd.img" \
-    -append "console=ttyS0 quiet panic=-1 XPUSCOPE_VM_SHARED=$shared" \
+    -append "console=ttyS0 quiet panic=-1 XPUSCOPE_VM_SHARED=$shared XPUSCOPE_VM_CWD=$PWD" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
+    -virtfs "local,path=$PWD,mount_tag=cwd,security_model=none,readonly=on,multidevs=remap" \
     -virtfs "local,path=$shared,mount_tag=shared,security_model=none" </dev/null ||
     { echo "run-in-vm: qemu failed or timed out ($?)" >&2; exit 98; }
 if [ ! -f "$shared/rc" ]; then

@@ -3,7 +3,8 @@
 # tests/kernels/make-kernel.sh packs): mounts the host's root read-only
 # over virtio 9p (tag `hostroot`) with fresh tmpfs over /tmp, /run,
 # /var/tmp and /dev/shm, mounts the host's directory $XPUSCOPE_VM_SHARED
-# (tag `shared`, writable) at the same path, runs its `run.sh` in that
+# (tag `shared`, writable) and $XPUSCOPE_VM_CWD (tag `cwd`, read-only) at
+# their own paths, runs `run.sh` of the shared directory in that
 # root, writes its exit status to `rc` beside it and powers off.
 # XPUSCOPE_VM_SHARED comes from the kernel command line (the kernel hands
 # unknown NAME=VALUE parameters to init as its environment).
@@ -38,6 +39,14 @@ mount -t cgroup2 cgroup2 $r/sys/fs/cgroup
 for d in tmp run var/tmp; do
     mount -t tmpfs -o mode=1777 tmpfs "$r/$d"
 done
+# The directory the command runs in (the repository), shared read-only on
+# its own and mounted at its path: under /tmp (a fresh clone there), the
+# tmpfs above would hide it.
+if [ -n "${XPUSCOPE_VM_CWD:-}" ]; then
+    mkdir -p "$r$XPUSCOPE_VM_CWD" 2>/dev/null
+    mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,cache=loose,ro cwd \
+        "$r$XPUSCOPE_VM_CWD" || fail "mounting $XPUSCOPE_VM_CWD failed"
+fi
 shared=${XPUSCOPE_VM_SHARED:?no XPUSCOPE_VM_SHARED on the kernel command line}
 mkdir -p "$r$shared"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 shared "$r$shared" ||

@@ -243,19 +243,7 @@ pub fn test(extra: &[String]) -> Result<()> {
                 .context("could not start tests/roots/make-root.sh")?,
         ));
     }
-    // So is the kernel the older-kernel checks boot (a download, QEMU
-    // installed; cached after). They make it themselves when it is missing.
-    let kernels = extra.is_empty();
-    if kernels {
-        roots.push(ChildGuard(
-            clean_command("sh")
-                .args(["tests/kernels/make-kernel.sh", crate::kernels::DEFAULT])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("could not start tests/kernels/make-kernel.sh")?,
-        ));
-    }
+
     // Cheap checks first: a formatting slip fails in seconds, not after the builds.
     run_checked(
         clean_command("cargo").args(["fmt", "--all", "--", "--check"]),
@@ -313,17 +301,5 @@ pub fn test(extra: &[String]) -> Result<()> {
     if !extra.is_empty() {
         cmd.args(extra);
     }
-    let host = run_checked(&mut cmd, "cargo test");
-    // The core checks on an older kernel, in a virtual machine (whatever
-    // the host's tests gave: both results are reported); not when the
-    // run was narrowed to some tests.
-    if !kernels {
-        return host;
-    }
-    let older = crate::kernels::run(&[crate::kernels::DEFAULT.to_string()]);
-    match (host, older) {
-        (Ok(()), older) => older,
-        (Err(e), Ok(())) => Err(e),
-        (Err(e), Err(k)) => Err(e.context(format!("and {k:#}"))),
-    }
+    run_checked(&mut cmd, "cargo test")
 }

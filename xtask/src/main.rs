@@ -140,7 +140,9 @@ fn main() -> Result<()> {
         Task::BuildEbpf => build::ebpf(),
         Task::Build => build::all(),
         Task::Demo { output, duration } => build::demo(&output, &duration),
-        Task::Test { kernels, args } if kernels.is_empty() => build::test(&args),
+        Task::Test { kernels, args } if kernels.is_empty() => {
+            kernels::test_here_and_on_the_default_kernel(&args)
+        }
         Task::Test { kernels, args } => {
             anyhow::ensure!(
                 args.is_empty(),
