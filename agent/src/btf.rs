@@ -424,6 +424,26 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
     })
 }
 
+/// A BTF blob of `types` (the encoded type section) and `strings`, for
+/// tests that build one by hand.
+#[cfg(test)]
+pub(crate) fn test_blob(types: &[u8], strings: &[u8]) -> Vec<u8> {
+    let mut blob = BTF_MAGIC.to_le_bytes().to_vec();
+    blob.extend_from_slice(&[1, 0]);
+    for w in [
+        HEADER_LEN as u32,
+        0,
+        types.len() as u32,
+        types.len() as u32,
+        strings.len() as u32,
+    ] {
+        blob.extend_from_slice(&w.to_le_bytes());
+    }
+    blob.extend_from_slice(types);
+    blob.extend_from_slice(strings);
+    blob
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,21 +492,7 @@ mod tests {
             2,
             96,
         ]);
-        let mut blob = Vec::new();
-        blob.extend_from_slice(&BTF_MAGIC.to_le_bytes());
-        blob.extend_from_slice(&[1, 0]);
-        for w in [
-            24u32,
-            0,
-            types.len() as u32,
-            types.len() as u32,
-            strings.len() as u32,
-        ] {
-            blob.extend_from_slice(&w.to_le_bytes());
-        }
-        blob.extend_from_slice(&types);
-        blob.extend_from_slice(&strings);
-        blob
+        test_blob(&types, &strings)
     }
 
     #[test]
@@ -592,20 +598,7 @@ mod tests {
         for w in [1u32, (KIND_STRUCT << 24) | 1, 8, 0, 1, 0] {
             types.extend_from_slice(&w.to_le_bytes());
         }
-        let mut blob = BTF_MAGIC.to_le_bytes().to_vec();
-        blob.extend_from_slice(&[1, 0]);
-        for w in [
-            24u32,
-            0,
-            types.len() as u32,
-            types.len() as u32,
-            strings.len() as u32,
-        ] {
-            blob.extend_from_slice(&w.to_le_bytes());
-        }
-        blob.extend_from_slice(&types);
-        blob.extend_from_slice(&strings);
-        let btf = Btf::parse(&blob).unwrap();
+        let btf = Btf::parse(&test_blob(&types, &strings)).unwrap();
         assert_eq!(btf.offset_of("task_struct", "pid"), None);
         assert_eq!(btf.offset_of("task_struct", "a.b"), None);
     }

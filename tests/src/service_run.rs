@@ -146,30 +146,53 @@ impl Service {
 /// A 2-rank job nobody is told about; waits for its end (any outcome).
 pub fn run_untold_job(dir: &Path, tag: &str, extra: &[&str]) -> Value {
     let job_dir = dir.join(tag);
-    let mut launcher = GroupGuard(
-        Command::new("python3")
-            .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-            .arg("--out-dir")
-            .arg(&job_dir)
-            .arg("--build-dir")
-            .arg(fixtures::build_all().join("sim"))
-            .args(["--job-name", tag, "--quiet"])
-            .args(["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"])
-            // Discovery (250 ms rounds) and probes before communicator set-up.
-            .args(["--init-delay-ms", "1500"])
-            .args(extra)
+    let mut launcher = untold_launcher(tag, extra, |c| {
+        c.arg("--out-dir").arg(&job_dir).args([
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+        ]);
+    });
+    wait_ended(tag, std::slice::from_mut(&mut launcher));
+    read_json(&job_dir.join("ground_truth.json")).expect("ground truth")
+}
+
+/// A simulated job's launcher (`tests/sim/launch.py`) as job `tag` with
+/// `extra` options after what `options` adds, started in a process group
+/// of its own.
+fn untold_launcher(tag: &str, extra: &[&str], options: impl FnOnce(&mut Command)) -> GroupGuard {
+    let mut cmd = Command::new("python3");
+    cmd.arg(fixtures::repo_root().join("tests/sim/launch.py"))
+        .arg("--build-dir")
+        .arg(fixtures::build_all().join("sim"))
+        .args(["--job-name", tag, "--quiet"])
+        // Discovery (250 ms rounds) and probes before communicator set-up.
+        .args(["--init-delay-ms", "1500"]);
+    options(&mut cmd);
+    GroupGuard(
+        cmd.args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .process_group(0)
             .spawn()
             .expect("start the launcher"),
-    );
+    )
+}
+
+/// Waits up to 90 s for every launcher of job `tag` to end.
+fn wait_ended(tag: &str, launchers: &mut [GroupGuard]) {
     let end = Instant::now() + Duration::from_secs(90);
-    while launcher.0.try_wait().expect("try_wait").is_none() {
-        assert!(Instant::now() < end, "job {tag} did not end");
-        std::thread::sleep(Duration::from_millis(50));
+    for launcher in launchers {
+        while launcher.0.try_wait().expect("try_wait").is_none() {
+            assert!(Instant::now() < end, "job {tag} did not end");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
-    read_json(&job_dir.join("ground_truth.json")).expect("ground truth")
 }
 
 /// [`run_untold_job`] over `nnodes` launchers, one per simulated node
@@ -180,38 +203,16 @@ pub fn run_untold_job_on_nodes(dir: &Path, tag: &str, nnodes: usize, extra: &[&s
     let rdv = dir.join(format!("{tag}-rdv"));
     let mut launchers: Vec<GroupGuard> = (0..nnodes)
         .map(|k| {
-            GroupGuard(
-                Command::new("python3")
-                    .arg(fixtures::repo_root().join("tests/sim/launch.py"))
-                    .arg("--build-dir")
-                    .arg(fixtures::build_all().join("sim"))
-                    .args(["--job-name", tag, "--quiet"])
-                    .args([
-                        "--nnodes",
-                        &nnodes.to_string(),
-                        "--node-rank",
-                        &k.to_string(),
-                    ])
+            untold_launcher(tag, extra, |c| {
+                c.args(["--nnodes", &nnodes.to_string()])
+                    .args(["--node-rank", &k.to_string()])
                     .args(["--node-name", &format!("node-{k}")])
                     .arg("--rdv-dir")
-                    .arg(&rdv)
-                    .args(["--init-delay-ms", "1500"])
-                    .args(extra)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .process_group(0)
-                    .spawn()
-                    .expect("start a node's launcher"),
-            )
+                    .arg(&rdv);
+            })
         })
         .collect();
-    let end = Instant::now() + Duration::from_secs(90);
-    for launcher in &mut launchers {
-        while launcher.0.try_wait().expect("try_wait").is_none() {
-            assert!(Instant::now() < end, "job {tag} did not end");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    wait_ended(tag, &mut launchers);
     read_json(&rdv.join("ground_truth.json")).expect("the job's ground truth")
 }
 

@@ -197,6 +197,22 @@ const NEEDS_ROOT: &str = "cargo xtask test runs the eBPF end-to-end tests: run i
 /// The cargo features of the tests that need root: the end-to-end target
 /// (`tests/tests/main.rs`) and the agent's unit tests that load its eBPF
 /// object or switch uids.
+/// The one build the tests run from (see [`test`]), clippy included.
+pub fn test_build() -> Result<()> {
+    run_checked(
+        &mut cargo_with_clippy(&[
+            "build",
+            "--profile",
+            TEST_PROFILE,
+            "--workspace",
+            "--all-targets",
+            "--features",
+            ROOT_TEST_FEATURES,
+        ]),
+        "cargo clippy and the build",
+    )
+}
+
 pub const ROOT_TEST_FEATURES: &str = "xpuscope-tests/e2e,xpuscope-agent/root-tests";
 
 /// Clippy as the compiler of the workspace's own crates (what `cargo
@@ -211,7 +227,7 @@ const CLIPPY_ARGS: &str = "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__";
 
 /// A cargo command whose workspace crates are compiled by clippy (see
 /// [`CLIPPY_WRAPPER`]).
-fn cargo_with_clippy(args: &[&str]) -> Command {
+pub fn cargo_with_clippy(args: &[&str]) -> Command {
     let mut cmd = clean_command("cargo");
     cmd.args(["--config", CLIPPY_WRAPPER])
         .args(args)
@@ -271,18 +287,7 @@ pub fn test(extra: &[String]) -> Result<()> {
     // binary (the agent the end-to-end tests run), and every crate's tests
     // and examples as `cargo test` builds them. One cargo command in one
     // profile, so every dependency is built once, with one set of features.
-    run_checked(
-        &mut cargo_with_clippy(&[
-            "build",
-            "--profile",
-            TEST_PROFILE,
-            "--workspace",
-            "--all-targets",
-            "--features",
-            ROOT_TEST_FEATURES,
-        ]),
-        "cargo clippy and the build",
-    )?;
+    test_build()?;
     let mut cmd = cargo_with_clippy(&[
         "test",
         "--profile",

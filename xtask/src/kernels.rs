@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 
 use crate::build::{ROOT_TEST_FEATURES, TEST_PROFILE, test_agent_binary};
-use crate::{clean_command, root, run_checked};
+use crate::{clean_command, root};
 
 /// The kernel series a virtual machine can boot (tests/kernels/make-kernel.sh).
 pub const SERIES: &[&str] = &["6.1", "6.12"];
@@ -98,27 +98,13 @@ fn build() -> Result<()> {
     // read-only.
     crate::setup::ensure_gdb()?;
     crate::setup::ensure_debian_tool("bpftool", "bpftool", "the service test's program count")?;
-    // The build `cargo xtask test` makes (so the two share it), then the
-    // test executables' paths.
-    run_checked(
-        clean_command("cargo").current_dir(root()).args([
-            "build",
-            "--profile",
-            TEST_PROFILE,
-            "--workspace",
-            "--all-targets",
-            "--features",
-            ROOT_TEST_FEATURES,
-        ]),
-        "the build",
-    )?;
-    Ok(())
+    // The build `cargo xtask test` makes (so the two share it).
+    crate::build::test_build()
 }
 
 /// Runs the checks on each of `series` (built already).
 pub fn run(series: &[String]) -> Result<()> {
-    let agent_tests = test_executable("xpuscope-agent", "agent")?;
-    let e2e = test_executable("xpuscope-tests", "e2e")?;
+    let (agent_tests, e2e) = test_executables()?;
     let command = format!(
         "{} --exact --test-threads 1 {}; unit=$?; {} --exact --test-threads 1 {} && exit $unit",
         agent_tests.display(),
@@ -155,29 +141,48 @@ pub fn run(series: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// The test executable of `package`'s target `target`, as cargo names it
-/// (already built: this only asks).
-fn test_executable(package: &str, target: &str) -> Result<PathBuf> {
-    let out = clean_command("cargo")
-        .current_dir(root())
-        .args(["test", "--no-run", "--profile", TEST_PROFILE, "--workspace"])
-        .args(["--features", ROOT_TEST_FEATURES, "--message-format", "json"])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .context("could not run cargo test --no-run")?;
+/// The test executables of the agent's unit tests and of the end-to-end
+/// tests, as cargo names them (already built by [`crate::build::test_build`],
+/// with the same wrapper and features: this only asks).
+fn test_executables() -> Result<(PathBuf, PathBuf)> {
+    let out = crate::build::cargo_with_clippy(&[
+        "test",
+        "--no-run",
+        "--profile",
+        TEST_PROFILE,
+        "--workspace",
+        "--features",
+        ROOT_TEST_FEATURES,
+        "--message-format",
+        "json",
+    ])
+    .current_dir(root())
+    .stderr(std::process::Stdio::inherit())
+    .output()
+    .context("could not run cargo test --no-run")?;
     if !out.status.success() {
         bail!("cargo test --no-run failed");
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
-        .filter(|m| {
-            m["target"]["name"] == target
-                && m["package_id"]
-                    .as_str()
-                    .is_some_and(|id| id.contains(&format!("#{package}@")))
-        })
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .with_context(|| format!("cargo built no test executable for {package}'s {target}"))
+    let messages: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let find = |package: &str, target: &str| {
+        messages
+            .iter()
+            .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+            .filter(|m| {
+                m["target"]["name"] == target
+                    && m["package_id"]
+                        .as_str()
+                        .is_some_and(|id| id.contains(&format!("#{package}@")))
+            })
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .with_context(|| format!("cargo built no test executable for {package}'s {target}"))
+    };
+    Ok((
+        find("xpuscope-agent", "agent")?,
+        find("xpuscope-tests", "e2e")?,
+    ))
 }

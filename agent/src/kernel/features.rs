@@ -215,20 +215,7 @@ mod tests {
         for w in [1u32, (6 << 24) | 1, 4, 13, 112] {
             types.extend_from_slice(&w.to_le_bytes());
         }
-        let mut blob = 0xeb9fu16.to_le_bytes().to_vec();
-        blob.extend_from_slice(&[1, 0]);
-        for w in [
-            24u32,
-            0,
-            types.len() as u32,
-            types.len() as u32,
-            strings.len() as u32,
-        ] {
-            blob.extend_from_slice(&w.to_le_bytes());
-        }
-        blob.extend_from_slice(&types);
-        blob.extend_from_slice(strings);
-        blob
+        crate::btf::test_blob(&types, strings)
     }
 
     #[test]
