@@ -274,8 +274,12 @@ class Job:
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed
         self.ranks: list[RankProc] = []
-        self.neighbours = [Neighbour(f, self.cpu_of(f.rank)) for f in faults
-                           if f.kind == "cpu_contention" and f.rank in self.local_ranks]
+        # A cpu_hog is not pinned (cpu None): it spreads over the job's CPUs.
+        self.neighbours = [Neighbour(f, self.cpu_of(f.rank) if f.kind == "cpu_contention"
+                                     else None)
+                           for f in faults
+                           if f.kind in ("cpu_contention", "cpu_hog")
+                           and f.rank in self.local_ranks]
         self.tails: dict[int, StepLogTail] = {}
         self.status = "running"
         self.hang: dict | None = None
@@ -399,8 +403,12 @@ class Job:
 
     def start_neighbour(self, n: Neighbour, step: int) -> None:
         p = n.fault.params
-        cpu = n.cpu if n.cpu is not None else 0
-        argv = [str(self.build / "bin" / "noisy_neighbour"), str(cpu), str(p["threads"]),
+        if n.fault.kind == "cpu_hog":
+            # CPU -1: the neighbour keeps the launcher's CPUs (the job's).
+            cpu, threads = -1, p["threads"] or 2 * len(self.cpus)
+        else:
+            cpu, threads = (n.cpu if n.cpu is not None else 0), p["threads"]
+        argv = [str(self.build / "bin" / "noisy_neighbour"), str(cpu), str(threads),
                 str(p["duration_ms"])]
         n.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec(None))
         n.started = clock_pair()

@@ -17,6 +17,9 @@ included (see sim_layout.collectives_per_step), as the stand-ins count them.
   delay           rank, ms, step | comm+seq        arrive ms late at that collective
   cpu_contention  rank, from_step=0, threads=2,    a noisy neighbour spinning on rank's CPU
                   duration_ms=0 (until the end)
+  cpu_hog         from_step=0, threads=0 (two per  a process spinning on every CPU of the
+                  CPU), duration_ms=0, rank=0      job (not pinned): every rank loses alike;
+                                                   rank is whose step starts it
   dataloader_stall rank, step, ms                  the loader sleeps ms before batch step
   mem_leak        rank, mb=64, from_step=0,        allocate mb more every step until the
                   device_mem_mb (optional)         device allocator fails (exit 1)
@@ -40,6 +43,7 @@ KINDS = {
     "hang_inside": {"rank": int, "seq": int},
     "delay": {"rank": int, "ms": int, "step": int, "comm": str, "seq": int},
     "cpu_contention": {"rank": int, "from_step": int, "threads": int, "duration_ms": int},
+    "cpu_hog": {"rank": int, "from_step": int, "threads": int, "duration_ms": int},
     "dataloader_stall": {"rank": int, "step": int, "ms": int},
     "mem_leak": {"rank": int, "mb": int, "from_step": int, "device_mem_mb": int},
     "slow_link": {"rank": int, "factor": float},
@@ -55,6 +59,7 @@ DEFAULTS = {
     "slow": {"factor": 3.0, "from_step": 0},
     "host_work": {"from_step": 0},
     "cpu_contention": {"from_step": 0, "threads": 2, "duration_ms": 0},
+    "cpu_hog": {"rank": 0, "from_step": 0, "threads": 0, "duration_ms": 0},
     "mem_leak": {"mb": 64, "from_step": 0},
     "slow_link": {"factor": 4.0},
     "crash": {"signal": "SIGABRT"},

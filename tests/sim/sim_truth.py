@@ -160,6 +160,14 @@ def fault_truth(job, fault: sim_faults.Fault, events_by_rank: dict[int, list[dic
             injected = [{"event": "fault", "kind": "cpu_contention", "step": n.trigger_step,
                          "neighbour_pid": n.proc.pid, **n.started,
                          "stopped": n.stopped}]
+    elif fault.kind == "cpu_hog":
+        n = next(n for n in job.neighbours if n.fault is fault)
+        expected = {"cpus": job.cpus, "ranks": sorted(rp.rank for rp in job.ranks),
+                    "threads": p["threads"] or 2 * len(job.cpus)}
+        if n.proc is not None:
+            injected = [{"event": "fault", "kind": "cpu_hog", "step": n.trigger_step,
+                         "neighbour_pid": n.proc.pid, **n.started,
+                         "stopped": n.stopped}]
     out["injected"] = injected
     out["expected"] = expected
     return out

@@ -113,7 +113,7 @@ pub fn finding_kind_of(fault: &str) -> &'static str {
         "mem_leak" => "memory_leak",
         "crash" => "crash",
         "slow_link" => "slow_link",
-        "cpu_contention" => "host_contention",
+        "cpu_contention" | "cpu_hog" => "host_contention",
         "host_work" => "host_bound",
         _ => "?",
     }

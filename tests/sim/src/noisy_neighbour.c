@@ -1,5 +1,6 @@
 /* A noisy neighbour: THREADS threads named "noisy" spinning on one CPU for
- * DURATION_MS (0 = until killed), to steal CPU time from the rank pinned there.
+ * DURATION_MS (0 = until killed), to steal CPU time from the rank pinned there;
+ * CPU -1 keeps the CPUs it was started on (a hog of every CPU of the job).
  * usage: noisy_neighbour CPU THREADS DURATION_MS */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -40,7 +41,7 @@ int main(int argc, char **argv) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
-    if (sched_setaffinity(0, sizeof set, &set) != 0) {
+    if (cpu >= 0 && sched_setaffinity(0, sizeof set, &set) != 0) {
         perror("sched_setaffinity");
         return 1;
     }

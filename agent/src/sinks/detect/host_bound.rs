@@ -279,6 +279,7 @@ mod tests {
         let sync_start = start + host * MS;
         let end = start.max(sync_start) + (100u64.saturating_sub(host)).max(10) * MS;
         let mut off_cpu = vec![MainOffCpu {
+            cpu: 0,
             start: sync_start + MS / 10,
             end: end - MS / 10,
             asleep: true,
@@ -289,6 +290,7 @@ mod tests {
             off_cpu.insert(
                 0,
                 MainOffCpu {
+                    cpu: 0,
                     start: start + MS,
                     end: start + MS + runnable * MS,
                     asleep: false,
@@ -342,6 +344,7 @@ mod tests {
         w.off_cpu.insert(
             1,
             MainOffCpu {
+                cpu: 0,
                 start: w.calls[0].start - 2 * MS,
                 end: w.calls[0].start,
                 asleep: true,

@@ -40,6 +40,7 @@ use serde_json::json;
 use super::Ranks;
 use super::host_config::HostDetectConfig;
 use super::host_steps::Window;
+use super::job_contention::{JobContention, RankStep};
 use crate::model::{Finding, FindingKind};
 
 /// Preemptors named in a finding.
@@ -70,6 +71,19 @@ impl Taken {
         }
     }
 
+    /// Adds what `other` (the same process, elsewhere) took.
+    pub(super) fn merge(&mut self, other: &Taken) {
+        self.in_job = other.in_job;
+        self.ns += other.ns;
+        for (comm, ns) in &other.comms {
+            if let Some(c) = self.comms.iter_mut().find(|(c, _)| c == comm) {
+                c.1 += ns;
+            } else if self.comms.len() < MAX_COMMS {
+                self.comms.push((comm.clone(), *ns));
+            }
+        }
+    }
+
     /// The command name that took the most.
     fn comm(&self) -> &str {
         self.comms
@@ -83,24 +97,24 @@ impl Taken {
 pub type Takers = HashMap<u32, Taken>;
 
 #[derive(Default)]
-struct Run {
-    first_step: u64,
-    start: u64,
-    end: u64,
-    steps: u64,
-    lost: u64,
-    dur: u64,
+pub(super) struct Run {
+    pub(super) first_step: u64,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) steps: u64,
+    pub(super) lost: u64,
+    pub(super) dur: u64,
     /// (comm, pid) -> (ns taken, from a traced process).
-    by: Takers,
-    reported: bool,
+    pub(super) by: Takers,
+    pub(super) reported: bool,
     /// Uncontended steps since the last contended one.
-    clean: u32,
+    pub(super) clean: u32,
     /// The share outsiders usually took when the run began.
-    usual_share: f64,
+    pub(super) usual_share: f64,
     /// Time lost above the usual share, and time, over every step of the
     /// run (its lulls too).
-    all_excess: u64,
-    all_dur: u64,
+    pub(super) all_excess: u64,
+    pub(super) all_dur: u64,
 }
 
 /// Steps of each rank kept to name a time by its step.
@@ -134,6 +148,8 @@ pub struct ContentionDetector {
     /// Per rank: the share of its recent steps (outside contended runs)
     /// outsiders took, its own baseline; and the share of its latest step.
     usual: HashMap<u32, Usual>,
+    /// The jobs' steps, judged as a whole.
+    job: JobContention,
 }
 
 #[derive(Default)]
@@ -155,14 +171,7 @@ const BASELINE_MIN_STEPS: usize = 3;
 /// comes on top of both. A neighbour present from the first step is still
 /// found: its peers do not suffer it.
 fn reference_share(usual: &HashMap<u32, Usual>, tgid: u32, ranks: &Ranks) -> f64 {
-    let own = usual
-        .get(&tgid)
-        .filter(|u| u.shares.len() >= BASELINE_MIN_STEPS)
-        .map_or(0.0, |u| {
-            let mut v: Vec<f64> = u.shares.iter().copied().collect();
-            v.sort_unstable_by(f64::total_cmp);
-            v[v.len() / 2]
-        });
+    let own = usual.get(&tgid).map_or(0.0, own_baseline);
     let job = ranks.job_of(tgid);
     let mut peers: Vec<f64> = usual
         .iter()
@@ -175,6 +184,17 @@ fn reference_share(usual: &HashMap<u32, Usual>, tgid: u32, ranks: &Ranks) -> f64
         .copied()
         .unwrap_or(0.0);
     own.max(peer)
+}
+
+/// A rank's own baseline share: the median of its recent uncontended
+/// steps' (0 before it has [`BASELINE_MIN_STEPS`] of them).
+fn own_baseline(u: &Usual) -> f64 {
+    if u.shares.len() < BASELINE_MIN_STEPS {
+        return 0.0;
+    }
+    let mut v: Vec<f64> = u.shares.iter().copied().collect();
+    v.sort_unstable_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Who a preemptor is to the rank it preempted.
@@ -224,8 +244,184 @@ pub fn lost_in(w: &Window) -> (u64, Takers) {
     (lost, by)
 }
 
+/// The processes that took the most, most first.
+pub(super) fn top_takers(by: &Takers) -> Vec<(&u32, &Taken)> {
+    let mut top: Vec<_> = by.iter().collect();
+    top.sort_by_key(|(pid, t)| (std::cmp::Reverse(t.ns), **pid));
+    top.truncate(TOP_PREEMPTORS);
+    top
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+/// "noisy (pid 812, 903.1 ms), its job's rank 3, python3 (pid 77, ...)":
+/// a traced preemptor is named by its rank (a sibling rank of the same
+/// job, an oversubscribed node, reads differently from another job
+/// sharing the node, or from an untraced process).
+pub(super) fn taker_names(top: &[(&u32, &Taken)], job: &str, ranks: &Ranks) -> String {
+    let whose = |pid: u32| -> Option<String> {
+        let rank = ranks.of(pid)?;
+        Some(match ranks.job_of(pid) {
+            j if j == job => format!("its job's rank {rank}"),
+            "" => format!("rank {rank} of an unlabelled job"),
+            j => format!("rank {rank} of job {j}"),
+        })
+    };
+    top.iter()
+        .map(|(pid, t)| {
+            let what = format!("{} (pid {pid}, {:.1} ms)", t.comm(), ms(t.ns));
+            match whose(**pid) {
+                Some(rank) => format!("{rank}, {what}"),
+                None => what,
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The evidence's `preemptors`.
+pub(super) fn takers_json(
+    top: &[(&u32, &Taken)],
+    steps: u64,
+    ranks: &Ranks,
+) -> Vec<serde_json::Value> {
+    top.iter()
+        .map(|(pid, t)| {
+            json!({
+                "comm": t.comm(),
+                "pid": pid,
+                "ms": ms(t.ns),
+                "ms_per_step": ms(t.ns / steps.max(1)),
+                "traced": t.in_job,
+                "rank": ranks.of(**pid),
+                "job": ranks.of(**pid).map(|_| ranks.job_of(**pid)),
+                "threads": t.comms.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+/// Evidence with the thresholds it was judged by.
+pub(super) trait WithThresholds {
+    fn with_thresholds(self, cfg: &HostDetectConfig) -> Self;
+}
+
+impl WithThresholds for serde_json::Value {
+    fn with_thresholds(mut self, cfg: &HostDetectConfig) -> Self {
+        if let Some(e) = self.as_object_mut() {
+            e.insert(
+                "contention_min_share_pct".into(),
+                cfg.contention_min_share_pct.into(),
+            );
+            e.insert(
+                "contention_min_lost_ms".into(),
+                ms(cfg.contention_min_lost.as_nanos() as u64).into(),
+            );
+            e.insert(
+                "contention_min_steps".into(),
+                cfg.contention_min_steps.into(),
+            );
+            e.insert(
+                "contention_min_span_ms".into(),
+                ms(cfg.contention_min_span.as_nanos() as u64).into(),
+            );
+        }
+        self
+    }
+}
+
+/// One step (of a rank, or of a whole job) judged against the usual.
+pub(super) struct Judged {
+    pub step: u64,
+    pub start: u64,
+    pub end: u64,
+    pub dur: u64,
+    /// Time lost to outsiders.
+    pub lost: u64,
+    /// Time lost above the usual share.
+    pub excess: u64,
+    pub contended: bool,
+    /// The usual share it was judged against.
+    pub usual: f64,
+    pub by: Takers,
+}
+
+/// Takes one judged step into the run of `key` (a rank's, a job's):
+/// true when that run is to be reported now (once per run). A run goes
+/// on through two uncontended steps (contention flickers with what else
+/// the machine runs: a rank that shares its CPU with its siblings and a
+/// neighbour is preempted by one or the other, step by step) and ends at
+/// three in a row, or, once reported, at `contention_min_steps` (at least
+/// 3), so a lull in a long contention is not a new finding. An isolated
+/// blip (one contended step, then two uncontended) does not start a run
+/// (blips before a neighbour do not date it). It is reported when it
+/// holds `contention_min_steps` contended steps spanning
+/// `contention_min_span` and, its lulls included, lost
+/// `contention_min_share_pct` above the usual: scattered contended steps
+/// are the host's blips, not a neighbour.
+pub(super) fn advance<K: std::hash::Hash + Eq + Clone>(
+    runs: &mut HashMap<K, Run>,
+    key: K,
+    j: Judged,
+    cfg: &HostDetectConfig,
+) -> bool {
+    if !j.contended {
+        if let Some(run) = runs.get_mut(&key) {
+            run.clean += 1;
+            run.all_excess += j.excess;
+            run.all_dur += j.dur;
+            let ends = if run.reported {
+                cfg.contention_min_steps.max(3)
+            } else {
+                3
+            };
+            if run.clean >= ends {
+                runs.remove(&key);
+            }
+        }
+        return false;
+    }
+    let fresh = || Run {
+        first_step: j.step,
+        start: j.start,
+        usual_share: j.usual,
+        ..Run::default()
+    };
+    let run = runs.entry(key).or_insert_with(fresh);
+    if !run.reported && run.clean >= 2 && run.steps == 1 {
+        *run = fresh();
+    }
+    run.clean = 0;
+    run.all_excess += j.excess;
+    run.all_dur += j.dur;
+    run.end = j.end;
+    run.steps += 1;
+    run.lost += j.lost;
+    run.dur += j.dur;
+    for (pid, taken) in j.by {
+        if run.by.len() < MAX_PREEMPTORS || run.by.contains_key(&pid) {
+            run.by.entry(pid).or_default().merge(&taken);
+        }
+    }
+    if run.reported
+        || run.steps < u64::from(cfg.contention_min_steps.max(1))
+        || run.end.saturating_sub(run.start) < cfg.contention_min_span.as_nanos() as u64
+        || run.all_excess.saturating_mul(100)
+            < run.all_dur * u64::from(cfg.contention_min_share_pct)
+    {
+        return false;
+    }
+    run.reported = true;
+    true
+}
+
 impl ContentionDetector {
     pub fn forget(&mut self, tgid: u32) {
+        if let Some(job) = self.jobs.get(&tgid) {
+            self.job.forget(tgid, job);
+        }
         self.runs.remove(&tgid);
         self.usual.remove(&tgid);
         self.recent_steps.remove(&tgid);
@@ -287,6 +483,27 @@ impl ContentionDetector {
         by.retain(|pid, t| taker_class(*pid, t, w.tgid, ranks) == TakerClass::Outsider);
         self.note_presence(w, &by, ranks.job_of(w.tgid), cfg);
         let lost: u64 = by.values().map(|t| t.ns).sum();
+        if ranks.of(w.tgid).is_some() && w.dur() > 0 {
+            let job = ranks.job_of(w.tgid);
+            let presence = self.presence.get(job);
+            let came = |pid: u32| presence?.get(&pid).map(|p| (p.first_step, p.first_start));
+            let own = self.usual.get(&w.tgid).map_or(0.0, own_baseline);
+            let rs = RankStep {
+                usual: own,
+                tgid: w.tgid,
+                start: w.start,
+                end: w.end,
+                lost,
+                by: by.clone(),
+                cpus: {
+                    let mut c: Vec<u32> = w.off_cpu.iter().map(|i| i.cpu).collect();
+                    c.sort_unstable();
+                    c.dedup();
+                    c
+                },
+            };
+            self.job.step_ended(job, w.step, rs, cfg, ranks, came, out);
+        }
         let dur = w.dur().max(1);
         let share = lost as f64 / dur as f64;
         let usual = reference_share(&self.usual, w.tgid, ranks);
@@ -302,77 +519,22 @@ impl ContentionDetector {
                 u.shares.pop_front();
             }
         }
-        if !contended {
-            // A run survives two steps under the bar (contention flickers
-            // with what else the machine runs: a rank that shares its CPU
-            // with its siblings and a neighbour is preempted by one or the
-            // other, step by step); a reported one ends only after
-            // `contention_min_steps` (at least 3) such steps in a row, so
-            // a lull in a long contention is not a new finding.
-            if let Some(run) = self.runs.get_mut(&w.tgid) {
-                run.clean += 1;
-                run.all_excess += excess;
-                run.all_dur += dur;
-                let ends = if run.reported {
-                    cfg.contention_min_steps.max(3)
-                } else {
-                    3
-                };
-                if run.clean >= ends {
-                    self.runs.remove(&w.tgid);
-                }
-            }
-            return;
-        }
-        let run = self.runs.entry(w.tgid).or_insert_with(|| Run {
-            first_step: w.step,
+        let judged = Judged {
+            step: w.step,
             start: w.start,
-            usual_share: usual,
-            ..Run::default()
-        });
-        // An isolated blip (one contended step, then two or more
-        // uncontended) does not start the run: it starts again here
-        // (blips before a neighbour do not date it: a neighbour that comes
-        // at step N is reported at step N; one step under the bar inside
-        // contention is the flicker of a shared CPU, not its end).
-        if !run.reported && run.clean >= 2 && run.steps == 1 {
-            *run = Run {
-                first_step: w.step,
-                start: w.start,
-                usual_share: usual,
-                ..Run::default()
-            };
-        }
-        run.clean = 0;
-        run.all_excess += excess;
-        run.all_dur += dur;
-        run.end = w.end;
-        run.steps += 1;
-        run.lost += lost;
-        run.dur += w.dur();
-        for (pid, taken) in by {
-            if run.by.len() < MAX_PREEMPTORS || run.by.contains_key(&pid) {
-                let e = run.by.entry(pid).or_default();
-                e.in_job = taken.in_job;
-                for (comm, ns) in &taken.comms {
-                    e.add(comm, *ns);
-                }
-            }
-        }
-        // The run as a whole, its lulls included, must be contended too:
-        // scattered contended steps are the host's blips, not a neighbour.
-        if run.reported
-            || run.steps < u64::from(cfg.contention_min_steps.max(1))
-            || run.end.saturating_sub(run.start) < cfg.contention_min_span.as_nanos() as u64
-            || run.all_excess.saturating_mul(100)
-                < run.all_dur * u64::from(cfg.contention_min_share_pct)
-        {
+            end: w.end,
+            dur,
+            lost,
+            excess,
+            contended,
+            usual,
+            by,
+        };
+        if !advance(&mut self.runs, w.tgid, judged, cfg) {
             return;
         }
-        run.reported = true;
-        let mut top: Vec<_> = run.by.iter().collect();
-        top.sort_by_key(|(pid, t)| (std::cmp::Reverse(t.ns), **pid));
-        top.truncate(TOP_PREEMPTORS);
+        let run = &self.runs[&w.tgid];
+        let top = top_takers(&run.by);
         // Dated from its top preemptor's arrival among the job's ranks:
         // before the run when the share it took flickered under the bar,
         // after the run's first step when a blip of something else began
@@ -392,32 +554,10 @@ impl ContentionDetector {
             }
             None => (run.first_step, run.start),
         };
-        let ms = |ns: u64| ns as f64 / 1e6;
         let per_step = run.lost / run.steps;
         let share = 100.0 * run.lost as f64 / run.dur.max(1) as f64;
-        // A traced preemptor is named by its rank: a sibling rank of the
-        // same job (an oversubscribed node) reads differently from
-        // another job sharing the node, or from an untraced process.
         let job = ranks.job_of(w.tgid);
-        let whose = |pid: u32| -> Option<String> {
-            let rank = ranks.of(pid)?;
-            Some(match ranks.job_of(pid) {
-                j if j == job => format!("its job's rank {rank}"),
-                "" => format!("rank {rank} of an unlabelled job"),
-                j => format!("rank {rank} of job {j}"),
-            })
-        };
-        let names = top
-            .iter()
-            .map(|(pid, t)| {
-                let what = format!("{} (pid {pid}, {:.1} ms)", t.comm(), ms(t.ns));
-                match whose(**pid) {
-                    Some(rank) => format!("{rank}, {what}"),
-                    None => what,
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
+        let names = taker_names(&top, job, ranks);
         let who = ranks.describe(w.tgid);
         out.push(Finding {
             link: Default::default(),
@@ -447,21 +587,9 @@ impl ContentionDetector {
                 "lost_share_pct": share,
                 "usual_share_pct": 100.0 * run.usual_share,
                 "step_ms": ms(run.dur / run.steps),
-                "preemptors": top.iter().map(|(pid, t)| json!({
-                    "comm": t.comm(),
-                    "pid": pid,
-                    "ms": ms(t.ns),
-                    "ms_per_step": ms(t.ns / run.steps),
-                    "traced": t.in_job,
-                    "rank": ranks.of(**pid),
-                    "job": ranks.of(**pid).map(|_| ranks.job_of(**pid)),
-                    "threads": t.comms.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(),
-                })).collect::<Vec<_>>(),
-                "contention_min_share_pct": cfg.contention_min_share_pct,
-                "contention_min_lost_ms": ms(cfg.contention_min_lost.as_nanos() as u64),
-                "contention_min_steps": cfg.contention_min_steps,
-                "contention_min_span_ms": ms(cfg.contention_min_span.as_nanos() as u64),
-            }),
+                "preemptors": takers_json(&top, run.steps, ranks),
+            })
+            .with_thresholds(cfg),
             detected_ns: w.end,
         });
     }
@@ -497,6 +625,7 @@ mod tests {
             .iter()
             .map(|&(pid, comm, ms)| {
                 let i = MainOffCpu {
+                    cpu: rank % 2,
                     start: t,
                     end: t + ms * MS,
                     asleep: false,
@@ -645,5 +774,85 @@ mod tests {
             "{}",
             found[0].summary
         );
+    }
+    /// An outsider that takes every rank's CPU alike from step 10 (a
+    /// process spinning on every CPU of the node): no rank suffers it more
+    /// than its peers, so no rank's own judgement finds it; the job's
+    /// steps, judged against the job's history, are one finding naming
+    /// every rank, at step 10.
+    #[test]
+    fn an_outsider_every_rank_suffers_alike_is_one_job_level_finding() {
+        let found = run(4, |_, step| {
+            let mut t = vec![(9, "launcher", 3)];
+            if step >= 10 {
+                t.push((77, "hog", 25 + step % 3));
+            }
+            t
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        let f = &found[0];
+        assert_eq!((f.ranks.clone(), f.step), (vec![0, 1, 2, 3], Some(10)));
+        assert_eq!(f.evidence["scope"], "job");
+        assert_eq!(f.evidence["preemptors"][0]["pid"], 77);
+        assert_eq!(f.start_ns, 10 * STEP);
+        assert!(
+            f.summary
+                .contains("every rank of job j (4 ranks on 2 CPUs)"),
+            "{}",
+            f.summary
+        );
+        // The launcher's 3 ms of 4 ranks' 100 ms steps on 2 CPUs.
+        let usual = f.evidence["usual_share_pct"].as_f64().unwrap();
+        assert!((5.0..7.0).contains(&usual), "{usual}");
+        assert_eq!(f.evidence["cpus"], 2);
+    }
+
+    /// An outsider on the ranks of one CPU of two (half the job): not
+    /// every rank alike, so no job-level finding; the ranks' own
+    /// judgement finds it on the ranks it took from.
+    #[test]
+    fn an_outsider_on_half_the_ranks_is_not_job_level() {
+        let found = run(8, |rank, step| match (rank % 2, step) {
+            (1, 10..) => vec![(77, "noisy", 30)],
+            _ => vec![],
+        });
+        assert!(
+            found.iter().all(|f| f.evidence["scope"] != "job"),
+            "{found:#?}"
+        );
+        assert!(!found.is_empty());
+        assert!(
+            found
+                .iter()
+                .all(|f| f.ranks.len() == 1 && f.ranks[0] % 2 == 1)
+        );
+    }
+
+    /// The job's steps are judged without a rank that exited (it is no
+    /// longer waited for) and the finding names the ranks left.
+    #[test]
+    fn a_rank_that_left_does_not_hold_the_job_s_steps() {
+        let (ranks, cfg) = (ranks(3), HostDetectConfig::default());
+        let mut d = ContentionDetector::default();
+        let mut out = Vec::new();
+        for step in 0..30 {
+            for rank in 0..3 {
+                if rank == 2 && step >= 4 {
+                    continue;
+                }
+                let t = if step >= 10 {
+                    vec![(77, "hog", 30)]
+                } else {
+                    vec![]
+                };
+                d.step_ended(&window(rank, step, &t), &cfg, &ranks, &mut out);
+            }
+            if step == 4 {
+                d.forget(102);
+            }
+        }
+        assert_eq!(out.len(), 1, "{out:#?}");
+        assert_eq!((out[0].ranks.clone(), out[0].step), (vec![0, 1], Some(10)));
+        assert_eq!(out[0].evidence["scope"], "job");
     }
 }

@@ -75,6 +75,8 @@ pub struct MainOffCpu {
     pub in_loader: bool,
     /// Runnable and preempted by a task of another process.
     pub preempted_by: Option<Taker>,
+    /// The CPU it left.
+    pub cpu: u32,
 }
 
 /// One finished step of one rank.
@@ -284,6 +286,7 @@ impl StepClock {
                 asleep: i.state & crate::analysis::steps::SLEEPING != 0,
                 in_loader,
                 preempted_by,
+                cpu: i.cpu,
             },
         );
     }

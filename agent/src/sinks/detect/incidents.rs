@@ -24,7 +24,9 @@
 //!   rank, then came late themselves), and one neighbour's contention on
 //!   several ranks is one incident (the same top preemptor), as is the
 //!   contention of ranks whose top preemptors are ranks (more ranks than
-//!   CPUs: the job's own doing, every rank alike);
+//!   CPUs: the job's own doing, every rank alike); an outsider that every
+//!   rank of the job suffers alike (a job-level contention) explains each
+//!   rank's own contention while it lasts;
 //! - a hang explains a late arrival at the operation that hung;
 //! - a late arrival or slow rank that spent most of its lateness blocked
 //!   in a device call (the collective detector's `waited` evidence: a
@@ -155,6 +157,12 @@ fn top_preemptor(f: &Finding) -> Option<u64> {
     f.evidence["preemptors"].get(0)?["pid"].as_u64()
 }
 
+/// A contention of the job's steps as a whole (every rank alike), not of
+/// one rank.
+fn is_job_level(f: &Finding) -> bool {
+    f.evidence["scope"] == "job"
+}
+
 /// Whether the top preemptor of a contention is a rank of a traced job.
 fn taken_by_a_rank(f: &Finding) -> bool {
     f.evidence["preemptors"]
@@ -246,6 +254,16 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
             }
         }
         HostContention => {
+            // An outsider every rank of the job suffers (one finding of
+            // the job's steps) explains a rank's own contention under it,
+            // whatever took that rank's CPU most; never the other way.
+            if is_job_level(g) != is_job_level(f) {
+                return (g.kind == HostContention
+                    && is_job_level(g)
+                    && shares_rank(g, f)
+                    && overlaps(g, f))
+                .then_some(2);
+            }
             let same_taker = top_preemptor(g).is_some() && top_preemptor(g) == top_preemptor(f);
             // Ranks taking one another's CPUs (more ranks than CPUs): what
             // every rank suffers alike is one job-level incident.
@@ -374,7 +392,15 @@ pub fn folded(found: &[Finding], root: &Finding) -> Option<String> {
     let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} x{n}")).collect();
     let listed: Vec<String> = ranks.iter().map(u32::to_string).collect();
     let who = match ranks.len() {
-        0 => "+0 ranks waited for it".to_string(),
+        // Consequences on the root's own ranks only (a rank's own
+        // contention under the job's).
+        0 => {
+            return Some(format!(
+                "+{} consequence finding(s) on its own ranks: {}",
+                consequences.len(),
+                kinds.join(", ")
+            ));
+        }
         1 => format!("+1 rank waited for it (rank {})", listed[0]),
         n => format!("+{n} ranks waited for it (ranks {})", listed.join(", ")),
     };

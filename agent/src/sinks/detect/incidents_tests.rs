@@ -207,6 +207,39 @@ fn one_neighbour_contending_with_several_ranks_is_one_incident() {
 }
 
 #[test]
+fn a_job_level_contention_is_the_root_of_the_ranks_own() {
+    let contention = |ranks: &[u32], pid, start, job: bool| {
+        let mut f = finding(
+            FindingKind::HostContention,
+            ranks,
+            Some(5),
+            (start, start + 900),
+        );
+        f.evidence = json!({"preemptors": [{"comm": "hog", "pid": pid}]});
+        if job {
+            f.evidence["scope"] = "job".into();
+        }
+        f
+    };
+    // Rank 2's own run was found first, by another process that took its
+    // CPU most; the job-level one came later and covers it.
+    let mut found = vec![
+        contention(&[2], 555, 1_000, false),
+        contention(&[0, 1, 2, 3], 4242, 1_050, true),
+        contention(&[3], 4242, 1_100, false),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::HostContention, vec![0, 1, 2, 3], None),
+            (1, FindingKind::HostContention, vec![2], Some(1)),
+            (1, FindingKind::HostContention, vec![3], Some(1)),
+        ]
+    );
+}
+
+#[test]
 fn grouped_findings_serialize_their_incident_and_cause() {
     let mut found = vec![
         hang("dp", &[1], &[0], 1_000),

@@ -41,6 +41,7 @@ pub mod host_steps;
 pub mod incidents;
 #[cfg(test)]
 mod incidents_tests;
+pub mod job_contention;
 pub mod memory_leak;
 pub mod oom;
 pub mod step_marks;

@@ -1,0 +1,323 @@
+//! `host_contention` of a whole job: an outsider that takes every rank's
+//! CPU alike (a process spinning on every CPU of the node, a co-tenant
+//! on a shared host). A rank's own judgement ([`host_contention`]) is
+//! against the larger of its own baseline and its peers' latest share,
+//! so what every rank suffers alike is background to each of them; here
+//! the job's steps are judged against the job's own history, and such an
+//! outsider is one finding naming every rank, not one per rank (or none).
+//!
+//! Per job and step number, each rank's share of the step lost to
+//! outsiders (the same share its own judgement uses: the job's own
+//! ranks taking one another's CPUs, a node with more ranks than CPUs,
+//! and the agent's threads are not outsiders). A step is complete when
+//! every rank of the job that counts steps is past it, or when one rank
+//! is two steps past it (a rank that died or lags does not hold the job
+//! up). The job's share of a step is the lower quartile across its ranks:
+//! three ranks in four lost at least that much, so a neighbour on one
+//! CPU's ranks is left to their own judgement. The usual share is the
+//! median of the job's recent uncontended steps, and the job's first
+//! [`BASELINE_MIN_STEPS`] complete steps form it unjudged: an outsider
+//! present from the job's first step is its background, as a shared host
+//! is. Then the run rules of a rank's contention ([`advance`]) hold for
+//! the job's steps. The finding names the step its top preemptor came
+//! among the job's ranks (as a rank's does), every rank of the job, and
+//! `scope: "job"` in its evidence.
+//!
+//! [`host_contention`]: super::host_contention
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use serde_json::json;
+
+use super::Ranks;
+use super::host_config::HostDetectConfig;
+use super::host_contention::{
+    Judged, Run, Takers, WithThresholds, advance, taker_names, takers_json, top_takers,
+};
+use crate::model::{Finding, FindingKind};
+
+/// Complete steps whose share is the job's usual (their median).
+const BASELINE_STEPS: usize = 16;
+/// Complete steps taken as the usual before any is judged.
+pub const BASELINE_MIN_STEPS: usize = 3;
+/// Steps a rank may be ahead of a step before it is judged without the
+/// ranks that have not reached it.
+const LAG_STEPS: u64 = 2;
+/// Steps held per job before the oldest is judged anyway.
+const MAX_PENDING: usize = 64;
+/// Ranks' steps kept per pending step, and CPUs counted per job.
+const MAX_RANKS: usize = 4096;
+
+/// One rank's finished step, as the job sees it.
+pub struct RankStep {
+    pub tgid: u32,
+    pub start: u64,
+    pub end: u64,
+    /// Time lost to outsiders.
+    pub lost: u64,
+    pub by: Takers,
+    /// The CPUs its main thread left in the step.
+    pub cpus: Vec<u32>,
+    /// The share of its steps it usually loses to outsiders (its own
+    /// baseline).
+    pub usual: f64,
+}
+
+#[derive(Default)]
+struct JobSteps {
+    /// Each rank counting steps, and the latest step it finished.
+    latest: HashMap<u32, u64>,
+    /// Steps not yet complete, by number.
+    pending: BTreeMap<u64, Vec<RankStep>>,
+    /// Shares of the job's recent uncontended steps.
+    usual: VecDeque<f64>,
+    /// Complete steps seen (judged or taken as the usual).
+    complete: usize,
+    /// The CPUs the job's main threads ran on.
+    cpus: BTreeSet<u32>,
+    /// Per rank, the time lost to outsiders above its usual, and the
+    /// time, over the contended run's steps (from its first).
+    in_run: HashMap<u32, (u64, u64)>,
+}
+
+/// When the job's top preemptor came among its ranks (from the ranks'
+/// own judgement): its first step and that step's start.
+pub type Came = Option<(u64, u64)>;
+
+#[derive(Default)]
+pub struct JobContention {
+    jobs: HashMap<String, JobSteps>,
+    runs: HashMap<String, Run>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_unstable_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+impl JobContention {
+    /// A rank left the job (its process ended): its steps are no longer
+    /// waited for; a job without ranks is forgotten.
+    pub fn forget(&mut self, tgid: u32, job: &str) {
+        if let Some(j) = self.jobs.get_mut(job) {
+            j.latest.remove(&tgid);
+            if j.latest.is_empty() {
+                self.jobs.remove(job);
+                self.runs.remove(job);
+            }
+        }
+    }
+
+    /// Rank `tgid` of `job` finished `step`. `came` names when a top
+    /// preemptor came among the job's ranks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_ended(
+        &mut self,
+        job: &str,
+        step: u64,
+        rs: RankStep,
+        cfg: &HostDetectConfig,
+        ranks: &Ranks,
+        came: impl Fn(u32) -> Came,
+        out: &mut Vec<Finding>,
+    ) {
+        let j = self.jobs.entry(job.to_string()).or_default();
+        let latest = j.latest.entry(rs.tgid).or_insert(step);
+        *latest = (*latest).max(step);
+        for cpu in &rs.cpus {
+            if j.cpus.len() < MAX_RANKS {
+                j.cpus.insert(*cpu);
+            }
+        }
+        let at = j.pending.entry(step).or_default();
+        if at.len() < MAX_RANKS {
+            at.push(rs);
+        }
+        loop {
+            let j = self.jobs.get_mut(job).expect("entered above");
+            let Some((&first, _)) = j.pending.first_key_value() else {
+                break;
+            };
+            let ahead = j.latest.values().copied().max().unwrap_or(0);
+            let all_past = j.latest.values().all(|&s| s >= first);
+            if !(all_past || ahead >= first + LAG_STEPS || j.pending.len() > MAX_PENDING) {
+                break;
+            }
+            let steps = j.pending.remove(&first).expect("its first key");
+            self.judge(job, first, steps, cfg, ranks, &came, out);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn judge(
+        &mut self,
+        job: &str,
+        step: u64,
+        steps: Vec<RankStep>,
+        cfg: &HostDetectConfig,
+        ranks: &Ranks,
+        came: &impl Fn(u32) -> Came,
+        out: &mut Vec<Finding>,
+    ) {
+        // One rank is no job: its own judgement covers it.
+        if steps.len() < 2 {
+            return;
+        }
+        let j = self
+            .jobs
+            .get_mut(job)
+            .expect("judged steps are of a known job");
+        let dur = {
+            let mut d: Vec<f64> = steps
+                .iter()
+                .map(|s| s.end.saturating_sub(s.start) as f64)
+                .collect();
+            median(&mut d).max(1.0) as u64
+        };
+        // The share of the job's CPU time outsiders took: what its ranks
+        // lost to them, over the CPUs the ranks can have at once (more
+        // ranks than CPUs: a rank waits its turn behind its siblings, so
+        // what an outsider takes shows spread thin over many ranks).
+        let lost: u64 = steps.iter().map(|s| s.lost).sum();
+        let cpus = (j.cpus.len().max(1)).min(steps.len()) as f64;
+        let share = lost as f64 / (dur as f64 * cpus);
+        j.complete += 1;
+        if j.complete <= BASELINE_MIN_STEPS {
+            j.usual.push_back(share);
+            return;
+        }
+        let usual = median(&mut j.usual.iter().copied().collect::<Vec<_>>());
+        let excess = ((share - usual).max(0.0) * dur as f64) as u64;
+        let contended = excess >= cfg.contention_min_lost.as_nanos() as u64
+            && excess.saturating_mul(100) >= dur * u64::from(cfg.contention_min_share_pct);
+        let in_run = self.runs.contains_key(job);
+        if !contended && !in_run {
+            j.usual.push_back(share);
+            if j.usual.len() > BASELINE_STEPS {
+                j.usual.pop_front();
+            }
+        }
+        if !in_run {
+            j.in_run.clear();
+        }
+        if contended || in_run {
+            for s in &steps {
+                if j.in_run.len() < MAX_RANKS || j.in_run.contains_key(&s.tgid) {
+                    let d = s.end.saturating_sub(s.start);
+                    let e = j.in_run.entry(s.tgid).or_default();
+                    e.0 += s.lost.saturating_sub((s.usual * d as f64) as u64);
+                    e.1 += d;
+                }
+            }
+        }
+        let mut by = Takers::new();
+        for s in &steps {
+            for (pid, t) in &s.by {
+                by.entry(*pid).or_default().merge(t);
+            }
+        }
+        let judged = Judged {
+            step,
+            start: steps.iter().map(|s| s.start).min().unwrap_or(0),
+            end: steps.iter().map(|s| s.end).max().unwrap_or(0),
+            dur,
+            lost,
+            excess,
+            contended,
+            usual,
+            by,
+        };
+        if !advance(&mut self.runs, job.to_string(), judged, cfg) {
+            return;
+        }
+        // Every rank alike: three ranks in four lost a noticeable share
+        // of their steps in the run above what each usually loses (a
+        // third of the job's mean, and a quarter of the contention
+        // share); an outsider on the CPUs of a few ranks is theirs to
+        // report (it stays unreported here while it lasts).
+        let j = &self.jobs[job];
+        let (all_lost, all_dur) = j
+            .in_run
+            .values()
+            .fold((0, 0), |a, v| (a.0 + v.0, a.1 + v.1));
+        let mean = all_lost as f64 / all_dur.max(1) as f64;
+        let bar = (mean / 3.0).max(f64::from(cfg.contention_min_share_pct) / 400.0);
+        let touched = j
+            .in_run
+            .values()
+            .filter(|(l, d)| *l as f64 >= bar * *d as f64)
+            .count();
+        let run = self.runs.get_mut(job).expect("advanced above");
+        if touched * 4 < j.latest.len() * 3 {
+            run.reported = false;
+            return;
+        }
+        let run = &self.runs[job];
+        let top = top_takers(&run.by);
+        let (first_step, start) = top
+            .first()
+            .and_then(|(pid, _)| came(**pid))
+            .map_or((run.first_step, run.start), |(step, start)| {
+                (step.min(run.first_step), start.min(run.start))
+            });
+        let j_cpus = self.jobs[job].cpus.len();
+        let mut job_ranks: Vec<u32> = j_ranks(self.jobs.get(job), ranks);
+        job_ranks.sort_unstable();
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let per_step = run.lost / run.steps;
+        let cpus = j_cpus.clamp(1, job_ranks.len().max(1));
+        let pct = 100.0 * run.lost as f64 / (run.dur.max(1) as f64 * cpus as f64);
+        let whose = if job.is_empty() {
+            "the job".to_string()
+        } else {
+            format!("job {job}")
+        };
+        out.push(Finding {
+            link: Default::default(),
+            kind: FindingKind::HostContention,
+            ranks: job_ranks.clone(),
+            comm: None,
+            seq: None,
+            step: Some(first_step),
+            start_ns: start,
+            end_ns: Some(run.end),
+            summary: format!(
+                "host_contention: every rank of {whose} ({} ranks on {j_cpus} CPUs) lost its CPU \
+                 to other processes: they took {pct:.0}% of the job's CPU time (usually {:.0}%), \
+                 {:.1} ms of its ranks' time per step, {} steps in a row from step {first_step}; \
+                 most by {}",
+                job_ranks.len(),
+                100.0 * run.usual_share,
+                ms(per_step),
+                run.steps,
+                taker_names(&top, job, ranks),
+            ),
+            evidence: json!({
+                "scope": "job",
+                "job": job,
+                "first_step": first_step,
+                "run_first_step": run.first_step,
+                "steps": run.steps,
+                // What the job's ranks lost together per step, and as a
+                // share of the job's CPU time (its step time on each of
+                // the CPUs its ranks ran on, `cpus`, at most one per
+                // rank).
+                "lost_ms_per_step": ms(per_step),
+                "cpus": j_cpus,
+                "ranks_touched": touched,
+                "lost_share_pct": pct,
+                "usual_share_pct": 100.0 * run.usual_share,
+                "step_ms": ms(run.dur / run.steps),
+                "preemptors": takers_json(&top, run.steps, ranks),
+            })
+            .with_thresholds(cfg),
+            detected_ns: run.end,
+        });
+    }
+}
+
+/// The ranks of a job's processes that count steps.
+fn j_ranks(j: Option<&JobSteps>, ranks: &Ranks) -> Vec<u32> {
+    j.map(|j| j.latest.keys().filter_map(|t| ranks.of(*t)).collect())
+        .unwrap_or_default()
+}
