@@ -86,6 +86,7 @@ fn open_allreduce(rank: u32, size: u32, seq: u64, start: u64) -> OpenCall {
         kind: CallKind::Collective(Collective::AllReduce),
         start_ts: start,
         comm: Some(ctx(rank, size, Some(seq))),
+        peer: None,
         thread: ThreadNow::Off {
             state: 1,
             since: start + 10,
@@ -102,6 +103,7 @@ fn open_sync(rank: u32, start: u64) -> OpenCall {
         kind: CallKind::Sync(SyncKind::Stream),
         start_ts: start,
         comm: None,
+        peer: None,
         thread: ThreadNow::OnCpu,
     }
 }
