@@ -14,6 +14,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use xpuscope_probes::decode::DeviceCall;
+use xpuscope_probes::decode::args::CallArgs;
 
 use crate::model::finding::FindingsDoc;
 use crate::model::{Finding, InFlightSnapshot, OpenCall, Record, ThreadNow};
@@ -35,6 +36,11 @@ fn job_pid(trace: usize, pid: i32) -> u32 {
 }
 
 fn open_call(c: DeviceCall) -> OpenCall {
+    // A send or receive still open counts as entered: its peer with it.
+    let peer = match &c.args {
+        CallArgs::SendRecv(s) => u32::try_from(s.peer).ok(),
+        _ => None,
+    };
     OpenCall {
         tgid: c.tgid,
         tid: c.tid,
@@ -43,6 +49,7 @@ fn open_call(c: DeviceCall) -> OpenCall {
         kind: c.kind,
         start_ts: c.start_ts,
         comm: c.comm,
+        peer,
         thread: ThreadNow::Unknown,
     }
 }

@@ -231,6 +231,8 @@ pub struct OpenCall {
     pub start_ts: u64,
     /// The communicator as the call's record will carry it.
     pub comm: Option<CommContext>,
+    /// A send's or receive's peer: its rank on that communicator.
+    pub peer: Option<u32>,
     pub thread: ThreadNow,
 }
 

@@ -180,6 +180,9 @@ pub struct InFlight {
     /// The communicator as the call's record will carry it (identity,
     /// rank, size, sequence number), for collectives and send/recv.
     pub context: Option<CommContext>,
+    /// The peer's rank on the communicator, for send/recv (None when the
+    /// argument is unread or negative).
+    pub peer: Option<u32>,
 }
 
 /// Counters: nothing is dropped without being counted.
@@ -285,6 +288,12 @@ impl Decoder {
                     }
                     _ => None,
                 };
+                let peer = match kind {
+                    CallKind::SendRecv(_) => {
+                        raw.u32(Role::Peer).filter(|&p| i32::try_from(p).is_ok())
+                    }
+                    _ => None,
+                };
                 InFlight {
                     tgid,
                     tid,
@@ -295,6 +304,7 @@ impl Decoder {
                     comm,
                     seq: p.seq.0,
                     context,
+                    peer,
                 }
             })
         })

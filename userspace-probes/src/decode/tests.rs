@@ -227,6 +227,28 @@ fn other_collectives_and_p2p() {
         ret("ncclRecv", 10, 0, &[]),
     );
     assert_eq!(c.name, "ncclRecv 4 MiB fp32 from 0");
+    // A receive still running names its peer (the hang detector counts it
+    // as entered); a negative peer is none.
+    let mut out = Vec::new();
+    d.on_entry(
+        &entry("ncclRecv", 13, [1, 1 << 20, 7, JUNK | 5, 0xc1, 0x51], &[]),
+        &mut out,
+    );
+    let open: Vec<_> = d.in_flight().map(|f| (f.function, f.peer)).collect();
+    assert_eq!(open, [("ncclRecv", Some(5))]);
+    d.on_return(&ret("ncclRecv", 14, 0, &[]), &mut out);
+    d.on_entry(
+        &entry(
+            "ncclSend",
+            15,
+            [1, 1 << 20, 7, u64::from(u32::MAX), 0xc1, 0x51],
+            &[],
+        ),
+        &mut out,
+    );
+    let open: Vec<_> = d.in_flight().map(|f| (f.function, f.peer)).collect();
+    assert_eq!(open, [("ncclSend", None)]);
+    d.on_return(&ret("ncclSend", 16, 0, &[]), &mut out);
     // HCCL enums differ: 11 is bf16, 4 fp32.
     let c = call(
         &mut d,

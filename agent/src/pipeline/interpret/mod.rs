@@ -204,6 +204,7 @@ impl Interpreter {
                 kind: c.kind,
                 start_ts: c.start_ts,
                 comm: c.context,
+                peer: c.peer,
                 thread: thread_now(c.tid),
             })
             .collect();

@@ -17,6 +17,13 @@
 //! all members; when members are not traced (fewer seen than the size),
 //! the stuck ranks. Without any communicator identity, the stuck rank(s).
 //!
+//! Point-to-point calls carry no sequence number; [`super::p2p`] counts
+//! them per peer, which says whom a stuck process waits for (its wait-for
+//! edges: it entered more receives from a peer than that peer entered
+//! sends to it, or the other way round). They go into every hang's
+//! evidence; a stuck call no collective explains names the peers it waits
+//! for, as a collective names the members that never entered.
+//!
 //! Why a member never entered: the snapshot also carries each rank's main
 //! thread, its state and the stack it left its CPU with; the finding says
 //! where that thread waits (`sleeping for 9.2 s in do_nanosleep <-
@@ -31,6 +38,7 @@ use xpuscope_probes::catalog::{CallKind, Library};
 use xpuscope_probes::decode::comm::CommContext;
 
 use super::Ranks;
+use super::p2p::{self, PointToPoint, Wait};
 use crate::model::finding::comm_name;
 use crate::model::{
     CommKey, DeviceCallRecord, Finding, FindingKind, InFlightSnapshot, MainThreadNow, OpenCall,
@@ -43,6 +51,8 @@ const MAX_REPORTED: usize = 4096;
 
 #[derive(Clone, Debug, Default)]
 struct Member {
+    /// Its rank on the communicator.
+    rank: Option<u32>,
     /// The highest exact sequence number it entered.
     last_seq: Option<u64>,
     /// The function of that collective.
@@ -68,6 +78,23 @@ pub struct HangDetector {
     reported_ops: HashSet<(CommKey, u64)>,
     /// The last snapshot's main threads, by process.
     main_threads: HashMap<u32, MainThreadNow>,
+    /// The sends and receives each process entered, per peer.
+    p2p: PointToPoint,
+}
+
+impl p2p::Members for HashMap<CommKey, CommState> {
+    fn rank_of(&self, comm: CommKey, tgid: u32) -> Option<u32> {
+        self.get(&comm)?.members.get(&tgid)?.rank
+    }
+
+    fn process_at(&self, comm: CommKey, rank: u32) -> Option<u32> {
+        self.get(&comm)?
+            .members
+            .iter()
+            .filter(|(_, m)| m.rank == Some(rank))
+            .map(|(t, _)| *t)
+            .min()
+    }
 }
 
 /// The job's own frames named for a waiting main thread.
@@ -159,6 +186,7 @@ impl HangDetector {
             reported_calls: HashSet::new(),
             reported_ops: HashSet::new(),
             main_threads: HashMap::new(),
+            p2p: PointToPoint::default(),
         }
     }
 
@@ -179,6 +207,7 @@ impl HangDetector {
         let comm = self.comms.entry(key).or_default();
         comm.size = cc.size.or(comm.size);
         let m = comm.members.entry(tgid).or_default();
+        m.rank = cc.rank.or(m.rank);
         if let (CallKind::Collective(_), true, Some(seq)) = (kind, cc.seq_exact, cc.seq)
             && m.last_seq.is_none_or(|s| s < seq)
         {
@@ -201,6 +230,7 @@ impl HangDetector {
                 call.start_ts,
             );
         }
+        self.p2p.device_call(c);
         if c.unmatched.is_none() {
             self.open
                 .retain(|o| (o.tgid, o.tid, o.start_ts) != (call.tgid, call.tid, call.start_ts));
@@ -223,6 +253,7 @@ impl HangDetector {
     pub fn process_ended(&mut self, tgid: u32) {
         self.open.retain(|c| c.tgid != tgid);
         self.main_threads.remove(&tgid);
+        self.p2p.process_ended(tgid);
         for key in self.of_process.remove(&tgid).unwrap_or_default() {
             if let Some(comm) = self.comms.get_mut(&key) {
                 comm.members.remove(&tgid);
@@ -239,6 +270,7 @@ impl HangDetector {
             && !self.main_threads.contains_key(&tgid)
             && self.comms.values().all(|c| !c.members.contains_key(&tgid))
             && self.open.iter().all(|c| c.tgid != tgid)
+            && self.p2p.forgot(tgid)
     }
 
     /// The operation a stuck call waits for: (communicator, sequence
@@ -335,11 +367,36 @@ impl HangDetector {
                     self.reported_ops.insert(op);
                 }
                 None => {
-                    out.push(self.lone_finding(c, now, ranks));
-                    self.reported_calls.insert(call_id(c));
+                    let waits = self.waits_of(&[c]);
+                    if waits.is_empty() {
+                        out.push(self.lone_finding(c, now, ranks));
+                        self.reported_calls.insert(call_id(c));
+                        continue;
+                    }
+                    // Its process's other stuck calls that no collective
+                    // explains wait for the same peers: one finding.
+                    let stuck: Vec<&OpenCall> = hung
+                        .iter()
+                        .filter(|h| h.tgid == c.tgid && !self.reported_calls.contains(&call_id(h)))
+                        .filter(|h| self.op_of(h, &hung_tgids).is_none())
+                        .collect();
+                    out.push(self.p2p_finding(&stuck, &waits, now, ranks));
+                    let ids: Vec<_> = stuck.iter().map(|s| call_id(s)).collect();
+                    self.reported_calls.extend(ids);
                 }
             }
         }
+    }
+
+    /// The point-to-point waits of the processes of `stuck`.
+    fn waits_of(&self, stuck: &[&OpenCall]) -> Vec<Wait> {
+        let mut tgids: Vec<u32> = stuck.iter().map(|c| c.tgid).collect();
+        tgids.sort_unstable();
+        tgids.dedup();
+        tgids
+            .into_iter()
+            .flat_map(|t| self.p2p.waits(t, &self.open, &self.comms))
+            .collect()
     }
 
     fn stuck_json(&self, c: &OpenCall, now: u64, ranks: &Ranks) -> Value {
@@ -437,11 +494,14 @@ impl HangDetector {
             .iter()
             .map(|(t, m)| format!("; {}", main_thread_words(ranks.describe(*t), m, now)))
             .collect();
+        // Whom the stuck ranks wait for point to point besides.
+        let waits = self.waits_of(stuck);
         let summary = format!(
-            "hang: {op} #{seq} on {name} ({size} ranks) {what}{waiting_words}{}",
+            "hang: {op} #{seq} on {name} ({size} ranks) {what}{waiting_words}{}{}",
             first
                 .map(|c| format!("; {}", self.stuck_words(c, now, ranks)))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            waits_words(&waits, ranks)
         );
         Finding {
             link: Default::default(),
@@ -468,6 +528,7 @@ impl HangDetector {
                     .iter()
                     .map(|(t, m)| main_thread_json(ranks.of(*t), m, now))
                     .collect::<Vec<_>>(),
+                "p2p_waits": waits.iter().map(|w| w.json(ranks)).collect::<Vec<_>>(),
             }),
             detected_ns: now,
         }
@@ -506,8 +567,84 @@ impl HangDetector {
                 "in_flight_s": now.saturating_sub(c.start_ts) as f64 / 1e9,
                 "hang_timeout_s": self.timeout_ns as f64 / 1e9,
                 "stuck": [self.stuck_json(c, now, ranks)],
+                "p2p_waits": [],
             }),
             detected_ns: now,
         }
     }
+
+    /// Stuck calls of one process that no collective explains, waiting
+    /// point to point (`waits`, not empty): the peers it waits for are
+    /// the finding's ranks, as the members that never entered are a
+    /// collective's.
+    fn p2p_finding(&self, stuck: &[&OpenCall], waits: &[Wait], now: u64, ranks: &Ranks) -> Finding {
+        let mut peers: Vec<u32> = waits.iter().map(|w| w.peer_tgid).collect();
+        peers.sort_by_key(|t| (ranks.of(*t), *t));
+        peers.dedup();
+        let mut culprits: Vec<u32> = peers.iter().filter_map(|t| ranks.of(*t)).collect();
+        culprits.dedup();
+        if culprits.is_empty() {
+            // Peers without a rank identity: the stuck rank, as alone.
+            culprits.extend(stuck.iter().filter_map(|c| ranks.of(c.tgid)));
+            culprits.sort_unstable();
+            culprits.dedup();
+        }
+        let first = stuck.iter().min_by_key(|c| c.start_ts).copied();
+        let comm = waits
+            .first()
+            .map(|w| comm_name(w.channel.comm.0.name(), w.channel.comm.1));
+        // Where the peers it waits for are.
+        let waiting: Vec<(u32, &MainThreadNow)> = peers
+            .iter()
+            .filter_map(|t| self.main_threads.get(t).map(|m| (*t, m)))
+            .collect();
+        let waiting_words: String = waiting
+            .iter()
+            .map(|(t, m)| format!("; {}", main_thread_words(ranks.describe(*t), m, now)))
+            .collect();
+        let edges = waits
+            .iter()
+            .map(|w| w.words(ranks))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let summary = format!(
+            "hang: {edges}{waiting_words}{}",
+            first
+                .map(|c| format!("; {}", self.stuck_words(c, now, ranks)))
+                .unwrap_or_default()
+        );
+        Finding {
+            link: Default::default(),
+            kind: FindingKind::Hang,
+            ranks: culprits,
+            comm: comm.clone(),
+            seq: None,
+            step: None,
+            start_ns: first.map_or(now, |c| c.start_ts),
+            end_ns: None,
+            summary,
+            evidence: json!({
+                "op": first.map(|c| c.function),
+                "comm": comm,
+                "in_flight_s": first.map_or(0.0, |c| now.saturating_sub(c.start_ts) as f64 / 1e9),
+                "hang_timeout_s": self.timeout_ns as f64 / 1e9,
+                "stuck": stuck.iter().map(|c| self.stuck_json(c, now, ranks)).collect::<Vec<_>>(),
+                "p2p_waits": waits.iter().map(|w| w.json(ranks)).collect::<Vec<_>>(),
+                "waited_for_main_threads": waiting
+                    .iter()
+                    .map(|(t, m)| main_thread_json(ranks.of(*t), m, now))
+                    .collect::<Vec<_>>(),
+            }),
+            detected_ns: now,
+        }
+    }
+}
+
+/// "; rank 1 waits to receive its 7th message from rank 3 on ..., which
+/// sent 6" for each wait ("" for none).
+fn waits_words(waits: &[Wait], ranks: &Ranks) -> String {
+    waits
+        .iter()
+        .map(|w| format!("; {}", w.words(ranks)))
+        .collect()
 }

@@ -12,11 +12,19 @@
 //!   own crash after it; a leak explains its own rank's `device_oom`;
 //! - a hang explains a hang whose missing ranks are all waiting in it (the
 //!   wait-for edges between communicators: follow them to the ranks that
-//!   wait on nothing collective); of two hangs missing the same rank, the
-//!   earlier explains the later (one incident per culprit); a hang that
-//!   every member entered and none left follows from a hang, open at the
-//!   same time, that a rank never entered (its members wait, through their
-//!   streams, on point-to-point work with the stuck ranks);
+//!   wait on nothing collective);
+//! - a hang explains a hang without a missing member whose point-to-point
+//!   waits (`p2p_waits`: its stuck ranks entered more sends or receives
+//!   than their peers matched) all point to ranks missing from it or stuck
+//!   in it (follow them to the rank that waits on nothing);
+//! - of two hangs missing the same rank, the earlier explains the later
+//!   (one incident per culprit), unless the later explains the earlier by
+//!   its point-to-point waits (a collective that the rank never entered
+//!   says more than a peer's wait for it);
+//! - without point-to-point waits (traces of calls without their peers),
+//!   a hang that every member entered and none left follows from a hang,
+//!   open at the same time, that a rank never entered (its members wait,
+//!   through their streams, on point-to-point work with the stuck ranks);
 //! - a data-loader stall or host contention explains a late arrival or
 //!   slow rank whose lateness overlaps it (contention from up to two of
 //!   its steps before its first: its onset trails the neighbour when the
@@ -99,6 +107,50 @@ fn missing_none(f: &Finding) -> bool {
     f.evidence["never_entered"]
         .as_array()
         .is_none_or(|a| a.is_empty())
+}
+
+/// The ranks a hang's stuck ranks wait for point to point (its
+/// `p2p_waits`' peers).
+fn p2p_peers(f: &Finding) -> BTreeSet<u32> {
+    f.evidence["p2p_waits"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| w["peer"].as_u64())
+        .map(|v| v as u32)
+        .collect()
+}
+
+/// The ranks a hang holds up: those that never entered it and those stuck
+/// in it.
+fn held_ranks(g: &Finding) -> BTreeSet<u32> {
+    let mut r: BTreeSet<u32> = g.evidence["never_entered"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_u64())
+        .map(|v| v as u32)
+        .collect();
+    r.extend(
+        g.evidence["stuck"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s["rank"].as_u64())
+            .map(|v| v as u32),
+    );
+    r
+}
+
+/// Whether hang `f`, missing no member, waits point to point for ranks
+/// that all never entered hang `g` or are stuck in it.
+fn waits_into(g: &Finding, f: &Finding) -> bool {
+    let peers = p2p_peers(f);
+    if peers.is_empty() || !missing_none(f) {
+        return false;
+    }
+    let held = held_ranks(g);
+    peers.iter().all(|r| held.contains(r))
 }
 
 fn shares_rank(a: &Finding, b: &Finding) -> bool {
@@ -188,15 +240,23 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
                 if f.ranks.iter().all(|r| waiting.contains(r)) {
                     return Some(1);
                 }
-                if g_first && shares_rank(g, f) {
+                // Its stuck ranks wait point to point for ranks that are
+                // missing from `g` or stuck in it.
+                if waits_into(g, f) {
+                    return Some(1);
+                }
+                if g_first && shares_rank(g, f) && !waits_into(f, g) {
                     return Some(2);
                 }
                 // Every member entered and none left: they wait inside it
                 // on work their streams hold behind something else (a
                 // pipeline send or receive to a peer that is itself stuck),
-                // which the host does not see; a hang that a rank never
-                // entered, open at the same time, is what the job waits for.
-                if missing_none(f) && !missing_none(g) && overlaps(g, f) {
+                // which the host sees only where it counted the sends and
+                // receives (`p2p_waits`); without them, a hang that a rank
+                // never entered, open at the same time, is what the job
+                // waits for.
+                if missing_none(f) && p2p_peers(f).is_empty() && !missing_none(g) && overlaps(g, f)
+                {
                     return Some(3);
                 }
             }

@@ -104,6 +104,68 @@ fn a_collective_every_member_entered_follows_from_the_one_a_rank_never_entered()
     );
 }
 
+/// A hang of `stuck` that no collective explains, waiting point to point
+/// for `peers` (the detector's `p2p_waits`).
+fn p2p_hang(stuck: u32, peers: &[u32], start_ms: u64) -> Finding {
+    let mut f = finding(FindingKind::Hang, peers, None, (start_ms, start_ms));
+    f.end_ns = None;
+    f.comm = Some(format!("pp{stuck}"));
+    f.evidence = json!({
+        "stuck": [{"rank": stuck}],
+        "p2p_waits": peers.iter().map(|p| json!({"rank": stuck, "peer": p, "op": "recv"}))
+            .collect::<Vec<_>>(),
+    });
+    f
+}
+
+#[test]
+fn point_to_point_waits_lead_to_the_hang_that_holds_their_peer() {
+    // Rank 5 never entered the DP all-reduce rank 7 waits in. Rank 1
+    // waits to receive from rank 5 and began waiting first; ranks 0 and 2
+    // are inside a TP collective every member entered, rank 2 also waiting
+    // to receive from rank 7 (stuck in the all-reduce); an unrelated hang
+    // that rank 9 never entered is open at the same time.
+    let mut all_in = hang("tp02", &[0, 2], &[0, 2], 1_200);
+    all_in.evidence["never_entered"] = json!([]);
+    all_in.evidence["p2p_waits"] = json!([{"rank": 2, "peer": 7, "op": "recv"}]);
+    let mut found = vec![
+        p2p_hang(1, &[5], 900),
+        hang("dp57", &[5], &[7], 1_000),
+        all_in,
+        hang("other", &[9], &[8], 1_100),
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![5], None),
+            (1, FindingKind::Hang, vec![5], Some(1)),
+            (1, FindingKind::Hang, vec![0, 2], Some(1)),
+            (2, FindingKind::Hang, vec![9], None),
+        ]
+    );
+    assert_eq!(
+        found[0].comm.as_deref(),
+        Some("dp57"),
+        "the collective rank 5 never entered says more than a wait for it"
+    );
+    assert_eq!(found[1].comm.as_deref(), Some("pp1"));
+}
+
+#[test]
+fn a_chain_of_point_to_point_waits_is_rooted_at_the_rank_that_waits_on_nothing() {
+    // 0 waits for 1, 1 waits for 3, 3 is in no call.
+    let mut found = vec![p2p_hang(0, &[1], 1_000), p2p_hang(1, &[3], 1_010)];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        vec![
+            (1, FindingKind::Hang, vec![3], None),
+            (1, FindingKind::Hang, vec![1], Some(1)),
+        ]
+    );
+}
+
 #[test]
 fn ranks_waiting_for_each_other_are_one_incident() {
     let mut found = vec![hang("a", &[1], &[0], 1_000), hang("b", &[0], &[1], 1_010)];

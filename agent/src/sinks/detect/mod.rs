@@ -5,7 +5,9 @@
 //! - [`hang`]: a collective or sync in flight longer than `hang_timeout`
 //!   (from the interpret stage's in-flight snapshots); for a collective,
 //!   the members that never entered it, from the communicator's members
-//!   and their sequence numbers.
+//!   and their sequence numbers; for a send, receive or sync, the peers
+//!   it waits for point to point ([`p2p`]: sends and receives counted per
+//!   peer).
 //! - [`oom`]: a device allocation that failed for want of memory and that
 //!   its retry did not get, its stack and the largest live sites.
 //! - [`device_error`]: any other failure of a device call (a lost device,
@@ -44,6 +46,9 @@ mod incidents_tests;
 pub mod job_contention;
 pub mod memory_leak;
 pub mod oom;
+pub mod p2p;
+#[cfg(test)]
+mod p2p_tests;
 pub mod step_marks;
 #[cfg(test)]
 mod tests;
@@ -299,7 +304,8 @@ impl Detectors {
         note_step_source(&mut out[first_new..]);
     }
 
-    /// A hang's step: the step the rank that never entered was in when its
+    /// A hang's step: the step the rank that never entered (or, without
+    /// one, the first peer waited for point to point) was in when its
     /// peers began waiting (its all-reduces before then, or its own step
     /// markers), else the stuck member's; the same online and offline (the
     /// offline snapshots have no main threads, so the rank is looked up).
@@ -316,6 +322,7 @@ impl Detectors {
             let pid = pid as u32;
             let missing = f.evidence["never_entered"][0]
                 .as_u64()
+                .or_else(|| f.evidence["p2p_waits"][0]["peer"].as_u64())
                 .and_then(|r| self.ranks.tgid_of_rank(r as u32, self.ranks.job_of(pid)));
             f.step = self
                 .collective

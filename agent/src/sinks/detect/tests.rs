@@ -15,10 +15,10 @@ use crate::model::{
     DeviceCallRecord, FindingKind, InFlightSnapshot, LiveSiteRow, OpenCall, Site, ThreadNow,
 };
 
-const S: u64 = 1_000_000_000;
+pub(super) const S: u64 = 1_000_000_000;
 const HASH: u64 = 0x3f2a_0000_0000_0001;
 
-fn detectors(timeout_s: u64) -> Detectors {
+pub(super) fn detectors(timeout_s: u64) -> Detectors {
     Detectors::new(DetectConfig {
         hang_timeout: Duration::from_secs(timeout_s),
         ..DetectConfig::default()
@@ -45,7 +45,13 @@ fn ctx(rank: u32, size: u32, seq: Option<u64>) -> CommContext {
     }
 }
 
-fn call(tgid: u32, kind: CallKind, function: &'static str, start: u64, end: u64) -> DeviceCall {
+pub(super) fn call(
+    tgid: u32,
+    kind: CallKind,
+    function: &'static str,
+    start: u64,
+    end: u64,
+) -> DeviceCall {
     DeviceCall {
         library: Library::Nccl,
         function,
@@ -65,7 +71,7 @@ fn call(tgid: u32, kind: CallKind, function: &'static str, start: u64, end: u64)
 }
 
 /// A finished all-reduce of rank `rank` (pid 100 + rank) on the comm.
-fn allreduce(rank: u32, size: u32, seq: u64, start: u64) -> Record {
+pub(super) fn allreduce(rank: u32, size: u32, seq: u64, start: u64) -> Record {
     let mut c = call(
         100 + rank,
         CallKind::Collective(Collective::AllReduce),
@@ -86,6 +92,7 @@ fn open_allreduce(rank: u32, size: u32, seq: u64, start: u64) -> OpenCall {
         kind: CallKind::Collective(Collective::AllReduce),
         start_ts: start,
         comm: Some(ctx(rank, size, Some(seq))),
+        peer: None,
         thread: ThreadNow::Off {
             state: 1,
             since: start + 10,
@@ -93,7 +100,7 @@ fn open_allreduce(rank: u32, size: u32, seq: u64, start: u64) -> OpenCall {
     }
 }
 
-fn open_sync(rank: u32, start: u64) -> OpenCall {
+pub(super) fn open_sync(rank: u32, start: u64) -> OpenCall {
     OpenCall {
         tgid: 100 + rank,
         tid: 100 + rank,
@@ -102,11 +109,12 @@ fn open_sync(rank: u32, start: u64) -> OpenCall {
         kind: CallKind::Sync(SyncKind::Stream),
         start_ts: start,
         comm: None,
+        peer: None,
         thread: ThreadNow::OnCpu,
     }
 }
 
-fn snapshot(ts: u64, calls: Vec<OpenCall>) -> Record {
+pub(super) fn snapshot(ts: u64, calls: Vec<OpenCall>) -> Record {
     Record::InFlight(Box::new(InFlightSnapshot {
         ts,
         calls,
@@ -114,7 +122,7 @@ fn snapshot(ts: u64, calls: Vec<OpenCall>) -> Record {
     }))
 }
 
-fn feed(d: &mut Detectors, records: &[Record]) -> Vec<Finding> {
+pub(super) fn feed(d: &mut Detectors, records: &[Record]) -> Vec<Finding> {
     let mut out = Vec::new();
     for r in records {
         d.record(r, &mut out);

@@ -382,6 +382,7 @@ fn the_hang_gauge_and_findings() {
         kind: CallKind::Collective(Collective::AllReduce),
         start_ts: start,
         comm: None,
+        peer: None,
         thread: ThreadNow::Unknown,
     };
     let snap = |ts: u64, calls: Vec<OpenCall>| {
