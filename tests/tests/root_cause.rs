@@ -534,55 +534,65 @@ fn a_noisy_neighbour_among_oversubscribed_ranks_is_one_incident_on_its_cpu() {
 }
 
 /// An outsider on every CPU of the job (a process spinning two threads
-/// per CPU, not pinned) from step 5 of an 8-rank job (tp 2, pp 2, dp 2)
-/// with 10 ms of host work per step, more ranks than CPUs: every rank
-/// loses its CPU to it alike, so no rank suffers it more than its peers.
-/// Online and offline: one incident, its root a job-level
-/// `host_contention` naming every rank and the outsider, at its step
-/// (within 2); a rank's own contention, if any, comes under it.
+/// per CPU, not pinned) from step 5, on an 8-rank job (tp 2, pp 2, dp 2,
+/// more ranks than CPUs) and on a 2-rank job of the other flavor, both
+/// with 10 ms of host work per step: every rank loses its CPU to it
+/// alike, so no rank suffers it more than its peers. Online and offline:
+/// one incident, its root a job-level `host_contention` naming every
+/// rank and the outsider, at its step (within 2); a rank's own
+/// contention, if any, comes under it.
 #[test]
 fn an_outsider_on_every_cpu_is_one_job_level_incident() {
     let _serial = exclusive();
-    let mut layout = TP2_PP2_DP2.to_vec();
-    layout.extend(["--host-us", "10000"]);
-    let run = record(
-        "rchog8",
-        "nvidia",
-        &layout,
-        "40",
-        "cpu_hog:from_step=5",
-        &[],
-    );
-    let fault = &run.ground_truth["faults"][0];
-    let hog = fault["injected"][0]["neighbour_pid"].clone();
-    assert!(hog.is_u64(), "the hog started: {fault:#}");
-    let every = fault["expected"]["ranks"].clone();
-    assert_eq!(every.as_array().map(Vec::len), Some(8), "{fault:#}");
-    for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
-        check_links(&found, driver);
-        let r = fault_incidents(&found, Some(5), driver);
-        assert_eq!(r.len(), 1, "{driver}: one incident:\n{}", listing(&found));
-        let root = r[0];
-        assert_eq!(found[0], *root, "{driver}: the root comes first");
-        assert_eq!(
-            root["kind"],
-            "host_contention",
-            "{driver}:\n{}",
-            listing(&found)
+    let eight: Vec<&str> = TP2_PP2_DP2
+        .iter()
+        .copied()
+        .chain(["--host-us", "10000"])
+        .collect();
+    let two = ["--host-us", "10000"];
+    for (flavor, layout, what) in [
+        ("nvidia", &eight[..], "8 ranks"),
+        ("ascend", &two[..], "2 ranks"),
+    ] {
+        let run = record(
+            &format!("rchog-{flavor}"),
+            flavor,
+            layout,
+            "40",
+            "cpu_hog:from_step=5",
+            &[],
         );
-        assert_eq!(root["ranks"], every, "{driver}: every rank: {root:#}");
-        assert_eq!(root["evidence"]["scope"], "job", "{driver}: {root:#}");
-        assert_eq!(
-            root["evidence"]["preemptors"][0]["pid"], hog,
-            "{driver}: {root:#}"
-        );
-        for f in found
-            .iter()
-            .filter(|f| f["incident"] == root["incident"])
-            .skip(1)
-        {
-            assert!(f["cause"].is_u64(), "{driver}: a consequence: {f:#}");
+        let fault = &run.ground_truth["faults"][0];
+        let hog = fault["injected"][0]["neighbour_pid"].clone();
+        assert!(hog.is_u64(), "the hog started: {fault:#}");
+        let every = fault["expected"]["ranks"].clone();
+        for (driver, found) in [("online", online(&run)), ("offline", offline(&run, &[]).0)] {
+            let driver = format!("{what} {flavor} {driver}");
+            check_links(&found, &driver);
+            let r = fault_incidents(&found, Some(5), &driver);
+            assert_eq!(r.len(), 1, "{driver}: one incident:\n{}", listing(&found));
+            let root = r[0];
+            assert_eq!(found[0], *root, "{driver}: the root comes first");
+            assert_eq!(
+                root["kind"],
+                "host_contention",
+                "{driver}:\n{}",
+                listing(&found)
+            );
+            assert_eq!(root["ranks"], every, "{driver}: every rank: {root:#}");
+            assert_eq!(root["evidence"]["scope"], "job", "{driver}: {root:#}");
+            assert_eq!(
+                root["evidence"]["preemptors"][0]["pid"], hog,
+                "{driver}: {root:#}"
+            );
+            for f in found
+                .iter()
+                .filter(|f| f["incident"] == root["incident"])
+                .skip(1)
+            {
+                assert!(f["cause"].is_u64(), "{driver}: a consequence: {f:#}");
+            }
+            matrix_line(&format!("hog {driver}"), &found, root, Some(5));
         }
-        matrix_line(&format!("hog 8 ranks {driver}"), &found, root, Some(5));
     }
 }

@@ -487,9 +487,7 @@ impl ContentionDetector {
             let job = ranks.job_of(w.tgid);
             let presence = self.presence.get(job);
             let came = |pid: u32| presence?.get(&pid).map(|p| (p.first_step, p.first_start));
-            let own = self.usual.get(&w.tgid).map_or(0.0, own_baseline);
             let rs = RankStep {
-                usual: own,
                 tgid: w.tgid,
                 start: w.start,
                 end: w.end,

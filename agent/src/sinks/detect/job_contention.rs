@@ -47,6 +47,10 @@ const LAG_STEPS: u64 = 2;
 const MAX_PENDING: usize = 64;
 /// Ranks' steps kept per pending step, and CPUs counted per job.
 const MAX_RANKS: usize = 4096;
+/// The weight of an uncontended step in an outsider's usual share.
+const USUAL_WEIGHT: f64 = 0.2;
+/// Outsiders counted per rank over a run.
+const MAX_TAKERS: usize = 256;
 
 /// One rank's finished step, as the job sees it.
 pub struct RankStep {
@@ -58,9 +62,6 @@ pub struct RankStep {
     pub by: Takers,
     /// The CPUs its main thread left in the step.
     pub cpus: Vec<u32>,
-    /// The share of its steps it usually loses to outsiders (its own
-    /// baseline).
-    pub usual: f64,
 }
 
 #[derive(Default)]
@@ -75,9 +76,15 @@ struct JobSteps {
     complete: usize,
     /// The CPUs the job's main threads ran on.
     cpus: BTreeSet<u32>,
-    /// Per rank, the time lost to outsiders above its usual, and the
-    /// time, over the contended run's steps (from its first).
-    in_run: HashMap<u32, (u64, u64)>,
+    /// Per rank, over the contended run's steps (from its first): the
+    /// time each outsider took from it, and the time.
+    in_run: HashMap<u32, (HashMap<u32, u64>, u64)>,
+    /// Per outsider, the share of a rank's step it usually takes (a
+    /// moving average over the job's uncontended steps): the launcher's
+    /// polling, a daemon's wake-ups.
+    usual_by: HashMap<u32, f64>,
+    /// Steps `usual_by` was taken from.
+    usual_steps: usize,
 }
 
 /// When the job's top preemptor came among its ranks (from the ranks'
@@ -184,6 +191,8 @@ impl JobContention {
         j.complete += 1;
         if j.complete <= BASELINE_MIN_STEPS {
             j.usual.push_back(share);
+            j.usual_steps += 1;
+            note_usual_takers(&mut j.usual_by, &steps, j.usual_steps);
             return;
         }
         let usual = median(&mut j.usual.iter().copied().collect::<Vec<_>>());
@@ -196,6 +205,8 @@ impl JobContention {
             if j.usual.len() > BASELINE_STEPS {
                 j.usual.pop_front();
             }
+            j.usual_steps += 1;
+            note_usual_takers(&mut j.usual_by, &steps, j.usual_steps);
         }
         if !in_run {
             j.in_run.clear();
@@ -203,10 +214,13 @@ impl JobContention {
         if contended || in_run {
             for s in &steps {
                 if j.in_run.len() < MAX_RANKS || j.in_run.contains_key(&s.tgid) {
-                    let d = s.end.saturating_sub(s.start);
-                    let e = j.in_run.entry(s.tgid).or_default();
-                    e.0 += s.lost.saturating_sub((s.usual * d as f64) as u64);
-                    e.1 += d;
+                    let (took, d) = j.in_run.entry(s.tgid).or_default();
+                    *d += s.end.saturating_sub(s.start);
+                    for (pid, t) in &s.by {
+                        if took.len() < MAX_TAKERS || took.contains_key(pid) {
+                            *took.entry(*pid).or_default() += t.ns;
+                        }
+                    }
                 }
             }
         }
@@ -230,25 +244,45 @@ impl JobContention {
         if !advance(&mut self.runs, job.to_string(), judged, cfg) {
             return;
         }
-        // Every rank alike: three ranks in four lost a noticeable share
-        // of their steps in the run above what each usually loses (a
-        // third of the job's mean, and a quarter of the contention
-        // share); an outsider on the CPUs of a few ranks is theirs to
-        // report (it stays unreported here while it lasts).
+        // Every rank alike: the outsider that took the most took a
+        // noticeable share of three ranks' steps in four in the run (a
+        // third of its mean share, and a quarter of the contention
+        // share); one on the CPUs of a few ranks is theirs to report (and
+        // stays unreported here while it lasts), as are the others that
+        // come to those ranks when it crowds them out of their CPUs.
         let j = &self.jobs[job];
-        let (all_lost, all_dur) = j
-            .in_run
-            .values()
-            .fold((0, 0), |a, v| (a.0 + v.0, a.1 + v.1));
-        let mean = all_lost as f64 / all_dur.max(1) as f64;
+        // What each outsider took in the run above what it usually takes.
+        let all_dur: u64 = j.in_run.values().map(|v| v.1).sum();
+        let mut above: HashMap<u32, f64> = HashMap::new();
+        for (took, _) in j.in_run.values() {
+            for (pid, ns) in took {
+                *above.entry(*pid).or_default() += *ns as f64;
+            }
+        }
+        for (pid, v) in above.iter_mut() {
+            *v -= j.usual_by.get(pid).copied().unwrap_or(0.0) * all_dur as f64;
+        }
+        let Some((&top_pid, &top_above)) = above
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(a.0)))
+        else {
+            return;
+        };
+        let usual_top = j.usual_by.get(&top_pid).copied().unwrap_or(0.0);
+        let mean = top_above / all_dur.max(1) as f64;
         let bar = (mean / 3.0).max(f64::from(cfg.contention_min_share_pct) / 400.0);
         let touched = j
             .in_run
             .values()
-            .filter(|(l, d)| *l as f64 >= bar * *d as f64)
+            .filter(|(took, d)| {
+                let t = took.get(&top_pid).copied().unwrap_or(0) as f64;
+                t - usual_top * *d as f64 >= bar * *d as f64
+            })
             .count();
         let run = self.runs.get_mut(job).expect("advanced above");
-        if touched * 4 < j.latest.len() * 3 {
+        // (Ranks that left during the run still count: the job's ranks
+        // end one by one.)
+        if touched * 4 < j.in_run.len().max(j.latest.len()) * 3 {
             run.reported = false;
             return;
         }
@@ -314,6 +348,31 @@ impl JobContention {
             detected_ns: run.end,
         });
     }
+}
+
+/// Moves each outsider's usual share towards what it took in an
+/// uncontended step (its share of the ranks' time).
+/// The first steps weigh alike (a mean), later ones [`USUAL_WEIGHT`].
+fn note_usual_takers(usual: &mut HashMap<u32, f64>, steps: &[RankStep], seen: usize) {
+    let weight = USUAL_WEIGHT.max(1.0 / seen.max(1) as f64);
+    let dur: u64 = steps.iter().map(|s| s.end.saturating_sub(s.start)).sum();
+    let mut now: HashMap<u32, u64> = HashMap::new();
+    for s in steps {
+        for (pid, t) in &s.by {
+            if now.len() < MAX_TAKERS || now.contains_key(pid) {
+                *now.entry(*pid).or_default() += t.ns;
+            }
+        }
+    }
+    for v in usual.values_mut() {
+        *v *= 1.0 - weight;
+    }
+    for (pid, ns) in now {
+        if usual.len() < MAX_TAKERS || usual.contains_key(&pid) {
+            *usual.entry(pid).or_default() += weight * ns as f64 / dur.max(1) as f64;
+        }
+    }
+    usual.retain(|_, v| *v >= 1e-4);
 }
 
 /// The ranks of a job's processes that count steps.
