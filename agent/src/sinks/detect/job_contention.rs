@@ -30,10 +30,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use serde_json::json;
 
 use super::Ranks;
-use super::host_config::HostDetectConfig;
-use super::host_contention::{
+use super::contention_runs::{
     Judged, Run, Takers, WithThresholds, advance, taker_names, takers_json, top_takers,
 };
+use super::host_config::HostDetectConfig;
 use crate::model::{Finding, FindingKind};
 
 /// Complete steps whose share is the job's usual (their median).

@@ -30,6 +30,7 @@
 pub mod collective;
 #[cfg(test)]
 mod collective_tests;
+pub mod contention_runs;
 pub mod crash;
 pub mod dataloader_stall;
 pub mod device_compute;
