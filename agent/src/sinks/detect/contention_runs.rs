@@ -140,6 +140,36 @@ pub fn takers_json(top: &[(&u32, &Taken)], steps: u64, ranks: &Ranks) -> Vec<ser
         .collect()
 }
 
+impl Run {
+    /// The evidence a reported run gives, with `own` (the finding's own
+    /// keys) added: when it began (`first_step`, and the run's own first
+    /// step), its steps, what was lost per step and usually, the step
+    /// time and the top preemptors.
+    pub fn evidence(
+        &self,
+        first_step: u64,
+        top: &[(&u32, &Taken)],
+        ranks: &Ranks,
+        own: serde_json::Value,
+    ) -> serde_json::Value {
+        let steps = self.steps.max(1);
+        let mut v = json!({
+            "first_step": first_step,
+            // The first step of the contended run itself.
+            "run_first_step": self.first_step,
+            "steps": self.steps,
+            "lost_ms_per_step": ms(self.lost / steps),
+            "usual_share_pct": 100.0 * self.usual_share,
+            "step_ms": ms(self.dur / steps),
+            "preemptors": takers_json(top, steps, ranks),
+        });
+        if let (Some(e), serde_json::Value::Object(own)) = (v.as_object_mut(), own) {
+            e.extend(own);
+        }
+        v
+    }
+}
+
 /// Evidence with the thresholds it was judged by.
 pub trait WithThresholds {
     fn with_thresholds(self, cfg: &HostDetectConfig) -> Self;

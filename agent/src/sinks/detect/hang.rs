@@ -399,6 +399,25 @@ impl HangDetector {
             .collect()
     }
 
+    /// The main threads of `tgids` as the last snapshot saw them, and
+    /// "; rank 3's main thread sleeping for 9.2 s in ..." for each.
+    fn where_they_wait(
+        &self,
+        tgids: &[u32],
+        now: u64,
+        ranks: &Ranks,
+    ) -> (Vec<(u32, &MainThreadNow)>, String) {
+        let waiting: Vec<(u32, &MainThreadNow)> = tgids
+            .iter()
+            .filter_map(|t| self.main_threads.get(t).map(|m| (*t, m)))
+            .collect();
+        let words = waiting
+            .iter()
+            .map(|(t, m)| format!("; {}", main_thread_words(ranks.describe(*t), m, now)))
+            .collect();
+        (waiting, words)
+    }
+
     fn stuck_json(&self, c: &OpenCall, now: u64, ranks: &Ranks) -> Value {
         json!({
             "rank": ranks.of(c.tgid),
@@ -486,14 +505,7 @@ impl HangDetector {
         };
         let first = stuck.iter().min_by_key(|s| s.start_ts);
         // Where the members that never entered wait.
-        let waiting: Vec<(u32, &MainThreadNow)> = never
-            .iter()
-            .filter_map(|t| self.main_threads.get(t).map(|m| (*t, m)))
-            .collect();
-        let waiting_words: String = waiting
-            .iter()
-            .map(|(t, m)| format!("; {}", main_thread_words(ranks.describe(*t), m, now)))
-            .collect();
+        let (waiting, waiting_words) = self.where_they_wait(&never, now, ranks);
         // Whom the stuck ranks wait for point to point besides.
         let waits = self.waits_of(stuck);
         let summary = format!(
@@ -594,14 +606,7 @@ impl HangDetector {
             .first()
             .map(|w| comm_name(w.channel.comm.0.name(), w.channel.comm.1));
         // Where the peers it waits for are.
-        let waiting: Vec<(u32, &MainThreadNow)> = peers
-            .iter()
-            .filter_map(|t| self.main_threads.get(t).map(|m| (*t, m)))
-            .collect();
-        let waiting_words: String = waiting
-            .iter()
-            .map(|(t, m)| format!("; {}", main_thread_words(ranks.describe(*t), m, now)))
-            .collect();
+        let (waiting, waiting_words) = self.where_they_wait(&peers, now, ranks);
         let edges = waits
             .iter()
             .map(|w| w.words(ranks))

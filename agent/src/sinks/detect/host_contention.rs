@@ -40,7 +40,7 @@ use serde_json::json;
 use super::Ranks;
 use super::contention_runs::{
     Judged, MAX_PREEMPTORS, Run, Taken, Takers, WithThresholds, advance, ms, taker_names,
-    takers_json, top_takers,
+    top_takers,
 };
 use super::host_config::HostDetectConfig;
 use super::host_steps::Window;
@@ -332,19 +332,14 @@ impl ContentionDetector {
                 run.steps,
                 first_step
             ),
-            evidence: json!({
-                "pid": w.tgid,
-                "first_step": first_step,
-                // The first step of the contended run itself.
-                "run_first_step": run.first_step,
-                "steps": run.steps,
-                "lost_ms_per_step": ms(per_step),
-                "lost_share_pct": share,
-                "usual_share_pct": 100.0 * run.usual_share,
-                "step_ms": ms(run.dur / run.steps),
-                "preemptors": takers_json(&top, run.steps, ranks),
-            })
-            .with_thresholds(cfg),
+            evidence: run
+                .evidence(
+                    first_step,
+                    &top,
+                    ranks,
+                    json!({ "pid": w.tgid, "lost_share_pct": share }),
+                )
+                .with_thresholds(cfg),
             detected_ns: w.end,
         });
     }

@@ -81,24 +81,31 @@ fn is_fatal(kind: FindingKind) -> bool {
     )
 }
 
-/// The ranks a hang finding's members wait with: those that entered the
-/// operation, or are stuck in it.
-fn waiting_ranks(f: &Finding) -> BTreeSet<u32> {
-    let mut r: BTreeSet<u32> = f.evidence["entered"]
-        .as_array()
+/// The ranks listed in `v`, an array of numbers.
+fn ranks_in(v: &serde_json::Value) -> BTreeSet<u32> {
+    v.as_array()
         .into_iter()
         .flatten()
         .filter_map(|v| v.as_u64())
         .map(|v| v as u32)
-        .collect();
-    r.extend(
-        f.evidence["stuck"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|s| s["rank"].as_u64())
-            .map(|v| v as u32),
-    );
+        .collect()
+}
+
+/// The ranks stuck in a hang (its evidence's `stuck`).
+fn stuck_ranks(f: &Finding) -> impl Iterator<Item = u32> + '_ {
+    f.evidence["stuck"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["rank"].as_u64())
+        .map(|v| v as u32)
+}
+
+/// The ranks a hang finding's members wait with: those that entered the
+/// operation, or are stuck in it.
+fn waiting_ranks(f: &Finding) -> BTreeSet<u32> {
+    let mut r = ranks_in(&f.evidence["entered"]);
+    r.extend(stuck_ranks(f));
     r
 }
 
@@ -124,21 +131,8 @@ fn p2p_peers(f: &Finding) -> BTreeSet<u32> {
 /// The ranks a hang holds up: those that never entered it and those stuck
 /// in it.
 fn held_ranks(g: &Finding) -> BTreeSet<u32> {
-    let mut r: BTreeSet<u32> = g.evidence["never_entered"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|v| v.as_u64())
-        .map(|v| v as u32)
-        .collect();
-    r.extend(
-        g.evidence["stuck"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|s| s["rank"].as_u64())
-            .map(|v| v as u32),
-    );
+    let mut r = ranks_in(&g.evidence["never_entered"]);
+    r.extend(stuck_ranks(g));
     r
 }
 

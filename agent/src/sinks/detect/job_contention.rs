@@ -31,7 +31,7 @@ use serde_json::json;
 
 use super::Ranks;
 use super::contention_runs::{
-    Judged, Run, Takers, WithThresholds, advance, taker_names, takers_json, top_takers,
+    Judged, Run, Takers, WithThresholds, advance, taker_names, top_takers,
 };
 use super::host_config::HostDetectConfig;
 use crate::model::{Finding, FindingKind};
@@ -326,25 +326,24 @@ impl JobContention {
                 run.steps,
                 taker_names(&top, job, ranks),
             ),
-            evidence: json!({
-                "scope": "job",
-                "job": job,
-                "first_step": first_step,
-                "run_first_step": run.first_step,
-                "steps": run.steps,
-                // What the job's ranks lost together per step, and as a
-                // share of the job's CPU time (its step time on each of
-                // the CPUs its ranks ran on, `cpus`, at most one per
-                // rank).
-                "lost_ms_per_step": ms(per_step),
-                "cpus": j_cpus,
-                "ranks_touched": touched,
-                "lost_share_pct": pct,
-                "usual_share_pct": 100.0 * run.usual_share,
-                "step_ms": ms(run.dur / run.steps),
-                "preemptors": takers_json(&top, run.steps, ranks),
-            })
-            .with_thresholds(cfg),
+            // What the job's ranks lost together per step
+            // (`lost_ms_per_step`), and as a share of the job's CPU time
+            // (its step time on each of the CPUs its ranks ran on, `cpus`,
+            // at most one per rank).
+            evidence: run
+                .evidence(
+                    first_step,
+                    &top,
+                    ranks,
+                    json!({
+                        "scope": "job",
+                        "job": job,
+                        "cpus": j_cpus,
+                        "ranks_touched": touched,
+                        "lost_share_pct": pct,
+                    }),
+                )
+                .with_thresholds(cfg),
             detected_ns: run.end,
         });
     }
