@@ -12,14 +12,18 @@
 //! and the agent's threads are not outsiders). A step is complete when
 //! every rank of the job that counts steps is past it, or when one rank
 //! is two steps past it (a rank that died or lags does not hold the job
-//! up). The job's share of a step is the lower quartile across its ranks:
-//! three ranks in four lost at least that much, so a neighbour on one
-//! CPU's ranks is left to their own judgement. The usual share is the
+//! up). The job's share of a step is what its ranks lost to outsiders
+//! over the job's CPU time (the step time on each CPU its ranks ran on, at
+//! most one per rank: with more ranks than CPUs, what an outsider takes
+//! shows spread thin over many ranks). The usual share is the
 //! median of the job's recent uncontended steps, and the job's first
 //! [`BASELINE_MIN_STEPS`] complete steps form it unjudged: an outsider
 //! present from the job's first step is its background, as a shared host
 //! is. Then the run rules of a rank's contention ([`advance`]) hold for
-//! the job's steps. The finding names the step its top preemptor came
+//! the job's steps, and a run is reported only when the outsider that
+//! took the most above its usual took from more than half the job's
+//! ranks (a neighbour on one CPU's ranks is left to their own
+//! judgement). The finding names the step its top preemptor came
 //! among the job's ranks (as a rank's does), every rank of the job, and
 //! `scope: "job"` in its evidence.
 //!
@@ -245,11 +249,14 @@ impl JobContention {
             return;
         }
         // Every rank alike: the outsider that took the most took a
-        // noticeable share of three ranks' steps in four in the run (a
-        // third of its mean share, and a quarter of the contention
-        // share); one on the CPUs of a few ranks is theirs to report (and
-        // stays unreported here while it lasts), as are the others that
-        // come to those ranks when it crowds them out of their CPUs.
+        // noticeable share of the steps of more than half the job's ranks
+        // in the run (a quarter of its mean share, and 1 %: how much a
+        // rank loses to it varies with how long the rank sleeps in its
+        // collectives); one on the CPUs of a few ranks (a neighbour
+        // pinned to one CPU of two takes from that CPU's ranks only) is
+        // theirs to report, and stays unreported here while it lasts, as
+        // are the others that come to those ranks when it crowds them out
+        // of their CPUs.
         let j = &self.jobs[job];
         // What each outsider took in the run above what it usually takes.
         let all_dur: u64 = j.in_run.values().map(|v| v.1).sum();
@@ -270,7 +277,7 @@ impl JobContention {
         };
         let usual_top = j.usual_by.get(&top_pid).copied().unwrap_or(0.0);
         let mean = top_above / all_dur.max(1) as f64;
-        let bar = (mean / 3.0).max(f64::from(cfg.contention_min_share_pct) / 400.0);
+        let bar = (mean / 4.0).max(0.01);
         let touched = j
             .in_run
             .values()
@@ -282,7 +289,7 @@ impl JobContention {
         let run = self.runs.get_mut(job).expect("advanced above");
         // (Ranks that left during the run still count: the job's ranks
         // end one by one.)
-        if touched * 4 < j.in_run.len().max(j.latest.len()) * 3 {
+        if touched * 2 <= j.in_run.len().max(j.latest.len()) {
             run.reported = false;
             return;
         }
