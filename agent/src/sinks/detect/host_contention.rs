@@ -557,6 +557,28 @@ mod tests {
         assert_eq!(f.evidence["cpus"], 2);
     }
 
+    /// A usual taker that takes more in total than the outsider that
+    /// came (the launcher polling hard) does not lead the finding: the
+    /// outsider judged above its usual does, and dates it.
+    #[test]
+    fn the_outsider_above_its_usual_leads_the_job_level_finding() {
+        let found = run(4, |_, step| {
+            let mut t = vec![(9, "launcher", 30)];
+            if step >= 10 {
+                t.push((77, "hog", 20 + step % 3));
+            }
+            t
+        });
+        let job: Vec<_> = found
+            .iter()
+            .filter(|f| f.evidence["scope"] == "job")
+            .collect();
+        assert_eq!(job.len(), 1, "{found:#?}");
+        assert_eq!(job[0].evidence["preemptors"][0]["pid"], 77);
+        assert_eq!(job[0].evidence["preemptors"][1]["pid"], 9);
+        assert_eq!(job[0].step, Some(10));
+    }
+
     /// An outsider on the ranks of one CPU of two (half the job): not
     /// every rank alike, so no job-level finding; the ranks' own
     /// judgement finds it on the ranks it took from.

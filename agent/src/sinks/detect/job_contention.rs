@@ -35,7 +35,7 @@ use serde_json::json;
 
 use super::Ranks;
 use super::contention_runs::{
-    Judged, Run, Takers, WithThresholds, advance, taker_names, top_takers,
+    Judged, Run, TOP_PREEMPTORS, Takers, WithThresholds, advance, taker_names, top_takers,
 };
 use super::host_config::HostDetectConfig;
 use crate::model::{Finding, FindingKind};
@@ -294,7 +294,17 @@ impl JobContention {
             return;
         }
         let run = &self.runs[job];
-        let top = top_takers(&run.by);
+        // The outsider judged above leads the list (and dates the
+        // finding), even where a usual taker (the launcher's polling) took
+        // more in total.
+        let mut top = top_takers(&run.by);
+        if let Some(i) = top.iter().position(|(pid, _)| **pid == top_pid) {
+            let judged = top.remove(i);
+            top.insert(0, judged);
+        } else if let Some(judged) = run.by.get_key_value(&top_pid) {
+            top.insert(0, judged);
+            top.truncate(TOP_PREEMPTORS);
+        }
         let (first_step, start) = top
             .first()
             .and_then(|(pid, _)| came(**pid))
@@ -302,7 +312,7 @@ impl JobContention {
                 (step.min(run.first_step), start.min(run.start))
             });
         let j_cpus = self.jobs[job].cpus.len();
-        let mut job_ranks: Vec<u32> = j_ranks(self.jobs.get(job), ranks);
+        let mut job_ranks: Vec<u32> = ranks_counting_steps(self.jobs.get(job), ranks);
         job_ranks.sort_unstable();
         let ms = |ns: u64| ns as f64 / 1e6;
         let per_step = run.lost / run.steps;
@@ -382,7 +392,7 @@ fn note_usual_takers(usual: &mut HashMap<u32, f64>, steps: &[RankStep], seen: us
 }
 
 /// The ranks of a job's processes that count steps.
-fn j_ranks(j: Option<&JobSteps>, ranks: &Ranks) -> Vec<u32> {
+fn ranks_counting_steps(j: Option<&JobSteps>, ranks: &Ranks) -> Vec<u32> {
     j.map(|j| j.latest.keys().filter_map(|t| ranks.of(*t)).collect())
         .unwrap_or_default()
 }
