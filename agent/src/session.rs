@@ -132,9 +132,19 @@ impl Stages {
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
         let (announce_tx, announce_rx) = std::sync::mpsc::channel();
+        // Without the handle, every stack is copied whole (as before the
+        // ends were learned): slower, never wrong.
+        let stack_ends = probes
+            .stack_ends()
+            .map_err(|e| tracing::warn!("stacks are copied whole: {e}"))
+            .ok();
         let pipeline = pipeline::start_thread(
             move || {
-                let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
+                let mut enricher = LiveEnricher::default();
+                if let Some(map) = stack_ends {
+                    enricher = enricher.with_stack_ends(Box::new(map));
+                }
+                let mut pipeline = Pipeline::new(enricher, fanout)
                     .with_device_call_rate(device_call_rate)
                     .with_findings(findings_rx)
                     .with_announcements(announce_rx);

@@ -83,6 +83,9 @@ pub struct RunSummary {
     /// Of those, stacks deeper than the kernel's copy (their root end is
     /// missing; they end in a `[truncated: ...]` frame).
     pub user_stacks_truncated: u64,
+    /// Of those, stacks copied only up to their thread's learned stack
+    /// end (the outermost frame's slots), without a frame-pointer walk.
+    pub user_stacks_short_copies: u64,
     /// Of those, stacks taken inside a call the agent return-probes (a
     /// collective, a sync), unwound past the kernel's uretprobe trampoline
     /// with the real return address the record carries.
@@ -326,6 +329,7 @@ impl RunSummary {
             stacks_unmatched: interpret.stacks_unmatched,
             user_stacks_cfi: interpret.user_stacks_cfi,
             user_stacks_truncated: interpret.user_stacks_truncated,
+            user_stacks_short_copies: interpret.user_stacks_short_copies,
             user_stacks_past_uretprobes: interpret.user_stacks_past_uretprobes,
             caches: interpret.caches,
             python_stacks: interpret.python_stacks,

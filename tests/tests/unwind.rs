@@ -645,6 +645,42 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         assert_eq!(own, want, "allocating stack {cs:?}");
     }
 
+    // The allocating child sleeps 50 ms between its calls: its off-CPU
+    // stacks after the first are copied only up to the stack end learned
+    // from the first, without a frame-pointer walk, and every one is as
+    // whole as the first.
+    let sleeps: Vec<_> = tl
+        .stack_samples
+        .iter()
+        .filter(|s| s.tid == alloc_pid && s.frames.iter().any(|f| f == "allocate_in_loop"))
+        .collect();
+    assert!(
+        sleeps.len() >= 10,
+        "{} off-CPU stacks of the allocating child",
+        sleeps.len()
+    );
+    for s in &sleeps {
+        let own: Vec<&str> = s
+            .frames
+            .iter()
+            .map(String::as_str)
+            .filter(|f| want.contains(f))
+            .collect();
+        assert_eq!(own, want, "off-CPU stack {:?}", s.describe());
+        assert!(
+            !s.frames.iter().any(|f| f.starts_with("[truncated")),
+            "{:?}",
+            s.describe()
+        );
+    }
+    let short = done.stats["user_stacks_short_copies"].as_u64().unwrap();
+    assert!(
+        short >= sleeps.len() as u64 / 2,
+        "{short} short copies of {} stacks: {}",
+        sleeps.len(),
+        done.stats
+    );
+
     // Stacks came from the CFI unwind, and the summary's top off-CPU
     // reasons name the fixture's functions.
     assert!(

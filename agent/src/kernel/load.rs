@@ -316,6 +316,11 @@ impl Kernel {
         }
     }
 
+    /// A handle on the threads' learned stack ends, for the pipeline.
+    pub fn stack_ends(&self) -> Result<super::stack_ends::StackEndsMap, KernelError> {
+        super::stack_ends::open(&self.bpf)
+    }
+
     /// The scheduler, device-call and bystander rings.
     pub fn take_rings(&mut self) -> Result<KernelRings> {
         let mut take = |name: &str| -> Result<RingBuf<MapData>> {

@@ -46,6 +46,7 @@ pub mod load;
 pub mod misses;
 pub mod object;
 pub mod probes;
+pub mod stack_ends;
 
 pub use control::KernelControl;
 pub use levels::{CaptureLevels, DeviceLevel};

@@ -22,6 +22,10 @@ pub struct InterpretCounters {
     pub user_stacks_cfi: u64,
     /// Of those, stacks whose unwind stopped early (deeper than the copy).
     pub user_stacks_truncated: u64,
+    /// Of those, stacks the kernel copied only up to the thread's learned
+    /// stack end, without a frame-pointer walk (see
+    /// `pipeline::enrich::stack_ends`).
+    pub user_stacks_short_copies: u64,
     /// Of those, stacks taken inside a return-probed call, unwound past it
     /// with the real return address the kernel's trampoline stood for.
     pub user_stacks_past_uretprobes: u64,

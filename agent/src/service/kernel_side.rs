@@ -186,6 +186,13 @@ pub async fn start(
 ) -> Result<KernelHandle> {
     let tuning = AttachConfig::default();
     let rings = kernel.take_rings()?;
+    // Without it, every stack is copied whole: slower, never wrong.
+    match kernel.stack_ends() {
+        Ok(map) => {
+            let _ = running.stack_ends.send(map);
+        }
+        Err(e) => tracing::warn!("stacks are copied whole: {e}"),
+    }
     let (stop_collect, stop_rx) = watch::channel(false);
     let (notice_tx, notices) = mpsc::channel(NOTICE_QUEUE);
     // A service restarted while its predecessor's probes are still being

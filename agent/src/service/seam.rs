@@ -46,6 +46,9 @@ pub struct Running {
     pub probe_stats: Arc<Mutex<crate::kernel::probes::DeviceProbeStats>>,
     /// What the kernel side lost, as running totals.
     pub losses: Arc<crate::sinks::metrics::KernelLosses>,
+    /// The kernel's learned stack ends, handed to the pipeline once the
+    /// programs are loaded.
+    pub stack_ends: std::sync::mpsc::Sender<crate::kernel::stack_ends::StackEndsMap>,
 }
 
 /// `labels.job_env` in effect: the kernel side reads it whenever it reads

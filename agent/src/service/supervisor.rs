@@ -321,6 +321,7 @@ where
     }
     let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
     let (announce, announce_rx) = std::sync::mpsc::channel();
+    let (stack_ends, stack_ends_rx) = std::sync::mpsc::channel();
     let caches = sources.caches.clone();
     let interpret_counters = sources.interpret.clone();
     let job_env = JobEnv::new(&cfg.labels.job_env);
@@ -328,7 +329,8 @@ where
     let pipeline = crate::pipeline::start_thread(
         move || {
             let enricher = LiveEnricher::with_caches(caches)
-                .with_identities(identities_from_proc(move || pipeline_job_env.get()));
+                .with_identities(identities_from_proc(move || pipeline_job_env.get()))
+                .with_stack_ends_later(stack_ends_rx);
             let mut pipeline = Pipeline::new(enricher, fanout)
                 .with_published_counters(interpret_counters)
                 .with_findings(findings_rx)
@@ -410,6 +412,7 @@ where
         job_env,
         probe_stats: sources.probe_stats.clone(),
         losses: sources.kernel_losses.clone(),
+        stack_ends,
     })
     .await
     {

@@ -44,6 +44,15 @@ pub const USER_STACK_CHUNK: usize = 1024;
 /// Most threads with a stack-sampling budget at once (LRU).
 pub const MAX_STACK_BUDGETS: u32 = 65536;
 
+/// Most threads with a learned user-stack end at once (LRU).
+pub const MAX_STACK_ENDS: u32 = 65536;
+
+/// `user_bytes` of a stack whose frame-pointer walk was not taken: the
+/// thread's learned stack end lies within the copy, so the copy's CFI
+/// unwind reaches its outermost frame and the walk could add nothing
+/// (`-ENODATA`).
+pub const USER_STACK_NOT_WALKED: i32 = -61;
+
 /// Map names, looked up by the agent.
 pub mod maps {
     pub const EVENTS: &str = "EVENTS";
@@ -55,6 +64,7 @@ pub mod maps {
     pub const DROPS: &str = "DROPS";
     pub const CONFIG: &str = "CONFIG";
     pub const STACK_BUDGETS: &str = "STACK_BUDGETS";
+    pub const STACK_ENDS: &str = "STACK_ENDS";
     pub const UPROBE_SPECS: &str = "UPROBE_SPECS";
     pub const UPROBE_PENDING: &str = "UPROBE_PENDING";
     pub const UPROBE_HITS: &str = "UPROBE_HITS";

@@ -5,8 +5,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use xpuscope_common::{
-    Config, DROP_SLOTS, MAX_CPUS, MAX_PROBE_SLOTS, MAX_STACK_BUDGETS, MAX_TARGETS, StackBudget,
-    TaskOffsets,
+    Config, DROP_SLOTS, MAX_CPUS, MAX_PROBE_SLOTS, MAX_STACK_BUDGETS, MAX_STACK_ENDS, MAX_TARGETS,
+    StackBudget, TaskOffsets,
     uprobe::{PendingKey, ProbeSpec},
 };
 
@@ -69,6 +69,15 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map]
 pub static STACK_BUDGETS: LruHashMap<u32, StackBudget> =
     LruHashMap::with_max_entries(MAX_STACK_BUDGETS, 0);
+
+/// Per thread, the address just above the highest user-stack word its
+/// stacks' unwind needs (the outermost frame's slots: fixed for the
+/// thread's life), written by the agent once it has unwound one of the
+/// thread's stacks to its end. The stack is copied from `sp` up to it
+/// instead of a fixed [`xpuscope_common::USER_STACK_COPY`] bytes. Removed
+/// when the thread exits (tids are reused).
+#[map]
+pub static STACK_ENDS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(MAX_STACK_ENDS, 0);
 
 /// What each device-library probe copies, by its slot (attach cookie).
 #[map]

@@ -21,7 +21,7 @@ use xpuscope_common::{
 };
 
 use crate::{
-    maps::{TARGETS, config, is_target, offsets, targets_changed},
+    maps::{STACK_ENDS, TARGETS, config, is_target, offsets, targets_changed},
     ring::{Ring, now, reserve, submit},
     task,
 };
@@ -140,6 +140,8 @@ fn try_exit(ctx: &BtfTracePointContext, group_dead: Option<bool>) -> Option<u32>
     let cfg = config();
     let t = task::fields(p, &off);
     let traced = is_target(t.tgid);
+    // The thread's learned stack end means nothing to its tid's next user.
+    let _ = STACK_ENDS.remove(&t.tid);
     if traced || cfg.system_wide != 0 {
         push_exit(p, &t, group_dead, &off, &cfg);
     }

@@ -14,11 +14,12 @@ use aya_ebpf::{
 };
 use xpuscope_common::{
     Config, DROP_SLOT_STACK_ERRORS, EventKind, MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStack,
-    StackBudget, TaskOffsets, USER_STACK_CHUNK, USER_STACK_COPY, UserStackCopy, stack_mode,
+    StackBudget, TaskOffsets, USER_STACK_CHUNK, USER_STACK_COPY, USER_STACK_NOT_WALKED,
+    UserStackCopy, stack_mode,
 };
 
 use crate::{
-    maps::{STACK_BUDGETS, count_drop},
+    maps::{STACK_BUDGETS, STACK_ENDS, count_drop},
     ring::{Ring, reserve, submit},
 };
 
@@ -98,18 +99,25 @@ pub fn capture_off_cpu<C: EbpfContext>(
             STACK_BYTES,
             0,
         );
-        let user = bpf_get_stack(
-            ctx.as_ptr(),
-            (*rec).user.as_mut_ptr().cast(),
-            STACK_BYTES,
-            BPF_F_USER_STACK as u64,
-        );
-        if kernel < 0 || user < 0 {
+        // The copy first: where it reaches the thread's learned stack end,
+        // the frame-pointer walk could add nothing to its CFI unwind, and
+        // is skipped (it costs about a microsecond a stack).
+        let covered = copy_current_user_stack(&mut (*rec).copy, tid);
+        let user = if covered {
+            USER_STACK_NOT_WALKED as i64
+        } else {
+            bpf_get_stack(
+                ctx.as_ptr(),
+                (*rec).user.as_mut_ptr().cast(),
+                STACK_BYTES,
+                BPF_F_USER_STACK as u64,
+            )
+        };
+        if kernel < 0 || (user < 0 && !covered) {
             count_drop(DROP_SLOT_STACK_ERRORS);
         }
         (*rec).kernel_bytes = kernel as i32;
         (*rec).user_bytes = user as i32;
-        copy_current_user_stack(&mut (*rec).copy);
     }
     submit(Ring::Sched, entry, cfg);
 }
@@ -118,9 +126,10 @@ pub fn capture_off_cpu<C: EbpfContext>(
 const EFAULT: i32 = -14;
 
 /// Copies the current task's saved user registers (its `pt_regs`: where it
-/// entered the kernel) and the top of its user stack.
+/// entered the kernel) and the top of its user stack; whether the copy
+/// reaches the thread's learned stack end.
 #[inline(always)]
-fn copy_current_user_stack(copy: &mut UserStackCopy) {
+fn copy_current_user_stack(copy: &mut UserStackCopy, tid: u32) -> bool {
     // SAFETY: helpers on the current task, which is a user task being
     // switched out (kernel threads are never traced); the pt_regs pointer
     // is only read through bpf_probe_read_kernel.
@@ -131,8 +140,9 @@ fn copy_current_user_stack(copy: &mut UserStackCopy) {
         copy.ip = read(core::ptr::addr_of!((*regs).rip));
         copy.sp = read(core::ptr::addr_of!((*regs).rsp));
         copy.bp = read(core::ptr::addr_of!((*regs).rbp));
-        copy_user_stack(copy);
+        let covered = copy_user_stack(copy, tid);
         copy_pending_returns(task as *const u8, copy);
+        covered
     }
 }
 
@@ -171,18 +181,35 @@ fn copy_pending_returns(task: *const u8, copy: &mut UserStackCopy) {
 }
 
 /// Copies the stack from `copy.sp` up, chunk by chunk until a read fails
-/// (the stack's mapping ended), and says how much was copied.
+/// (the stack's mapping ended) or the copy reaches the thread's learned
+/// stack end ([`STACK_ENDS`]), and says how much was copied. Returns
+/// whether the copy reached that end (so holds every frame).
 #[inline(always)]
-pub fn copy_user_stack(copy: &mut UserStackCopy) {
+pub fn copy_user_stack(copy: &mut UserStackCopy, tid: u32) -> bool {
     copy.returns_len = 0;
     if copy.sp == 0 {
         copy.stack_len = EFAULT;
-        return;
+        return false;
     }
+    // A learned end within reach: copy up to it, whole chunks. Else (not
+    // learned yet, or another stack: a coroutine's, a signal's) the
+    // whole copy.
+    // SAFETY: a plain value copied out of the map.
+    let end = unsafe { STACK_ENDS.get(&tid) }.copied().unwrap_or(0);
+    let reach = end.wrapping_sub(copy.sp);
+    let covered = end > copy.sp && reach <= USER_STACK_COPY as u64;
+    let want = if covered {
+        reach
+    } else {
+        USER_STACK_COPY as u64
+    };
     let mut copied: i32 = 0;
     let mut i = 0;
     while i < USER_STACK_COPY / USER_STACK_CHUNK {
         let off = i * USER_STACK_CHUNK;
+        if off as u64 >= want {
+            break;
+        }
         // SAFETY: the destination is `USER_STACK_CHUNK` bytes at `off` of
         // `copy.stack`, inside it since `off + USER_STACK_CHUNK <=
         // USER_STACK_COPY`; the source is user memory, read by the helper.
@@ -206,4 +233,5 @@ pub fn copy_user_stack(copy: &mut UserStackCopy) {
     if copied < 0 {
         count_drop(DROP_SLOT_STACK_ERRORS);
     }
+    covered && copied as u64 >= want
 }

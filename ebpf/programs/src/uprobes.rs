@@ -300,7 +300,9 @@ fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32
         (*rec).copy.ip = (*regs).rip;
         (*rec).copy.sp = (*regs).rsp;
         (*rec).copy.bp = (*regs).rbp;
-        crate::stacks::copy_user_stack(&mut (*rec).copy);
+        // The frame-pointer walk above is kept: device-call stacks are
+        // few, and it is their fallback.
+        crate::stacks::copy_user_stack(&mut (*rec).copy, tid);
     }
     submit(Ring::Device, entry, &config());
 }

@@ -12,6 +12,7 @@
 //! records arrive in order), so a reused pid starts clean.
 
 pub mod python;
+pub mod stack_ends;
 pub mod symbolize;
 pub mod unwind;
 
@@ -36,6 +37,8 @@ pub struct UnwoundUser {
     /// The walk stopped before the outermost frame (the stack is deeper
     /// than the copy, or a rule failed).
     pub truncated: bool,
+    /// Bytes of the copy above `sp` the walk read.
+    pub stack_bytes_used: u64,
 }
 
 pub use crate::model::counters::{CacheCounters, CacheReport};
@@ -98,6 +101,11 @@ pub trait Enrich {
     fn process_ended(&mut self, tgid: u32);
     /// `tgid`'s loader changed its link map (libraries mapped or unmapped).
     fn link_map_changed(&mut self, _tgid: u32) {}
+    /// A user stack of thread `tid` was unwound from its copy: how much of
+    /// its stack the kernel copies next ([`stack_ends`]).
+    fn stack_unwound(&mut self, _stack: stack_ends::UnwoundCopy) {}
+    /// Thread `tid` exited.
+    fn thread_exited(&mut self, _tid: u32) {}
     /// `tgid`'s memory map, read while it certainly lived (at probe
     /// planning), for stacks that arrive after it exited.
     fn remember_maps(&mut self, tgid: u32, maps: ProcessMaps);
@@ -127,6 +135,10 @@ pub struct LiveEnricher {
     python: PythonStacks,
     caches: CacheCounters,
     identities: IdentitySource,
+    stack_ends: stack_ends::StackEnds,
+    /// Where the map comes from when the kernel programs load after the
+    /// pipeline starts (the service).
+    stack_ends_later: Option<std::sync::mpsc::Receiver<crate::kernel::stack_ends::StackEndsMap>>,
 }
 
 impl Default for LiveEnricher {
@@ -145,7 +157,25 @@ impl LiveEnricher {
             python: PythonStacks::with_stats(caches.python.clone()),
             caches,
             identities: identities_from_proc(|| default_job_env().into()),
+            stack_ends: stack_ends::StackEnds::default(),
+            stack_ends_later: None,
         }
+    }
+
+    /// Learned stack ends written to `map` (the kernel's
+    /// [`xpuscope_common::maps::STACK_ENDS`]).
+    pub fn with_stack_ends(mut self, map: Box<dyn stack_ends::StackEndsMap>) -> Self {
+        self.stack_ends = stack_ends::StackEnds::new(map);
+        self
+    }
+
+    /// The stack-ends map, once it comes on `rx`.
+    pub fn with_stack_ends_later(
+        mut self,
+        rx: std::sync::mpsc::Receiver<crate::kernel::stack_ends::StackEndsMap>,
+    ) -> Self {
+        self.stack_ends_later = Some(rx);
+        self
     }
 
     /// Rank identities from `source`.
@@ -188,6 +218,20 @@ impl Enrich for LiveEnricher {
 
     fn unwind_user(&mut self, tgid: u32, ts: u64, copy: &UserCopy) -> Option<UnwoundUser> {
         self.unwind.unwind(tgid, ts, copy)
+    }
+
+    fn stack_unwound(&mut self, stack: stack_ends::UnwoundCopy) {
+        if let Some(rx) = &self.stack_ends_later
+            && let Ok(map) = rx.try_recv()
+        {
+            self.stack_ends = stack_ends::StackEnds::new(Box::new(map));
+            self.stack_ends_later = None;
+        }
+        self.stack_ends.unwound(stack);
+    }
+
+    fn thread_exited(&mut self, tid: u32) {
+        self.stack_ends.thread_exited(tid);
     }
 
     fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
@@ -300,14 +344,20 @@ pub mod fake {
                 .chunks_exact(8)
                 .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
             let mut frames = vec![copy.ip];
+            let mut read = 0;
             let truncated = loop {
+                read += 8;
                 match words.next() {
                     Some(0) => break false,
                     Some(w) => frames.push(w),
                     None => break true,
                 }
             };
-            Some(UnwoundUser { frames, truncated })
+            Some(UnwoundUser {
+                frames,
+                truncated,
+                stack_bytes_used: read.min(bytes.len() as u64),
+            })
         }
         fn remote_string(&mut self, tgid: u32, ptr: u64) -> Result<String, String> {
             self.strings

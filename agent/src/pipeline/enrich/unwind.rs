@@ -116,6 +116,7 @@ impl CfiUnwind {
         Some(UnwoundUser {
             frames: unwound.frames,
             truncated: unwound.truncated,
+            stack_bytes_used: unwound.stack_bytes_used,
         })
     }
 

@@ -24,9 +24,11 @@ use crate::model::{
 };
 use crate::pipeline::enrich::Enrich;
 use crate::pipeline::enrich::python::PyOutcome;
+use crate::pipeline::enrich::stack_ends::UnwoundCopy;
 use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
 use device::DeviceInterpreter;
+use xpuscope_common::USER_STACK_NOT_WALKED;
 use xpuscope_probes::decode::table::ProbeTarget;
 use xpuscope_probes::python::StepLocal;
 
@@ -48,7 +50,7 @@ pub(crate) struct UserAddrs {
 /// it stops early or goes astray, and the unwind is right.
 pub(crate) fn user_addrs(
     en: &mut dyn Enrich,
-    tgid: u32,
+    (tgid, tid): (u32, u32),
     ts: u64,
     frame_pointer: &Result<Vec<u64>, i32>,
     copy: Option<&UserCopy>,
@@ -61,6 +63,17 @@ pub(crate) fn user_addrs(
     let Some(cfi) = copy.and_then(|copy| en.unwind_user(tgid, ts, copy)) else {
         return frame_pointer.as_ref().map(walk).map_err(|e| *e);
     };
+    if let Some(copy) = copy
+        && let Ok(bytes) = &copy.stack
+    {
+        en.stack_unwound(UnwoundCopy {
+            tid,
+            sp: copy.sp,
+            copied: bytes.len(),
+            used: cfi.stack_bytes_used,
+            truncated: cfi.truncated,
+        });
+    }
     if let Ok(fp) = frame_pointer
         && fp.len() > cfi.frames.len()
         && fp.starts_with(&cfi.frames)
@@ -68,6 +81,9 @@ pub(crate) fn user_addrs(
         return Ok(walk(fp));
     }
     c.user_stacks_cfi += 1;
+    if *frame_pointer == Err(USER_STACK_NOT_WALKED) {
+        c.user_stacks_short_copies += 1;
+    }
     if copy.is_some_and(|c| c.restored_returns > 0) {
         c.user_stacks_past_uretprobes += 1;
     }
@@ -364,6 +380,7 @@ impl Interpreter {
             .exited(&e, process_ended, en, &mut self.counters, out);
         self.threads.remove(&e.tid);
         self.switched.remove(&e.tid);
+        en.thread_exited(e.tid);
         if process_ended {
             // Every earlier record of the process is out: what is cached
             // about it goes (its pid may come back as another process).
@@ -383,7 +400,9 @@ impl Interpreter {
 
     fn stack(&mut self, s: &StackCapture, en: &mut dyn Enrich, out: &mut Vec<Record>) {
         self.counters.stacks += 1;
-        if s.kernel.is_err() || s.user.is_err() {
+        // A frame-pointer walk the kernel skipped (the copy held the whole
+        // stack) is no error.
+        if s.kernel.is_err() || s.user.as_ref().is_err_and(|e| *e != USER_STACK_NOT_WALKED) {
             self.counters.stack_errors += 1;
         }
         let kernel = match &s.kernel {
@@ -392,7 +411,7 @@ impl Interpreter {
         };
         let user = match user_addrs(
             en,
-            s.tgid,
+            (s.tgid, s.tid),
             s.ts,
             &s.user,
             s.user_copy.as_ref(),
@@ -561,7 +580,7 @@ mod user_stack_tests {
         // unwind (the fake's: ip, then the copy's words) has the callers.
         let got = user_addrs(
             &mut en,
-            1,
+            (1, 1),
             0,
             &Ok(vec![0x10]),
             Some(&copy(0x10, &[0x20, 0x30, 0])),
@@ -572,7 +591,7 @@ mod user_stack_tests {
         // The walk agrees and goes further (the copy ended first): the walk.
         let got = user_addrs(
             &mut en,
-            1,
+            (1, 1),
             0,
             &Ok(vec![0x10, 0x20, 0x30, 0x40]),
             Some(&copy(0x10, &[0x20])),
@@ -590,7 +609,7 @@ mod user_stack_tests {
         // A longer walk that disagrees (garbage in rbp) loses.
         let got = user_addrs(
             &mut en,
-            1,
+            (1, 1),
             0,
             &Ok(vec![0x10, 0x99, 0x98, 0x97]),
             Some(&copy(0x10, &[0x20])),
@@ -611,9 +630,9 @@ mod user_stack_tests {
         // Nothing copied: the walk, or its error, stays.
         let mut failed = copy(0x10, &[]);
         failed.stack = Err(-14);
-        let got = user_addrs(&mut en, 1, 0, &Err(-14), Some(&failed), &mut c);
+        let got = user_addrs(&mut en, (1, 1), 0, &Err(-14), Some(&failed), &mut c);
         assert_eq!(got, Err(-14));
-        let got = user_addrs(&mut en, 1, 0, &Ok(vec![0x10]), None, &mut c);
+        let got = user_addrs(&mut en, (1, 1), 0, &Ok(vec![0x10]), None, &mut c);
         assert_eq!(got.unwrap().addrs, vec![0x10]);
     }
 }

@@ -160,13 +160,14 @@ impl DeviceInterpreter {
     /// record): interned as a site the call and its bytes are charged to.
     pub fn call_stack(&mut self, s: &CallStack, en: &mut dyn Enrich, c: &mut InterpretCounters) {
         c.alloc_stacks += 1;
-        let user = match super::user_addrs(en, s.tgid, s.ts, &s.user, s.user_copy.as_ref(), c) {
-            Ok(u) if !u.addrs.is_empty() => u,
-            _ => {
-                c.alloc_stack_errors += 1;
-                return;
-            }
-        };
+        let user =
+            match super::user_addrs(en, (s.tgid, s.tid), s.ts, &s.user, s.user_copy.as_ref(), c) {
+                Ok(u) if !u.addrs.is_empty() => u,
+                _ => {
+                    c.alloc_stack_errors += 1;
+                    return;
+                }
+            };
         let site = self.sites.intern(s.tgid, &user.addrs, || {
             super::with_truncation(en.user_frames(s.tgid, &user.addrs), user.truncated)
         });
