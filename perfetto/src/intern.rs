@@ -15,13 +15,13 @@ use crate::types::{Frame, Mapping};
 /// Maps values to ids 1, 2, 3, ...
 #[derive(Debug)]
 pub(crate) struct Interner<K> {
-    ids: HashMap<K, u64>,
+    ids: HashMap<K, u64, foldhash::fast::RandomState>,
 }
 
 impl<K> Default for Interner<K> {
     fn default() -> Self {
         Interner {
-            ids: HashMap::new(),
+            ids: HashMap::default(),
         }
     }
 }
