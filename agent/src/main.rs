@@ -11,6 +11,7 @@ mod cli;
 mod config;
 mod diagnose;
 mod events;
+mod health;
 mod host;
 mod kernel;
 mod merge;

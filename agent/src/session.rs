@@ -94,6 +94,8 @@ struct Stages {
     trace: SinkHandle<Written<std::io::BufWriter<File>>>,
     summary: SinkHandle<RecordTotals>,
     detect: SinkHandle<Vec<Finding>>,
+    /// GPU health from NVML, into the pipeline.
+    health: crate::health::HealthSampler,
 }
 
 /// Loader notices from collect, for the supervisor.
@@ -132,11 +134,13 @@ impl Stages {
         let (tx, rx) = mpsc::channel::<PipelineMsg>(PIPELINE_BATCHES);
         let device_call_rate = cfg.device_call_rate;
         let (announce_tx, announce_rx) = std::sync::mpsc::channel();
+        let (health, health_rx) = crate::health::start(&cfg.gpu_health);
         let pipeline = pipeline::start_thread(
             move || {
                 let mut pipeline = Pipeline::new(LiveEnricher::default(), fanout)
                     .with_device_call_rate(device_call_rate)
                     .with_findings(findings_rx)
+                    .with_health(health_rx)
                     .with_announcements(announce_rx);
                 pipeline.start(start_ts, processes);
                 pipeline
@@ -170,6 +174,7 @@ impl Stages {
             trace,
             summary,
             detect,
+            health,
         };
         Ok((stages, initial_threads, notices))
     }
@@ -193,6 +198,7 @@ struct Finished {
     sinks: Vec<SinkReport>,
     bytes: u64,
     findings: Vec<Finding>,
+    gpu_health: crate::health::HealthReport,
 }
 
 async fn record(
@@ -282,6 +288,7 @@ async fn record(
         finished.sinks,
     );
     summary.findings = finished.findings;
+    summary.gpu_health = finished.gpu_health;
     summary.set_device_probes(device.stats());
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
@@ -449,7 +456,10 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         trace,
         summary,
         detect,
+        health,
     } = stages;
+    // Its last readings reach the pipeline before the end.
+    let gpu_health = tokio::task::spawn_blocking(move || health.stop()).await?;
     let _ = stop_collect.send(true);
     let collect_result = collect
         .await
@@ -499,6 +509,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         sinks,
         bytes: written.bytes,
         findings,
+        gpu_health,
     })
 }
 
