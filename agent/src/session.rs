@@ -127,6 +127,7 @@ impl Stages {
             hang_timeout: cfg.hang_timeout,
             host: cfg.host_detect.clone(),
             collective: cfg.collective.clone(),
+            gpu: Default::default(),
         };
         // Inline too: a few map updates per device call, nothing per
         // scheduler record; findings leave on a channel (never blocks).
