@@ -115,6 +115,8 @@ pub fn finding_kind_of(fault: &str) -> &'static str {
         "slow_link" => "slow_link",
         "cpu_contention" | "cpu_hog" => "host_contention",
         "host_work" => "host_bound",
+        "throttle" => "device_throttled",
+        "xid" | "device_error" => "device_error",
         _ => "?",
     }
 }

@@ -196,3 +196,190 @@ impl<W: Write> PerfettoSink<W> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use xpuscope_perfetto::{SystemInfo, TraceWriter};
+    use xpuscope_tests::trace_check::{Timeline, TrackKind, check_importer_rules, decode};
+
+    use super::*;
+    use crate::model::Record;
+    use crate::sinks::SinkCounters;
+    use crate::trace_schema::read::TraceRecords;
+
+    fn sample(ts: u64, gpu: u32, mhz: u32, reasons: u64) -> GpuSample {
+        GpuSample {
+            ts,
+            gpu,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            uuid: format!("GPU-{gpu}"),
+            sm_clock_mhz: Some(mhz),
+            max_sm_clock_mhz: Some(1980),
+            clock_event_reasons: Some(reasons),
+            utilization_pct: Some(90),
+            memory_used_bytes: Some(1 << 30),
+            memory_total_bytes: Some(80 << 30),
+            ecc_uncorrected: Some(0),
+            pids: vec![4242],
+        }
+    }
+
+    /// A trace of two GPUs' samples (GPU 1 slowed from the second) and an
+    /// Xid, with the process on GPU 1 as rank 1.
+    fn trace() -> (Vec<u8>, Vec<Record>) {
+        let mut sink = PerfettoSink::new(TraceWriter::new(Vec::new()));
+        sink.writer()
+            .system_info(&SystemInfo {
+                sysname: "Linux".into(),
+                release: "6.18.0".into(),
+                machine: "x86_64".into(),
+                num_cpus: 2,
+                ..SystemInfo::default()
+            })
+            .unwrap();
+        let mut records = vec![Record::Identity {
+            tgid: 4242,
+            identity: Box::new(RankIdentity {
+                rank: Some("1".into()),
+                ..RankIdentity::default()
+            }),
+        }];
+        for t in 0..3u64 {
+            let ts = 1_000_000_000 * (t + 1);
+            records.push(Record::GpuSample(Box::new(sample(ts, 0, 1980, 0))));
+            let (mhz, reasons) = if t == 0 { (1980, 0) } else { (990, 0x20) };
+            records.push(Record::GpuSample(Box::new(sample(ts + 1, 1, mhz, reasons))));
+        }
+        records.push(Record::GpuXid(GpuXid {
+            ts: 3_500_000_000,
+            gpu: 1,
+            xid: 79,
+            pids: vec![4242],
+        }));
+        for r in &records {
+            sink.record(r).unwrap();
+        }
+        let written = sink
+            .finish_trace(4_000_000_000, &SinkCounters::default())
+            .unwrap();
+        (written.out, records)
+    }
+
+    #[test]
+    fn samples_round_trip_through_the_trace() {
+        let (bytes, records) = trace();
+        let decoded = decode(&bytes).unwrap();
+        check_importer_rules(&decoded).unwrap();
+        let tl = Timeline::new(&decoded);
+        let gpu1 = tl
+            .tracks
+            .values()
+            .find(|t| t.name.as_deref() == Some("GPU 1") && t.kind == TrackKind::Custom)
+            .expect("GPU 1's track");
+        assert_eq!(
+            gpu1.description.as_deref(),
+            Some("NVIDIA H100 80GB HBM3 GPU-1")
+        );
+        let clock = tl
+            .tracks
+            .values()
+            .find(|t| t.name.as_deref() == Some("GPU 1 SM clock"))
+            .expect("its clock counter");
+        assert_eq!(clock.parent, Some(gpu1.uuid));
+        let values: Vec<f64> = tl
+            .counters
+            .iter()
+            .filter(|c| c.track == clock.uuid)
+            .map(|c| c.value)
+            .collect();
+        assert_eq!(values, [1980.0, 990.0, 990.0]);
+        let slowed: Vec<_> = tl.slices.iter().filter(|s| s.track == gpu1.uuid).collect();
+        assert_eq!(slowed.len(), 1, "{slowed:?}");
+        assert_eq!(slowed[0].name, "clocks slowed: sw_thermal_slowdown");
+        assert_eq!(
+            (slowed[0].ts, slowed[0].end),
+            (2_000_000_001, Some(4_000_000_000))
+        );
+
+        // Read back: the very records the sink was given.
+        let mut out = Vec::new();
+        TraceRecords::default()
+            .read_bytes(&bytes, |p| p as u32, &mut out, &mut Vec::new())
+            .unwrap();
+        let back: Vec<&Record> = out
+            .iter()
+            .map(|(_, r)| r)
+            .filter(|r| matches!(r, Record::GpuSample(_) | Record::GpuXid(_)))
+            .collect();
+        let given: Vec<&Record> = records
+            .iter()
+            .filter(|r| matches!(r, Record::GpuSample(_) | Record::GpuXid(_)))
+            .collect();
+        assert_eq!(back, given);
+    }
+
+    #[test]
+    fn agent_merge_remaps_the_gpu_tracks_with_their_counters() {
+        let (bytes, _) = trace();
+        let dir = std::env::temp_dir().join(format!("xpuscope-gpu-merge-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let node = dir.join("node.pftrace");
+        std::fs::write(&node, &bytes).unwrap();
+        let merged = dir.join("merged.pftrace");
+        crate::merge::run(&crate::merge::MergeOptions {
+            inputs: vec![node],
+            output: merged.clone(),
+            force: false,
+            no_sched: false,
+            steps_csv: None,
+        })
+        .unwrap();
+        let merged = std::fs::read(&merged).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let decoded = decode(&merged).unwrap();
+        check_importer_rules(&decoded).unwrap();
+        let before = Timeline::new(&decode(&bytes).unwrap());
+        let after = Timeline::new(&decoded);
+        for gpu in ["GPU 0", "GPU 1"] {
+            let find = |tl: &Timeline| {
+                tl.tracks
+                    .values()
+                    .find(|t| t.name.as_deref() == Some(gpu))
+                    .map(|t| t.uuid)
+                    .unwrap_or_else(|| panic!("{gpu}"))
+            };
+            let (old, new) = (find(&before), find(&after));
+            assert_ne!(old, new, "{gpu}: a uuid of the merged trace's own");
+            let children = |tl: &Timeline, uuid| {
+                let mut c: Vec<String> = tl
+                    .tracks
+                    .values()
+                    .filter(|t| t.parent == Some(uuid))
+                    .filter_map(|t| t.name.clone())
+                    .collect();
+                c.sort();
+                c
+            };
+            assert_eq!(children(&after, new), children(&before, old), "{gpu}");
+            assert_eq!(children(&after, new).len(), 3, "{gpu}");
+        }
+        let samples = |tl: &Timeline| {
+            tl.instants
+                .iter()
+                .filter(|i| i.name == "gpu sample")
+                .count()
+        };
+        assert_eq!(samples(&after), samples(&before));
+        assert_eq!(after.counters.len(), before.counters.len());
+        // `agent diagnose` reads the merged trace's samples as the node's.
+        let mut out = Vec::new();
+        TraceRecords::default()
+            .read_bytes(&merged, |p| p as u32, &mut out, &mut Vec::new())
+            .unwrap();
+        let n = out
+            .iter()
+            .filter(|(_, r)| matches!(r, Record::GpuSample(_)))
+            .count();
+        assert_eq!(n, 6);
+    }
+}
