@@ -4,8 +4,9 @@
 //!   peers' (the median of the other GPUs the job's ranks run on, or the
 //!   GPU's own highest clock when it has no peer) by more than
 //!   [`GpuHealthConfig::clock_gap_pct`] for [`GpuHealthConfig::persist`],
-//!   named with the clock-event reasons NVML gives (thermal, power cap,
-//!   ...). Once per slowdown: the GPU must come back to its peers' clock
+//!   while NVML gives a reason for it other than idleness or a clock
+//!   setting (thermal, power cap, hardware slowdown, ...), named in the
+//!   finding. Once per slowdown: the GPU must come back to its peers' clock
 //!   before another is reported.
 //! - `device_error`: an Xid error or new uncorrected ECC errors on a GPU
 //!   a rank runs on, once per GPU and Xid (ECC: each time the count grows).
@@ -172,8 +173,10 @@ impl GpuHealthDetector {
 
         // Below whom: its peers' median, or its own highest clock.
         let reference = peer_clock.or(s.max_sm_clock_mhz);
+        // Slowed, not idle: a GPU waiting for its host (a pipeline bubble,
+        // data loading) also clocks down, with no reason but idleness.
         let below = match (s.sm_clock_mhz, reference) {
-            (Some(clock), Some(reference)) if !on.is_empty() => {
+            (Some(clock), Some(reference)) if !on.is_empty() && s.slowdown_reasons() != 0 => {
                 u64::from(clock) * 100
                     < u64::from(reference) * u64::from(100 - self.cfg.clock_gap_pct.min(99))
             }
@@ -204,11 +207,7 @@ impl GpuHealthDetector {
         // sample at the peers' clock and the first below it.
         let onset_after_step = state.last_normal.and_then(|t| step_of(pid, t));
         let reasons = reason_names(state.reasons);
-        let why = if reasons.is_empty() {
-            "NVML named no reason".to_owned()
-        } else {
-            format!("slowed by {reasons}")
-        };
+        let why = format!("slowed by {reasons}");
         let against = match peer_clock {
             Some(p) => format!(
                 "its peers' {p} MHz (median of {} peer GPU{})",
@@ -388,6 +387,18 @@ mod tests {
         assert!(run(990, 9, 12).is_empty(), "3 s below: under the 5 s");
         assert!(run(1900, 0, 12).is_empty(), "4 % below: under the 10 %");
         assert!(run(1980, 0, 12).is_empty());
+    }
+
+    #[test]
+    fn a_gpu_clocked_down_for_no_reason_but_idleness_is_not_throttled() {
+        let r = ranks(&[(10, 0), (11, 1)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for t in 0..10 {
+            d.sample(&sample(0, t * S, 1980, 0, 10), &r, &step, &mut out);
+            d.sample(&sample(1, t * S + 1, 345, 0x1, 11), &r, &step, &mut out);
+        }
+        assert!(out.is_empty(), "{out:#?}");
     }
 
     #[test]
