@@ -34,6 +34,8 @@ pub const NVML_LIBRARY_ENV: &str = "XPUSCOPE_NVML_LIBRARY";
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// Readings queued for the pipeline at most (a few seconds of 64 GPUs).
 const QUEUE: usize = 1024;
+/// Xid events taken per 50 ms tick at most.
+const MAX_XIDS_PER_TICK: usize = 256;
 
 /// What to read, how often.
 #[derive(Clone, Debug, PartialEq)]
@@ -190,8 +192,12 @@ fn run(cfg: &HealthConfig, shared: &Shared, tx: &SyncSender<Record>) {
                 }
             }
         }
-        // Xid events between samples, stamped when seen.
-        while let Some(x) = reader.next_xid(&nvml, crate::host::boottime_ns()) {
+        // Xid events between samples, stamped when seen; a bounded number
+        // per tick (a library that never runs dry cannot hold the thread).
+        for _ in 0..MAX_XIDS_PER_TICK {
+            let Some(x) = reader.next_xid(&nvml, crate::host::boottime_ns()) else {
+                break;
+            };
             shared.xids.fetch_add(1, Ordering::Relaxed);
             if !send(Record::GpuXid(x)) {
                 return;

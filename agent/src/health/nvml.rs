@@ -22,6 +22,8 @@ use libloading::Library;
 pub const MAX_GPUS: u32 = 64;
 /// Processes read per GPU at most.
 pub const MAX_PROCESSES: usize = 256;
+/// Events of other types skipped per [`Nvml::next_xid`] at most.
+const MAX_SKIPPED_EVENTS: usize = 64;
 
 /// `nvmlReturn_t` values the agent tells apart.
 const NVML_SUCCESS: c_int = 0;
@@ -360,7 +362,9 @@ impl Nvml {
     /// The next Xid error waiting: (GPU index, Xid). Never waits.
     pub fn next_xid(&self) -> Option<(u32, u64)> {
         let (set, wait) = (self.events?, self.calls.event_wait?);
-        loop {
+        // Events of other types are skipped, a bounded number per call (a
+        // library that never runs dry cannot hold the sampler here).
+        for _ in 0..MAX_SKIPPED_EVENTS {
             let mut e = EventData {
                 device: std::ptr::null_mut(),
                 event_type: 0,
@@ -381,6 +385,7 @@ impl Nvml {
                 return Some((gpu as u32, e.event_data));
             }
         }
+        None
     }
 }
 
@@ -414,6 +419,63 @@ mod tests {
         assert_eq!(size_of::<EventData>(), 32);
         assert_eq!(size_of::<Memory>(), 24);
         assert_eq!(size_of::<Utilization>(), 8);
+    }
+
+    /// The stand-in `libnvidia-ml.so.1` (tests/standins) with a state
+    /// file per GPU: what each call reads, the process list past its first
+    /// buffer, and each Xid once. The stand-in reads its directory from the
+    /// environment: the test runs itself again in a child process with it
+    /// set (setting it here would race the other tests' threads).
+    #[test]
+    fn reads_the_stand_in_library() {
+        const CHILD: &str = "XPUSCOPE_NVML_TEST_DIR";
+        let Some(dir) = std::env::var_os(CHILD).map(std::path::PathBuf::from) else {
+            let lib = xpuscope_tests::fixtures::build_all().join("standins/lib/libnvidia-ml.so.1");
+            let dir = std::env::temp_dir().join(format!("xpuscope-nvml-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "health::nvml::tests::reads_the_stand_in_library"])
+                .args(["--nocapture", "--test-threads", "1"])
+                .env(CHILD, &dir)
+                .env("XPUSCOPE_NVML_TEST_LIBRARY", &lib)
+                .env("STANDIN_NVML_DIR", &dir)
+                .env("STANDIN_NVML_DEVICE_COUNT", "2")
+                .output()
+                .unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return;
+        };
+        let lib = std::env::var_os("XPUSCOPE_NVML_TEST_LIBRARY").unwrap();
+        let pids: String = (1..=40).map(|p| format!("pid {p}\n")).collect();
+        std::fs::write(
+            dir.join("gpu1"),
+            format!("{pids}sm_mhz 990\nmax_sm_mhz 1980\nreasons 32\nutil_gpu 77\nmem_used 5\nmem_total 10\necc_uncorrected 3\n"),
+        )
+        .unwrap();
+        let nvml = Nvml::open(Path::new(&lib)).unwrap();
+        assert_eq!(nvml.gpus(), 2);
+        assert_eq!(nvml.name(1).as_deref(), Some("NVIDIA H100 80GB HBM3"));
+        assert_eq!(nvml.sm_clock_mhz(1), Some(990));
+        assert_eq!(nvml.max_sm_clock_mhz(1), Some(1980));
+        assert_eq!(nvml.clock_event_reasons(1), Some(0x20));
+        assert_eq!(nvml.clock_event_reasons(0), Some(0x1), "no process: idle");
+        assert_eq!(nvml.utilization_pct(1), Some(77));
+        assert_eq!(nvml.memory(1), Some((5, 10)));
+        assert_eq!(nvml.ecc_uncorrected(1), Some(3));
+        assert_eq!(nvml.processes(1), Some((1..=40).collect::<Vec<u32>>()));
+        assert_eq!(nvml.processes(0), Some(vec![]));
+        assert_eq!(nvml.sm_clock_mhz(7), None, "no such GPU");
+        assert_eq!(nvml.next_xid(), None);
+        std::fs::write(dir.join("gpu0"), "pid 9\nxid 79\nxid 48\n").unwrap();
+        assert_eq!(nvml.next_xid(), Some((0, 79)));
+        assert_eq!(nvml.next_xid(), Some((0, 48)));
+        assert_eq!(nvml.next_xid(), None);
     }
 
     #[test]
