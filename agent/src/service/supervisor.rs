@@ -326,9 +326,9 @@ where
     let interpret_counters = sources.interpret.clone();
     let job_env = JobEnv::new(&cfg.labels.job_env);
     let pipeline_job_env = job_env.clone();
-    // GPU health from the host's NVML (XPUSCOPE_NVML_LIBRARY names another
-    // library), every second; nothing when the host has none.
-    let (health, health_rx) = crate::health::start(&crate::health::HealthConfig::from_env());
+    // GPU health from the host's NVML (`[gpu_health]`); nothing when the
+    // host has none.
+    let (health, health_rx) = crate::health::start(&cfg.gpu_health);
     let pipeline = crate::pipeline::start_thread(
         move || {
             let enricher = LiveEnricher::with_caches(caches)
