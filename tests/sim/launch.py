@@ -249,9 +249,8 @@ class Job:
             faults += sim_faults.parse_file(args.fault_file)
         sim_faults.validate(faults, self.layout.world_size,
                             {c.name for c in self.layout.comms}, args.steps)
-        for kind in ("device_error", "throttle", "xid"):
-            if args.lang == "python" and any(f.kind == kind for f in faults):
-                raise sim_faults.FaultError(f"fault {kind}: C ranks only (--lang c)")
+        if args.lang == "python" and any(f.kind == "device_error" for f in faults):
+            raise sim_faults.FaultError("fault device_error: C ranks only (--lang c)")
         self.faults = faults
         self.node = sim_nodes.spec_from_args(args, self.layout.world_size)
         self.local_ranks = set(self.node.local_ranks(self.layout.world_size))

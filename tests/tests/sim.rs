@@ -548,9 +548,17 @@ fn gpu_state(job: &Job, gpu: u64, key: &str) -> Vec<u64> {
 #[test]
 fn a_throttled_gpu_slows_its_rank_s_kernels_and_shows_in_its_nvml_state() {
     let _t = timing_lock();
+    for lang in ["c", "python"] {
+        throttle_and_xid(lang);
+    }
+}
+
+fn throttle_and_xid(lang: &str) {
     let job = run_job(
-        "throttle",
+        &format!("throttle-{lang}"),
         &[
+            "--lang",
+            lang,
             "--world-size",
             "2",
             "--dp",
