@@ -239,6 +239,14 @@ pub struct AttachArgs {
     /// before/after measurement of the hook).
     #[arg(long, hide = true)]
     pub no_loader_hook: bool,
+    /// How often GPU health (clocks, clock-event reasons, utilization,
+    /// memory, ECC, Xid errors) is read from NVML; 0 turns it off.
+    #[arg(long, default_value = "1s", value_parser = config::parse_duration)]
+    pub gpu_health_interval: Duration,
+    /// The NVML library to load [default: $XPUSCOPE_NVML_LIBRARY, else
+    /// libnvidia-ml.so.1].
+    #[arg(long)]
+    pub nvml_library: Option<PathBuf>,
 }
 
 /// A leak rate: a size of at least one byte.
@@ -307,6 +315,12 @@ impl AttachArgs {
                 ..Default::default()
             },
             loader_hook: !self.no_loader_hook,
+            gpu_health: crate::health::HealthConfig {
+                library: self
+                    .nvml_library
+                    .unwrap_or_else(|| crate::health::HealthConfig::from_env().library),
+                interval: self.gpu_health_interval,
+            },
         }
     }
 }

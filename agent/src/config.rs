@@ -79,6 +79,8 @@ pub struct AttachConfig {
     pub host_detect: crate::sinks::detect::host_config::HostDetectConfig,
     /// `slow_rank`, `late_arrival`, `slow_link` thresholds.
     pub collective: crate::sinks::detect::collective::CollectiveConfig,
+    /// GPU health from NVML: the library, how often.
+    pub gpu_health: crate::health::HealthConfig,
 }
 
 pub const DEFAULT_RING_BYTES: u32 = 32 << 20;
@@ -130,6 +132,7 @@ impl Default for AttachConfig {
             level_schedule: LevelSchedule::default(),
             report_targets: false,
             loader_hook: true,
+            gpu_health: crate::health::HealthConfig::from_env(),
         }
     }
 }

@@ -11,6 +11,7 @@ mod cli;
 mod config;
 mod diagnose;
 mod events;
+mod health;
 mod host;
 mod kernel;
 mod merge;
@@ -154,6 +155,7 @@ fn run_diagnose(args: cli::DiagnoseArgs) -> ExitCode {
             // The host-side detectors read scheduling and memory records,
             // which the replay does not rebuild yet: defaults, unused.
             host: Default::default(),
+            gpu: Default::default(),
         },
     };
     match diagnose::run(&opts) {

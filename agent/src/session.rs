@@ -94,6 +94,8 @@ struct Stages {
     trace: SinkHandle<Written<std::io::BufWriter<File>>>,
     summary: SinkHandle<RecordTotals>,
     detect: SinkHandle<Vec<Finding>>,
+    /// GPU health from NVML, into the pipeline.
+    health: crate::health::HealthSampler,
 }
 
 /// Loader notices from collect, for the supervisor.
@@ -125,6 +127,7 @@ impl Stages {
             hang_timeout: cfg.hang_timeout,
             host: cfg.host_detect.clone(),
             collective: cfg.collective.clone(),
+            gpu: Default::default(),
         };
         // Inline too: a few map updates per device call, nothing per
         // scheduler record; findings leave on a channel (never blocks).
@@ -138,6 +141,7 @@ impl Stages {
             .stack_ends()
             .map_err(|e| tracing::warn!("stacks are copied whole: {e}"))
             .ok();
+        let (health, health_rx) = crate::health::start(&cfg.gpu_health);
         let pipeline = pipeline::start_thread(
             move || {
                 let mut enricher = LiveEnricher::default();
@@ -147,6 +151,7 @@ impl Stages {
                 let mut pipeline = Pipeline::new(enricher, fanout)
                     .with_device_call_rate(device_call_rate)
                     .with_findings(findings_rx)
+                    .with_health(health_rx)
                     .with_announcements(announce_rx);
                 pipeline.start(start_ts, processes);
                 pipeline
@@ -180,6 +185,7 @@ impl Stages {
             trace,
             summary,
             detect,
+            health,
         };
         Ok((stages, initial_threads, notices))
     }
@@ -203,6 +209,7 @@ struct Finished {
     sinks: Vec<SinkReport>,
     bytes: u64,
     findings: Vec<Finding>,
+    gpu_health: crate::health::HealthReport,
 }
 
 async fn record(
@@ -292,6 +299,7 @@ async fn record(
         finished.sinks,
     );
     summary.findings = finished.findings;
+    summary.gpu_health = finished.gpu_health;
     summary.set_device_probes(device.stats());
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
@@ -459,7 +467,10 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         trace,
         summary,
         detect,
+        health,
     } = stages;
+    // Its last readings reach the pipeline before the end.
+    let gpu_health = tokio::task::spawn_blocking(move || health.stop()).await?;
     let _ = stop_collect.send(true);
     let collect_result = collect
         .await
@@ -509,6 +520,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         sinks,
         bytes: written.bytes,
         findings,
+        gpu_health,
     })
 }
 

@@ -116,6 +116,8 @@ pub struct RunSummary {
     /// The agent's peak resident memory.
     pub agent_peak_rss_bytes: u64,
     pub device: DeviceSummary,
+    /// GPU health (NVML): whether it was available, why not, what it read.
+    pub gpu_health: crate::health::HealthReport,
     /// Per sink: records delivered, and those it lost while it lagged.
     pub sinks: Vec<SinkReport>,
     /// `--system`: distinct tasks that ran and CPUs seen (what that mode
@@ -365,6 +367,7 @@ impl RunSummary {
                 ..DeviceSummary::default()
             },
             sinks,
+            gpu_health: crate::health::HealthReport::default(),
             system_wide: cfg.system_wide.then(|| SystemWide {
                 tasks_ran: totals.tasks_ran,
                 cpus: totals.cpus_seen,
@@ -587,6 +590,7 @@ impl RunSummary {
                 );
             }
         }
+        eprintln!("  {}", self.gpu_health.line());
         let d = &self.device;
         let c = &d.counts;
         let dc = &d.decoding;

@@ -271,6 +271,11 @@ class Job:
 
             self.out = Path(tempfile.mkdtemp(prefix=f"xpuscope-{self.job}-"))
         self.gt_path = self.out / "ground_truth.json"
+        # Where the ranks play their GPUs for the stand-in libnvidia-ml.so.1
+        # (one state file per local GPU; an agent points the stand-in here).
+        self.nvml_dir = self.out / "nvml"
+        if args.flavor == "nvidia":
+            self.nvml_dir.mkdir(parents=True, exist_ok=True)
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed
         self.ranks: list[RankProc] = []
@@ -315,6 +320,8 @@ class Job:
             env[name] = self.job
         if a.flavor == "ascend":
             env["RANK_SIZE"] = str(self.layout.world_size)
+        else:
+            env["STANDIN_NVML_DIR"] = str(self.nvml_dir)
         if a.device_mem_mb:
             env["STANDIN_DEVICE_MEM_BYTES"] = str(a.device_mem_mb << 20)
         if a.real_libs:

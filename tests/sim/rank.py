@@ -99,6 +99,8 @@ def parse_args(argv):
     p.add_argument("--hang")
     p.add_argument("--delay")
     p.add_argument("--delay-step")
+    p.add_argument("--throttle")
+    p.add_argument("--xid")
     return p.parse_args(argv)
 
 
@@ -126,6 +128,9 @@ class Rank:
         self.crash = num_at(args.crash, int) if args.crash else (0, -1)
         self.hang = args.hang.rpartition("@") if args.hang else None
         self.delay_step = num_at(args.delay_step, int) if args.delay_step else (0, -1)
+        self.throttle = num_at(args.throttle, int) if args.throttle else (GPU_MAX_MHZ, -1)
+        self.xid = num_at(args.xid, int) if args.xid else (0, -1)
+        self.gpu = GpuState(self.local_rank)
         if args.delay:
             ms, _, rest = args.delay.partition("@")
             comm, _, seq = rest.rpartition("@")
@@ -161,6 +166,10 @@ class Rank:
     def launch(self, name: str, base_ns: int) -> None:
         factor, from_step = self.slow
         ns = int(base_ns * factor) if 0 <= from_step <= self.step else base_ns
+        # A GPU at a lower clock runs the same kernel longer, in proportion.
+        mhz, throttle_step = self.throttle
+        if 0 <= throttle_step <= self.step:
+            ns = ns * GPU_MAX_MHZ // mhz
         self.kernel_ns += ns
         self.check(self.dev.launch(self.kernels[name], ns, self.compute), "kernel launch")
 
@@ -261,6 +270,8 @@ class Rank:
         self.check(err, f"init of communicator {c.name}")
 
     def wait_for_start(self) -> None:
+        self.gpu.mem_used = self.mem_bytes
+        self.gpu.publish()
         self.log.write(event="ready", rank=self.rank, pid=os.getpid(), flavor=self.dev.flavor,
                        mem_bytes=self.mem_bytes, boot_ns=boot_ns(), real_ns=real_ns())
         if self.a.start_delay_ms:
@@ -268,6 +279,38 @@ class Rank:
         while self.a.start_gate and not os.path.exists(self.a.start_gate):
             time.sleep(0.01)
         self.log.write(event="start", boot_ns=boot_ns(), real_ns=real_ns())
+
+
+# The GPU's highest SM clock as the stand-in NVML reports it.
+GPU_MAX_MHZ = 1980
+
+
+class GpuState:
+    """This rank's GPU (index LOCAL_RANK) for the stand-in libnvidia-ml.so.1:
+    its state file under $STANDIN_NVML_DIR (format: standin_nvml.h), written
+    aside and renamed over the old one. Nothing without the variable."""
+
+    def __init__(self, index: int):
+        d = os.environ.get("STANDIN_NVML_DIR")
+        self.path = os.path.join(d, f"gpu{index}") if d else None
+        self.pids = [os.getpid()]
+        self.sm_mhz = GPU_MAX_MHZ
+        self.reasons = 0
+        self.util = 90
+        self.mem_used = 0
+        self.xids: list[int] = []
+
+    def publish(self) -> None:
+        if not self.path:
+            return
+        lines = [f"pid {p}" for p in self.pids]
+        lines += [f"sm_mhz {self.sm_mhz}", f"max_sm_mhz {GPU_MAX_MHZ}",
+                  f"reasons {self.reasons}", f"util_gpu {self.util}",
+                  f"mem_used {self.mem_used}", f"mem_total {80 << 30}", "ecc_uncorrected 0"]
+        lines += [f"xid {x}" for x in self.xids]
+        with open(self.path + ".tmp", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(self.path + ".tmp", self.path)
 
 
 # ---- the faults, as functions that show up on stacks ----
@@ -415,6 +458,14 @@ def train_step(r: Rank, q: queue.Queue) -> None:
         r.log.fault("host_work", r.step, ms=r.host_work[0])
     if r.step == r.slow[1]:
         r.log.fault("slow", r.step, factor=r.slow[0])
+    if r.step == r.throttle[1]:
+        r.gpu.sm_mhz, r.gpu.reasons = r.throttle[0], 0x20  # SwThermalSlowdown
+        r.gpu.publish()
+        r.log.fault("throttle", r.step, mhz=r.throttle[0])
+    if r.step == r.xid[1]:
+        r.gpu.xids.append(r.xid[0])
+        r.gpu.publish()
+        r.log.fault("xid", r.step, code=r.xid[0])
     rng = r.dev.range_start(f"step {r.step}")
     batch = q.get()
     t_data = boot_ns()
@@ -452,6 +503,9 @@ def main(argv) -> int:
         train_step(r, q)
     for c in r.comms:
         r.dev.comm_destroy(c.handle)
+    # The process is gone from its GPU, as NVML shows it.
+    r.gpu.pids, r.gpu.util, r.gpu.mem_used = [], 0, 0
+    r.gpu.publish()
     r.log.write(event="done", steps=r.a.steps, boot_ns=boot_ns(), real_ns=real_ns())
     return 0
 

@@ -28,6 +28,12 @@ included (see sim_layout.collectives_per_step), as the stand-ins count them.
   device_error    rank, step, code (flavor's)      device allocations fail with status code
                                                    from that step (not out of memory); the
                                                    rank exits 1
+  throttle        rank, mhz, from_step=0           the rank's GPU clock drops to mhz (of 1980)
+                                                   with a thermal clock-event reason (the
+                                                   stand-in NVML shows it); its kernels take
+                                                   1980/mhz x longer
+  xid             rank, code=79, step              the rank's GPU raises Xid code (NVML's
+                                                   event set delivers it) at the step's start
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ KINDS = {
     "slow_link": {"rank": int, "factor": float},
     "crash": {"rank": int, "step": int, "signal": str},
     "device_error": {"rank": int, "step": int, "code": int},
+    "throttle": {"rank": int, "mhz": int, "from_step": int},
+    "xid": {"rank": int, "code": int, "step": int},
 }
 
 # A device error's status when the fault names none: the flavor's "the
@@ -63,6 +71,9 @@ DEFAULTS = {
     "mem_leak": {"mb": 64, "from_step": 0},
     "slow_link": {"factor": 4.0},
     "crash": {"signal": "SIGABRT"},
+    "throttle": {"from_step": 0},
+    # Xid 79: "GPU has fallen off the bus".
+    "xid": {"code": 79},
 }
 
 REQUIRED = {
@@ -72,6 +83,8 @@ REQUIRED = {
     "dataloader_stall": ["step", "ms"],
     "crash": ["step"],
     "device_error": ["step"],
+    "throttle": ["mhz"],
+    "xid": ["step"],
 }
 
 
@@ -147,6 +160,8 @@ def make_fault(kind: str, raw: dict) -> Fault:
         by_seq = "comm" in params and "seq" in params
         if by_step == by_seq:
             raise FaultError(f"fault {kind}: give either step= or comm= and seq=")
+    if kind == "throttle" and not 0 < params["mhz"] < 1980:
+        raise FaultError(f"fault throttle: mhz={params['mhz']} outside 1..1979")
     if kind == "crash":
         params["signal_number"] = signal_number(params["signal"])
     return Fault(kind, params)
@@ -214,6 +229,10 @@ def injections(faults: list[Fault], flavor: str) -> dict[int, RankInjection]:
         elif f.kind == "device_error":
             code = p.get("code") or DEVICE_ERROR_CODE[flavor]
             inj.args += ["--device-error", f"{code}@{p['step']}"]
+        elif f.kind == "throttle":
+            inj.args += ["--throttle", f"{p['mhz']}@{p['from_step']}"]
+        elif f.kind == "xid":
+            inj.args += ["--xid", f"{p['code']}@{p['step']}"]
         # cpu_contention is the launcher's doing (a noisy neighbour process).
     return out
 
@@ -229,4 +248,6 @@ EVENT_KIND = {
     "mem_leak": "mem_leak",
     "crash": "crash",
     "device_error": "device_error",
+    "throttle": "throttle",
+    "xid": "xid",
 }

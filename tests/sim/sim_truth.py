@@ -104,6 +104,14 @@ def fault_truth(job, fault: sim_faults.Fault, events_by_rank: dict[int, list[dic
         expected = {"host_bound_rank": r, "extra_host_ms": p["ms"], "from_step": p["from_step"],
                     "note": "the rank's host_ns grows by ms; it arrives last at the "
                             "collectives, its peers wait in them"}
+    elif fault.kind == "throttle":
+        expected = {"throttled_rank": r, "gpu": r % len(job.local_ranks), "sm_mhz": p["mhz"],
+                    "max_sm_mhz": 1980, "reason": "sw_thermal_slowdown",
+                    "compute_factor": 1980 / p["mhz"], "from_step": p["from_step"],
+                    "note": "the rank's GPU clock drops (a thermal clock event) and its "
+                            "kernels slow in proportion; peers wait in the collectives"}
+    elif fault.kind == "xid":
+        expected = {"rank": r, "gpu": r % len(job.local_ranks), "xid": p["code"], "step": p["step"]}
     elif fault.kind in ("hang", "delay"):
         if "step" in p:
             dp = job.layout.dp_comm_of(r)
@@ -197,6 +205,7 @@ def ground_truth(job) -> dict:
                                   "grad-mb", "act-kb")} | {"bw_gbps": a.bw_gbps,
                                                            "device_mem_mb": a.device_mem_mb},
         "activity": {"api_records": a.activity_api, "log": a.activity_log},
+        "nvml_dir": str(job.nvml_dir) if a.flavor == "nvidia" else None,
         "communicators": [
             {"name": c.name, "kind": c.kind, "size": len(c.members), "members": c.members,
              "collectives": collectives_per_step(job.layout, c, a.microbatches)}

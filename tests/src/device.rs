@@ -115,6 +115,8 @@ pub fn finding_kind_of(fault: &str) -> &'static str {
         "slow_link" => "slow_link",
         "cpu_contention" | "cpu_hog" => "host_contention",
         "host_work" => "host_bound",
+        "throttle" => "device_throttled",
+        "xid" | "device_error" => "device_error",
         _ => "?",
     }
 }
@@ -464,6 +466,27 @@ pub fn run_from_spawn_in(
     launcher_extra: &[&str],
     agent_extra: &[&str],
 ) -> SimRun {
+    spawn_and_record(root, tag, launcher_extra, agent_extra, false)
+}
+
+/// [`run_from_spawn`] with the agent reading GPU health from the stand-in
+/// `libnvidia-ml.so.1` (`XPUSCOPE_NVML_LIBRARY`), whose GPUs the job's
+/// ranks play (`STANDIN_NVML_DIR` = the job's `nvml/` folder).
+pub fn run_from_spawn_with_gpus(
+    tag: &str,
+    launcher_extra: &[&str],
+    agent_extra: &[&str],
+) -> SimRun {
+    spawn_and_record(None, tag, launcher_extra, agent_extra, true)
+}
+
+fn spawn_and_record(
+    root: Option<(&Path, Entry)>,
+    tag: &str,
+    launcher_extra: &[&str],
+    agent_extra: &[&str],
+    gpus: bool,
+) -> SimRun {
     wait_for_closers();
     let fx = fixtures::build_all();
     let _ = crate::agent::agent_bin(); // built before the launcher waits for it
@@ -496,7 +519,21 @@ pub fn run_from_spawn_in(
     let pid = launcher.0.id().to_string();
     let mut args = vec!["--pid", pid.as_str()];
     args.extend_from_slice(agent_extra);
-    let rec = Recording::start(dir.path(), &args);
+    let nvml_library = fx.join("standins/lib/libnvidia-ml.so.1");
+    let nvml_dir = job_dir.join("nvml");
+    let (nvml_library, nvml_dir) = (
+        nvml_library.to_str().expect("a UTF-8 path"),
+        nvml_dir.to_str().expect("a UTF-8 path"),
+    );
+    let env: &[(&str, &str)] = if gpus {
+        &[
+            ("XPUSCOPE_NVML_LIBRARY", nvml_library),
+            ("STANDIN_NVML_DIR", nvml_dir),
+        ]
+    } else {
+        &[]
+    };
+    let rec = Recording::start_with_env(dir.path(), &args, env);
     std::fs::write(&gate, b"").expect("open the spawn gate");
     let done = rec.finish(Duration::from_secs(60));
     let status = launcher.0.wait().expect("launcher status");

@@ -29,6 +29,11 @@ impl Service {
     /// Starts `agent service` with `config` added to a configuration of
     /// its own in `dir`; `NODE_NAME` is [`TEST_NODE`].
     pub fn start(dir: &Path, config: &str) -> Service {
+        Service::start_with_env(dir, config, &[])
+    }
+
+    /// [`Service::start`] with `env` added to the agent's environment.
+    pub fn start_with_env(dir: &Path, config: &str, env: &[(&str, &str)]) -> Service {
         let socket = dir.join("run/agent.sock");
         let dump_dir = dir.join("dumps");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -56,6 +61,7 @@ impl Service {
                 .env("RUST_LOG", "info")
                 // As the DaemonSet sets it: the metrics' `node`.
                 .env("NODE_NAME", TEST_NODE)
+                .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped()),

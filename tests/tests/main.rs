@@ -22,6 +22,7 @@ mod diagnose;
 mod faults;
 mod findings;
 mod flight_recorder;
+mod gpu_health;
 mod host_findings;
 mod hostile;
 mod levels;

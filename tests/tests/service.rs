@@ -963,3 +963,102 @@ fn the_service_finds_and_probes_a_job_in_a_container() {
     wait_allreduce_counts(port, name, ranks.keys());
     stop_service(&mut agent, &mut stderr);
 }
+
+/// The value of the series of `family` whose labels include every one of
+/// `labels` (`key="value"`), in OpenMetrics text.
+fn series_value(metrics: &str, family: &str, labels: &[&str]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{family}{{")))
+        .find(|l| labels.iter().all(|want| l.contains(want)))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// GPU health on `/metrics`: the stand-in NVML's GPUs, each rank's GPU
+/// with that rank's labels (job, rank, local rank, node), a GPU no rank
+/// uses with empty rank labels.
+#[test]
+fn the_service_serves_gpu_health_with_the_ranks_on_each_gpu() {
+    let _serial = exclusive();
+    wait_for_closers();
+    let fx = fixtures::build_all();
+    let dir = TempDir::new("svcgpu");
+    let name = "svcgpu";
+    let nvml_dir = dir.path().join(name).join("nvml");
+    let library = fx.join("standins/lib/libnvidia-ml.so.1");
+    let Service {
+        mut agent,
+        mut stderr,
+        port,
+        socket,
+        ..
+    } = Service::start_with_env(
+        dir.path(),
+        "",
+        &[
+            ("XPUSCOPE_NVML_LIBRARY", library.to_str().expect("UTF-8")),
+            ("STANDIN_NVML_DIR", nvml_dir.to_str().expect("UTF-8")),
+        ],
+    );
+    let job = Job::start(dir.path(), name);
+    wait_listed(&socket, &job, name);
+    let started = Instant::now();
+    let metrics = loop {
+        let metrics = http_get(port, "/metrics");
+        let labelled = (0..2).all(|r| {
+            series_value(
+                &metrics,
+                "xpuscope_gpu_sm_clock_mhz",
+                &[&format!("gpu=\"{r}\""), &format!("rank=\"{r}\"")],
+            )
+            .is_some()
+        });
+        if labelled {
+            break metrics;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no GPU series with the ranks' labels:\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for r in 0..2 {
+        let labels = [
+            format!("gpu=\"{r}\""),
+            format!("rank=\"{r}\""),
+            format!("local_rank=\"{r}\""),
+            format!("training_job=\"{name}\""),
+            format!("node=\"{}\"", xpuscope_tests::service_run::TEST_NODE),
+            format!("gpu_uuid=\"GPU-5374616e-6469-6e00-0000-00000000000{r}\""),
+        ];
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        let value = |family| series_value(&metrics, family, &labels);
+        assert_eq!(
+            value("xpuscope_gpu_sm_clock_mhz"),
+            Some(1980.0),
+            "rank {r}:\n{metrics}"
+        );
+        assert_eq!(value("xpuscope_gpu_max_sm_clock_mhz"), Some(1980.0));
+        assert_eq!(value("xpuscope_gpu_throttle_reasons"), Some(0.0));
+        assert_eq!(value("xpuscope_gpu_utilization_ratio"), Some(0.9));
+        assert!(value("xpuscope_gpu_memory_used_bytes").is_some_and(|b| b > 0.0));
+        assert_eq!(
+            value("xpuscope_gpu_memory_total_bytes"),
+            Some((80u64 << 30) as f64)
+        );
+        assert_eq!(value("xpuscope_gpu_xid_errors_total"), Some(0.0));
+    }
+    // A GPU no rank runs on: idle, without rank labels.
+    assert_eq!(
+        series_value(
+            &metrics,
+            "xpuscope_gpu_throttle_reasons",
+            &["gpu=\"5\"", "rank=\"\""]
+        ),
+        Some(1.0),
+        "GPU 5 idle (reason bit 0x1):\n{metrics}"
+    );
+    job.run();
+    stop_service(&mut agent, &mut stderr);
+}

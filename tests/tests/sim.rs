@@ -532,6 +532,80 @@ fn a_slow_rank_slows_its_compute_and_everyone_s_steps() {
     }
 }
 
+/// The state file the rank writes for its GPU (`standin_nvml.h`): `key`'s
+/// values.
+fn gpu_state(job: &Job, gpu: u64, key: &str) -> Vec<u64> {
+    let dir = job.gt["nvml_dir"].as_str().expect("nvml_dir");
+    let text = std::fs::read_to_string(Path::new(dir).join(format!("gpu{gpu}")))
+        .expect("the GPU's state file");
+    text.lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| *k == key)
+        .map(|(_, v)| v.parse().expect("a number"))
+        .collect()
+}
+
+#[test]
+fn a_throttled_gpu_slows_its_rank_s_kernels_and_shows_in_its_nvml_state() {
+    let _t = timing_lock();
+    for lang in ["c", "python"] {
+        throttle_and_xid(lang);
+    }
+}
+
+fn throttle_and_xid(lang: &str) {
+    let job = run_job(
+        &format!("throttle-{lang}"),
+        &[
+            "--lang",
+            lang,
+            "--world-size",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "20",
+            "--kernel-us",
+            "800",
+            "--fault",
+            "throttle:rank=1,mhz=495,from_step=10",
+            "--fault",
+            "xid:rank=0,code=48,step=5",
+        ],
+        LIMIT,
+    );
+    assert_eq!(job.status(), "completed");
+    assert_eq!(job.fault_events(1, "throttle")[0]["step"], 10);
+    assert_eq!(job.fault_events(1, "throttle")[0]["mhz"], 495);
+    assert_eq!(job.fault_events(0, "xid")[0]["step"], 5);
+    // 1980 / 495 = 4x the kernel time, its peer's unchanged.
+    let before = job.median_ms(1, 2, 10, "kernel_ns");
+    let after = job.median_ms(1, 11, 20, "kernel_ns");
+    assert!((after / before - 4.0).abs() < 0.01, "{before} -> {after}");
+    assert!((job.median_ms(0, 11, 20, "kernel_ns") - before).abs() < 0.01);
+    // What the stand-in NVML reads: GPU 1 at 495 MHz, thermal; GPU 0's Xid.
+    assert_eq!(gpu_state(&job, 1, "sm_mhz"), [495]);
+    assert_eq!(gpu_state(&job, 1, "max_sm_mhz"), [1980]);
+    assert_eq!(gpu_state(&job, 1, "reasons"), [0x20]);
+    assert_eq!(gpu_state(&job, 0, "xid"), [48]);
+    assert_eq!(gpu_state(&job, 0, "sm_mhz"), [1980]);
+    // The ranks exited: no process on either GPU.
+    assert!(gpu_state(&job, 0, "pid").is_empty() && gpu_state(&job, 1, "pid").is_empty());
+    let truth = job.gt["faults"].as_array().expect("faults");
+    let t = truth
+        .iter()
+        .find(|f| f["kind"] == "throttle")
+        .expect("throttle");
+    assert_eq!(t["expected"]["throttled_rank"], 1);
+    assert_eq!(t["expected"]["gpu"], 1);
+    assert_eq!(t["expected"]["compute_factor"], 4.0);
+    let x = truth.iter().find(|f| f["kind"] == "xid").expect("xid");
+    assert_eq!(
+        (&x["expected"]["xid"], &x["expected"]["step"]),
+        (&48.into(), &5.into())
+    );
+}
+
 #[test]
 fn a_dataloader_stall_delays_that_step_on_every_rank() {
     let _t = timing_lock();

@@ -21,6 +21,9 @@ pub enum FindingKind {
     DeviceError,
     /// A traced process was killed by a signal.
     Crash,
+    /// A rank's GPU ran its SMs below its peers' clock for a while (a
+    /// thermal or power slowdown, as NVML names it).
+    DeviceThrottled,
     /// A rank's training thread kept off its CPU by other processes.
     HostContention,
     /// A rank's training thread busy in its own host code while its
@@ -40,7 +43,7 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 11] = [
+    pub const ALL: [FindingKind; 12] = [
         FindingKind::Hang,
         FindingKind::DeviceOom,
         FindingKind::DeviceError,
@@ -52,6 +55,7 @@ impl FindingKind {
         FindingKind::SlowRank,
         FindingKind::LateArrival,
         FindingKind::SlowLink,
+        FindingKind::DeviceThrottled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -67,6 +71,7 @@ impl FindingKind {
             FindingKind::SlowRank => "slow_rank",
             FindingKind::LateArrival => "late_arrival",
             FindingKind::SlowLink => "slow_link",
+            FindingKind::DeviceThrottled => "device_throttled",
         }
     }
 }

@@ -10,6 +10,7 @@
 pub mod counters;
 pub mod device;
 pub mod finding;
+pub mod gpu;
 pub mod identity;
 pub mod sched;
 pub mod stack;
@@ -200,11 +201,16 @@ pub enum Record {
     /// A rank's finished step and where its main thread spent it (fed
     /// back by the detect sink like a finding).
     StepSplit(Box<StepSplitRecord>),
+    /// One GPU's health readings (the health sampler's, about once a
+    /// second per GPU).
+    GpuSample(Box<gpu::GpuSample>),
+    /// An Xid error a GPU raised.
+    GpuXid(gpu::GpuXid),
 }
 
 impl Record {
     /// Number of kinds ([`Record::kind_index`] is below it).
-    pub const KINDS: usize = 22;
+    pub const KINDS: usize = 24;
     /// The kinds' short names, by [`Record::kind_index`].
     pub const KIND_NAMES: [&'static str; Record::KINDS] = [
         "initial_processes",
@@ -229,6 +235,8 @@ impl Record {
         "link_map_changed",
         "step_seen",
         "step_split",
+        "gpu_sample",
+        "gpu_xid",
     ];
 
     /// A dense index per kind (counting per kind without a map lookup).
@@ -256,6 +264,8 @@ impl Record {
             Record::LinkMapChanged(_) => 19,
             Record::StepSeen(_) => 20,
             Record::StepSplit(_) => 21,
+            Record::GpuSample(_) => 22,
+            Record::GpuXid(_) => 23,
         }
     }
 

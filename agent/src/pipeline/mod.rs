@@ -89,6 +89,8 @@ pub struct Pipeline<E: Enrich> {
     /// Findings fed back by the detect sink.
     /// What the detect sink feeds back: findings and step splits.
     findings: Option<std::sync::mpsc::Receiver<Record>>,
+    /// GPU health readings from the health sampler (`crate::health`).
+    health: Option<std::sync::mpsc::Receiver<Record>>,
     announcements: Option<std::sync::mpsc::Receiver<PipelineMsg>>,
     /// Where the interpret stage's counters are published at each sink
     /// tick (a long-running service's metrics and status read them).
@@ -103,6 +105,7 @@ impl<E: Enrich> Pipeline<E> {
             fanout,
             last_tick: 0,
             findings: None,
+            health: None,
             announcements: None,
             published: None,
         }
@@ -185,9 +188,19 @@ impl<E: Enrich> Pipeline<E> {
     /// Findings the detectors sent back since the last batch, as records
     /// every sink sees in order.
     fn take_findings(&mut self, out: &mut Vec<Record>) {
+        if let Some(rx) = &self.health {
+            out.extend(rx.try_iter());
+        }
         if let Some(rx) = &self.findings {
             out.extend(rx.try_iter());
         }
+    }
+
+    /// GPU health readings sent on `rx` (by the health sampler) join the
+    /// record stream, in the order they were read.
+    pub fn with_health(mut self, rx: std::sync::mpsc::Receiver<Record>) -> Self {
+        self.health = Some(rx);
+        self
     }
 
     /// Records sent on `rx` (by the detect sink: findings, step splits)
@@ -200,6 +213,7 @@ impl<E: Enrich> Pipeline<E> {
     /// Ends what is open at `end` and tells every sink the recording ended.
     pub fn finish(&mut self, end: u64) -> InterpretCounters {
         let mut out = Vec::new();
+        self.take_findings(&mut out);
         self.interpreter.finish(end, &mut out);
         self.take_findings(&mut out);
         self.fanout.send(out);

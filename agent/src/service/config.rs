@@ -210,6 +210,8 @@ pub struct ServiceConfig {
     pub rings: RingsConfig,
     pub stacks: StacksConfig,
     pub probes: ProbesConfig,
+    /// GPU health from NVML (`[gpu_health]`).
+    pub gpu_health: crate::health::HealthConfig,
 }
 
 impl Default for ServiceConfig {
@@ -245,6 +247,9 @@ impl Default for ServiceConfig {
             rings: RingsConfig::default(),
             stacks: StacksConfig::default(),
             probes: ProbesConfig::default(),
+            // The library from XPUSCOPE_NVML_LIBRARY when set; the file's
+            // `gpu_health.library` wins over it.
+            gpu_health: crate::health::HealthConfig::from_env(),
         }
     }
 }
@@ -306,6 +311,8 @@ impl ServiceConfig {
             "discovery.cgroup_prefix" => c.discovery.cgroup_prefix,
             "discovery.env" => c.discovery.env,
             "labels.job_env" => c.labels.job_env,
+            "gpu_health.interval" => c.gpu_health.interval,
+            "gpu_health.library" => c.gpu_health.library,
         ]
     }
 
@@ -600,6 +607,16 @@ impl ServiceConfig {
             }
             if let Some(v) = s.take("env") {
                 cfg.discovery.env = ctx.env_names(&v, "discovery.env")?;
+            }
+            s.finish()?;
+        }
+        if let Some(t) = root.take_table("gpu_health")? {
+            let mut s = Section::new(&ctx, "gpu_health", &t);
+            if let Some(v) = s.take("interval") {
+                cfg.gpu_health.interval = ctx.duration(&v, "gpu_health.interval")?;
+            }
+            if let Some(v) = s.take("library") {
+                cfg.gpu_health.library = PathBuf::from(ctx.string(&v, "gpu_health.library")?);
             }
             s.finish()?;
         }
@@ -945,7 +962,7 @@ mod tests {
                 _ => format!("{l}\n"),
             })
             .collect();
-        assert_eq!(uncommented, 6, "{text}");
+        assert_eq!(uncommented, 7, "{text}");
         let cfg = parse(&text).unwrap();
         assert_eq!(cfg.control.group.as_deref(), Some("xpuscope"));
         assert!(cfg.control.tcp_listen.is_some() && cfg.control.token_file.is_some());
@@ -999,9 +1016,19 @@ cgroup_prefix = ["/kubepods.slice"]
 env = ["RANK"]
 [labels]
 job_env = ["MY_JOB"]
+[gpu_health]
+interval = "5s"
+library = "/opt/nvml/libnvidia-ml.so.1"
 "#,
         )
         .unwrap();
+        assert_eq!(
+            cfg.gpu_health,
+            crate::health::HealthConfig {
+                interval: Duration::from_secs(5),
+                library: PathBuf::from("/opt/nvml/libnvidia-ml.so.1"),
+            }
+        );
         assert_eq!(cfg.level.get(), 3);
         assert_eq!(cfg.dump_dir, PathBuf::from("/srv/dumps"));
         assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);

@@ -307,6 +307,7 @@ where
                 hang_timeout: cfg.detect.hang_timeout,
                 host: cfg.detect.host.clone(),
                 collective: cfg.detect.collective.clone(),
+                gpu: Default::default(),
             },
             Some(findings_tx),
         ),
@@ -326,6 +327,9 @@ where
     let interpret_counters = sources.interpret.clone();
     let job_env = JobEnv::new(&cfg.labels.job_env);
     let pipeline_job_env = job_env.clone();
+    // GPU health from the host's NVML (`[gpu_health]`); nothing when the
+    // host has none.
+    let (health, health_rx) = crate::health::start(&cfg.gpu_health);
     let pipeline = crate::pipeline::start_thread(
         move || {
             let enricher = LiveEnricher::with_caches(caches)
@@ -334,6 +338,7 @@ where
             let mut pipeline = Pipeline::new(enricher, fanout)
                 .with_published_counters(interpret_counters)
                 .with_findings(findings_rx)
+                .with_health(health_rx)
                 .with_announcements(announce_rx);
             pipeline.start(host::boottime_ns(), Vec::new());
             pipeline
@@ -492,6 +497,10 @@ where
         Some(k) => k.stop().await,
         None => Ok(()),
     };
+    let gpu_health = tokio::task::spawn_blocking(move || health.stop()).await;
+    if let Ok(h) = gpu_health {
+        tracing::info!("{}", h.line());
+    }
     drop(tx);
     drop(control);
     drop(socket_file);

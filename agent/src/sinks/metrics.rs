@@ -56,6 +56,8 @@
 //! - `xpuscope_findings_total` [kind]: what the detectors found (`hang`,
 //!   `device_oom`, `crash`).
 //!
+//! - GPU health per GPU and rank on it (`xpuscope_gpu_*`, see [`gpu`]).
+//!
 //! Not yet here: algorithm bandwidth.
 
 use std::collections::{HashMap, HashSet};
@@ -74,6 +76,7 @@ use rustc_hash::FxHashMap;
 use xpuscope_probes::catalog::{CallKind, CommOp, Library};
 use xpuscope_probes::decode::args::CallArgs;
 
+mod gpu;
 mod series;
 
 use self::series::{Admission, RankFamily, RankPart, RankSeries, SeriesBook};
@@ -603,6 +606,7 @@ pub struct MetricsSink {
     deltas: Deltas,
     sources: Arc<AgentSources>,
     last_heard: Arc<AtomicU64>,
+    gpu: gpu::GpuMetrics,
 }
 
 impl MetricsSink {
@@ -611,6 +615,7 @@ impl MetricsSink {
     pub fn new(node: &str) -> (Self, MetricsHandle, Arc<AgentSources>) {
         let mut registry = Registry::default();
         let f = Families::register(&mut registry);
+        let gpu = gpu::GpuMetrics::register(&mut registry);
         let last_heard = Arc::new(AtomicU64::new(crate::host::boottime_ns()));
         let sources = Arc::new(AgentSources::default());
         let sink = Self {
@@ -630,6 +635,7 @@ impl MetricsSink {
             deltas: Deltas::default(),
             sources: sources.clone(),
             last_heard: last_heard.clone(),
+            gpu,
         };
         let handle = MetricsHandle {
             registry: Arc::new(registry),
@@ -823,6 +829,8 @@ impl MetricsSink {
             Record::OffCpu(i) => self.off_cpu(i),
             Record::StepSplit(s) => self.step_split(s),
             Record::InFlight(s) => self.in_flight(s),
+            Record::GpuSample(s) => self.gpu.sample(&self.node, s, &self.ranks),
+            Record::GpuXid(x) => self.gpu.xid(&self.node, x, &self.ranks),
             Record::Finding(f) => {
                 self.f
                     .findings

@@ -135,3 +135,22 @@ pub const GROUP: Key<Text> = Key::new("group");
 pub fn live_site(n: usize, field: &str) -> String {
     format!("{LIVE_SITES}.{n}.{field}")
 }
+
+// A GPU's sample, slowed clocks and Xid errors (on its GPU track).
+/// NVML's index of the GPU.
+pub const GPU: Key<Uint> = Key::new("gpu");
+pub const GPU_NAME: Key<Text> = Key::new("gpu_name");
+pub const GPU_UUID: Key<Text> = Key::new("gpu_uuid");
+pub const SM_CLOCK_MHZ: Key<Uint> = Key::new("sm_clock_mhz");
+pub const MAX_SM_CLOCK_MHZ: Key<Uint> = Key::new("max_sm_clock_mhz");
+/// `nvmlClocksEventReason*` bits.
+pub const CLOCK_EVENT_REASONS: Key<Uint> = Key::new("clock_event_reasons");
+/// Their names, comma-separated.
+pub const REASONS: Key<Text> = Key::new("reasons");
+pub const UTILIZATION_PCT: Key<Uint> = Key::new("utilization_pct");
+pub const MEMORY_USED_BYTES: Key<Uint> = Key::new("memory_used_bytes");
+pub const MEMORY_TOTAL_BYTES: Key<Uint> = Key::new("memory_total_bytes");
+pub const ECC_UNCORRECTED: Key<Uint> = Key::new("ecc_uncorrected");
+/// The GPU's compute processes, comma-separated pids.
+pub const GPU_PIDS: Key<Text> = Key::new("pids");
+pub const XID: Key<Uint> = Key::new("xid");

@@ -73,3 +73,31 @@ pub fn error_slice_name(name: &str, ret: i64) -> String {
 pub fn function_of(event_name: &str) -> &str {
     event_name.split_whitespace().next().unwrap_or("")
 }
+
+/// A GPU's track (`GPU 0`), at the top level, from NVML's index; its
+/// description names the model and UUID. Its counters are its children.
+pub const GPU_TRACK: &str = "GPU ";
+/// A GPU's SM clock counter (`GPU 0 SM clock`), MHz.
+pub const GPU_SM_CLOCK_TRACK: &str = " SM clock";
+/// A GPU's utilization counter (`GPU 0 utilization`), percent.
+pub const GPU_UTILIZATION_TRACK: &str = " utilization";
+/// A GPU's memory-in-use counter (`GPU 0 memory used`), bytes.
+pub const GPU_MEMORY_TRACK: &str = " memory used";
+/// The instant on a GPU's track holding one sample's every reading (the
+/// counters draw them; `agent diagnose` reads them back from here).
+pub const GPU_SAMPLE_EVENT: &str = "gpu sample";
+/// The slice on a GPU's track while its clock is slowed, before the
+/// reasons' names: `clocks slowed: sw_thermal_slowdown`.
+pub const GPU_SLOWED_EVENT: &str = "clocks slowed: ";
+/// The instant of an Xid error on a GPU's track: `Xid 79`.
+pub const GPU_XID_EVENT: &str = "Xid ";
+
+/// A GPU's track name: `GPU 3`.
+pub fn gpu_track(gpu: u32) -> String {
+    format!("{GPU_TRACK}{gpu}")
+}
+
+/// The GPU a track named by [`gpu_track`] is.
+pub fn gpu_of_track(name: &str) -> Option<u32> {
+    name.strip_prefix(GPU_TRACK)?.parse().ok()
+}

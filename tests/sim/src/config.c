@@ -26,6 +26,9 @@ static const char usage[] =
     "  --leak MB@STEP           allocate MB more device memory every step from STEP\n"
     "  --crash SIGNAL@STEP      raise SIGNAL at the start of STEP\n"
     "  --device-error CODE@STEP device allocations fail with status CODE from STEP\n"
+    "  --throttle MHZ@STEP      the GPU's SM clock drops to MHZ (thermal) from STEP;\n"
+    "                           kernels take 1980/MHZ times longer\n"
+    "  --xid CODE@STEP          the GPU raises Xid CODE at the start of STEP\n"
     "                           (STANDIN_MALLOC_ERROR); the rank exits 1 on it\n"
     "  --hang COMM@SEQ          stop forever before operation SEQ (0-based) of COMM\n"
     "  --hang-step STEP         stop forever before the gradient all-reduce of STEP\n"
@@ -98,13 +101,13 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         .act_kb = 256,
         .faults = {.slow_factor = 1.0, .slow_from_step = -1, .host_work_from_step = -1, .stall_step = -1,
                    .leak_from_step = -1, .crash_step = -1, .device_error_step = -1, .hang_seq = -1, .hang_step = -1, .hang_inside_seq = -1,
-                   .delay_seq = -1, .delay_step = -1},
+                   .delay_seq = -1, .delay_step = -1, .throttle_from_step = -1, .xid_step = -1},
     };
     enum {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
         O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_ACTAPI,
-        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HOSTWORK, O_HELP
+        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HOSTWORK, O_THROTTLE, O_XID, O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -122,7 +125,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"delay-step", 1, 0, O_DELAYSTEP}, {"hang-inside", 1, 0, O_HANGIN},
         {"activity-api", 0, 0, O_ACTAPI},  {"activity-log", 1, 0, O_ACTLOG},
         {"init-delay-ms", 1, 0, O_INITDELAY}, {"device-error", 1, 0, O_DEVERR},
-        {"host-work", 1, 0, O_HOSTWORK},   {"help", 0, 0, O_HELP},
+        {"host-work", 1, 0, O_HOSTWORK},   {"throttle", 1, 0, O_THROTTLE},
+        {"xid", 1, 0, O_XID},              {"help", 0, 0, O_HELP},
         {0, 0, 0, 0},
     };
     struct sim_faults *f = &cfg->faults;
@@ -182,6 +186,14 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         case O_DEVERR:
             if (split_num_at(v, &d, &n) || d == 0) return bad("device-error", v);
             f->device_error_code = (long)d, f->device_error_step = n;
+            break;
+        case O_THROTTLE:
+            if (split_num_at(v, &d, &n) || d < 1 || d >= SIM_GPU_MAX_MHZ) return bad("throttle", v);
+            f->throttle_mhz = (long)d, f->throttle_from_step = n;
+            break;
+        case O_XID:
+            if (split_num_at(v, &d, &n) || d < 1) return bad("xid", v);
+            f->xid_code = (long)d, f->xid_step = n;
             break;
         case O_HANG:
             if (split_name_at(v, f->hang_comm, &f->hang_seq)) return bad("hang", v);

@@ -141,6 +141,9 @@ static uint64_t kernel_time(uint64_t base_ns) {
     const struct sim_faults *f = &R.cfg.faults;
     if (f->slow_from_step >= 0 && R.step >= f->slow_from_step)
         base_ns = (uint64_t)((double)base_ns * f->slow_factor);
+    /* A GPU at a lower clock runs the same kernel longer, in proportion. */
+    if (f->throttle_from_step >= 0 && R.step >= f->throttle_from_step)
+        base_ns = base_ns * SIM_GPU_MAX_MHZ / (uint64_t)f->throttle_mhz;
     return base_ns;
 }
 
@@ -323,6 +326,18 @@ SIM_NOINLINE void train_step(void) {
         snprintf(extra, sizeof extra, ",\"ms\":%ld", f->host_work_ms);
         log_fault("host_work", extra);
     }
+    if (R.step == f->throttle_from_step) {
+        char extra[48];
+        snprintf(extra, sizeof extra, ",\"mhz\":%ld", f->throttle_mhz);
+        gpu_state_throttle((unsigned int)f->throttle_mhz);
+        log_fault("throttle", extra);
+    }
+    if (R.step == f->xid_step) {
+        char extra[48];
+        snprintf(extra, sizeof extra, ",\"code\":%ld", f->xid_code);
+        gpu_state_xid((unsigned int)f->xid_code);
+        log_fault("xid", extra);
+    }
     if (R.step == f->slow_from_step) {
         char extra[48];
         snprintf(extra, sizeof extra, ",\"factor\":%g", f->slow_factor);
@@ -459,6 +474,7 @@ int main(int argc, char **argv) {
     if (R.cfg.init_delay_ms > 0)
         sim_sleep_ns((uint64_t)R.cfg.init_delay_ms * 1000000ull);
     check(dev_init(R.cfg.local_rank), "device init");
+    gpu_state_start(R.cfg.local_rank, (unsigned int)getpid());
     if (R.cfg.activity_log && actlog_open(R.cfg.activity_log)) {
         perror(R.cfg.activity_log);
         return 2;
@@ -481,6 +497,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "sim rank %d: cannot start the dataloader thread\n", R.cfg.rank);
         return 1;
     }
+    gpu_state_memory(R.mem_bytes);
     wait_for_start();
 
     for (R.step = 0; R.step < R.cfg.steps; R.step++)
@@ -491,6 +508,7 @@ int main(int argc, char **argv) {
     steplog_printf("{\"event\":\"done\",\"steps\":%ld,\"boot_ns\":%llu,\"real_ns\":%llu}",
                    R.cfg.steps, (unsigned long long)sim_boot_ns(),
                    (unsigned long long)sim_real_ns());
+    gpu_state_exit();
     actlog_flush();
     steplog_flush();
     return 0;

@@ -43,6 +43,10 @@ struct sim_faults {
     long delay_seq;
     long delay_step;
     long delay_ms;
+    long throttle_mhz;       /* the GPU's SM clock drops to this... */
+    long throttle_from_step; /* ...from this step (a thermal clock event) */
+    long xid_code;           /* the GPU raises this Xid error... */
+    long xid_step;           /* ...at the start of this step */
 };
 
 struct sim_config {
@@ -75,6 +79,14 @@ uint64_t sim_boot_ns(void);
 uint64_t sim_real_ns(void);
 void sim_sleep_ns(uint64_t ns);
 void sim_cpu_work_us(long us);
+
+/* gpu_state.c: this rank's GPU as the stand-in NVML shows it */
+#define SIM_GPU_MAX_MHZ 1980u
+void gpu_state_start(int local_rank, unsigned int pid);
+void gpu_state_memory(uint64_t used);
+void gpu_state_throttle(unsigned int mhz);
+void gpu_state_xid(unsigned int code);
+void gpu_state_exit(void);
 
 /* config.c */
 int sim_parse_args(struct sim_config *cfg, int argc, char **argv);

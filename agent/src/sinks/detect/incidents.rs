@@ -36,6 +36,9 @@
 //!   rank of the job suffers alike (a job-level contention) explains each
 //!   rank's own contention while it lasts;
 //! - a hang explains a late arrival at the operation that hung;
+//! - a throttled GPU (`device_throttled`) explains a late arrival or slow
+//!   rank while it lasts: of its own rank (its steps slowed) and of its
+//!   peers (they waited for that rank);
 //! - a late arrival or slow rank that spent most of its lateness blocked
 //!   in a device call (the collective detector's `waited` evidence: a
 //!   sync on a receive from a pipeline peer) inherited it: another rank's
@@ -64,13 +67,14 @@ pub fn importance(kind: FindingKind) -> u8 {
         FindingKind::Crash => 1,
         FindingKind::DeviceOom => 2,
         FindingKind::DeviceError => 3,
-        FindingKind::SlowRank => 4,
-        FindingKind::SlowLink => 5,
-        FindingKind::HostContention => 6,
-        FindingKind::HostBound => 7,
-        FindingKind::DataloaderStall => 8,
-        FindingKind::MemoryLeak => 9,
-        FindingKind::LateArrival => 10,
+        FindingKind::DeviceThrottled => 4,
+        FindingKind::SlowRank => 5,
+        FindingKind::SlowLink => 6,
+        FindingKind::HostContention => 7,
+        FindingKind::HostBound => 8,
+        FindingKind::DataloaderStall => 9,
+        FindingKind::MemoryLeak => 10,
+        FindingKind::LateArrival => 11,
     }
 }
 
@@ -266,6 +270,12 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
             if g.kind == Hang && g.comm.is_some() && g.comm == f.comm && g.seq == f.seq {
                 return Some(2);
             }
+            // A throttled GPU slows its rank's steps, and its peers wait
+            // for that rank: lateness while it lasts (it is open until the
+            // clock comes back) follows from it, whoever's it is.
+            if g.kind == DeviceThrottled && overlaps(g, f) {
+                return Some(2);
+            }
             // It waited, blocked in a device call, for most of its
             // lateness: another rank's delay that was under way while it
             // waited (begun before its wait ended, not over before its
@@ -324,7 +334,7 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
             let siblings = taken_by_a_rank(g) && taken_by_a_rank(f);
             (g.kind == HostContention && g_first && (same_taker || siblings)).then_some(3)
         }
-        DataloaderStall | HostBound | MemoryLeak | SlowLink | DeviceError => None,
+        DataloaderStall | HostBound | MemoryLeak | SlowLink | DeviceError | DeviceThrottled => None,
     }
 }
 

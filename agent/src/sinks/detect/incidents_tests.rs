@@ -415,3 +415,28 @@ fn a_late_arrival_that_waited_for_a_late_peer_is_its_consequence() {
     group(&mut found);
     assert!(found.iter().all(|f| f.link.cause.is_none()), "{found:#?}");
 }
+
+#[test]
+fn a_throttled_gpu_is_the_root_of_its_rank_s_and_its_peers_lateness() {
+    // Rank 1's GPU slows from 2 s on (open: it never came back); its own
+    // slow_rank and its peer's late arrival while it lasts follow from
+    // it; a late arrival before it does not.
+    let mut throttled = finding(FindingKind::DeviceThrottled, &[1], Some(10), (2_000, 2_000));
+    throttled.end_ns = None;
+    let mut found = vec![
+        finding(FindingKind::LateArrival, &[0], Some(2), (500, 600)),
+        finding(FindingKind::SlowRank, &[1], Some(12), (3_000, 4_000)),
+        finding(FindingKind::LateArrival, &[0], Some(14), (4_500, 4_600)),
+        throttled,
+    ];
+    group(&mut found);
+    assert_eq!(
+        shape(&found),
+        [
+            (1, FindingKind::DeviceThrottled, vec![1], None),
+            (1, FindingKind::SlowRank, vec![1], Some(1)),
+            (1, FindingKind::LateArrival, vec![0], Some(1)),
+            (2, FindingKind::LateArrival, vec![0], None),
+        ]
+    );
+}

@@ -21,6 +21,9 @@
 //! - [`device_compute`]: `slow_rank` from the device activity: a rank
 //!   whose compute kernels take longer than its peers' (the host cannot
 //!   see it).
+//! - [`gpu_health`]: `device_throttled` (a rank's GPU clocked below its
+//!   peers') and `device_error` for a GPU's Xid or ECC errors, from NVML's
+//!   samples (`crate::health`).
 //!
 //! The detectors are pure ([`Detectors`]: records and ticks in, findings
 //! out). The sink sends each new finding back to the pipeline, which puts
@@ -35,6 +38,7 @@ pub mod crash;
 pub mod dataloader_stall;
 pub mod device_compute;
 pub mod device_error;
+pub mod gpu_health;
 pub mod hang;
 pub mod host;
 pub mod host_bound;
@@ -75,6 +79,8 @@ pub struct DetectConfig {
     pub host: host_config::HostDetectConfig,
     /// `slow_rank`, `late_arrival`, `slow_link` (`collective`).
     pub collective: collective::CollectiveConfig,
+    /// `device_throttled` (`gpu_health`).
+    pub gpu: gpu_health::GpuHealthConfig,
 }
 
 pub const DEFAULT_HANG_TIMEOUT: Duration = Duration::from_secs(300);
@@ -85,6 +91,7 @@ impl Default for DetectConfig {
             hang_timeout: DEFAULT_HANG_TIMEOUT,
             host: host_config::HostDetectConfig::default(),
             collective: collective::CollectiveConfig::default(),
+            gpu: gpu_health::GpuHealthConfig::default(),
         }
     }
 }
@@ -168,6 +175,7 @@ pub struct Detectors {
     host: host::HostDetectors,
     collective: collective::CollectiveDetector,
     device_compute: device_compute::DeviceComputeDetector,
+    gpu_health: gpu_health::GpuHealthDetector,
     /// Step boundaries of the record at hand (scratch).
     marks: Vec<step_marks::StepMark>,
 }
@@ -192,6 +200,7 @@ impl Detectors {
                 cfg.collective.slow_rank_persist,
             ),
             collective: collective::CollectiveDetector::new(cfg.collective),
+            gpu_health: gpu_health::GpuHealthDetector::new(cfg.gpu),
             marks: Vec::new(),
         }
     }
@@ -250,6 +259,16 @@ impl Detectors {
                     .device_work(w, &mut self.collective.slow_reported, out)
             }
             Record::Enqueued(m) => self.collective.enqueued(m),
+            Record::GpuSample(s) => {
+                let (collective, ranks) = (&self.collective, &self.ranks);
+                let step_of = |pid: u32, ts: u64| collective.step_of(pid, ts, ranks);
+                self.gpu_health.sample(s, ranks, &step_of, out);
+            }
+            Record::GpuXid(x) => {
+                let (collective, ranks) = (&self.collective, &self.ranks);
+                let step_of = |pid: u32, ts: u64| collective.step_of(pid, ts, ranks);
+                self.gpu_health.xid(x, ranks, &step_of, out);
+            }
             Record::InFlight(s) => self.hang.snapshot(s),
             Record::Exit {
                 exit,

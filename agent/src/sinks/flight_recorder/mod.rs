@@ -144,7 +144,8 @@ impl Trigger {
             | FindingKind::MemoryLeak
             | FindingKind::SlowRank
             | FindingKind::LateArrival
-            | FindingKind::SlowLink => Trigger::Slowdown,
+            | FindingKind::SlowLink
+            | FindingKind::DeviceThrottled => Trigger::Slowdown,
         }
     }
 }

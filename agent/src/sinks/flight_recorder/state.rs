@@ -40,6 +40,8 @@ pub fn span(r: &Record) -> Option<(u64, u64)> {
         Record::LinkMapChanged(l) => at(l.ts),
         Record::StepSeen(s) => at(s.ts),
         Record::StepSplit(s) => Some((s.start, s.end.max(s.start))),
+        Record::GpuSample(s) => at(s.ts),
+        Record::GpuXid(x) => at(x.ts),
     }
 }
 
@@ -68,6 +70,9 @@ pub fn owner(r: &Record) -> Option<u32> {
         | Record::Waking(_)
         | Record::Drops { .. }
         | Record::InFlight(_)
+        // A GPU's, shared by whatever runs on it.
+        | Record::GpuSample(_)
+        | Record::GpuXid(_)
         | Record::Finding(_) => None,
     }
 }
@@ -212,6 +217,13 @@ pub fn heap_bytes(r: &Record) -> usize {
                 + alloc(s.calls.capacity() * size_of::<crate::model::OpenCall>())
         }
         Record::StepSplit(_) => alloc(size_of::<crate::model::StepSplitRecord>()),
+        Record::GpuSample(s) => {
+            alloc(size_of::<crate::model::gpu::GpuSample>())
+                + alloc(s.name.capacity())
+                + alloc(s.uuid.capacity())
+                + alloc(s.pids.capacity() * 4)
+        }
+        Record::GpuXid(x) => alloc(x.pids.capacity() * 4),
         Record::Finding(f) => {
             alloc(size_of::<crate::model::Finding>())
                 + alloc(f.summary.capacity())

@@ -14,10 +14,12 @@
 //!   thread's track;
 //! - drops -> `lost_events` on the CPU's bundle and a counter track; records
 //!   this sink itself lost (it lagged) -> a counter track of their own;
-//! - device records -> see [`device`].
+//! - device records -> see [`device`];
+//! - GPU health samples and Xid errors -> see [`gpu`].
 
 mod device;
 mod findings;
+mod gpu;
 
 #[cfg(test)]
 pub use crate::trace_schema::names::FINDINGS_TRACK;
@@ -70,6 +72,7 @@ pub struct PerfettoSink<W: Write> {
     frames: FrameConverter,
     device: device::DeviceTracks,
     findings: findings::FindingLanes,
+    gpus: gpu::GpuTracks,
     /// Whether to write clock snapshots every [`CLOCK_SNAPSHOT_EVERY`]
     /// (the live recording does; tests leave them out).
     snapshots: Option<Instant>,
@@ -109,6 +112,7 @@ impl<W: Write> PerfettoSink<W> {
             frames: FrameConverter::default(),
             device: device::DeviceTracks::default(),
             findings: findings::FindingLanes::default(),
+            gpus: gpu::GpuTracks::default(),
             snapshots: None,
         }
     }
@@ -146,12 +150,16 @@ impl<W: Write> PerfettoSink<W> {
                 if *process_ended {
                     self.process_exited(exit)?;
                     self.device.process_ended(exit.tgid, exit.ts);
+                    self.gpus.process_ended(exit.tgid);
                 }
             }
             Record::Preempted(p) => self.preempted(p)?,
             Record::OffCpu(i) => self.off_cpu(i)?,
             Record::Drops { ts, cpus, total } => self.drops(*ts, cpus, *total)?,
-            Record::Identity { tgid, identity } => self.identity(*tgid, identity)?,
+            Record::Identity { tgid, identity } => {
+                self.gpus.identity(*tgid, identity);
+                self.identity(*tgid, identity)?
+            }
             Record::DeviceCall(c) => self.device_call(c)?,
             Record::CallsSummarized(s) => self.calls_summarized(s)?,
             Record::Enqueued(m) => self.enqueued(m)?,
@@ -167,6 +175,8 @@ impl<W: Write> PerfettoSink<W> {
             Record::LinkMapChanged(_) => {}
             Record::StepSeen(s) => self.step_seen(s)?,
             Record::StepSplit(s) => self.step_split(s)?,
+            Record::GpuSample(s) => self.gpu_sample(s)?,
+            Record::GpuXid(x) => self.gpu_xid(x)?,
         }
         Ok(())
     }
@@ -455,6 +465,7 @@ impl<W: Write> PerfettoSink<W> {
     /// Writes what waits for the end and finishes the file.
     pub fn finish_trace(mut self, end: u64, lost: &SinkCounters) -> Result<Written<W>> {
         self.own_losses(end, lost)?;
+        self.gpus_finish(end)?;
         let mut renamed: Vec<u32> = self.renamed.keys().copied().collect();
         renamed.sort_unstable();
         for tid in renamed {

@@ -6,6 +6,7 @@
 //! its traces as a stream, in bounded memory: it runs the packet loop and
 //! reads events with the schema's keys, not into records.)
 
+mod gpu;
 mod offcpu;
 mod records;
 pub mod switches;

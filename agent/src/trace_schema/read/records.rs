@@ -5,7 +5,8 @@
 //! instants; the Python step counter's values; the main threads' off-CPU
 //! intervals from the scheduler's switches ([`super::offcpu`]); device
 //! work from the stream tracks, tied to its calls by the enqueue markers'
-//! flows. Calls never ended come back apart ([`OpenAtEnd`]): the live
+//! flows; GPU health from the GPU tracks' sample and Xid instants
+//! ([`super::gpu`]). Calls never ended come back apart ([`OpenAtEnd`]): the live
 //! pipeline never hands them on as records.
 //!
 //! Each record comes with the time the live pipeline would have handed it
@@ -210,6 +211,8 @@ impl TraceRecords {
         // stream name), and the work begun on each.
         let mut streams: HashMap<u64, (i32, String)> = HashMap::new();
         let mut work: HashMap<u64, Vec<BegunWork>> = HashMap::new();
+        // GPU tracks (top level, `GPU <index>`): uuid -> index.
+        let mut gpus: HashMap<u64, u32> = HashMap::new();
         let mut device = DeviceSide::default();
         let mut switches = MainThreadSwitches::default();
         for p in ranked {
@@ -265,6 +268,14 @@ impl TraceRecords {
                     switches.thread(p, tid);
                 }
                 Some(TrackView::Other {
+                    parent: None,
+                    name: Some(name),
+                }) => {
+                    if let (Some(uuid), Some(gpu)) = (packet.track_uuid(), n::gpu_of_track(&name)) {
+                        gpus.insert(uuid, gpu);
+                    }
+                }
+                Some(TrackView::Other {
                     parent: Some(parent),
                     name: Some(name),
                 }) => {
@@ -277,6 +288,16 @@ impl TraceRecords {
             let Some(event) = packets.event(&packet) else {
                 continue;
             };
+            if let Some(&gpu) = gpus.get(&event.track) {
+                if event.kind == EventKind::Instant {
+                    if let Some(s) = super::gpu::sample(&event, gpu, pid) {
+                        out.push((s.ts, Record::GpuSample(Box::new(s))));
+                    } else if let Some(x) = super::gpu::xid(&event, gpu, pid) {
+                        out.push((x.ts, Record::GpuXid(x)));
+                    }
+                }
+                continue;
+            }
             if let Some((p, stream)) = streams.get(&event.track) {
                 let begun = work.entry(event.track).or_default();
                 match event.kind {

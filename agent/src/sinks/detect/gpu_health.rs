@@ -1,0 +1,466 @@
+//! Findings from GPU health (NVML's samples and Xid events, per GPU),
+//! joined to the ranks whose processes run on each GPU:
+//! - `device_throttled`: a rank's GPU whose SM clock stayed below its
+//!   peers' (the median of the other GPUs the job's ranks run on, or the
+//!   GPU's own highest clock when it has no peer) by more than
+//!   [`GpuHealthConfig::clock_gap_pct`] for [`GpuHealthConfig::persist`],
+//!   while NVML gives a reason for it other than idleness or a clock
+//!   setting (thermal, power cap, hardware slowdown, ...), named in the
+//!   finding. Once per slowdown: the GPU must come back to its peers' clock
+//!   before another is reported.
+//! - `device_error`: an Xid error or new uncorrected ECC errors on a GPU
+//!   a rank runs on, once per GPU and Xid (ECC: each time the count grows).
+//!
+//! A GPU with no rank of the traced job on it gives no finding. State is
+//! per GPU; the ranks come from [`Ranks`], which forgets a process at its
+//! exit.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::Ranks;
+use crate::model::gpu::{GpuSample, GpuXid, reason_names};
+use crate::model::{Finding, FindingKind};
+
+/// `device_throttled`'s thresholds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuHealthConfig {
+    /// How far below its peers' clock a GPU must be, percent.
+    pub clock_gap_pct: u32,
+    /// For how long.
+    pub persist: Duration,
+}
+
+impl Default for GpuHealthConfig {
+    fn default() -> Self {
+        Self {
+            clock_gap_pct: 10,
+            persist: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A peer's clock older than this is not compared with (its GPU left the
+/// job or NVML stopped answering for it).
+const PEER_FRESH_NS: u64 = 5_000_000_000;
+
+#[derive(Default)]
+struct GpuState {
+    /// The last sample's clock, time and whether a rank runs on it.
+    clock: Option<u32>,
+    ts: u64,
+    ranked: bool,
+    /// Since when it has been below its peers, and the lowest clock and
+    /// the reasons seen since.
+    below_since: Option<u64>,
+    lowest: u32,
+    reasons: u64,
+    reported: bool,
+    /// The last sample at its peers' clock: the slowdown began after it.
+    last_normal: Option<u64>,
+    ecc: Option<u64>,
+}
+
+#[derive(Default)]
+pub struct GpuHealthDetector {
+    cfg: GpuHealthConfig,
+    gpus: HashMap<u32, GpuState>,
+    xids: HashSet<(u32, u64)>,
+}
+
+/// The traced ranks and their processes among `pids`, rank order.
+fn ranks_on(pids: &[u32], ranks: &Ranks) -> Vec<(u32, u32)> {
+    let mut r: Vec<(u32, u32)> = pids
+        .iter()
+        .filter_map(|&p| ranks.of(p).map(|r| (r, p)))
+        .collect();
+    r.sort_unstable();
+    r
+}
+
+fn median(mut v: Vec<u32>) -> Option<u32> {
+    v.sort_unstable();
+    let n = v.len();
+    (n > 0).then(|| {
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2
+        }
+    })
+}
+
+fn who(on: &[(u32, u32)]) -> String {
+    let ranks: Vec<String> = on.iter().map(|(r, _)| r.to_string()).collect();
+    match ranks.len() {
+        1 => format!("rank {}", ranks[0]),
+        _ => format!("ranks {}", ranks.join(",")),
+    }
+}
+
+impl GpuHealthDetector {
+    pub fn new(cfg: GpuHealthConfig) -> Self {
+        Self {
+            cfg,
+            ..Self::default()
+        }
+    }
+
+    /// A sample: its clock against its peers', its ECC count against its
+    /// last. `step_of(pid, ts)`: the rank's step then.
+    pub fn sample(
+        &mut self,
+        s: &GpuSample,
+        ranks: &Ranks,
+        step_of: &dyn Fn(u32, u64) -> Option<u64>,
+        out: &mut Vec<Finding>,
+    ) {
+        let on = ranks_on(&s.pids, ranks);
+        let peers: Vec<u32> = self
+            .gpus
+            .iter()
+            .filter(|(g, st)| {
+                **g != s.gpu && st.ranked && s.ts.saturating_sub(st.ts) < PEER_FRESH_NS
+            })
+            .filter_map(|(_, st)| st.clock)
+            .collect();
+        let peer_clock = median(peers.clone());
+        let state = self.gpus.entry(s.gpu).or_default();
+        state.clock = s.sm_clock_mhz;
+        state.ts = s.ts;
+        state.ranked = !on.is_empty();
+
+        if let Some(ecc) = s.ecc_uncorrected {
+            if let Some(before) = state.ecc
+                && ecc > before
+                && !on.is_empty()
+            {
+                let (rank, pid) = on[0];
+                let step = step_of(pid, s.ts);
+                out.push(Finding {
+                    link: Default::default(),
+                    kind: FindingKind::DeviceError,
+                    ranks: on.iter().map(|(r, _)| *r).collect(),
+                    comm: None,
+                    seq: None,
+                    step,
+                    start_ns: s.ts,
+                    end_ns: Some(s.ts),
+                    summary: format!(
+                        "device_error: {}'s GPU {} reported {} new uncorrected ECC errors ({} in all){}",
+                        who(&on),
+                        s.gpu,
+                        ecc - before,
+                        ecc,
+                        step.map(|s| format!(" in step {s}")).unwrap_or_default()
+                    ),
+                    evidence: json!({
+                        "source": "nvml",
+                        "gpu": s.gpu,
+                        "gpu_uuid": s.uuid,
+                        "ecc_uncorrected": ecc,
+                        "new_ecc_uncorrected": ecc - before,
+                        "pids": on.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+                        "rank": rank,
+                    }),
+                    detected_ns: s.ts,
+                });
+            }
+            state.ecc = Some(ecc);
+        }
+
+        // Below whom: its peers' median, or its own highest clock.
+        let reference = peer_clock.or(s.max_sm_clock_mhz);
+        // Slowed, not idle: a GPU waiting for its host (a pipeline bubble,
+        // data loading) also clocks down, with no reason but idleness.
+        let below = match (s.sm_clock_mhz, reference) {
+            (Some(clock), Some(reference)) if !on.is_empty() && s.slowdown_reasons() != 0 => {
+                u64::from(clock) * 100
+                    < u64::from(reference) * u64::from(100 - self.cfg.clock_gap_pct.min(99))
+            }
+            _ => false,
+        };
+        if !below {
+            state.last_normal = Some(s.ts);
+            state.below_since = None;
+            state.reported = false;
+            state.reasons = 0;
+            return;
+        }
+        let clock = s.sm_clock_mhz.unwrap_or(0);
+        if state.below_since.is_none() {
+            state.lowest = clock;
+            state.reasons = 0;
+        }
+        let since = *state.below_since.get_or_insert(s.ts);
+        state.lowest = state.lowest.min(clock);
+        state.reasons |= s.slowdown_reasons();
+        if state.reported || s.ts.saturating_sub(since) < self.cfg.persist.as_nanos() as u64 {
+            return;
+        }
+        state.reported = true;
+        let (rank, pid) = on[0];
+        let step = step_of(pid, since);
+        // Sampled once an interval: the slowdown began between the last
+        // sample at the peers' clock and the first below it.
+        let onset_after_step = state.last_normal.and_then(|t| step_of(pid, t));
+        let reasons = reason_names(state.reasons);
+        let why = format!("slowed by {reasons}");
+        let against = match peer_clock {
+            Some(p) => format!(
+                "its peers' {p} MHz (median of {} peer GPU{})",
+                peers.len(),
+                if peers.len() == 1 { "" } else { "s" }
+            ),
+            None => format!("its own highest {} MHz", reference.unwrap_or(0)),
+        };
+        out.push(Finding {
+            link: Default::default(),
+            kind: FindingKind::DeviceThrottled,
+            ranks: on.iter().map(|(r, _)| *r).collect(),
+            comm: None,
+            seq: None,
+            step,
+            start_ns: since,
+            end_ns: None,
+            summary: format!(
+                "device_throttled: {}'s GPU {} ran its SMs at {} MHz for {:.1} s against {against}, {why}{}",
+                who(&on),
+                s.gpu,
+                clock,
+                s.ts.saturating_sub(since) as f64 / 1e9,
+                step.map(|s| format!(", from step {s}")).unwrap_or_default()
+            ),
+            evidence: json!({
+                "source": "nvml",
+                "gpu": s.gpu,
+                "gpu_name": s.name,
+                "gpu_uuid": s.uuid,
+                "sm_clock_mhz": clock,
+                "lowest_sm_clock_mhz": state.lowest,
+                "peer_sm_clock_mhz": peer_clock,
+                "peer_gpus": peers.len(),
+                "max_sm_clock_mhz": s.max_sm_clock_mhz,
+                "reasons": reasons.split(',').filter(|r| !r.is_empty()).collect::<Vec<_>>(),
+                "reason_bits": state.reasons,
+                "seconds": s.ts.saturating_sub(since) as f64 / 1e9,
+                "first_seen_ns": since,
+                "onset_after_step": onset_after_step,
+                "pids": on.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+                "rank": rank,
+            }),
+            detected_ns: s.ts,
+        });
+    }
+
+    /// An Xid error: a `device_error` of the ranks on its GPU, once per
+    /// GPU and Xid.
+    pub fn xid(
+        &mut self,
+        x: &GpuXid,
+        ranks: &Ranks,
+        step_of: &dyn Fn(u32, u64) -> Option<u64>,
+        out: &mut Vec<Finding>,
+    ) {
+        let on = ranks_on(&x.pids, ranks);
+        if on.is_empty() || !self.xids.insert((x.gpu, x.xid)) {
+            return;
+        }
+        let (rank, pid) = on[0];
+        let step = step_of(pid, x.ts);
+        out.push(Finding {
+            link: Default::default(),
+            kind: FindingKind::DeviceError,
+            ranks: on.iter().map(|(r, _)| *r).collect(),
+            comm: None,
+            seq: None,
+            step,
+            start_ns: x.ts,
+            end_ns: Some(x.ts),
+            summary: format!(
+                "device_error: {}'s GPU {} raised Xid {}{}",
+                who(&on),
+                x.gpu,
+                x.xid,
+                step.map(|s| format!(" in step {s}")).unwrap_or_default()
+            ),
+            evidence: json!({
+                "source": "nvml",
+                "gpu": x.gpu,
+                "xid": x.xid,
+                "pids": on.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+                "rank": rank,
+            }),
+            detected_ns: x.ts,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RankIdentity;
+
+    const S: u64 = 1_000_000_000;
+
+    fn ranks(pairs: &[(u32, u32)]) -> Ranks {
+        let mut r = Ranks::default();
+        for &(pid, rank) in pairs {
+            r.identity(
+                pid,
+                &RankIdentity {
+                    rank: Some(rank.to_string()),
+                    ..RankIdentity::default()
+                },
+            );
+        }
+        r
+    }
+
+    fn sample(gpu: u32, ts: u64, mhz: u32, reasons: u64, pid: u32) -> GpuSample {
+        GpuSample {
+            ts,
+            gpu,
+            sm_clock_mhz: Some(mhz),
+            max_sm_clock_mhz: Some(1980),
+            clock_event_reasons: Some(reasons),
+            pids: vec![pid],
+            ..GpuSample::default()
+        }
+    }
+
+    fn step(_pid: u32, ts: u64) -> Option<u64> {
+        Some(ts / S)
+    }
+
+    /// Four GPUs, one rank each; GPU 2 drops to `mhz` from second `from`.
+    fn run(mhz: u32, from: u64, seconds: u64) -> Vec<Finding> {
+        let r = ranks(&[(10, 0), (11, 1), (12, 2), (13, 3)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for t in 0..seconds {
+            for g in 0..4 {
+                let (clock, reasons) = if g == 2 && t >= from {
+                    (mhz, 0x20)
+                } else {
+                    (1980, 0)
+                };
+                d.sample(
+                    &sample(g, t * S + u64::from(g), clock, reasons, 10 + g),
+                    &r,
+                    &step,
+                    &mut out,
+                );
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_gpu_below_its_peers_for_long_enough_is_throttled_with_its_reason() {
+        let out = run(990, 3, 12);
+        assert_eq!(out.len(), 1, "{out:#?}");
+        let f = &out[0];
+        assert_eq!(f.kind, FindingKind::DeviceThrottled);
+        assert_eq!(f.ranks, vec![2]);
+        assert_eq!(f.step, Some(3));
+        assert_eq!(
+            f.evidence["onset_after_step"],
+            json!(2),
+            "the last sample at full clock"
+        );
+        assert_eq!(f.evidence["reasons"], json!(["sw_thermal_slowdown"]));
+        assert_eq!(f.evidence["peer_sm_clock_mhz"], json!(1980));
+        assert_eq!(f.evidence["sm_clock_mhz"], json!(990));
+        assert!(
+            f.summary.contains("rank 2's GPU 2 ran its SMs at 990 MHz"),
+            "{}",
+            f.summary
+        );
+        assert!(f.summary.contains("sw_thermal_slowdown"), "{}", f.summary);
+    }
+
+    #[test]
+    fn a_short_dip_or_a_small_gap_is_nothing() {
+        assert!(run(990, 9, 12).is_empty(), "3 s below: under the 5 s");
+        assert!(run(1900, 0, 12).is_empty(), "4 % below: under the 10 %");
+        assert!(run(1980, 0, 12).is_empty());
+    }
+
+    #[test]
+    fn a_gpu_clocked_down_for_no_reason_but_idleness_is_not_throttled() {
+        let r = ranks(&[(10, 0), (11, 1)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for t in 0..10 {
+            d.sample(&sample(0, t * S, 1980, 0, 10), &r, &step, &mut out);
+            d.sample(&sample(1, t * S + 1, 345, 0x1, 11), &r, &step, &mut out);
+        }
+        assert!(out.is_empty(), "{out:#?}");
+    }
+
+    #[test]
+    fn a_gpu_without_a_rank_gives_nothing() {
+        let r = ranks(&[]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for t in 0..10 {
+            d.sample(&sample(0, t * S, 500, 0x40, 99), &r, &step, &mut out);
+        }
+        d.xid(
+            &GpuXid {
+                ts: 0,
+                gpu: 0,
+                xid: 79,
+                pids: vec![99],
+            },
+            &r,
+            &step,
+            &mut out,
+        );
+        assert!(out.is_empty(), "{out:#?}");
+    }
+
+    #[test]
+    fn an_xid_names_the_rank_on_its_gpu_once() {
+        let r = ranks(&[(10, 0), (11, 1)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        let x = GpuXid {
+            ts: 7 * S,
+            gpu: 1,
+            xid: 79,
+            pids: vec![11],
+        };
+        d.xid(&x, &r, &step, &mut out);
+        d.xid(&x, &r, &step, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].kind, FindingKind::DeviceError);
+        assert_eq!(out[0].ranks, vec![1]);
+        assert_eq!(out[0].step, Some(7));
+        assert_eq!(
+            out[0].summary,
+            "device_error: rank 1's GPU 1 raised Xid 79 in step 7"
+        );
+    }
+
+    #[test]
+    fn new_ecc_errors_are_a_device_error() {
+        let r = ranks(&[(10, 0)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for (t, ecc) in [(0, 0), (1, 0), (2, 2)] {
+            let mut s = sample(0, t * S, 1980, 0, 10);
+            s.ecc_uncorrected = Some(ecc);
+            d.sample(&s, &r, &step, &mut out);
+        }
+        assert_eq!(out.len(), 1, "{out:#?}");
+        assert!(
+            out[0].summary.contains("2 new uncorrected ECC errors"),
+            "{}",
+            out[0].summary
+        );
+    }
+}
