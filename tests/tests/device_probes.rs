@@ -1206,7 +1206,11 @@ fn probe_links_are_one_per_file_and_end_and_the_perf_event_path_records_alike() 
             .unwrap_or_else(|| panic!("{device}"));
         assert_eq!(driver["hits"].as_u64(), Some(calls), "{tag}: {device}");
         assert_eq!(driver["calls"].as_u64().unwrap_or(0), 0, "{tag}: {device}");
-        assert_eq!(device["driver_calls_folded"].as_u64(), Some(calls), "{tag}: {device}");
+        assert_eq!(
+            device["driver_calls_folded"].as_u64(),
+            Some(calls),
+            "{tag}: {device}"
+        );
         assert_eq!(device["attach_failures"], 0, "{tag}: {device}");
         let trace = decode(&storm.done.trace).expect("the trace decodes");
         check_importer_rules(&trace).expect("importer rules");
@@ -1320,7 +1324,11 @@ fn device_ring_overflow_counts_every_lost_record() {
         entries,
         "{device}"
     );
-    assert_eq!(decoded + driver_calls + folded + no_entry, returns, "{device}");
+    assert_eq!(
+        decoded + driver_calls + folded + no_entry,
+        returns,
+        "{device}"
+    );
     assert!(
         done.stderr
             .contains(&format!("dropped: {}", stats["dropped"])),

@@ -51,7 +51,7 @@ fn steps_of(run: &SimRun, rank: u64) -> Vec<Value> {
 }
 
 /// The device-call slices on process `pid`'s threads.
-fn slices_of<'a>(tl: &'a Timeline, pid: i32) -> Vec<&'a Slice> {
+fn slices_of(tl: &Timeline, pid: i32) -> Vec<&Slice> {
     tl.slices
         .iter()
         .filter(|s| s.category.as_deref() == Some("device"))
@@ -86,7 +86,11 @@ fn every_launch_is_counted_once_with_its_kernel() {
     let steps = 6;
     let run = run_sim_job("drvlaunch", "1", steps, &["--driver-launches"]);
     let truth = final_truth(&run);
-    assert_eq!(truth["driver"]["driver_launches"], true, "{}", truth["driver"]);
+    assert_eq!(
+        truth["driver"]["driver_launches"], true,
+        "{}",
+        truth["driver"]
+    );
     let tl = &run.tl;
     let (mut runtime_total, mut direct_cu_launch) = (0, 0);
     for (&rank, &pid) in &run.rank_pids {
@@ -105,7 +109,10 @@ fn every_launch_is_counted_once_with_its_kernel() {
         for s in &runtime {
             let k = kernel(s).unwrap_or_else(|| panic!("rank {rank}: unnamed {s:?}"));
             assert!(RUNTIME_KERNELS.contains(&k), "rank {rank}: {s:?}");
-            assert!(s.name.starts_with(&format!("cudaLaunchKernel {k} grid(")), "{s:?}");
+            assert!(
+                s.name.starts_with(&format!("cudaLaunchKernel {k} grid(")),
+                "{s:?}"
+            );
         }
         // Every runtime kernel ran, by name.
         let named: BTreeSet<&str> = runtime.iter().filter_map(|s| kernel(s)).collect();
@@ -114,7 +121,10 @@ fn every_launch_is_counted_once_with_its_kernel() {
         let triton = of("cuLaunchKernelEx");
         assert_eq!(gemm.len() as u64, steps, "rank {rank}: {gemm:?}");
         assert_eq!(triton.len() as u64, steps, "rank {rank}: {triton:?}");
-        assert!(gemm.iter().all(|s| kernel(s) == Some("sim_cublas_gemm")), "{gemm:?}");
+        assert!(
+            gemm.iter().all(|s| kernel(s) == Some("sim_cublas_gemm")),
+            "{gemm:?}"
+        );
         assert!(
             triton
                 .iter()
@@ -148,7 +158,11 @@ fn every_launch_is_counted_once_with_its_kernel() {
         .find(|f| f["function"] == "cuLaunchKernel")
         .unwrap_or_else(|| panic!("{device}"))
         .clone();
-    assert_eq!(uint(&row["hits"]), runtime_total + direct_cu_launch, "{row}");
+    assert_eq!(
+        uint(&row["hits"]),
+        runtime_total + direct_cu_launch,
+        "{row}"
+    );
     assert_eq!(uint(&row["calls"]), direct_cu_launch, "{row}");
     assert!(
         uint(&device["driver_calls_folded"]) >= runtime_total,
@@ -192,7 +206,10 @@ fn expandable_segments_memory_track_equals_the_mapped_bytes() {
             0,
             "rank {rank}: folded into the runtime's"
         );
-        assert!(count("cuMemMap") > 0 && count("cuMemUnmap") > 0, "rank {rank}");
+        assert!(
+            count("cuMemMap") > 0 && count("cuMemUnmap") > 0,
+            "rank {rank}"
+        );
 
         let track = tl
             .tracks
@@ -201,14 +218,12 @@ fn expandable_segments_memory_track_equals_the_mapped_bytes() {
                 t.name
                     .as_deref()
                     .is_some_and(|n| n.starts_with("device memory dev"))
-                    && t.parent
-                        .and_then(|p| match &tl.tracks.get(&p)?.kind {
-                            TrackKind::Process { pid, .. } | TrackKind::Thread { pid, .. } => {
-                                Some(*pid)
-                            }
-                            _ => None,
-                        })
-                        == Some(pid)
+                    && t.parent.and_then(|p| match &tl.tracks.get(&p)?.kind {
+                        TrackKind::Process { pid, .. } | TrackKind::Thread { pid, .. } => {
+                            Some(*pid)
+                        }
+                        _ => None,
+                    }) == Some(pid)
             })
             .unwrap_or_else(|| panic!("rank {rank}: no device-memory track"));
         let series = tl.counter_series(track.uuid);
