@@ -404,7 +404,7 @@ impl Decoder {
                 nesting::folds_into(inner, (o.target.library, o.target.function.kind))
             })
         });
-        let mut folded = None;
+        // The runtime launch takes the kernel's name from its driver launch.
         if let (Some(j), Some(m)) = (outer, matched.as_ref()) {
             let kernels = self.processes.get(&r.tgid).map(|p| &p.kernels);
             let name = Self::launched_kernel(m, kernels);
@@ -413,7 +413,6 @@ impl Decoder {
             {
                 o.kernel = name;
             }
-            folded = Some(());
         }
         if stack.is_empty() {
             self.threads.remove(&key);
@@ -421,10 +420,10 @@ impl Decoder {
         for p in lost.into_iter().rev() {
             self.report_open(p, OpenReason::OuterReturned, out);
         }
-        match (matched, folded) {
-            (Some(_), Some(())) => self.stats.folded += 1,
-            (Some(p), None) => self.complete(&p, Some(r), out),
-            (None, _) => {}
+        match matched {
+            Some(_) if outer.is_some() => self.stats.folded += 1,
+            Some(p) => self.complete(&p, Some(r), out),
+            None => {}
         }
     }
 

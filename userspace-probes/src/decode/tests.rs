@@ -1524,3 +1524,46 @@ fn driver_virtual_memory_holds_what_is_mapped() {
     });
     assert_eq!(held_now, 2 * MIB);
 }
+
+/// The runtime call never returns (its thread jumped out of it after the
+/// driver's call returned): the folded driver allocation is not counted,
+/// and the runtime call is reported open when its process exits.
+#[test]
+fn a_folded_driver_call_of_a_runtime_call_that_never_returns_holds_nothing() {
+    let mut d = decoder_with(&["cudaMalloc", "cuMemAlloc_v2"], 0);
+    let mut out = Vec::new();
+    d.on_entry(
+        &entry(
+            "cudaMalloc",
+            1_000,
+            [0x7ffd_0000_5000, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &entry(
+            "cuMemAlloc_v2",
+            1_010,
+            [0x7ffd_0000_5100, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_return(
+        &ret("cuMemAlloc_v2", 1_020, 0, &0x2000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(d.memory(TGID).map_or(0, |m| m.live()), 0);
+    d.process_exited(TGID, &mut out);
+    let [Decoded::Unmatched(Unmatched::EntryWithoutReturn { call, reason })] = out.as_slice()
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        (call.function, *reason),
+        ("cudaMalloc", OpenReason::ProcessExited)
+    );
+    assert_eq!(d.stats().folded, 1);
+}
