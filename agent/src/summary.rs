@@ -214,6 +214,9 @@ pub struct DeviceDecoding {
     /// Allocating stacks taken, and those the kernel could not take.
     pub alloc_stacks: u64,
     pub alloc_stack_errors: u64,
+    /// Driver calls (`libcuda`) made inside a runtime call of their sort
+    /// (`cudaMalloc` -> `cuMemAlloc_v2`): folded into that call.
+    pub driver_calls_folded: u64,
 }
 
 impl From<&InterpretCounters> for DeviceDecoding {
@@ -227,6 +230,7 @@ impl From<&InterpretCounters> for DeviceDecoding {
             unknown_probes: c.unknown_probes,
             alloc_stacks: c.alloc_stacks,
             alloc_stack_errors: c.alloc_stack_errors,
+            driver_calls_folded: c.driver_calls_folded,
         }
     }
 }
@@ -618,6 +622,13 @@ impl RunSummary {
                     "           {} calls past --device-call-rate were summarized per 100 ms \
                      (slices `... xN (rate-limited)`)",
                     c.rate_limited_calls
+                );
+            }
+            if dc.driver_calls_folded > 0 {
+                eprintln!(
+                    "           {} driver calls made inside the runtime call they serve were \
+                     folded into it",
+                    dc.driver_calls_folded
                 );
             }
             if c.died_in_call > 0 {

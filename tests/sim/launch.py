@@ -167,6 +167,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--activity-log", action="store_true",
                    help="each rank writes every activity record it reads to "
                         "rank<R>.activity.jsonl")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: each rank keeps its "
+                        "activations in a reserved range it maps page by page through the CUDA "
+                        "driver (cuMemCreate + cuMemMap) and unmaps as it shrinks (NVIDIA, C ranks)")
+    p.add_argument("--driver-launches", action="store_true",
+                   help="each rank also launches library kernels straight through the CUDA driver "
+                        "(cuLaunchKernel as cuBLAS, cuLaunchKernelEx as Triton) and a CUDA graph "
+                        "(cuGraphLaunch) every step (NVIDIA, C ranks)")
     p.add_argument("--init-delay-ms", type=int, default=0,
                    help="ranks pause this long before their first device call (an agent "
                         "attached to the launcher then probes communicator set-up)")
@@ -189,6 +197,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.real_libs and args.flavor != "nvidia":
         p.error("--real-libs only exists for --flavor nvidia")
+    for flag in ("expandable_segments", "driver_launches"):
+        if getattr(args, flag) and (args.flavor != "nvidia" or args.lang != "c"):
+            p.error(f"--{flag.replace('_', '-')} needs --flavor nvidia and --lang c")
     return args
 
 
@@ -220,6 +231,10 @@ def rank_argv(args, build: Path, rank: int, comm_file: Path, rdv: Path, step_log
         argv.append("--tolerate-errors")
     if args.activity_api:
         argv.append("--activity-api")
+    if args.expandable_segments:
+        argv.append("--expandable-segments")
+    if args.driver_launches:
+        argv.append("--driver-launches")
     if activity_log:
         argv += ["--activity-log", str(activity_log)]
     if inj:

@@ -77,6 +77,14 @@ def rank_summary(job, rp, coord, events: list[dict], base_env: dict) -> dict:
         "last_step_completed": steps[-1]["step"] if steps else None,
         "last_step_begun": max(begun) if begun else None,
         "ready": {k: ready[k] for k in ("boot_ns", "real_ns", "mem_bytes")} if ready else None,
+        # Kernel launches of the completed steps: through the runtime
+        # (cudaLaunchKernel), straight through the driver (cuLaunchKernel,
+        # cuLaunchKernelEx) and CUDA graphs (cuGraphLaunch).
+        "launches": {kind: sum(s.get(f"{kind}_launches", 0) for s in steps)
+                     for kind in ("runtime", "driver", "graph")},
+        # Bytes the expandable segment had mapped at the end of each
+        # completed step (0 without --expandable-segments).
+        "segment_bytes": [s.get("segment_bytes", 0) for s in steps],
         "start": {k: start[k] for k in ("boot_ns", "real_ns")} if start else None,
         "done": {k: done[k] for k in ("boot_ns", "real_ns")} if done else None,
         "step_log": rp.step_log.name,
@@ -206,6 +214,8 @@ def ground_truth(job) -> dict:
                                                            "device_mem_mb": a.device_mem_mb},
         "activity": {"api_records": a.activity_api, "log": a.activity_log},
         "nvml_dir": str(job.nvml_dir) if a.flavor == "nvidia" else None,
+        "driver": {"expandable_segments": a.expandable_segments,
+                   "driver_launches": a.driver_launches},
         "communicators": [
             {"name": c.name, "kind": c.kind, "size": len(c.members), "members": c.members,
              "collectives": collectives_per_step(job.layout, c, a.microbatches)}

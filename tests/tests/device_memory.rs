@@ -239,6 +239,12 @@ fn library_replaced_at_a_new_inode_is_probed_again() {
     let original = fixtures.join("standins/lib/libcudart.so.12");
     let lib = dir.path().join("libcudart.so.12");
     std::fs::copy(&original, &lib).expect("copy the library");
+    // The stand-in runtime loads its driver from beside itself.
+    std::fs::copy(
+        fixtures.join("standins/lib/libcuda.so.1"),
+        dir.path().join("libcuda.so.1"),
+    )
+    .expect("copy the driver");
     let first_inode = std::fs::metadata(&lib).unwrap().ino();
 
     let mut wl = python_program("replaced", REPLACED_PROGRAM, &[&lib]);

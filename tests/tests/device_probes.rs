@@ -1198,6 +1198,19 @@ fn probe_links_are_one_per_file_and_end_and_the_perf_event_path_records_alike() 
             .unwrap_or_else(|| panic!("{device}"));
         assert_eq!(sync["calls"].as_u64(), Some(calls), "{tag}: {device}");
         assert_eq!(sync["hits"].as_u64(), Some(calls), "{tag}: {device}");
+        // Each runtime sync is made through the driver's, on its thread:
+        // hit, and folded into the runtime call (no call of its own).
+        let driver = functions
+            .iter()
+            .find(|f| f["function"] == "cuStreamSynchronize")
+            .unwrap_or_else(|| panic!("{device}"));
+        assert_eq!(driver["hits"].as_u64(), Some(calls), "{tag}: {device}");
+        assert_eq!(driver["calls"].as_u64().unwrap_or(0), 0, "{tag}: {device}");
+        assert_eq!(
+            device["driver_calls_folded"].as_u64(),
+            Some(calls),
+            "{tag}: {device}"
+        );
         assert_eq!(device["attach_failures"], 0, "{tag}: {device}");
         let trace = decode(&storm.done.trace).expect("the trace decodes");
         check_importer_rules(&trace).expect("importer rules");
@@ -1215,8 +1228,8 @@ fn probe_links_are_one_per_file_and_end_and_the_perf_event_path_records_alike() 
     let (multi_links, multi_of_them, probed) = seen[0];
     assert_eq!(
         (multi_links, multi_of_them),
-        (2, 2),
-        "one libcudart file: one link for its entries, one for its returns"
+        (4, 4),
+        "libcudart and the libcuda it calls: one link per file for its entries, one for its returns"
     );
     let (perf_links, perf_multi, probed_perf) = seen[1];
     assert_eq!(probed, probed_perf, "the same functions probed");
@@ -1262,6 +1275,19 @@ fn device_ring_overflow_counts_every_lost_record() {
         .collect();
     assert_eq!(sync.len(), 1, "{device}");
     assert_eq!(sync[0]["hits"].as_u64(), Some(calls), "{device}");
+    // Each runtime sync is made through the driver's: two probes per call.
+    let function = |name: &str| {
+        device["functions"]
+            .as_array()
+            .expect("functions")
+            .iter()
+            .find(|f| f["function"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name}: {device}"))
+    };
+    let driver = function("cuStreamSynchronize");
+    assert_eq!(driver["hits"].as_u64(), Some(calls), "{device}");
+    let probed = 2 * calls;
     let (entries, entries_dropped) = kind("uprobe_entry");
     let (returns, returns_dropped) = kind("uprobe_return");
     assert!(
@@ -1270,12 +1296,12 @@ fn device_ring_overflow_counts_every_lost_record() {
     );
     assert_eq!(
         entries + entries_dropped,
-        calls,
+        probed,
         "entries: read + dropped = hits"
     );
     assert_eq!(
         returns + returns_dropped,
-        calls,
+        probed,
         "returns: read + dropped = hits"
     );
     // The scheduler's ring is apart: none of its records were lost.
@@ -1284,13 +1310,25 @@ fn device_ring_overflow_counts_every_lost_record() {
     }
     // Calls with both records are slices; the others are counted.
     let decoded = sync[0]["calls"].as_u64().unwrap();
+    // A driver sync whose runtime entry was lost is a call of its own; one
+    // inside its runtime call is folded into it (both records read).
+    let driver_calls = driver["calls"].as_u64().unwrap_or(0);
+    let folded = device["driver_calls_folded"].as_u64().unwrap();
     let no_return = device["entries_without_return"].as_u64().unwrap();
     let no_entry = device["returns_without_entry"].as_u64().unwrap();
     // An entry whose return was dropped, with no later call on its thread
     // to show it, is still open when the recording ends: counted there.
     let open_at_end = device["in_flight_at_end"].as_u64().unwrap();
-    assert_eq!(decoded + no_return + open_at_end, entries, "{device}");
-    assert_eq!(decoded + no_entry, returns, "{device}");
+    assert_eq!(
+        decoded + driver_calls + folded + no_return + open_at_end,
+        entries,
+        "{device}"
+    );
+    assert_eq!(
+        decoded + driver_calls + folded + no_entry,
+        returns,
+        "{device}"
+    );
     assert!(
         done.stderr
             .contains(&format!("dropped: {}", stats["dropped"])),

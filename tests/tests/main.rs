@@ -19,6 +19,7 @@ mod deploy;
 mod device_memory;
 mod device_probes;
 mod diagnose;
+mod driver_api;
 mod faults;
 mod findings;
 mod flight_recorder;

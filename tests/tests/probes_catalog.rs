@@ -27,6 +27,7 @@ fn standins() -> PathBuf {
 /// The stand-in libraries: (folder, file, library).
 const STANDINS: &[(&str, &str, Library)] = &[
     ("lib", "libcudart.so.12", Library::Cudart),
+    ("lib", "libcuda.so.1", Library::Cuda),
     ("lib-cfprot", "libcudart.so.12", Library::Cudart),
     ("lib", "libnccl.so.2", Library::Nccl),
     ("lib", "libcupti.so.12", Library::Cupti),
@@ -678,16 +679,20 @@ fn a_non_utf8_mapping_name_does_not_hide_the_libraries_here() {
     name.extend([0xff, 0xfe]);
     let dir = std::env::temp_dir().join(std::ffi::OsStr::from_bytes(&name));
     std::fs::create_dir_all(&dir).unwrap();
-    let lib = dir.join("libcudart.so.12");
-    std::fs::copy(standins().join("lib/libcudart.so.12"), &lib).unwrap();
-    let _handle = Loaded::open(&lib);
+    // The stand-in runtime loads its driver from beside itself.
+    for file in ["libcudart.so.12", "libcuda.so.1"] {
+        std::fs::copy(standins().join("lib").join(file), dir.join(file)).unwrap();
+    }
+    let _handle = Loaded::open(&dir.join("libcudart.so.12"));
     let maps = ProcessMaps::read(std::process::id()).expect("maps read despite the odd name");
     let found = discover(&maps);
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(
-        found
-            .iter()
-            .any(|l| l.library == Library::Cudart && l.path.contains("xpuscope-odd-")),
-        "{found:#?}"
-    );
+    for library in [Library::Cudart, Library::Cuda] {
+        assert!(
+            found
+                .iter()
+                .any(|l| l.library == library && l.path.contains("xpuscope-odd-")),
+            "{library:?}: {found:#?}"
+        );
+    }
 }

@@ -411,6 +411,21 @@ fn libraries_export_the_real_names_sonames_and_versions() {
         assert!(!e.weak, "{name} is a strong symbol");
     }
 
+    // The driver: every catalog function under its real (unversioned)
+    // name, and the engine the runtime links (`sd_*`, see cudrv.h).
+    let cuda = read_library(&lib("libcuda.so.1"));
+    assert_eq!(cuda.soname, "libcuda.so.1");
+    let driver: Vec<&str> = xpuscope_probes::catalog::Library::Cuda
+        .functions()
+        .iter()
+        .map(|f| f.name)
+        .collect();
+    cuda.assert_exports("libcuda", &driver);
+    cuda.assert_only_prefixes("libcuda", &["cu", "sd_"]);
+    for name in &driver {
+        assert_eq!(cuda.exports[*name].version, None, "{name} is unversioned");
+    }
+
     let nccl = read_library(&lib("libnccl.so.2"));
     assert_eq!(nccl.soname, "libnccl.so.2");
     for f in NCCL_FUNCTIONS {

@@ -8,6 +8,11 @@
  *   calls N   call cudaSetDevice(0) N times, timed in batches of CALL_BATCH;
  *             prints "ns_per_call MEAN LEAST": ns per call over all N, and
  *             in the least disturbed batch
+ *   launches N  call the CUDA driver's cuLaunchKernel N times, straight (as
+ *             cuBLAS, NCCL and Triton launch), a 0 ns kernel on the legacy
+ *             stream, timed as `calls`; prints "ns_per_call MEAN LEAST"
+ *             (needs libcuda.so.1 loaded with the runtime, as the stand-in
+ *             runtime loads it)
  *   steps K   run K simulated training steps; prints "step_ns S1 S2 ..." (wall
  *             time per step) and then "step_cpu_ns C1 C2 ..." (the calling
  *             thread's CPU time per step, user and system: what probes and
@@ -52,7 +57,14 @@ typedef int (*sync_fn)(void *);
 typedef int (*malloc_fn)(void **, size_t);
 typedef int (*free_fn)(void *);
 
+typedef int (*cu_module_load_fn)(void **, const void *);
+typedef int (*cu_get_function_fn)(void **, void *, const char *);
+typedef int (*cu_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, void *, void **, void **);
+
 static set_device_fn set_device;
+static cu_launch_fn cu_launch;
+static void *cu_function;
 static launch_fn launch_kernel;
 static sync_fn stream_sync;
 static malloc_fn dev_malloc;
@@ -167,6 +179,49 @@ static void calls(uint64_t n)
     fflush(stdout);
 }
 
+/* The driver's launch and a kernel handle, from the libcuda.so.1 the runtime
+ * loaded; 0 when it has none. */
+static int driver_init(void)
+{
+    void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!drv)
+        return 0;
+    cu_module_load_fn load = (cu_module_load_fn)dlsym(drv, "cuModuleLoadData");
+    cu_get_function_fn get = (cu_get_function_fn)dlsym(drv, "cuModuleGetFunction");
+    cu_launch = (cu_launch_fn)dlsym(drv, "cuLaunchKernel");
+    void *module = NULL;
+    if (!load || !get || !cu_launch || load(&module, "bench") != 0 ||
+        get(&cu_function, module, "bench_driver_kernel") != 0) {
+        cu_launch = NULL;
+        return 0;
+    }
+    return 1;
+}
+
+static void launches(uint64_t n)
+{
+    if (!cu_launch && !driver_init()) {
+        fprintf(stderr, "probe-bench: no CUDA driver (libcuda.so.1) loaded\n");
+        exit(2);
+    }
+    double least = 0;
+    uint64_t total = 0;
+    for (uint64_t done = 0; done < n;) {
+        uint64_t batch = n - done < CALL_BATCH ? n - done : CALL_BATCH;
+        uint64_t t0 = now_ns();
+        for (uint64_t i = 0; i < batch; i++)
+            cu_launch(cu_function, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+        uint64_t dt = now_ns() - t0;
+        double per_call = (double)dt / (double)batch;
+        if (done == 0 || per_call < least)
+            least = per_call;
+        total += dt;
+        done += batch;
+    }
+    printf("ns_per_call %.2f %.2f\n", (double)total / (double)n, least);
+    fflush(stdout);
+}
+
 /* One training step; returns its duration in ns and stores the calling
  * thread's CPU time in `*cpu_ns` when not NULL. */
 static uint64_t one_step(uint64_t gap_iters, uint64_t *cpu_ns)
@@ -245,6 +300,8 @@ int main(int argc, char **argv)
         uint64_t n;
         if (sscanf(line, "calls %" SCNu64, &n) == 1)
             calls(n);
+        else if (sscanf(line, "launches %" SCNu64, &n) == 1)
+            launches(n);
         else if (sscanf(line, "steps %" SCNu64, &n) == 1)
             steps(n, gap_iters);
         else if (strncmp(line, "quit", 4) == 0)

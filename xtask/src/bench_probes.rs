@@ -18,8 +18,14 @@
 //!    the per-round ratios with its 95% confidence interval, for the step's
 //!    wall time and for the launching thread's CPU time.
 //!
+//! 3. Per driver launch (`launch`): `cuLaunchKernel` called straight, as
+//!    cuBLAS, NCCL and Triton launch, with launch probes on against the bare
+//!    uprobe pair at the same place.
+//!
 //! Every figure is a ratio or difference against a baseline measured in
 //! the same run.
+
+mod launch;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -283,7 +289,7 @@ pub(crate) fn program<'a>(bpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProb
 
 /// The function's file offset and the agent's placement offset past it,
 /// from `agent probes --pid`.
-fn placement(pid: u32, lib: &Path) -> Result<(u64, u64, String)> {
+fn placement(pid: u32, lib: &Path, function: &str) -> Result<(u64, u64, String)> {
     let out = Command::new(build::agent_binary())
         .args(["probes", "--pid", &pid.to_string()])
         .output()
@@ -291,10 +297,10 @@ fn placement(pid: u32, lib: &Path) -> Result<(u64, u64, String)> {
     let text = String::from_utf8_lossy(&out.stdout);
     let row = text
         .lines()
-        .find(|l| l.split_whitespace().next() == Some(FUNCTION))
+        .find(|l| l.split_whitespace().next() == Some(function))
         .with_context(|| {
             format!(
-                "no {FUNCTION} in `agent probes` for {}:\n{text}",
+                "no {function} in `agent probes` for {}:\n{text}",
                 lib.display()
             )
         })?;
@@ -325,7 +331,7 @@ fn last_cpu() -> usize {
 fn per_call(label: &str, lib: &Path, dir: &Path, bare: &mut BareProbe) -> Result<Value> {
     let mut target = Target::start(lib, Placement::SameCpu)?;
     let pid = target.pid();
-    let (start, placed, first_insn) = placement(pid, lib)?;
+    let (start, placed, first_insn) = placement(pid, lib, FUNCTION)?;
     // Variants: untraced, bare at the first instruction, bare at the
     // agent's placement (when it differs), the agent.
     let mut names = vec!["untraced", "bare uprobe at function start"];
@@ -628,7 +634,7 @@ pub fn run(dir: &Path) -> Result<Value> {
         .context("bare pair cost")?;
     let stats_ns = {
         let mut target = Target::start(&plain, Placement::SameCpu)?;
-        let (start, placed, _) = placement(target.pid(), &plain)?;
+        let (start, placed, _) = placement(target.pid(), &plain, FUNCTION)?;
         stats_floor_ns(&mut target, &mut bare, &plain, start + placed)?
     };
     eprintln!("bench probes: run-time statistics add {stats_ns:.0} ns to each program run");
@@ -636,6 +642,7 @@ pub fn run(dir: &Path) -> Result<Value> {
         step_overhead(&plain, dir, Placement::DeviceElsewhere, hit_ns, stats_ns)?,
         step_overhead(&plain, dir, Placement::SameCpu, hit_ns, stats_ns)?,
     ];
+    let launch = launch::per_launch(&plain, dir, &mut bare)?;
 
     println!(
         "\n## Device-library probes: cost per call ({FUNCTION}, {CALLS} calls per measurement, its least disturbed batch of 10,000; median of {CALL_ROUNDS} interleaved rounds; the paired ratio sets each round's agent against the bare pair at the same place just before and after it)\n"
@@ -705,5 +712,6 @@ pub fn run(dir: &Path) -> Result<Value> {
          kernel-side cost: the agent's BPF programs' run time per step (one more round, run-time statistics on, both CPUs, \
          less what the statistics add to each run, measured on the bare pair) plus probe hits x the bare uprobe pair's cost)"
     );
-    Ok(json!({"per_call": calls, "step": steps}))
+    launch::print(&launch);
+    Ok(json!({"per_call": calls, "step": steps, "launch": launch}))
 }

@@ -59,6 +59,9 @@ pub struct InterpretCounters {
     /// the device work).
     pub cupti_reads: u64,
     pub mspti_reads: u64,
+    /// Driver calls made inside a runtime call of their sort, folded into
+    /// it (one call, not two; not a loss).
+    pub driver_calls_folded: u64,
 }
 
 /// The byte accounting of the caches that traced processes feed (Python

@@ -464,6 +464,7 @@ fn launch(stream: u64, ts: u64) -> Decoded {
             blocks: None,
             shared_mem: None,
             stream: Some(stream),
+            kernel: None,
         }),
         (ts, ts + 100),
     )

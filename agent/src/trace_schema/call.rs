@@ -7,7 +7,8 @@ use xpuscope_perfetto::rewrite::EventView;
 use xpuscope_probes::catalog::{CallKind, CommOp, LaunchKind, Library, SyncKind};
 use xpuscope_probes::decode::DeviceCall;
 use xpuscope_probes::decode::args::{
-    AllocArgs, CallArgs, CollectiveArgs, CommInitArgs, LaunchArgs, MemcpyArgs, SendRecvArgs,
+    AllocArgs, CallArgs, CollectiveArgs, CommInitArgs, KernelHandleArgs, LaunchArgs, MemcpyArgs,
+    SendRecvArgs, VmmArgs,
 };
 use xpuscope_probes::decode::comm::CommContext;
 use xpuscope_probes::decode::enums::{DataType, MemcpyKind, RedOp};
@@ -137,6 +138,9 @@ pub fn call_args(call: &DeviceCall) -> Vec<Arg> {
         }
         CallArgs::Launch(l) => {
             a.push(k::FUNC.arg(l.func));
+            if let Some(name) = &l.kernel {
+                a.push(k::KERNEL.arg(name.as_str()));
+            }
             if let Some(g) = l.grid {
                 a.push(k::GRID.arg(dims(g)));
             }
@@ -157,6 +161,31 @@ pub fn call_args(call: &DeviceCall) -> Vec<Arg> {
             a.push(k::GRAPH_EXEC.arg(*exec));
             if let Some(s) = stream {
                 a.push(k::STREAM.arg(*s));
+            }
+        }
+        CallArgs::Vmm(v) => {
+            if let Some(p) = v.ptr {
+                a.push(k::PTR.arg(p));
+            }
+            if let Some(b) = v.size {
+                a.push(k::BYTES.arg(b));
+            }
+            if let Some(h) = v.handle {
+                a.push(k::MEM_HANDLE.arg(h));
+            }
+            if let Some(o) = v.offset {
+                a.push(k::MEM_OFFSET.arg(o));
+            }
+        }
+        CallArgs::KernelHandle(h) => {
+            if let Some(name) = &h.name {
+                a.push(k::KERNEL.arg(name.as_str()));
+            }
+            if let Some(handle) = h.handle {
+                a.push(k::HANDLE.arg(handle));
+            }
+            if let Some(from) = h.from {
+                a.push(k::FROM_KERNEL.arg(from));
             }
         }
         CallArgs::Sync { stream, event } => {
@@ -493,6 +522,20 @@ fn read_args(kind: CallKind, e: &EventView<'_>, comm: Option<&CommContext>) -> C
             blocks: k::BLOCKS.read(e).map(|v| v as u32),
             shared_mem: k::SHARED_MEM.read(e),
             stream: k::STREAM.read(e),
+            kernel: k::KERNEL.read(e).map(str::to_owned),
+        }),
+        CallKind::Vmm(op) => CallArgs::Vmm(VmmArgs {
+            op,
+            ptr: k::PTR.read(e),
+            size: k::BYTES.read(e),
+            handle: k::MEM_HANDLE.read(e),
+            offset: k::MEM_OFFSET.read(e),
+        }),
+        CallKind::KernelHandle(kind) => CallArgs::KernelHandle(KernelHandleArgs {
+            kind,
+            name: k::KERNEL.read(e).map(str::to_owned),
+            handle: k::HANDLE.read(e),
+            from: k::FROM_KERNEL.read(e),
         }),
         CallKind::Sync(_) => CallArgs::Sync {
             stream: sync_stream(e).flatten(),

@@ -35,6 +35,15 @@ pub const BLOCK: Key<Text> = Key::new("block");
 pub const BLOCKS: Key<Uint> = Key::new("blocks");
 pub const SHARED_MEM: Key<Uint> = Key::new("shared_mem");
 pub const GRAPH_EXEC: Key<Ptr> = Key::new("graph_exec");
+/// A launch's kernel, named by the driver handle it runs.
+pub const KERNEL: Key<Text> = Key::new("kernel");
+/// A driver virtual-memory call's physical allocation handle.
+pub const MEM_HANDLE: Key<Hex> = Key::new("mem_handle");
+pub const MEM_OFFSET: Key<Uint> = Key::new("offset");
+/// A kernel handle a driver call handed out (`CUfunction`, `CUkernel`).
+pub const HANDLE: Key<Ptr> = Key::new("handle");
+/// The `CUkernel` a `cuKernelGetFunction` asked for.
+pub const FROM_KERNEL: Key<Ptr> = Key::new("from_kernel");
 /// What a synchronisation waits for (`stream`, `device`, `event`):
 /// readers find the syncs by it.
 pub const SYNC: Key<Text> = Key::new("sync");

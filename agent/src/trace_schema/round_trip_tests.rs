@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use xpuscope_perfetto::TraceWriter;
-use xpuscope_probes::catalog::{Collective, Direction, Library};
+use xpuscope_probes::catalog::{Collective, Direction, HandleKind, Library, VmmOp};
 use xpuscope_probes::decode::args::{
-    AllocArgs, CallArgs, CollectiveArgs, LaunchArgs, MemcpyArgs, SendRecvArgs,
+    AllocArgs, CallArgs, CollectiveArgs, KernelHandleArgs, LaunchArgs, MemcpyArgs, SendRecvArgs,
+    VmmArgs,
 };
 use xpuscope_probes::decode::comm::CommContext;
 use xpuscope_probes::decode::enums::{DataType, MemcpyKind, RedOp};
@@ -218,6 +219,47 @@ fn calls() -> Vec<DeviceCallRecord> {
             blocks: None,
             shared_mem: Some(0),
             stream: Some(0x99),
+            kernel: Some("vectorAdd".into()),
+        }),
+    ));
+    out.push(call(
+        Library::Cuda,
+        "cuLaunchKernel",
+        WORKER,
+        81_000,
+        CallArgs::Launch(LaunchArgs {
+            func: 0xf00d_0000,
+            grid: Some([8, 1, 1]),
+            block: Some([128, 1, 1]),
+            blocks: None,
+            shared_mem: Some(1024),
+            stream: Some(0x99),
+            kernel: Some("gemm_bf16_tn".into()),
+        }),
+    ));
+    out.push(call(
+        Library::Cuda,
+        "cuModuleGetFunction",
+        WORKER,
+        82_000,
+        CallArgs::KernelHandle(KernelHandleArgs {
+            kind: HandleKind::ModuleFunction,
+            name: Some("gemm_bf16_tn".into()),
+            handle: Some(0xf00d_0000),
+            from: None,
+        }),
+    ));
+    out.push(call(
+        Library::Cuda,
+        "cuMemMap",
+        WORKER,
+        83_000,
+        CallArgs::Vmm(VmmArgs {
+            op: VmmOp::Map,
+            ptr: Some(0x3000_0000_0000),
+            size: Some(2 << 20),
+            handle: Some(0x2000_0000_0000),
+            offset: Some(0),
         }),
     ));
     out.push(call(

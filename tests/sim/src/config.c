@@ -17,6 +17,8 @@ static const char usage[] =
     "  --init-delay-ms MS       pause before the first device call (an agent attached to\n"
     "                           the launcher places its probes before communicator set-up)\n"
     "  --activity-api           also enable host API activity records\n"
+    "  --expandable-segments    activations in a segment mapped page by page (CUDA driver VMM)\n"
+    "  --driver-launches        library kernels and a graph launched through the CUDA driver\n"
     "  --activity-log FILE      write every activity record read, one JSON line each\n"
     "faults:\n"
     "  --slow FACTOR@STEP       kernels take FACTOR times longer from STEP\n"
@@ -107,7 +109,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         O_STEPS = 256, O_MB, O_LAYERS, O_KUS, O_OPTK, O_OPTUS, O_HOST, O_LOADER, O_PREFETCH,
         O_GRAD, O_ACT, O_DELAYMS, O_GATE, O_COMMS, O_RDV, O_LOG, O_TOL, O_SLOW, O_STALL,
         O_LEAK, O_CRASH, O_HANG, O_HANGSTEP, O_DELAY, O_DELAYSTEP, O_HANGIN, O_ACTAPI,
-        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HOSTWORK, O_THROTTLE, O_XID, O_HELP
+        O_ACTLOG, O_INITDELAY, O_DEVERR, O_HOSTWORK, O_THROTTLE, O_XID, O_EXPSEG, O_DRVLAUNCH,
+        O_HELP
     };
     static const struct option opts[] = {
         {"steps", 1, 0, O_STEPS},          {"microbatches", 1, 0, O_MB},
@@ -127,6 +130,7 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         {"init-delay-ms", 1, 0, O_INITDELAY}, {"device-error", 1, 0, O_DEVERR},
         {"host-work", 1, 0, O_HOSTWORK},   {"throttle", 1, 0, O_THROTTLE},
         {"xid", 1, 0, O_XID},              {"help", 0, 0, O_HELP},
+        {"expandable-segments", 0, 0, O_EXPSEG}, {"driver-launches", 0, 0, O_DRVLAUNCH},
         {0, 0, 0, 0},
     };
     struct sim_faults *f = &cfg->faults;
@@ -155,6 +159,8 @@ int sim_parse_args(struct sim_config *cfg, int argc, char **argv) {
         case O_LOG: cfg->step_log = v; break;
         case O_TOL: cfg->tolerate_errors = 1; break;
         case O_ACTAPI: cfg->activity_api = 1; break;
+        case O_EXPSEG: cfg->expandable_segments = 1; break;
+        case O_DRVLAUNCH: cfg->driver_launches = 1; break;
         case O_ACTLOG: cfg->activity_log = v; break;
         case O_SLOW:
             if (split_num_at(v, &d, &n) || d <= 0) return bad("slow", v);

@@ -59,4 +59,31 @@ uint64_t dev_range_start(const char *message);
 void dev_range_end(uint64_t id);
 uint64_t dev_activity_drain(void);
 
+/* The driver API, as libraries that bypass the runtime use it (NVIDIA only:
+ * the Ascend backend returns -1). A driver kernel's handle is got at its
+ * first launch (cuModuleGetFunction, or cuLibraryGetKernel +
+ * cuKernelGetFunction with `library` set), as Triton loads its kernels at
+ * their first call; `ex` launches with cuLaunchKernelEx, as NCCL and Triton
+ * do, else cuLaunchKernel, as cuBLAS does. */
+struct sim_driver_kernel {
+    const char *name;
+    int library; /* through the library API */
+    int ex;      /* cuLaunchKernelEx */
+    void *handle;
+};
+int dev_driver_launch(struct sim_driver_kernel *k, uint64_t duration_ns, void *stream);
+/* A graph of the kernels' nodes (built at the first launch), launched
+ * whole with cuGraphLaunch; the nodes take duration_ns each. */
+int dev_graph_launch(void **exec, struct sim_driver_kernel *nodes, int n, uint64_t duration_ns,
+                     void *stream);
+
+/* Expandable segments (PyTorch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
+ * a reserved address range grown by creating and mapping pages
+ * (cuMemCreate + cuMemMap + cuMemSetAccess) and shrunk by unmapping pages
+ * (cuMemUnmap of the range, then cuMemRelease of each page). */
+int dev_segment_reserve(uint64_t *base, size_t bytes);
+int dev_segment_page_size(size_t *bytes);
+int dev_segment_map(uint64_t addr, size_t bytes, uint64_t *handle);
+int dev_segment_unmap(uint64_t addr, size_t bytes, const uint64_t *handles, int n);
+
 #endif

@@ -191,3 +191,35 @@ uint64_t dev_activity_drain(void) {
 
 uint64_t dev_range_start(const char *message) { return mstxRangeStartA(message, NULL); }
 void dev_range_end(uint64_t id) { mstxRangeEnd(id); }
+
+/* The CUDA driver API has no counterpart here. */
+int dev_driver_launch(struct sim_driver_kernel *k, uint64_t duration_ns, void *stream) {
+    (void)k, (void)duration_ns, (void)stream;
+    return -1;
+}
+
+int dev_graph_launch(void **exec, struct sim_driver_kernel *nodes, int n, uint64_t duration_ns,
+                     void *stream) {
+    (void)exec, (void)nodes, (void)n, (void)duration_ns, (void)stream;
+    return -1;
+}
+
+int dev_segment_reserve(uint64_t *base, size_t bytes) {
+    (void)base, (void)bytes;
+    return -1;
+}
+
+int dev_segment_page_size(size_t *bytes) {
+    (void)bytes;
+    return -1;
+}
+
+int dev_segment_map(uint64_t addr, size_t bytes, uint64_t *handle) {
+    (void)addr, (void)bytes, (void)handle;
+    return -1;
+}
+
+int dev_segment_unmap(uint64_t addr, size_t bytes, const uint64_t *handles, int n) {
+    (void)addr, (void)bytes, (void)handles, (void)n;
+    return -1;
+}

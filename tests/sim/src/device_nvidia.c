@@ -1,10 +1,12 @@
-/* NVIDIA flavor of the device backend: CUDA runtime, NCCL, CUPTI activity. */
+/* NVIDIA flavor of the device backend: CUDA runtime, the CUDA driver where
+ * libraries bypass the runtime, NCCL, CUPTI activity. */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "device.h"
 #include "sim.h"
+#include "standin_cu.h"
 #include "standin_cuda.h"
 #include "standin_cupti.h"
 #include "standin_nccl.h"
@@ -182,3 +184,130 @@ uint64_t dev_range_start(const char *message) {
 }
 
 void dev_range_end(uint64_t id) { (void)id; }
+
+/* ---- the driver API, as cuBLAS, NCCL and Triton use it ---- */
+
+static CUmodule driver_module;
+static CUlibrary driver_library;
+
+static int driver_handle(struct sim_driver_kernel *k) {
+    if (k->handle)
+        return 0;
+    CUresult rv;
+    if (k->library) {
+        if (!driver_library &&
+            (rv = cuLibraryLoadData(&driver_library, "sim", NULL, NULL, 0, NULL, NULL, 0)))
+            return rv;
+        CUkernel kernel = NULL;
+        if ((rv = cuLibraryGetKernel(&kernel, driver_library, k->name)))
+            return rv;
+        CUfunction f = NULL;
+        if ((rv = cuKernelGetFunction(&f, kernel)))
+            return rv;
+        k->handle = f;
+    } else {
+        if (!driver_module && (rv = cuModuleLoadData(&driver_module, "sim")))
+            return rv;
+        CUfunction f = NULL;
+        if ((rv = cuModuleGetFunction(&f, driver_module, k->name)))
+            return rv;
+        k->handle = f;
+    }
+    return 0;
+}
+
+int dev_driver_launch(struct sim_driver_kernel *k, uint64_t duration_ns, void *stream) {
+    int err = driver_handle(k);
+    if (err)
+        return err;
+    struct standin_kernel_spec spec = standin_kernel_spec_make(STANDIN_KERNEL_SLEEP, duration_ns);
+    void *params[] = {&spec};
+    if (k->ex) {
+        CUlaunchConfig config = {.gridDimX = 64, .gridDimY = 1, .gridDimZ = 1,
+                                 .blockDimX = 128, .blockDimY = 1, .blockDimZ = 1,
+                                 .sharedMemBytes = 4096, .hStream = stream};
+        return cuLaunchKernelEx(&config, k->handle, params, NULL);
+    }
+    return cuLaunchKernel(k->handle, 32, 4, 1, 256, 1, 1, 0, stream, params, NULL);
+}
+
+int dev_graph_launch(void **exec, struct sim_driver_kernel *nodes, int n, uint64_t duration_ns,
+                     void *stream) {
+    if (!*exec) {
+        CUgraph graph = NULL;
+        CUresult rv = cuGraphCreate(&graph, 0);
+        if (rv)
+            return rv;
+        CUgraphNode prev = NULL;
+        for (int i = 0; i < n; i++) {
+            if ((rv = driver_handle(&nodes[i])))
+                return rv;
+            struct standin_kernel_spec spec =
+                standin_kernel_spec_make(STANDIN_KERNEL_SLEEP, duration_ns);
+            void *params[] = {&spec};
+            CUDA_KERNEL_NODE_PARAMS p = {.func = nodes[i].handle, .gridDimX = 16, .gridDimY = 1,
+                                         .gridDimZ = 1, .blockDimX = 128, .blockDimY = 1,
+                                         .blockDimZ = 1, .kernelParams = params};
+            CUgraphNode node = NULL;
+            if ((rv = cuGraphAddKernelNode_v2(&node, graph, prev ? &prev : NULL, prev ? 1 : 0, &p)))
+                return rv;
+            prev = node;
+        }
+        if ((rv = cuGraphInstantiateWithFlags((CUgraphExec *)exec, graph, 0)))
+            return rv;
+    }
+    return cuGraphLaunch(*exec, stream);
+}
+
+/* ---- expandable segments ---- */
+
+static CUmemAllocationProp segment_prop(void) {
+    CUdevice dev = 0;
+    cuCtxGetDevice(&dev);
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    return prop;
+}
+
+int dev_segment_page_size(size_t *bytes) {
+    CUmemAllocationProp prop = segment_prop();
+    return cuMemGetAllocationGranularity(bytes, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+}
+
+int dev_segment_reserve(uint64_t *base, size_t bytes) {
+    CUdeviceptr p = 0;
+    CUresult rv = cuMemAddressReserve(&p, bytes, 0, 0, 0);
+    *base = p;
+    return rv;
+}
+
+int dev_segment_map(uint64_t addr, size_t bytes, uint64_t *handle) {
+    CUmemAllocationProp prop = segment_prop();
+    CUmemGenericAllocationHandle h = 0;
+    CUresult rv = cuMemCreate(&h, bytes, &prop, 0);
+    if (rv)
+        return rv;
+    if ((rv = cuMemMap(addr, bytes, 0, h, 0))) {
+        cuMemRelease(h);
+        return rv;
+    }
+    CUmemAccessDesc access = {.location = prop.location,
+                              .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    if ((rv = cuMemSetAccess(addr, bytes, &access, 1)))
+        return rv;
+    *handle = h;
+    return 0;
+}
+
+int dev_segment_unmap(uint64_t addr, size_t bytes, const uint64_t *handles, int n) {
+    CUresult rv = cuMemUnmap(addr, bytes);
+    if (rv)
+        return rv;
+    for (int i = 0; i < n; i++)
+        if ((rv = cuMemRelease(handles[i])))
+            return rv;
+    return 0;
+}

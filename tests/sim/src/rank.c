@@ -47,6 +47,21 @@ static struct sim_kernel opt_kernels[] = {
     {"adam", sim_kernel_adam, NULL},
 };
 
+/* Kernels of libraries that launch through the driver, not the runtime: a
+ * cuBLAS GEMM (cuModuleGetFunction + cuLaunchKernel) and a Triton kernel
+ * (cuLibraryGetKernel + cuKernelGetFunction + cuLaunchKernelEx); and the
+ * nodes of a CUDA graph launched whole (cuGraphLaunch). */
+static struct sim_driver_kernel driver_kernels[] = {
+    {"sim_cublas_gemm", 0, 0, NULL},
+    {"sim_triton_fused_adam", 1, 1, NULL},
+};
+static struct sim_driver_kernel graph_nodes[] = {
+    {"sim_graph_rmsnorm", 0, 0, NULL},
+    {"sim_graph_rotary", 0, 0, NULL},
+};
+/* Most pages of the expandable segment. */
+#define SEGMENT_PAGES 64
+
 /* The rank's state: configuration, streams, communicators, buffers. */
 static struct {
     struct sim_config cfg;
@@ -61,6 +76,15 @@ static struct {
     size_t nleaked, leaked_cap;
     long step;
     uint64_t step_kernel_ns;
+    /* Launches this step: through the runtime, straight through the
+     * driver, graphs. */
+    uint64_t step_runtime_launches, step_driver_launches, step_graph_launches;
+    void *graph_exec;
+    /* The expandable segment: reserved range, page size, mapped pages. */
+    uint64_t seg_base;
+    size_t seg_page;
+    int seg_pages;
+    uint64_t seg_handles[SEGMENT_PAGES];
     int hang_inside_logged;
 } R;
 
@@ -151,6 +175,46 @@ static void launch(const struct sim_kernel *k, uint64_t base_ns) {
     uint64_t ns = kernel_time(base_ns);
     R.step_kernel_ns += ns;
     check(dev_launch(k, ns, R.compute), "kernel launch");
+    R.step_runtime_launches++;
+}
+
+/* Library kernels launched through the driver, and the graph. */
+SIM_NOINLINE void library_kernels(uint64_t base_ns) {
+    uint64_t ns = kernel_time(base_ns);
+    for (size_t i = 0; i < sizeof driver_kernels / sizeof driver_kernels[0]; i++) {
+        check(dev_driver_launch(&driver_kernels[i], ns, R.compute), "driver launch");
+        R.step_driver_launches++;
+        R.step_kernel_ns += ns;
+    }
+    int nodes = (int)(sizeof graph_nodes / sizeof graph_nodes[0]);
+    check(dev_graph_launch(&R.graph_exec, graph_nodes, nodes, ns, R.compute), "graph launch");
+    R.step_graph_launches++;
+    R.step_kernel_ns += (uint64_t)nodes * ns;
+}
+
+/* The expandable segment grows to `pages` mapped pages, one page at a time. */
+SIM_NOINLINE void grow_segment(int pages) {
+    if (pages > SEGMENT_PAGES)
+        pages = SEGMENT_PAGES;
+    while (R.seg_pages < pages) {
+        uint64_t addr = R.seg_base + (uint64_t)R.seg_pages * R.seg_page;
+        check(dev_segment_map(addr, R.seg_page, &R.seg_handles[R.seg_pages]), "segment map");
+        R.seg_pages++;
+        R.mem_bytes += R.seg_page;
+    }
+}
+
+/* ... and shrinks to `pages`: its top pages unmapped in one call, then
+ * released. */
+SIM_NOINLINE void shrink_segment(int pages) {
+    if (R.seg_pages <= pages)
+        return;
+    int n = R.seg_pages - pages;
+    uint64_t addr = R.seg_base + (uint64_t)pages * R.seg_page;
+    check(dev_segment_unmap(addr, (size_t)n * R.seg_page, &R.seg_handles[pages], n),
+          "segment unmap");
+    R.seg_pages = pages;
+    R.mem_bytes -= (uint64_t)n * R.seg_page;
 }
 
 static int device_alloc(void **p, size_t bytes, const char *what) {
@@ -214,6 +278,9 @@ SIM_NOINLINE void lose_device(void) {
 SIM_NOINLINE void forward(void) {
     uint64_t k_ns = (uint64_t)R.cfg.kernel_us * 1000u;
     cache_activations();
+    /* Activations: a page per microbatch, and more on some steps. */
+    if (R.cfg.expandable_segments)
+        grow_segment(R.cfg.microbatches + (int)(R.step % 3));
     for (int mb = 0; mb < R.cfg.microbatches; mb++) {
         if (R.pp_prev) {
             before_collective(R.pp_prev, "recv", 0);
@@ -289,7 +356,12 @@ SIM_NOINLINE void optimizer_step(void) {
     uint64_t k_ns = (uint64_t)R.cfg.opt_kernel_us * 1000u;
     for (int i = 0; i < R.cfg.opt_kernels; i++)
         launch(&opt_kernels[i % 2], k_ns);
+    if (R.cfg.driver_launches)
+        library_kernels(k_ns);
     check(dev_stream_sync(R.compute), "compute stream sync");
+    /* The allocator gives memory back: the segment shrinks. */
+    if (R.cfg.expandable_segments)
+        shrink_segment((int)(R.step % 2));
 }
 
 /* Host-side work of the step: graph dispatch, Python overhead; more of
@@ -306,6 +378,7 @@ SIM_NOINLINE void train_step(void) {
     const struct sim_faults *f = &R.cfg.faults;
     uint64_t t0 = now(), real0 = sim_real_ns();
     R.step_kernel_ns = 0;
+    R.step_runtime_launches = R.step_driver_launches = R.step_graph_launches = 0;
     steplog_printf("{\"event\":\"step_begin\",\"step\":%ld,\"boot_ns\":%llu}", R.step,
                    (unsigned long long)t0);
     if (R.step == f->crash_step) {
@@ -368,14 +441,18 @@ SIM_NOINLINE void train_step(void) {
         "{\"event\":\"step\",\"rank\":%d,\"step\":%ld,\"start_boot_ns\":%llu,"
         "\"end_boot_ns\":%llu,\"start_real_ns\":%llu,\"dur_ns\":%llu,\"data_wait_ns\":%llu,"
         "\"host_ns\":%llu,\"fwd_ns\":%llu,\"bwd_ns\":%llu,\"grad_sync_ns\":%llu,"
-        "\"opt_ns\":%llu,\"kernel_ns\":%llu,\"mem_bytes\":%llu,\"activity_records\":%llu}",
+        "\"opt_ns\":%llu,\"kernel_ns\":%llu,\"mem_bytes\":%llu,\"activity_records\":%llu,"
+        "\"segment_bytes\":%llu,\"runtime_launches\":%llu,\"driver_launches\":%llu,"
+        "\"graph_launches\":%llu}",
         R.cfg.rank, R.step, (unsigned long long)t0, (unsigned long long)t1,
         (unsigned long long)real0, (unsigned long long)(t1 - t0),
         (unsigned long long)(t_data - t0), (unsigned long long)(t_host - t_data),
         (unsigned long long)(t_fwd - t_host), (unsigned long long)(t_bwd - t_fwd),
         (unsigned long long)(t_sync - t_bwd), (unsigned long long)(t1 - t_sync),
         (unsigned long long)R.step_kernel_ns, (unsigned long long)R.mem_bytes,
-        (unsigned long long)records);
+        (unsigned long long)records, (unsigned long long)R.seg_pages * R.seg_page,
+        (unsigned long long)R.step_runtime_launches, (unsigned long long)R.step_driver_launches,
+        (unsigned long long)R.step_graph_launches);
 }
 
 /* ---- set-up ---- */
@@ -427,6 +504,11 @@ static void allocate_buffers(void) {
                     bufs[i].what);
             exit(1);
         }
+    }
+    /* An expandable segment reserves address space only: nothing mapped. */
+    if (R.cfg.expandable_segments) {
+        check(dev_segment_page_size(&R.seg_page), "segment granularity");
+        check(dev_segment_reserve(&R.seg_base, SEGMENT_PAGES * R.seg_page), "segment reserve");
     }
 }
 

@@ -71,6 +71,8 @@ struct sim_config {
     int tolerate_errors;  /* keep going when the device library fails (real libs) */
     int activity_api;     /* the activity consumer also enables host API records */
     const char *activity_log; /* every activity record read, one JSON line each */
+    int expandable_segments; /* activations in a segment grown and shrunk by VMM mapping (NVIDIA) */
+    int driver_launches;     /* library kernels and a graph launched through the driver (NVIDIA) */
     struct sim_faults faults;
 };
 

@@ -1,10 +1,14 @@
 /*
  * cudart.c: the stand-in libcudart.so.12 (see include/standin_cuda.h).
  *
- * Streams run on the shared stream engine; device memory is opaque
- * accounting; every API call gets a correlation id and, when libcupti is
- * loaded, a RUNTIME activity record; completed kernels and copies are
- * reported to libcupti through __standin_cupti_record.
+ * A runtime over the stand-in driver, libcuda.so.1 (cuda.c), which owns the
+ * devices: launches, allocations, frees and synchronisations are made
+ * through the driver's calls on the caller's thread, inside the runtime
+ * call, as the real runtime makes them. Kernels get their driver handle
+ * from cuLibraryGetKernel at their first launch (as CUDA 12's lazy loading
+ * does). Every API call gets a correlation id and, when libcupti is loaded,
+ * a RUNTIME activity record; completed kernels and copies are reported to
+ * libcupti through __standin_cupti_record.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -14,19 +18,19 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/cudrv.h"
 #include "common/devmem.h"
 #include "common/hooks.h"
 #include "common/stream.h"
 #include "common/util.h"
+#include "standin_cu.h"
 #include "standin_cuda.h"
 #include "standin_cupti.h"
 
 #define API SD_EXPORT
 
-#define DEFAULT_STREAM_ID 7
-#define FIRST_STREAM_ID 13
-#define REPORT_KERNEL 1
-#define REPORT_MEMCPY 2
+#define REPORT_KERNEL SD_CU_REPORT_KERNEL
+#define REPORT_MEMCPY SD_CU_REPORT_MEMCPY
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static int device_count;
@@ -35,27 +39,15 @@ static uint64_t memcpy_lat_ns;
 static uint32_t correlation_counter;
 static struct sd_hook cupti_hook = {STANDIN_CUPTI_RECORD, "libcupti.so.12", NULL, 0};
 
-static pthread_mutex_t legacy_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct sd_stream *legacy_streams[SD_MAX_DEVICES];
+/* The library every registered kernel is in (one per process, as if every
+ * fat binary were one). */
+static CUlibrary kernels_library;
 
 static __thread int tls_device;
 static __thread cudaError_t tls_last_error;
-static __thread struct sd_stream *tls_streams[SD_MAX_DEVICES];
-static pthread_key_t tls_streams_key;
 
 static void on_complete(const struct sd_stream *s, const struct sd_op *op, uint64_t start,
                         uint64_t end);
-
-static void destroy_thread_streams(void *unused)
-{
-    (void)unused;
-    for (int i = 0; i < SD_MAX_DEVICES; i++) {
-        if (tls_streams[i] != NULL) {
-            sd_stream_destroy(tls_streams[i]);
-            tls_streams[i] = NULL;
-        }
-    }
-}
 
 static void init(void)
 {
@@ -75,9 +67,11 @@ static void init(void)
         hbm_gbps = 1000.0;
     }
     memcpy_lat_ns = sd_env_u64("STANDIN_MEMCPY_LAT_US", 2) * 1000ull;
-    sd_streams_init(on_complete, "cudastrm", FIRST_STREAM_ID);
-    sd_devmem_init(0x200000000000ull, sd_env_u64("STANDIN_DEVICE_MEM_BYTES", 80ull << 30));
-    pthread_key_create(&tls_streams_key, destroy_thread_streams);
+    /* The driver's engine, with the runtime's stream names and its CUPTI
+     * reports (before any stream exists). */
+    cuInit(0);
+    sd_streams_init(on_complete, "cudastrm", SD_CU_FIRST_STREAM_ID);
+    cuLibraryLoadData(&kernels_library, NULL, NULL, NULL, 0, NULL, NULL, 0);
 }
 
 static void ensure_init(void)
@@ -179,26 +173,6 @@ static void on_complete(const struct sd_stream *s, const struct sd_op *op, uint6
 
 /* ---- streams ---- */
 
-static struct sd_stream *legacy_stream(int device)
-{
-    pthread_mutex_lock(&legacy_mu);
-    if (legacy_streams[device] == NULL) {
-        legacy_streams[device] = sd_stream_create(device, 0, DEFAULT_STREAM_ID);
-    }
-    struct sd_stream *s = legacy_streams[device];
-    pthread_mutex_unlock(&legacy_mu);
-    return s;
-}
-
-static struct sd_stream *per_thread_stream(int device)
-{
-    if (tls_streams[device] == NULL) {
-        tls_streams[device] = sd_stream_create(device, 0, sd_stream_next_id());
-        pthread_setspecific(tls_streams_key, (void *)1);
-    }
-    return tls_streams[device];
-}
-
 /* The stream a handle names, or NULL (and *err) when it names none. */
 static struct sd_stream *resolve(cudaStream_t stream, int per_thread, cudaError_t *err)
 {
@@ -208,9 +182,9 @@ static struct sd_stream *resolve(cudaStream_t stream, int per_thread, cudaError_
     }
     struct sd_stream *s = NULL;
     if (stream == cudaStreamLegacy) {
-        s = legacy_stream(tls_device);
+        s = sd_cu_legacy_stream(tls_device);
     } else if (stream == cudaStreamPerThread) {
-        s = per_thread_stream(tls_device);
+        s = sd_cu_per_thread_stream(tls_device);
     } else if (sd_stream_valid(stream)) {
         s = (struct sd_stream *)stream;
     } else {
@@ -228,6 +202,7 @@ static struct sd_stream *resolve(cudaStream_t stream, int per_thread, cudaError_
 struct name_entry {
     const void *func;
     const char *name;
+    CUfunction driver; /* the driver's handle, from the first launch */
 };
 static pthread_rwlock_t names_lock = PTHREAD_RWLOCK_INITIALIZER;
 static struct name_entry *names;
@@ -265,6 +240,7 @@ static void set_name(const void *func, const char *name)
     }
     names[names_len].func = func;
     names[names_len].name = name;
+    names[names_len].driver = NULL;
     names_len++;
     pthread_rwlock_unlock(&names_lock);
 }
@@ -289,6 +265,39 @@ static const char *kernel_name(const void *func)
     return name;
 }
 
+/* The driver's handle of the kernel whose host stub is `func`: asked of the
+ * driver at its first launch (cuLibraryGetKernel, inside that launch, as
+ * CUDA 12's lazy loading does), then remembered. */
+static CUfunction driver_function(const void *func)
+{
+    pthread_rwlock_rdlock(&names_lock);
+    CUfunction f = NULL;
+    for (size_t i = 0; i < names_len; i++) {
+        if (names[i].func == func) {
+            f = names[i].driver;
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&names_lock);
+    if (f != NULL) {
+        return f;
+    }
+    const char *name = kernel_name(func);
+    CUkernel k = NULL;
+    if (cuLibraryGetKernel(&k, kernels_library, name) != CUDA_SUCCESS) {
+        return NULL;
+    }
+    f = (CUfunction)k;
+    pthread_rwlock_wrlock(&names_lock);
+    for (size_t i = 0; i < names_len; i++) {
+        if (names[i].func == func) {
+            names[i].driver = f;
+        }
+    }
+    pthread_rwlock_unlock(&names_lock);
+    return f;
+}
+
 /* ---- devices and errors ---- */
 
 API cudaError_t cudaGetDeviceCount(int *count)
@@ -305,6 +314,11 @@ API cudaError_t cudaSetDevice(int device)
 {
     struct api_call c = api_begin(CUPTI_RUNTIME_TRACE_CBID_cudaSetDevice_v3020);
     if (device < 0 || device >= device_count) {
+        return api_end(&c, cudaErrorInvalidDevice);
+    }
+    CUcontext ctx = NULL;
+    if (cuDevicePrimaryCtxRetain(&ctx, device) != CUDA_SUCCESS ||
+        cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
         return api_end(&c, cudaErrorInvalidDevice);
     }
     tls_device = device;
@@ -324,8 +338,7 @@ API cudaError_t cudaGetDevice(int *device)
 API cudaError_t cudaDeviceSynchronize(void)
 {
     struct api_call c = api_begin(CUPTI_RUNTIME_TRACE_CBID_cudaDeviceSynchronize_v3020);
-    sd_device_sync(tls_device);
-    return api_end(&c, cudaSuccess);
+    return api_end(&c, (cudaError_t)cuCtxSynchronize());
 }
 
 API cudaError_t cudaDriverGetVersion(int *driverVersion)
@@ -427,11 +440,13 @@ API cudaError_t cudaMalloc(void **devPtr, size_t size)
         *devPtr = NULL;
         return api_end(&c, (cudaError_t)injected);
     }
-    if (sd_devmem_alloc(tls_device, size, devPtr) != 0) {
-        *devPtr = NULL;
-        return api_end(&c, cudaErrorMemoryAllocation);
-    }
-    return api_end(&c, cudaSuccess);
+    /* The driver writes a local: the caller's pointer is written here, in
+     * the runtime (a fault writing it lands in cudaMalloc, after the
+     * driver's call returned). */
+    CUdeviceptr d = 0;
+    CUresult rv = cuMemAlloc_v2(&d, size);
+    *devPtr = (void *)(uintptr_t)d;
+    return api_end(&c, rv == CUDA_SUCCESS ? cudaSuccess : cudaErrorMemoryAllocation);
 }
 
 API cudaError_t cudaFree(void *devPtr)
@@ -440,9 +455,8 @@ API cudaError_t cudaFree(void *devPtr)
     if (devPtr == NULL) {
         return api_end(&c, cudaSuccess);
     }
-    /* Like the real call, freeing waits for the device's work. */
-    sd_device_sync(tls_device);
-    if (sd_devmem_free(devPtr, NULL) != 0) {
+    /* The driver's free waits for the device's work, as the real one does. */
+    if (cuMemFree_v2((CUdeviceptr)(uintptr_t)devPtr) != CUDA_SUCCESS) {
         return api_end(&c, cudaErrorInvalidValue);
     }
     return api_end(&c, cudaSuccess);
@@ -454,8 +468,7 @@ API cudaError_t cudaMemGetInfo(size_t *free, size_t *total)
     if (free == NULL || total == NULL) {
         return api_end(&c, cudaErrorInvalidValue);
     }
-    sd_devmem_info(tls_device, free, total);
-    return api_end(&c, cudaSuccess);
+    return api_end(&c, (cudaError_t)cuMemGetInfo_v2(free, total));
 }
 
 static cudaError_t malloc_async(void **devPtr, size_t size, cudaStream_t hStream, int per_thread,
@@ -466,14 +479,15 @@ static cudaError_t malloc_async(void **devPtr, size_t size, cudaStream_t hStream
     if (devPtr == NULL) {
         return api_end(&c, cudaErrorInvalidValue);
     }
-    if (resolve(hStream, per_thread, &err) == NULL) {
+    struct sd_stream *s = resolve(hStream, per_thread, &err);
+    if (s == NULL) {
         return api_end(&c, err);
     }
-    if (sd_devmem_alloc(tls_device, size, devPtr) != 0) {
-        *devPtr = NULL;
-        return api_end(&c, cudaErrorMemoryAllocation);
-    }
-    return api_end(&c, cudaSuccess);
+    CUdeviceptr d = 0;
+    CUresult rv = per_thread ? cuMemAllocAsync_ptsz(&d, size, (CUstream)s)
+                             : cuMemAllocAsync(&d, size, (CUstream)s);
+    *devPtr = (void *)(uintptr_t)d;
+    return api_end(&c, rv == CUDA_SUCCESS ? cudaSuccess : cudaErrorMemoryAllocation);
 }
 
 API cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t hStream)
@@ -487,11 +501,6 @@ API cudaError_t cudaMallocAsync_ptsz(void **devPtr, size_t size, cudaStream_t hS
                         CUPTI_RUNTIME_TRACE_CBID_cudaMallocAsync_ptsz_v11020);
 }
 
-static void free_on_stream(void *ptr)
-{
-    sd_devmem_free(ptr, NULL);
-}
-
 static cudaError_t free_async(void *devPtr, cudaStream_t hStream, int per_thread, uint32_t cbid)
 {
     struct api_call c = api_begin(cbid);
@@ -503,17 +512,9 @@ static cudaError_t free_async(void *devPtr, cudaStream_t hStream, int per_thread
     if (s == NULL) {
         return api_end(&c, err);
     }
-    if (!sd_devmem_is_device(devPtr)) {
-        return api_end(&c, cudaErrorInvalidValue);
-    }
-    struct sd_op *op = sd_op_new(SD_OP_CALL);
-    if (op == NULL) {
-        return api_end(&c, cudaErrorMemoryAllocation);
-    }
-    op->fn = free_on_stream;
-    op->arg = devPtr;
-    sd_stream_enqueue(s, op);
-    return api_end(&c, cudaSuccess);
+    CUdeviceptr d = (CUdeviceptr)(uintptr_t)devPtr;
+    CUresult rv = per_thread ? cuMemFreeAsync_ptsz(d, (CUstream)s) : cuMemFreeAsync(d, (CUstream)s);
+    return api_end(&c, (cudaError_t)rv);
 }
 
 API cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t hStream)
@@ -654,8 +655,9 @@ static cudaError_t stream_sync(cudaStream_t stream, int per_thread, uint32_t cbi
     if (s == NULL) {
         return api_end(&c, err);
     }
-    sd_stream_sync(s);
-    return api_end(&c, cudaSuccess);
+    CUresult rv = per_thread ? cuStreamSynchronize_ptsz((CUstream)s)
+                             : cuStreamSynchronize((CUstream)s);
+    return api_end(&c, (cudaError_t)rv);
 }
 
 API cudaError_t cudaStreamSynchronize(cudaStream_t stream)
@@ -841,8 +843,7 @@ API cudaError_t cudaEventSynchronize(cudaEvent_t event)
     if (!sd_event_valid(event)) {
         return api_end(&c, cudaErrorInvalidResourceHandle);
     }
-    sd_event_sync((struct sd_event *)event);
-    return api_end(&c, cudaSuccess);
+    return api_end(&c, (cudaError_t)cuEventSynchronize((CUevent)event));
 }
 
 API cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
@@ -898,29 +899,19 @@ static cudaError_t launch(const void *func, dim3 grid, dim3 block, void **args, 
     if (s == NULL) {
         return api_end(&c, err);
     }
-    struct sd_op *op = sd_op_new(SD_OP_DELAY);
-    if (op == NULL) {
-        return api_end(&c, cudaErrorMemoryAllocation);
+    CUfunction f = driver_function(func);
+    if (f == NULL) {
+        return api_end(&c, cudaErrorInvalidDeviceFunction);
     }
-    if (args != NULL && args[0] != NULL) {
-        const struct standin_kernel_spec *spec = args[0];
-        if (spec->magic == STANDIN_KERNEL_MAGIC) {
-            op->duration_ns = spec->duration_ns;
-            op->spin = spec->mode == STANDIN_KERNEL_SPIN;
-        }
-    }
-    op->report.kind = REPORT_KERNEL;
-    op->report.name = kernel_name(func);
-    op->report.correlation_id = c.corr;
-    op->report.grid[0] = (int32_t)grid.x;
-    op->report.grid[1] = (int32_t)grid.y;
-    op->report.grid[2] = (int32_t)grid.z;
-    op->report.block[0] = (int32_t)block.x;
-    op->report.block[1] = (int32_t)block.y;
-    op->report.block[2] = (int32_t)block.z;
-    op->report.shared_mem = (int32_t)sharedMem;
-    sd_stream_enqueue(s, op);
-    return api_end(&c, cudaSuccess);
+    /* The kernel reports this call's correlation id. */
+    sd_cu_set_correlation(c.corr);
+    CUresult rv = per_thread ? cuLaunchKernel_ptsz(f, grid.x, grid.y, grid.z, block.x, block.y,
+                                                   block.z, (unsigned)sharedMem, (CUstream)s,
+                                                   args, NULL)
+                             : cuLaunchKernel(f, grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                                              (unsigned)sharedMem, (CUstream)s, args, NULL);
+    sd_cu_set_correlation(0);
+    return api_end(&c, rv == CUDA_SUCCESS ? cudaSuccess : cudaErrorLaunchFailure);
 }
 
 API cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,

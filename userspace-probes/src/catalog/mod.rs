@@ -26,6 +26,7 @@
 
 mod ascend;
 mod nvidia;
+mod nvidia_driver;
 mod ops;
 pub mod status;
 
@@ -43,6 +44,9 @@ use crate::placement::{Reg, RegSet};
 pub enum Library {
     /// CUDA runtime, `libcudart.so.12`.
     Cudart,
+    /// CUDA driver, `libcuda.so.1` (installed with the kernel driver, as
+    /// `libcuda.so.<driver version>`).
+    Cuda,
     /// NCCL, `libnccl.so.2`.
     Nccl,
     /// CUPTI activity API, `libcupti.so.12`.
@@ -63,8 +67,9 @@ pub enum Vendor {
 }
 
 impl Library {
-    pub const ALL: [Library; 6] = [
+    pub const ALL: [Library; 7] = [
         Library::Cudart,
+        Library::Cuda,
         Library::Nccl,
         Library::Cupti,
         Library::AscendCl,
@@ -76,6 +81,7 @@ impl Library {
     pub fn name(self) -> &'static str {
         match self {
             Library::Cudart => "cudart",
+            Library::Cuda => "cuda",
             Library::Nccl => "nccl",
             Library::Cupti => "cupti",
             Library::AscendCl => "ascendcl",
@@ -88,6 +94,7 @@ impl Library {
     pub fn stem(self) -> &'static str {
         match self {
             Library::Cudart => "libcudart",
+            Library::Cuda => "libcuda",
             Library::Nccl => "libnccl",
             Library::Cupti => "libcupti",
             Library::AscendCl => "libascendcl",
@@ -100,6 +107,7 @@ impl Library {
     pub fn soname(self) -> &'static str {
         match self {
             Library::Cudart => "libcudart.so.12",
+            Library::Cuda => "libcuda.so.1",
             Library::Nccl => "libnccl.so.2",
             Library::Cupti => "libcupti.so.12",
             Library::AscendCl => "libascendcl.so",
@@ -110,7 +118,7 @@ impl Library {
 
     pub fn vendor(self) -> Vendor {
         match self {
-            Library::Cudart | Library::Nccl | Library::Cupti => Vendor::Nvidia,
+            Library::Cudart | Library::Cuda | Library::Nccl | Library::Cupti => Vendor::Nvidia,
             Library::AscendCl | Library::Hccl | Library::Mspti => Vendor::Ascend,
         }
     }
@@ -119,6 +127,7 @@ impl Library {
     pub fn functions(self) -> &'static [FunctionSpec] {
         match self {
             Library::Cudart => nvidia::CUDART,
+            Library::Cuda => nvidia_driver::CUDA,
             Library::Nccl => nvidia::NCCL,
             Library::Cupti => nvidia::CUPTI,
             Library::AscendCl => ascend::ACL,
@@ -205,6 +214,11 @@ pub enum CallKind {
     Memset,
     Launch(LaunchKind),
     Sync(SyncKind),
+    /// The driver's virtual-memory calls (`cuMemMap`, ...).
+    Vmm(VmmOp),
+    /// A call handing out a kernel handle (`cuModuleGetFunction`, ...):
+    /// what names the driver's launches.
+    KernelHandle(HandleKind),
     EventRecord,
     StreamWaitEvent,
     HostFunc,
@@ -273,6 +287,36 @@ pub enum LaunchKind {
     Graph,
 }
 
+/// The driver's virtual memory: an address range is reserved, physical
+/// memory created, mapped into the range and unmapped, released. Device
+/// memory in use is what is mapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum VmmOp {
+    /// `cuMemAddressReserve(*ptr, size, alignment, addr, flags)`.
+    Reserve,
+    /// `cuMemAddressFree(ptr, size)`.
+    AddressFree,
+    /// `cuMemCreate(*handle, size, prop, flags)`.
+    Create,
+    /// `cuMemRelease(handle)`.
+    Release,
+    /// `cuMemMap(ptr, size, offset, handle, flags)`.
+    Map,
+    /// `cuMemUnmap(ptr, size)`.
+    Unmap,
+}
+
+/// Which handle a kernel-handle call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HandleKind {
+    /// `cuModuleGetFunction(*CUfunction, CUmodule, name)`.
+    ModuleFunction,
+    /// `cuLibraryGetKernel(*CUkernel, CUlibrary, name)`.
+    LibraryKernel,
+    /// `cuKernelGetFunction(*CUfunction, CUkernel)`: no name, the kernel's.
+    KernelFunction,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SyncKind {
     Stream,
@@ -327,6 +371,11 @@ pub enum Role {
     Func,
     /// `dim3` first eightbyte: `x | y << 32`.
     GridXY,
+    /// One `unsigned int` dimension (the driver's launches).
+    GridX,
+    GridY,
+    BlockX,
+    BlockY,
     /// `dim3` second eightbyte: `z` in the low 32 bits.
     GridZ,
     BlockXY,
@@ -353,6 +402,22 @@ pub enum Role {
     Message,
     RangeId,
     Timeout,
+    /// `size_t` alignment (`cuMemAddressReserve`).
+    Alignment,
+    /// `size_t` offset into a physical allocation (`cuMemMap`).
+    Offset,
+    /// `CUmemGenericAllocationHandle` (a u64).
+    MemHandle,
+    /// `CUmemGenericAllocationHandle *` written at return.
+    MemHandleOut,
+    /// `const CUmemAllocationProp *` (not read).
+    AllocProps,
+    /// `CUfunction *` / `CUkernel *` written at return.
+    FuncOut,
+    /// `CUmodule` / `CUlibrary`.
+    Module,
+    /// `const char *` kernel name, copied at entry as a string.
+    KernelName,
 }
 
 /// Where an argument is at the function's entry.

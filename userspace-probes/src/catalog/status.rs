@@ -117,9 +117,31 @@ const HCCL: &[(i64, &str)] = &[
     (24, "HCCL_E_OOM"),
 ];
 
+/// `(code, name)` of the CUDA driver's errors (`cuda.h`'s `CUresult`).
+const CUDA: &[(i64, &str)] = &[
+    (1, "CUDA_ERROR_INVALID_VALUE"),
+    (2, "CUDA_ERROR_OUT_OF_MEMORY"),
+    (3, "CUDA_ERROR_NOT_INITIALIZED"),
+    (4, "CUDA_ERROR_DEINITIALIZED"),
+    (100, "CUDA_ERROR_NO_DEVICE"),
+    (101, "CUDA_ERROR_INVALID_DEVICE"),
+    (201, "CUDA_ERROR_INVALID_CONTEXT"),
+    (214, "CUDA_ERROR_ECC_UNCORRECTABLE"),
+    (400, "CUDA_ERROR_INVALID_HANDLE"),
+    (500, "CUDA_ERROR_NOT_FOUND"),
+    (600, "CUDA_ERROR_NOT_READY"),
+    (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+    (701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"),
+    (702, "CUDA_ERROR_LAUNCH_TIMEOUT"),
+    (719, "CUDA_ERROR_LAUNCH_FAILED"),
+    (801, "CUDA_ERROR_NOT_SUPPORTED"),
+    (999, "CUDA_ERROR_UNKNOWN"),
+];
+
 fn table(library: Library) -> &'static [(i64, &'static str)] {
     match library {
         Library::Cudart => CUDART,
+        Library::Cuda => CUDA,
         Library::Nccl => NCCL,
         Library::AscendCl => ACL,
         Library::Hccl => HCCL,
@@ -142,7 +164,7 @@ pub fn status_name(library: Library, code: i64) -> String {
 pub fn is_out_of_memory(library: Library, code: i64) -> bool {
     match library {
         // cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY is 2 too).
-        Library::Cudart => code == 2,
+        Library::Cudart | Library::Cuda => code == 2,
         // ACL_ERROR_BAD_ALLOC, ACL_ERROR_RT_MEMORY_ALLOCATION.
         Library::AscendCl => matches!(code, 200000 | 207001 | 207018),
         // HCCL_E_MEMORY: the library could not get its buffers.
@@ -159,6 +181,8 @@ pub fn is_out_of_memory(library: Library, code: i64) -> bool {
 pub fn is_routine(library: Library, code: i64) -> bool {
     match library {
         Library::Cudart => matches!(code, 4 | 600 | 704),
+        // CUDA_ERROR_DEINITIALIZED (at exit), CUDA_ERROR_NOT_READY.
+        Library::Cuda => matches!(code, 4 | 600),
         Library::Nccl => code == 7,
         Library::AscendCl => matches!(code, 100002 | 507004 | 507006),
         Library::Hccl => code == 20,
@@ -209,6 +233,10 @@ mod tests {
         );
         assert_eq!(status_name(Library::Cudart, 12345), "cudart error 12345");
         assert!(is_routine(Library::Cudart, 600));
+        assert_eq!(status_name(Library::Cuda, 2), "CUDA_ERROR_OUT_OF_MEMORY");
+        assert!(is_out_of_memory(Library::Cuda, 2));
+        assert!(!is_out_of_memory(Library::Cuda, 700));
+        assert!(is_routine(Library::Cuda, 600));
         assert!(!is_routine(Library::Cudart, 700));
     }
 }

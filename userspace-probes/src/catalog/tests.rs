@@ -31,6 +31,14 @@ fn library_from_path() {
         ("/usr/local/Ascend/lib64/libhccl.so", Some(Library::Hccl)),
         ("/usr/local/Ascend/lib64/libhccl_alg.so", None),
         ("/x/libmspti.so", Some(Library::Mspti)),
+        (
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+            Some(Library::Cuda),
+        ),
+        ("/usr/lib64/libcuda.so.550.54.15", Some(Library::Cuda)),
+        ("/x/libcuda.so", Some(Library::Cuda)),
+        ("/x/libcudadebugger.so.1", None),
+        ("/x/libcuda.so.1.bak", None),
         ("/x/libcudart_static.a", None),
         ("/x/libcudart.so.12.bak", None),
         ("libcudart.so.12", Some(Library::Cudart)),
@@ -104,6 +112,8 @@ fn layouts_are_well_formed() {
                             | Role::CommOut
                             | Role::IdOut
                             | Role::ValueOut
+                            | Role::MemHandleOut
+                            | Role::FuncOut
                             | Role::RecordOut
                             | Role::TimestampOut
                     )
@@ -311,4 +321,92 @@ fn probe_spec_carries_capture() {
     let f = all_functions().find(|(_, f)| matches!(f.capture.entry, Some(e) if e.string));
     let (lib, f) = f.unwrap();
     assert_eq!(spec(lib, f.name).flags & ENTRY_STRING, ENTRY_STRING);
+}
+
+#[test]
+fn driver_launch_layouts_follow_cuda_h() {
+    // cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
+    // six registers, then one 8-byte stack slot per unsigned/pointer.
+    for name in [
+        "cuLaunchKernel",
+        "cuLaunchKernel_ptsz",
+        "cuLaunchCooperativeKernel",
+        "cuLaunchCooperativeKernel_ptsz",
+    ] {
+        let l = Library::Cuda.function(name).unwrap();
+        assert_eq!(l.kind, CallKind::Launch(LaunchKind::Kernel), "{name}");
+        assert_eq!(l.level, Level::L1, "{name}");
+        assert_eq!(l.arg(Role::Func), Some(ArgLoc::Reg(0)));
+        assert_eq!(l.arg(Role::GridX), Some(ArgLoc::Reg(1)));
+        assert_eq!(l.arg(Role::GridZ), Some(ArgLoc::Reg(3)));
+        assert_eq!(l.arg(Role::BlockY), Some(ArgLoc::Reg(5)));
+        assert_eq!(l.arg(Role::BlockZ), Some(ArgLoc::Stack(0)));
+        assert_eq!(l.arg(Role::SharedMem), Some(ArgLoc::Stack(1)));
+        assert_eq!(l.arg(Role::Stream), Some(ArgLoc::Stack(2)));
+        assert_eq!(l.arg(Role::KernelArgs), Some(ArgLoc::Stack(3)));
+        assert_ne!(l.probe_spec().flags & ENTRY_STACK_ARGS, 0);
+    }
+    let ex = Library::Cuda.function("cuLaunchKernelEx").unwrap();
+    assert_eq!(ex.arg(Role::LaunchConfig), Some(ArgLoc::Reg(0)));
+    assert_eq!(ex.arg(Role::Func), Some(ArgLoc::Reg(1)));
+    assert_eq!(
+        ex.capture.entry.map(|e| (e.source, e.len)),
+        Some((DerefSource::Arg(0), 40))
+    );
+    let graph = Library::Cuda.function("cuGraphLaunch").unwrap();
+    assert_eq!(
+        (graph.kind, graph.level, graph.optional),
+        (CallKind::Launch(LaunchKind::Graph), Level::L1, false)
+    );
+}
+
+#[test]
+fn driver_memory_syncs_and_handles_are_default_level() {
+    for f in Library::Cuda.functions() {
+        let want = match f.kind {
+            CallKind::Launch(_) => Level::L1,
+            _ => Level::L0,
+        };
+        assert_eq!(f.level, want, "{}", f.name);
+    }
+    let alloc = Library::Cuda.function("cuMemAlloc_v2").unwrap();
+    assert_eq!(alloc.kind, CallKind::Malloc);
+    assert_eq!(alloc.capture.ret.map(|r| (r.arg, r.len)), Some((0, 8)));
+    let map = Library::Cuda.function("cuMemMap").unwrap();
+    assert_eq!(map.kind, CallKind::Vmm(VmmOp::Map));
+    assert_eq!(map.arg(Role::DevPtr), Some(ArgLoc::Reg(0)));
+    assert_eq!(map.arg(Role::Size), Some(ArgLoc::Reg(1)));
+    assert_eq!(map.arg(Role::MemHandle), Some(ArgLoc::Reg(3)));
+    let unmap = Library::Cuda.function("cuMemUnmap").unwrap();
+    assert_eq!(unmap.kind, CallKind::Vmm(VmmOp::Unmap));
+    let create = Library::Cuda.function("cuMemCreate").unwrap();
+    assert_eq!(create.capture.ret.map(|r| (r.arg, r.len)), Some((0, 8)));
+    // The handle-giving calls copy the name at entry and the handle at
+    // return, only when the call succeeded.
+    for name in ["cuModuleGetFunction", "cuLibraryGetKernel"] {
+        let g = Library::Cuda.function(name).unwrap();
+        assert!(matches!(g.kind, CallKind::KernelHandle(_)), "{name}");
+        assert_eq!(
+            g.capture.entry,
+            Some(EntryDeref {
+                source: DerefSource::Arg(2),
+                len: 128,
+                string: true
+            })
+        );
+        let s = g.probe_spec();
+        assert_eq!(
+            (s.entry_deref_arg, s.return_deref_arg, s.return_deref_len),
+            (2, 0, 8)
+        );
+        assert_eq!(
+            s.flags & (ENTRY_STRING | RETURN_ON_SUCCESS),
+            ENTRY_STRING | RETURN_ON_SUCCESS
+        );
+    }
+    let kf = Library::Cuda.function("cuKernelGetFunction").unwrap();
+    assert_eq!(kf.arg(Role::Func), Some(ArgLoc::Reg(1)));
+    assert_eq!(kf.capture.ret.map(|r| r.arg), Some(0));
+    assert_eq!(Library::Cuda.soname(), "libcuda.so.1");
+    assert_eq!(Library::Cuda.vendor(), Vendor::Nvidia);
 }

@@ -11,8 +11,8 @@ use super::enums::{DataType, MemcpyKind, RedOp, human_bytes};
 use super::memory::MemoryEffect;
 use crate::bytes::{c_string, u32_at, u64_at};
 use crate::catalog::{
-    ArgLoc, CallKind, Collective, CommInit, DerefSource, Direction, FunctionSpec, LaunchKind,
-    Library, Role,
+    ArgLoc, CallKind, Collective, CommInit, DerefSource, Direction, FunctionSpec, HandleKind,
+    LaunchKind, Library, Role, VmmOp,
 };
 
 /// Arguments of a collective.
@@ -88,6 +88,37 @@ pub struct LaunchArgs {
     pub blocks: Option<u32>,
     pub shared_mem: Option<u64>,
     pub stream: Option<u64>,
+    /// The kernel's name, from the call that handed out the driver handle
+    /// `func` (set by the decoder; for a runtime launch, from the driver
+    /// launch nested in it).
+    pub kernel: Option<String>,
+}
+
+/// Arguments of a driver virtual-memory call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmmArgs {
+    pub op: VmmOp,
+    /// The address (for `cuMemAddressReserve`, the reserved range read at
+    /// return; None on failure).
+    pub ptr: Option<u64>,
+    /// Bytes (none for `cuMemRelease`).
+    pub size: Option<u64>,
+    /// The physical allocation (for `cuMemCreate`, read at return).
+    pub handle: Option<u64>,
+    /// `cuMemMap`'s offset into the physical allocation.
+    pub offset: Option<u64>,
+}
+
+/// Arguments of a call handing out a kernel handle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelHandleArgs {
+    pub kind: HandleKind,
+    /// The name asked for (entry copy; cut at the copy's length).
+    pub name: Option<String>,
+    /// The handle written at return (None on failure).
+    pub handle: Option<u64>,
+    /// `cuKernelGetFunction`'s kernel.
+    pub from: Option<u64>,
 }
 
 /// The typed arguments of a call, by what it means.
@@ -127,6 +158,8 @@ pub enum CallArgs {
         exec: u64,
         stream: Option<u64>,
     },
+    Vmm(VmmArgs),
+    KernelHandle(KernelHandleArgs),
     Sync {
         stream: Option<u64>,
         event: Option<u64>,
@@ -267,6 +300,18 @@ impl Raw<'_> {
         Some([xy as u32, (xy >> 32) as u32, self.u32(z)?])
     }
 
+    /// Three `unsigned int` dimensions (the driver's launches).
+    fn dims(&self, x: Role, y: Role, z: Role) -> Option<[u32; 3]> {
+        Some([self.u32(x)?, self.u32(y)?, self.u32(z)?])
+    }
+
+    /// The u64 an out-parameter received, when the call succeeded.
+    fn returned_u64(&self) -> Option<u64> {
+        self.succeeded()
+            .then(|| u64_at(self.return_bytes(), 0))
+            .flatten()
+    }
+
     /// The handles an init wrote at return (only when it succeeded).
     fn returned_handles(&self, max: usize) -> Vec<u64> {
         if !self.succeeded() {
@@ -374,25 +419,60 @@ pub(crate) fn build(raw: &Raw<'_>, id_hash: Option<u64>) -> CallArgs {
             stream: raw.u64(Stream),
         },
         CallKind::Launch(LaunchKind::KernelExC) => {
-            // cudaLaunchConfig_t: gridDim@0, blockDim@12, dynamicSmemBytes@24, stream@32.
+            // cudaLaunchConfig_t: gridDim@0, blockDim@12, size_t
+            // dynamicSmemBytes@24, stream@32. CUlaunchConfig: the same
+            // offsets with an `unsigned int` sharedMemBytes@24 (then padding).
             let c = raw.entry_bytes();
             let dim = |off| Some([u32_at(c, off)?, u32_at(c, off + 4)?, u32_at(c, off + 8)?]);
+            let shared_mem = match raw.library {
+                Library::Cuda => u32_at(c, 24).map(u64::from),
+                _ => u64_at(c, 24),
+            };
             CallArgs::Launch(LaunchArgs {
                 func: raw.u64(Func).unwrap_or(0),
                 grid: dim(0),
                 block: dim(12),
                 blocks: None,
-                shared_mem: u64_at(c, 24),
+                shared_mem,
                 stream: u64_at(c, 32),
+                kernel: None,
             })
         }
         CallKind::Launch(LaunchKind::Kernel) => CallArgs::Launch(LaunchArgs {
             func: raw.u64(Func).unwrap_or(0),
-            grid: raw.dim3(GridXY, GridZ),
-            block: raw.dim3(BlockXY, BlockZ),
+            grid: raw
+                .dim3(GridXY, GridZ)
+                .or_else(|| raw.dims(GridX, GridY, GridZ)),
+            block: raw
+                .dim3(BlockXY, BlockZ)
+                .or_else(|| raw.dims(BlockX, BlockY, BlockZ)),
             blocks: raw.u32(NumBlocks),
-            shared_mem: raw.u64(SharedMem),
+            shared_mem: match raw.library {
+                // `unsigned int sharedMemBytes` in an 8-byte stack slot.
+                Library::Cuda => raw.u32(SharedMem).map(u64::from),
+                _ => raw.u64(SharedMem),
+            },
             stream: raw.u64(Stream),
+            kernel: None,
+        }),
+        CallKind::Vmm(op) => CallArgs::Vmm(VmmArgs {
+            op,
+            ptr: match op {
+                VmmOp::Reserve => raw.returned_u64(),
+                _ => raw.u64(DevPtr),
+            },
+            size: raw.u64(Size),
+            handle: match op {
+                VmmOp::Create => raw.returned_u64(),
+                _ => raw.u64(MemHandle),
+            },
+            offset: raw.u64(Offset),
+        }),
+        CallKind::KernelHandle(kind) => CallArgs::KernelHandle(KernelHandleArgs {
+            kind,
+            name: (!raw.entry_bytes().is_empty()).then(|| c_string(raw.entry_bytes())),
+            handle: raw.returned_u64(),
+            from: raw.u64(Func),
         }),
         CallKind::Sync(_) => CallArgs::Sync {
             stream: raw.u64(Stream),
@@ -496,6 +576,9 @@ pub(crate) fn describe(function: &str, args: &CallArgs, memory: Option<&MemoryEf
         }
         CallArgs::Memset { bytes, .. } => add(human_bytes(*bytes)),
         CallArgs::Launch(l) => {
+            if let Some(k) = &l.kernel {
+                add(k.clone());
+            }
             if let (Some(g), Some(b)) = (l.grid, l.block) {
                 add(format!("grid{} block{}", dims(g), dims(b)));
             } else if let Some(n) = l.blocks {
@@ -505,6 +588,12 @@ pub(crate) fn describe(function: &str, args: &CallArgs, memory: Option<&MemoryEf
         CallArgs::Marker {
             message: Some(m), ..
         } => add(m.clone()),
+        CallArgs::Vmm(v) => {
+            if let Some(size) = v.size {
+                add(human_bytes(size));
+            }
+        }
+        CallArgs::KernelHandle(KernelHandleArgs { name: Some(n), .. }) => add(n.clone()),
         _ => {}
     }
     s

@@ -1,7 +1,12 @@
 //! Device memory accounting per process: bytes held per device, from the
 //! allocation and free calls seen (`cudaMalloc`/`cudaFree`,
 //! `cudaMallocAsync`/`cudaFreeAsync`, `ncclMemAlloc`/`ncclMemFree`,
-//! `aclrtMalloc`/`aclrtFree`).
+//! `aclrtMalloc`/`aclrtFree`, the driver's `cuMemAlloc_v2`/`cuMemFree_v2`)
+//! and the driver's virtual memory: a `cuMemMap` of `size` bytes at `ptr`
+//! holds them until a `cuMemUnmap` of a range containing `ptr` (reserved
+//! address space and created but unmapped physical memory hold nothing:
+//! what a job holds on the device is what it has mapped, as PyTorch's
+//! expandable segments grow and shrink by mapping and unmapping pages).
 //!
 //! The device of an allocation is the calling thread's current device, set
 //! per thread by `cudaSetDevice` / `aclrtSetDevice` (default 0). Memory
@@ -13,7 +18,7 @@
 //! kept per (device, site), so the largest live allocation sites are known
 //! at any time (at an OOM, at the end of a trace).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::catalog::Vendor;
 
@@ -77,6 +82,9 @@ struct Allocation {
 #[derive(Clone, Debug, Default)]
 pub struct MemoryLedger {
     allocations: HashMap<u64, Allocation>,
+    /// The addresses in `allocations` that are mappings (`cuMemMap`), in
+    /// order, so an unmapped range finds them.
+    mappings: BTreeSet<u64>,
     held: BTreeMap<Device, u64>,
     /// Live bytes per (device, site); entries leave when they reach 0.
     sites: HashMap<(Device, Option<u64>), SiteUsage>,
@@ -139,6 +147,7 @@ impl MemoryLedger {
         // A pointer handed out twice without a free seen: the old one was
         // freed unseen; do not count it twice.
         if let Some(old) = self.allocations.remove(&ptr) {
+            self.mappings.remove(&ptr);
             self.release(old);
         }
         if self.allocations.len() < MAX_ALLOCATIONS {
@@ -184,6 +193,7 @@ impl MemoryLedger {
 
     /// `ptr` was freed by `tid`.
     pub fn freed(&mut self, tid: u32, vendor: Vendor, ptr: u64) -> MemoryEffect {
+        self.mappings.remove(&ptr);
         match self.allocations.remove(&ptr) {
             Some(a) => {
                 self.release(a);
@@ -196,6 +206,62 @@ impl MemoryLedger {
                     site: a.site,
                 }
             }
+            None => {
+                self.untracked_frees += 1;
+                let device = self.current_device(tid, vendor);
+                MemoryEffect {
+                    device,
+                    delta: 0,
+                    held_after: self.held(device),
+                    failed_request: None,
+                    untracked: true,
+                    site: None,
+                }
+            }
+        }
+    }
+
+    /// `size` bytes were mapped at `ptr` (`cuMemMap`) by `tid`: held like
+    /// an allocation.
+    pub fn mapped(
+        &mut self,
+        tid: u32,
+        vendor: Vendor,
+        ptr: u64,
+        size: u64,
+        site: Option<u64>,
+    ) -> MemoryEffect {
+        let effect = self.allocated(tid, vendor, ptr, size, site);
+        if self.allocations.contains_key(&ptr) {
+            self.mappings.insert(ptr);
+        }
+        effect
+    }
+
+    /// The range `[ptr, ptr + size)` was unmapped (`cuMemUnmap`): every
+    /// mapping starting in it is released. An unmap of nothing seen mapped
+    /// (mapped before the agent attached) is untracked.
+    pub fn unmapped(&mut self, tid: u32, vendor: Vendor, ptr: u64, size: u64) -> MemoryEffect {
+        let end = ptr.saturating_add(size.max(1));
+        let starts: Vec<u64> = self.mappings.range(ptr..end).copied().collect();
+        let mut released: Option<(Device, u64, Option<u64>)> = None;
+        for start in starts {
+            self.mappings.remove(&start);
+            if let Some(a) = self.allocations.remove(&start) {
+                self.release(a);
+                let (_, bytes, _) = released.get_or_insert((a.device, 0, a.site));
+                *bytes = bytes.saturating_add(a.size);
+            }
+        }
+        match released {
+            Some((device, bytes, site)) => MemoryEffect {
+                device,
+                delta: -i64::try_from(bytes).unwrap_or(i64::MAX),
+                held_after: self.held(device),
+                failed_request: None,
+                untracked: false,
+                site,
+            },
             None => {
                 self.untracked_frees += 1;
                 let device = self.current_device(tid, vendor);
@@ -327,6 +393,39 @@ mod tests {
         let sites = m.largest_sites(None, 10);
         assert_eq!(sites.len(), 1);
         assert_eq!((sites[0].site, sites[0].usage.bytes), (Some(2), 9));
+    }
+
+    #[test]
+    fn mapped_pages_are_held_until_their_range_is_unmapped() {
+        const MIB: u64 = 1 << 20;
+        let mut m = MemoryLedger::default();
+        // An expandable segment: a reserved range at 0x7000_0000 grows by
+        // three 2 MiB pages, shrinks by its last two in one unmap, then by
+        // the first.
+        let base = 0x7000_0000u64;
+        for i in 0..3 {
+            let e = m.mapped(1, Vendor::Nvidia, base + i * 2 * MIB, 2 * MIB, None);
+            assert_eq!((e.delta, e.held_after), (2 * MIB as i64, (i + 1) * 2 * MIB));
+        }
+        // A plain allocation inside no mapping is untouched by unmaps.
+        m.allocated(1, Vendor::Nvidia, base + 100 * MIB, MIB, None);
+        let e = m.unmapped(1, Vendor::Nvidia, base + 2 * MIB, 4 * MIB);
+        assert_eq!(
+            (e.delta, e.held_after, e.untracked),
+            (-4 * MIB as i64, 3 * MIB, false)
+        );
+        let e = m.unmapped(2, Vendor::Nvidia, base, 2 * MIB);
+        assert_eq!((e.delta, e.held_after), (-2 * MIB as i64, MIB));
+        // Unmapping it again, or memory mapped before the agent attached.
+        let e = m.unmapped(2, Vendor::Nvidia, base, 2 * MIB);
+        assert!(e.untracked);
+        assert_eq!((e.delta, m.untracked_frees), (0, 1));
+        assert_eq!(m.live(), 1);
+        // A mapping on the thread's current device.
+        m.set_device(3, Vendor::Nvidia, 2);
+        let e = m.mapped(3, Vendor::Nvidia, base, MIB, None);
+        assert_eq!(e.device, dev(2));
+        assert_eq!(m.unmapped(1, Vendor::Nvidia, base, MIB).device, dev(2));
     }
 
     #[test]

@@ -51,7 +51,9 @@ pub mod comm;
 // The data types, reduction ops and copy kinds are shared with the activity
 // records (a crate-level module both read); kept here under their old path.
 pub use crate::enums;
+pub mod kernels;
 pub mod memory;
+pub mod nesting;
 pub mod table;
 
 use std::collections::HashMap;
@@ -59,9 +61,10 @@ use std::collections::HashMap;
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
 
 use crate::activity::{self, ActivityApi, DeviceActivity};
-use crate::catalog::{CallKind, CommInit, Library, RetKind, Role};
+use crate::catalog::{CallKind, CommInit, HandleKind, Library, RetKind, Role, VmmOp};
 use args::{CallArgs, Raw};
 use comm::{CommContext, CommRegistry, Communicator, comm_id_hash, split_hash};
+use kernels::KernelNames;
 use memory::{MemoryEffect, MemoryLedger};
 use table::{ProbeTable, ProbeTarget};
 
@@ -209,6 +212,9 @@ pub struct DecoderStats {
     /// (each a call whatever it returned; a record read is in `activities`).
     pub cupti_reads: u64,
     pub mspti_reads: u64,
+    /// Driver calls folded into the runtime call they were made in (see
+    /// [`nesting`]): counted here, not as calls.
+    pub folded: u64,
 }
 
 struct Pending {
@@ -217,12 +223,15 @@ struct Pending {
     seq: (Option<u64>, bool),
     /// The caller's stack, as the site id given to [`Decoder::on_call_site`].
     site: Option<u64>,
+    /// A runtime launch's kernel name, from the driver launch folded into it.
+    kernel: Option<String>,
 }
 
 #[derive(Default)]
 struct Process {
     comms: CommRegistry,
     memory: MemoryLedger,
+    kernels: KernelNames,
 }
 
 /// Pairs and decodes the uprobe records of all traced processes.
@@ -272,6 +281,11 @@ impl Decoder {
     /// Device memory of process `tgid`.
     pub fn memory(&self, tgid: u32) -> Option<&MemoryLedger> {
         self.processes.get(&tgid).map(|p| &p.memory)
+    }
+
+    /// Kernel names by driver handle of process `tgid`.
+    pub fn kernels(&self, tgid: u32) -> Option<&KernelNames> {
+        self.processes.get(&tgid).map(|p| &p.kernels)
     }
 
     /// Calls entered and not yet returned, innermost last per thread.
@@ -336,6 +350,7 @@ impl Decoder {
             entry: *e,
             seq: (None, false),
             site: None,
+            kernel: None,
         };
         if let CallKind::Collective(_) = target.function.kind
             && let Some(comm) = pending.raw(None).u64(Role::Comm)
@@ -381,15 +396,46 @@ impl Decoder {
         };
         let lost: Vec<Pending> = stack.drain(i + 1..).collect();
         let matched = stack.pop();
+        // A driver call inside a runtime call of its sort is that call's
+        // own work: folded into it.
+        let outer = matched.as_ref().and_then(|m| {
+            let inner = (m.target.library, m.target.function.kind);
+            stack.iter().rposition(|o| {
+                nesting::folds_into(inner, (o.target.library, o.target.function.kind))
+            })
+        });
+        // The runtime launch takes the kernel's name from its driver launch.
+        if let (Some(j), Some(m)) = (outer, matched.as_ref()) {
+            let kernels = self.processes.get(&r.tgid).map(|p| &p.kernels);
+            let name = Self::launched_kernel(m, kernels);
+            if let Some(o) = stack.get_mut(j)
+                && o.kernel.is_none()
+            {
+                o.kernel = name;
+            }
+        }
         if stack.is_empty() {
             self.threads.remove(&key);
         }
         for p in lost.into_iter().rev() {
             self.report_open(p, OpenReason::OuterReturned, out);
         }
-        if let Some(p) = matched {
-            self.complete(&p, Some(r), out);
+        match matched {
+            Some(_) if outer.is_some() => self.stats.folded += 1,
+            Some(p) => self.complete(&p, Some(r), out),
+            None => {}
         }
+    }
+
+    /// The kernel a driver launch runs, by its handle.
+    fn launched_kernel(p: &Pending, kernels: Option<&KernelNames>) -> Option<String> {
+        if p.target.library != Library::Cuda
+            || !matches!(p.target.function.kind, CallKind::Launch(_))
+        {
+            return None;
+        }
+        let func = p.raw(None).u64(Role::Func)?;
+        kernels?.name(func).map(str::to_owned)
     }
 
     /// The kernel took the user stack of thread `tid` returning from the
@@ -525,7 +571,13 @@ impl Decoder {
             }
             _ => None,
         };
-        let args = args::build(&raw, id_hash);
+        let mut args = args::build(&raw, id_hash);
+        if let CallArgs::Launch(l) = &mut args {
+            l.kernel = p
+                .kernel
+                .clone()
+                .or_else(|| Self::launched_kernel(p, Some(&process.kernels)));
+        }
 
         let vendor = library.vendor();
         let mut memory = None;
@@ -544,6 +596,22 @@ impl Decoder {
             CallArgs::Free { ptr, .. } if ok && *ptr != 0 => {
                 memory = Some(process.memory.freed(tid, vendor, *ptr));
             }
+            CallArgs::Vmm(v) if ok => match (v.op, v.ptr, v.size) {
+                (VmmOp::Map, Some(ptr), Some(size)) => {
+                    memory = Some(process.memory.mapped(tid, vendor, ptr, size, p.site));
+                }
+                (VmmOp::Unmap, Some(ptr), Some(size)) => {
+                    memory = Some(process.memory.unmapped(tid, vendor, ptr, size));
+                }
+                _ => {}
+            },
+            CallArgs::KernelHandle(h) if ok => match (h.kind, h.handle, &h.name, h.from) {
+                (HandleKind::KernelFunction, Some(handle), _, Some(kernel)) => {
+                    process.kernels.alias(handle, kernel);
+                }
+                (_, Some(handle), Some(name), _) => process.kernels.learn(handle, name),
+                _ => {}
+            },
             CallArgs::SetDevice { device } if ok => {
                 if let Ok(d) = u32::try_from(*device) {
                     process.memory.set_device(tid, vendor, d);

@@ -1102,3 +1102,468 @@ fn records_decode_by_probe_slot_when_the_process_is_not_known_yet() {
     ));
     assert_eq!(d.stats().unknown_probes, 1);
 }
+
+// ---------------------------------------------------------------- driver
+
+fn name_bytes(s: &str) -> Vec<u8> {
+    let mut b = s.as_bytes().to_vec();
+    b.push(0);
+    b
+}
+
+/// `cuModuleGetFunction(&f, module, name)` returning `handle`.
+fn get_function(d: &mut Decoder, name: &str, handle: u64, ts: u64) -> DeviceCall {
+    let e = with_deref(
+        entry(
+            "cuModuleGetFunction",
+            ts,
+            [0x7ffd_0000_2000, 0x6000, 0x4000_1000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes(name),
+    );
+    call(
+        d,
+        e,
+        ret("cuModuleGetFunction", ts + 10, 0, &handle.to_le_bytes()),
+    )
+}
+
+/// `cuLaunchKernel(f, 4, 2, 1, 128, 1, 1, 256, stream, params, NULL)`.
+fn cu_launch(f: u64, ts: u64) -> UprobeEntry {
+    entry(
+        "cuLaunchKernel",
+        ts,
+        [f, JUNK | 4, 2, 1, JUNK | 128, 1],
+        &[JUNK | 1, JUNK | 256, 0x5000, 0x7ffd_0000_3000, 0],
+    )
+}
+
+#[test]
+fn driver_launches_are_named_by_their_handle() {
+    let mut d = decoder_with(
+        &[
+            "cuModuleGetFunction",
+            "cuLibraryGetKernel",
+            "cuKernelGetFunction",
+            "cuLaunchKernel",
+            "cuLaunchKernelEx",
+        ],
+        0,
+    );
+    let g = get_function(&mut d, "gemm_bf16_tn", 0xf00d_0000, 1_000);
+    let CallArgs::KernelHandle(h) = &g.args else {
+        panic!("{:?}", g.args)
+    };
+    assert_eq!(
+        (h.name.as_deref(), h.handle),
+        (Some("gemm_bf16_tn"), Some(0xf00d_0000))
+    );
+    assert_eq!(g.name, "cuModuleGetFunction gemm_bf16_tn");
+    let c = call(
+        &mut d,
+        cu_launch(0xf00d_0000, 2_000),
+        ret("cuLaunchKernel", 2_100, 0, &[]),
+    );
+    let CallArgs::Launch(l) = &c.args else {
+        panic!("{:?}", c.args)
+    };
+    assert_eq!(l.kernel.as_deref(), Some("gemm_bf16_tn"));
+    assert_eq!((l.grid, l.block), (Some([4, 2, 1]), Some([128, 1, 1])));
+    assert_eq!((l.shared_mem, l.stream), (Some(256), Some(0x5000)));
+    assert_eq!(
+        c.name,
+        "cuLaunchKernel gemm_bf16_tn grid(4,2,1) block(128,1,1)"
+    );
+
+    // cuLibraryGetKernel then cuKernelGetFunction: the function has the
+    // kernel's name; a CUkernel launched as is has it too.
+    let e = with_deref(
+        entry(
+            "cuLibraryGetKernel",
+            3_000,
+            [0x7ffd_0000_2000, 0x6100, 0x4000_2000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("triton_poi_fused_add_0"),
+    );
+    call(
+        &mut d,
+        e,
+        ret(
+            "cuLibraryGetKernel",
+            3_010,
+            0,
+            &0xbeef_0000u64.to_le_bytes(),
+        ),
+    );
+    let e = entry(
+        "cuKernelGetFunction",
+        3_100,
+        [0x7ffd_0000_2000, 0xbeef_0000, 0, 0, 0, 0],
+        &[],
+    );
+    call(
+        &mut d,
+        e,
+        ret(
+            "cuKernelGetFunction",
+            3_110,
+            0,
+            &0xcafe_0000u64.to_le_bytes(),
+        ),
+    );
+    for f in [0xcafe_0000, 0xbeef_0000] {
+        let c = call(
+            &mut d,
+            cu_launch(f, 4_000),
+            ret("cuLaunchKernel", 4_100, 0, &[]),
+        );
+        let CallArgs::Launch(l) = &c.args else {
+            panic!()
+        };
+        assert_eq!(
+            l.kernel.as_deref(),
+            Some("triton_poi_fused_add_0"),
+            "{f:#x}"
+        );
+    }
+    // cuLaunchKernelEx: dims from the CUlaunchConfig, an `unsigned`
+    // sharedMemBytes followed by padding.
+    let mut cfg = Vec::new();
+    for v in [8u32, 1, 1, 256, 1, 1, 1024, 0xffff_ffff] {
+        cfg.extend_from_slice(&v.to_le_bytes());
+    }
+    cfg.extend_from_slice(&0x5100u64.to_le_bytes());
+    let e = with_deref(
+        entry(
+            "cuLaunchKernelEx",
+            5_000,
+            [0x7ffd_0000_4000, 0xf00d_0000, 0, 0, 0, 0],
+            &[],
+        ),
+        &cfg,
+    );
+    let c = call(&mut d, e, ret("cuLaunchKernelEx", 5_100, 0, &[]));
+    let CallArgs::Launch(l) = &c.args else {
+        panic!()
+    };
+    assert_eq!(
+        (l.kernel.as_deref(), l.grid, l.block, l.shared_mem, l.stream),
+        (
+            Some("gemm_bf16_tn"),
+            Some([8, 1, 1]),
+            Some([256, 1, 1]),
+            Some(1024),
+            Some(0x5100)
+        )
+    );
+    // An unknown handle launches without a name; a failed lookup names nothing.
+    let c = call(
+        &mut d,
+        cu_launch(0x1234, 6_000),
+        ret("cuLaunchKernel", 6_100, 0, &[]),
+    );
+    assert!(matches!(&c.args, CallArgs::Launch(l) if l.kernel.is_none()));
+    let e = with_deref(
+        entry(
+            "cuModuleGetFunction",
+            7_000,
+            [0x7ffd_0000_2000, 0x6000, 0x4000_1000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("missing"),
+    );
+    call(&mut d, e, ret("cuModuleGetFunction", 7_010, 500, &[]));
+    assert_eq!(d.kernels(TGID).unwrap().len(), 3);
+    // The names go with the process.
+    d.process_exited(TGID, &mut Vec::new());
+    assert!(d.kernels(TGID).is_none());
+}
+
+#[test]
+fn a_driver_call_inside_its_runtime_call_is_one_call() {
+    let mut d = decoder_with(
+        &[
+            "cuModuleGetFunction",
+            "cudaLaunchKernel",
+            "cuLaunchKernel",
+            "cudaMalloc",
+            "cuMemAlloc_v2",
+            "cudaStreamSynchronize",
+            "cuStreamSynchronize",
+            "ncclAllReduce",
+            "cuLaunchKernelEx",
+        ],
+        0,
+    );
+    get_function(&mut d, "vectorAdd", 0xf00d_0000, 500);
+    let mut out = Vec::new();
+    // cudaLaunchKernel(stub, grid, block, args, 0, stream) -> cuLaunchKernel.
+    d.on_entry(
+        &entry(
+            "cudaLaunchKernel",
+            1_000,
+            [
+                0x40_1000,
+                4 | 2 << 32,
+                1,
+                128 | 1 << 32,
+                1,
+                0x7ffd_0000_3000,
+            ],
+            &[0, 0x5000],
+        ),
+        &mut out,
+    );
+    d.on_entry(&cu_launch(0xf00d_0000, 1_100), &mut out);
+    d.on_return(&ret("cuLaunchKernel", 1_200, 0, &[]), &mut out);
+    assert!(out.is_empty(), "folded: {out:?}");
+    d.on_return(&ret("cudaLaunchKernel", 1_300, 0, &[]), &mut out);
+    let [Decoded::Call(c)] = out.as_slice() else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        (c.function, c.start_ts, c.end_ts),
+        ("cudaLaunchKernel", 1_000, Some(1_300))
+    );
+    assert!(
+        matches!(&c.args, CallArgs::Launch(l) if l.kernel.as_deref() == Some("vectorAdd") && l.func == 0x40_1000)
+    );
+    assert_eq!(
+        c.name,
+        "cudaLaunchKernel vectorAdd grid(4,2,1) block(128,1,1)"
+    );
+
+    // cudaMalloc -> cuMemAlloc_v2: the memory counted once, by the runtime call.
+    out.clear();
+    d.on_entry(
+        &entry(
+            "cudaMalloc",
+            2_000,
+            [0x7ffd_0000_5000, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &entry(
+            "cuMemAlloc_v2",
+            2_010,
+            [0x7ffd_0000_5100, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_return(
+        &ret("cuMemAlloc_v2", 2_020, 0, &0x2000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    d.on_return(
+        &ret("cudaMalloc", 2_030, 0, &0x2000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    let [Decoded::Call(c)] = out.as_slice() else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        (c.function, c.memory.map(|m| m.held_after)),
+        ("cudaMalloc", Some(GIB))
+    );
+    assert_eq!(d.memory(TGID).unwrap().live(), 1);
+
+    // cudaStreamSynchronize -> cuStreamSynchronize.
+    out.clear();
+    d.on_entry(
+        &entry("cudaStreamSynchronize", 3_000, [0x5000, 0, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_entry(
+        &entry("cuStreamSynchronize", 3_010, [0x5000, 0, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_return(&ret("cuStreamSynchronize", 3_900, 0, &[]), &mut out);
+    d.on_return(&ret("cudaStreamSynchronize", 3_910, 0, &[]), &mut out);
+    assert!(matches!(out.as_slice(), [Decoded::Call(c)] if c.function == "cudaStreamSynchronize"));
+
+    // NCCL launching through the driver: both calls stay, the launch named.
+    out.clear();
+    get_function(
+        &mut d,
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+        0xaaaa_0000,
+        3_950,
+    );
+    d.on_entry(
+        &entry(
+            "ncclAllReduce",
+            4_000,
+            [0xa000, 0xb000, 1024, 7, 0, 0xc0c0],
+            &[0x5000],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &with_deref(
+            entry(
+                "cuLaunchKernelEx",
+                4_010,
+                [0x7ffd_0000_4000, 0xaaaa_0000, 0, 0, 0, 0],
+                &[],
+            ),
+            &[0; 40],
+        ),
+        &mut out,
+    );
+    d.on_return(&ret("cuLaunchKernelEx", 4_020, 0, &[]), &mut out);
+    d.on_return(&ret("ncclAllReduce", 4_030, 0, &[]), &mut out);
+    let names: Vec<&str> = out
+        .iter()
+        .map(|o| match o {
+            Decoded::Call(c) => c.function,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(names, ["cuLaunchKernelEx", "ncclAllReduce"]);
+    assert!(
+        matches!(&out[0], Decoded::Call(c) if c.name.starts_with("cuLaunchKernelEx ncclDevKernel_AllReduce"))
+    );
+    let s = d.stats();
+    // Two handle lookups, the launch, the allocation, the sync, NCCL and its launch.
+    assert_eq!((s.folded, s.calls), (3, 7), "{s:?}");
+}
+
+#[test]
+fn driver_virtual_memory_holds_what_is_mapped() {
+    let mut d = decoder_with(
+        &[
+            "cuMemAddressReserve",
+            "cuMemCreate",
+            "cuMemMap",
+            "cuMemUnmap",
+            "cuMemRelease",
+        ],
+        0,
+    );
+    const MIB: u64 = 1 << 20;
+    let base = 0x3000_0000_0000u64;
+    let c = call(
+        &mut d,
+        entry(
+            "cuMemAddressReserve",
+            1_000,
+            [0x7ffd_0000_6000, 64 * MIB, 0, 0, 0, 0],
+            &[],
+        ),
+        ret("cuMemAddressReserve", 1_010, 0, &base.to_le_bytes()),
+    );
+    assert!(c.memory.is_none(), "a reservation holds nothing");
+    assert!(matches!(&c.args, CallArgs::Vmm(v) if v.ptr == Some(base) && v.size == Some(64 * MIB)));
+    let mut held = 0;
+    for page in 0..3u64 {
+        let handle = 0x2000_0000_0000 + page * 2 * MIB;
+        let c = call(
+            &mut d,
+            entry(
+                "cuMemCreate",
+                2_000,
+                [0x7ffd_0000_6100, 2 * MIB, 0x7ffd_0000_6200, 0, 0, 0],
+                &[],
+            ),
+            ret("cuMemCreate", 2_010, 0, &handle.to_le_bytes()),
+        );
+        assert!(c.memory.is_none(), "created, not mapped");
+        assert!(matches!(&c.args, CallArgs::Vmm(v) if v.handle == Some(handle)));
+        let c = call(
+            &mut d,
+            entry(
+                "cuMemMap",
+                2_100,
+                [base + page * 2 * MIB, 2 * MIB, 0, handle, 0, 0],
+                &[],
+            ),
+            ret("cuMemMap", 2_110, 0, &[]),
+        );
+        held += 2 * MIB;
+        assert_eq!(
+            c.memory.map(|m| (m.delta, m.held_after)),
+            Some((2 * MIB as i64, held))
+        );
+        assert_eq!(c.name, "cuMemMap 2 MiB");
+    }
+    // The segment shrinks by its last two pages in one unmap.
+    let c = call(
+        &mut d,
+        entry(
+            "cuMemUnmap",
+            3_000,
+            [base + 2 * MIB, 4 * MIB, 0, 0, 0, 0],
+            &[],
+        ),
+        ret("cuMemUnmap", 3_010, 0, &[]),
+    );
+    assert_eq!(
+        c.memory.map(|m| (m.delta, m.held_after)),
+        Some((-4 * MIB as i64, 2 * MIB))
+    );
+    // A failed map holds nothing.
+    let c = call(
+        &mut d,
+        entry(
+            "cuMemMap",
+            4_000,
+            [base + 8 * MIB, 2 * MIB, 0, 0x99, 0, 0],
+            &[],
+        ),
+        ret("cuMemMap", 4_010, 1, &[]),
+    );
+    assert!(c.error && c.memory.is_none());
+    let held_now = d.memory(TGID).unwrap().held(Device {
+        vendor: Vendor::Nvidia,
+        index: 0,
+    });
+    assert_eq!(held_now, 2 * MIB);
+}
+
+/// The runtime call never returns (its thread jumped out of it after the
+/// driver's call returned): the folded driver allocation is not counted,
+/// and the runtime call is reported open when its process exits.
+#[test]
+fn a_folded_driver_call_of_a_runtime_call_that_never_returns_holds_nothing() {
+    let mut d = decoder_with(&["cudaMalloc", "cuMemAlloc_v2"], 0);
+    let mut out = Vec::new();
+    d.on_entry(
+        &entry(
+            "cudaMalloc",
+            1_000,
+            [0x7ffd_0000_5000, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &entry(
+            "cuMemAlloc_v2",
+            1_010,
+            [0x7ffd_0000_5100, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_return(
+        &ret("cuMemAlloc_v2", 1_020, 0, &0x2000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(d.memory(TGID).map_or(0, |m| m.live()), 0);
+    d.process_exited(TGID, &mut out);
+    let [Decoded::Unmatched(Unmatched::EntryWithoutReturn { call, reason })] = out.as_slice()
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        (call.function, *reason),
+        ("cudaMalloc", OpenReason::ProcessExited)
+    );
+    assert_eq!(d.stats().folded, 1);
+}

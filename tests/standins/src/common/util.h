@@ -8,7 +8,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The CUDA stand-ins build with -DSD_HIDDEN= : libcuda.so.1 exports the
+ * engine to libcudart.so.12 (see cudrv.h). */
+#ifndef SD_HIDDEN
 #define SD_HIDDEN __attribute__((visibility("hidden")))
+#endif
 #define SD_EXPORT __attribute__((visibility("default")))
 
 /* CLOCK_BOOTTIME in nanoseconds: the clock of the agent and of every record. */

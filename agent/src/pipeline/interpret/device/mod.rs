@@ -291,6 +291,7 @@ impl DeviceInterpreter {
         c.activity_other_kinds = s.activity_other_kinds;
         c.cupti_reads = s.cupti_reads;
         c.mspti_reads = s.mspti_reads;
+        c.driver_calls_folded = s.folded;
     }
 
     /// Turns what the decoder produced into records.

@@ -1,0 +1,264 @@
+//! End-to-end: the CUDA driver API (`libcuda.so.1`) under `agent attach`,
+//! on the simulated job whose stand-in runtime launches, allocates and
+//! syncs through the stand-in driver on the caller's thread, and whose
+//! ranks also launch library kernels and a graph straight through the
+//! driver (`--driver-launches`) and keep activations in an expandable
+//! segment mapped page by page (`--expandable-segments`). Graded against
+//! the simulator's own accounting (its step log and ground truth). Root
+//! and eBPF; these never skip.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+use xpuscope_tests::agent::exclusive;
+use xpuscope_tests::device::*;
+use xpuscope_tests::trace_check::{ArgValue, Slice, Timeline, TrackKind};
+
+/// The runtime kernels' names (tests/sim/src/rank.c).
+const RUNTIME_KERNELS: [&str; 7] = [
+    "embedding_fwd",
+    "attention_fwd",
+    "mlp_fwd",
+    "mlp_bwd",
+    "attention_bwd",
+    "grad_scale",
+    "adam",
+];
+
+/// The job's ground truth as the launcher wrote it at the end.
+fn final_truth(run: &SimRun) -> Value {
+    read_json(&run.job_dir.join("ground_truth.json")).expect("ground truth")
+}
+
+fn rank_truth(truth: &Value, rank: u64) -> &Value {
+    truth["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .find(|r| r["rank"] == rank)
+        .unwrap_or_else(|| panic!("rank {rank} in {truth}"))
+}
+
+/// The step lines of rank `rank`'s log.
+fn steps_of(run: &SimRun, rank: u64) -> Vec<Value> {
+    let path = run.job_dir.join(format!("rank{rank}.steps.jsonl"));
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .collect()
+}
+
+/// The device-call slices on process `pid`'s threads.
+fn slices_of(tl: &Timeline, pid: i32) -> Vec<&Slice> {
+    tl.slices
+        .iter()
+        .filter(|s| s.category.as_deref() == Some("device"))
+        .filter(|s| thread_of(tl, s).is_some_and(|(p, _)| p == pid))
+        .collect()
+}
+
+fn function(s: &Slice) -> &str {
+    s.name.split(' ').next().unwrap_or_default()
+}
+
+fn kernel(s: &Slice) -> Option<&str> {
+    match arg(s, "kernel") {
+        Some(ArgValue::Str(k)) => Some(k.as_str()),
+        _ => None,
+    }
+}
+
+fn uint(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
+}
+
+/// With launch probes on (level 1), every launch of every rank is one
+/// slice with its kernel's name: the runtime's (`cudaLaunchKernel`, named
+/// by the driver handle of the `cuLaunchKernel` it made, which is folded
+/// into it), the cuBLAS-like `cuLaunchKernel` and Triton-like
+/// `cuLaunchKernelEx` made straight through the driver, and the graph
+/// launches; no launch is counted twice.
+#[test]
+fn every_launch_is_counted_once_with_its_kernel() {
+    let _serial = exclusive();
+    let steps = 6;
+    let run = run_sim_job("drvlaunch", "1", steps, &["--driver-launches"]);
+    let truth = final_truth(&run);
+    assert_eq!(
+        truth["driver"]["driver_launches"], true,
+        "{}",
+        truth["driver"]
+    );
+    let tl = &run.tl;
+    let (mut runtime_total, mut direct_cu_launch) = (0, 0);
+    for (&rank, &pid) in &run.rank_pids {
+        let t = &rank_truth(&truth, rank)["launches"];
+        assert_eq!(rank_truth(&truth, rank)["steps_completed"], steps);
+        let slices = slices_of(tl, pid);
+        let of = |name: &str| -> Vec<&Slice> {
+            slices
+                .iter()
+                .copied()
+                .filter(|s| function(s) == name)
+                .collect()
+        };
+        let runtime = of("cudaLaunchKernel");
+        assert_eq!(runtime.len() as u64, uint(&t["runtime"]), "rank {rank}");
+        for s in &runtime {
+            let k = kernel(s).unwrap_or_else(|| panic!("rank {rank}: unnamed {s:?}"));
+            assert!(RUNTIME_KERNELS.contains(&k), "rank {rank}: {s:?}");
+            assert!(
+                s.name.starts_with(&format!("cudaLaunchKernel {k} grid(")),
+                "{s:?}"
+            );
+        }
+        // Every runtime kernel ran, by name.
+        let named: BTreeSet<&str> = runtime.iter().filter_map(|s| kernel(s)).collect();
+        assert_eq!(named.len(), RUNTIME_KERNELS.len(), "rank {rank}: {named:?}");
+        let gemm = of("cuLaunchKernel");
+        let triton = of("cuLaunchKernelEx");
+        assert_eq!(gemm.len() as u64, steps, "rank {rank}: {gemm:?}");
+        assert_eq!(triton.len() as u64, steps, "rank {rank}: {triton:?}");
+        assert!(
+            gemm.iter().all(|s| kernel(s) == Some("sim_cublas_gemm")),
+            "{gemm:?}"
+        );
+        assert!(
+            triton
+                .iter()
+                .all(|s| kernel(s) == Some("sim_triton_fused_adam")),
+            "{triton:?}"
+        );
+        assert_eq!(
+            arg_text(triton[0], "grid"),
+            "(64,1,1)",
+            "dims from the CUlaunchConfig"
+        );
+        // No runtime launch is also a driver launch.
+        assert_eq!(
+            (gemm.len() + triton.len()) as u64,
+            uint(&t["driver"]),
+            "rank {rank}"
+        );
+        let graphs = of("cuGraphLaunch");
+        assert_eq!(graphs.len() as u64, uint(&t["graph"]), "rank {rank}");
+        assert_eq!(graphs.len() as u64, steps, "rank {rank}");
+        runtime_total += runtime.len() as u64;
+        direct_cu_launch += gemm.len() as u64;
+    }
+    // The driver's cuLaunchKernel was hit by every runtime launch and every
+    // direct one; only the direct ones are calls of their own.
+    let device = &run.stats["device"];
+    let row = device["functions"]
+        .as_array()
+        .expect("functions")
+        .iter()
+        .find(|f| f["function"] == "cuLaunchKernel")
+        .unwrap_or_else(|| panic!("{device}"))
+        .clone();
+    assert_eq!(
+        uint(&row["hits"]),
+        runtime_total + direct_cu_launch,
+        "{row}"
+    );
+    assert_eq!(uint(&row["calls"]), direct_cu_launch, "{row}");
+    assert!(
+        uint(&device["driver_calls_folded"]) >= runtime_total,
+        "{device}"
+    );
+}
+
+/// At the default level (launch probes off) with expandable segments: no
+/// launch of any kind is recorded, while the memory and syncs are; each
+/// rank's device-memory track equals what the simulator says it mapped at
+/// the end of every step (the segment grows by cuMemMap page by page and
+/// shrinks by one cuMemUnmap of its top pages), and each runtime sync is
+/// one call, not two.
+#[test]
+fn expandable_segments_memory_track_equals_the_mapped_bytes() {
+    let _serial = exclusive();
+    let steps = 6;
+    let run = run_sim_job(
+        "drvseg",
+        "0",
+        steps,
+        &["--expandable-segments", "--driver-launches"],
+    );
+    let truth = final_truth(&run);
+    let tl = &run.tl;
+    for (&rank, &pid) in &run.rank_pids {
+        let rt = rank_truth(&truth, rank);
+        let slices = slices_of(tl, pid);
+        let count = |name: &str| slices.iter().filter(|s| function(s) == name).count();
+        for launch in [
+            "cudaLaunchKernel",
+            "cuLaunchKernel",
+            "cuLaunchKernelEx",
+            "cuGraphLaunch",
+        ] {
+            assert_eq!(count(launch), 0, "rank {rank}: {launch} at level 0");
+        }
+        assert!(count("cudaStreamSynchronize") > 0, "rank {rank}: syncs");
+        assert_eq!(
+            count("cuStreamSynchronize"),
+            0,
+            "rank {rank}: folded into the runtime's"
+        );
+        assert!(
+            count("cuMemMap") > 0 && count("cuMemUnmap") > 0,
+            "rank {rank}"
+        );
+
+        let track = tl
+            .tracks
+            .values()
+            .find(|t| {
+                t.name
+                    .as_deref()
+                    .is_some_and(|n| n.starts_with("device memory dev"))
+                    && t.parent.and_then(|p| match &tl.tracks.get(&p)?.kind {
+                        TrackKind::Process { pid, .. } | TrackKind::Thread { pid, .. } => {
+                            Some(*pid)
+                        }
+                        _ => None,
+                    }) == Some(pid)
+            })
+            .unwrap_or_else(|| panic!("rank {rank}: no device-memory track"));
+        let series = tl.counter_series(track.uuid);
+        let at = |ts: u64| {
+            series
+                .iter()
+                .take_while(|(t, _)| *t <= ts)
+                .last()
+                .map_or(0, |(_, v)| *v as u64)
+        };
+        let ready = uint(&rt["ready"]["mem_bytes"]);
+        let mapped = rt["segment_bytes"].as_array().expect("segment_bytes");
+        let lines = steps_of(&run, rank);
+        assert_eq!(lines.len() as u64, steps);
+        assert_eq!(mapped.len() as u64, steps);
+        let mut peak = 0;
+        for (line, mapped) in lines.iter().zip(mapped) {
+            let end = uint(&line["end_boot_ns"]);
+            // What the rank allocated after the agent attached (at its
+            // start gate) is what the segment has mapped.
+            assert_eq!(
+                uint(&line["mem_bytes"]) - ready,
+                uint(mapped),
+                "rank {rank}: {line}"
+            );
+            assert_eq!(
+                at(end),
+                uint(mapped),
+                "rank {rank} step {}: {series:?}",
+                line["step"]
+            );
+            peak = peak.max(uint(mapped));
+        }
+        // The segment grew past what it held at any step end, page by page.
+        let max = series.iter().map(|(_, v)| *v as u64).max().unwrap_or(0);
+        assert!(max > peak, "rank {rank}: {series:?}");
+    }
+}
