@@ -76,6 +76,16 @@ struct Target {
 
 impl Target {
     fn start(lib: &Path, placement: Placement) -> Result<Target> {
+        Self::start_with_period(lib, placement, None)
+    }
+
+    /// With `launch_ns` between a step's launches (the workload's default:
+    /// 50 us, 20 k launches/s).
+    fn start_with_period(
+        lib: &Path,
+        placement: Placement,
+        launch_ns: Option<u64>,
+    ) -> Result<Target> {
         // The target on the last CPU, the agent on CPU 0 (as on a node
         // where the agent does not share the training thread's core).
         let cpu = last_cpu().to_string();
@@ -94,6 +104,9 @@ impl Target {
                 c
             }
         };
+        if let Some(ns) = launch_ns {
+            cmd.env("PROBE_BENCH_LAUNCH_NS", ns.to_string());
+        }
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -535,7 +548,21 @@ fn step_overhead(
     hit_ns: f64,
     stats_ns: f64,
 ) -> Result<Value> {
-    let mut target = Target::start(lib, placement)?;
+    step_overhead_at(lib, dir, placement, hit_ns, stats_ns, None, &[])
+}
+
+/// [`step_overhead`] with `launch_ns` between launches and the agent run
+/// with `agent_args` (`--probe-level 1`: every launch recorded).
+fn step_overhead_at(
+    lib: &Path,
+    dir: &Path,
+    placement: Placement,
+    hit_ns: f64,
+    stats_ns: f64,
+    launch_ns: Option<u64>,
+    agent_args: &[&str],
+) -> Result<Value> {
+    let mut target = Target::start_with_period(lib, placement, launch_ns)?;
     let pid = target.pid();
     let _ = target.steps(2)?; // warm-up
     let (mut base_wall, mut base_cpu) = (Vec::new(), Vec::new());
@@ -546,7 +573,7 @@ fn step_overhead(
     base_wall.push(w);
     base_cpu.push(c);
     for round in 0..STEP_ROUNDS {
-        let agent = AgentRun::start(pid, dir, &[])?;
+        let agent = AgentRun::start(pid, dir, agent_args)?;
         let (w, c) = target.round()?;
         let stats = agent.stop()?;
         agent_wall.push(w);
@@ -588,6 +615,7 @@ fn step_overhead(
     let attributed_ns = (program_ns - program_runs * stats_ns).max(0.0) + hits_per_step * hit_ns;
     Ok(json!({
         "placement": format!("{placement:?}"),
+        "agent_args": agent_args.join(" "),
         "rounds": STEP_ROUNDS,
         "steps_per_round": STEPS_PER_ROUND,
         "untraced_step_ms": b / 1e6,
@@ -638,10 +666,23 @@ pub fn run(dir: &Path) -> Result<Value> {
         stats_floor_ns(&mut target, &mut bare, &plain, start + placed)?
     };
     eprintln!("bench probes: run-time statistics add {stats_ns:.0} ns to each program run");
-    let steps = vec![
+    let mut steps = vec![
         step_overhead(&plain, dir, Placement::DeviceElsewhere, hit_ns, stats_ns)?,
         step_overhead(&plain, dir, Placement::SameCpu, hit_ns, stats_ns)?,
     ];
+    // Launch probes on (every launch a record), at 20 k and 100 k launches
+    // per second: what choosing level 1 by default would cost a step.
+    for launch_ns in [50_000, 10_000] {
+        steps.push(step_overhead_at(
+            &plain,
+            dir,
+            Placement::DeviceElsewhere,
+            hit_ns,
+            stats_ns,
+            Some(launch_ns),
+            &["--probe-level", "1"],
+        )?);
+    }
     let launch = launch::per_launch(&plain, dir, &mut bare)?;
 
     println!(
@@ -677,18 +718,22 @@ pub fn run(dir: &Path) -> Result<Value> {
         );
     }
     println!(
-        "\n## Training-step overhead, default level (1000 launches, a sync, an allocation and a free per step)\n"
+        "\n## Training-step overhead (1000 launches, a sync, an allocation and a free per step), at the default level and with launch probes on\n"
     );
     println!(
-        "| stream thread | launches/s | untraced ms/step | agent ms/step | wall overhead: mean +- 95% CI | median (range) | launching thread CPU: mean +- 95% CI | baseline spread | probe hits/step | switches traced/step | BPF program runs/step | kernel-side cost/step |"
+        "| stream thread | agent | launches/s | untraced ms/step | agent ms/step | wall overhead: mean +- 95% CI | median (range) | launching thread CPU: mean +- 95% CI | baseline spread | probe hits/step | switches traced/step | BPF program runs/step | kernel-side cost/step |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for st in &steps {
         let f = |k: &str| st[k].as_f64().unwrap_or(0.0);
         let o = |m: &str, k: &str| st[m][k].as_f64().unwrap_or(0.0);
         println!(
-            "| {} | {:.0} | {:.3} | {:.3} | {:+.2}% +- {:.2}% | {:+.2}% ({:+.2}..{:+.2}) | {:+.2}% +- {:.2}% | {:.2}% | {:.1} | {:.0} | {:.0} | {:.1} us ({:.2}%) |",
+            "| {} | {} | {:.0} | {:.3} | {:.3} | {:+.2}% +- {:.2}% | {:+.2}% ({:+.2}..{:+.2}) | {:+.2}% +- {:.2}% | {:.2}% | {:.1} | {:.0} | {:.0} | {:.1} us ({:.2}%) |",
             st["placement"].as_str().unwrap_or(""),
+            match st["agent_args"].as_str().unwrap_or("") {
+                "" => "defaults",
+                a => a,
+            },
             f("launches_per_s"),
             f("untraced_step_ms"),
             f("agent_step_ms"),
