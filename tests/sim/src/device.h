@@ -59,12 +59,16 @@ uint64_t dev_range_start(const char *message);
 void dev_range_end(uint64_t id);
 uint64_t dev_activity_drain(void);
 
-/* The driver API, as libraries that bypass the runtime use it (NVIDIA only:
- * the Ascend backend returns -1). A driver kernel's handle is got at its
- * first launch (cuModuleGetFunction, or cuLibraryGetKernel +
- * cuKernelGetFunction with `library` set), as Triton loads its kernels at
- * their first call; `ex` launches with cuLaunchKernelEx, as NCCL and Triton
- * do, else cuLaunchKernel, as cuBLAS does. */
+/* The layer below the runtime, as libraries that bypass the runtime use it.
+ * NVIDIA, the CUDA driver: a kernel's handle is got at its first launch
+ * (cuModuleGetFunction, or cuLibraryGetKernel + cuKernelGetFunction with
+ * `library` set), as Triton loads its kernels at their first call; `ex`
+ * launches with cuLaunchKernelEx, as NCCL and Triton do, else
+ * cuLaunchKernel, as cuBLAS does. Ascend, the CANN runtime: at the first
+ * launch the operator library registers the kernel's stub
+ * (rtFunctionRegister; with `library` set it then finds it again by name,
+ * rtGetFunctionByName); `ex` launches with rtKernelLaunchWithFlag, else
+ * rtKernelLaunch. */
 struct sim_driver_kernel {
     const char *name;
     int library; /* through the library API */
@@ -73,7 +77,8 @@ struct sim_driver_kernel {
 };
 int dev_driver_launch(struct sim_driver_kernel *k, uint64_t duration_ns, void *stream);
 /* A graph of the kernels' nodes (built at the first launch), launched
- * whole with cuGraphLaunch; the nodes take duration_ns each. */
+ * whole with cuGraphLaunch; the nodes take duration_ns each (NVIDIA only:
+ * the Ascend backend returns -1). */
 int dev_graph_launch(void **exec, struct sim_driver_kernel *nodes, int n, uint64_t duration_ns,
                      void *stream);
 
