@@ -10,7 +10,9 @@
 
 /* A named kernel: `entry` is a distinct host function per kernel (the host
  * stub nvcc would generate); `handle` is what the launch passes, filled in by
- * dev_register_kernel (the stub itself for CUDA, an aclrtFuncHandle for ACL). */
+ * dev_register_kernel (the stub itself for CUDA) or at the kernel's first
+ * launch (an aclrtFuncHandle for ACL, as operators load their kernels at
+ * their first call). */
 struct sim_kernel {
     const char *name;
     void (*entry)(void);
@@ -28,9 +30,10 @@ int dev_malloc(void **ptr, size_t bytes);
 int dev_free(void *ptr);
 int dev_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream);
 /* Register the kernel's name with the runtime, as generated code does at
- * start-up; skipped (handle = entry) with real libraries. */
+ * start-up (CUDA), or prepare its handle to be got at its first launch
+ * (ACL); skipped (handle = entry) with real libraries. */
 int dev_register_kernel(struct sim_kernel *k, int with_runtime);
-int dev_launch(const struct sim_kernel *k, uint64_t duration_ns, void *stream);
+int dev_launch(struct sim_kernel *k, uint64_t duration_ns, void *stream);
 
 /* Communicators: the identity blob (ncclUniqueId / HcclRootInfo) is made by
  * comm rank 0 and shared through the launcher's rendezvous directory. */

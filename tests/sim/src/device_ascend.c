@@ -51,11 +51,15 @@ int dev_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream) {
 }
 
 int dev_register_kernel(struct sim_kernel *k, int with_runtime) {
-    k->handle = (void *)k->entry;
-    return with_runtime ? aclrtBinaryGetFunction(NULL, k->name, &k->handle) : 0;
+    /* With the runtime the handle is got at the first launch. */
+    k->handle = with_runtime ? NULL : (void *)k->entry;
+    return 0;
 }
 
-int dev_launch(const struct sim_kernel *k, uint64_t duration_ns, void *stream) {
+int dev_launch(struct sim_kernel *k, uint64_t duration_ns, void *stream) {
+    int err;
+    if (!k->handle && (err = aclrtBinaryGetFunction(NULL, k->name, &k->handle)))
+        return err;
     struct standin_kernel_spec spec = standin_kernel_spec_make(STANDIN_KERNEL_SLEEP, duration_ns);
     return aclrtLaunchKernel(k->handle, 48, &spec, sizeof spec, stream);
 }

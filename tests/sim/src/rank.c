@@ -183,7 +183,7 @@ static uint64_t kernel_time(uint64_t base_ns) {
     return base_ns;
 }
 
-static void launch(const struct sim_kernel *k, uint64_t base_ns) {
+static void launch(struct sim_kernel *k, uint64_t base_ns) {
     uint64_t ns = kernel_time(base_ns);
     R.step_kernel_ns += ns;
     check(dev_launch(k, ns, R.compute), "kernel launch");
