@@ -345,8 +345,10 @@ fn every_ascend_launch_is_counted_once_with_its_kernel() {
             let launches = of(function);
             assert_eq!(launches.len() as u64, steps, "rank {rank}: {launches:?}");
             assert!(
-                launches.iter().all(|s| kernel(s) == Some(name)
-                    && s.name == format!("{function} {name} blocks 24")),
+                launches
+                    .iter()
+                    .all(|s| kernel(s) == Some(name)
+                        && s.name == format!("{function} {name} blocks 24")),
                 "rank {rank}: {launches:?}"
             );
             direct += launches.len() as u64;
@@ -425,8 +427,8 @@ fn ascend_memory_and_syncs_are_default_level_and_counted_once() {
             .filter(|s| s.name == format!("aclrtMalloc {leak_mb} MiB"))
             .count() as u64;
         assert_eq!(leaks, steps - 1, "rank {rank}");
-        let series = memory_series(tl, pid)
-            .unwrap_or_else(|| panic!("rank {rank}: no device-memory track"));
+        let series =
+            memory_series(tl, pid).unwrap_or_else(|| panic!("rank {rank}: no device-memory track"));
         let at = |ts: u64| {
             series
                 .iter()

@@ -446,7 +446,10 @@ fn libraries_export_the_real_names_sonames_and_versions() {
     runtime.assert_exports("libruntime", &rt);
     runtime.assert_only_prefixes("libruntime", &["rt", "sd_"]);
     for name in &rt {
-        assert_eq!(runtime.exports[*name].version, None, "{name} is unversioned");
+        assert_eq!(
+            runtime.exports[*name].version, None,
+            "{name} is unversioned"
+        );
     }
 
     let nccl = read_library(&lib("libnccl.so.2"));

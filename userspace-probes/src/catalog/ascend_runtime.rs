@@ -94,11 +94,7 @@ const WITH_CONFIG: &[ArgSpec] = &[
 ];
 /// `rtFunctionRegister(void *binHandle, const void *stubFunc, const char
 /// *stubName, const void *kernelInfoExt, uint32_t funcMode)`.
-const FUNCTION_REGISTER: &[ArgSpec] = &[
-    reg(Module, 0),
-    reg(Func, 1),
-    reg(KernelName, 2),
-];
+const FUNCTION_REGISTER: &[ArgSpec] = &[reg(Module, 0), reg(Func, 1), reg(KernelName, 2)];
 /// `rtGetFunctionByName(const char *stubName, void **stubFunc)`.
 const STUB_BY_NAME: &[ArgSpec] = &[reg(KernelName, 0), reg(FuncOut, 1)];
 /// `(rtBinHandle binHandle, const char *kernelName, rtFuncHandle
@@ -139,7 +135,12 @@ pub(super) const RUNTIME: &[FunctionSpec] = &[
         Level::L0,
         EVENT,
     ),
-    f("rtDeviceSynchronize", Sync(SyncKind::Device), Level::L0, &[]),
+    f(
+        "rtDeviceSynchronize",
+        Sync(SyncKind::Device),
+        Level::L0,
+        &[],
+    ),
     f(
         "rtFunctionRegister",
         KernelHandle(HandleKind::StubRegister),

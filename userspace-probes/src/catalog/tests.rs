@@ -420,7 +420,10 @@ fn driver_memory_syncs_and_handles_are_default_level() {
 #[test]
 fn cann_runtime_layouts_follow_its_headers() {
     let rt = Library::AscendRuntime;
-    assert_eq!((rt.soname(), rt.vendor()), ("libruntime.so", Vendor::Ascend));
+    assert_eq!(
+        (rt.soname(), rt.vendor()),
+        ("libruntime.so", Vendor::Ascend)
+    );
     // Memory, syncs and names at the default level, launches at L1.
     for f in rt.functions() {
         let want = match f.kind {
@@ -447,7 +450,11 @@ fn cann_runtime_layouts_follow_its_headers() {
     // (hdl, tilingKey, numBlocks, argsInfo, smDesc, stm, info): no kernel handle.
     let h = rt.function("rtKernelLaunchWithHandle").unwrap();
     assert_eq!(
-        (h.arg(Role::Func), h.arg(Role::NumBlocks), h.arg(Role::Stream)),
+        (
+            h.arg(Role::Func),
+            h.arg(Role::NumBlocks),
+            h.arg(Role::Stream)
+        ),
         (None, Some(ArgLoc::Reg(2)), Some(ArgLoc::Reg(5)))
     );
     let c = rt.function("rtsLaunchKernelWithConfig").unwrap();
@@ -455,7 +462,11 @@ fn cann_runtime_layouts_follow_its_headers() {
     // rtMalloc(void **devPtr, uint64_t size, rtMemType_t type, uint16_t moduleId).
     let m = rt.function("rtMalloc").unwrap();
     assert_eq!(
-        (m.kind, m.arg(Role::Size), m.capture.ret.map(|r| (r.arg, r.len))),
+        (
+            m.kind,
+            m.arg(Role::Size),
+            m.capture.ret.map(|r| (r.arg, r.len))
+        ),
         (CallKind::Malloc, Some(ArgLoc::Reg(1)), Some((0, 8)))
     );
     assert_eq!(rt.function("rtFree").unwrap().kind, CallKind::Free);

@@ -1682,7 +1682,11 @@ fn cann_runtime_launches_are_named_by_stub_and_function_handle() {
         [0xbeef_0000, JUNK | 8, 0x7ffd_0000_3000, 0x5100, 0, 0],
         &[],
     );
-    let c = call(&mut d, e, ret("rtLaunchKernelByFuncHandleV3", 5_100, 0, &[]));
+    let c = call(
+        &mut d,
+        e,
+        ret("rtLaunchKernelByFuncHandleV3", 5_100, 0, &[]),
+    );
     let CallArgs::Launch(l) = &c.args else {
         panic!("{:?}", c.args)
     };
@@ -1757,7 +1761,10 @@ fn a_cann_runtime_call_inside_its_ascendcl_call_is_one_call() {
         ),
         &mut out,
     );
-    d.on_return(&ret("rtLaunchKernelByFuncHandleV3", 1_200, 0, &[]), &mut out);
+    d.on_return(
+        &ret("rtLaunchKernelByFuncHandleV3", 1_200, 0, &[]),
+        &mut out,
+    );
     assert!(out.is_empty(), "folded: {out:?}");
     d.on_return(&ret("aclrtLaunchKernel", 1_300, 0, &[]), &mut out);
     let [Decoded::Call(c)] = out.as_slice() else {
@@ -1777,7 +1784,12 @@ fn a_cann_runtime_call_inside_its_ascendcl_call_is_one_call() {
     // AscendCL call, on the Ascend device.
     out.clear();
     d.on_entry(
-        &entry("aclrtMalloc", 2_000, [0x7ffd_0000_5000, GIB, 0, 0, 0, 0], &[]),
+        &entry(
+            "aclrtMalloc",
+            2_000,
+            [0x7ffd_0000_5000, GIB, 0, 0, 0, 0],
+            &[],
+        ),
         &mut out,
     );
     d.on_entry(
@@ -1817,7 +1829,12 @@ fn a_cann_runtime_call_inside_its_ascendcl_call_is_one_call() {
     // aclrtSynchronizeStream -> rtStreamSynchronize.
     out.clear();
     d.on_entry(
-        &entry("aclrtSynchronizeStream", 3_000, [0x5000, 0, 0, 0, 0, 0], &[]),
+        &entry(
+            "aclrtSynchronizeStream",
+            3_000,
+            [0x5000, 0, 0, 0, 0, 0],
+            &[],
+        ),
         &mut out,
     );
     d.on_entry(
@@ -1854,14 +1871,16 @@ fn a_cann_runtime_call_inside_its_ascendcl_call_is_one_call() {
     assert_eq!(names, ["rtKernelLaunch", "HcclAllReduce"]);
     let c = call(
         &mut d,
-        entry("rtMalloc", 5_000, [0x7ffd_0000_5000, 2 * GIB, 0, 3, 0, 0], &[]),
+        entry(
+            "rtMalloc",
+            5_000,
+            [0x7ffd_0000_5000, 2 * GIB, 0, 3, 0, 0],
+            &[],
+        ),
         ret("rtMalloc", 5_010, 0, &0x6000_0000u64.to_le_bytes()),
     );
     let m = c.memory.expect("memory effect");
-    assert_eq!(
-        (m.held_after, m.device.vendor),
-        (2 * GIB, Vendor::Ascend)
-    );
+    assert_eq!((m.held_after, m.device.vendor), (2 * GIB, Vendor::Ascend));
     let s = d.stats();
     // The name lookup, the launch, malloc, free, sync, the rt launch,
     // HCCL, the direct malloc.
