@@ -239,5 +239,13 @@ mod tests {
         assert!(!is_out_of_memory(Library::Cuda, 700));
         assert!(is_routine(Library::Cuda, 600));
         assert!(!is_routine(Library::Cudart, 700));
+        // The CANN runtime returns AscendCL's external codes.
+        assert_eq!(
+            status_name(Library::AscendRuntime, 207001),
+            "ACL_ERROR_RT_MEMORY_ALLOCATION"
+        );
+        assert!(is_out_of_memory(Library::AscendRuntime, 207001));
+        assert!(is_routine(Library::AscendRuntime, 507006));
+        assert!(!is_out_of_memory(Library::AscendRuntime, 507000));
     }
 }
