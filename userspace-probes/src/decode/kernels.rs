@@ -9,10 +9,11 @@
 //! as a `CUfunction`), and `cuKernelGetFunction(&f, k)` gives `f` the name
 //! of `k`; `rtFunctionRegister(bin, stub, "name", ...)` (the stub is passed
 //! in), `rtGetFunctionByName("name", &stub)`, `rtsFuncGetByName(bin,
-//! "name", &h)`. Both libraries' handles share one table per process: they
-//! are addresses in it, and a launch looks up only its own library's. Names are the traced process's bytes: cut at the entry copy's
-//! length, and at most [`MAX_KERNEL_HANDLES`] handles are remembered per
-//! process (the table goes with the process).
+//! "name", &h)`. Both libraries' handles share one table per process: each
+//! is an address in that process, so two live handles never coincide.
+//! Names are the traced process's bytes: cut at the entry copy's length,
+//! and at most [`MAX_KERNEL_HANDLES`] handles are remembered per process
+//! (the table goes with the process).
 
 use std::collections::HashMap;
 use std::sync::Arc;
