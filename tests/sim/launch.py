@@ -172,9 +172,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "activations in a reserved range it maps page by page through the CUDA "
                         "driver (cuMemCreate + cuMemMap) and unmaps as it shrinks (NVIDIA, C ranks)")
     p.add_argument("--driver-launches", action="store_true",
-                   help="each rank also launches library kernels straight through the CUDA driver "
-                        "(cuLaunchKernel as cuBLAS, cuLaunchKernelEx as Triton) and a CUDA graph "
-                        "(cuGraphLaunch) every step (NVIDIA, C ranks)")
+                   help="each rank also launches library kernels straight through the layer "
+                        "below the runtime every step (C ranks): NVIDIA, the CUDA driver "
+                        "(cuLaunchKernel as cuBLAS, cuLaunchKernelEx as Triton, a CUDA graph by "
+                        "cuGraphLaunch); Ascend, the CANN runtime (rtKernelLaunch, "
+                        "rtKernelLaunchWithFlag as operator libraries)")
     p.add_argument("--init-delay-ms", type=int, default=0,
                    help="ranks pause this long before their first device call (an agent "
                         "attached to the launcher then probes communicator set-up)")
@@ -197,9 +199,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.real_libs and args.flavor != "nvidia":
         p.error("--real-libs only exists for --flavor nvidia")
-    for flag in ("expandable_segments", "driver_launches"):
-        if getattr(args, flag) and (args.flavor != "nvidia" or args.lang != "c"):
-            p.error(f"--{flag.replace('_', '-')} needs --flavor nvidia and --lang c")
+    if args.expandable_segments and (args.flavor != "nvidia" or args.lang != "c"):
+        p.error("--expandable-segments needs --flavor nvidia and --lang c")
+    if args.driver_launches and args.lang != "c":
+        p.error("--driver-launches needs --lang c")
     return args
 
 

@@ -1,11 +1,14 @@
-//! End-to-end: the CUDA driver API (`libcuda.so.1`) under `agent attach`,
-//! on the simulated job whose stand-in runtime launches, allocates and
-//! syncs through the stand-in driver on the caller's thread, and whose
-//! ranks also launch library kernels and a graph straight through the
-//! driver (`--driver-launches`) and keep activations in an expandable
-//! segment mapped page by page (`--expandable-segments`). Graded against
-//! the simulator's own accounting (its step log and ground truth). Root
-//! and eBPF; these never skip.
+//! End-to-end: the layer below the runtime under `agent attach`. The CUDA
+//! driver API (`libcuda.so.1`), on the simulated job whose stand-in runtime
+//! launches, allocates and syncs through the stand-in driver on the
+//! caller's thread, and whose ranks also launch library kernels and a
+//! graph straight through the driver (`--driver-launches`) and keep
+//! activations in an expandable segment mapped page by page
+//! (`--expandable-segments`). The CANN runtime (`libruntime.so`), on the
+//! Ascend flavor of the job, whose stand-in AscendCL goes through it the
+//! same way and whose ranks also launch operator kernels straight through
+//! it (`--driver-launches`). Graded against the simulator's own accounting
+//! (its step log and ground truth). Root and eBPF; these never skip.
 
 use std::collections::BTreeSet;
 
@@ -260,5 +263,195 @@ fn expandable_segments_memory_track_equals_the_mapped_bytes() {
         // The segment grew past what it held at any step end, page by page.
         let max = series.iter().map(|(_, v)| *v as u64).max().unwrap_or(0);
         assert!(max > peak, "rank {rank}: {series:?}");
+    }
+}
+
+// ---------------------------------------------------------------- CANN runtime
+
+/// The operator kernels the Ascend ranks launch through the CANN runtime
+/// (tests/sim/src/rank.c): by registered stub, and by stub found by name.
+const OPERATOR_KERNELS: [(&str, &str); 2] = [
+    ("rtKernelLaunch", "sim_tbe_matmul"),
+    ("rtKernelLaunchWithFlag", "sim_tbe_fused_adam"),
+];
+
+/// The device-memory counter track of process `pid`.
+fn memory_series(tl: &Timeline, pid: i32) -> Option<Vec<(u64, f64)>> {
+    let track = tl.tracks.values().find(|t| {
+        t.name
+            .as_deref()
+            .is_some_and(|n| n.starts_with("device memory dev"))
+            && t.parent.and_then(|p| match &tl.tracks.get(&p)?.kind {
+                TrackKind::Process { pid, .. } | TrackKind::Thread { pid, .. } => Some(*pid),
+                _ => None,
+            }) == Some(pid)
+    })?;
+    Some(tl.counter_series(track.uuid))
+}
+
+/// With launch probes on, on the Ascend job: every `aclrtLaunchKernel` of
+/// every rank is one slice named by its kernel (the name lent by the
+/// `rtLaunchKernelByFuncHandleV3` it made through the runtime, folded into
+/// it), every operator kernel launched straight through the runtime is one
+/// `rtKernelLaunch` / `rtKernelLaunchWithFlag` slice with its name (from
+/// `rtFunctionRegister` / `rtGetFunctionByName`), and no launch is counted
+/// twice.
+#[test]
+fn every_ascend_launch_is_counted_once_with_its_kernel() {
+    let _serial = exclusive();
+    let steps = 6;
+    let run = run_sim_job(
+        "rtlaunch",
+        "1",
+        steps,
+        &["--flavor", "ascend", "--driver-launches"],
+    );
+    let truth = final_truth(&run);
+    assert_eq!(truth["flavor"], "ascend");
+    assert_eq!(
+        truth["driver"]["driver_launches"], true,
+        "{}",
+        truth["driver"]
+    );
+    let tl = &run.tl;
+    let mut acl_total = 0;
+    for (&rank, &pid) in &run.rank_pids {
+        let t = &rank_truth(&truth, rank)["launches"];
+        assert_eq!(rank_truth(&truth, rank)["steps_completed"], steps);
+        let slices = slices_of(tl, pid);
+        let of = |name: &str| -> Vec<&Slice> {
+            slices
+                .iter()
+                .copied()
+                .filter(|s| function(s) == name)
+                .collect()
+        };
+        let acl = of("aclrtLaunchKernel");
+        assert_eq!(acl.len() as u64, uint(&t["runtime"]), "rank {rank}");
+        for s in &acl {
+            let k = kernel(s).unwrap_or_else(|| panic!("rank {rank}: unnamed {s:?}"));
+            assert!(RUNTIME_KERNELS.contains(&k), "rank {rank}: {s:?}");
+            assert_eq!(s.name, format!("aclrtLaunchKernel {k} blocks 48"), "{s:?}");
+        }
+        let named: BTreeSet<&str> = acl.iter().filter_map(|s| kernel(s)).collect();
+        assert_eq!(named.len(), RUNTIME_KERNELS.len(), "rank {rank}: {named:?}");
+        // AscendCL's runtime launches are folded into it: none of their own.
+        assert!(
+            of("rtLaunchKernelByFuncHandleV3").is_empty(),
+            "rank {rank}: folded"
+        );
+        let mut direct = 0;
+        for (function, name) in OPERATOR_KERNELS {
+            let launches = of(function);
+            assert_eq!(launches.len() as u64, steps, "rank {rank}: {launches:?}");
+            assert!(
+                launches
+                    .iter()
+                    .all(|s| kernel(s) == Some(name)
+                        && s.name == format!("{function} {name} blocks 24")),
+                "rank {rank}: {launches:?}"
+            );
+            direct += launches.len() as u64;
+        }
+        assert_eq!(direct, uint(&t["driver"]), "rank {rank}");
+        assert_eq!(uint(&t["graph"]), 0, "rank {rank}");
+        // The names came from the runtime's name calls, at the default level.
+        assert_eq!(of("rtFunctionRegister").len(), 2, "rank {rank}");
+        assert_eq!(of("rtGetFunctionByName").len(), 1, "rank {rank}");
+        acl_total += acl.len() as u64;
+    }
+    // The runtime's launch by function handle was hit by every AscendCL
+    // launch and is a call for none of them.
+    let device = &run.stats["device"];
+    let row = device["functions"]
+        .as_array()
+        .expect("functions")
+        .iter()
+        .find(|f| f["function"] == "rtLaunchKernelByFuncHandleV3")
+        .unwrap_or_else(|| panic!("{device}"))
+        .clone();
+    assert_eq!(uint(&row["hits"]), acl_total, "{row}");
+    assert_eq!(uint(&row["calls"]), 0, "{row}");
+    assert!(
+        uint(&device["driver_calls_folded"]) >= acl_total,
+        "{device}"
+    );
+}
+
+/// At the default level on the Ascend job, with a rank allocating more
+/// device memory every step (`aclrtMalloc` -> `rtMalloc`): no launch of
+/// either library is recorded, while the syncs (AscendCL's, the runtime's
+/// folded into them) and the allocations are, once each; the leaking
+/// rank's device-memory track equals what the simulator says it allocated
+/// after the agent attached, at the end of every step.
+#[test]
+fn ascend_memory_and_syncs_are_default_level_and_counted_once() {
+    let _serial = exclusive();
+    let steps = 6;
+    let leak_mb = 4;
+    let run = run_sim_job(
+        "rtmem",
+        "0",
+        steps,
+        &[
+            "--flavor",
+            "ascend",
+            "--driver-launches",
+            "--fault",
+            &format!("mem_leak:rank=0,mb={leak_mb},from_step=1"),
+        ],
+    );
+    let truth = final_truth(&run);
+    let tl = &run.tl;
+    for (&rank, &pid) in &run.rank_pids {
+        let slices = slices_of(tl, pid);
+        let count = |name: &str| slices.iter().filter(|s| function(s) == name).count();
+        for launch in [
+            "aclrtLaunchKernel",
+            "rtLaunchKernelByFuncHandleV3",
+            "rtKernelLaunch",
+            "rtKernelLaunchWithFlag",
+        ] {
+            assert_eq!(count(launch), 0, "rank {rank}: {launch} at level 0");
+        }
+        assert!(count("aclrtSynchronizeStream") > 0, "rank {rank}: syncs");
+        for folded in ["rtStreamSynchronize", "rtMalloc", "rtFree"] {
+            assert_eq!(count(folded), 0, "rank {rank}: {folded} folded");
+        }
+        if rank != 0 {
+            continue;
+        }
+        // One aclrtMalloc per leaking step, each its own call.
+        let leaks = slices
+            .iter()
+            .filter(|s| s.name == format!("aclrtMalloc {leak_mb} MiB"))
+            .count() as u64;
+        assert_eq!(leaks, steps - 1, "rank {rank}");
+        let series =
+            memory_series(tl, pid).unwrap_or_else(|| panic!("rank {rank}: no device-memory track"));
+        let at = |ts: u64| {
+            series
+                .iter()
+                .take_while(|(t, _)| *t <= ts)
+                .last()
+                .map_or(0, |(_, v)| *v as u64)
+        };
+        let ready = uint(&rank_truth(&truth, rank)["ready"]["mem_bytes"]);
+        let lines = steps_of(&run, rank);
+        assert_eq!(lines.len() as u64, steps);
+        for line in &lines {
+            let end = uint(&line["end_boot_ns"]);
+            let held = uint(&line["mem_bytes"]) - ready;
+            assert_eq!(
+                at(end),
+                held,
+                "rank {rank} step {}: {series:?}",
+                line["step"]
+            );
+        }
+        assert_eq!(
+            at(uint(&lines[lines.len() - 1]["end_boot_ns"])),
+            (steps - 1) * leak_mb * (1 << 20)
+        );
     }
 }

@@ -32,6 +32,7 @@ const STANDINS: &[(&str, &str, Library)] = &[
     ("lib", "libnccl.so.2", Library::Nccl),
     ("lib", "libcupti.so.12", Library::Cupti),
     ("lib", "libascendcl.so", Library::AscendCl),
+    ("lib", "libruntime.so", Library::AscendRuntime),
     ("lib", "libhccl.so", Library::Hccl),
     ("lib", "libmspti.so", Library::Mspti),
 ];

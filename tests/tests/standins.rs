@@ -426,6 +426,32 @@ fn libraries_export_the_real_names_sonames_and_versions() {
         assert_eq!(cuda.exports[*name].version, None, "{name} is unversioned");
     }
 
+    // The CANN runtime: every required catalog function and the later
+    // calls AscendCL and the simulator use, unversioned, and the engine
+    // AscendCL links (`sd_*`, see rtdrv.h).
+    let runtime = read_library(&lib("libruntime.so"));
+    assert_eq!(runtime.soname, "libruntime.so");
+    let mut rt: Vec<&str> = xpuscope_probes::catalog::Library::AscendRuntime
+        .functions()
+        .iter()
+        .filter(|f| !f.optional)
+        .map(|f| f.name)
+        .collect();
+    rt.extend([
+        "rtKernelLaunchWithFlag",
+        "rtLaunchKernelByFuncHandleV3",
+        "rtsFuncGetByName",
+        "rtSetDevice",
+    ]);
+    runtime.assert_exports("libruntime", &rt);
+    runtime.assert_only_prefixes("libruntime", &["rt", "sd_"]);
+    for name in &rt {
+        assert_eq!(
+            runtime.exports[*name].version, None,
+            "{name} is unversioned"
+        );
+    }
+
     let nccl = read_library(&lib("libnccl.so.2"));
     assert_eq!(nccl.soname, "libnccl.so.2");
     for f in NCCL_FUNCTIONS {

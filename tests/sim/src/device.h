@@ -10,7 +10,9 @@
 
 /* A named kernel: `entry` is a distinct host function per kernel (the host
  * stub nvcc would generate); `handle` is what the launch passes, filled in by
- * dev_register_kernel (the stub itself for CUDA, an aclrtFuncHandle for ACL). */
+ * dev_register_kernel (the stub itself for CUDA) or at the kernel's first
+ * launch (an aclrtFuncHandle for ACL, as operators load their kernels at
+ * their first call). */
 struct sim_kernel {
     const char *name;
     void (*entry)(void);
@@ -28,9 +30,10 @@ int dev_malloc(void **ptr, size_t bytes);
 int dev_free(void *ptr);
 int dev_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream);
 /* Register the kernel's name with the runtime, as generated code does at
- * start-up; skipped (handle = entry) with real libraries. */
+ * start-up (CUDA), or prepare its handle to be got at its first launch
+ * (ACL); skipped (handle = entry) with real libraries. */
 int dev_register_kernel(struct sim_kernel *k, int with_runtime);
-int dev_launch(const struct sim_kernel *k, uint64_t duration_ns, void *stream);
+int dev_launch(struct sim_kernel *k, uint64_t duration_ns, void *stream);
 
 /* Communicators: the identity blob (ncclUniqueId / HcclRootInfo) is made by
  * comm rank 0 and shared through the launcher's rendezvous directory. */
@@ -59,12 +62,16 @@ uint64_t dev_range_start(const char *message);
 void dev_range_end(uint64_t id);
 uint64_t dev_activity_drain(void);
 
-/* The driver API, as libraries that bypass the runtime use it (NVIDIA only:
- * the Ascend backend returns -1). A driver kernel's handle is got at its
- * first launch (cuModuleGetFunction, or cuLibraryGetKernel +
- * cuKernelGetFunction with `library` set), as Triton loads its kernels at
- * their first call; `ex` launches with cuLaunchKernelEx, as NCCL and Triton
- * do, else cuLaunchKernel, as cuBLAS does. */
+/* The layer below the runtime, as libraries that bypass the runtime use it.
+ * NVIDIA, the CUDA driver: a kernel's handle is got at its first launch
+ * (cuModuleGetFunction, or cuLibraryGetKernel + cuKernelGetFunction with
+ * `library` set), as Triton loads its kernels at their first call; `ex`
+ * launches with cuLaunchKernelEx, as NCCL and Triton do, else
+ * cuLaunchKernel, as cuBLAS does. Ascend, the CANN runtime: at the first
+ * launch the operator library registers the kernel's stub
+ * (rtFunctionRegister; with `library` set it then finds it again by name,
+ * rtGetFunctionByName); `ex` launches with rtKernelLaunchWithFlag, else
+ * rtKernelLaunch. */
 struct sim_driver_kernel {
     const char *name;
     int library; /* through the library API */
@@ -73,7 +80,8 @@ struct sim_driver_kernel {
 };
 int dev_driver_launch(struct sim_driver_kernel *k, uint64_t duration_ns, void *stream);
 /* A graph of the kernels' nodes (built at the first launch), launched
- * whole with cuGraphLaunch; the nodes take duration_ns each. */
+ * whole with cuGraphLaunch; the nodes take duration_ns each (NVIDIA only:
+ * the Ascend backend returns -1). */
 int dev_graph_launch(void **exec, struct sim_driver_kernel *nodes, int n, uint64_t duration_ns,
                      void *stream);
 

@@ -1,4 +1,5 @@
-/* Ascend flavor of the device backend: AscendCL runtime, HCCL, MSPTI. */
+/* Ascend flavor of the device backend: AscendCL runtime, HCCL, MSPTI, and
+ * the CANN runtime below AscendCL for operator libraries' launches. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,7 @@
 #include "standin_acl.h"
 #include "standin_hccl.h"
 #include "standin_mspti.h"
+#include "standin_rt.h"
 
 #define ACTIVITY_BUFFER_BYTES (256u * 1024u)
 
@@ -49,11 +51,15 @@ int dev_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream) {
 }
 
 int dev_register_kernel(struct sim_kernel *k, int with_runtime) {
-    k->handle = (void *)k->entry;
-    return with_runtime ? aclrtBinaryGetFunction(NULL, k->name, &k->handle) : 0;
+    /* With the runtime the handle is got at the first launch. */
+    k->handle = with_runtime ? NULL : (void *)k->entry;
+    return 0;
 }
 
-int dev_launch(const struct sim_kernel *k, uint64_t duration_ns, void *stream) {
+int dev_launch(struct sim_kernel *k, uint64_t duration_ns, void *stream) {
+    int err;
+    if (!k->handle && (err = aclrtBinaryGetFunction(NULL, k->name, &k->handle)))
+        return err;
     struct standin_kernel_spec spec = standin_kernel_spec_make(STANDIN_KERNEL_SLEEP, duration_ns);
     return aclrtLaunchKernel(k->handle, 48, &spec, sizeof spec, stream);
 }
@@ -192,10 +198,26 @@ uint64_t dev_activity_drain(void) {
 uint64_t dev_range_start(const char *message) { return mstxRangeStartA(message, NULL); }
 void dev_range_end(uint64_t id) { mstxRangeEnd(id); }
 
-/* The CUDA driver API has no counterpart here. */
+/* Operator libraries launch through the CANN runtime (see device.h). The
+ * stub a library registers is a host address of its own: here the
+ * kernel's descriptor. */
+static int operator_binary; /* the binary handle the stubs register under */
+
 int dev_driver_launch(struct sim_driver_kernel *k, uint64_t duration_ns, void *stream) {
-    (void)k, (void)duration_ns, (void)stream;
-    return -1;
+    int err;
+    if (!k->handle) {
+        if ((err = rtFunctionRegister(&operator_binary, k, k->name, NULL, 0)))
+            return err;
+        k->handle = k;
+        if (k->library && (err = rtGetFunctionByName(k->name, &k->handle)))
+            return err;
+    }
+    struct standin_kernel_spec spec = standin_kernel_spec_make(STANDIN_KERNEL_SLEEP, duration_ns);
+    if (k->ex) {
+        rtArgsEx_t args = {.args = &spec, .argsSize = sizeof spec};
+        return rtKernelLaunchWithFlag(k->handle, 24, &args, NULL, stream, 0);
+    }
+    return rtKernelLaunch(k->handle, 24, &spec, sizeof spec, NULL, stream);
 }
 
 int dev_graph_launch(void **exec, struct sim_driver_kernel *nodes, int n, uint64_t duration_ns,

@@ -51,7 +51,7 @@ int dev_register_kernel(struct sim_kernel *k, int with_runtime) {
     return 0;
 }
 
-int dev_launch(const struct sim_kernel *k, uint64_t duration_ns, void *stream) {
+int dev_launch(struct sim_kernel *k, uint64_t duration_ns, void *stream) {
     /* The launch is asynchronous: the argument block must outlive the call
      * until the library has copied it, which cudaLaunchKernel does. */
     struct standin_kernel_spec spec = standin_kernel_spec_make(STANDIN_KERNEL_SLEEP, duration_ns);

@@ -47,6 +47,17 @@ static struct sim_kernel opt_kernels[] = {
     {"adam", sim_kernel_adam, NULL},
 };
 
+#ifdef SIM_FLAVOR_ASCEND
+/* Kernels of operator libraries that launch through the CANN runtime, not
+ * AscendCL: a matmul whose stub the library registers and launches
+ * (rtFunctionRegister + rtKernelLaunch) and a fused Adam found again by
+ * name (rtGetFunctionByName) and launched with its arguments in an
+ * rtArgsEx_t (rtKernelLaunchWithFlag). No graphs. */
+static struct sim_driver_kernel driver_kernels[] = {
+    {"sim_tbe_matmul", 0, 0, NULL},
+    {"sim_tbe_fused_adam", 1, 1, NULL},
+};
+#else
 /* Kernels of libraries that launch through the driver, not the runtime: a
  * cuBLAS GEMM (cuModuleGetFunction + cuLaunchKernel) and a Triton kernel
  * (cuLibraryGetKernel + cuKernelGetFunction + cuLaunchKernelEx); and the
@@ -59,6 +70,7 @@ static struct sim_driver_kernel graph_nodes[] = {
     {"sim_graph_rmsnorm", 0, 0, NULL},
     {"sim_graph_rotary", 0, 0, NULL},
 };
+#endif
 /* Most pages of the expandable segment. */
 #define SEGMENT_PAGES 64
 
@@ -171,14 +183,15 @@ static uint64_t kernel_time(uint64_t base_ns) {
     return base_ns;
 }
 
-static void launch(const struct sim_kernel *k, uint64_t base_ns) {
+static void launch(struct sim_kernel *k, uint64_t base_ns) {
     uint64_t ns = kernel_time(base_ns);
     R.step_kernel_ns += ns;
     check(dev_launch(k, ns, R.compute), "kernel launch");
     R.step_runtime_launches++;
 }
 
-/* Library kernels launched through the driver, and the graph. */
+/* Library kernels launched through the driver (the CANN runtime on
+ * Ascend), and the graph (NVIDIA). */
 SIM_NOINLINE void library_kernels(uint64_t base_ns) {
     uint64_t ns = kernel_time(base_ns);
     for (size_t i = 0; i < sizeof driver_kernels / sizeof driver_kernels[0]; i++) {
@@ -186,10 +199,12 @@ SIM_NOINLINE void library_kernels(uint64_t base_ns) {
         R.step_driver_launches++;
         R.step_kernel_ns += ns;
     }
+#ifndef SIM_FLAVOR_ASCEND
     int nodes = (int)(sizeof graph_nodes / sizeof graph_nodes[0]);
     check(dev_graph_launch(&R.graph_exec, graph_nodes, nodes, ns, R.compute), "graph launch");
     R.step_graph_launches++;
     R.step_kernel_ns += (uint64_t)nodes * ns;
+#endif
 }
 
 /* The expandable segment grows to `pages` mapped pages, one page at a time. */

@@ -72,7 +72,7 @@ struct sim_config {
     int activity_api;     /* the activity consumer also enables host API records */
     const char *activity_log; /* every activity record read, one JSON line each */
     int expandable_segments; /* activations in a segment grown and shrunk by VMM mapping (NVIDIA) */
-    int driver_launches;     /* library kernels and a graph launched through the driver (NVIDIA) */
+    int driver_launches;     /* library kernels launched below the runtime (+ a graph on NVIDIA) */
     struct sim_faults faults;
 };
 

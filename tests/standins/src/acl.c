@@ -1,12 +1,14 @@
 /*
  * acl.c: the stand-in libascendcl.so (see include/standin_acl.h).
  *
- * The same stream engine and memory accounting as the stand-in libcudart;
- * API calls and completed kernels are reported to libmspti through
- * __standin_mspti_record.
+ * As the real AscendCL, it launches, allocates, frees and synchronises
+ * through the CANN runtime (the stand-in libruntime.so, linked; src/common/
+ * rtdrv.h), on the caller's thread, inside its own call; streams, events
+ * and copies use the runtime's device engine directly. API calls are
+ * reported to libmspti through __standin_mspti_record (the runtime reports
+ * the kernels, with the launching call's correlation id).
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,45 +17,26 @@
 
 #include "common/devmem.h"
 #include "common/hooks.h"
+#include "common/rtdrv.h"
 #include "common/stream.h"
 #include "common/util.h"
 #include "standin_acl.h"
+#include "standin_rt.h"
 
 #define API SD_EXPORT
-#define REPORT_KERNEL 1
-#define REPORT_MEMCPY 2
-#define FUNC_MAGIC 0x464e4341u /* "ACNF" */
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-static int device_count;
 static double pcie_gbps, hbm_gbps;
 static uint64_t memcpy_lat_ns;
 static uint64_t correlation_counter;
 static struct sd_hook mspti_hook = {STANDIN_MSPTI_RECORD, "libmspti.so", NULL, 0};
 
-static pthread_mutex_t default_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct sd_stream *default_streams[SD_MAX_DEVICES];
-
 static __thread int tls_device;
-
-/* What aclrtBinaryGetFunction returns: a named handle. */
-struct acl_func {
-    uint32_t magic;
-    const char *name;
-};
-
-static void on_complete(const struct sd_stream *s, const struct sd_op *op, uint64_t start,
-                        uint64_t end);
 
 static void init(void)
 {
-    device_count = (int)sd_env_u64("STANDIN_DEVICE_COUNT", 8);
-    if (device_count < 0) {
-        device_count = 0;
-    }
-    if (device_count > SD_MAX_DEVICES) {
-        device_count = SD_MAX_DEVICES;
-    }
+    /* The runtime's device engine is set up before any stream exists. */
+    (void)sd_rt_device_count();
     pcie_gbps = sd_env_double("STANDIN_PCIE_GBPS", 25.0);
     hbm_gbps = sd_env_double("STANDIN_HBM_GBPS", 1000.0);
     if (!(pcie_gbps > 0.0)) {
@@ -63,8 +46,6 @@ static void init(void)
         hbm_gbps = 1000.0;
     }
     memcpy_lat_ns = sd_env_u64("STANDIN_MEMCPY_LAT_US", 2) * 1000ull;
-    sd_streams_init(on_complete, "npustrm", 2);
-    sd_devmem_init(0x500000000000ull, sd_env_u64("STANDIN_DEVICE_MEM_BYTES", 64ull << 30));
 }
 
 static void ensure_init(void)
@@ -111,45 +92,13 @@ static aclError api_end(const struct api_call *c, aclError rv)
     return rv;
 }
 
-static void on_complete(const struct sd_stream *s, const struct sd_op *op, uint64_t start,
-                        uint64_t end)
-{
-    standin_mspti_record_fn record = (standin_mspti_record_fn)sd_hook_get(&mspti_hook);
-    if (record == NULL || op->report.kind != REPORT_KERNEL) {
-        return;
-    }
-    struct standin_npu_activity a;
-    memset(&a, 0, sizeof(a));
-    a.size = sizeof(a);
-    a.type = STANDIN_NPU_ACT_KERNEL;
-    a.start_ns = start;
-    a.end_ns = end;
-    a.device_id = (uint32_t)s->device;
-    a.stream_id = s->id;
-    a.correlation_id = op->report.correlation_id;
-    a.name = op->report.name;
-    a.kernel_type = "KERNEL_AICORE";
-    record(&a);
-}
-
 /* ---- streams ---- */
-
-static struct sd_stream *default_stream(int device)
-{
-    pthread_mutex_lock(&default_mu);
-    if (default_streams[device] == NULL) {
-        default_streams[device] = sd_stream_create(device, 0, sd_stream_next_id());
-    }
-    struct sd_stream *s = default_streams[device];
-    pthread_mutex_unlock(&default_mu);
-    return s;
-}
 
 static struct sd_stream *resolve(aclrtStream stream, aclError *err)
 {
     *err = ACL_SUCCESS;
     if (stream == NULL) {
-        struct sd_stream *s = default_stream(tls_device);
+        struct sd_stream *s = sd_rt_default_stream(tls_device);
         if (s == NULL) {
             *err = ACL_ERROR_RT_INTERNAL_ERROR;
         }
@@ -160,22 +109,6 @@ static struct sd_stream *resolve(aclrtStream stream, aclError *err)
         return NULL;
     }
     return (struct sd_stream *)stream;
-}
-
-static const char *kernel_name(const void *func)
-{
-    const struct acl_func *f = func;
-    if (f != NULL && f->magic == FUNC_MAGIC) {
-        return f->name;
-    }
-    Dl_info info;
-    if (func != NULL && dladdr(func, &info) != 0 && info.dli_sname != NULL &&
-        info.dli_saddr == func) {
-        return sd_intern(info.dli_sname);
-    }
-    char buf[40];
-    snprintf(buf, sizeof(buf), "kernel_%p", func);
-    return sd_intern(buf);
 }
 
 /* ---- init and devices ---- */
@@ -196,8 +129,9 @@ API aclError aclFinalize(void)
 API aclError aclrtSetDevice(int32_t deviceId)
 {
     struct api_call c = api_begin("aclrtSetDevice");
-    if (deviceId < 0 || deviceId >= device_count) {
-        return api_end(&c, ACL_ERROR_RT_INVALID_DEVICEID);
+    rtError_t err = rtSetDevice(deviceId);
+    if (err != RT_ERROR_NONE) {
+        return api_end(&c, err);
     }
     tls_device = deviceId;
     return api_end(&c, ACL_SUCCESS);
@@ -206,7 +140,7 @@ API aclError aclrtSetDevice(int32_t deviceId)
 API aclError aclrtResetDevice(int32_t deviceId)
 {
     struct api_call c = api_begin("aclrtResetDevice");
-    if (deviceId < 0 || deviceId >= device_count) {
+    if (deviceId < 0 || deviceId >= sd_rt_device_count()) {
         return api_end(&c, ACL_ERROR_RT_INVALID_DEVICEID);
     }
     sd_device_sync(deviceId);
@@ -229,15 +163,14 @@ API aclError aclrtGetDeviceCount(uint32_t *count)
     if (count == NULL) {
         return api_end(&c, ACL_ERROR_INVALID_PARAM);
     }
-    *count = (uint32_t)device_count;
+    *count = (uint32_t)sd_rt_device_count();
     return api_end(&c, ACL_SUCCESS);
 }
 
 API aclError aclrtSynchronizeDevice(void)
 {
     struct api_call c = api_begin("aclrtSynchronizeDevice");
-    sd_device_sync(tls_device);
-    return api_end(&c, ACL_SUCCESS);
+    return api_end(&c, rtDeviceSynchronize());
 }
 
 /* ---- streams ---- */
@@ -274,8 +207,7 @@ API aclError aclrtSynchronizeStream(aclrtStream stream)
     if (s == NULL) {
         return api_end(&c, err);
     }
-    sd_stream_sync(s);
-    return api_end(&c, ACL_SUCCESS);
+    return api_end(&c, rtStreamSynchronize(stream));
 }
 
 API aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
@@ -324,9 +256,10 @@ API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy
         *devPtr = NULL;
         return api_end(&c, (aclError)injected);
     }
-    if (sd_devmem_alloc(tls_device, size, devPtr) != 0) {
+    rtError_t err = rtMalloc(devPtr, size, RT_MEMORY_HBM, 0);
+    if (err != RT_ERROR_NONE) {
         *devPtr = NULL;
-        return api_end(&c, ACL_ERROR_RT_MEMORY_ALLOCATION);
+        return api_end(&c, err);
     }
     return api_end(&c, ACL_SUCCESS);
 }
@@ -334,7 +267,7 @@ API aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy
 API aclError aclrtFree(void *devPtr)
 {
     struct api_call c = api_begin("aclrtFree");
-    if (devPtr == NULL || sd_devmem_free(devPtr, NULL) != 0) {
+    if (devPtr == NULL || rtFree(devPtr) != RT_ERROR_NONE) {
         return api_end(&c, ACL_ERROR_INVALID_PARAM);
     }
     return api_end(&c, ACL_SUCCESS);
@@ -363,7 +296,7 @@ static aclError enqueue_copy(struct sd_stream *s, size_t destMax, size_t count,
     }
     double gbps = kind == ACL_MEMCPY_DEVICE_TO_DEVICE ? hbm_gbps : pcie_gbps;
     op->duration_ns = memcpy_lat_ns + (uint64_t)((double)count / gbps);
-    op->report.kind = REPORT_MEMCPY;
+    op->report.kind = SD_RT_REPORT_MEMCPY;
     op->report.correlation_id = corr;
     op->report.bytes = count;
     op->report.copy_kind = kind;
@@ -456,8 +389,7 @@ API aclError aclrtSynchronizeEvent(aclrtEvent event)
     if (!sd_event_valid(event)) {
         return api_end(&c, ACL_ERROR_INVALID_PARAM);
     }
-    sd_event_sync((struct sd_event *)event);
-    return api_end(&c, ACL_SUCCESS);
+    return api_end(&c, rtEventSynchronize(event));
 }
 
 API aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
@@ -496,19 +428,11 @@ API aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent 
 API aclError aclrtBinaryGetFunction(const aclrtBinHandle binHandle, const char *kernelName,
                                     aclrtFuncHandle *funcHandle)
 {
-    (void)binHandle;
     struct api_call c = api_begin("aclrtBinaryGetFunction");
     if (kernelName == NULL || funcHandle == NULL) {
         return api_end(&c, ACL_ERROR_INVALID_PARAM);
     }
-    struct acl_func *f = calloc(1, sizeof(*f)); /* lives for the process */
-    if (f == NULL) {
-        return api_end(&c, ACL_ERROR_BAD_ALLOC);
-    }
-    f->magic = FUNC_MAGIC;
-    f->name = sd_intern(kernelName);
-    *funcHandle = f;
-    return api_end(&c, ACL_SUCCESS);
+    return api_end(&c, rtsFuncGetByName(binHandle, kernelName, funcHandle));
 }
 
 API aclError aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t numBlocks,
@@ -523,23 +447,17 @@ API aclError aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t numBlocks,
     if (s == NULL) {
         return api_end(&c, err);
     }
-    struct sd_op *op = sd_op_new(SD_OP_DELAY);
-    if (op == NULL) {
-        return api_end(&c, ACL_ERROR_RT_INTERNAL_ERROR);
-    }
-    if (argsData != NULL && argsSize >= sizeof(struct standin_kernel_spec)) {
-        const struct standin_kernel_spec *spec = argsData;
-        if (spec->magic == STANDIN_KERNEL_MAGIC) {
-            op->duration_ns = spec->duration_ns;
-            op->spin = spec->mode == STANDIN_KERNEL_SPIN;
-        }
-    }
-    op->report.kind = REPORT_KERNEL;
-    op->report.name = kernel_name(funcHandle);
-    op->report.correlation_id = c.corr;
-    op->report.grid[0] = (int32_t)numBlocks;
-    sd_stream_enqueue(s, op);
-    return api_end(&c, ACL_SUCCESS);
+    /* As CANN's: the runtime launch by function handle, the arguments in an
+     * rtArgsEx_t; the kernel reports this call's correlation id. */
+    rtArgsEx_t args;
+    memset(&args, 0, sizeof(args));
+    args.args = (void *)argsData;
+    args.argsSize = (uint32_t)argsSize;
+    args.isNoNeedH2DCopy = 1;
+    sd_rt_set_correlation(c.corr);
+    err = rtLaunchKernelByFuncHandleV3(funcHandle, numBlocks, &args, stream, NULL);
+    sd_rt_set_correlation(0);
+    return api_end(&c, err);
 }
 
 /* ---- internal hook for libhccl ---- */
@@ -566,7 +484,7 @@ API int __standin_acl_stream_enqueue(void *stream, const char *kernel_name_,
     op->fn = fn;
     op->arg = arg;
     if (kernel_name_ != NULL) {
-        op->report.kind = REPORT_KERNEL;
+        op->report.kind = SD_RT_REPORT_KERNEL;
         op->report.name = sd_intern(kernel_name_);
         op->report.correlation_id = corr;
     }

@@ -25,6 +25,7 @@
 //! entry (`sp[0]` is the return address).
 
 mod ascend;
+mod ascend_runtime;
 mod nvidia;
 mod nvidia_driver;
 mod ops;
@@ -53,6 +54,8 @@ pub enum Library {
     Cupti,
     /// AscendCL runtime, `libascendcl.so`.
     AscendCl,
+    /// The CANN runtime below AscendCL, `libruntime.so`.
+    AscendRuntime,
     /// HCCL, `libhccl.so`.
     Hccl,
     /// MSPTI activity API, `libmspti.so`.
@@ -67,12 +70,13 @@ pub enum Vendor {
 }
 
 impl Library {
-    pub const ALL: [Library; 7] = [
+    pub const ALL: [Library; 8] = [
         Library::Cudart,
         Library::Cuda,
         Library::Nccl,
         Library::Cupti,
         Library::AscendCl,
+        Library::AscendRuntime,
         Library::Hccl,
         Library::Mspti,
     ];
@@ -85,6 +89,7 @@ impl Library {
             Library::Nccl => "nccl",
             Library::Cupti => "cupti",
             Library::AscendCl => "ascendcl",
+            Library::AscendRuntime => "ascend_runtime",
             Library::Hccl => "hccl",
             Library::Mspti => "mspti",
         }
@@ -98,6 +103,7 @@ impl Library {
             Library::Nccl => "libnccl",
             Library::Cupti => "libcupti",
             Library::AscendCl => "libascendcl",
+            Library::AscendRuntime => "libruntime",
             Library::Hccl => "libhccl",
             Library::Mspti => "libmspti",
         }
@@ -111,6 +117,7 @@ impl Library {
             Library::Nccl => "libnccl.so.2",
             Library::Cupti => "libcupti.so.12",
             Library::AscendCl => "libascendcl.so",
+            Library::AscendRuntime => "libruntime.so",
             Library::Hccl => "libhccl.so",
             Library::Mspti => "libmspti.so",
         }
@@ -119,7 +126,9 @@ impl Library {
     pub fn vendor(self) -> Vendor {
         match self {
             Library::Cudart | Library::Cuda | Library::Nccl | Library::Cupti => Vendor::Nvidia,
-            Library::AscendCl | Library::Hccl | Library::Mspti => Vendor::Ascend,
+            Library::AscendCl | Library::AscendRuntime | Library::Hccl | Library::Mspti => {
+                Vendor::Ascend
+            }
         }
     }
 
@@ -131,6 +140,7 @@ impl Library {
             Library::Nccl => nvidia::NCCL,
             Library::Cupti => nvidia::CUPTI,
             Library::AscendCl => ascend::ACL,
+            Library::AscendRuntime => ascend_runtime::RUNTIME,
             Library::Hccl => ascend::HCCL,
             Library::Mspti => ascend::MSPTI,
         }
@@ -315,6 +325,15 @@ pub enum HandleKind {
     LibraryKernel,
     /// `cuKernelGetFunction(*CUfunction, CUkernel)`: no name, the kernel's.
     KernelFunction,
+    /// `rtFunctionRegister(binHandle, stubFunc, stubName, ...)`: the stub
+    /// function, passed in, launches the named kernel once the call
+    /// succeeded.
+    StubRegister,
+    /// `rtGetFunctionByName(stubName, *stubFunc)`.
+    StubByName,
+    /// `rtsFuncGetByName` / `rtBinaryGetFunctionByName(binHandle,
+    /// kernelName, *rtFuncHandle)`.
+    BinaryFunction,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -418,6 +437,9 @@ pub enum Role {
     Module,
     /// `const char *` kernel name, copied at entry as a string.
     KernelName,
+    /// An argument the decoder does not read (`rtSmDesc_t *`, a tiling
+    /// key), named so a layout's registers stay consecutive.
+    Opaque,
 }
 
 /// Where an argument is at the function's entry.

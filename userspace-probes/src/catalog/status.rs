@@ -143,7 +143,8 @@ fn table(library: Library) -> &'static [(i64, &'static str)] {
         Library::Cudart => CUDART,
         Library::Cuda => CUDA,
         Library::Nccl => NCCL,
-        Library::AscendCl => ACL,
+        // The runtime returns AscendCL's external ACL_ERROR_RT_* codes.
+        Library::AscendCl | Library::AscendRuntime => ACL,
         Library::Hccl => HCCL,
         Library::Cupti | Library::Mspti => &[],
     }
@@ -166,7 +167,7 @@ pub fn is_out_of_memory(library: Library, code: i64) -> bool {
         // cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY is 2 too).
         Library::Cudart | Library::Cuda => code == 2,
         // ACL_ERROR_BAD_ALLOC, ACL_ERROR_RT_MEMORY_ALLOCATION.
-        Library::AscendCl => matches!(code, 200000 | 207001 | 207018),
+        Library::AscendCl | Library::AscendRuntime => matches!(code, 200000 | 207001 | 207018),
         // HCCL_E_MEMORY: the library could not get its buffers.
         Library::Hccl => matches!(code, 3 | 24),
         Library::Nccl | Library::Cupti | Library::Mspti => false,
@@ -184,7 +185,7 @@ pub fn is_routine(library: Library, code: i64) -> bool {
         // CUDA_ERROR_DEINITIALIZED (at exit), CUDA_ERROR_NOT_READY.
         Library::Cuda => matches!(code, 4 | 600),
         Library::Nccl => code == 7,
-        Library::AscendCl => matches!(code, 100002 | 507004 | 507006),
+        Library::AscendCl | Library::AscendRuntime => matches!(code, 100002 | 507004 | 507006),
         Library::Hccl => code == 20,
         Library::Cupti | Library::Mspti => true,
     }
@@ -238,5 +239,13 @@ mod tests {
         assert!(!is_out_of_memory(Library::Cuda, 700));
         assert!(is_routine(Library::Cuda, 600));
         assert!(!is_routine(Library::Cudart, 700));
+        // The CANN runtime returns AscendCL's external codes.
+        assert_eq!(
+            status_name(Library::AscendRuntime, 207001),
+            "ACL_ERROR_RT_MEMORY_ALLOCATION"
+        );
+        assert!(is_out_of_memory(Library::AscendRuntime, 207001));
+        assert!(is_routine(Library::AscendRuntime, 507006));
+        assert!(!is_out_of_memory(Library::AscendRuntime, 507000));
     }
 }

@@ -32,6 +32,12 @@ fn library_from_path() {
         ("/usr/local/Ascend/lib64/libhccl_alg.so", None),
         ("/x/libmspti.so", Some(Library::Mspti)),
         (
+            "/usr/local/Ascend/ascend-toolkit/latest/runtime/lib64/libruntime.so",
+            Some(Library::AscendRuntime),
+        ),
+        ("/usr/local/Ascend/lib64/libruntime_common.so", None),
+        ("/usr/local/Ascend/lib64/libruntime_v200.so", None),
+        (
             "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
             Some(Library::Cuda),
         ),
@@ -409,4 +415,99 @@ fn driver_memory_syncs_and_handles_are_default_level() {
     assert_eq!(kf.capture.ret.map(|r| r.arg), Some(0));
     assert_eq!(Library::Cuda.soname(), "libcuda.so.1");
     assert_eq!(Library::Cuda.vendor(), Vendor::Nvidia);
+}
+
+#[test]
+fn cann_runtime_layouts_follow_its_headers() {
+    let rt = Library::AscendRuntime;
+    assert_eq!(
+        (rt.soname(), rt.vendor()),
+        ("libruntime.so", Vendor::Ascend)
+    );
+    // Memory, syncs and names at the default level, launches at L1.
+    for f in rt.functions() {
+        let want = match f.kind {
+            CallKind::Launch(_) => Level::L1,
+            _ => Level::L0,
+        };
+        assert_eq!(f.level, want, "{}", f.name);
+    }
+    // rtKernelLaunch(stubFunc, numBlocks, args, argsSize, smDesc, stm).
+    let l = rt.function("rtKernelLaunch").unwrap();
+    assert_eq!(
+        (l.kind, l.optional),
+        (CallKind::Launch(LaunchKind::Kernel), false)
+    );
+    assert_eq!(l.arg(Role::Func), Some(ArgLoc::Reg(0)));
+    assert_eq!(l.arg(Role::NumBlocks), Some(ArgLoc::Reg(1)));
+    assert_eq!(l.arg(Role::ArgsSize), Some(ArgLoc::Reg(3)));
+    assert_eq!(l.arg(Role::Stream), Some(ArgLoc::Reg(5)));
+    assert_eq!(l.probe_spec().flags & ENTRY_STACK_ARGS, 0);
+    // What aclrtLaunchKernel calls: (funcHandle, numBlocks, argsInfo, stm, cfg).
+    let v3 = rt.function("rtLaunchKernelByFuncHandleV3").unwrap();
+    assert_eq!(v3.arg(Role::Stream), Some(ArgLoc::Reg(3)));
+    assert!(v3.optional);
+    // (hdl, tilingKey, numBlocks, argsInfo, smDesc, stm, info): no kernel handle.
+    let h = rt.function("rtKernelLaunchWithHandle").unwrap();
+    assert_eq!(
+        (
+            h.arg(Role::Func),
+            h.arg(Role::NumBlocks),
+            h.arg(Role::Stream)
+        ),
+        (None, Some(ArgLoc::Reg(2)), Some(ArgLoc::Reg(5)))
+    );
+    let c = rt.function("rtsLaunchKernelWithConfig").unwrap();
+    assert_eq!(c.arg(Role::Stream), Some(ArgLoc::Reg(2)));
+    // rtMalloc(void **devPtr, uint64_t size, rtMemType_t type, uint16_t moduleId).
+    let m = rt.function("rtMalloc").unwrap();
+    assert_eq!(
+        (
+            m.kind,
+            m.arg(Role::Size),
+            m.capture.ret.map(|r| (r.arg, r.len))
+        ),
+        (CallKind::Malloc, Some(ArgLoc::Reg(1)), Some((0, 8)))
+    );
+    assert_eq!(rt.function("rtFree").unwrap().kind, CallKind::Free);
+    for (name, sync) in [
+        ("rtStreamSynchronize", SyncKind::Stream),
+        ("rtEventSynchronize", SyncKind::Event),
+        ("rtDeviceSynchronize", SyncKind::Device),
+    ] {
+        assert_eq!(rt.function(name).unwrap().kind, CallKind::Sync(sync));
+    }
+    // The names: rtFunctionRegister's stub is passed in (no return copy);
+    // the lookups write the handle through their last argument.
+    let reg = rt.function("rtFunctionRegister").unwrap();
+    assert_eq!(
+        (reg.arg(Role::Func), reg.capture.ret),
+        (Some(ArgLoc::Reg(1)), None)
+    );
+    assert_eq!(
+        reg.capture.entry,
+        Some(EntryDeref {
+            source: DerefSource::Arg(2),
+            len: 128,
+            string: true
+        })
+    );
+    for (name, string, out) in [
+        ("rtGetFunctionByName", 0, 1),
+        ("rtsFuncGetByName", 1, 2),
+        ("rtBinaryGetFunctionByName", 1, 2),
+    ] {
+        let g = rt.function(name).unwrap();
+        assert!(matches!(g.kind, CallKind::KernelHandle(_)), "{name}");
+        let s = g.probe_spec();
+        assert_eq!(
+            (s.entry_deref_arg, s.return_deref_arg, s.return_deref_len),
+            (string, out, 8),
+            "{name}"
+        );
+        assert_eq!(
+            s.flags & (ENTRY_STRING | RETURN_ON_SUCCESS),
+            ENTRY_STRING | RETURN_ON_SUCCESS
+        );
+    }
 }

@@ -84,13 +84,14 @@ pub struct LaunchArgs {
     pub func: u64,
     pub grid: Option<[u32; 3]>,
     pub block: Option<[u32; 3]>,
-    /// `aclrtLaunchKernel`'s block count.
+    /// The block count of AscendCL's and the CANN runtime's launches.
     pub blocks: Option<u32>,
     pub shared_mem: Option<u64>,
     pub stream: Option<u64>,
-    /// The kernel's name, from the call that handed out the driver handle
-    /// `func` (set by the decoder; for a runtime launch, from the driver
-    /// launch nested in it).
+    /// The kernel's name, from the call that handed out the handle `func`
+    /// (a CUDA driver handle, a CANN runtime stub or function handle; set
+    /// by the decoder; for a launch of the library above, from the launch
+    /// nested in it).
     pub kernel: Option<String>,
 }
 
@@ -115,7 +116,8 @@ pub struct KernelHandleArgs {
     pub kind: HandleKind,
     /// The name asked for (entry copy; cut at the copy's length).
     pub name: Option<String>,
-    /// The handle written at return (None on failure).
+    /// The handle written at return, or the stub registered
+    /// (`rtFunctionRegister`); None on failure.
     pub handle: Option<u64>,
     /// `cuKernelGetFunction`'s kernel.
     pub from: Option<u64>,
@@ -471,8 +473,15 @@ pub(crate) fn build(raw: &Raw<'_>, id_hash: Option<u64>) -> CallArgs {
         CallKind::KernelHandle(kind) => CallArgs::KernelHandle(KernelHandleArgs {
             kind,
             name: (!raw.entry_bytes().is_empty()).then(|| c_string(raw.entry_bytes())),
-            handle: raw.returned_u64(),
-            from: raw.u64(Func),
+            handle: match kind {
+                // The stub is passed in: it names the kernel once registered.
+                HandleKind::StubRegister => raw.succeeded().then(|| raw.u64(Func)).flatten(),
+                _ => raw.returned_u64(),
+            },
+            from: match kind {
+                HandleKind::KernelFunction => raw.u64(Func),
+                _ => None,
+            },
         }),
         CallKind::Sync(_) => CallArgs::Sync {
             stream: raw.u64(Stream),

@@ -1,13 +1,19 @@
-//! Kernel names by driver handle, per process.
+//! Kernel names by handle, per process.
 //!
-//! The driver's launches (`cuLaunchKernel(CUfunction f, ...)`) carry a
-//! handle, not a name. The calls that hand handles out name them:
+//! The CUDA driver's launches (`cuLaunchKernel(CUfunction f, ...)`) and the
+//! CANN runtime's (`rtKernelLaunch(stubFunc, ...)`,
+//! `rtLaunchKernelByFuncHandleV3(funcHandle, ...)`) carry a handle, not a
+//! name. The calls that hand handles out name them:
 //! `cuModuleGetFunction(&f, module, "name")` and
 //! `cuLibraryGetKernel(&k, library, "name")` (a `CUkernel` may be launched
 //! as a `CUfunction`), and `cuKernelGetFunction(&f, k)` gives `f` the name
-//! of `k`. Names are the traced process's bytes: cut at the entry copy's
-//! length, and at most [`MAX_KERNEL_HANDLES`] handles are remembered per
-//! process (the table goes with the process).
+//! of `k`; `rtFunctionRegister(bin, stub, "name", ...)` (the stub is passed
+//! in), `rtGetFunctionByName("name", &stub)`, `rtsFuncGetByName(bin,
+//! "name", &h)`. Both libraries' handles share one table per process: each
+//! is an address in that process, so two live handles never coincide.
+//! Names are the traced process's bytes: cut at the entry copy's length,
+//! and at most [`MAX_KERNEL_HANDLES`] handles are remembered per process
+//! (the table goes with the process).
 
 use std::collections::HashMap;
 use std::sync::Arc;

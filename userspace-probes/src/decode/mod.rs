@@ -212,8 +212,9 @@ pub struct DecoderStats {
     /// (each a call whatever it returned; a record read is in `activities`).
     pub cupti_reads: u64,
     pub mspti_reads: u64,
-    /// Driver calls folded into the runtime call they were made in (see
-    /// [`nesting`]): counted here, not as calls.
+    /// Calls of the library below (CUDA driver, CANN runtime) folded into
+    /// the call of the library above they were made in (see [`nesting`]):
+    /// counted here, not as calls.
     pub folded: u64,
 }
 
@@ -223,7 +224,7 @@ struct Pending {
     seq: (Option<u64>, bool),
     /// The caller's stack, as the site id given to [`Decoder::on_call_site`].
     site: Option<u64>,
-    /// A runtime launch's kernel name, from the driver launch folded into it.
+    /// An upper launch's kernel name, from the launch folded into it.
     kernel: Option<String>,
 }
 
@@ -396,15 +397,16 @@ impl Decoder {
         };
         let lost: Vec<Pending> = stack.drain(i + 1..).collect();
         let matched = stack.pop();
-        // A driver call inside a runtime call of its sort is that call's
-        // own work: folded into it.
+        // A call of the library below (CUDA driver, CANN runtime) inside a
+        // call of its sort of the library above is that call's own work:
+        // folded into it.
         let outer = matched.as_ref().and_then(|m| {
             let inner = (m.target.library, m.target.function.kind);
             stack.iter().rposition(|o| {
                 nesting::folds_into(inner, (o.target.library, o.target.function.kind))
             })
         });
-        // The runtime launch takes the kernel's name from its driver launch.
+        // The upper launch takes the kernel's name from the launch below.
         if let (Some(j), Some(m)) = (outer, matched.as_ref()) {
             let kernels = self.processes.get(&r.tgid).map(|p| &p.kernels);
             let name = Self::launched_kernel(m, kernels);
@@ -427,9 +429,10 @@ impl Decoder {
         }
     }
 
-    /// The kernel a driver launch runs, by its handle.
+    /// The kernel a launch of a library that names kernels by handle (the
+    /// CUDA driver, the CANN runtime) runs, by its handle.
     fn launched_kernel(p: &Pending, kernels: Option<&KernelNames>) -> Option<String> {
-        if p.target.library != Library::Cuda
+        if !matches!(p.target.library, Library::Cuda | Library::AscendRuntime)
             || !matches!(p.target.function.kind, CallKind::Launch(_))
         {
             return None;

@@ -1,23 +1,34 @@
-//! One call, not two: libcudart makes its calls through the driver
-//! (`libcuda.so.1`), on the same thread, inside its own call
-//! (`cudaLaunchKernel` -> `cuLaunchKernel`, `cudaMalloc` ->
-//! `cuMemAlloc_v2`, `cudaStreamSynchronize` -> `cuStreamSynchronize`).
-//! A driver call made inside a runtime call of the same sort is that
-//! runtime call's own work: it is folded into it (the runtime call is what
-//! the application made, and it keeps its own arguments, memory effect and
-//! times; a folded launch lends it the kernel's name). A driver call made
-//! directly (NCCL, cuBLAS, Triton) or inside a runtime call of another sort
-//! (a lazy `cuModuleGetFunction` inside a first launch) stays a call.
+//! One call, not two: the libraries applications call make their calls
+//! through a library below, on the same thread, inside their own call.
+//! libcudart calls the CUDA driver (`libcuda.so.1`: `cudaLaunchKernel` ->
+//! `cuLaunchKernel`, `cudaMalloc` -> `cuMemAlloc_v2`,
+//! `cudaStreamSynchronize` -> `cuStreamSynchronize`); AscendCL calls the
+//! CANN runtime (`libruntime.so`: `aclrtLaunchKernel` ->
+//! `rtLaunchKernelByFuncHandleV3`, `aclrtMalloc` -> `rtMalloc`, `aclrtFree`
+//! -> `rtFree`, `aclrtSynchronizeStream` -> `rtStreamSynchronize`, ...).
+//! A lower call made inside an upper call of the same sort is that upper
+//! call's own work: it is folded into it (the upper call is what the
+//! application made, and it keeps its own arguments, memory effect and
+//! times; a folded launch lends it the kernel's name). A lower call made
+//! directly (NCCL, cuBLAS, Triton; HCCL, operator libraries) or inside an
+//! upper call of another sort (a lazy `cuModuleGetFunction` inside a first
+//! launch) stays a call.
 
 use crate::catalog::{CallKind, LaunchKind, Library};
 
-/// Whether driver call `inner`, made inside runtime call `outer` on the
-/// same thread, is `outer`'s own work.
+/// Whether call `inner`, made inside call `outer` on the same thread, is
+/// `outer`'s own work.
 pub fn folds_into(inner: (Library, CallKind), outer: (Library, CallKind)) -> bool {
-    if inner.0 != Library::Cuda || outer.0 != Library::Cudart {
-        return false;
+    below(outer.0) == Some(inner.0) && sort(inner.1).is_some() && sort(inner.1) == sort(outer.1)
+}
+
+/// The library `upper` makes its launches, allocations and syncs through.
+fn below(upper: Library) -> Option<Library> {
+    match upper {
+        Library::Cudart => Some(Library::Cuda),
+        Library::AscendCl => Some(Library::AscendRuntime),
+        _ => None,
     }
-    sort(inner.1).is_some() && sort(inner.1) == sort(outer.1)
 }
 
 /// Calls of one sort at both levels.
@@ -100,6 +111,58 @@ mod tests {
         assert!(!folds_into(
             kind(Library::Cuda, "cuLaunchKernel"),
             kind(Library::Cuda, "cuLaunchKernel")
+        ));
+    }
+
+    #[test]
+    fn cann_runtime_calls_fold_into_ascendcl_calls_of_their_sort() {
+        let rt = Library::AscendRuntime;
+        let acl = Library::AscendCl;
+        let folds = [
+            ("rtLaunchKernelByFuncHandleV3", "aclrtLaunchKernel"),
+            ("rtKernelLaunch", "aclrtLaunchKernel"),
+            ("rtKernelLaunchWithFlag", "aclrtLaunchKernel"),
+            ("rtMalloc", "aclrtMalloc"),
+            ("rtFree", "aclrtFree"),
+            ("rtStreamSynchronize", "aclrtSynchronizeStream"),
+            ("rtStreamSynchronize", "aclrtSynchronizeStreamWithTimeout"),
+            ("rtEventSynchronize", "aclrtSynchronizeEvent"),
+            ("rtDeviceSynchronize", "aclrtSynchronizeDevice"),
+        ];
+        for (inner, outer) in folds {
+            assert!(
+                folds_into(kind(rt, inner), kind(acl, outer)),
+                "{inner} in {outer}"
+            );
+        }
+        // Another sort: a name lookup inside a launch, a sync inside a free.
+        for (inner, outer) in [
+            ("rtsFuncGetByName", "aclrtLaunchKernel"),
+            ("rtDeviceSynchronize", "aclrtFree"),
+            ("rtMalloc", "aclrtLaunchKernel"),
+        ] {
+            assert!(
+                !folds_into(kind(rt, inner), kind(acl, outer)),
+                "{inner} in {outer}"
+            );
+        }
+        // HCCL's and operator libraries' runtime calls stay calls; the
+        // libraries do not cross vendors.
+        assert!(!folds_into(
+            kind(rt, "rtKernelLaunch"),
+            kind(Library::Hccl, "HcclAllReduce")
+        ));
+        assert!(!folds_into(
+            kind(rt, "rtKernelLaunch"),
+            kind(Library::Cudart, "cudaLaunchKernel")
+        ));
+        assert!(!folds_into(
+            kind(Library::Cuda, "cuLaunchKernel"),
+            kind(acl, "aclrtLaunchKernel")
+        ));
+        assert!(!folds_into(
+            kind(acl, "aclrtMalloc"),
+            kind(acl, "aclrtMalloc")
         ));
     }
 }

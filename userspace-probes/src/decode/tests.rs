@@ -1567,3 +1567,322 @@ fn a_folded_driver_call_of_a_runtime_call_that_never_returns_holds_nothing() {
     );
     assert_eq!(d.stats().folded, 1);
 }
+
+// ---------------------------------------------------------------- CANN runtime
+
+/// `rtKernelLaunch(stub, 48, args, 16, NULL, stream)`.
+fn rt_launch(stub: u64, ts: u64) -> UprobeEntry {
+    entry(
+        "rtKernelLaunch",
+        ts,
+        [stub, JUNK | 48, 0x7ffd_0000_3000, JUNK | 16, 0, 0x5000],
+        &[],
+    )
+}
+
+#[test]
+fn cann_runtime_launches_are_named_by_stub_and_function_handle() {
+    let mut d = decoder_with(
+        &[
+            "rtFunctionRegister",
+            "rtGetFunctionByName",
+            "rtsFuncGetByName",
+            "rtKernelLaunch",
+            "rtLaunchKernelByFuncHandleV3",
+            "rtKernelLaunchWithHandle",
+        ],
+        0,
+    );
+    // rtFunctionRegister(bin, stub, "name", info, mode): the stub passed in
+    // is named once the call succeeded.
+    let e = with_deref(
+        entry(
+            "rtFunctionRegister",
+            1_000,
+            [0x6000, 0x40_2000, 0x4000_1000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("matmul_v2_tbe"),
+    );
+    let c = call(&mut d, e, ret("rtFunctionRegister", 1_010, 0, &[]));
+    let CallArgs::KernelHandle(h) = &c.args else {
+        panic!("{:?}", c.args)
+    };
+    assert_eq!(
+        (h.name.as_deref(), h.handle, h.from),
+        (Some("matmul_v2_tbe"), Some(0x40_2000), None)
+    );
+    assert_eq!(c.name, "rtFunctionRegister matmul_v2_tbe");
+    let c = call(
+        &mut d,
+        rt_launch(0x40_2000, 2_000),
+        ret("rtKernelLaunch", 2_100, 0, &[]),
+    );
+    let CallArgs::Launch(l) = &c.args else {
+        panic!("{:?}", c.args)
+    };
+    assert_eq!(
+        (l.kernel.as_deref(), l.blocks, l.stream, l.grid),
+        (Some("matmul_v2_tbe"), Some(48), Some(0x5000), None)
+    );
+    assert_eq!(c.name, "rtKernelLaunch matmul_v2_tbe blocks 48");
+    // A failed registration names nothing.
+    let e = with_deref(
+        entry(
+            "rtFunctionRegister",
+            2_500,
+            [0x6000, 0x40_3000, 0x4000_1000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("never"),
+    );
+    call(&mut d, e, ret("rtFunctionRegister", 2_510, 107000, &[]));
+    assert_eq!(d.kernels(TGID).unwrap().name(0x40_3000), None);
+
+    // rtGetFunctionByName("name", &stub) and rtsFuncGetByName(bin, "name",
+    // &handle): the handles written at return.
+    let e = with_deref(
+        entry(
+            "rtGetFunctionByName",
+            3_000,
+            [0x4000_2000, 0x7ffd_0000_2000, 0, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("softmax_tbe"),
+    );
+    call(
+        &mut d,
+        e,
+        ret("rtGetFunctionByName", 3_010, 0, &0x40_4000u64.to_le_bytes()),
+    );
+    let e = with_deref(
+        entry(
+            "rtsFuncGetByName",
+            3_100,
+            [0x6100, 0x4000_3000, 0x7ffd_0000_2000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("add_custom"),
+    );
+    call(
+        &mut d,
+        e,
+        ret("rtsFuncGetByName", 3_110, 0, &0xbeef_0000u64.to_le_bytes()),
+    );
+    let c = call(
+        &mut d,
+        rt_launch(0x40_4000, 4_000),
+        ret("rtKernelLaunch", 4_100, 0, &[]),
+    );
+    assert!(matches!(&c.args, CallArgs::Launch(l) if l.kernel.as_deref() == Some("softmax_tbe")));
+    // rtLaunchKernelByFuncHandleV3(handle, numBlocks, argsInfo, stream, cfg).
+    let e = entry(
+        "rtLaunchKernelByFuncHandleV3",
+        5_000,
+        [0xbeef_0000, JUNK | 8, 0x7ffd_0000_3000, 0x5100, 0, 0],
+        &[],
+    );
+    let c = call(
+        &mut d,
+        e,
+        ret("rtLaunchKernelByFuncHandleV3", 5_100, 0, &[]),
+    );
+    let CallArgs::Launch(l) = &c.args else {
+        panic!("{:?}", c.args)
+    };
+    assert_eq!(
+        (l.kernel.as_deref(), l.blocks, l.stream),
+        (Some("add_custom"), Some(8), Some(0x5100))
+    );
+    // By binary and tiling key: counted, with no name (the binary handle is
+    // not a kernel's).
+    let e = entry(
+        "rtKernelLaunchWithHandle",
+        6_000,
+        [0x6100, 7, JUNK | 4, 0x7ffd_0000_3000, 0, 0x5000],
+        &[],
+    );
+    let c = call(&mut d, e, ret("rtKernelLaunchWithHandle", 6_100, 0, &[]));
+    assert!(
+        matches!(&c.args, CallArgs::Launch(l) if l.kernel.is_none() && l.blocks == Some(4) && l.func == 0)
+    );
+    assert_eq!(d.kernels(TGID).unwrap().len(), 3);
+}
+
+#[test]
+fn a_cann_runtime_call_inside_its_ascendcl_call_is_one_call() {
+    let mut d = decoder_with(
+        &[
+            "rtsFuncGetByName",
+            "aclrtLaunchKernel",
+            "rtLaunchKernelByFuncHandleV3",
+            "aclrtMalloc",
+            "rtMalloc",
+            "aclrtFree",
+            "rtFree",
+            "aclrtSynchronizeStream",
+            "rtStreamSynchronize",
+            "HcclAllReduce",
+            "rtKernelLaunch",
+        ],
+        0,
+    );
+    let e = with_deref(
+        entry(
+            "rtsFuncGetByName",
+            500,
+            [0x6100, 0x4000_3000, 0x7ffd_0000_2000, 0, 0, 0],
+            &[],
+        ),
+        &name_bytes("attention_fwd"),
+    );
+    call(
+        &mut d,
+        e,
+        ret("rtsFuncGetByName", 510, 0, &0xf00d_0000u64.to_le_bytes()),
+    );
+    let mut out = Vec::new();
+    // aclrtLaunchKernel(handle, 48, args, 16, stream) -> rtLaunchKernelByFuncHandleV3.
+    d.on_entry(
+        &entry(
+            "aclrtLaunchKernel",
+            1_000,
+            [0xf00d_0000, JUNK | 48, 0x7ffd_0000_3000, 16, 0x5000, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &entry(
+            "rtLaunchKernelByFuncHandleV3",
+            1_100,
+            [0xf00d_0000, 48, 0x7ffd_0000_3100, 0x5000, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_return(
+        &ret("rtLaunchKernelByFuncHandleV3", 1_200, 0, &[]),
+        &mut out,
+    );
+    assert!(out.is_empty(), "folded: {out:?}");
+    d.on_return(&ret("aclrtLaunchKernel", 1_300, 0, &[]), &mut out);
+    let [Decoded::Call(c)] = out.as_slice() else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        (c.function, c.start_ts, c.end_ts, c.name.as_str()),
+        (
+            "aclrtLaunchKernel",
+            1_000,
+            Some(1_300),
+            "aclrtLaunchKernel attention_fwd blocks 48"
+        )
+    );
+
+    // aclrtMalloc -> rtMalloc, aclrtFree -> rtFree: counted once, by the
+    // AscendCL call, on the Ascend device.
+    out.clear();
+    d.on_entry(
+        &entry(
+            "aclrtMalloc",
+            2_000,
+            [0x7ffd_0000_5000, GIB, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &entry("rtMalloc", 2_010, [0x7ffd_0000_5100, GIB, 0, 3, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_return(
+        &ret("rtMalloc", 2_020, 0, &0x5000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    d.on_return(
+        &ret("aclrtMalloc", 2_030, 0, &0x5000_0000u64.to_le_bytes()),
+        &mut out,
+    );
+    let [Decoded::Call(c)] = out.as_slice() else {
+        panic!("{out:?}")
+    };
+    let m = c.memory.expect("memory effect");
+    assert_eq!(
+        (c.function, m.held_after, m.device.vendor),
+        ("aclrtMalloc", GIB, Vendor::Ascend)
+    );
+    out.clear();
+    d.on_entry(
+        &entry("aclrtFree", 2_100, [0x5000_0000, 0, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_entry(
+        &entry("rtFree", 2_110, [0x5000_0000, 0, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_return(&ret("rtFree", 2_120, 0, &[]), &mut out);
+    d.on_return(&ret("aclrtFree", 2_130, 0, &[]), &mut out);
+    assert!(matches!(out.as_slice(), [Decoded::Call(c)] if c.function == "aclrtFree"));
+    assert_eq!(d.memory(TGID).unwrap().live(), 0);
+
+    // aclrtSynchronizeStream -> rtStreamSynchronize.
+    out.clear();
+    d.on_entry(
+        &entry(
+            "aclrtSynchronizeStream",
+            3_000,
+            [0x5000, 0, 0, 0, 0, 0],
+            &[],
+        ),
+        &mut out,
+    );
+    d.on_entry(
+        &entry("rtStreamSynchronize", 3_010, [0x5000, 0, 0, 0, 0, 0], &[]),
+        &mut out,
+    );
+    d.on_return(&ret("rtStreamSynchronize", 3_900, 0, &[]), &mut out);
+    d.on_return(&ret("aclrtSynchronizeStream", 3_910, 0, &[]), &mut out);
+    assert!(matches!(out.as_slice(), [Decoded::Call(c)] if c.function == "aclrtSynchronizeStream"));
+
+    // Direct runtime calls stay calls: a launch inside an HCCL collective,
+    // an allocation an operator library makes, which feeds the ledger as
+    // AscendCL's would.
+    out.clear();
+    d.on_entry(
+        &entry(
+            "HcclAllReduce",
+            4_000,
+            [0xa000, 0xb000, 1024, 4, 0, 0xc0c0],
+            &[0x5000],
+        ),
+        &mut out,
+    );
+    d.on_entry(&rt_launch(0x40_2000, 4_010), &mut out);
+    d.on_return(&ret("rtKernelLaunch", 4_020, 0, &[]), &mut out);
+    d.on_return(&ret("HcclAllReduce", 4_030, 0, &[]), &mut out);
+    let names: Vec<&str> = out
+        .iter()
+        .map(|o| match o {
+            Decoded::Call(c) => c.function,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(names, ["rtKernelLaunch", "HcclAllReduce"]);
+    let c = call(
+        &mut d,
+        entry(
+            "rtMalloc",
+            5_000,
+            [0x7ffd_0000_5000, 2 * GIB, 0, 3, 0, 0],
+            &[],
+        ),
+        ret("rtMalloc", 5_010, 0, &0x6000_0000u64.to_le_bytes()),
+    );
+    let m = c.memory.expect("memory effect");
+    assert_eq!((m.held_after, m.device.vendor), (2 * GIB, Vendor::Ascend));
+    let s = d.stats();
+    // The name lookup, the launch, malloc, free, sync, the rt launch,
+    // HCCL, the direct malloc.
+    assert_eq!((s.folded, s.calls), (4, 8), "{s:?}");
+}
