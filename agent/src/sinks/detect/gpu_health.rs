@@ -356,7 +356,11 @@ impl GpuHealthDetector {
         out: &mut Vec<Finding>,
     ) {
         let on = ranks_on(&x.pids, ranks);
-        self.gpus.entry((x.vendor, x.gpu)).or_default().last_error = Some(x.ts);
+        let state = self.gpus.entry((x.vendor, x.gpu)).or_default();
+        state.last_error = Some(x.ts);
+        // DCMI lists the codes a device has, read once an interval: the
+        // code appeared after the device's last sample (0: none yet).
+        let last_sample = (x.vendor == Vendor::Ascend && state.ts > 0).then_some(state.ts);
         if on.is_empty() || !self.xids.insert((x.vendor, x.gpu, x.xid)) {
             return;
         }
@@ -366,6 +370,7 @@ impl GpuHealthDetector {
         };
         let (rank, pid) = on[0];
         let step = step_of(pid, x.ts);
+        let listed_after_step = last_sample.and_then(|t| step_of(pid, t));
         out.push(Finding {
             link: Default::default(),
             kind: FindingKind::DeviceError,
@@ -388,6 +393,7 @@ impl GpuHealthDetector {
                 "gpu": x.gpu,
                 "xid": x.xid,
                 "error_code": (x.vendor == Vendor::Ascend).then(|| format!("0x{:X}", x.xid)),
+                "listed_after_step": listed_after_step,
                 "pids": on.iter().map(|(_, p)| p).collect::<Vec<_>>(),
                 "rank": rank,
             }),
