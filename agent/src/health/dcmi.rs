@@ -4,9 +4,10 @@
 //! hands back (a count past the buffer given is cut to it, text stops at
 //! its NUL or its buffer, a card or device count past [`MAX_NPUS`] is cut).
 //!
-//! The signatures, struct layouts and enum values are those of
-//! `dcmi_interface_api.h` as the Ascend driver 23.0 to 25.x ships it (and as
-//! the "DCMI API Reference" of the Atlas training products documents it):
+//! The signatures, struct layouts and enum values are those the Ascend NPU
+//! driver's `dcmi_interface_api.h` declares (the header's copies that
+//! public projects vendor from recent drivers agree on every one used here)
+//! and the "DCMI API Reference" of the Atlas products documents:
 //! - `int dcmi_init(void)`
 //! - `int dcmi_get_card_num_list(int *card_num, int *card_list, int list_len)`
 //! - `int dcmi_get_device_num_in_card(int card_id, int *device_num)`
