@@ -239,14 +239,21 @@ pub struct AttachArgs {
     /// before/after measurement of the hook).
     #[arg(long, hide = true)]
     pub no_loader_hook: bool,
-    /// How often GPU health (clocks, clock-event reasons, utilization,
-    /// memory, ECC, Xid errors) is read from NVML; 0 turns it off.
+    /// How often device health (clocks, clock-event reasons, utilization,
+    /// memory, ECC, Xid errors) is read from NVML, and its Ascend
+    /// equivalent (AI Core frequency, utilization, HBM, health, error
+    /// codes) from DCMI; 0 turns both off.
     #[arg(long, default_value = "1s", value_parser = config::parse_duration)]
     pub gpu_health_interval: Duration,
     /// The NVML library to load [default: $XPUSCOPE_NVML_LIBRARY, else
     /// libnvidia-ml.so.1].
     #[arg(long)]
     pub nvml_library: Option<PathBuf>,
+    /// The DCMI library (Ascend NPUs) to load [default: $XPUSCOPE_DCMI_LIBRARY,
+    /// else the first of libdcmi.so, /usr/local/Ascend/driver/lib64/driver/
+    /// and .../lib64/common/libdcmi.so that loads].
+    #[arg(long)]
+    pub dcmi_library: Option<PathBuf>,
 }
 
 /// A leak rate: a size of at least one byte.
@@ -315,11 +322,13 @@ impl AttachArgs {
                 ..Default::default()
             },
             loader_hook: !self.no_loader_hook,
-            gpu_health: crate::health::HealthConfig {
-                library: self
-                    .nvml_library
-                    .unwrap_or_else(|| crate::health::HealthConfig::from_env().library),
-                interval: self.gpu_health_interval,
+            gpu_health: {
+                let env = crate::health::HealthConfig::from_env();
+                crate::health::HealthConfig {
+                    library: self.nvml_library.unwrap_or(env.library),
+                    dcmi_library: self.dcmi_library.or(env.dcmi_library),
+                    interval: self.gpu_health_interval,
+                }
             },
         }
     }

@@ -209,7 +209,7 @@ struct Finished {
     sinks: Vec<SinkReport>,
     bytes: u64,
     findings: Vec<Finding>,
-    gpu_health: crate::health::HealthReport,
+    health: crate::health::HealthReports,
 }
 
 async fn record(
@@ -299,7 +299,8 @@ async fn record(
         finished.sinks,
     );
     summary.findings = finished.findings;
-    summary.gpu_health = finished.gpu_health;
+    summary.gpu_health = finished.health.gpu;
+    summary.npu_health = finished.health.npu;
     summary.set_device_probes(device.stats());
     summary.set_device_hits(&device_hits);
     summary.kernel_skipped = kernel_skips.iter().sum();
@@ -470,7 +471,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         health,
     } = stages;
     // Its last readings reach the pipeline before the end.
-    let gpu_health = tokio::task::spawn_blocking(move || health.stop()).await?;
+    let health_reports = tokio::task::spawn_blocking(move || health.stop()).await?;
     let _ = stop_collect.send(true);
     let collect_result = collect
         .await
@@ -520,7 +521,7 @@ async fn stop(stages: Stages, cfg: &AttachConfig) -> Result<Finished> {
         sinks,
         bytes: written.bytes,
         findings,
-        gpu_health,
+        health: health_reports,
     })
 }
 

@@ -118,6 +118,8 @@ pub struct RunSummary {
     pub device: DeviceSummary,
     /// GPU health (NVML): whether it was available, why not, what it read.
     pub gpu_health: crate::health::HealthReport,
+    /// NPU health (DCMI), the same.
+    pub npu_health: crate::health::HealthReport,
     /// Per sink: records delivered, and those it lost while it lagged.
     pub sinks: Vec<SinkReport>,
     /// `--system`: distinct tasks that ran and CPUs seen (what that mode
@@ -371,7 +373,8 @@ impl RunSummary {
                 ..DeviceSummary::default()
             },
             sinks,
-            gpu_health: crate::health::HealthReport::default(),
+            gpu_health: crate::health::HealthReports::default().gpu,
+            npu_health: crate::health::HealthReports::default().npu,
             system_wide: cfg.system_wide.then(|| SystemWide {
                 tasks_ran: totals.tasks_ran,
                 cpus: totals.cpus_seen,
@@ -595,6 +598,7 @@ impl RunSummary {
             }
         }
         eprintln!("  {}", self.gpu_health.line());
+        eprintln!("  {}", self.npu_health.line());
         let d = &self.device;
         let c = &d.counts;
         let dc = &d.decoding;

@@ -289,11 +289,13 @@ class Job:
 
             self.out = Path(tempfile.mkdtemp(prefix=f"xpuscope-{self.job}-"))
         self.gt_path = self.out / "ground_truth.json"
-        # Where the ranks play their GPUs for the stand-in libnvidia-ml.so.1
-        # (one state file per local GPU; an agent points the stand-in here).
+        # Where the ranks play their devices for the stand-in management
+        # library: GPUs for libnvidia-ml.so.1, NPUs for libdcmi.so (one
+        # state file per local device; an agent points the stand-in here).
         self.nvml_dir = self.out / "nvml"
-        if args.flavor == "nvidia":
-            self.nvml_dir.mkdir(parents=True, exist_ok=True)
+        self.dcmi_dir = self.out / "dcmi"
+        (self.nvml_dir if args.flavor == "nvidia" else self.dcmi_dir).mkdir(
+            parents=True, exist_ok=True)
         allowed = sorted(os.sched_getaffinity(0))
         self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed
         self.ranks: list[RankProc] = []
@@ -338,6 +340,7 @@ class Job:
             env[name] = self.job
         if a.flavor == "ascend":
             env["RANK_SIZE"] = str(self.layout.world_size)
+            env["STANDIN_DCMI_DIR"] = str(self.dcmi_dir)
         else:
             env["STANDIN_NVML_DIR"] = str(self.nvml_dir)
         if a.device_mem_mb:

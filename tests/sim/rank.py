@@ -130,7 +130,7 @@ class Rank:
         self.delay_step = num_at(args.delay_step, int) if args.delay_step else (0, -1)
         self.throttle = num_at(args.throttle, int) if args.throttle else (GPU_MAX_MHZ, -1)
         self.xid = num_at(args.xid, int) if args.xid else (0, -1)
-        self.gpu = GpuState(self.local_rank)
+        self.gpu = GpuState(self.local_rank, self.dev.flavor)
         if args.delay:
             ms, _, rest = args.delay.partition("@")
             comm, _, seq = rest.rpartition("@")
@@ -286,28 +286,46 @@ GPU_MAX_MHZ = 1980
 
 
 class GpuState:
-    """This rank's GPU (index LOCAL_RANK) for the stand-in libnvidia-ml.so.1:
-    its state file under $STANDIN_NVML_DIR (format: standin_nvml.h), written
-    aside and renamed over the old one. Nothing without the variable."""
+    """This rank's device (index LOCAL_RANK) for the stand-in management
+    library: its GPU for libnvidia-ml.so.1 (state file under
+    $STANDIN_NVML_DIR, format: standin_nvml.h) or, for the Ascend flavor,
+    its NPU for libdcmi.so (under $STANDIN_DCMI_DIR, format:
+    standin_dcmi.h), written aside and renamed over the old one. Nothing
+    without the variable."""
 
-    def __init__(self, index: int):
-        d = os.environ.get("STANDIN_NVML_DIR")
-        self.path = os.path.join(d, f"gpu{index}") if d else None
+    def __init__(self, index: int, flavor: str):
+        self.ascend = flavor == "ascend"
+        d = os.environ.get("STANDIN_DCMI_DIR" if self.ascend else "STANDIN_NVML_DIR")
+        name = f"npu{index}" if self.ascend else f"gpu{index}"
+        self.path = os.path.join(d, name) if d else None
         self.pids = [os.getpid()]
         self.sm_mhz = GPU_MAX_MHZ
         self.reasons = 0
         self.util = 90
         self.mem_used = 0
+        # An Xid on a GPU, an error code on an NPU (whose health then
+        # turns to a major alarm).
         self.xids: list[int] = []
+
+    def throttle(self, mhz: int) -> None:
+        # NVML names a thermal slowdown; DCMI shows the frequency alone.
+        self.sm_mhz, self.reasons = mhz, (0 if self.ascend else 0x20)  # SwThermalSlowdown
+        self.publish()
 
     def publish(self) -> None:
         if not self.path:
             return
         lines = [f"pid {p}" for p in self.pids]
-        lines += [f"sm_mhz {self.sm_mhz}", f"max_sm_mhz {GPU_MAX_MHZ}",
-                  f"reasons {self.reasons}", f"util_gpu {self.util}",
-                  f"mem_used {self.mem_used}", f"mem_total {80 << 30}", "ecc_uncorrected 0"]
-        lines += [f"xid {x}" for x in self.xids]
+        if self.ascend:
+            lines += [f"aicore_mhz {self.sm_mhz}", f"max_aicore_mhz {GPU_MAX_MHZ}",
+                      f"util_aicore {self.util}", f"hbm_used_mb {(self.mem_used + (1 << 20) - 1) >> 20}",
+                      f"hbm_total_mb {64 << 10}", f"health {2 if self.xids else 0}"]
+            lines += [f"error_code {x}" for x in self.xids]
+        else:
+            lines += [f"sm_mhz {self.sm_mhz}", f"max_sm_mhz {GPU_MAX_MHZ}",
+                      f"reasons {self.reasons}", f"util_gpu {self.util}",
+                      f"mem_used {self.mem_used}", f"mem_total {80 << 30}", "ecc_uncorrected 0"]
+            lines += [f"xid {x}" for x in self.xids]
         with open(self.path + ".tmp", "w") as f:
             f.write("\n".join(lines) + "\n")
         os.replace(self.path + ".tmp", self.path)
@@ -459,8 +477,7 @@ def train_step(r: Rank, q: queue.Queue) -> None:
     if r.step == r.slow[1]:
         r.log.fault("slow", r.step, factor=r.slow[0])
     if r.step == r.throttle[1]:
-        r.gpu.sm_mhz, r.gpu.reasons = r.throttle[0], 0x20  # SwThermalSlowdown
-        r.gpu.publish()
+        r.gpu.throttle(r.throttle[0])
         r.log.fault("throttle", r.step, mhz=r.throttle[0])
     if r.step == r.xid[1]:
         r.gpu.xids.append(r.xid[0])

@@ -31,9 +31,14 @@ included (see sim_layout.collectives_per_step), as the stand-ins count them.
   throttle        rank, mhz, from_step=0           the rank's GPU clock drops to mhz (of 1980)
                                                    with a thermal clock-event reason (the
                                                    stand-in NVML shows it); its kernels take
-                                                   1980/mhz x longer
+                                                   1980/mhz x longer. Ascend flavor: its
+                                                   NPU's AI Core frequency drops, with no
+                                                   reason (the stand-in DCMI shows it)
   xid             rank, code=79, step              the rank's GPU raises Xid code (NVML's
-                                                   event set delivers it) at the step's start
+                                                   event set delivers it) at the step's start.
+                                                   Ascend flavor: its NPU lists code as a
+                                                   DCMI error code (decimal) and its health
+                                                   turns to a major alarm
 """
 
 from __future__ import annotations

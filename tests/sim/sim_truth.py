@@ -113,13 +113,18 @@ def fault_truth(job, fault: sim_faults.Fault, events_by_rank: dict[int, list[dic
                     "note": "the rank's host_ns grows by ms; it arrives last at the "
                             "collectives, its peers wait in them"}
     elif fault.kind == "throttle":
+        # DCMI gives no reason for a lowered NPU frequency.
+        reason = "sw_thermal_slowdown" if job.args.flavor == "nvidia" else None
         expected = {"throttled_rank": r, "gpu": r % len(job.local_ranks), "sm_mhz": p["mhz"],
-                    "max_sm_mhz": 1980, "reason": "sw_thermal_slowdown",
+                    "max_sm_mhz": 1980, "reason": reason,
                     "compute_factor": 1980 / p["mhz"], "from_step": p["from_step"],
                     "note": "the rank's GPU clock drops (a thermal clock event) and its "
                             "kernels slow in proportion; peers wait in the collectives"}
     elif fault.kind == "xid":
-        expected = {"rank": r, "gpu": r % len(job.local_ranks), "xid": p["code"], "step": p["step"]}
+        # On an NPU the code is a DCMI error code it lists, its health a
+        # major alarm.
+        expected = {"rank": r, "gpu": r % len(job.local_ranks), "xid": p["code"], "step": p["step"],
+                    "device": "GPU" if job.args.flavor == "nvidia" else "NPU"}
     elif fault.kind in ("hang", "delay"):
         if "step" in p:
             dp = job.layout.dp_comm_of(r)
@@ -214,6 +219,7 @@ def ground_truth(job) -> dict:
                                                            "device_mem_mb": a.device_mem_mb},
         "activity": {"api_records": a.activity_api, "log": a.activity_log},
         "nvml_dir": str(job.nvml_dir) if a.flavor == "nvidia" else None,
+        "dcmi_dir": str(job.dcmi_dir) if a.flavor == "ascend" else None,
         "driver": {"expandable_segments": a.expandable_segments,
                    "driver_launches": a.driver_launches},
         "communicators": [

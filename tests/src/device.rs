@@ -466,7 +466,17 @@ pub fn run_from_spawn_in(
     launcher_extra: &[&str],
     agent_extra: &[&str],
 ) -> SimRun {
-    spawn_and_record(root, tag, launcher_extra, agent_extra, false)
+    spawn_and_record(root, tag, launcher_extra, agent_extra, Health::None)
+}
+
+/// Which stand-in management library the agent reads device health from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Health {
+    None,
+    /// `libnvidia-ml.so.1`, the job's GPUs.
+    Nvml,
+    /// `libdcmi.so`, the job's NPUs (an Ascend-flavor job).
+    Dcmi,
 }
 
 /// [`run_from_spawn`] with the agent reading GPU health from the stand-in
@@ -477,7 +487,21 @@ pub fn run_from_spawn_with_gpus(
     launcher_extra: &[&str],
     agent_extra: &[&str],
 ) -> SimRun {
-    spawn_and_record(None, tag, launcher_extra, agent_extra, true)
+    spawn_and_record(None, tag, launcher_extra, agent_extra, Health::Nvml)
+}
+
+/// [`run_from_spawn`] of an Ascend-flavor job (`--flavor ascend` is added)
+/// with the agent reading NPU health from the stand-in `libdcmi.so`
+/// (`XPUSCOPE_DCMI_LIBRARY`), whose NPUs the job's ranks play
+/// (`STANDIN_DCMI_DIR` = the job's `dcmi/` folder); NVML named absent.
+pub fn run_from_spawn_with_npus(
+    tag: &str,
+    launcher_extra: &[&str],
+    agent_extra: &[&str],
+) -> SimRun {
+    let mut extra = vec!["--flavor", "ascend"];
+    extra.extend_from_slice(launcher_extra);
+    spawn_and_record(None, tag, &extra, agent_extra, Health::Dcmi)
 }
 
 fn spawn_and_record(
@@ -485,7 +509,7 @@ fn spawn_and_record(
     tag: &str,
     launcher_extra: &[&str],
     agent_extra: &[&str],
-    gpus: bool,
+    health: Health,
 ) -> SimRun {
     wait_for_closers();
     let fx = fixtures::build_all();
@@ -525,13 +549,23 @@ fn spawn_and_record(
         nvml_library.to_str().expect("a UTF-8 path"),
         nvml_dir.to_str().expect("a UTF-8 path"),
     );
-    let env: &[(&str, &str)] = if gpus {
-        &[
+    let dcmi_library = fx.join("standins/lib/libdcmi.so");
+    let dcmi_dir = job_dir.join("dcmi");
+    let (dcmi_library, dcmi_dir) = (
+        dcmi_library.to_str().expect("a UTF-8 path"),
+        dcmi_dir.to_str().expect("a UTF-8 path"),
+    );
+    let env: &[(&str, &str)] = match health {
+        Health::Nvml => &[
             ("XPUSCOPE_NVML_LIBRARY", nvml_library),
             ("STANDIN_NVML_DIR", nvml_dir),
-        ]
-    } else {
-        &[]
+        ],
+        Health::Dcmi => &[
+            ("XPUSCOPE_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1"),
+            ("XPUSCOPE_DCMI_LIBRARY", dcmi_library),
+            ("STANDIN_DCMI_DIR", dcmi_dir),
+        ],
+        Health::None => &[],
     };
     let rec = Recording::start_with_env(dir.path(), &args, env);
     std::fs::write(&gate, b"").expect("open the spawn gate");

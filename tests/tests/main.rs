@@ -28,6 +28,7 @@ mod host_findings;
 mod hostile;
 mod levels;
 mod merge;
+mod npu_health;
 mod probe_hits;
 mod probe_levels;
 mod probes_catalog;

@@ -606,6 +606,77 @@ fn throttle_and_xid(lang: &str) {
     );
 }
 
+/// The state file an Ascend rank writes for its NPU (`standin_dcmi.h`):
+/// `key`'s values.
+fn npu_state(job: &Job, npu: u64, key: &str) -> Vec<u64> {
+    let dir = job.gt["dcmi_dir"].as_str().expect("dcmi_dir");
+    let text = std::fs::read_to_string(Path::new(dir).join(format!("npu{npu}")))
+        .expect("the NPU's state file");
+    text.lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| *k == key)
+        .map(|(_, v)| v.parse().expect("a number"))
+        .collect()
+}
+
+#[test]
+fn an_ascend_throttle_and_error_code_show_in_the_npu_s_dcmi_state() {
+    let _t = timing_lock();
+    for lang in ["c", "python"] {
+        let job = run_job(
+            &format!("npu-throttle-{lang}"),
+            &[
+                "--flavor",
+                "ascend",
+                "--lang",
+                lang,
+                "--world-size",
+                "2",
+                "--dp",
+                "2",
+                "--steps",
+                "20",
+                "--kernel-us",
+                "800",
+                "--fault",
+                "throttle:rank=1,mhz=495,from_step=10",
+                "--fault",
+                "xid:rank=0,code=2162169857,step=5",
+            ],
+            LIMIT,
+        );
+        assert_eq!(job.status(), "completed", "{lang}");
+        assert_eq!(job.fault_events(1, "throttle")[0]["step"], 10);
+        assert_eq!(job.fault_events(0, "xid")[0]["step"], 5);
+        let before = job.median_ms(1, 2, 10, "kernel_ns");
+        let after = job.median_ms(1, 11, 20, "kernel_ns");
+        assert!(
+            (after / before - 4.0).abs() < 0.01,
+            "{lang}: {before} -> {after}"
+        );
+        // What the stand-in DCMI reads: NPU 1 at 495 MHz with no reason,
+        // NPU 0's error code and major alarm.
+        assert_eq!(npu_state(&job, 1, "aicore_mhz"), [495], "{lang}");
+        assert_eq!(npu_state(&job, 1, "max_aicore_mhz"), [1980], "{lang}");
+        assert_eq!(npu_state(&job, 1, "health"), [0], "{lang}");
+        assert_eq!(npu_state(&job, 0, "error_code"), [0x80E0_1801], "{lang}");
+        assert_eq!(npu_state(&job, 0, "health"), [2], "{lang}");
+        assert!(
+            npu_state(&job, 0, "pid").is_empty() && npu_state(&job, 1, "pid").is_empty(),
+            "{lang}: the ranks exited"
+        );
+        assert!(job.gt["nvml_dir"].is_null(), "{lang}");
+        let truth = job.gt["faults"].as_array().expect("faults");
+        let t = truth
+            .iter()
+            .find(|f| f["kind"] == "throttle")
+            .expect("throttle");
+        assert!(t["expected"]["reason"].is_null(), "{lang}: {t}");
+        let x = truth.iter().find(|f| f["kind"] == "xid").expect("xid");
+        assert_eq!(x["expected"]["device"], "NPU", "{lang}: {x}");
+    }
+}
+
 #[test]
 fn a_dataloader_stall_delays_that_step_on_every_rank() {
     let _t = timing_lock();

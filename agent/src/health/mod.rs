@@ -1,22 +1,29 @@
-//! GPU health: a thread that reads the host's NVML every interval (SM
-//! clock, clock-event reasons, utilization, memory, ECC errors, the compute
-//! processes on each GPU) and drains its Xid events, and hands the
-//! readings to the pipeline as [`Record`]s (one place turns NVML's values
-//! into records: [`sample`]). Per GPU, never per process: the processes a
-//! sample lists are joined to ranks by the sinks, through the identities
-//! they already keep (and drop at exit).
+//! Device health: a thread that reads the host's management libraries
+//! every interval and hands the readings to the pipeline as [`Record`]s:
+//! NVML for NVIDIA GPUs (SM clock, clock-event reasons, utilization,
+//! memory, ECC errors, the compute processes on each GPU, and its Xid
+//! events, drained between readings) and DCMI for Ascend NPUs (AI Core
+//! frequency, utilization, HBM, health, the error codes each NPU lists and
+//! the processes on it); either, or both when both are installed. One place
+//! turns each library's values into records: [`sample`]. Per device, never
+//! per process: the processes a sample lists are joined to ranks by the
+//! sinks, through the identities they already keep (and drop at exit).
 //!
-//! No NVML on the host (no driver, no GPU): no error and no readings; the
-//! run's summary says GPU health was unavailable and why.
+//! No library on the host (no driver, no device): no error and no
+//! readings; the run's summary says which health source was unavailable
+//! and why.
 //!
 //! ```text
 //!  sampler thread --(bounded; a full queue drops the reading, counted)--> pipeline
+//!    |- NVML source (GPUs)
+//!    '- DCMI source (NPUs)
 //! ```
 
+pub mod dcmi;
 pub mod nvml;
 pub mod sample;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
@@ -26,13 +33,24 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::model::Record;
+use crate::model::gpu::{GpuSample, GpuXid, Vendor};
 
 /// The library a host's NVIDIA driver installs.
 pub const DEFAULT_NVML_LIBRARY: &str = "libnvidia-ml.so.1";
 /// Names the NVML library to load instead (a path or a file name).
 pub const NVML_LIBRARY_ENV: &str = "XPUSCOPE_NVML_LIBRARY";
+/// Where the Ascend driver installs DCMI, tried in order when no library
+/// is named: the loader's search path first, then the driver's two
+/// install directories (not on the loader's path by default).
+pub const DEFAULT_DCMI_LIBRARIES: [&str; 3] = [
+    "libdcmi.so",
+    "/usr/local/Ascend/driver/lib64/driver/libdcmi.so",
+    "/usr/local/Ascend/driver/lib64/common/libdcmi.so",
+];
+/// Names the DCMI library to load instead (a path or a file name).
+pub const DCMI_LIBRARY_ENV: &str = "XPUSCOPE_DCMI_LIBRARY";
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
-/// Readings queued for the pipeline at most (a few seconds of 64 GPUs).
+/// Readings queued for the pipeline at most (a few seconds of 64 devices).
 const QUEUE: usize = 1024;
 /// Xid events taken per 50 ms tick at most.
 const MAX_XIDS_PER_TICK: usize = 256;
@@ -42,7 +60,10 @@ const MAX_XIDS_PER_TICK: usize = 256;
 pub struct HealthConfig {
     /// The NVML library to load.
     pub library: PathBuf,
-    /// Between two readings; zero turns GPU health off.
+    /// The DCMI library to load; `None`: the first of
+    /// [`DEFAULT_DCMI_LIBRARIES`] that loads.
+    pub dcmi_library: Option<PathBuf>,
+    /// Between two readings; zero turns device health off.
     pub interval: Duration,
 }
 
@@ -50,26 +71,36 @@ impl Default for HealthConfig {
     fn default() -> Self {
         Self {
             library: PathBuf::from(DEFAULT_NVML_LIBRARY),
+            dcmi_library: None,
             interval: DEFAULT_INTERVAL,
         }
     }
 }
 
 impl HealthConfig {
-    /// The default, with the library from [`NVML_LIBRARY_ENV`] when set.
+    /// The default, with the libraries from [`NVML_LIBRARY_ENV`] and
+    /// [`DCMI_LIBRARY_ENV`] when set.
     pub fn from_env() -> Self {
         let mut c = Self::default();
         if let Some(lib) = std::env::var_os(NVML_LIBRARY_ENV).filter(|v| !v.is_empty()) {
             c.library = PathBuf::from(lib);
         }
+        c.dcmi_library = std::env::var_os(DCMI_LIBRARY_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
         c
     }
 }
 
-/// What GPU health gave, for the summary and the stats JSON.
+/// What one health source (NVML or DCMI) gave, for the summary and the
+/// stats JSON. The same fields for both: `gpus` counts the source's
+/// devices (NPUs for DCMI), `xid_events` its device errors (DCMI's error
+/// codes).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct HealthReport {
-    /// NVML was loaded and initialized.
+    #[serde(skip)]
+    pub vendor: Vendor,
+    /// The library was loaded and initialized.
     pub available: bool,
     /// Why not, when not.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -84,16 +115,28 @@ pub struct HealthReport {
 }
 
 impl HealthReport {
+    fn of(vendor: Vendor) -> Self {
+        Self {
+            vendor,
+            ..Self::default()
+        }
+    }
+
     /// The summary's line.
     pub fn line(&self) -> String {
+        let device = self.vendor.device();
         match &self.unavailable {
-            Some(why) => format!("GPU health: unavailable ({why})"),
+            Some(why) => format!("{device} health: unavailable ({why})"),
             None => format!(
-                "GPU health: {} GPUs from {}, {} samples, {} Xid events{}",
+                "{device} health: {} {device}s from {}, {} samples, {} {}{}",
                 self.gpus,
                 self.library,
                 self.samples,
                 self.xid_events,
+                match self.vendor {
+                    Vendor::Nvidia => "Xid events",
+                    Vendor::Ascend => "error codes",
+                },
                 if self.dropped > 0 {
                     format!(", {} readings dropped", self.dropped)
                 } else {
@@ -104,13 +147,57 @@ impl HealthReport {
     }
 }
 
+/// Both sources' reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthReports {
+    /// NVML's (GPUs).
+    pub gpu: HealthReport,
+    /// DCMI's (NPUs).
+    pub npu: HealthReport,
+}
+
+impl Default for HealthReports {
+    fn default() -> Self {
+        Self {
+            gpu: HealthReport::of(Vendor::Nvidia),
+            npu: HealthReport::of(Vendor::Ascend),
+        }
+    }
+}
+
+/// One source's counts, kept apart so each report says what its library
+/// gave.
+#[derive(Default)]
+struct Counts {
+    samples: AtomicU64,
+    errors: AtomicU64,
+    dropped: AtomicU64,
+}
+
 #[derive(Default)]
 struct Shared {
     stop: AtomicBool,
-    samples: AtomicU64,
-    xids: AtomicU64,
-    dropped: AtomicU64,
-    report: Mutex<HealthReport>,
+    gpu: Counts,
+    npu: Counts,
+    reports: Mutex<HealthReports>,
+}
+
+impl Shared {
+    fn counts(&self, vendor: Vendor) -> &Counts {
+        match vendor {
+            Vendor::Nvidia => &self.gpu,
+            Vendor::Ascend => &self.npu,
+        }
+    }
+
+    fn report(&self, vendor: Vendor, f: impl FnOnce(&mut HealthReport)) {
+        if let Ok(mut r) = self.reports.lock() {
+            f(match vendor {
+                Vendor::Nvidia => &mut r.gpu,
+                Vendor::Ascend => &mut r.npu,
+            });
+        }
+    }
 }
 
 /// The running sampler.
@@ -121,17 +208,24 @@ pub struct HealthSampler {
 
 /// Starts the sampler; its records come out of the returned receiver
 /// (the pipeline drains it). With a zero interval nothing starts and the
-/// report says GPU health is off.
+/// reports say device health is off.
 pub fn start(cfg: &HealthConfig) -> (HealthSampler, Receiver<Record>) {
     let (tx, rx) = sync_channel(QUEUE);
     let shared = Arc::new(Shared::default());
-    let library = cfg.library.display().to_string();
-    if let Ok(mut r) = shared.report.lock() {
-        r.library = library.clone();
-    }
+    shared.report(Vendor::Nvidia, |r| {
+        r.library = cfg.library.display().to_string()
+    });
+    shared.report(Vendor::Ascend, |r| {
+        r.library = match &cfg.dcmi_library {
+            Some(p) => p.display().to_string(),
+            None => DEFAULT_DCMI_LIBRARIES[0].to_owned(),
+        }
+    });
     if cfg.interval.is_zero() {
-        if let Ok(mut r) = shared.report.lock() {
-            r.unavailable = Some("turned off: --gpu-health-interval 0".into());
+        for v in [Vendor::Nvidia, Vendor::Ascend] {
+            shared.report(v, |r| {
+                r.unavailable = Some("turned off: --gpu-health-interval 0".into())
+            });
         }
         return (
             HealthSampler {
@@ -147,35 +241,133 @@ pub fn start(cfg: &HealthConfig) -> (HealthSampler, Receiver<Record>) {
         .name("xpuscope-health".into())
         .spawn(move || run(&cfg, &s, &tx))
         .inspect_err(|e| {
-            if let Ok(mut r) = shared.report.lock() {
-                r.unavailable = Some(format!("the sampler thread could not start: {e}"));
+            for v in [Vendor::Nvidia, Vendor::Ascend] {
+                shared.report(v, |r| {
+                    r.unavailable = Some(format!("the sampler thread could not start: {e}"))
+                });
             }
         })
         .ok();
     (HealthSampler { shared, thread }, rx)
 }
 
+/// A management library the sampler reads: its devices' readings each
+/// interval, in the order the pipeline should see them, and errors raised
+/// between readings.
+enum Source {
+    Nvml(nvml::Nvml, sample::Reader),
+    Dcmi(dcmi::Dcmi, sample::DcmiReader),
+}
+
+impl Source {
+    fn vendor(&self) -> Vendor {
+        match self {
+            Source::Nvml(..) => Vendor::Nvidia,
+            Source::Dcmi(..) => Vendor::Ascend,
+        }
+    }
+
+    /// The devices' readings now. DCMI's error codes come before its
+    /// samples: a health alarm a sample shows is then known to come with
+    /// its error code.
+    fn read(&mut self, ts: u64) -> (Vec<GpuXid>, Vec<GpuSample>) {
+        match self {
+            Source::Nvml(nvml, reader) => (Vec::new(), reader.samples(nvml, ts)),
+            Source::Dcmi(dcmi, reader) => {
+                let (samples, errors) = reader.samples(dcmi, ts);
+                (errors, samples)
+            }
+        }
+    }
+
+    /// An error raised since the last call (NVML's Xid events; DCMI lists
+    /// its error codes with each reading instead).
+    fn next_error(&mut self, ts: u64) -> Option<GpuXid> {
+        match self {
+            Source::Nvml(nvml, reader) => reader.next_xid(nvml, ts),
+            Source::Dcmi(..) => None,
+        }
+    }
+}
+
+/// NVML, or why not.
+fn open_nvml(path: &Path) -> Result<Source, String> {
+    let nvml = nvml::Nvml::open(path).map_err(|e| e.to_string())?;
+    let reader = sample::Reader::new(&nvml);
+    Ok(Source::Nvml(nvml, reader))
+}
+
+/// DCMI from the named library, or the first default that loads; or why
+/// not. The library loaded, for the report.
+fn open_dcmi(path: Option<&Path>) -> Result<(Source, String), String> {
+    let open = |p: &Path| {
+        dcmi::Dcmi::open(p).map(|d| {
+            let reader = sample::DcmiReader::new(&d);
+            (Source::Dcmi(d, reader), p.display().to_string())
+        })
+    };
+    if let Some(p) = path {
+        return open(p).map_err(|e| e.to_string());
+    }
+    let mut not_loaded = Vec::new();
+    for candidate in DEFAULT_DCMI_LIBRARIES {
+        match open(Path::new(candidate)) {
+            Ok(s) => return Ok(s),
+            // Found but failing (no device, a driver error): that is why.
+            Err(e @ (dcmi::DcmiError::Call { .. } | dcmi::DcmiError::Missing { .. })) => {
+                return Err(e.to_string());
+            }
+            Err(dcmi::DcmiError::Load { .. }) => not_loaded.push(candidate),
+        }
+    }
+    Err(format!(
+        "libdcmi.so not found (tried {})",
+        not_loaded.join(", ")
+    ))
+}
+
 /// The sampler thread's body.
 fn run(cfg: &HealthConfig, shared: &Shared, tx: &SyncSender<Record>) {
-    let nvml = match nvml::Nvml::open(&cfg.library) {
-        Ok(n) => n,
-        Err(e) => {
-            tracing::info!("GPU health unavailable: {e}");
-            if let Ok(mut r) = shared.report.lock() {
-                r.unavailable = Some(e.to_string());
+    let mut sources = Vec::new();
+    let opened = [
+        (Vendor::Nvidia, open_nvml(&cfg.library).map(|s| (s, None))),
+        (
+            Vendor::Ascend,
+            open_dcmi(cfg.dcmi_library.as_deref()).map(|(s, lib)| (s, Some(lib))),
+        ),
+    ];
+    for (vendor, source) in opened {
+        match source {
+            Ok((source, library)) => {
+                let devices = match &source {
+                    Source::Nvml(n, _) => n.gpus(),
+                    Source::Dcmi(d, _) => d.npus(),
+                };
+                shared.report(vendor, |r| {
+                    r.available = true;
+                    r.gpus = devices;
+                    if let Some(lib) = library {
+                        r.library = lib;
+                    }
+                });
+                sources.push(source);
             }
-            return;
+            Err(why) => {
+                tracing::info!("{} health unavailable: {why}", vendor.device());
+                shared.report(vendor, |r| r.unavailable = Some(why));
+            }
         }
-    };
-    if let Ok(mut r) = shared.report.lock() {
-        r.available = true;
-        r.gpus = nvml.gpus();
     }
-    let mut reader = sample::Reader::new(&nvml);
-    let send = |r: Record| match tx.try_send(r) {
+    if sources.is_empty() {
+        return;
+    }
+    let send = |vendor: Vendor, r: Record| match tx.try_send(r) {
         Ok(()) => true,
         Err(TrySendError::Full(_)) => {
-            shared.dropped.fetch_add(1, Ordering::Relaxed);
+            shared
+                .counts(vendor)
+                .dropped
+                .fetch_add(1, Ordering::Relaxed);
             true
         }
         Err(TrySendError::Disconnected(_)) => false,
@@ -183,24 +375,39 @@ fn run(cfg: &HealthConfig, shared: &Shared, tx: &SyncSender<Record>) {
     let tick = Duration::from_millis(50).min(cfg.interval);
     let mut next = std::time::Instant::now();
     while !shared.stop.load(Ordering::Relaxed) {
-        if std::time::Instant::now() >= next {
+        let due = std::time::Instant::now() >= next;
+        if due {
             next += cfg.interval;
-            for s in reader.samples(&nvml, crate::host::boottime_ns()) {
-                shared.samples.fetch_add(1, Ordering::Relaxed);
-                if !send(Record::GpuSample(Box::new(s))) {
-                    return;
+        }
+        for source in &mut sources {
+            let vendor = source.vendor();
+            let counts = shared.counts(vendor);
+            if due {
+                let (errors, samples) = source.read(crate::host::boottime_ns());
+                for e in errors {
+                    counts.errors.fetch_add(1, Ordering::Relaxed);
+                    if !send(vendor, Record::GpuXid(e)) {
+                        return;
+                    }
+                }
+                for s in samples {
+                    counts.samples.fetch_add(1, Ordering::Relaxed);
+                    if !send(vendor, Record::GpuSample(Box::new(s))) {
+                        return;
+                    }
                 }
             }
-        }
-        // Xid events between samples, stamped when seen; a bounded number
-        // per tick (a library that never runs dry cannot hold the thread).
-        for _ in 0..MAX_XIDS_PER_TICK {
-            let Some(x) = reader.next_xid(&nvml, crate::host::boottime_ns()) else {
-                break;
-            };
-            shared.xids.fetch_add(1, Ordering::Relaxed);
-            if !send(Record::GpuXid(x)) {
-                return;
+            // Errors between samples, stamped when seen; a bounded number
+            // per tick (a library that never runs dry cannot hold the
+            // thread).
+            for _ in 0..MAX_XIDS_PER_TICK {
+                let Some(x) = source.next_error(crate::host::boottime_ns()) else {
+                    break;
+                };
+                counts.errors.fetch_add(1, Ordering::Relaxed);
+                if !send(vendor, Record::GpuXid(x)) {
+                    return;
+                }
             }
         }
         std::thread::sleep(tick);
@@ -209,20 +416,25 @@ fn run(cfg: &HealthConfig, shared: &Shared, tx: &SyncSender<Record>) {
 
 impl HealthSampler {
     /// Stops the thread (at most one tick's wait) and reports.
-    pub fn stop(mut self) -> HealthReport {
+    pub fn stop(mut self) -> HealthReports {
         self.shared.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
         let mut r = self
             .shared
-            .report
+            .reports
             .lock()
             .map(|r| r.clone())
             .unwrap_or_default();
-        r.samples = self.shared.samples.load(Ordering::Relaxed);
-        r.xid_events = self.shared.xids.load(Ordering::Relaxed);
-        r.dropped = self.shared.dropped.load(Ordering::Relaxed);
+        for (report, counts) in [
+            (&mut r.gpu, &self.shared.gpu),
+            (&mut r.npu, &self.shared.npu),
+        ] {
+            report.samples = counts.samples.load(Ordering::Relaxed);
+            report.xid_events = counts.errors.load(Ordering::Relaxed);
+            report.dropped = counts.dropped.load(Ordering::Relaxed);
+        }
         r
     }
 }
@@ -241,20 +453,46 @@ mod tests {
     fn no_library_means_a_clear_line_and_no_records() {
         let cfg = HealthConfig {
             library: PathBuf::from("/nonexistent/libnvidia-ml.so.1"),
+            dcmi_library: Some(PathBuf::from("/nonexistent/libdcmi.so")),
             interval: Duration::from_millis(10),
         };
         let (sampler, rx) = start(&cfg);
         std::thread::sleep(Duration::from_millis(50));
         let report = sampler.stop();
-        assert!(!report.available);
-        assert!(rx.try_recv().is_err(), "no records without NVML");
-        let line = report.line();
+        assert!(!report.gpu.available && !report.npu.available);
+        assert!(rx.try_recv().is_err(), "no records without a library");
+        let line = report.gpu.line();
         assert!(
             line.starts_with(
                 "GPU health: unavailable (/nonexistent/libnvidia-ml.so.1 could not be loaded"
             ),
             "{line}"
         );
+        let line = report.npu.line();
+        assert!(
+            line.starts_with(
+                "NPU health: unavailable (/nonexistent/libdcmi.so could not be loaded"
+            ),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn without_a_named_dcmi_the_driver_s_places_are_tried() {
+        match open_dcmi(None) {
+            // A host with the Ascend driver: one of its places.
+            Ok((_, library)) => assert!(
+                DEFAULT_DCMI_LIBRARIES.contains(&library.as_str()),
+                "{library}"
+            ),
+            Err(e) => assert_eq!(
+                e,
+                format!(
+                    "libdcmi.so not found (tried {})",
+                    DEFAULT_DCMI_LIBRARIES.join(", ")
+                )
+            ),
+        }
     }
 
     #[test]
@@ -265,8 +503,28 @@ mod tests {
         });
         let r = sampler.stop();
         assert_eq!(
-            r.line(),
+            r.gpu.line(),
             "GPU health: unavailable (turned off: --gpu-health-interval 0)"
+        );
+        assert_eq!(
+            r.npu.line(),
+            "NPU health: unavailable (turned off: --gpu-health-interval 0)"
+        );
+    }
+
+    #[test]
+    fn an_npu_report_counts_npus_and_error_codes() {
+        let r = HealthReport {
+            available: true,
+            library: "libdcmi.so".into(),
+            gpus: 8,
+            samples: 40,
+            xid_events: 1,
+            ..HealthReport::of(Vendor::Ascend)
+        };
+        assert_eq!(
+            r.line(),
+            "NPU health: 8 NPUs from libdcmi.so, 40 samples, 1 error codes"
         );
     }
 }

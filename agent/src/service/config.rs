@@ -313,6 +313,7 @@ impl ServiceConfig {
             "labels.job_env" => c.labels.job_env,
             "gpu_health.interval" => c.gpu_health.interval,
             "gpu_health.library" => c.gpu_health.library,
+            "gpu_health.dcmi_library" => c.gpu_health.dcmi_library,
         ]
     }
 
@@ -617,6 +618,10 @@ impl ServiceConfig {
             }
             if let Some(v) = s.take("library") {
                 cfg.gpu_health.library = PathBuf::from(ctx.string(&v, "gpu_health.library")?);
+            }
+            if let Some(v) = s.take("dcmi_library") {
+                cfg.gpu_health.dcmi_library =
+                    Some(PathBuf::from(ctx.string(&v, "gpu_health.dcmi_library")?));
             }
             s.finish()?;
         }
@@ -962,12 +967,18 @@ mod tests {
                 _ => format!("{l}\n"),
             })
             .collect();
-        assert_eq!(uncommented, 7, "{text}");
+        assert_eq!(uncommented, 8, "{text}");
         let cfg = parse(&text).unwrap();
         assert_eq!(cfg.control.group.as_deref(), Some("xpuscope"));
         assert!(cfg.control.tcp_listen.is_some() && cfg.control.token_file.is_some());
         assert!(cfg.discovery.comm.as_ref().unwrap().0.is_match("torchrun"));
         assert_eq!(cfg.discovery.cgroup_prefix, vec!["/kubepods.slice"]);
+        assert_eq!(
+            cfg.gpu_health.dcmi_library.as_deref(),
+            Some(Path::new(
+                "/usr/local/Ascend/driver/lib64/driver/libdcmi.so"
+            ))
+        );
         assert_eq!(cfg.discovery.env, vec!["RANK"]);
     }
 
@@ -1019,6 +1030,7 @@ job_env = ["MY_JOB"]
 [gpu_health]
 interval = "5s"
 library = "/opt/nvml/libnvidia-ml.so.1"
+dcmi_library = "/opt/ascend/libdcmi.so"
 "#,
         )
         .unwrap();
@@ -1027,6 +1039,7 @@ library = "/opt/nvml/libnvidia-ml.so.1"
             crate::health::HealthConfig {
                 interval: Duration::from_secs(5),
                 library: PathBuf::from("/opt/nvml/libnvidia-ml.so.1"),
+                dcmi_library: Some(PathBuf::from("/opt/ascend/libdcmi.so")),
             }
         );
         assert_eq!(cfg.level.get(), 3);

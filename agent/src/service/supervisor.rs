@@ -499,7 +499,8 @@ where
     };
     let gpu_health = tokio::task::spawn_blocking(move || health.stop()).await;
     if let Ok(h) = gpu_health {
-        tracing::info!("{}", h.line());
+        tracing::info!("{}", h.gpu.line());
+        tracing::info!("{}", h.npu.line());
     }
     drop(tx);
     drop(control);

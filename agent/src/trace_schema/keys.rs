@@ -163,3 +163,7 @@ pub const ECC_UNCORRECTED: Key<Uint> = Key::new("ecc_uncorrected");
 /// The GPU's compute processes, comma-separated pids.
 pub const GPU_PIDS: Key<Text> = Key::new("pids");
 pub const XID: Key<Uint> = Key::new("xid");
+/// An NPU's DCMI health level (0 ok .. 3 critical alarm).
+pub const HEALTH: Key<Uint> = Key::new("health");
+/// An error code an NPU listed (DCMI).
+pub const ERROR_CODE: Key<Uint> = Key::new("error_code");

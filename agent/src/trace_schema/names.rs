@@ -1,6 +1,8 @@
 //! Names of the events and tracks the agent writes. Readers find events
 //! by them: they are part of the format.
 
+use crate::model::gpu::Vendor;
+
 /// Category of device call slices, device work and their markers.
 pub const DEVICE_CATEGORY: &str = "device";
 /// Category of the findings' slices.
@@ -77,6 +79,13 @@ pub fn function_of(event_name: &str) -> &str {
 /// A GPU's track (`GPU 0`), at the top level, from NVML's index; its
 /// description names the model and UUID. Its counters are its children.
 pub const GPU_TRACK: &str = "GPU ";
+/// An Ascend NPU's track (`NPU 0`), at the top level, from its place in
+/// DCMI's enumeration; its description names the chip and its card and
+/// device. The same counters and instants as a GPU's; its clock counter is
+/// [`NPU_FREQUENCY_TRACK`].
+pub const NPU_TRACK: &str = "NPU ";
+/// An NPU's AI Core frequency counter (`NPU 0 AI Core frequency`), MHz.
+pub const NPU_FREQUENCY_TRACK: &str = " AI Core frequency";
 /// A GPU's SM clock counter (`GPU 0 SM clock`), MHz.
 pub const GPU_SM_CLOCK_TRACK: &str = " SM clock";
 /// A GPU's utilization counter (`GPU 0 utilization`), percent.
@@ -91,13 +100,30 @@ pub const GPU_SAMPLE_EVENT: &str = "gpu sample";
 pub const GPU_SLOWED_EVENT: &str = "clocks slowed: ";
 /// The instant of an Xid error on a GPU's track: `Xid 79`.
 pub const GPU_XID_EVENT: &str = "Xid ";
+/// The instant of an error code an NPU newly lists, on its track:
+/// `error code 0x80E01801`.
+pub const NPU_ERROR_EVENT: &str = "error code ";
 
-/// A GPU's track name: `GPU 3`.
-pub fn gpu_track(gpu: u32) -> String {
-    format!("{GPU_TRACK}{gpu}")
+/// A device's track name: `GPU 3`, `NPU 3`.
+pub fn gpu_track(vendor: Vendor, gpu: u32) -> String {
+    match vendor {
+        Vendor::Nvidia => format!("{GPU_TRACK}{gpu}"),
+        Vendor::Ascend => format!("{NPU_TRACK}{gpu}"),
+    }
 }
 
-/// The GPU a track named by [`gpu_track`] is.
-pub fn gpu_of_track(name: &str) -> Option<u32> {
-    name.strip_prefix(GPU_TRACK)?.parse().ok()
+/// The device a track named by [`gpu_track`] is.
+pub fn gpu_of_track(name: &str) -> Option<(Vendor, u32)> {
+    if let Some(n) = name.strip_prefix(GPU_TRACK) {
+        return Some((Vendor::Nvidia, n.parse().ok()?));
+    }
+    Some((Vendor::Ascend, name.strip_prefix(NPU_TRACK)?.parse().ok()?))
+}
+
+/// A device's error instant's name: `Xid 79`, `error code 0x80E01801`.
+pub fn gpu_error_event(vendor: Vendor, code: u64) -> String {
+    match vendor {
+        Vendor::Nvidia => format!("{GPU_XID_EVENT}{code}"),
+        Vendor::Ascend => format!("{NPU_ERROR_EVENT}0x{code:X}"),
+    }
 }

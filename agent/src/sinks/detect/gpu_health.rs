@@ -1,19 +1,26 @@
-//! Findings from GPU health (NVML's samples and Xid events, per GPU),
-//! joined to the ranks whose processes run on each GPU:
-//! - `device_throttled`: a rank's GPU whose SM clock stayed below its
-//!   peers' (the median of the other GPUs the job's ranks run on, or the
-//!   GPU's own highest clock when it has no peer) by more than
+//! Findings from device health (NVML's samples and Xid events per GPU,
+//! DCMI's samples and error codes per Ascend NPU), joined to the ranks
+//! whose processes run on each device:
+//! - `device_throttled`: a rank's device whose clock (a GPU's SM clock, an
+//!   NPU's AI Core frequency) stayed below its peers' (the median of the
+//!   other devices of its vendor the job's ranks run on, or the device's
+//!   own highest clock when it has no peer) by more than
 //!   [`GpuHealthConfig::clock_gap_pct`] for [`GpuHealthConfig::persist`],
-//!   while NVML gives a reason for it other than idleness or a clock
-//!   setting (thermal, power cap, hardware slowdown, ...), named in the
-//!   finding. Once per slowdown: the GPU must come back to its peers' clock
-//!   before another is reported.
-//! - `device_error`: an Xid error or new uncorrected ECC errors on a GPU
-//!   a rank runs on, once per GPU and Xid (ECC: each time the count grows).
+//!   while slowed rather than idle: a GPU needs a reason from NVML other
+//!   than idleness or a clock setting (thermal, power cap, hardware
+//!   slowdown, ...), named in the finding; DCMI gives no reason, so an NPU
+//!   needs its AI Cores busy ([`BUSY_PCT`]) and the finding says "frequency
+//!   below peers". Once per slowdown: the device must come back to its
+//!   peers' clock before another is reported.
+//! - `device_error`: an Xid error, new uncorrected ECC errors, an error
+//!   code an NPU newly lists, once per device and code (ECC: each time the
+//!   count grows); and an NPU whose DCMI health turns to an alarm with no
+//!   error code listed since its last sample (with one, that code's finding
+//!   says it), once per rise.
 //!
-//! A GPU with no rank of the traced job on it gives no finding. State is
-//! per GPU; the ranks come from [`Ranks`], which forgets a process at its
-//! exit.
+//! A device with no rank of the traced job on it gives no finding. State
+//! is per device; the ranks come from [`Ranks`], which forgets a process at
+//! its exit.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -21,7 +28,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::Ranks;
-use crate::model::gpu::{GpuSample, GpuXid, reason_names};
+use crate::model::gpu::{GpuSample, GpuXid, Vendor, health_name, reason_names};
 use crate::model::{Finding, FindingKind};
 
 /// `device_throttled`'s thresholds.
@@ -45,6 +52,10 @@ impl Default for GpuHealthConfig {
 /// A peer's clock older than this is not compared with (its GPU left the
 /// job or NVML stopped answering for it).
 const PEER_FRESH_NS: u64 = 5_000_000_000;
+/// An NPU whose AI Cores are busy at least this share (percent) while its
+/// frequency is below its peers' is slowed, not idling for its host (DCMI
+/// gives no reason for a lowered frequency).
+pub const BUSY_PCT: u32 = 50;
 
 #[derive(Default)]
 struct GpuState {
@@ -61,13 +72,18 @@ struct GpuState {
     /// The last sample at its peers' clock: the slowdown began after it.
     last_normal: Option<u64>,
     ecc: Option<u64>,
+    /// The time of the sample before this one, and of the last error code.
+    prev_ts: Option<u64>,
+    last_error: Option<u64>,
+    /// The health level last reported or explained by an error code.
+    health: u32,
 }
 
 #[derive(Default)]
 pub struct GpuHealthDetector {
     cfg: GpuHealthConfig,
-    gpus: HashMap<u32, GpuState>,
-    xids: HashSet<(u32, u64)>,
+    gpus: HashMap<(Vendor, u32), GpuState>,
+    xids: HashSet<(Vendor, u32, u64)>,
 }
 
 /// The traced ranks and their processes among `pids`, rank order.
@@ -121,16 +137,67 @@ impl GpuHealthDetector {
         let peers: Vec<u32> = self
             .gpus
             .iter()
-            .filter(|(g, st)| {
-                **g != s.gpu && st.ranked && s.ts.saturating_sub(st.ts) < PEER_FRESH_NS
+            .filter(|((v, g), st)| {
+                *v == s.vendor
+                    && *g != s.gpu
+                    && st.ranked
+                    && s.ts.saturating_sub(st.ts) < PEER_FRESH_NS
             })
             .filter_map(|(_, st)| st.clock)
             .collect();
         let peer_clock = median(peers.clone());
-        let state = self.gpus.entry(s.gpu).or_default();
+        let device = s.vendor.device();
+        let state = self.gpus.entry((s.vendor, s.gpu)).or_default();
         state.clock = s.sm_clock_mhz;
+        state.prev_ts = (state.ts > 0).then_some(state.ts);
         state.ts = s.ts;
         state.ranked = !on.is_empty();
+
+        match s.health {
+            Some(level) if level > state.health && !on.is_empty() => {
+                let explained = match (state.last_error, state.prev_ts) {
+                    (Some(e), Some(p)) => e >= p,
+                    (Some(_), None) => true,
+                    _ => false,
+                };
+                state.health = level;
+                if !explained {
+                    let (rank, pid) = on[0];
+                    let step = step_of(pid, s.ts);
+                    let name = health_name(level).unwrap_or("alarm");
+                    out.push(Finding {
+                        link: Default::default(),
+                        kind: FindingKind::DeviceError,
+                        ranks: on.iter().map(|(r, _)| *r).collect(),
+                        comm: None,
+                        seq: None,
+                        step,
+                        start_ns: s.ts,
+                        end_ns: Some(s.ts),
+                        summary: format!(
+                            "device_error: {}'s {device} {} reported health {name}{}",
+                            who(&on),
+                            s.gpu,
+                            step.map(|s| format!(" in step {s}")).unwrap_or_default()
+                        ),
+                        evidence: json!({
+                            "source": s.vendor.source(),
+                            "vendor": s.vendor.name(),
+                            "gpu": s.gpu,
+                            "gpu_name": s.name,
+                            "gpu_uuid": s.uuid,
+                            "health": level,
+                            "health_name": name,
+                            "pids": on.iter().map(|(_, p)| p).collect::<Vec<_>>(),
+                            "rank": rank,
+                        }),
+                        detected_ns: s.ts,
+                    });
+                }
+            }
+            Some(level) => state.health = level,
+            None => {}
+        }
 
         if let Some(ecc) = s.ecc_uncorrected {
             if let Some(before) = state.ecc
@@ -149,7 +216,7 @@ impl GpuHealthDetector {
                     start_ns: s.ts,
                     end_ns: Some(s.ts),
                     summary: format!(
-                        "device_error: {}'s GPU {} reported {} new uncorrected ECC errors ({} in all){}",
+                        "device_error: {}'s {device} {} reported {} new uncorrected ECC errors ({} in all){}",
                         who(&on),
                         s.gpu,
                         ecc - before,
@@ -157,7 +224,7 @@ impl GpuHealthDetector {
                         step.map(|s| format!(" in step {s}")).unwrap_or_default()
                     ),
                     evidence: json!({
-                        "source": "nvml",
+                        "source": s.vendor.source(),
                         "gpu": s.gpu,
                         "gpu_uuid": s.uuid,
                         "ecc_uncorrected": ecc,
@@ -174,9 +241,14 @@ impl GpuHealthDetector {
         // Below whom: its peers' median, or its own highest clock.
         let reference = peer_clock.or(s.max_sm_clock_mhz);
         // Slowed, not idle: a GPU waiting for its host (a pipeline bubble,
-        // data loading) also clocks down, with no reason but idleness.
+        // data loading) also clocks down, with no reason but idleness. An
+        // NPU has no reasons: busy AI Cores tell slowed from idle.
+        let slowed = match s.clock_event_reasons {
+            Some(_) => s.slowdown_reasons() != 0,
+            None => s.utilization_pct.is_some_and(|u| u >= BUSY_PCT),
+        };
         let below = match (s.sm_clock_mhz, reference) {
-            (Some(clock), Some(reference)) if !on.is_empty() && s.slowdown_reasons() != 0 => {
+            (Some(clock), Some(reference)) if !on.is_empty() && slowed => {
                 u64::from(clock) * 100
                     < u64::from(reference) * u64::from(100 - self.cfg.clock_gap_pct.min(99))
             }
@@ -207,14 +279,31 @@ impl GpuHealthDetector {
         // sample at the peers' clock and the first below it.
         let onset_after_step = state.last_normal.and_then(|t| step_of(pid, t));
         let reasons = reason_names(state.reasons);
-        let why = format!("slowed by {reasons}");
+        let why = match s.clock_event_reasons {
+            Some(_) => format!("slowed by {reasons}"),
+            None => format!(
+                "frequency below peers (no reason given; its AI Cores {} % busy)",
+                s.utilization_pct.unwrap_or(0)
+            ),
+        };
+        let what = match s.vendor {
+            Vendor::Nvidia => "ran its SMs",
+            Vendor::Ascend => "ran its AI Cores",
+        };
         let against = match peer_clock {
             Some(p) => format!(
-                "its peers' {p} MHz (median of {} peer GPU{})",
+                "its peers' {p} MHz (median of {} peer {device}{})",
                 peers.len(),
                 if peers.len() == 1 { "" } else { "s" }
             ),
-            None => format!("its own highest {} MHz", reference.unwrap_or(0)),
+            None => format!(
+                "its own {} {} MHz",
+                match s.vendor {
+                    Vendor::Nvidia => "highest",
+                    Vendor::Ascend => "rated",
+                },
+                reference.unwrap_or(0)
+            ),
         };
         out.push(Finding {
             link: Default::default(),
@@ -226,7 +315,7 @@ impl GpuHealthDetector {
             start_ns: since,
             end_ns: None,
             summary: format!(
-                "device_throttled: {}'s GPU {} ran its SMs at {} MHz for {:.1} s against {against}, {why}{}",
+                "device_throttled: {}'s {device} {} {what} at {} MHz for {:.1} s against {against}, {why}{}",
                 who(&on),
                 s.gpu,
                 clock,
@@ -234,7 +323,7 @@ impl GpuHealthDetector {
                 step.map(|s| format!(", from step {s}")).unwrap_or_default()
             ),
             evidence: json!({
-                "source": "nvml",
+                "source": s.vendor.source(),
                 "gpu": s.gpu,
                 "gpu_name": s.name,
                 "gpu_uuid": s.uuid,
@@ -242,6 +331,8 @@ impl GpuHealthDetector {
                 "lowest_sm_clock_mhz": state.lowest,
                 "peer_sm_clock_mhz": peer_clock,
                 "peer_gpus": peers.len(),
+                "vendor": s.vendor.name(),
+                "utilization_pct": s.utilization_pct,
                 "max_sm_clock_mhz": s.max_sm_clock_mhz,
                 "reasons": reasons.split(',').filter(|r| !r.is_empty()).collect::<Vec<_>>(),
                 "reason_bits": state.reasons,
@@ -265,11 +356,21 @@ impl GpuHealthDetector {
         out: &mut Vec<Finding>,
     ) {
         let on = ranks_on(&x.pids, ranks);
-        if on.is_empty() || !self.xids.insert((x.gpu, x.xid)) {
+        let state = self.gpus.entry((x.vendor, x.gpu)).or_default();
+        state.last_error = Some(x.ts);
+        // DCMI lists the codes a device has, read once an interval: the
+        // code appeared after the device's last sample (0: none yet).
+        let last_sample = (x.vendor == Vendor::Ascend && state.ts > 0).then_some(state.ts);
+        if on.is_empty() || !self.xids.insert((x.vendor, x.gpu, x.xid)) {
             return;
         }
+        let (raised, code) = match x.vendor {
+            Vendor::Nvidia => ("raised Xid", x.xid.to_string()),
+            Vendor::Ascend => ("listed error code", format!("0x{:X}", x.xid)),
+        };
         let (rank, pid) = on[0];
         let step = step_of(pid, x.ts);
+        let listed_after_step = last_sample.and_then(|t| step_of(pid, t));
         out.push(Finding {
             link: Default::default(),
             kind: FindingKind::DeviceError,
@@ -280,16 +381,19 @@ impl GpuHealthDetector {
             start_ns: x.ts,
             end_ns: Some(x.ts),
             summary: format!(
-                "device_error: {}'s GPU {} raised Xid {}{}",
+                "device_error: {}'s {} {} {raised} {code}{}",
                 who(&on),
+                x.vendor.device(),
                 x.gpu,
-                x.xid,
                 step.map(|s| format!(" in step {s}")).unwrap_or_default()
             ),
             evidence: json!({
-                "source": "nvml",
+                "source": x.vendor.source(),
+                "vendor": x.vendor.name(),
                 "gpu": x.gpu,
                 "xid": x.xid,
+                "error_code": (x.vendor == Vendor::Ascend).then(|| format!("0x{:X}", x.xid)),
+                "listed_after_step": listed_after_step,
                 "pids": on.iter().map(|(_, p)| p).collect::<Vec<_>>(),
                 "rank": rank,
             }),
@@ -317,6 +421,111 @@ mod tests {
             );
         }
         r
+    }
+
+    /// An NPU's sample as DCMI's reader makes it: no reasons.
+    fn npu(n: u32, ts: u64, mhz: u32, util: u32, health: u32, pid: u32) -> GpuSample {
+        GpuSample {
+            ts,
+            vendor: Vendor::Ascend,
+            gpu: n,
+            sm_clock_mhz: Some(mhz),
+            max_sm_clock_mhz: Some(1800),
+            utilization_pct: Some(util),
+            health: Some(health),
+            pids: vec![pid],
+            ..GpuSample::default()
+        }
+    }
+
+    #[test]
+    fn a_busy_npu_below_its_peers_is_throttled_without_a_reason() {
+        let r = ranks(&[(10, 0), (11, 1), (12, 2)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for t in 0..12 {
+            for n in 0..3 {
+                let mhz = if n == 1 && t >= 4 { 900 } else { 1800 };
+                d.sample(
+                    &npu(n, t * S + u64::from(n), mhz, 90, 0, 10 + n),
+                    &r,
+                    &step,
+                    &mut out,
+                );
+            }
+            // A GPU of the same index at a lower clock is no peer of theirs.
+            d.sample(&sample(1, t * S + 5, 1200, 0, 99), &r, &step, &mut out);
+        }
+        assert_eq!(out.len(), 1, "{out:#?}");
+        let f = &out[0];
+        assert_eq!(f.kind, FindingKind::DeviceThrottled);
+        assert_eq!(f.ranks, vec![1]);
+        assert_eq!(f.step, Some(4));
+        assert_eq!(f.evidence["source"], json!("dcmi"));
+        assert_eq!(f.evidence["peer_sm_clock_mhz"], json!(1800));
+        assert_eq!(f.evidence["reasons"], json!([]));
+        assert!(
+            f.summary
+                .starts_with("device_throttled: rank 1's NPU 1 ran its AI Cores at 900 MHz"),
+            "{}",
+            f.summary
+        );
+        assert!(f.summary.contains("frequency below peers"), "{}", f.summary);
+    }
+
+    #[test]
+    fn an_idle_npu_clocked_down_is_not_throttled() {
+        let r = ranks(&[(10, 0), (11, 1)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        for t in 0..10 {
+            d.sample(&npu(0, t * S, 1800, 90, 0, 10), &r, &step, &mut out);
+            d.sample(&npu(1, t * S + 1, 600, 3, 0, 11), &r, &step, &mut out);
+        }
+        assert!(out.is_empty(), "{out:#?}");
+    }
+
+    #[test]
+    fn an_npu_error_code_names_its_rank_and_explains_its_health_alarm() {
+        let r = ranks(&[(10, 0), (11, 1)]);
+        let mut d = GpuHealthDetector::default();
+        let mut out = Vec::new();
+        d.sample(&npu(1, 6 * S, 1800, 90, 0, 11), &r, &step, &mut out);
+        // The reader hands the code before the sample that shows the alarm.
+        d.xid(
+            &GpuXid {
+                ts: 7 * S,
+                vendor: Vendor::Ascend,
+                gpu: 1,
+                xid: 0x80E0_1801,
+                pids: vec![11],
+            },
+            &r,
+            &step,
+            &mut out,
+        );
+        d.sample(&npu(1, 7 * S, 1800, 90, 2, 11), &r, &step, &mut out);
+        d.sample(&npu(1, 8 * S, 1800, 90, 2, 11), &r, &step, &mut out);
+        assert_eq!(out.len(), 1, "{out:#?}");
+        assert_eq!(
+            out[0].summary,
+            "device_error: rank 1's NPU 1 listed error code 0x80E01801 in step 7"
+        );
+        assert_eq!(out[0].evidence["error_code"], json!("0x80E01801"));
+        // An alarm with no code: its own finding, once per rise.
+        d.sample(&npu(0, 8 * S, 1800, 90, 0, 10), &r, &step, &mut out);
+        for t in 9..12 {
+            d.sample(&npu(0, t * S, 1800, 90, 1, 10), &r, &step, &mut out);
+        }
+        d.sample(&npu(0, 12 * S, 1800, 90, 3, 10), &r, &step, &mut out);
+        let health: Vec<&str> = out[1..].iter().map(|f| f.summary.as_str()).collect();
+        assert_eq!(
+            health,
+            [
+                "device_error: rank 0's NPU 0 reported health minor alarm in step 9",
+                "device_error: rank 0's NPU 0 reported health critical alarm in step 12",
+            ]
+        );
     }
 
     fn sample(gpu: u32, ts: u64, mhz: u32, reasons: u64, pid: u32) -> GpuSample {
@@ -412,6 +621,7 @@ mod tests {
         d.xid(
             &GpuXid {
                 ts: 0,
+                vendor: Vendor::Nvidia,
                 gpu: 0,
                 xid: 79,
                 pids: vec![99],
@@ -430,6 +640,7 @@ mod tests {
         let mut out = Vec::new();
         let x = GpuXid {
             ts: 7 * S,
+            vendor: Vendor::Nvidia,
             gpu: 1,
             xid: 79,
             pids: vec![11],

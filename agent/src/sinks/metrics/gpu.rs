@@ -1,16 +1,23 @@
-//! GPU health families, one series per GPU and rank on it (a GPU no rank
-//! of a traced job runs on has one series with empty rank labels):
-//! - `xpuscope_gpu_sm_clock_mhz`, `xpuscope_gpu_max_sm_clock_mhz`;
+//! Device health families, for NVIDIA GPUs (NVML) and Ascend NPUs (DCMI)
+//! alike, told apart by the `vendor` label (`nvidia`, `ascend`; `gpu` is
+//! the device's index of its vendor), one series per device and rank on it
+//! (a device no rank of a traced job runs on has one series with empty
+//! rank labels):
+//! - `xpuscope_gpu_sm_clock_mhz`, `xpuscope_gpu_max_sm_clock_mhz`: a GPU's
+//!   SM clock, an NPU's AI Core frequency (its rated one as the max);
 //! - `xpuscope_gpu_throttle_reasons`: NVML's clock-event reason bits
-//!   (`nvmlClocksEventReason*`; 0: none);
-//! - `xpuscope_gpu_utilization_ratio` (0..1);
-//! - `xpuscope_gpu_memory_used_bytes`, `xpuscope_gpu_memory_total_bytes`;
-//! - `xpuscope_gpu_ecc_uncorrected_errors`: the driver's volatile count;
-//! - `xpuscope_gpu_xid_errors_total`: Xid errors since the agent started.
+//!   (`nvmlClocksEventReason*`; 0: none); none for an NPU;
+//! - `xpuscope_gpu_utilization_ratio` (0..1; an NPU's AI Cores);
+//! - `xpuscope_gpu_memory_used_bytes`, `xpuscope_gpu_memory_total_bytes`
+//!   (an NPU's HBM);
+//! - `xpuscope_gpu_ecc_uncorrected_errors`: the driver's volatile count (GPU);
+//! - `xpuscope_gpu_health`: DCMI's health level (NPU; 0 ok .. 3 critical);
+//! - `xpuscope_gpu_xid_errors_total`: device errors since the agent
+//!   started (Xid errors; error codes an NPU newly listed).
 //!
-//! A GPU's series follow the ranks on it: when a rank leaves the GPU (its
-//! process exited) its series go at the next sample. Bounded by NVML's
-//! GPUs (64 at most) times the pids a sample keeps.
+//! A device's series follow the ranks on it: when a rank leaves the device
+//! (its process exited) its series go at the next sample. Bounded by the
+//! libraries' devices (64 each at most) times the pids a sample keeps.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -22,7 +29,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::RankLabels;
-use crate::model::gpu::{GpuSample, GpuXid};
+use crate::model::gpu::{GpuSample, GpuXid, Vendor};
 
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GpuLabels {
@@ -30,6 +37,7 @@ pub struct GpuLabels {
     pub rank: String,
     pub local_rank: String,
     pub node: String,
+    pub vendor: String,
     pub gpu: String,
     pub gpu_uuid: String,
 }
@@ -42,9 +50,10 @@ pub struct GpuMetrics {
     memory_used: Family<GpuLabels, Gauge>,
     memory_total: Family<GpuLabels, Gauge>,
     ecc: Family<GpuLabels, Gauge>,
+    health: Family<GpuLabels, Gauge>,
     xids: Family<GpuLabels, Counter>,
-    /// Each GPU's label sets now.
-    series: HashMap<u32, Vec<GpuLabels>>,
+    /// Each device's label sets now.
+    series: HashMap<(Vendor, u32), Vec<GpuLabels>>,
 }
 
 impl GpuMetrics {
@@ -57,17 +66,18 @@ impl GpuMetrics {
             memory_used: Family::default(),
             memory_total: Family::default(),
             ecc: Family::default(),
+            health: Family::default(),
             xids: Family::default(),
             series: HashMap::new(),
         };
         r.register(
             "xpuscope_gpu_sm_clock_mhz",
-            "GPU SM clock (NVML)",
+            "GPU SM clock (NVML), NPU AI Core frequency (DCMI), MHz",
             m.sm_clock.clone(),
         );
         r.register(
             "xpuscope_gpu_max_sm_clock_mhz",
-            "GPU SM clock's highest (NVML)",
+            "GPU SM clock's highest (NVML), NPU AI Core rated frequency (DCMI), MHz",
             m.max_sm_clock.clone(),
         );
         r.register(
@@ -77,17 +87,17 @@ impl GpuMetrics {
         );
         r.register(
             "xpuscope_gpu_utilization_ratio",
-            "Share of the last NVML sample period a kernel ran on the GPU",
+            "Share of the last sample period a kernel ran on the GPU (NVML), NPU AI Core utilization (DCMI)",
             m.utilization.clone(),
         );
         r.register(
             "xpuscope_gpu_memory_used_bytes",
-            "GPU memory in use, all processes (NVML)",
+            "Device memory in use, all processes (NVML; DCMI's HBM)",
             m.memory_used.clone(),
         );
         r.register(
             "xpuscope_gpu_memory_total_bytes",
-            "GPU memory (NVML)",
+            "Device memory (NVML; DCMI's HBM)",
             m.memory_total.clone(),
         );
         r.register(
@@ -96,8 +106,13 @@ impl GpuMetrics {
             m.ecc.clone(),
         );
         r.register(
+            "xpuscope_gpu_health",
+            "NPU health level (DCMI: 0 ok, 1 minor, 2 major, 3 critical alarm)",
+            m.health.clone(),
+        );
+        r.register(
             "xpuscope_gpu_xid_errors",
-            "GPU Xid errors seen since the agent started (NVML events)",
+            "Device errors seen since the agent started (NVML Xid events, DCMI error codes newly listed)",
             m.xids.clone(),
         );
         m
@@ -107,6 +122,7 @@ impl GpuMetrics {
     /// sink's labels per process, those with a rank).
     fn labels(
         node: &str,
+        vendor: Vendor,
         gpu: u32,
         uuid: &str,
         pids: &[u32],
@@ -114,6 +130,7 @@ impl GpuMetrics {
     ) -> Vec<GpuLabels> {
         let base = GpuLabels {
             node: node.to_owned(),
+            vendor: vendor.name().to_owned(),
             gpu: gpu.to_string(),
             gpu_uuid: uuid.chars().take(128).collect(),
             ..GpuLabels::default()
@@ -145,12 +162,13 @@ impl GpuMetrics {
         self.memory_used.remove(l);
         self.memory_total.remove(l);
         self.ecc.remove(l);
+        self.health.remove(l);
         self.xids.remove(l);
     }
 
     pub fn sample(&mut self, node: &str, s: &GpuSample, ranks: &HashMap<u32, RankLabels>) {
-        let sets = Self::labels(node, s.gpu, &s.uuid, &s.pids, ranks);
-        if let Some(old) = self.series.get(&s.gpu) {
+        let sets = Self::labels(node, s.vendor, s.gpu, &s.uuid, &s.pids, ranks);
+        if let Some(old) = self.series.get(&(s.vendor, s.gpu)) {
             for l in old.iter().filter(|l| !sets.contains(l)) {
                 self.remove(l);
             }
@@ -167,6 +185,7 @@ impl GpuMetrics {
             set(&self.memory_used, s.memory_used_bytes);
             set(&self.memory_total, s.memory_total_bytes);
             set(&self.ecc, s.ecc_uncorrected);
+            set(&self.health, s.health.map(u64::from));
             if let Some(pct) = s.utilization_pct {
                 self.utilization
                     .get_or_create(l)
@@ -175,17 +194,17 @@ impl GpuMetrics {
             // Present from the first sample: a query sees 0, not nothing.
             let _ = self.xids.get_or_create(l);
         }
-        self.series.insert(s.gpu, sets);
+        self.series.insert((s.vendor, s.gpu), sets);
     }
 
     pub fn xid(&mut self, node: &str, x: &GpuXid, ranks: &HashMap<u32, RankLabels>) {
         let uuid = self
             .series
-            .get(&x.gpu)
+            .get(&(x.vendor, x.gpu))
             .and_then(|s| s.first())
             .map(|l| l.gpu_uuid.clone())
             .unwrap_or_default();
-        for l in Self::labels(node, x.gpu, &uuid, &x.pids, ranks) {
+        for l in Self::labels(node, x.vendor, x.gpu, &uuid, &x.pids, ranks) {
             self.xids.get_or_create(&l).inc();
         }
     }

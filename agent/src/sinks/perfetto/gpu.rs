@@ -1,10 +1,11 @@
-//! GPU health on the trace: a top-level track per GPU (`GPU 0`, its model
-//! and UUID in the description) with three counters under it (SM clock
-//! MHz, utilization %, memory used), a `gpu sample` instant per sample
-//! holding every reading with the GPU's pids and ranks (what `agent
-//! diagnose` reads back), a `clocks slowed: <reasons>` slice while its
-//! clock is slowed for a reason that is not idleness or a setting, and an
-//! `Xid N` instant per Xid error.
+//! Device health on the trace: a top-level track per GPU (`GPU 0`, its
+//! model and UUID in the description) or Ascend NPU (`NPU 0`, its chip and
+//! card/device) with three counters under it (SM clock or AI Core
+//! frequency MHz, utilization %, memory used), a `gpu sample` instant per
+//! sample holding every reading with the device's pids and ranks (what
+//! `agent diagnose` reads back), a `clocks slowed: <reasons>` slice while a
+//! GPU's clock is slowed for a reason that is not idleness or a setting,
+//! and an instant per device error (`Xid N`, `error code 0x...`).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -14,7 +15,7 @@ use xpuscope_perfetto::{Arg, CounterUnit, TrackUuid};
 
 use super::PerfettoSink;
 use crate::model::RankIdentity;
-use crate::model::gpu::{GpuSample, GpuXid, reason_names};
+use crate::model::gpu::{GpuSample, GpuXid, Vendor, reason_names};
 use crate::trace_schema::keys as k;
 use crate::trace_schema::names as n;
 
@@ -32,7 +33,7 @@ struct Gpu {
 /// exit).
 #[derive(Default)]
 pub(super) struct GpuTracks {
-    gpus: HashMap<u32, Gpu>,
+    gpus: HashMap<(Vendor, u32), Gpu>,
     ranks: HashMap<u32, String>,
 }
 
@@ -65,15 +66,20 @@ fn joined(pids: &[u32]) -> String {
 
 impl<W: Write> PerfettoSink<W> {
     fn gpu_tracks(&mut self, s: &GpuSample) -> Result<&mut Gpu> {
-        if !self.gpus.gpus.contains_key(&s.gpu) {
-            let name = n::gpu_track(s.gpu);
+        let key = (s.vendor, s.gpu);
+        if !self.gpus.gpus.contains_key(&key) {
+            let name = n::gpu_track(s.vendor, s.gpu);
+            let clock_name = match s.vendor {
+                Vendor::Nvidia => n::GPU_SM_CLOCK_TRACK,
+                Vendor::Ascend => n::NPU_FREQUENCY_TRACK,
+            };
             let description = format!("{} {}", s.name, s.uuid);
             let track = self
                 .writer
                 .custom_track(None, &name, Some(description.trim()))?;
             let sm_clock = self.writer.counter_track(
                 Some(track),
-                &format!("{name}{}", n::GPU_SM_CLOCK_TRACK),
+                &format!("{name}{clock_name}"),
                 CounterUnit::Other("MHz".into()),
             )?;
             let utilization = self.writer.counter_track(
@@ -87,7 +93,7 @@ impl<W: Write> PerfettoSink<W> {
                 CounterUnit::SizeBytes,
             )?;
             self.gpus.gpus.insert(
-                s.gpu,
+                key,
                 Gpu {
                     track,
                     sm_clock,
@@ -100,7 +106,7 @@ impl<W: Write> PerfettoSink<W> {
         Ok(self
             .gpus
             .gpus
-            .get_mut(&s.gpu)
+            .get_mut(&key)
             .expect("inserted above when absent"))
     }
 
@@ -129,6 +135,7 @@ impl<W: Write> PerfettoSink<W> {
         opt(k::MEMORY_USED_BYTES, s.memory_used_bytes);
         opt(k::MEMORY_TOTAL_BYTES, s.memory_total_bytes);
         opt(k::ECC_UNCORRECTED, s.ecc_uncorrected);
+        opt(k::HEALTH, s.health.map(u64::from));
         if let Some(bits) = s.clock_event_reasons {
             args.push(k::REASONS.arg(reason_names(bits)));
         }
@@ -159,26 +166,31 @@ impl<W: Write> PerfettoSink<W> {
 
     pub(super) fn gpu_xid(&mut self, x: &GpuXid) -> Result<()> {
         // An Xid before any sample of its GPU: its track from what is known.
-        let track = match self.gpus.gpus.get(&x.gpu) {
+        let track = match self.gpus.gpus.get(&(x.vendor, x.gpu)) {
             Some(g) => g.track,
             None => {
                 self.gpu_tracks(&GpuSample {
+                    vendor: x.vendor,
                     gpu: x.gpu,
                     ..GpuSample::default()
                 })?
                 .track
             }
         };
+        let code = match x.vendor {
+            Vendor::Nvidia => k::XID.arg(x.xid),
+            Vendor::Ascend => k::ERROR_CODE.arg(x.xid),
+        };
         let args = [
             k::GPU.arg(u64::from(x.gpu)),
-            k::XID.arg(x.xid),
+            code,
             k::GPU_PIDS.arg(joined(&x.pids)),
             k::RANKS.arg(self.gpus.ranks_of(&x.pids)),
         ];
         self.writer.instant(
             track,
             x.ts,
-            &format!("{}{}", n::GPU_XID_EVENT, x.xid),
+            &n::gpu_error_event(x.vendor, x.xid),
             &args,
             None,
         )?;
@@ -210,6 +222,7 @@ mod tests {
     fn sample(ts: u64, gpu: u32, mhz: u32, reasons: u64) -> GpuSample {
         GpuSample {
             ts,
+            vendor: Vendor::Nvidia,
             gpu,
             name: "NVIDIA H100 80GB HBM3".into(),
             uuid: format!("GPU-{gpu}"),
@@ -220,6 +233,27 @@ mod tests {
             memory_used_bytes: Some(1 << 30),
             memory_total_bytes: Some(80 << 30),
             ecc_uncorrected: Some(0),
+            health: None,
+            pids: vec![4242],
+        }
+    }
+
+    /// An Ascend NPU's sample, as DCMI's reader makes it.
+    fn npu_sample(ts: u64, npu: u32, mhz: u32) -> GpuSample {
+        GpuSample {
+            ts,
+            vendor: Vendor::Ascend,
+            gpu: npu,
+            name: "Ascend 910B3".into(),
+            uuid: format!("card {npu} device 0"),
+            sm_clock_mhz: Some(mhz),
+            max_sm_clock_mhz: Some(1800),
+            clock_event_reasons: None,
+            utilization_pct: Some(90),
+            memory_used_bytes: Some(1 << 30),
+            memory_total_bytes: Some(64 << 30),
+            ecc_uncorrected: None,
+            health: Some(0),
             pids: vec![4242],
         }
     }
@@ -252,8 +286,25 @@ mod tests {
         }
         records.push(Record::GpuXid(GpuXid {
             ts: 3_500_000_000,
+            vendor: Vendor::Nvidia,
             gpu: 1,
             xid: 79,
+            pids: vec![4242],
+        }));
+        // NPU 1 beside GPU 1: another device, its own track.
+        for t in 0..2u64 {
+            let ts = 1_000_000_000 * (t + 1) + 2;
+            records.push(Record::GpuSample(Box::new(npu_sample(
+                ts,
+                1,
+                1800 - 900 * t as u32,
+            ))));
+        }
+        records.push(Record::GpuXid(GpuXid {
+            ts: 3_600_000_000,
+            vendor: Vendor::Ascend,
+            gpu: 1,
+            xid: 0x80E0_1801,
             pids: vec![4242],
         }));
         for r in &records {
@@ -293,6 +344,29 @@ mod tests {
             .map(|c| c.value)
             .collect();
         assert_eq!(values, [1980.0, 990.0, 990.0]);
+        let npu1 = tl
+            .tracks
+            .values()
+            .find(|t| t.name.as_deref() == Some("NPU 1") && t.kind == TrackKind::Custom)
+            .expect("NPU 1's track");
+        let frequency = tl
+            .tracks
+            .values()
+            .find(|t| t.name.as_deref() == Some("NPU 1 AI Core frequency"))
+            .expect("its frequency counter");
+        assert_eq!(frequency.parent, Some(npu1.uuid));
+        let values: Vec<f64> = tl
+            .counters
+            .iter()
+            .filter(|c| c.track == frequency.uuid)
+            .map(|c| c.value)
+            .collect();
+        assert_eq!(values, [1800.0, 900.0]);
+        assert!(
+            tl.instants
+                .iter()
+                .any(|i| i.track == npu1.uuid && i.name == "error code 0x80E01801")
+        );
         let slowed: Vec<_> = tl.slices.iter().filter(|s| s.track == gpu1.uuid).collect();
         assert_eq!(slowed.len(), 1, "{slowed:?}");
         assert_eq!(slowed[0].name, "clocks slowed: sw_thermal_slowdown");
@@ -340,7 +414,7 @@ mod tests {
         check_importer_rules(&decoded).unwrap();
         let before = Timeline::new(&decode(&bytes).unwrap());
         let after = Timeline::new(&decoded);
-        for gpu in ["GPU 0", "GPU 1"] {
+        for gpu in ["GPU 0", "GPU 1", "NPU 1"] {
             let find = |tl: &Timeline| {
                 tl.tracks
                     .values()
@@ -380,6 +454,6 @@ mod tests {
             .iter()
             .filter(|(_, r)| matches!(r, Record::GpuSample(_)))
             .count();
-        assert_eq!(n, 6);
+        assert_eq!(n, 8, "6 GPU samples, 2 NPU samples");
     }
 }

@@ -1,4 +1,4 @@
-//! GPU health read back from a trace: each GPU track's `gpu sample`
+//! Device health read back from a trace: each GPU or NPU track's `gpu sample`
 //! instants into [`GpuSample`]s and its `Xid N` instants into
 //! [`GpuXid`]s, as the health sampler handed them to the sinks (the
 //! Perfetto sink's `gpu` module writes them). The trace is input like any
@@ -6,7 +6,7 @@
 
 use xpuscope_perfetto::rewrite::EventView;
 
-use crate::model::gpu::{GpuSample, GpuXid, MAX_SAMPLE_PIDS};
+use crate::model::gpu::{GpuSample, GpuXid, MAX_SAMPLE_PIDS, Vendor, health_name};
 use crate::trace_schema::keys as k;
 use crate::trace_schema::names as n;
 
@@ -23,8 +23,12 @@ fn pids_of(event: &EventView<'_>, pid: impl Fn(i32) -> u32) -> Vec<u32> {
         .collect()
 }
 
-/// A `gpu sample` instant on GPU `gpu`'s track.
-pub fn sample(event: &EventView<'_>, gpu: u32, pid: impl Fn(i32) -> u32) -> Option<GpuSample> {
+/// A `gpu sample` instant on device `gpu`'s track.
+pub fn sample(
+    event: &EventView<'_>,
+    (vendor, gpu): (Vendor, u32),
+    pid: impl Fn(i32) -> u32,
+) -> Option<GpuSample> {
     if event.name != Some(n::GPU_SAMPLE_EVENT) {
         return None;
     }
@@ -33,6 +37,7 @@ pub fn sample(event: &EventView<'_>, gpu: u32, pid: impl Fn(i32) -> u32) -> Opti
     };
     Some(GpuSample {
         ts: event.ts,
+        vendor,
         gpu,
         name: k::GPU_NAME.read(event).unwrap_or("").to_owned(),
         uuid: k::GPU_UUID.read(event).unwrap_or("").to_owned(),
@@ -43,17 +48,28 @@ pub fn sample(event: &EventView<'_>, gpu: u32, pid: impl Fn(i32) -> u32) -> Opti
         memory_used_bytes: k::MEMORY_USED_BYTES.read(event),
         memory_total_bytes: k::MEMORY_TOTAL_BYTES.read(event),
         ecc_uncorrected: k::ECC_UNCORRECTED.read(event),
+        health: u32_of(k::HEALTH).filter(|&l| health_name(l).is_some()),
         pids: pids_of(event, pid),
     })
 }
 
-/// An `Xid N` instant on GPU `gpu`'s track.
-pub fn xid(event: &EventView<'_>, gpu: u32, pid: impl Fn(i32) -> u32) -> Option<GpuXid> {
-    event.name?.strip_prefix(n::GPU_XID_EVENT)?;
+/// An `Xid N` instant on a GPU's track, an `error code 0x...` one on an
+/// NPU's.
+pub fn xid(
+    event: &EventView<'_>,
+    (vendor, gpu): (Vendor, u32),
+    pid: impl Fn(i32) -> u32,
+) -> Option<GpuXid> {
+    let (prefix, key) = match vendor {
+        Vendor::Nvidia => (n::GPU_XID_EVENT, k::XID),
+        Vendor::Ascend => (n::NPU_ERROR_EVENT, k::ERROR_CODE),
+    };
+    event.name?.strip_prefix(prefix)?;
     Some(GpuXid {
         ts: event.ts,
+        vendor,
         gpu,
-        xid: k::XID.read(event)?,
+        xid: key.read(event)?,
         pids: pids_of(event, pid),
     })
 }

@@ -212,7 +212,7 @@ impl TraceRecords {
         let mut streams: HashMap<u64, (i32, String)> = HashMap::new();
         let mut work: HashMap<u64, Vec<BegunWork>> = HashMap::new();
         // GPU tracks (top level, `GPU <index>`): uuid -> index.
-        let mut gpus: HashMap<u64, u32> = HashMap::new();
+        let mut gpus: HashMap<u64, (crate::model::gpu::Vendor, u32)> = HashMap::new();
         let mut device = DeviceSide::default();
         let mut switches = MainThreadSwitches::default();
         for p in ranked {
