@@ -580,8 +580,15 @@ impl RunSummary {
                 rows.len()
             );
             for r in rows.iter().take(5) {
+                let launches = match (r.launches_per_step, r.graph_launches_per_step) {
+                    (Some(k), Some(g)) if g > 0.0 => {
+                        format!("  {k:.0} launches + {g:.0} graphs/step")
+                    }
+                    (Some(k), _) => format!("  {k:.0} launches/step"),
+                    _ => String::new(),
+                };
                 eprintln!(
-                    "    rank {:<4} {:>4} steps of {:>8.2} ms  host work {:>3.0}%  in device calls {:>3.0}%  runnable {:>3.0}%  asleep {:>3.0}%  ({})",
+                    "    rank {:<4} {:>4} steps of {:>8.2} ms  host work {:>3.0}%  in device calls {:>3.0}%  runnable {:>3.0}%  asleep {:>3.0}%  ({}){launches}",
                     r.rank,
                     r.steps,
                     r.step_ms,

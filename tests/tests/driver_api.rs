@@ -455,3 +455,104 @@ fn ascend_memory_and_syncs_are_default_level_and_counted_once() {
         );
     }
 }
+
+// ------------------------------------------------- launches at the default level
+
+/// The per-step counter `name` under process `pid`'s track.
+fn step_counter(tl: &Timeline, pid: i32, name: &str) -> Option<Vec<(u64, f64)>> {
+    let track = tl.tracks.values().find(|t| {
+        t.name.as_deref() == Some(name)
+            && t.parent.and_then(|p| match &tl.tracks.get(&p)?.kind {
+                TrackKind::Process { pid, .. } => Some(*pid),
+                _ => None,
+            }) == Some(pid)
+    })?;
+    Some(tl.counter_series(track.uuid))
+}
+
+/// The launches of one simulated step, the same in every step of a clean
+/// run: (kernel launches: the runtime's and the ones made straight below
+/// it; graph launches).
+fn launches_per_step(run: &SimRun, rank: u64, steps: u64) -> (u64, u64) {
+    let lines = steps_of(run, rank);
+    assert_eq!(lines.len() as u64, steps, "rank {rank}");
+    let of = |l: &Value| {
+        (
+            uint(&l["runtime_launches"]) + uint(&l["driver_launches"]),
+            uint(&l["graph_launches"]),
+        )
+    };
+    let first = of(&lines[0]);
+    assert!(first.0 > 0, "rank {rank}: {}", lines[0]);
+    for l in &lines {
+        assert_eq!(of(l), first, "rank {rank}: every step launches alike: {l}");
+    }
+    first
+}
+
+/// At the default level (no launch recorded), each rank's launches are
+/// counted in the kernel and shown per step: a "step kernel launches"
+/// counter on its process track with, at every step, exactly the kernels
+/// the simulator launched in a step (runtime launches once each, though
+/// each also went through the driver; library launches straight through
+/// the driver), a "step graph launches" counter with its graph launches,
+/// and the same figures per step in the summary's step table.
+fn launches_are_counted_per_step(flavor: &str, tag: &str) {
+    let steps = 8;
+    let run = run_sim_job(tag, "0", steps, &["--flavor", flavor, "--driver-launches"]);
+    let tl = &run.tl;
+    let split = run.stats["step_split"].as_array().expect("step_split");
+    for (&rank, &pid) in &run.rank_pids {
+        let (kernels, graphs) = launches_per_step(&run, rank, steps);
+        let slices = slices_of(tl, pid);
+        assert!(
+            !slices.iter().any(|s| s.name.contains("Launch")),
+            "rank {rank}: no launch recorded at level 0"
+        );
+        let series = step_counter(tl, pid, "step kernel launches")
+            .unwrap_or_else(|| panic!("rank {rank}: no launch counter"));
+        // The first step has no earlier boundary and is not reported; the
+        // rest are, but the last may end after the recording.
+        assert!(series.len() as u64 >= steps - 3, "rank {rank}: {series:?}");
+        for (ts, n) in &series {
+            assert_eq!(*n as u64, kernels, "rank {rank} at {ts}: {series:?}");
+        }
+        let graph_series = step_counter(tl, pid, "step graph launches");
+        if graphs == 0 {
+            assert!(graph_series.is_none(), "rank {rank}: {graph_series:?}");
+        } else {
+            let graph_series = graph_series.unwrap_or_else(|| panic!("rank {rank}: no graphs"));
+            assert_eq!(graph_series.len(), series.len(), "rank {rank}");
+            assert!(
+                graph_series.iter().all(|(_, n)| *n as u64 == graphs),
+                "rank {rank}: {graph_series:?}"
+            );
+        }
+        let row = split
+            .iter()
+            .find(|r| r["rank"] == rank)
+            .unwrap_or_else(|| panic!("rank {rank}: {split:?}"));
+        assert_eq!(
+            row["launches_per_step"].as_f64(),
+            Some(kernels as f64),
+            "{row}"
+        );
+        assert_eq!(
+            row["graph_launches_per_step"].as_f64(),
+            Some(graphs as f64),
+            "{row}"
+        );
+    }
+}
+
+#[test]
+fn cuda_launches_are_counted_per_step_at_the_default_level() {
+    let _serial = exclusive();
+    launches_are_counted_per_step("nvidia", "drvcount");
+}
+
+#[test]
+fn ascend_launches_are_counted_per_step_at_the_default_level() {
+    let _serial = exclusive();
+    launches_are_counted_per_step("ascend", "rtcount");
+}

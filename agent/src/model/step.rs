@@ -5,6 +5,8 @@
 //! (`sinks::detect::host_bound::split`); the trace draws it as counters on
 //! the rank's process and the metrics observe it per step.
 
+use xpuscope_common::uprobe::LaunchCounts;
+
 /// Where a rank's main thread spent one step (ns).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepSplit {
@@ -41,4 +43,7 @@ pub struct StepSplitRecord {
     pub start: u64,
     pub end: u64,
     pub split: StepSplit,
+    /// The process's launches in the step (all threads), as the kernel
+    /// counted them; None where no launch was ever counted.
+    pub launches: Option<LaunchCounts>,
 }

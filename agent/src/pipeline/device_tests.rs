@@ -49,6 +49,7 @@ fn ret(ts: u64, ip: u64, rax: u64, out: &[u8]) -> Event {
         ret: rax,
         deref_len: out.len() as u32,
         slot: 0,
+        launches: Default::default(),
         deref,
     }))
 }
@@ -230,6 +231,7 @@ fn step_splits_are_counters_on_the_rank_s_track_even_after_its_exit() {
                 host,
                 ..StepSplit::default()
             },
+            launches: None,
         }))
     };
     b.deliver_records(vec![split(1, 20_000)]);
@@ -450,6 +452,7 @@ fn call(kind: CallKind, args: CallArgs, (start, end): (u64, u64)) -> Decoded {
         comm: None,
         memory: None,
         site: None,
+        launches: None,
     })
 }
 

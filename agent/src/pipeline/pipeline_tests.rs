@@ -94,6 +94,7 @@ fn allreduce(ts: u64) -> [Event; 2] {
             ret: 0,
             deref_len: 0,
             slot: 1,
+            launches: Default::default(),
             deref: [0; 128],
         })),
     ]

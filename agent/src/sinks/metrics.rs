@@ -196,6 +196,8 @@ struct Families {
     step_seconds: Hist<RankLabels>,
     step_host_seconds: Hist<RankLabels>,
     step_device_wait_seconds: Hist<RankLabels>,
+    step_kernel_launches: Family<RankLabels, Counter>,
+    step_graph_launches: Family<RankLabels, Counter>,
     records: Family<KindLabels, Counter>,
     kernel_drops: Counter,
     sink_records: Family<SinkLabels, Counter>,
@@ -241,6 +243,8 @@ impl Families {
             step_seconds: Family::new_with_constructor(seconds_histogram),
             step_host_seconds: Family::new_with_constructor(seconds_histogram),
             step_device_wait_seconds: Family::new_with_constructor(seconds_histogram),
+            step_kernel_launches: Family::default(),
+            step_graph_launches: Family::default(),
             records: Family::default(),
             kernel_drops: Counter::default(),
             sink_records: Family::default(),
@@ -334,6 +338,16 @@ impl Families {
             "xpuscope_step_device_wait_seconds",
             "Per step, the training thread in device calls: waiting for its device or its peers (a step mostly this is device- or communication-bound)",
             f.step_device_wait_seconds.clone(),
+        );
+        r.register(
+            "xpuscope_step_kernel_launches",
+            "Kernel launches of the rank's process (all threads) in its finished steps, counted in the kernel at every capture level (xpuscope_launches counts recorded launch calls, at level 1)",
+            f.step_kernel_launches.clone(),
+        );
+        r.register(
+            "xpuscope_step_graph_launches",
+            "Graph launches of the rank's process in its finished steps (each runs many kernels)",
+            f.step_graph_launches.clone(),
         );
         r.register(
             "xpuscope_agent_records",
@@ -794,6 +808,8 @@ impl MetricsSink {
                         f.step_seconds.remove(&rank);
                         f.step_host_seconds.remove(&rank);
                         f.step_device_wait_seconds.remove(&rank);
+                        f.step_kernel_launches.remove(&rank);
+                        f.step_graph_launches.remove(&rank);
                     }
                 }
             }
@@ -1111,6 +1127,14 @@ impl MetricsSink {
         f.step_device_wait_seconds
             .get_or_create(&labels)
             .observe(secs(s.in_device_calls));
+        if let Some(l) = r.launches {
+            f.step_kernel_launches
+                .get_or_create(&labels)
+                .inc_by(l.kernels);
+            f.step_graph_launches
+                .get_or_create(&labels)
+                .inc_by(l.graphs);
+        }
     }
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {

@@ -406,6 +406,7 @@ pub fn read_call(
         comm,
         memory,
         site: None,
+        launches: None,
     })
 }
 

@@ -44,6 +44,12 @@ pub const STEP_HOST_TRACK: &str = "step host work %";
 /// A rank's counter of the share of each step its main thread spent in
 /// device calls (waiting for its device or its peers), in percent.
 pub const STEP_DEVICE_WAIT_TRACK: &str = "step device wait %";
+/// A rank's counter of the kernel launches its process made in each step
+/// (all threads; counted in the kernel at every capture level).
+pub const STEP_LAUNCHES_TRACK: &str = "step kernel launches";
+/// A rank's counter of the graph launches in each step (each runs many
+/// kernels); written once the process launched a graph.
+pub const STEP_GRAPH_LAUNCHES_TRACK: &str = "step graph launches";
 /// A process's device memory counter, before the device's index.
 pub const DEVICE_MEMORY_TRACK: &str = "device memory dev";
 

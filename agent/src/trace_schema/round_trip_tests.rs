@@ -44,6 +44,7 @@ fn call(library: Library, function: &str, tid: u32, start: u64, args: CallArgs) 
         comm: None,
         memory: None,
         site: None,
+        launches: None,
     }
 }
 

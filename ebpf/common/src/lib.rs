@@ -68,6 +68,8 @@ pub mod maps {
     pub const UPROBE_SPECS: &str = "UPROBE_SPECS";
     pub const UPROBE_PENDING: &str = "UPROBE_PENDING";
     pub const UPROBE_HITS: &str = "UPROBE_HITS";
+    pub const LAUNCH_COUNTS: &str = "LAUNCH_COUNTS";
+    pub const LAUNCH_OPEN: &str = "LAUNCH_OPEN";
 }
 
 /// Global (read-only data) names, set by the agent at load time.

@@ -46,6 +46,18 @@ pub const RETURN_USER_STACK: u8 = 1 << 3;
 /// the entry skips a user-memory read.
 pub const ENTRY_STACK_ARGS: u8 = 1 << 4;
 
+/// `ProbeSpec::flags`: a launch made by an application-facing library
+/// (`cudaLaunchKernel`, `aclrtLaunchKernel`): counted in the kernel at
+/// every level ([`LaunchCounts`]), and marked on its thread so that the
+/// driver launch made inside it is not counted again.
+pub const COUNT_LAUNCH_UPPER: u8 = 1 << 5;
+/// `ProbeSpec::flags`: a launch of the library below (`cuLaunchKernel`,
+/// `rtKernelLaunch`): counted unless its thread is inside an upper launch.
+pub const COUNT_LAUNCH_LOWER: u8 = 1 << 6;
+/// `ProbeSpec::flags`, with one of the two above: the launch is a graph's
+/// (counted apart: one graph launch runs many kernels).
+pub const COUNT_GRAPH: u8 = 1 << 7;
+
 /// What to copy for one probed function, at its probe's slot in the
 /// `UPROBE_SPECS` array; written by the agent before it attaches the probe.
 /// An all-zero spec (`level_bit` 0) is an unused or silenced slot.
@@ -59,7 +71,8 @@ pub struct ProbeSpec {
     /// parameter such as `cudaMalloc`'s `void **`), or [`DEREF_NONE`].
     pub return_deref_arg: u8,
     /// [`RETURN_TWICE`], [`RETURN_ON_SUCCESS`], [`ENTRY_STRING`],
-    /// [`RETURN_USER_STACK`], [`ENTRY_STACK_ARGS`].
+    /// [`RETURN_USER_STACK`], [`ENTRY_STACK_ARGS`], [`COUNT_LAUNCH_UPPER`],
+    /// [`COUNT_LAUNCH_LOWER`], [`COUNT_GRAPH`].
     pub flags: u8,
     pub _pad: u8,
     /// Bytes to copy at entry (at most [`DEREF_BYTES`]).
@@ -121,6 +134,31 @@ pub struct PendingKey {
 /// What the return program adds to its stack pointer to get the entry's.
 pub const RETURN_SP_OFFSET: u64 = 8;
 
+/// A traced process's launches so far, counted in the kernel by the
+/// launch probes' entry ends at every capture level (one record per
+/// launch costs too much to be the default: see the measurements), and
+/// stamped on each return record of the process. Both zero: no launch
+/// seen yet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchCounts {
+    /// Kernel launches (direct, cooperative, `Ex`).
+    pub kernels: u64,
+    /// Graph launches.
+    pub graphs: u64,
+}
+
+/// A thread inside an upper launch (`COUNT_LAUNCH_UPPER`): where its
+/// return address sits and what it is. A lower launch on the thread
+/// deeper than `sp` while `*sp` still holds `ret` is that launch's own
+/// work (the driver call `cudaLaunchKernel` makes); the mark is used once.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenLaunch {
+    pub sp: u64,
+    pub ret: u64,
+}
+
 /// A probed function was entered.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,6 +199,9 @@ pub struct UprobeReturn {
     pub deref_len: u32,
     /// The probe's slot, as in [`UprobeEntry::slot`].
     pub slot: u32,
+    /// The process's launches so far (where the step boundaries a return
+    /// marks get their launch counts).
+    pub launches: LaunchCounts,
     /// Copy of `*saved_args[spec.return_deref_arg]` (saved at entry).
     pub deref: [u8; DEREF_BYTES],
 }
@@ -189,7 +230,7 @@ const _: () = assert!(
         == 16 + 8 + 8 + 8 + 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
 );
 const _: () = assert!(core::mem::size_of::<UprobeEntry>() == 16 + 16 + 48 + 8 + 64 + 8 + 128);
-const _: () = assert!(core::mem::size_of::<UprobeReturn>() == 16 + 16 + 8 + 8 + 128);
+const _: () = assert!(core::mem::size_of::<UprobeReturn>() == 16 + 16 + 8 + 8 + 16 + 128);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 16);
 const _: () = assert!(core::mem::size_of::<ProbeKey>() == 16);
 

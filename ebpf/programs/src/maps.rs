@@ -7,7 +7,7 @@ use aya_ebpf::{
 use xpuscope_common::{
     Config, DROP_SLOTS, MAX_CPUS, MAX_PROBE_SLOTS, MAX_STACK_BUDGETS, MAX_STACK_ENDS, MAX_TARGETS,
     StackBudget, TaskOffsets,
-    uprobe::{PendingKey, ProbeSpec},
+    uprobe::{LaunchCounts, OpenLaunch, PendingKey, ProbeSpec},
 };
 
 /// Scheduler and process records. The agent sets the real size at load
@@ -93,6 +93,19 @@ pub static UPROBE_HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_PRO
 /// (LRU: the entries of calls whose return never came age out).
 #[map]
 pub static UPROBE_PENDING: LruHashMap<PendingKey, u64> = LruHashMap::with_max_entries(65536, 0);
+
+/// Launches of each traced process so far, by tgid (see
+/// [`xpuscope_common::uprobe::LaunchCounts`]). Removed when the process
+/// exits (pids are reused); LRU so a missed exit cannot fill it.
+#[map]
+pub static LAUNCH_COUNTS: LruHashMap<u32, LaunchCounts> =
+    LruHashMap::with_max_entries(MAX_TARGETS, 0);
+
+/// Per thread, the upper launch it is inside, if any (see
+/// [`xpuscope_common::uprobe::OpenLaunch`]). Removed when the thread exits.
+#[map]
+pub static LAUNCH_OPEN: LruHashMap<u32, OpenLaunch> =
+    LruHashMap::with_max_entries(MAX_STACK_ENDS, 0);
 
 /// The agent's own tgid (set at load).
 #[unsafe(no_mangle)]

@@ -21,7 +21,10 @@ use xpuscope_common::{
 };
 
 use crate::{
-    maps::{STACK_ENDS, TARGETS, config, is_target, offsets, targets_changed},
+    maps::{
+        LAUNCH_COUNTS, LAUNCH_OPEN, STACK_ENDS, TARGETS, config, is_target, offsets,
+        targets_changed,
+    },
     ring::{Ring, now, reserve, submit},
     task,
 };
@@ -142,6 +145,7 @@ fn try_exit(ctx: &BtfTracePointContext, group_dead: Option<bool>) -> Option<u32>
     let traced = is_target(t.tgid);
     // The thread's learned stack end means nothing to its tid's next user.
     let _ = STACK_ENDS.remove(&t.tid);
+    let _ = LAUNCH_OPEN.remove(&t.tid);
     if traced || cfg.system_wide != 0 {
         push_exit(p, &t, group_dead, &off, &cfg);
     }
@@ -150,6 +154,7 @@ fn try_exit(ctx: &BtfTracePointContext, group_dead: Option<bool>) -> Option<u32>
     if traced && group_dead == Some(true) {
         // Nothing to do if the agent removed it meanwhile.
         let _ = TARGETS.remove(&t.tgid);
+        let _ = LAUNCH_COUNTS.remove(&t.tgid);
         targets_changed();
     }
     Some(0)

@@ -21,14 +21,18 @@ use aya_ebpf::{
 use xpuscope_common::{
     DROP_SLOT_STACK_ERRORS, EventKind, MAX_STACK_DEPTH,
     uprobe::{
-        DEREF_BYTES, DEREF_NONE, DEREF_STACK, ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING,
-        PendingKey, ProbeSpec, RETURN_ON_SUCCESS, RETURN_SP_OFFSET, RETURN_TWICE,
-        RETURN_USER_STACK, UprobeEntry, UprobeReturn, UprobeStack,
+        COUNT_GRAPH, COUNT_LAUNCH_LOWER, COUNT_LAUNCH_UPPER, DEREF_BYTES, DEREF_NONE, DEREF_STACK,
+        ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING, LaunchCounts, OpenLaunch, PendingKey,
+        ProbeSpec, RETURN_ON_SUCCESS, RETURN_SP_OFFSET, RETURN_TWICE, RETURN_USER_STACK,
+        UprobeEntry, UprobeReturn, UprobeStack,
     },
 };
 
 use crate::{
-    maps::{UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop, is_target},
+    maps::{
+        LAUNCH_COUNTS, LAUNCH_OPEN, UPROBE_HITS, UPROBE_PENDING, UPROBE_SPECS, config, count_drop,
+        is_target,
+    },
     ring::{Ring, now, reserve, submit},
 };
 
@@ -63,6 +67,77 @@ fn count_hit(slot: u32) {
             core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
                 n, 1,
             );
+        }
+    }
+}
+
+/// Atomically adds 1 to the counter at `n` (threads of one process
+/// launch on several CPUs at once).
+#[inline(always)]
+fn add_one(n: *mut u64) {
+    // SAFETY: `n` points into a map value; BPF_ATOMIC add.
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            n, 1,
+        );
+    }
+}
+
+/// Reads the user word at `at` (0 if unreadable).
+#[inline(always)]
+fn user_word(at: u64) -> u64 {
+    let mut word = [0u8; 8];
+    // SAFETY: the helper tolerates any user address.
+    match unsafe { bpf_probe_read_user_buf(at as *const u8, &mut word) } {
+        Ok(()) => u64::from_le_bytes(word),
+        Err(_) => 0,
+    }
+}
+
+/// Counts a launch of process `tgid` by thread `tid` (spec flags
+/// `COUNT_LAUNCH_*`), at every level: the default trace's launches per
+/// step come from these counts, not from one record per launch.
+#[inline(always)]
+fn count_launch(flags: u8, tid: u32, tgid: u32, sp: u64) {
+    if flags & COUNT_LAUNCH_UPPER != 0 {
+        // The driver launch made inside this one is this one: mark the
+        // thread with where this call's return address sits.
+        let open = OpenLaunch {
+            sp,
+            ret: user_word(sp),
+        };
+        let _ = LAUNCH_OPEN.insert(&tid, &open, 0);
+    } else if let Some(open) = LAUNCH_OPEN.get_ptr_mut(&tid) {
+        // SAFETY: a value pointer of this thread's own entry: only this
+        // thread writes it, and it is running here.
+        let o = unsafe { &mut *open };
+        // Inside the marked call: deeper on the stack, and its return
+        // address still in place (once that call returned, the slot is
+        // the caller's again and soon overwritten).
+        let inside = o.sp != 0 && sp < o.sp && user_word(o.sp) == o.ret;
+        o.sp = 0;
+        if inside {
+            return;
+        }
+    }
+    let counts = match LAUNCH_COUNTS.get_ptr_mut(&tgid) {
+        Some(c) => c,
+        None => {
+            // BPF_NOEXIST: two threads' first launches must not reset
+            // each other's count.
+            let _ = LAUNCH_COUNTS.insert(&tgid, &LaunchCounts::default(), 1);
+            match LAUNCH_COUNTS.get_ptr_mut(&tgid) {
+                Some(c) => c,
+                None => return,
+            }
+        }
+    };
+    // SAFETY: `counts` points into the map value.
+    unsafe {
+        if flags & COUNT_GRAPH != 0 {
+            add_one(core::ptr::addr_of_mut!((*counts).graphs));
+        } else {
+            add_one(core::ptr::addr_of_mut!((*counts).kernels));
         }
     }
 }
@@ -170,6 +245,9 @@ fn try_entry(ctx: &ProbeContext) -> Option<u32> {
         };
         let _ = UPROBE_PENDING.insert(&key, &arg(&args, spec.return_deref_arg), 0);
     }
+    if spec.flags & (COUNT_LAUNCH_UPPER | COUNT_LAUNCH_LOWER) != 0 {
+        count_launch(spec.flags, tid, tgid, regs.rsp);
+    }
     let cfg = config();
     if cfg.probe_levels & spec.level_bit == 0 {
         return Some(0);
@@ -253,6 +331,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
         (*rec).probe_ip = probe_ip;
         (*rec).ret = ret;
         (*rec).slot = slot;
+        (*rec).launches = LAUNCH_COUNTS.get(&tgid).copied().unwrap_or_default();
         let ok = spec.flags & RETURN_ON_SUCCESS == 0 || ret as u32 == 0;
         let mut src = if ok { saved } else { 0 };
         if src != 0 && spec.flags & RETURN_TWICE != 0 {

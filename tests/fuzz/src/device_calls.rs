@@ -131,6 +131,7 @@ pub fn device_calls(data: &[u8]) {
                     ret: input.u64(),
                     deref_len: 0,
                     slot: index as u32,
+                    launches: Default::default(),
                     deref: [0; DEREF_BYTES],
                 };
                 r.deref_len = input.fill(&mut r.deref);

@@ -35,7 +35,7 @@
 //! };
 //! let ret = UprobeReturn {
 //!     header: header(9_000), tid: 43, tgid: 42, probe_ip: 0x7f00_1000, ret: 0,
-//!     deref_len: 0, slot: 0, deref: [0; 128],
+//!     deref_len: 0, slot: 0, launches: Default::default(), deref: [0; 128],
 //! };
 //! let mut out = Vec::new();
 //! decoder.on_entry(&entry, &mut out);
@@ -58,7 +58,7 @@ pub mod table;
 
 use std::collections::HashMap;
 
-use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn};
+use xpuscope_common::uprobe::{LaunchCounts, UprobeEntry, UprobeReturn};
 
 use crate::activity::{self, ActivityApi, DeviceActivity};
 use crate::catalog::{CallKind, CommInit, HandleKind, Library, RetKind, Role, VmmOp};
@@ -102,6 +102,9 @@ pub struct DeviceCall {
     /// The caller's stack (an id from [`Decoder::on_call_site`]), when the
     /// kernel took one for this call.
     pub site: Option<u64>,
+    /// The process's launches so far, as the kernel counted them when the
+    /// call returned (None: no launch counted yet, or no return).
+    pub launches: Option<LaunchCounts>,
 }
 
 /// An activity record the application read.
@@ -680,6 +683,9 @@ impl Decoder {
             comm,
             memory,
             site: p.site,
+            launches: r
+                .map(|r| r.launches)
+                .filter(|l| *l != LaunchCounts::default()),
         }
     }
 }

@@ -14,12 +14,33 @@
 //! upper call of another sort (a lazy `cuModuleGetFunction` inside a first
 //! launch) stays a call.
 
+use xpuscope_common::uprobe::{COUNT_GRAPH, COUNT_LAUNCH_LOWER, COUNT_LAUNCH_UPPER};
+
 use crate::catalog::{CallKind, LaunchKind, Library};
 
 /// Whether call `inner`, made inside call `outer` on the same thread, is
 /// `outer`'s own work.
 pub fn folds_into(inner: (Library, CallKind), outer: (Library, CallKind)) -> bool {
     below(outer.0) == Some(inner.0) && sort(inner.1).is_some() && sort(inner.1) == sort(outer.1)
+}
+
+/// The kernel's launch-counting flags of a function (`ProbeSpec::flags`):
+/// the kernel counts every launch at every level, and a lower launch made
+/// inside an upper one counts once, as the fold above does for records.
+pub fn launch_count_flags(library: Library, kind: CallKind) -> u8 {
+    let graph = match sort(kind) {
+        Some(Sort::KernelLaunch) => 0,
+        Some(Sort::GraphLaunch) => COUNT_GRAPH,
+        _ => return 0,
+    };
+    let layer = if below(library).is_some() {
+        COUNT_LAUNCH_UPPER
+    } else if Library::ALL.into_iter().any(|l| below(l) == Some(library)) {
+        COUNT_LAUNCH_LOWER
+    } else {
+        return 0;
+    };
+    layer | graph
 }
 
 /// The library `upper` makes its launches, allocations and syncs through.
@@ -59,6 +80,40 @@ mod tests {
 
     fn kind(lib: Library, name: &str) -> (Library, CallKind) {
         (lib, lib.function(name).unwrap().kind)
+    }
+
+    #[test]
+    fn launches_count_at_their_layer_and_nothing_else_counts() {
+        let flags = |lib: Library, name: &str| launch_count_flags(lib, kind(lib, name).1);
+        assert_eq!(
+            flags(Library::Cudart, "cudaLaunchKernel"),
+            COUNT_LAUNCH_UPPER
+        );
+        assert_eq!(
+            flags(Library::Cudart, "cudaGraphLaunch"),
+            COUNT_LAUNCH_UPPER | COUNT_GRAPH
+        );
+        assert_eq!(flags(Library::Cuda, "cuLaunchKernel"), COUNT_LAUNCH_LOWER);
+        assert_eq!(flags(Library::Cuda, "cuLaunchKernelEx"), COUNT_LAUNCH_LOWER);
+        assert_eq!(
+            flags(Library::Cuda, "cuGraphLaunch"),
+            COUNT_LAUNCH_LOWER | COUNT_GRAPH
+        );
+        assert_eq!(
+            flags(Library::AscendCl, "aclrtLaunchKernel"),
+            COUNT_LAUNCH_UPPER
+        );
+        assert_eq!(flags(Library::Cuda, "cuMemAlloc_v2"), 0);
+        assert_eq!(flags(Library::Cudart, "cudaStreamSynchronize"), 0);
+        // Every launch of a layered library counts.
+        let layered = |lib: Library| {
+            below(lib).is_some() || Library::ALL.into_iter().any(|l| below(l) == Some(lib))
+        };
+        for (lib, f) in crate::catalog::all_functions() {
+            if matches!(f.kind, CallKind::Launch(_)) && layered(lib) {
+                assert_ne!(launch_count_flags(lib, f.kind), 0, "{}", f.name);
+            }
+        }
     }
 
     #[test]

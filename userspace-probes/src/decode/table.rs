@@ -48,6 +48,7 @@ pub fn file_probes(resolved: &ResolvedLibrary) -> Vec<(u64, ProbeSpec, ProbeTarg
                 sp_delta: p.placement.sp_delta,
             };
             let mut spec = p.function.probe_spec();
+            spec.flags |= super::nesting::launch_count_flags(resolved.library, p.function.kind);
             if spec.entry_deref_arg == DEREF_STACK {
                 // The aggregate moved by the instructions the probe sits past.
                 match u32::try_from(i64::from(spec.entry_stack_off) + p.placement.sp_delta) {

@@ -92,6 +92,7 @@ fn ret(name: &str, ts: u64, rax: u64, deref: &[u8]) -> UprobeReturn {
         ret: rax,
         deref_len: deref.len() as u32,
         slot: 0,
+        launches: Default::default(),
         deref: [0; DEREF_BYTES],
     };
     r.deref[..deref.len()].copy_from_slice(deref);

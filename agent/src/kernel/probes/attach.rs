@@ -132,6 +132,9 @@ struct LinkedSite {
     slot: u32,
     /// Its spec is written (not silenced).
     live: bool,
+    /// Its return end is attached (a launch counted below the capture
+    /// level has its entry only, until the level rises).
+    has_return: bool,
     name: (&'static str, &'static str),
     /// The slot's hit count when this site got it (a released site's slot
     /// is handed out again; the kernel's counter goes on).
@@ -310,11 +313,30 @@ impl<L> ProbeLinks<L> {
             .unwrap_or_default()
     }
 
-    /// A site attached before and silenced: its spec written again.
+    /// A site attached before and silenced: its spec written again; an
+    /// entry-only site the level now records gets its return end.
     fn re_enable<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
         let Some(s) = self.sites.get_mut(&work.site) else {
             return;
         };
+        if !s.has_return && !work.entry_only {
+            match attacher.attach(ProbeEnd::Return, &work.path, work.site.offset, work.slot) {
+                Ok(link) => {
+                    self.links.entry(work.site.file()).or_default().push(link);
+                    self.stats.links += 1;
+                    s.has_return = true;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "device probes: attaching the return of {} at {}+{:#x}: {e:#}",
+                        work.name.1,
+                        work.path,
+                        work.site.offset
+                    );
+                    self.stats.attach_failures += 1;
+                }
+            }
+        }
         if !s.live {
             match attacher.write_spec(s.slot, work.spec) {
                 Ok(()) => s.live = true,
@@ -368,9 +390,26 @@ impl<L> ProbeLinks<L> {
         ready: Vec<&SiteWork>,
     ) {
         let sites: Vec<(u64, u32)> = ready.iter().map(|w| (w.site.offset, w.slot)).collect();
+        let returns: Vec<(u64, u32)> = ready
+            .iter()
+            .filter(|w| !w.entry_only)
+            .map(|w| (w.site.offset, w.slot))
+            .collect();
         match attacher.attach_many(ProbeEnd::Entry, path, &sites) {
             None => {}
-            Some(Ok(entry)) => match attacher.attach_many(ProbeEnd::Return, path, &sites) {
+            Some(Ok(entry)) if returns.is_empty() => {
+                self.links
+                    .entry(ready[0].site.file())
+                    .or_default()
+                    .push(entry);
+                self.stats.links += 1;
+                self.stats.multi_links += 1;
+                for work in ready {
+                    self.insert(attacher, work);
+                }
+                return;
+            }
+            Some(Ok(entry)) => match attacher.attach_many(ProbeEnd::Return, path, &returns) {
                 Some(Ok(ret)) => {
                     let file = ready[0].site.file();
                     self.links.entry(file).or_default().extend([entry, ret]);
@@ -407,6 +446,7 @@ impl<L> ProbeLinks<L> {
             LinkedSite {
                 slot: work.slot,
                 live: true,
+                has_return: !work.entry_only,
                 name: work.name,
                 hits_base: attacher.read_hits(work.slot),
             },
@@ -416,14 +456,22 @@ impl<L> ProbeLinks<L> {
     /// One site's uprobe pair, its spec already written.
     fn attach_one<A: Attacher<Link = L>>(&mut self, attacher: &mut A, work: &SiteWork) {
         let entry = attacher.attach(ProbeEnd::Entry, &work.path, work.site.offset, work.slot);
-        let ret = attacher.attach(ProbeEnd::Return, &work.path, work.site.offset, work.slot);
+        let ret = if work.entry_only {
+            Ok(None)
+        } else {
+            attacher
+                .attach(ProbeEnd::Return, &work.path, work.site.offset, work.slot)
+                .map(Some)
+        };
         match (entry, ret) {
             (Ok(entry), Ok(ret)) => {
-                self.links
-                    .entry(work.site.file())
-                    .or_default()
-                    .extend([entry, ret]);
-                self.stats.links += 2;
+                let links = self.links.entry(work.site.file()).or_default();
+                links.push(entry);
+                self.stats.links += 1;
+                if let Some(ret) = ret {
+                    links.push(ret);
+                    self.stats.links += 1;
+                }
                 self.insert(attacher, work);
             }
             (entry, ret) => {
@@ -439,7 +487,7 @@ impl<L> ProbeLinks<L> {
                 if let Ok(link) = entry {
                     attacher.detach(link);
                 }
-                if let Ok(link) = ret {
+                if let Ok(Some(link)) = ret {
                     attacher.detach(link);
                 }
                 silence(attacher, work.slot);

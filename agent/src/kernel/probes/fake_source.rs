@@ -38,7 +38,7 @@ pub struct FakeSource {
 
 impl FakeSource {
     /// The stand-in CUDA runtime (cudaMalloc L0 at 0x1100,
-    /// cudaLaunchKernel L1 at 0x1200) and CUPTI (its next-record call L2 at
+    /// cudaMemcpyAsync L1 at 0x1200) and CUPTI (its next-record call L2 at
     /// 0x2100), at inode 11 and 21 of device 1.
     pub fn nvidia() -> Self {
         let mut s = FakeSource::default();
@@ -46,10 +46,21 @@ impl FakeSource {
         s.files.insert(CUPTI.into(), (1, 21));
         s.exports.insert(
             CUDART.into(),
-            vec![("cudaMalloc", 0x1100), ("cudaLaunchKernel", 0x1200)],
+            vec![("cudaMalloc", 0x1100), ("cudaMemcpyAsync", 0x1200)],
         );
         s.exports
             .insert(CUPTI.into(), vec![("cuptiActivityGetNextRecord", 0x2100)]);
+        s
+    }
+
+    /// [`Self::nvidia`] whose runtime also exports `cudaLaunchKernel` (a
+    /// level-1 launch the kernel counts at every level) at 0x1300.
+    pub fn nvidia_with_launch() -> Self {
+        let mut s = Self::nvidia();
+        s.exports
+            .get_mut(CUDART)
+            .expect("cudart")
+            .push(("cudaLaunchKernel", 0x1300));
         s
     }
 

@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use xpuscope_common::MAX_PROBE_SLOTS;
-use xpuscope_common::uprobe::{ProbeSpec, RETURN_USER_STACK};
+use xpuscope_common::uprobe::{
+    COUNT_LAUNCH_LOWER, COUNT_LAUNCH_UPPER, ProbeSpec, RETURN_USER_STACK,
+};
 use xpuscope_probes::catalog::{CallKind, Library};
 use xpuscope_probes::decode::table::{AttachedProbe, ProbeTable, ProbeTarget, file_probes};
 use xpuscope_probes::discover::{self, LoadedLibrary};
@@ -212,6 +214,10 @@ pub struct SiteWork {
     pub spec: ProbeSpec,
     /// (library, function): what its hits are counted under.
     pub name: (&'static str, &'static str),
+    /// Only its entry end is needed: a launch below the capture level,
+    /// counted in the kernel, not recorded (a return probe would double
+    /// the cost of every launch).
+    pub entry_only: bool,
     /// A communicator set-up call (unique id, init): attached before the
     /// others of its plan (each attach takes about a millisecond, and a
     /// starting rank sets up its communicators within milliseconds).
@@ -326,6 +332,19 @@ struct TracedLibrary {
 struct SiteSlot {
     slot: u32,
     level_bit: u32,
+    /// A launch the kernel counts at every level: never silenced.
+    counts: bool,
+}
+
+/// Whether the probe counts launches in the kernel (at every level).
+fn counts_launches(spec: &ProbeSpec) -> bool {
+    spec.flags & (COUNT_LAUNCH_UPPER | COUNT_LAUNCH_LOWER) != 0
+}
+
+/// Whether the probe is live at level `mask`: its function is recorded
+/// there, or it counts launches.
+fn planned(spec: &ProbeSpec, mask: u32) -> bool {
+    spec.level_bit & mask != 0 || counts_launches(spec)
 }
 
 pub struct Planner {
@@ -534,7 +553,7 @@ impl Planner {
             let alloc_stacks = self.alloc_stacks;
             let mut n = 0;
             for (offset, mut spec, target) in file_probes(&resolved) {
-                if spec.level_bit & mask == 0 {
+                if !planned(&spec, mask) {
                     continue;
                 }
                 if alloc_stacks && target.function.kind == CallKind::Malloc {
@@ -560,7 +579,7 @@ impl Planner {
                 };
                 if let Some(slot) = self.slot_for(&sp) {
                     plan.slots.push((slot, target));
-                    plan.add_live(site_work(&sp, path, slot));
+                    plan.add_live(site_work(&sp, path, slot, mask));
                     n += 1;
                 }
             }
@@ -603,13 +622,13 @@ impl Planner {
             for sp in traced
                 .probes
                 .iter()
-                .filter(|p| p.probe.spec.level_bit & mask != 0)
+                .filter(|p| planned(&p.probe.spec, mask))
             {
                 if let Some(slot) = self.slot_for(sp) {
                     probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
                     plan.uses.push((pid, sp.site));
                     sites.push(sp.site);
-                    plan.add_live(site_work(sp, &traced.path, slot));
+                    plan.add_live(site_work(sp, &traced.path, slot, mask));
                 }
             }
             plan.libraries
@@ -660,7 +679,7 @@ impl Planner {
                 if let Some(slot) = self.slot_for(sp) {
                     probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
                     plan.uses.push((pid, sp.site));
-                    plan.add_live(site_work(sp, path, slot));
+                    plan.add_live(site_work(sp, path, slot, new));
                 }
             }
             plan.updates.push(TableUpdate {
@@ -673,7 +692,7 @@ impl Planner {
         let mut silence: Vec<(ProbeSite, u32)> = self
             .slots
             .iter()
-            .filter(|(_, s)| s.level_bit & lowered != 0)
+            .filter(|(_, s)| s.level_bit & lowered != 0 && !s.counts)
             .map(|(site, s)| (*site, s.slot))
             .collect();
         silence.sort_unstable();
@@ -689,7 +708,7 @@ impl Planner {
             .into_iter()
             .flatten()
             .flat_map(|l| &l.probes)
-            .filter(move |p| p.probe.spec.level_bit & mask != 0)
+            .filter(move |p| planned(&p.probe.spec, mask))
             .map(|p| (p.probe.key.probe_ip, p.site))
     }
 
@@ -762,6 +781,7 @@ impl Planner {
             SiteSlot {
                 slot: next,
                 level_bit: p.probe.spec.level_bit,
+                counts: counts_launches(&p.probe.spec),
             },
         );
         Some(next)
@@ -822,12 +842,14 @@ impl Planner {
     }
 }
 
-fn site_work(p: &SiteProbe, path: &str, slot: u32) -> SiteWork {
+/// The work making `p` live at level `mask`.
+fn site_work(p: &SiteProbe, path: &str, slot: u32, mask: u32) -> SiteWork {
     SiteWork {
         site: p.site,
         path: path.to_string(),
         slot,
         spec: p.probe.spec,
+        entry_only: p.probe.spec.level_bit & mask == 0,
         name: (p.probe.target.library.name(), p.probe.target.function.name),
         urgent: matches!(
             p.probe.target.function.kind,

@@ -41,7 +41,7 @@ fn a_new_library_gets_the_probes_of_the_level_with_slots_and_a_table_update() {
     let mut planner = Planner::new(level(0), false);
     let plan = planner.plan(&[10], &mut src);
 
-    // Level 0: cudaMalloc only (cudaLaunchKernel is level 1).
+    // Level 0: cudaMalloc only (cudaMemcpyAsync is level 1).
     assert_eq!(plan.live.len(), 1, "{plan:?}");
     let work = &plan.live[0];
     assert_eq!(work.site, site(11, 0x1100));
@@ -234,19 +234,19 @@ fn raising_the_level_plans_the_added_probes_of_every_process() {
     assert_eq!(plan.probe_levels, Some(0b11));
     assert_eq!(planner.levels(), level(1));
     let live: Vec<(ProbeSite, &str)> = plan.live.iter().map(|w| (w.site, w.name.1)).collect();
-    assert_eq!(live, vec![(site(11, 0x1200), "cudaLaunchKernel")]);
+    assert_eq!(live, vec![(site(11, 0x1200), "cudaMemcpyAsync")]);
     assert!(plan.silence.is_empty());
     let updates: Vec<(u32, Announced)> = plan
         .updates
         .iter()
         .map(|u| (u.tgid, functions(u)))
         .collect();
-    let launch = |base| src.probe_address(CUDART, "cudaLaunchKernel", base);
+    let copy = |base| src.probe_address(CUDART, "cudaMemcpyAsync", base);
     assert_eq!(
         updates,
         vec![
-            (10, vec![(launch(BASE), 2, "cudaLaunchKernel")]),
-            (11, vec![(launch(OTHER_BASE), 2, "cudaLaunchKernel")]),
+            (10, vec![(copy(BASE), 2, "cudaMemcpyAsync")]),
+            (11, vec![(copy(OTHER_BASE), 2, "cudaMemcpyAsync")]),
         ]
     );
     assert_eq!(planner.probes_of(11).count(), 2, "level 0 and 1 probes");

@@ -10,8 +10,9 @@ use super::*;
 const BASE: u64 = 0x7f10_0000_0000;
 const OTHER_BASE: u64 = 0x7f20_0000_0000;
 const MALLOC: u64 = 0x1100 + PAST_ENDBR;
-const LAUNCH: u64 = 0x1200 + PAST_ENDBR;
+const COPY: u64 = 0x1200 + PAST_ENDBR;
 const NEXT_RECORD: u64 = 0x2100 + PAST_ENDBR;
+const LAUNCH: u64 = 0x1300 + PAST_ENDBR;
 
 type Probes = DeviceProbes<u64>;
 
@@ -169,17 +170,17 @@ fn hits_are_read_by_function_and_by_address() {
             .map(|(_, _, c)| c)
             .unwrap()
     };
-    let (malloc_slot, launch_slot) = (slot_of(MALLOC), slot_of(LAUNCH));
+    let (malloc_slot, launch_slot) = (slot_of(MALLOC), slot_of(COPY));
     k.hits.insert(malloc_slot, 7);
     k.hits.insert(launch_slot, 3);
     let by_fn = p.hits(&k);
     assert_eq!(by_fn.len(), 2);
     assert_eq!(by_fn[&("cudart", "cudaMalloc")], 7);
-    assert_eq!(by_fn[&("cudart", "cudaLaunchKernel")], 3);
+    assert_eq!(by_fn[&("cudart", "cudaMemcpyAsync")], 3);
     let by_addr = p.hits_by_address(&k, 11);
     assert_eq!(by_addr.len(), 2);
     assert_eq!(by_addr[&(OTHER_BASE + MALLOC)], 7);
-    assert_eq!(by_addr[&(OTHER_BASE + LAUNCH)], 3);
+    assert_eq!(by_addr[&(OTHER_BASE + COPY)], 3);
     assert!(p.hits_by_address(&k, 99).is_empty());
 }
 
@@ -203,11 +204,11 @@ fn levels_change_at_runtime_attaching_once_and_silencing_what_is_dropped() {
     announced.sort_unstable();
     assert_eq!(
         announced,
-        vec!["cudaLaunchKernel", "cuptiActivityGetNextRecord"]
+        vec!["cudaMemcpyAsync", "cuptiActivityGetNextRecord"]
     );
     let attached = offsets(&k);
     assert_eq!(attached.len(), 6);
-    for off in [LAUNCH, NEXT_RECORD] {
+    for off in [COPY, NEXT_RECORD] {
         assert!(attached.contains(&(ProbeEnd::Entry, off)), "{off:#x}");
         assert!(attached.contains(&(ProbeEnd::Return, off)), "{off:#x}");
     }
@@ -220,7 +221,7 @@ fn levels_change_at_runtime_attaching_once_and_silencing_what_is_dropped() {
     };
     let (malloc, launch, record) = (
         slot_of(&k, MALLOC),
-        slot_of(&k, LAUNCH),
+        slot_of(&k, COPY),
         slot_of(&k, NEXT_RECORD),
     );
     assert!(k.is_live(malloc) && k.is_live(launch) && k.is_live(record));
@@ -271,7 +272,7 @@ fn levels_change_at_runtime_attaching_once_and_silencing_what_is_dropped() {
         .map(|(_, _, t)| t.function.name)
         .collect();
     announced.sort_unstable();
-    assert_eq!(announced, vec!["cudaLaunchKernel", "cudaMalloc"]);
+    assert_eq!(announced, vec!["cudaMalloc", "cudaMemcpyAsync"]);
     assert_eq!(offsets(&k).len(), 6);
 }
 
@@ -384,7 +385,7 @@ fn a_files_sites_are_one_link_per_end_where_the_kernel_has_uprobe_multi() {
     sites.sort_unstable();
     assert_eq!(
         sites,
-        vec![(MALLOC, 1), (LAUNCH, 2)],
+        vec![(MALLOC, 1), (COPY, 2)],
         "offsets with their slots"
     );
     assert!(k.attaches().is_empty(), "nothing attached one by one");
@@ -427,7 +428,7 @@ fn a_uprobe_multi_link_that_fails_falls_back_to_one_link_per_function() {
     let one_by_one = offsets(&k);
     assert_eq!(one_by_one.len(), 4, "{one_by_one:?}");
     for end in [ProbeEnd::Entry, ProbeEnd::Return] {
-        for offset in [MALLOC, LAUNCH] {
+        for offset in [MALLOC, COPY] {
             assert!(one_by_one.contains(&(end, offset)), "{one_by_one:?}");
         }
     }
@@ -561,4 +562,100 @@ fn a_file_in_use_or_about_to_be_is_kept() {
     scan(&mut p, &[12], &mut src, &mut k);
     assert_eq!(k.attaches().len(), attaches);
     assert!(k.is_live(1) && k.is_live(2));
+}
+
+/// A launch is counted in the kernel at every level: below level 1 its
+/// probe is live with its entry end only (no return probe: it would
+/// double the cost of every launch); raising the level adds its return
+/// end once; lowering it again leaves it counting, not silenced.
+#[test]
+fn launches_are_counted_at_every_level_by_their_entry_alone() {
+    use xpuscope_common::uprobe::COUNT_LAUNCH_UPPER;
+    let (mut src, mut k, mut p) = (
+        FakeSource::nvidia_with_launch(),
+        FakeAttacher::default(),
+        probes(0),
+    );
+    src.map(10, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    let attached = offsets(&k);
+    assert!(
+        attached.contains(&(ProbeEnd::Entry, LAUNCH)),
+        "{attached:?}"
+    );
+    assert!(
+        !attached.contains(&(ProbeEnd::Return, LAUNCH)),
+        "{attached:?}"
+    );
+    assert!(!attached.iter().any(|(_, o)| *o == COPY), "{attached:?}");
+    let slot = k
+        .attaches()
+        .into_iter()
+        .find(|(_, o, _)| *o == LAUNCH)
+        .map(|(_, _, c)| c)
+        .unwrap();
+    let spec = k.specs[&slot];
+    assert_ne!(spec.flags & COUNT_LAUNCH_UPPER, 0, "{spec:?}");
+    assert_eq!(
+        spec.level_bit,
+        level_bit(Library::Cudart, "cudaLaunchKernel"),
+        "recorded at its own level only"
+    );
+    assert_eq!(k.probe_levels & spec.level_bit, 0);
+
+    // 0 -> 1: the launch's return end, once; its entry is not attached again.
+    set_level(&mut p, 1, &mut src, &mut k);
+    let launch_ends: Vec<ProbeEnd> = offsets(&k)
+        .into_iter()
+        .filter(|(_, o)| *o == LAUNCH)
+        .map(|(e, _)| e)
+        .collect();
+    assert_eq!(launch_ends, vec![ProbeEnd::Entry, ProbeEnd::Return]);
+
+    // 1 -> 0: the copy is silenced, the launch keeps counting.
+    set_level(&mut p, 0, &mut src, &mut k);
+    assert!(k.is_live(slot), "a counting launch is never silenced");
+    let copy_slot = k
+        .attaches()
+        .into_iter()
+        .find(|(_, o, _)| *o == COPY)
+        .map(|(_, _, c)| c)
+        .unwrap();
+    assert!(!k.is_live(copy_slot));
+
+    // 0 -> 1 again: nothing new to attach.
+    let before = offsets(&k).len();
+    set_level(&mut p, 1, &mut src, &mut k);
+    assert_eq!(offsets(&k).len(), before);
+}
+
+/// With one link per file and end, a launch counted below its level is in
+/// the entry link and not in the return link.
+#[test]
+fn an_entry_only_launch_is_left_out_of_the_file_s_return_link() {
+    let (mut src, mut k, mut p) = (
+        FakeSource::nvidia_with_launch(),
+        FakeAttacher::default(),
+        probes(0),
+    );
+    k.multi = true;
+    src.map(10, &[(CUDART, 11, BASE)]);
+    scan(&mut p, &[10], &mut src, &mut k);
+    let many: Vec<(ProbeEnd, Vec<u64>)> = k
+        .calls
+        .iter()
+        .filter_map(|c| match c {
+            FakeCall::AttachMany { end, sites, .. } => {
+                Some((*end, sites.iter().map(|(o, _)| *o).collect()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        many,
+        vec![
+            (ProbeEnd::Entry, vec![MALLOC, LAUNCH]),
+            (ProbeEnd::Return, vec![MALLOC]),
+        ]
+    );
 }

@@ -47,6 +47,7 @@ fn base(rank: u32, kind: CallKind, function: &'static str, start: u64, end: u64)
         comm: None,
         memory: None,
         site: None,
+        launches: None,
     }
 }
 

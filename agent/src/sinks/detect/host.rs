@@ -120,6 +120,7 @@ impl HostDetectors {
                 start: w.start,
                 end: w.end,
                 split: s,
+                launches: w.launches,
             });
         }
         self.stall.step_ended(w, &self.cfg, ranks, out);

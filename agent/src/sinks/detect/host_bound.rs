@@ -312,6 +312,7 @@ mod tests {
                 shape: CallShape::Sync,
             }],
             off_cpu,
+            launches: None,
         }
     }
 

@@ -399,6 +399,7 @@ mod tests {
             named_at: start + STEP,
             calls: Vec::new(),
             off_cpu,
+            launches: None,
         }
     }
 

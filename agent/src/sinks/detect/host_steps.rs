@@ -31,6 +31,7 @@ use xpuscope_probes::catalog::{CallKind, CommOp};
 
 use super::step_marks::{StepMark, StepSource};
 use crate::model::{DeviceCallRecord, OffCpuInterval, process_comm_id};
+use xpuscope_common::uprobe::LaunchCounts;
 
 /// Calls or off-CPU intervals a rank's open window keeps.
 pub const MAX_WINDOW_ITEMS: usize = 1 << 15;
@@ -98,6 +99,9 @@ pub struct Window {
     pub calls: Vec<MainCall>,
     /// In start order.
     pub off_cpu: Vec<MainOffCpu>,
+    /// The process's launches in the step, all threads (from the kernel's
+    /// counts stamped on returns); None before its first counted launch.
+    pub launches: Option<LaunchCounts>,
 }
 
 impl Window {
@@ -121,6 +125,33 @@ struct RankClock {
     marked_step: u64,
     calls: Vec<MainCall>,
     off_cpu: Vec<MainOffCpu>,
+    /// The latest launch counts stamped on any of its returns.
+    launches_now: Option<LaunchCounts>,
+    /// The counts when the open window opened.
+    launches_open: Option<LaunchCounts>,
+}
+
+impl RankClock {
+    /// Counts stamped on a return (threads' records arrive out of order;
+    /// the counts only grow).
+    fn saw_launches(&mut self, l: Option<LaunchCounts>) {
+        if let Some(l) = l {
+            let now = self.launches_now.get_or_insert(l);
+            now.kernels = now.kernels.max(l.kernels);
+            now.graphs = now.graphs.max(l.graphs);
+        }
+    }
+
+    /// The launches since the window opened, and the window reopened at
+    /// `at` (the counts at the boundary).
+    fn launches_since_open(&mut self, at: Option<LaunchCounts>) -> Option<LaunchCounts> {
+        let at = at.or(self.launches_now)?;
+        let open = self.launches_open.replace(at).unwrap_or_default();
+        Some(LaunchCounts {
+            kernels: at.kernels.saturating_sub(open.kernels),
+            graphs: at.graphs.saturating_sub(open.graphs),
+        })
+    }
 }
 
 fn push_bounded<T>(v: &mut Vec<T>, item: T) {
@@ -154,6 +185,9 @@ impl StepClock {
     /// anchor all-reduce.
     pub fn device_call(&mut self, c: &DeviceCallRecord) -> Option<Window> {
         let call = &c.call;
+        if let Some(r) = self.ranks.get_mut(&call.tgid) {
+            r.saw_launches(call.launches);
+        }
         if c.unmatched.is_some()
             || call.tid != call.tgid
             || matches!(
@@ -188,6 +222,7 @@ impl StepClock {
             }
             return None;
         }
+        let launches = r.launches_since_open(call.launches);
         let closed = r.open.map(|start| {
             let mut calls = std::mem::take(&mut r.calls);
             calls.sort_by_key(|m| m.start);
@@ -205,6 +240,7 @@ impl StepClock {
                 named_at: me.end,
                 calls,
                 off_cpu,
+                launches,
             }
         });
         r.anchors += 1;
@@ -224,6 +260,7 @@ impl StepClock {
                 r.off_cpu.clear();
                 r.open = Some(ts);
                 r.marked_step = step;
+                r.launches_open = r.launches_now;
                 None
             }
             StepMark::End {
@@ -243,6 +280,7 @@ impl StepClock {
                 let mut off_cpu = std::mem::take(&mut r.off_cpu);
                 off_cpu.retain(|i| i.start < end);
                 off_cpu.sort_by_key(|i| i.start);
+                let launches = r.launches_since_open(None);
                 Some(Window {
                     tgid,
                     step,
@@ -252,6 +290,7 @@ impl StepClock {
                     named_at: end,
                     calls,
                     off_cpu,
+                    launches,
                 })
             }
         }

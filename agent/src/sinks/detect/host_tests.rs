@@ -69,6 +69,7 @@ fn device_call(kind: CallKind, function: &'static str, start: u64, end: u64) -> 
         comm: None,
         memory: None,
         site: None,
+        launches: None,
     }
 }
 
@@ -731,4 +732,71 @@ fn marked_steps_number_the_findings_as_the_job_does() {
         (299.0..=301.0).contains(&wait),
         "the marked step's wait: {wait}"
     );
+}
+
+/// A step's launches are the process's launches between the returns of
+/// the two anchor all-reduces bounding it, whichever thread made them and
+/// whichever thread's return carried the count last; none before the
+/// first count.
+#[test]
+fn a_step_s_launches_are_the_counts_between_its_boundaries() {
+    use super::super::host_steps::StepClock;
+    use xpuscope_common::uprobe::LaunchCounts;
+    let counts = |kernels, graphs| Some(LaunchCounts { kernels, graphs });
+    let all_reduce = |t: u64, launches| {
+        let mut c = device_call(
+            CallKind::Collective(Collective::AllReduce),
+            "ncclAllReduce",
+            t,
+            t + MS,
+        );
+        c.library = Library::Nccl;
+        c.comm = Some(CommContext {
+            handle: 0xc0,
+            id_hash: Some(0xd0),
+            rank: Some(0),
+            size: Some(2),
+            seq: None,
+            seq_exact: false,
+        });
+        c.launches = launches;
+        DeviceCallRecord::new(c)
+    };
+    let on_thread = |tid: u32, t: u64, launches| {
+        let mut c = device_call(
+            CallKind::Sync(SyncKind::Stream),
+            "cudaStreamSynchronize",
+            t,
+            t + MS,
+        );
+        c.tid = tid;
+        c.launches = launches;
+        DeviceCallRecord::new(c)
+    };
+    let mut clock = StepClock::default();
+    clock.follow(PID);
+    assert!(clock.device_call(&all_reduce(0, None)).is_none());
+    let w = clock
+        .device_call(&all_reduce(10 * MS, None))
+        .expect("step 0");
+    assert_eq!(w.launches, None, "nothing counted yet");
+    // The autograd thread's launches, seen on its own return.
+    clock.device_call(&on_thread(PID + 1, 12 * MS, counts(40, 1)));
+    let w = clock
+        .device_call(&all_reduce(20 * MS, counts(41, 1)))
+        .expect("step 1");
+    assert_eq!(w.launches, counts(41, 1));
+    // A late record of another thread with an older count changes nothing.
+    clock.device_call(&on_thread(PID + 1, 21 * MS, counts(30, 1)));
+    clock.device_call(&on_thread(PID, 25 * MS, counts(60, 1)));
+    let w = clock
+        .device_call(&all_reduce(30 * MS, counts(71, 2)))
+        .expect("step 2");
+    assert_eq!(w.launches, counts(30, 1));
+    // A step whose anchor carried no count: the latest count seen.
+    clock.device_call(&on_thread(PID + 1, 35 * MS, counts(90, 2)));
+    let w = clock
+        .device_call(&all_reduce(40 * MS, None))
+        .expect("step 3");
+    assert_eq!(w.launches, counts(19, 0));
 }

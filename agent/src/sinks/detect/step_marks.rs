@@ -314,6 +314,7 @@ mod tests {
             comm: None,
             memory: None,
             site: None,
+            launches: None,
         })
     }
 

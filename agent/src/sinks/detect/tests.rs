@@ -67,6 +67,7 @@ pub(super) fn call(
         comm: None,
         memory: None,
         site: None,
+        launches: None,
     }
 }
 

@@ -32,6 +32,7 @@ fn call(tgid: u32, start: u64, dur: u64, kind: CallKind, args: CallArgs) -> Devi
         comm: None,
         memory: None,
         site: None,
+        launches: None,
     }
 }
 
@@ -683,6 +684,7 @@ fn steps_are_split_into_host_work_and_device_waits() {
                 asleep: 100 * MS - (host + device) * MS,
                 host: host * MS,
             },
+            launches: None,
         }))
     };
     // The second comes back from the detect sink after the rank's exit.

@@ -27,8 +27,8 @@ use crate::trace_schema::names as n;
 #[derive(Default)]
 pub struct DeviceTracks {
     memory: HashMap<(u32, Vendor, u32), TrackUuid>,
-    /// Per rank process: its steps' host-work and device-wait counters.
-    step_split: HashMap<u32, (TrackUuid, TrackUuid)>,
+    /// Per rank process: its steps' counters.
+    step_split: HashMap<u32, StepTracks>,
     /// Processes that ended, with their process track and step counters
     /// and when: a step split fed back after the exit (the detect sink's
     /// records come late) is drawn on them, not on a new, unnamed track.
@@ -49,8 +49,17 @@ pub struct DeviceTracks {
 #[derive(Clone, Copy)]
 struct EndedProcess {
     track: TrackUuid,
-    step_split: Option<(TrackUuid, TrackUuid)>,
+    step_split: Option<StepTracks>,
     exited: u64,
+}
+
+/// A rank's per-step counters, each written from its first value on.
+#[derive(Clone, Copy)]
+struct StepTracks {
+    host: TrackUuid,
+    device: TrackUuid,
+    launches: Option<TrackUuid>,
+    graphs: Option<TrackUuid>,
 }
 
 /// Ended processes remembered for their late records.
@@ -262,33 +271,58 @@ impl<W: Write> PerfettoSink<W> {
             Some(e) => e.step_split,
             None => self.device.step_split.get(&s.tgid).copied(),
         };
-        let (host, device) = match known {
-            Some(t) => t,
-            None => {
-                let process = match ended {
-                    Some(e) => e.track,
-                    None => self.device_process_track(s.tgid)?,
-                };
-                let pct = || CounterUnit::Other("%".into());
-                let t = (
-                    self.writer
-                        .counter_track(Some(process), n::STEP_HOST_TRACK, pct())?,
-                    self.writer
-                        .counter_track(Some(process), n::STEP_DEVICE_WAIT_TRACK, pct())?,
-                );
-                match self.device.ended.get_mut(&s.tgid) {
-                    Some(e) if ended.is_some() => e.step_split = Some(t),
-                    _ => {
-                        self.device.step_split.insert(s.tgid, t);
-                    }
-                }
-                t
-            }
+        let process = match ended {
+            Some(e) => e.track,
+            None => self.device_process_track(s.tgid)?,
         };
+        let pct = || CounterUnit::Other("%".into());
+        let mut t = match known {
+            Some(t) => t,
+            None => StepTracks {
+                host: self
+                    .writer
+                    .counter_track(Some(process), n::STEP_HOST_TRACK, pct())?,
+                device: self.writer.counter_track(
+                    Some(process),
+                    n::STEP_DEVICE_WAIT_TRACK,
+                    pct(),
+                )?,
+                launches: None,
+                graphs: None,
+            },
+        };
+        let launches = s.launches.unwrap_or_default();
+        if s.launches.is_some() && t.launches.is_none() {
+            t.launches = Some(self.writer.counter_track(
+                Some(process),
+                n::STEP_LAUNCHES_TRACK,
+                CounterUnit::Count,
+            )?);
+        }
+        if launches.graphs > 0 && t.graphs.is_none() {
+            t.graphs = Some(self.writer.counter_track(
+                Some(process),
+                n::STEP_GRAPH_LAUNCHES_TRACK,
+                CounterUnit::Count,
+            )?);
+        }
+        match self.device.ended.get_mut(&s.tgid) {
+            Some(e) if ended.is_some() => e.step_split = Some(t),
+            _ => {
+                self.device.step_split.insert(s.tgid, t);
+            }
+        }
         self.writer
-            .counter(host, s.start, 100.0 * s.split.host_share())?;
+            .counter(t.host, s.start, 100.0 * s.split.host_share())?;
         self.writer
-            .counter(device, s.start, 100.0 * s.split.device_wait_share())?;
+            .counter(t.device, s.start, 100.0 * s.split.device_wait_share())?;
+        if s.launches.is_some() {
+            for (track, n) in [(t.launches, launches.kernels), (t.graphs, launches.graphs)] {
+                if let Some(track) = track {
+                    self.writer.counter(track, s.start, n as f64)?;
+                }
+            }
+        }
         Ok(())
     }
 

@@ -24,6 +24,11 @@ pub struct RankStepSplit {
     pub asleep_pct: f64,
     /// `host`, `device` or `mixed`.
     pub bound: &'static str,
+    /// Kernel and graph launches per step, over the steps with counts
+    /// (the kernel counts launches at every capture level); None when
+    /// no launch was counted.
+    pub launches_per_step: Option<f64>,
+    pub graph_launches_per_step: Option<f64>,
 }
 
 /// A share of the steps' time past which a rank is bound by it.
@@ -35,6 +40,8 @@ pub struct StepBound {
     ranks: BTreeMap<u32, u32>,
     /// pid -> (steps, the splits' sums).
     sums: BTreeMap<u32, (u64, StepSplit)>,
+    /// pid -> (steps with launch counts, kernel launches, graph launches).
+    launches: BTreeMap<u32, (u64, u64, u64)>,
 }
 
 impl StepBound {
@@ -53,6 +60,12 @@ impl StepBound {
                 sum.runnable += s.split.runnable;
                 sum.asleep += s.split.asleep;
                 sum.host += s.split.host;
+                if let Some(l) = s.launches {
+                    let (n, kernels, graphs) = self.launches.entry(s.tgid).or_default();
+                    *n += 1;
+                    *kernels += l.kernels;
+                    *graphs += l.graphs;
+                }
             }
             _ => {}
         }
@@ -68,6 +81,10 @@ impl StepBound {
                 let rank = *self.ranks.get(pid)?;
                 let pct = |part: u64| 100.0 * part as f64 / s.dur.max(1) as f64;
                 let (host, device) = (pct(s.host), pct(s.in_device_calls));
+                let per_step = |pick: fn(&(u64, u64, u64)) -> u64| {
+                    let l = self.launches.get(pid)?;
+                    Some(pick(l) as f64 / l.0.max(1) as f64)
+                };
                 Some(RankStepSplit {
                     rank,
                     pid: *pid,
@@ -84,6 +101,8 @@ impl StepBound {
                     } else {
                         "mixed"
                     },
+                    launches_per_step: per_step(|l| l.1),
+                    graph_launches_per_step: per_step(|l| l.2),
                 })
             })
             .collect();
@@ -110,6 +129,7 @@ mod tests {
                 asleep: 100 - 5 - host - device,
                 host,
             },
+            launches: None,
         }))
     }
 

@@ -272,6 +272,7 @@ mod tests {
             comm: None,
             memory: None,
             site: None,
+            launches: None,
         }
     }
 

@@ -591,6 +591,7 @@ fn failed_allocation(event: &EventView, tgid: u32, tid: u32) -> Option<DeviceCal
             site: None,
         }),
         site: None,
+        launches: None,
     };
     let mut r = DeviceCallRecord::new(call);
     r.site = k::STACK.read(event).and_then(site);

@@ -163,6 +163,7 @@ mod tests {
             comm: None,
             memory: None,
             site: None,
+            launches: None,
         }
     }
 
