@@ -332,6 +332,22 @@ fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
                 );
             }
         }
+        // Its launches did not grow with its host work: the kernel counts
+        // every rank's launches at the default level, per step, as the
+        // simulator made them.
+        for (&rank, &pid) in &run.rank_pids {
+            let per_step = runtime_launches_per_step(&run, rank);
+            let launches = step_counter(&run.tl, pid, "step kernel launches");
+            assert!(launches.len() >= 8, "{what}: rank {rank}: {launches:?}");
+            assert!(
+                launches.iter().all(|n| *n as u64 == per_step),
+                "{what}: rank {rank}, {per_step} a step: {launches:?}"
+            );
+            if rank == 6 {
+                assert_eq!(e["launches_per_step"], per_step, "{what}: {e:#}");
+                assert_eq!(e["usual_launches_per_step"], per_step, "{what}: {e:#}");
+            }
+        }
         // The summary's split over the recording: rank 6 did the most host
         // work of all ranks.
         let rows = run.stats["step_split"].as_array().expect("step_split");
@@ -353,6 +369,26 @@ fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
             "{what}: offline = online"
         );
     }
+}
+
+/// The kernels rank `rank` launched in each step, by its step log: the
+/// same in every step.
+fn runtime_launches_per_step(run: &SimRun, rank: u64) -> u64 {
+    let path = run.job_dir.join(format!("rank{rank}.steps.jsonl"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let counts: Vec<u64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .map(|v| v["runtime_launches"].as_u64().expect("runtime_launches"))
+        .collect();
+    assert!(counts.len() >= 8, "rank {rank}: {counts:?}");
+    assert!(
+        counts.iter().all(|n| *n == counts[0]),
+        "rank {rank}: {counts:?}"
+    );
+    assert!(counts[0] > 0, "rank {rank}: {counts:?}");
+    counts[0]
 }
 
 /// The values of counter `name` on process `pid`'s track, in time order;

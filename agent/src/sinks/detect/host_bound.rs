@@ -103,12 +103,18 @@ struct Run {
     /// Steps under the bar since the last host-bound one.
     clean: u32,
     reported: bool,
+    /// Kernel launches of its steps, while every step had a count.
+    launches: Option<u64>,
+    /// The rank's usual launches per step when the run began.
+    usual_launches: Option<u64>,
 }
 
 #[derive(Default)]
 struct RankShares {
     /// Host shares of its recent steps outside runs.
     baseline: VecDeque<f64>,
+    /// Kernel launches of those steps that had a count.
+    baseline_launches: VecDeque<u64>,
     latest: Option<f64>,
 }
 
@@ -174,7 +180,18 @@ impl HostBoundDetector {
             if r.baseline.len() > BASELINE_STEPS {
                 r.baseline.pop_front();
             }
+            if let Some(l) = w.launches {
+                r.baseline_launches.push_back(l.kernels);
+                if r.baseline_launches.len() > BASELINE_STEPS {
+                    r.baseline_launches.pop_front();
+                }
+            }
         }
+        let usual_launches = {
+            let mut v: Vec<u64> = r.baseline_launches.iter().copied().collect();
+            v.sort_unstable();
+            (!v.is_empty()).then(|| v[(v.len() - 1) / 2])
+        };
         if !bound {
             if let Some(run) = self.runs.get_mut(&w.tgid) {
                 run.clean += 1;
@@ -188,10 +205,13 @@ impl HostBoundDetector {
             first_step: w.step,
             start: w.start,
             usual: (own.unwrap_or(0.0), peers),
+            launches: Some(0),
+            usual_launches,
             ..Run::default()
         });
         run.clean = 0;
         run.steps += 1;
+        run.launches = run.launches.zip(w.launches).map(|(sum, l)| sum + l.kernels);
         run.end = w.end;
         let t = &mut run.total;
         t.dur += s.dur;
@@ -207,6 +227,16 @@ impl HostBoundDetector {
         let ms = |ns: u64| ns as f64 / 1e6;
         let pct = |part: u64| 100.0 * part as f64 / t.dur.max(1) as f64;
         let who = ranks.describe(w.tgid);
+        // Launch overhead is host work: a step launching many more
+        // kernels than the rank used to says where the host time went.
+        let launches = run.launches.map(|l| l / n);
+        let launch_note = match (launches, run.usual_launches) {
+            (Some(now), Some(usual)) => {
+                format!("; it launched {now} kernels per step (usually {usual})")
+            }
+            (Some(now), None) => format!("; it launched {now} kernels per step"),
+            _ => String::new(),
+        };
         out.push(Finding {
             link: Default::default(),
             kind: FindingKind::HostBound,
@@ -221,7 +251,7 @@ impl HostBoundDetector {
                  {:.0}% of its steps ({:.1} of {:.1} ms per step; usually {:.0}%, its peers \
                  {:.0}%), {n} steps in a row from step {}, and waited in device calls for \
                  {:.0}%: its device and its peers waited for its host work (not kept off its \
-                 CPU: {:.1} ms runnable per step; not asleep: {:.1} ms)",
+                 CPU: {:.1} ms runnable per step; not asleep: {:.1} ms){launch_note}",
                 pct(t.host),
                 ms(t.host / n),
                 ms(t.dur / n),
@@ -245,6 +275,8 @@ impl HostBoundDetector {
                 "device_calls_share_pct": pct(t.in_device_calls),
                 "runnable_ms_per_step": ms(t.runnable / n),
                 "asleep_ms_per_step": ms(t.asleep / n),
+                "launches_per_step": launches,
+                "usual_launches_per_step": run.usual_launches,
                 "min_share_pct": 100.0 * MIN_SHARE,
                 "min_rise_pct": 100.0 * MIN_RISE,
             }),
