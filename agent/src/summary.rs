@@ -604,8 +604,15 @@ impl RunSummary {
                 );
             }
         }
-        eprintln!("  {}", self.gpu_health.line());
-        eprintln!("  {}", self.npu_health.line());
+        // A host with one vendor's devices says nothing of the other's
+        // absent library; a host with neither says why for both.
+        let (gpu, npu) = (&self.gpu_health, &self.npu_health);
+        let both_absent = gpu.unavailable.is_some() && npu.unavailable.is_some();
+        for report in [gpu, npu] {
+            if report.unavailable.is_none() || both_absent {
+                eprintln!("  {}", report.line());
+            }
+        }
         let d = &self.device;
         let c = &d.counts;
         let dc = &d.decoding;
