@@ -174,6 +174,13 @@ pub struct AttachArgs {
     /// activity records (CUPTI/MSPTI).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub probe_level: u8,
+    /// Do not count launches below --probe-level 1. By default every kernel
+    /// and graph launch is counted in the kernel (an entry probe per launch
+    /// function, no record; about a microsecond of the launching thread per
+    /// launch, two for a runtime launch) and each step shows its launches;
+    /// off, launches cost nothing below level 1 and steps show none.
+    #[arg(long)]
+    pub no_launch_counts: bool,
     /// Device calls recorded one by one per second, per process and
     /// function; past it a thread's calls of that function are summarized
     /// per 100 ms (a count and the time in them), so a pathological loop
@@ -322,6 +329,7 @@ impl AttachArgs {
                 ..Default::default()
             },
             loader_hook: !self.no_loader_hook,
+            launch_counts: !self.no_launch_counts,
             gpu_health: {
                 let env = crate::health::HealthConfig::from_env();
                 crate::health::HealthConfig {

@@ -63,6 +63,8 @@ pub struct AttachConfig {
     /// Device-library capture level: 0 collectives, syncs, memory, comm
     /// init; 1 adds launches and copies; 2 adds activity records.
     pub probe_level: u8,
+    /// Count launches in the kernel below the level that records them.
+    pub launch_counts: bool,
     /// Testing aid: device-level changes during the recording.
     pub level_schedule: LevelSchedule,
     /// Testing aid: print the kernel's traced set (`TARGETS`) at the stop.
@@ -132,6 +134,7 @@ impl Default for AttachConfig {
             level_schedule: LevelSchedule::default(),
             report_targets: false,
             loader_hook: true,
+            launch_counts: true,
             gpu_health: crate::health::HealthConfig::from_env(),
         }
     }

@@ -61,6 +61,7 @@ fn count_hits(pid: u32, duration: Duration) -> Result<HashMap<u64, u64>> {
     // Every level's probes, recording nothing (CONFIG.probe_levels is 0).
     let levels = CaptureLevels {
         device: DeviceLevel::MAX,
+        launch_counts: true,
     };
     let mut device = DeviceProbes::new(levels, false);
     let plan = device.plan(&[pid], &mut LiveProcesses);

@@ -220,6 +220,7 @@ async fn record(
 ) -> Result<RunSummary> {
     let levels = CaptureLevels {
         device: DeviceLevel::new(cfg.probe_level)?,
+        launch_counts: cfg.launch_counts,
     };
     if target.is_some() {
         wait_for_earlier_releases();

@@ -63,9 +63,23 @@ impl std::str::FromStr for DeviceLevel {
 /// Every runtime capture level of a recording. Only the device level
 /// changes at runtime today; scheduler stacks and system-wide recording are
 /// fixed at start (`Config`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CaptureLevels {
     pub device: DeviceLevel,
+    /// Launches counted in the kernel below the level that records them
+    /// (an entry probe per launch function; see the device-probe guide):
+    /// on by default, off for a job whose launch rate makes even that cost
+    /// too much.
+    pub launch_counts: bool,
+}
+
+impl Default for CaptureLevels {
+    fn default() -> Self {
+        Self {
+            device: DeviceLevel::default(),
+            launch_counts: true,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -198,6 +198,9 @@ pub struct LabelsConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ServiceConfig {
     pub level: CaptureLevel,
+    /// Count launches in the kernel below the level that records them
+    /// (`launch_counts`, on by default).
+    pub launch_counts: bool,
     pub flight_recorder: FlightRecorderConfig,
     pub dump_dir: PathBuf,
     pub dump_dir_max_bytes: u64,
@@ -218,6 +221,7 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
             level: CaptureLevel::default(),
+            launch_counts: true,
             flight_recorder: FlightRecorderConfig {
                 seconds: Duration::from_secs(120),
                 max_bytes: 256 << 20,
@@ -272,6 +276,7 @@ impl ServiceConfig {
         }
         keys![
             "level" => c.level,
+            "launch_counts" => c.launch_counts,
             "dump_dir" => c.dump_dir,
             "dump_dir_max_bytes" => c.dump_dir_max_bytes,
             "max_dumps_per_hour" => c.max_dumps_per_hour,
@@ -397,6 +402,9 @@ impl ServiceConfig {
                 .map_err(|_| format!("{n} is out of range"))
                 .and_then(CaptureLevel::new)
                 .map_err(|m| ctx.value_error(&v, "level", m))?;
+        }
+        if let Some(v) = root.take("launch_counts") {
+            cfg.launch_counts = ctx.boolean(&v, "launch_counts")?;
         }
         if let Some(v) = root.take("dump_dir") {
             cfg.dump_dir = ctx.absolute_path(&v, "dump_dir")?;
@@ -987,6 +995,7 @@ mod tests {
         let cfg = parse(
             r#"
 level = 3
+launch_counts = false
 dump_dir = "/srv/dumps"
 dump_dir_max_bytes = 1073741824
 max_dumps_per_hour = 2
@@ -1043,6 +1052,8 @@ dcmi_library = "/opt/ascend/libdcmi.so"
             }
         );
         assert_eq!(cfg.level.get(), 3);
+        assert!(!cfg.launch_counts);
+        assert!(ServiceConfig::default().launch_counts, "on by default");
         assert_eq!(cfg.dump_dir, PathBuf::from("/srv/dumps"));
         assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);
         assert_eq!(cfg.max_dumps_per_hour, 2);

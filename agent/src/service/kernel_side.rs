@@ -243,6 +243,7 @@ pub async fn start(
         device: DeviceProbes::new(
             CaptureLevels {
                 device: level.device,
+                launch_counts: cfg.launch_counts,
             },
             true,
         )

@@ -106,7 +106,14 @@ fn count_launch(flags: u8, tid: u32, tgid: u32, sp: u64) {
             sp,
             ret: user_word(sp),
         };
-        let _ = LAUNCH_OPEN.insert(&tid, &open, 0);
+        match LAUNCH_OPEN.get_ptr_mut(&tid) {
+            // SAFETY: this thread's own entry (only it writes it).
+            Some(o) => unsafe { *o = open },
+            // A thread's first launch (an update in place is cheaper).
+            None => {
+                let _ = LAUNCH_OPEN.insert(&tid, &open, 0);
+            }
+        }
     } else if let Some(open) = LAUNCH_OPEN.get_ptr_mut(&tid) {
         // SAFETY: a value pointer of this thread's own entry: only this
         // thread writes it, and it is running here.

@@ -341,10 +341,10 @@ fn counts_launches(spec: &ProbeSpec) -> bool {
     spec.flags & (COUNT_LAUNCH_UPPER | COUNT_LAUNCH_LOWER) != 0
 }
 
-/// Whether the probe is live at level `mask`: its function is recorded
-/// there, or it counts launches.
-fn planned(spec: &ProbeSpec, mask: u32) -> bool {
-    spec.level_bit & mask != 0 || counts_launches(spec)
+/// Whether the probe is live at `levels`: its function is recorded there,
+/// or it counts launches and launches are counted.
+fn planned(spec: &ProbeSpec, levels: CaptureLevels) -> bool {
+    spec.level_bit & levels.device.mask() != 0 || (levels.launch_counts && counts_launches(spec))
 }
 
 pub struct Planner {
@@ -532,7 +532,7 @@ impl Planner {
         source: &mut impl ProcessSource,
         plan: &mut Plan,
     ) -> Vec<FileId> {
-        let mask = self.levels.device.mask();
+        let (levels, mask) = (self.levels, self.levels.device.mask());
         let mut held = Vec::new();
         for (library, path) in files {
             let id = match source.file_id(path) {
@@ -553,7 +553,7 @@ impl Planner {
             let alloc_stacks = self.alloc_stacks;
             let mut n = 0;
             for (offset, mut spec, target) in file_probes(&resolved) {
-                if !planned(&spec, mask) {
+                if !planned(&spec, levels) {
                     continue;
                 }
                 if alloc_stacks && target.function.kind == CallKind::Malloc {
@@ -590,7 +590,7 @@ impl Planner {
 
     /// Reads `pid`'s maps and plans the probes of libraries it newly maps.
     fn scan(&mut self, pid: u32, source: &mut impl ProcessSource, plan: &mut Plan) {
-        let mask = self.levels.device.mask();
+        let (levels, mask) = (self.levels, self.levels.device.mask());
         let Some(maps) = source.maps(pid) else {
             return; // exited, or a kernel thread
         };
@@ -622,7 +622,7 @@ impl Planner {
             for sp in traced
                 .probes
                 .iter()
-                .filter(|p| planned(&p.probe.spec, mask))
+                .filter(|p| planned(&p.probe.spec, levels))
             {
                 if let Some(slot) = self.slot_for(sp) {
                     probes.push((sp.probe.key.probe_ip, slot, sp.probe.target));
@@ -702,13 +702,13 @@ impl Planner {
 
     /// Probe addresses of `pid` at the current level, with their sites.
     pub fn probes_of(&self, pid: u32) -> impl Iterator<Item = (u64, ProbeSite)> + '_ {
-        let mask = self.levels.device.mask();
+        let levels = self.levels;
         self.procs
             .get(&pid)
             .into_iter()
             .flatten()
             .flat_map(|l| &l.probes)
-            .filter(move |p| planned(&p.probe.spec, mask))
+            .filter(move |p| planned(&p.probe.spec, levels))
             .map(|p| (p.probe.key.probe_ip, p.site))
     }
 
@@ -781,7 +781,7 @@ impl Planner {
             SiteSlot {
                 slot: next,
                 level_bit: p.probe.spec.level_bit,
-                counts: counts_launches(&p.probe.spec),
+                counts: self.levels.launch_counts && counts_launches(&p.probe.spec),
             },
         );
         Some(next)

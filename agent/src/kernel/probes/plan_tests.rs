@@ -12,6 +12,7 @@ const OTHER_BASE: u64 = 0x7f20_0000_0000;
 fn level(n: u8) -> CaptureLevels {
     CaptureLevels {
         device: DeviceLevel::new(n).unwrap(),
+        launch_counts: true,
     }
 }
 
@@ -356,4 +357,41 @@ fn set_up_calls_are_urgent() {
         vec![("ncclAllReduce", false), ("ncclCommInitRank", true)]
     );
     assert!(plan.loaders.is_empty());
+}
+
+/// Launches are counted below level 1 (their entry alone); with launch
+/// counts off they are not probed there at all.
+#[test]
+fn launches_below_their_level_are_planned_only_with_launch_counts() {
+    let mut src = crate::kernel::probes::fake_source::FakeSource::nvidia_with_launch();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let plan = Planner::new(level(0), false).plan(&[10], &mut src);
+    let live: Vec<(&str, bool)> = plan.live.iter().map(|w| (w.name.1, w.entry_only)).collect();
+    assert_eq!(
+        live,
+        vec![("cudaMalloc", false), ("cudaLaunchKernel", true)]
+    );
+
+    let off = CaptureLevels {
+        launch_counts: false,
+        ..level(0)
+    };
+    let plan = Planner::new(off, false).plan(&[10], &mut src);
+    let live: Vec<&str> = plan.live.iter().map(|w| w.name.1).collect();
+    assert_eq!(live, vec!["cudaMalloc"]);
+    // At level 1 the launch is recorded either way, both ends.
+    let plan = Planner::new(
+        CaptureLevels {
+            launch_counts: false,
+            ..level(1)
+        },
+        false,
+    )
+    .plan(&[10], &mut src);
+    assert!(
+        plan.live
+            .iter()
+            .any(|w| w.name.1 == "cudaLaunchKernel" && !w.entry_only),
+        "{plan:?}"
+    );
 }

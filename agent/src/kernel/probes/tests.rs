@@ -20,6 +20,7 @@ fn probes(level: u8) -> Probes {
     DeviceProbes::new(
         CaptureLevels {
             device: DeviceLevel::new(level).unwrap(),
+            launch_counts: true,
         },
         false,
     )
