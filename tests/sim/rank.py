@@ -123,7 +123,7 @@ class Rank:
     # operator kernels by registered stub (rtFunctionRegister +
     # rtKernelLaunch) and by stub found by name (rtGetFunctionByName +
     # rtKernelLaunchWithFlag); no graphs.
-    # (name, through the library API, launched with the Ex / WithFlag call)
+    # Each: (name, got through the library API, launched by the Ex / WithFlag call).
     DRIVER = {"nvidia": [("sim_cublas_gemm", False, False), ("sim_triton_fused_adam", True, True)],
               "ascend": [("sim_tbe_matmul", False, False), ("sim_tbe_fused_adam", True, True)]}
     GRAPH_NODES = {"nvidia": ["sim_graph_rmsnorm", "sim_graph_rotary"], "ascend": []}
