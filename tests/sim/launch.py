@@ -170,12 +170,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--expandable-segments", action="store_true",
                    help="as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: each rank keeps its "
                         "activations in a reserved range it maps page by page through the CUDA "
-                        "driver (cuMemCreate + cuMemMap) and unmaps as it shrinks (NVIDIA, C ranks)")
+                        "driver (cuMemCreate + cuMemMap) and unmaps as it shrinks (NVIDIA; C and "
+                        "Python ranks)")
     p.add_argument("--driver-launches", action="store_true",
                    help="each rank also launches library kernels straight through the layer "
-                        "below the runtime every step (C ranks): NVIDIA, the CUDA driver "
-                        "(cuLaunchKernel as cuBLAS, cuLaunchKernelEx as Triton, a CUDA graph by "
-                        "cuGraphLaunch); Ascend, the CANN runtime (rtKernelLaunch, "
+                        "below the runtime every step (C and Python ranks): NVIDIA, the CUDA "
+                        "driver (cuLaunchKernel as cuBLAS, cuLaunchKernelEx as Triton, a CUDA "
+                        "graph by cuGraphLaunch); Ascend, the CANN runtime (rtKernelLaunch, "
                         "rtKernelLaunchWithFlag as operator libraries)")
     p.add_argument("--init-delay-ms", type=int, default=0,
                    help="ranks pause this long before their first device call (an agent "
@@ -199,10 +200,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.real_libs and args.flavor != "nvidia":
         p.error("--real-libs only exists for --flavor nvidia")
-    if args.expandable_segments and (args.flavor != "nvidia" or args.lang != "c"):
-        p.error("--expandable-segments needs --flavor nvidia and --lang c")
-    if args.driver_launches and args.lang != "c":
-        p.error("--driver-launches needs --lang c")
+    if args.expandable_segments and args.flavor != "nvidia":
+        p.error("--expandable-segments needs --flavor nvidia")
     return args
 
 

@@ -19,11 +19,13 @@ import sys
 import threading
 import time
 
-from sim_devices import open_device
+from sim_devices import DriverKernel, open_device
 
 _libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_NAME, PR_SET_DUMPABLE = 15, 4
 BATCH_BYTES = 64 * 1024
+# Most pages of the expandable segment.
+SEGMENT_PAGES = 64
 
 
 def boot_ns() -> int:
@@ -91,6 +93,8 @@ def parse_args(argv):
     p.add_argument("--tolerate-errors", action="store_true")
     p.add_argument("--activity-api", action="store_true")
     p.add_argument("--activity-log")
+    p.add_argument("--expandable-segments", action="store_true")
+    p.add_argument("--driver-launches", action="store_true")
     p.add_argument("--slow")
     p.add_argument("--host-work")
     p.add_argument("--stall")
@@ -101,13 +105,28 @@ def parse_args(argv):
     p.add_argument("--delay-step")
     p.add_argument("--throttle")
     p.add_argument("--xid")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.expandable_segments and args.flavor != "nvidia":
+        p.error("--expandable-segments needs --flavor nvidia")
+    return args
 
 
 class Rank:
     FWD = ["embedding_fwd", "attention_fwd", "mlp_fwd"]
     BWD = ["mlp_bwd", "attention_bwd"]
     OPT = ["grad_scale", "adam"]
+    # Kernels of libraries that launch below the runtime (src/rank.c). NVIDIA,
+    # through the driver: a cuBLAS GEMM (cuModuleGetFunction +
+    # cuLaunchKernel), a Triton kernel (cuLibraryGetKernel +
+    # cuKernelGetFunction + cuLaunchKernelEx), and the nodes of a CUDA graph
+    # launched whole (cuGraphLaunch). Ascend, through the CANN runtime:
+    # operator kernels by registered stub (rtFunctionRegister +
+    # rtKernelLaunch) and by stub found by name (rtGetFunctionByName +
+    # rtKernelLaunchWithFlag); no graphs.
+    # Each: (name, got through the library API, launched by the Ex / WithFlag call).
+    DRIVER = {"nvidia": [("sim_cublas_gemm", False, False), ("sim_triton_fused_adam", True, True)],
+              "ascend": [("sim_tbe_matmul", False, False), ("sim_tbe_fused_adam", True, True)]}
+    GRAPH_NODES = {"nvidia": ["sim_graph_rmsnorm", "sim_graph_rotary"], "ascend": []}
 
     def __init__(self, args):
         self.a = args
@@ -119,6 +138,16 @@ class Rank:
         self.step = -1
         self.mem_bytes = 0
         self.kernel_ns = 0
+        # Launches this step: through the runtime, straight through the
+        # driver, graphs.
+        self.runtime_launches = self.driver_launches = self.graph_launches = 0
+        self.driver_kernels = [DriverKernel(name, library, ex)
+                               for name, library, ex in Rank.DRIVER[args.flavor]]
+        self.graph_nodes = [DriverKernel(name) for name in Rank.GRAPH_NODES[args.flavor]]
+        # The expandable segment: reserved range, page size, mapped pages'
+        # handles.
+        self.seg_base = self.seg_page = 0
+        self.seg_handles: list[int] = []
         self.leaked = []
         self.hang_inside_logged = False
         self.slow = num_at(args.slow) if args.slow else (1.0, -1)
@@ -163,15 +192,20 @@ class Rank:
             self.check(err, what)
         return err, ptr
 
-    def launch(self, name: str, base_ns: int) -> None:
+    def kernel_time(self, base_ns: int) -> int:
         factor, from_step = self.slow
         ns = int(base_ns * factor) if 0 <= from_step <= self.step else base_ns
         # A GPU at a lower clock runs the same kernel longer, in proportion.
         mhz, throttle_step = self.throttle
         if 0 <= throttle_step <= self.step:
             ns = ns * GPU_MAX_MHZ // mhz
+        return ns
+
+    def launch(self, name: str, base_ns: int) -> None:
+        ns = self.kernel_time(base_ns)
         self.kernel_ns += ns
         self.check(self.dev.launch(self.kernels[name], ns, self.compute), "kernel launch")
+        self.runtime_launches += 1
 
     def before_collective(self, c: Comm, op: str, grad_sync: bool = False) -> None:
         seq = c.seq
@@ -208,6 +242,8 @@ class Rank:
             # libraries just loaded, before communicator set-up.
             time.sleep(self.a.init_delay_ms / 1000)
         self.check(self.dev.init(self.local_rank), "device init")
+        if a.driver_launches or a.expandable_segments:
+            self.dev.open_driver()
         if a.activity_log:
             self.dev.activity.open_log(a.activity_log)
         self.check(self.dev.activity_start(a.activity_api), "activity consumer start")
@@ -234,6 +270,12 @@ class Rank:
             if err and not a.tolerate_errors:
                 print(f"sim rank {self.rank}: out of memory at start-up", file=sys.stderr)
                 os._exit(1)
+        # An expandable segment reserves address space only: nothing mapped.
+        if a.expandable_segments:
+            err, self.seg_page = self.dev.segment_page_size()
+            self.check(err, "segment granularity")
+            err, self.seg_base = self.dev.segment_reserve(SEGMENT_PAGES * self.seg_page)
+            self.check(err, "segment reserve")
         if self.dp:
             self.before_collective(self.dp, "broadcast")
             self.check(self.dev.broadcast(self.buf["params"], self.grad_count, 0, self.dp.handle,
@@ -386,10 +428,53 @@ def dataloader_main(r: Rank, q: queue.Queue) -> None:
         q.put(load_batch(r, i))
 
 
+# ---- below the runtime ----
+
+def library_kernels(r: Rank, base_ns: int) -> None:
+    """Library kernels launched through the driver (the CANN runtime on
+    Ascend), and the graph (NVIDIA)."""
+    ns = r.kernel_time(base_ns)
+    for k in r.driver_kernels:
+        r.check(r.dev.driver_launch(k, ns, r.compute), "driver launch")
+        r.driver_launches += 1
+        r.kernel_ns += ns
+    if r.graph_nodes:
+        r.check(r.dev.graph_launch(r.graph_nodes, ns, r.compute), "graph launch")
+        r.graph_launches += 1
+        r.kernel_ns += len(r.graph_nodes) * ns
+
+
+def grow_segment(r: Rank, pages: int) -> None:
+    """The expandable segment grows to `pages` mapped pages, one page at a
+    time."""
+    pages = min(pages, SEGMENT_PAGES)
+    while len(r.seg_handles) < pages:
+        addr = r.seg_base + len(r.seg_handles) * r.seg_page
+        err, handle = r.dev.segment_map(addr, r.seg_page)
+        r.check(err, "segment map")
+        r.seg_handles.append(handle)
+        r.mem_bytes += r.seg_page
+
+
+def shrink_segment(r: Rank, pages: int) -> None:
+    """... and shrinks to `pages`: its top pages unmapped in one call, then
+    released."""
+    n = len(r.seg_handles) - pages
+    if n <= 0:
+        return
+    addr = r.seg_base + pages * r.seg_page
+    r.check(r.dev.segment_unmap(addr, n * r.seg_page, r.seg_handles[pages:]), "segment unmap")
+    del r.seg_handles[pages:]
+    r.mem_bytes -= n * r.seg_page
+
+
 # ---- the training step ----
 
 def forward(r: Rank) -> None:
     cache_activations(r)
+    # Activations: a page per microbatch, and more on some steps.
+    if r.a.expandable_segments:
+        grow_segment(r, r.a.microbatches + r.step % 3)
     k_ns = r.a.kernel_us * 1000
     b = r.buf
     for _ in range(r.a.microbatches):
@@ -453,9 +538,15 @@ def allreduce_gradients(r: Rank) -> None:
 
 
 def optimizer_step(r: Rank) -> None:
+    k_ns = r.a.opt_kernel_us * 1000
     for i in range(r.a.opt_kernels):
-        r.launch(Rank.OPT[i % 2], r.a.opt_kernel_us * 1000)
+        r.launch(Rank.OPT[i % 2], k_ns)
+    if r.a.driver_launches:
+        library_kernels(r, k_ns)
     r.sync(r.compute)
+    # The allocator gives memory back: the segment shrinks.
+    if r.a.expandable_segments:
+        shrink_segment(r, r.step % 2)
 
 
 def dispatch_host_work(r: Rank) -> None:
@@ -467,6 +558,7 @@ def dispatch_host_work(r: Rank) -> None:
 def train_step(r: Rank, q: queue.Queue) -> None:
     t0, real0 = boot_ns(), real_ns()
     r.kernel_ns = 0
+    r.runtime_launches = r.driver_launches = r.graph_launches = 0
     r.log.write(event="step_begin", step=r.step, boot_ns=t0)
     sig, crash_step = r.crash
     if r.step == crash_step:
@@ -506,7 +598,10 @@ def train_step(r: Rank, q: queue.Queue) -> None:
                 start_real_ns=real0, dur_ns=t1 - t0, data_wait_ns=t_data - t0,
                 host_ns=t_host - t_data, fwd_ns=t_fwd - t_host, bwd_ns=t_bwd - t_fwd,
                 grad_sync_ns=t_sync - t_bwd, opt_ns=t1 - t_sync, kernel_ns=r.kernel_ns,
-                mem_bytes=r.mem_bytes, activity_records=records)
+                mem_bytes=r.mem_bytes, activity_records=records,
+                segment_bytes=len(r.seg_handles) * r.seg_page,
+                runtime_launches=r.runtime_launches, driver_launches=r.driver_launches,
+                graph_launches=r.graph_launches)
 
 
 def main(argv) -> int:

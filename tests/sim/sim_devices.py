@@ -1,8 +1,11 @@
 """ctypes bindings of the device libraries for the CPython flavor of a rank:
 the same calls, with the same real C signatures, as src/device_*.c.
 
-NvidiaDevice: libcudart.so.12, libnccl.so.2, libcupti.so.12.
-AscendDevice: libascendcl.so, libhccl.so, libmspti.so.
+NvidiaDevice: libcudart.so.12, libnccl.so.2, libcupti.so.12; libcuda.so.1
+for what libraries do straight through the driver (driver launches, graphs,
+expandable segments).
+AscendDevice: libascendcl.so, libhccl.so, libmspti.so; libruntime.so for
+what operator libraries do straight through the CANN runtime.
 Each method returns the library's status code (0 = success).
 """
 
@@ -13,7 +16,8 @@ import json
 import os
 import threading
 from ctypes import (CFUNCTYPE, POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t,
-                    c_uint, c_uint8, c_uint32, c_uint64, c_void_p)
+                    c_uint, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p)
+from dataclasses import dataclass
 
 KERNEL_MAGIC = 0x4E524B53  # standin_kernel.h: the bytes "SKRN"
 KERNEL_SLEEP = 0
@@ -28,6 +32,71 @@ class KernelSpec(Structure):
 
 class Dim3(Structure):
     _fields_ = [("x", c_uint), ("y", c_uint), ("z", c_uint)]
+
+
+class CuLaunchConfig(Structure):
+    """CUlaunchConfig (standin_cu.h)."""
+
+    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
+                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint),
+                ("sharedMemBytes", c_uint), ("hStream", c_void_p), ("attrs", c_void_p),
+                ("numAttrs", c_uint)]
+
+
+class CuKernelNodeParams(Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (standin_cu.h)."""
+
+    _fields_ = [("func", c_void_p), ("gridDimX", c_uint), ("gridDimY", c_uint),
+                ("gridDimZ", c_uint), ("blockDimX", c_uint), ("blockDimY", c_uint),
+                ("blockDimZ", c_uint), ("sharedMemBytes", c_uint),
+                ("kernelParams", POINTER(c_void_p)), ("extra", POINTER(c_void_p)),
+                ("kern", c_void_p), ("ctx", c_void_p)]
+
+
+class CuMemLocation(Structure):
+    _fields_ = [("type", c_int), ("id", c_int)]
+
+
+class CuMemAllocationProp(Structure):
+    """CUmemAllocationProp (standin_cu.h)."""
+
+    _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", CuMemLocation),
+                ("win32HandleMetaData", c_void_p), ("allocFlags", c_uint8 * 8)]
+
+
+class CuMemAccessDesc(Structure):
+    _fields_ = [("location", CuMemLocation), ("flags", c_int)]
+
+
+class RtArgsEx(Structure):
+    """rtArgsEx_t (standin_rt.h)."""
+
+    _fields_ = [("args", c_void_p), ("hostInputInfoPtr", c_void_p), ("argsSize", c_uint32),
+                ("tilingAddrOffset", c_uint32), ("tilingDataOffset", c_uint32),
+                ("hostInputInfoNum", c_uint16), ("hasTiling", c_uint8),
+                ("isNoNeedH2DCopy", c_uint8), ("reserved", c_uint8 * 4)]
+
+
+@dataclass
+class DriverKernel:
+    """A kernel launched straight through the layer below the runtime (as
+    struct sim_driver_kernel, src/device.h): its handle is got at its first
+    launch; `library` gets it through the library API (cuLibraryGetKernel +
+    cuKernelGetFunction; on Ascend, found again by rtGetFunctionByName),
+    `ex` launches with cuLaunchKernelEx (rtKernelLaunchWithFlag) instead of
+    cuLaunchKernel (rtKernelLaunch)."""
+
+    name: str
+    library: bool = False
+    ex: bool = False
+    handle: int | None = None
+
+
+def _spec_params(duration_ns: int) -> tuple[KernelSpec, ctypes.Array]:
+    """A sleep kernel's spec and the kernelParams array pointing at it (keep
+    both alive until the call returns; the library copies the spec)."""
+    spec = KernelSpec(KERNEL_MAGIC, KERNEL_SLEEP, duration_ns)
+    return spec, (c_void_p * 1)(ctypes.addressof(spec))
 
 
 class NcclUniqueId(Structure):
@@ -161,6 +230,7 @@ class NvidiaDevice:
     FLOAT32, SUM = 7, 0
 
     def __init__(self, lib_dir: str | None):
+        self.lib_dir = lib_dir
         rt = _load(lib_dir, "libcudart.so.12")
         nccl = _load(lib_dir, "libnccl.so.2")
         cupti = _load(lib_dir, "libcupti.so.12")
@@ -203,6 +273,46 @@ class NvidiaDevice:
         self._req = req_t(self.activity.request)
         self._done = done_t(lambda ctx, sid, buf, size, valid: self.activity.complete(buf, valid))
         self._kernel_stubs: dict[str, ctypes.Array] = {}
+        self._module = self._library = self._graph_exec = None
+
+    def open_driver(self) -> None:
+        """Binds the CUDA driver calls that libraries make without the
+        runtime (cuBLAS, Triton, CUDA graphs, PyTorch's expandable
+        segments), as device_nvidia.c links them."""
+        cu = _load(self.lib_dir, "libcuda.so.1")
+        vp, u = c_void_p, c_uint
+        self.cuCtxGetDevice = _sig(cu, "cuCtxGetDevice", c_int, POINTER(c_int))
+        self.cuModuleLoadData = _sig(cu, "cuModuleLoadData", c_int, POINTER(vp), c_char_p)
+        self.cuModuleGetFunction = _sig(cu, "cuModuleGetFunction", c_int, POINTER(vp), vp,
+                                        c_char_p)
+        self.cuLibraryLoadData = _sig(cu, "cuLibraryLoadData", c_int, POINTER(vp), c_char_p, vp,
+                                      vp, u, vp, vp, u)
+        self.cuLibraryGetKernel = _sig(cu, "cuLibraryGetKernel", c_int, POINTER(vp), vp,
+                                       c_char_p)
+        self.cuKernelGetFunction = _sig(cu, "cuKernelGetFunction", c_int, POINTER(vp), vp)
+        self.cuLaunchKernel = _sig(cu, "cuLaunchKernel", c_int, vp, u, u, u, u, u, u, u, vp,
+                                   POINTER(vp), POINTER(vp))
+        self.cuLaunchKernelEx = _sig(cu, "cuLaunchKernelEx", c_int, POINTER(CuLaunchConfig), vp,
+                                     POINTER(vp), POINTER(vp))
+        self.cuGraphCreate = _sig(cu, "cuGraphCreate", c_int, POINTER(vp), u)
+        self.cuGraphAddKernelNode = _sig(cu, "cuGraphAddKernelNode_v2", c_int, POINTER(vp), vp,
+                                         POINTER(vp), c_size_t, POINTER(CuKernelNodeParams))
+        self.cuGraphInstantiateWithFlags = _sig(cu, "cuGraphInstantiateWithFlags", c_int,
+                                                POINTER(vp), vp, c_uint64)
+        self.cuGraphLaunch = _sig(cu, "cuGraphLaunch", c_int, vp, vp)
+        self.cuMemGetAllocationGranularity = _sig(cu, "cuMemGetAllocationGranularity", c_int,
+                                                  POINTER(c_size_t),
+                                                  POINTER(CuMemAllocationProp), c_int)
+        self.cuMemAddressReserve = _sig(cu, "cuMemAddressReserve", c_int, POINTER(c_uint64),
+                                        c_size_t, c_size_t, c_uint64, c_uint64)
+        self.cuMemCreate = _sig(cu, "cuMemCreate", c_int, POINTER(c_uint64), c_size_t,
+                                POINTER(CuMemAllocationProp), c_uint64)
+        self.cuMemRelease = _sig(cu, "cuMemRelease", c_int, c_uint64)
+        self.cuMemMap = _sig(cu, "cuMemMap", c_int, c_uint64, c_size_t, c_size_t, c_uint64,
+                             c_uint64)
+        self.cuMemUnmap = _sig(cu, "cuMemUnmap", c_int, c_uint64, c_size_t)
+        self.cuMemSetAccess = _sig(cu, "cuMemSetAccess", c_int, c_uint64, c_size_t,
+                                   POINTER(CuMemAccessDesc), c_size_t)
 
     def init(self, local_rank: int) -> int:
         count = c_int(0)
@@ -286,6 +396,119 @@ class NvidiaDevice:
     def range_end(self, range_id: int) -> None:
         pass
 
+    # ---- the driver API, as cuBLAS, NCCL and Triton use it ----
+
+    def _driver_handle(self, k: DriverKernel) -> int:
+        """Gets kernel `k`'s function at its first launch, as Triton loads
+        its kernels at their first call."""
+        if k.handle:
+            return 0
+        f = c_void_p()
+        if k.library:
+            if not self._library:
+                lib = c_void_p()
+                err = self.cuLibraryLoadData(byref(lib), b"sim", None, None, 0, None, None, 0)
+                if err:
+                    return err
+                self._library = lib
+            kernel = c_void_p()
+            err = (self.cuLibraryGetKernel(byref(kernel), self._library, k.name.encode())
+                   or self.cuKernelGetFunction(byref(f), kernel))
+        else:
+            if not self._module:
+                mod = c_void_p()
+                err = self.cuModuleLoadData(byref(mod), b"sim")
+                if err:
+                    return err
+                self._module = mod
+            err = self.cuModuleGetFunction(byref(f), self._module, k.name.encode())
+        if err == 0:
+            k.handle = f.value
+        return err
+
+    def driver_launch(self, k: DriverKernel, duration_ns: int, stream) -> int:
+        err = self._driver_handle(k)
+        if err:
+            return err
+        spec, params = _spec_params(duration_ns)
+        if k.ex:
+            config = CuLaunchConfig(64, 1, 1, 128, 1, 1, 4096, stream.value)
+            return self.cuLaunchKernelEx(byref(config), k.handle, params, None)
+        return self.cuLaunchKernel(k.handle, 32, 4, 1, 256, 1, 1, 0, stream, params, None)
+
+    def graph_launch(self, nodes: list[DriverKernel], duration_ns: int, stream) -> int:
+        """Launches the graph of `nodes` (built at the first launch, each
+        node `duration_ns` long) whole, with cuGraphLaunch."""
+        if not self._graph_exec:
+            graph = c_void_p()
+            err = self.cuGraphCreate(byref(graph), 0)
+            if err:
+                return err
+            prev = None
+            for k in nodes:
+                err = self._driver_handle(k)
+                if err:
+                    return err
+                spec, params = _spec_params(duration_ns)
+                p = CuKernelNodeParams(func=k.handle, gridDimX=16, gridDimY=1, gridDimZ=1,
+                                       blockDimX=128, blockDimY=1, blockDimZ=1,
+                                       kernelParams=ctypes.cast(params, POINTER(c_void_p)))
+                node = c_void_p()
+                err = self.cuGraphAddKernelNode(byref(node), graph,
+                                                byref(prev) if prev else None,
+                                                1 if prev else 0, byref(p))
+                if err:
+                    return err
+                prev = node
+            exec_ = c_void_p()
+            err = self.cuGraphInstantiateWithFlags(byref(exec_), graph, 0)
+            if err:
+                return err
+            self._graph_exec = exec_
+        return self.cuGraphLaunch(self._graph_exec, stream)
+
+    # ---- expandable segments ----
+
+    def _segment_prop(self) -> CuMemAllocationProp:
+        dev = c_int(0)
+        self.cuCtxGetDevice(byref(dev))
+        prop = CuMemAllocationProp()
+        prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = CuMemLocation(1, dev.value)  # CU_MEM_LOCATION_TYPE_DEVICE
+        return prop
+
+    def segment_page_size(self):
+        n = c_size_t(0)
+        prop = self._segment_prop()
+        # CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        return self.cuMemGetAllocationGranularity(byref(n), byref(prop), 1), n.value
+
+    def segment_reserve(self, nbytes: int):
+        base = c_uint64(0)
+        return self.cuMemAddressReserve(byref(base), nbytes, 0, 0, 0), base.value
+
+    def segment_map(self, addr: int, nbytes: int):
+        """Creates a page and maps it at `addr`: (status, its handle)."""
+        prop = self._segment_prop()
+        h = c_uint64(0)
+        err = self.cuMemCreate(byref(h), nbytes, byref(prop), 0)
+        if err:
+            return err, 0
+        err = self.cuMemMap(addr, nbytes, 0, h, 0)
+        if err:
+            self.cuMemRelease(h)
+            return err, 0
+        access = CuMemAccessDesc(prop.location, 3)  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        err = self.cuMemSetAccess(addr, nbytes, byref(access), 1)
+        return err, (0 if err else h.value)
+
+    def segment_unmap(self, addr: int, nbytes: int, handles: list[int]) -> int:
+        """Unmaps the range in one call, then releases each of its pages."""
+        err = self.cuMemUnmap(addr, nbytes)
+        for h in handles:
+            err = err or self.cuMemRelease(h)
+        return err
+
 
 class AscendDevice:
     flavor = "ascend"
@@ -294,6 +517,7 @@ class AscendDevice:
     FP32, SUM = 4, 0
 
     def __init__(self, lib_dir: str | None):
+        self.lib_dir = lib_dir
         acl = _load(lib_dir, "libascendcl.so")
         hccl = _load(lib_dir, "libhccl.so")
         mspti = _load(lib_dir, "libmspti.so")
@@ -336,6 +560,23 @@ class AscendDevice:
         self.activity = _ActivityCounter(get_next, _mspti_record)
         self._req = req_t(self.activity.request)
         self._done = done_t(lambda buf, size, valid: self.activity.complete(buf, valid))
+
+    def open_driver(self) -> None:
+        """Binds the CANN runtime calls that operator libraries make
+        without AscendCL, as device_ascend.c links them."""
+        rt = _load(self.lib_dir, "libruntime.so")
+        vp = c_void_p
+        self.rtFunctionRegister = _sig(rt, "rtFunctionRegister", c_int, vp, vp, c_char_p, vp,
+                                       c_uint32)
+        self.rtGetFunctionByName = _sig(rt, "rtGetFunctionByName", c_int, c_char_p, POINTER(vp))
+        self.rtKernelLaunch = _sig(rt, "rtKernelLaunch", c_int, vp, c_uint32, vp, c_uint32, vp,
+                                   vp)
+        self.rtKernelLaunchWithFlag = _sig(rt, "rtKernelLaunchWithFlag", c_int, vp, c_uint32,
+                                           POINTER(RtArgsEx), vp, vp, c_uint32)
+        # The binary handle the stubs register under, and the stubs: host
+        # addresses of the operator library's own, one per kernel.
+        self._operator_binary = ctypes.create_string_buffer(8)
+        self._operator_stubs: dict[str, ctypes.Array] = {}
 
     def init(self, local_rank: int) -> int:
         err = self.aclInit(None)
@@ -413,6 +654,29 @@ class AscendDevice:
 
     def range_end(self, range_id: int) -> None:
         self.mstxRangeEnd(range_id)
+
+    def driver_launch(self, k: DriverKernel, duration_ns: int, stream) -> int:
+        """An operator kernel launched through the CANN runtime: at its first
+        launch the library registers its stub (rtFunctionRegister) and, with
+        `library` set, finds it again by name (rtGetFunctionByName)."""
+        if not k.handle:
+            stub = self._operator_stubs.setdefault(k.name, ctypes.create_string_buffer(16))
+            err = self.rtFunctionRegister(ctypes.addressof(self._operator_binary),
+                                          ctypes.addressof(stub), k.name.encode(), None, 0)
+            if err:
+                return err
+            found = c_void_p(ctypes.addressof(stub))
+            if k.library:
+                err = self.rtGetFunctionByName(k.name.encode(), byref(found))
+                if err:
+                    return err
+            k.handle = found.value
+        spec = KernelSpec(KERNEL_MAGIC, KERNEL_SLEEP, duration_ns)
+        if k.ex:
+            args = RtArgsEx(args=ctypes.addressof(spec), argsSize=ctypes.sizeof(spec))
+            return self.rtKernelLaunchWithFlag(k.handle, 24, byref(args), None, stream, 0)
+        return self.rtKernelLaunch(k.handle, 24, ctypes.addressof(spec), ctypes.sizeof(spec),
+                                   None, stream)
 
 
 def open_device(flavor: str, lib_dir: str | None):

@@ -8,7 +8,8 @@
 //! Ascend flavor of the job, whose stand-in AscendCL goes through it the
 //! same way and whose ranks also launch operator kernels straight through
 //! it (`--driver-launches`). Graded against the simulator's own accounting
-//! (its step log and ground truth). Root and eBPF; these never skip.
+//! (its step log and ground truth), with C ranks and, on the CUDA driver,
+//! CPython ranks too. Root and eBPF; these never skip.
 
 use std::collections::BTreeSet;
 
@@ -86,8 +87,22 @@ fn uint(v: &Value) -> u64 {
 #[test]
 fn every_launch_is_counted_once_with_its_kernel() {
     let _serial = exclusive();
+    every_launch_is_counted_once("drvlaunch", &[]);
+}
+
+/// The same, with the job's ranks in CPython calling the libraries
+/// through ctypes.
+#[test]
+fn every_python_launch_is_counted_once_with_its_kernel() {
+    let _serial = exclusive();
+    every_launch_is_counted_once("drvlaunchpy", &["--lang", "python"]);
+}
+
+/// Runs the NVIDIA job with `--driver-launches` and `extra` at level 1
+/// and checks every rank's launches against its ground truth.
+fn every_launch_is_counted_once(tag: &str, extra: &[&str]) {
     let steps = 6;
-    let run = run_sim_job("drvlaunch", "1", steps, &["--driver-launches"]);
+    let run = run_sim_job(tag, "1", steps, &[&["--driver-launches"], extra].concat());
     let truth = final_truth(&run);
     assert_eq!(
         truth["driver"]["driver_launches"], true,
@@ -189,7 +204,36 @@ fn expandable_segments_memory_track_equals_the_mapped_bytes() {
         steps,
         &["--expandable-segments", "--driver-launches"],
     );
-    let truth = final_truth(&run);
+    segment_memory_track_equals_the_mapped_bytes(&run, steps);
+}
+
+/// With the job's ranks in CPython, one run at the default level with
+/// expandable segments and driver launches: each rank's device-memory
+/// track equals the bytes it mapped, as above, and its launches are
+/// counted per step, as [`launches_are_counted_per_step`] checks.
+#[test]
+fn python_segments_and_launches_per_step_at_the_default_level() {
+    let _serial = exclusive();
+    let steps = 8;
+    let run = run_sim_job(
+        "drvsegpy",
+        "0",
+        steps,
+        &[
+            "--lang",
+            "python",
+            "--expandable-segments",
+            "--driver-launches",
+        ],
+    );
+    segment_memory_track_equals_the_mapped_bytes(&run, steps);
+    launches_are_counted_in_each_step(&run, steps);
+}
+
+/// The checks of [`expandable_segments_memory_track_equals_the_mapped_bytes`]
+/// on a level-0 run of `steps` steps with `--expandable-segments`.
+fn segment_memory_track_equals_the_mapped_bytes(run: &SimRun, steps: u64) {
+    let truth = final_truth(run);
     let tl = &run.tl;
     for (&rank, &pid) in &run.rank_pids {
         let rt = rank_truth(&truth, rank);
@@ -239,7 +283,7 @@ fn expandable_segments_memory_track_equals_the_mapped_bytes() {
         };
         let ready = uint(&rt["ready"]["mem_bytes"]);
         let mapped = rt["segment_bytes"].as_array().expect("segment_bytes");
-        let lines = steps_of(&run, rank);
+        let lines = steps_of(run, rank);
         assert_eq!(lines.len() as u64, steps);
         assert_eq!(mapped.len() as u64, steps);
         let mut peak = 0;
@@ -500,10 +544,16 @@ fn launches_per_step(run: &SimRun, rank: u64, steps: u64) -> (u64, u64) {
 fn launches_are_counted_per_step(flavor: &str, tag: &str) {
     let steps = 8;
     let run = run_sim_job(tag, "0", steps, &["--flavor", flavor, "--driver-launches"]);
+    launches_are_counted_in_each_step(&run, steps);
+}
+
+/// The checks of [`launches_are_counted_per_step`] on a level-0 run of
+/// `steps` steps with `--driver-launches`.
+fn launches_are_counted_in_each_step(run: &SimRun, steps: u64) {
     let tl = &run.tl;
     let split = run.stats["step_split"].as_array().expect("step_split");
     for (&rank, &pid) in &run.rank_pids {
-        let (kernels, graphs) = launches_per_step(&run, rank, steps);
+        let (kernels, graphs) = launches_per_step(run, rank, steps);
         let slices = slices_of(tl, pid);
         assert!(
             !slices.iter().any(|s| s.name.contains("Launch")),

@@ -944,6 +944,61 @@ fn python_flavor_runs_train_step_through_ctypes() {
     }
 }
 
+/// `--driver-launches` (and, on NVIDIA, `--expandable-segments`) make the
+/// Python ranks launch and map below the runtime as the C ranks do: step
+/// lines with the same fields, the same launches of each kind, kernel time,
+/// mapped bytes and memory at every step, and the same ground truth.
+#[test]
+fn python_ranks_launch_and_map_below_the_runtime_as_c_ranks_do() {
+    let _t = timing_lock();
+    for (flavor, extra) in [("nvidia", &["--expandable-segments"][..]), ("ascend", &[])] {
+        let [c, python] = ["c", "python"].map(|lang| {
+            let args = [
+                &["--lang", lang, "--flavor", flavor, "--world-size", "2"][..],
+                &["--steps", "4", "--driver-launches"],
+                extra,
+            ]
+            .concat();
+            run_job(&format!("below-{flavor}-{lang}"), &args, LIMIT)
+        });
+        for job in [&c, &python] {
+            assert_eq!(job.status(), "completed", "{flavor}: {:#}", job.gt["ranks"]);
+            assert_eq!(job.gt["driver"]["driver_launches"], true);
+        }
+        for r in 0..2 {
+            let what = format!("{flavor} rank {r}");
+            let (ct, pt) = (c.rank(r), python.rank(r));
+            assert!(ct["launches"]["driver"].as_u64() > Some(0), "{what}: {ct}");
+            assert_eq!(ct["launches"], pt["launches"], "{what}");
+            assert_eq!(ct["segment_bytes"], pt["segment_bytes"], "{what}");
+            let mapped = ct["segment_bytes"].as_array().expect("segment_bytes");
+            assert_eq!(
+                mapped.iter().any(|b| b.as_u64() > Some(0)),
+                flavor == "nvidia",
+                "{what}: {mapped:?}"
+            );
+            let (cs, ps) = (c.steps(r), python.steps(r));
+            assert_eq!(cs.len(), 4, "{what}");
+            assert_eq!(cs.len(), ps.len(), "{what}");
+            for (a, b) in cs.iter().zip(&ps) {
+                let fields =
+                    |s: &Value| s.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>());
+                assert_eq!(fields(a), fields(b), "{what}");
+                for f in [
+                    "kernel_ns",
+                    "mem_bytes",
+                    "segment_bytes",
+                    "runtime_launches",
+                    "driver_launches",
+                    "graph_launches",
+                ] {
+                    assert_eq!(a[f], b[f], "{what} {f}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn ascend_flavor_runs_on_acl_hccl_and_mspti() {
     let _t = timing_lock();
