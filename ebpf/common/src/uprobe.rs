@@ -28,35 +28,41 @@ pub const DEREF_STACK: u8 = 0xfe;
 
 /// `ProbeSpec::flags`: at return, read the u64 pointer stored at the saved
 /// argument, then copy its pointee (`CUpti_Activity **record`).
-pub const RETURN_TWICE: u8 = 1 << 0;
+pub const RETURN_TWICE: u16 = 1 << 0;
 /// `ProbeSpec::flags`: copy at return only when the 32-bit status in rax is 0.
-pub const RETURN_ON_SUCCESS: u8 = 1 << 1;
+pub const RETURN_ON_SUCCESS: u16 = 1 << 1;
 /// `ProbeSpec::flags`: the entry copy is a NUL-terminated string.
-pub const ENTRY_STRING: u8 = 1 << 2;
+pub const ENTRY_STRING: u16 = 1 << 2;
 
 /// `ProbeSpec::flags`: at return, push the caller's user stack
 /// ([`UprobeStack`]) before the return record: where device memory was
 /// allocated (an OOM's stack, the largest live allocation sites). Taken at
 /// return, not entry: there the frame-pointer chain starts in the caller
 /// and no frame is skipped.
-pub const RETURN_USER_STACK: u8 = 1 << 3;
+pub const RETURN_USER_STACK: u16 = 1 << 3;
 
 /// `ProbeSpec::flags`: copy `sp[0..ENTRY_STACK_WORDS]` at entry (the
 /// function has stack-passed arguments); otherwise the words are zero and
 /// the entry skips a user-memory read.
-pub const ENTRY_STACK_ARGS: u8 = 1 << 4;
+pub const ENTRY_STACK_ARGS: u16 = 1 << 4;
 
 /// `ProbeSpec::flags`: a launch made by an application-facing library
 /// (`cudaLaunchKernel`, `aclrtLaunchKernel`): counted in the kernel at
 /// every level ([`LaunchCounts`]), and marked on its thread so that the
 /// driver launch made inside it is not counted again.
-pub const COUNT_LAUNCH_UPPER: u8 = 1 << 5;
+pub const COUNT_LAUNCH_UPPER: u16 = 1 << 5;
 /// `ProbeSpec::flags`: a launch of the library below (`cuLaunchKernel`,
 /// `rtKernelLaunch`): counted unless its thread is inside an upper launch.
-pub const COUNT_LAUNCH_LOWER: u8 = 1 << 6;
+pub const COUNT_LAUNCH_LOWER: u16 = 1 << 6;
 /// `ProbeSpec::flags`, with one of the two above: the launch is a graph's
 /// (counted apart: one graph launch runs many kernels).
-pub const COUNT_GRAPH: u8 = 1 << 7;
+pub const COUNT_GRAPH: u16 = 1 << 7;
+
+/// `ProbeSpec::flags`: stamp the process's launch counts on the return
+/// record ([`UprobeReturn::launches`]): set on the calls that can mark a
+/// step's boundary (syncs, collectives, markers), not on the others (a
+/// lookup saved on every allocation, and on every launch at level 1).
+pub const RETURN_LAUNCH_COUNTS: u16 = 1 << 8;
 
 /// What to copy for one probed function, at its probe's slot in the
 /// `UPROBE_SPECS` array; written by the agent before it attaches the probe.
@@ -72,9 +78,8 @@ pub struct ProbeSpec {
     pub return_deref_arg: u8,
     /// [`RETURN_TWICE`], [`RETURN_ON_SUCCESS`], [`ENTRY_STRING`],
     /// [`RETURN_USER_STACK`], [`ENTRY_STACK_ARGS`], [`COUNT_LAUNCH_UPPER`],
-    /// [`COUNT_LAUNCH_LOWER`], [`COUNT_GRAPH`].
-    pub flags: u8,
-    pub _pad: u8,
+    /// [`COUNT_LAUNCH_LOWER`], [`COUNT_GRAPH`], [`RETURN_LAUNCH_COUNTS`].
+    pub flags: u16,
     /// Bytes to copy at entry (at most [`DEREF_BYTES`]).
     pub entry_deref_len: u16,
     /// Bytes to copy at return (at most [`DEREF_BYTES`]).
@@ -92,7 +97,6 @@ impl Default for ProbeSpec {
             entry_deref_arg: DEREF_NONE,
             return_deref_arg: DEREF_NONE,
             flags: 0,
-            _pad: 0,
             entry_deref_len: 0,
             return_deref_len: 0,
             entry_stack_off: 0,

@@ -23,8 +23,8 @@ use xpuscope_common::{
     uprobe::{
         COUNT_GRAPH, COUNT_LAUNCH_LOWER, COUNT_LAUNCH_UPPER, DEREF_BYTES, DEREF_NONE, DEREF_STACK,
         ENTRY_STACK_ARGS, ENTRY_STACK_WORDS, ENTRY_STRING, LaunchCounts, OpenLaunch, PendingKey,
-        ProbeSpec, RETURN_ON_SUCCESS, RETURN_SP_OFFSET, RETURN_TWICE, RETURN_USER_STACK,
-        UprobeEntry, UprobeReturn, UprobeStack,
+        ProbeSpec, RETURN_LAUNCH_COUNTS, RETURN_ON_SUCCESS, RETURN_SP_OFFSET, RETURN_TWICE,
+        RETURN_USER_STACK, UprobeEntry, UprobeReturn, UprobeStack,
     },
 };
 
@@ -98,7 +98,7 @@ fn user_word(at: u64) -> u64 {
 /// `COUNT_LAUNCH_*`), at every level: the default trace's launches per
 /// step come from these counts, not from one record per launch.
 #[inline(always)]
-fn count_launch(flags: u8, tid: u32, tgid: u32, sp: u64) {
+fn count_launch(flags: u16, tid: u32, tgid: u32, sp: u64) {
     if flags & COUNT_LAUNCH_UPPER != 0 {
         // The driver launch made inside this one is this one: mark the
         // thread with where this call's return address sits.
@@ -338,7 +338,11 @@ fn try_return(ctx: &RetProbeContext) -> Option<u32> {
         (*rec).probe_ip = probe_ip;
         (*rec).ret = ret;
         (*rec).slot = slot;
-        (*rec).launches = LAUNCH_COUNTS.get(&tgid).copied().unwrap_or_default();
+        (*rec).launches = if spec.flags & RETURN_LAUNCH_COUNTS != 0 {
+            LAUNCH_COUNTS.get(&tgid).copied().unwrap_or_default()
+        } else {
+            LaunchCounts::default()
+        };
         let ok = spec.flags & RETURN_ON_SUCCESS == 0 || ret as u32 == 0;
         let mut src = if ok { saved } else { 0 };
         if src != 0 && spec.flags & RETURN_TWICE != 0 {

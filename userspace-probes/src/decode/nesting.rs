@@ -27,7 +27,7 @@ pub fn folds_into(inner: (Library, CallKind), outer: (Library, CallKind)) -> boo
 /// The kernel's launch-counting flags of a function (`ProbeSpec::flags`):
 /// the kernel counts every launch at every level, and a lower launch made
 /// inside an upper one counts once, as the fold above does for records.
-pub fn launch_count_flags(library: Library, kind: CallKind) -> u8 {
+pub fn launch_count_flags(library: Library, kind: CallKind) -> u16 {
     let graph = match sort(kind) {
         Some(Sort::KernelLaunch) => 0,
         Some(Sort::GraphLaunch) => COUNT_GRAPH,
@@ -41,6 +41,20 @@ pub fn launch_count_flags(library: Library, kind: CallKind) -> u8 {
         return 0;
     };
     layer | graph
+}
+
+/// Whether a call's return carries its process's launch counts: the calls
+/// a step boundary can be (syncs, collectives, the job's markers); other
+/// returns skip the kernel's lookup.
+pub fn stamps_launch_counts(kind: CallKind) -> bool {
+    matches!(
+        kind,
+        CallKind::Sync(_)
+            | CallKind::Collective(_)
+            | CallKind::Mark
+            | CallKind::RangeStart
+            | CallKind::RangeEnd
+    )
 }
 
 /// The library `upper` makes its launches, allocations and syncs through.

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use xpuscope_common::uprobe::{DEREF_NONE, DEREF_STACK, ProbeKey, ProbeSpec};
+use xpuscope_common::uprobe::{DEREF_NONE, DEREF_STACK, ProbeKey, ProbeSpec, RETURN_LAUNCH_COUNTS};
 
 use crate::catalog::{FunctionSpec, Library};
 use crate::discover::LoadedLibrary;
@@ -49,6 +49,9 @@ pub fn file_probes(resolved: &ResolvedLibrary) -> Vec<(u64, ProbeSpec, ProbeTarg
             };
             let mut spec = p.function.probe_spec();
             spec.flags |= super::nesting::launch_count_flags(resolved.library, p.function.kind);
+            if super::nesting::stamps_launch_counts(p.function.kind) {
+                spec.flags |= RETURN_LAUNCH_COUNTS;
+            }
             if spec.entry_deref_arg == DEREF_STACK {
                 // The aggregate moved by the instructions the probe sits past.
                 match u32::try_from(i64::from(spec.entry_stack_off) + p.placement.sp_delta) {
