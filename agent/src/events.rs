@@ -26,6 +26,9 @@ pub struct StackCapture {
     pub user: Result<Vec<u64>, i32>,
     /// Registers and stack top for the CFI unwind.
     pub user_copy: Option<UserCopy>,
+    /// Bytes of the ring record it came in (its size class; 0 when not
+    /// from a ring).
+    pub record_bytes: u32,
 }
 
 /// A thread's user registers and a copy of the top of its user stack (from
@@ -179,7 +182,7 @@ fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
 
 /// Calls `f` on the record in `bytes` in place where it is aligned for `T`
 /// (ring-buffer records are 8-byte aligned), else on a copy: a stack
-/// record is over 10 KiB, and copying it whole before copying the part
+/// record is up to 10 KiB, and copying it whole before copying the part
 /// it holds showed in the agent's cost per stack.
 fn with_record<T: Copy, R>(
     bytes: &[u8],
@@ -237,6 +240,7 @@ fn off_cpu_class<const WALK: usize, const COPY: usize>(
                 kernel: stack(r.kernel_bytes, &r.kernel),
                 user: stack(r.user_bytes, &r.user),
                 user_copy: Some(UserCopy::decode(&r.copy)),
+                record_bytes: bytes.len() as u32,
             }))
         },
     )
@@ -538,6 +542,7 @@ mod tests {
             (0x4000, 0x7ff0_0000, 0x7ff0_0040)
         );
         assert_eq!(copy.stack, Ok(vec![0xab; 2048]), "only the bytes copied");
+        assert_eq!(s.record_bytes as usize, size_of::<OffCpuStack>());
         // A record not aligned for its type (not from a ring buffer, whose
         // records are) decodes the same, from a copy.
         let mut unaligned = vec![0u8; 1];
@@ -626,6 +631,7 @@ mod tests {
             panic!("class {COPY}: not a stack")
         };
         assert_eq!((s.cpu, s.ts, s.tid, s.tgid), (2, 11, 6, 5));
+        assert_eq!(s.record_bytes as usize, bytes.len());
         assert_eq!(s.kernel, Ok(vec![0xffff_ffff_8100_0200]));
         assert_eq!(s.user, Err(USER_STACK_NOT_WALKED));
         let copy = s.user_copy.as_ref().unwrap();

@@ -234,7 +234,7 @@ pub fn learned_reach(tid: u32, sp: u64) -> u64 {
 
 /// The task's pending uretprobe return instances, innermost first: where
 /// each return address was on the stack and what it was (see
-/// [`UserStackCopy::returns`]).
+/// [`UserStackCopyOf::returns`]).
 #[inline(always)]
 fn copy_pending_returns<const COPY: usize>(task: *const u8, copy: &mut UserStackCopyOf<COPY>) {
     let off = crate::maps::offsets();
