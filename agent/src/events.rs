@@ -4,8 +4,9 @@
 use xpuscope_common::uprobe::{UprobeEntry, UprobeReturn, UprobeStack};
 use xpuscope_common::{
     EXIT_CODE_KNOWN, EXIT_GROUP_DEAD, EXIT_GROUP_KNOWN, EventHeader, EventKind, LinkMapChange,
-    MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStack, ProcessExec, ProcessExit, ProcessFork,
-    SchedSwitch, SchedWaking, TaskRename, USER_STACK_COPY, UserStackCopy, switch_flags,
+    MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStackOf, ProcessExec, ProcessExit, ProcessFork,
+    SHORT_STACK_COPIES, SchedSwitch, SchedWaking, TaskRename, USER_STACK_COPY, UserStackCopyOf,
+    switch_flags,
 };
 
 // The scheduler and process events are the model's types: decoding fills
@@ -25,6 +26,9 @@ pub struct StackCapture {
     pub user: Result<Vec<u64>, i32>,
     /// Registers and stack top for the CFI unwind.
     pub user_copy: Option<UserCopy>,
+    /// Bytes of the ring record it came in (its size class; 0 when not
+    /// from a ring).
+    pub record_bytes: u32,
 }
 
 /// A thread's user registers and a copy of the top of its user stack (from
@@ -45,12 +49,13 @@ impl UserCopy {
     /// return-probed call's return address, which the kernel replaced with
     /// its uretprobe trampoline in the copied slot, put back (the unwind
     /// would stop at the trampoline, which has no CFI).
-    fn decode(c: &UserStackCopy) -> Self {
+    fn decode<const COPY: usize>(c: &UserStackCopyOf<COPY>) -> Self {
         let mut restored = 0;
         let stack = if c.stack_len < 0 {
             Err(c.stack_len)
         } else {
-            let n = (c.stack_len as usize).min(USER_STACK_COPY);
+            // Never past the bytes the record holds, whatever it says.
+            let n = (c.stack_len as usize).min(COPY);
             let mut bytes = c.stack[..n].to_vec();
             let pending = (c.returns_len as usize).min(MAX_PENDING_RETURNS);
             for &[slot, ret] in &c.returns[..pending] {
@@ -157,6 +162,8 @@ pub enum DecodeError {
         got: usize,
         want: usize,
     },
+    #[error("off-CPU stack record has {0} bytes, the size of none of its classes")]
+    StackClass(usize),
 }
 
 fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
@@ -175,7 +182,7 @@ fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
 
 /// Calls `f` on the record in `bytes` in place where it is aligned for `T`
 /// (ring-buffer records are 8-byte aligned), else on a copy: a stack
-/// record is over 10 KiB, and copying it whole before copying the part
+/// record is up to 10 KiB, and copying it whole before copying the part
 /// it holds showed in the agent's cost per stack.
 fn with_record<T: Copy, R>(
     bytes: &[u8],
@@ -191,12 +198,53 @@ fn with_record<T: Copy, R>(
     Ok(f(&r))
 }
 
-fn stack(bytes_or_err: i32, frames: &[u64; MAX_STACK_DEPTH]) -> Result<Vec<u64>, i32> {
+fn stack(bytes_or_err: i32, frames: &[u64]) -> Result<Vec<u64>, i32> {
     if bytes_or_err < 0 {
         return Err(bytes_or_err);
     }
-    let n = (bytes_or_err as usize / 8).min(MAX_STACK_DEPTH);
+    let n = (bytes_or_err as usize / 8).min(frames.len());
     Ok(frames[..n].iter().copied().filter(|a| *a != 0).collect())
+}
+
+/// An off-CPU stack record of any class: its length says which (each
+/// class has a size of its own, and the ring gives a record's exact
+/// length); any other length is malformed.
+fn off_cpu_stack(bytes: &[u8], cpu: u32, ts: u64) -> Result<Event, DecodeError> {
+    const S: [usize; 3] = SHORT_STACK_COPIES;
+    off_cpu_class::<MAX_STACK_DEPTH, USER_STACK_COPY>(bytes, cpu, ts)
+        .or_else(|| off_cpu_class::<0, { S[0] }>(bytes, cpu, ts))
+        .or_else(|| off_cpu_class::<0, { S[1] }>(bytes, cpu, ts))
+        .or_else(|| off_cpu_class::<0, { S[2] }>(bytes, cpu, ts))
+        .ok_or(DecodeError::StackClass(bytes.len()))
+}
+
+/// The record in `bytes` if it is exactly of the class with a
+/// `WALK`-frame frame-pointer walk and a `COPY`-byte stack copy.
+fn off_cpu_class<const WALK: usize, const COPY: usize>(
+    bytes: &[u8],
+    cpu: u32,
+    ts: u64,
+) -> Option<Event> {
+    if bytes.len() != size_of::<OffCpuStackOf<WALK, COPY>>() {
+        return None;
+    }
+    with_record(
+        bytes,
+        EventKind::OffCpuStack,
+        |r: &OffCpuStackOf<WALK, COPY>| {
+            Event::Stack(Box::new(StackCapture {
+                cpu,
+                ts,
+                tid: r.tid,
+                tgid: r.tgid,
+                kernel: stack(r.kernel_bytes, &r.kernel),
+                user: stack(r.user_bytes, &r.user),
+                user_copy: Some(UserCopy::decode(&r.copy)),
+                record_bytes: bytes.len() as u32,
+            }))
+        },
+    )
+    .ok()
 }
 
 /// Decodes one ring-buffer record.
@@ -301,17 +349,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 new_comm: Comm(r.new_comm),
             })
         }
-        EventKind::OffCpuStack => with_record(bytes, kind, |r: &OffCpuStack| {
-            Event::Stack(Box::new(StackCapture {
-                cpu,
-                ts,
-                tid: r.tid,
-                tgid: r.tgid,
-                kernel: stack(r.kernel_bytes, &r.kernel),
-                user: stack(r.user_bytes, &r.user),
-                user_copy: Some(UserCopy::decode(&r.copy)),
-            }))
-        })?,
+        EventKind::OffCpuStack => off_cpu_stack(bytes, cpu, ts)?,
         EventKind::UprobeEntry => Event::ProbeEntry(Box::new(read(bytes, kind)?)),
         EventKind::UprobeReturn => Event::ProbeReturn(Box::new(read(bytes, kind)?)),
         EventKind::UprobeStack => with_record(bytes, kind, |r: &UprobeStack| {
@@ -330,7 +368,9 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use xpuscope_common::COMM_LEN;
+    use xpuscope_common::{
+        COMM_LEN, OffCpuStack, ShortOffCpuStack, USER_STACK_NOT_WALKED, UserStackCopy,
+    };
 
     #[test]
     fn a_comm_reads_up_to_its_nul_borrowed_when_valid_replaced_when_not() {
@@ -502,6 +542,7 @@ mod tests {
             (0x4000, 0x7ff0_0000, 0x7ff0_0040)
         );
         assert_eq!(copy.stack, Ok(vec![0xab; 2048]), "only the bytes copied");
+        assert_eq!(s.record_bytes as usize, size_of::<OffCpuStack>());
         // A record not aligned for its type (not from a ring buffer, whose
         // records are) decodes the same, from a copy.
         let mut unaligned = vec![0u8; 1];
@@ -547,6 +588,162 @@ mod tests {
             panic!()
         };
         assert_eq!(s.user_copy.unwrap().stack.unwrap().len(), USER_STACK_COPY);
+    }
+
+    /// A short-class record as the kernel pushes it: the copy reached the
+    /// learned end (`stack_len` bytes of `0xcd`), no frame-pointer walk.
+    fn short_stack<const COPY: usize>(stack_len: i32) -> ShortOffCpuStack<COPY> {
+        let mut rec = ShortOffCpuStack::<COPY> {
+            header: EventHeader {
+                kind: EventKind::OffCpuStack as u32,
+                cpu: 2,
+                ts: 11,
+            },
+            tid: 6,
+            tgid: 5,
+            kernel_bytes: 8,
+            user_bytes: USER_STACK_NOT_WALKED,
+            kernel: [0; MAX_STACK_DEPTH],
+            user: [],
+            copy: UserStackCopyOf {
+                ip: 0x4100,
+                sp: 0x7ff0_1000,
+                bp: 0,
+                stack_len,
+                returns_len: 1,
+                returns: [[0; 2]; MAX_PENDING_RETURNS],
+                stack: [0xcd; COPY],
+            },
+        };
+        rec.kernel[0] = 0xffff_ffff_8100_0200;
+        // A pending return-probed call in the last slot of the copy.
+        rec.copy.returns[0] = [0x7ff0_1000 + COPY as u64 - 8, 0x5555_0001];
+        rec
+    }
+
+    /// Decodes a short record of class `COPY` whole, unaligned, and with a
+    /// `stack_len` beyond its buffer.
+    fn check_short_class<const COPY: usize>() {
+        let rec = short_stack::<COPY>(COPY as i32);
+        let bytes = as_bytes(&rec);
+        assert_eq!(bytes.len(), 32 + 8 * MAX_STACK_DEPTH + 96 + COPY);
+        let Event::Stack(s) = decode(&bytes).unwrap() else {
+            panic!("class {COPY}: not a stack")
+        };
+        assert_eq!((s.cpu, s.ts, s.tid, s.tgid), (2, 11, 6, 5));
+        assert_eq!(s.record_bytes as usize, bytes.len());
+        assert_eq!(s.kernel, Ok(vec![0xffff_ffff_8100_0200]));
+        assert_eq!(s.user, Err(USER_STACK_NOT_WALKED));
+        let copy = s.user_copy.as_ref().unwrap();
+        assert_eq!((copy.ip, copy.sp), (0x4100, 0x7ff0_1000));
+        let mut want = vec![0xcd; COPY];
+        want[COPY - 8..].copy_from_slice(&0x5555_0001u64.to_le_bytes());
+        assert_eq!(copy.stack, Ok(want), "class {COPY}");
+        assert_eq!(copy.restored_returns, 1);
+        let mut unaligned = vec![0u8; 1];
+        unaligned.extend(&bytes);
+        assert_eq!(decode(&unaligned[1..]).unwrap(), Event::Stack(s));
+
+        // Less than the class copied (the stack ends within it).
+        let half = short_stack::<COPY>(COPY as i32 / 2);
+        let Event::Stack(s) = decode(&as_bytes(&half)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(s.user_copy.unwrap().stack, Ok(vec![0xcd; COPY / 2]));
+        // A length beyond the class's buffer (a kernel bug, or a full
+        // record's length in a short one) never reads past the record.
+        for len in [COPY as i32 + 1, USER_STACK_COPY as i32, i32::MAX] {
+            let Event::Stack(s) = decode(&as_bytes(&short_stack::<COPY>(len))).unwrap() else {
+                panic!()
+            };
+            assert_eq!(s.user_copy.unwrap().stack.unwrap().len(), COPY);
+        }
+        // A frame count in a record without a walk yields no frames.
+        let mut walked = short_stack::<COPY>(0);
+        walked.user_bytes = 64;
+        let Event::Stack(s) = decode(&as_bytes(&walked)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(s.user, Ok(vec![]));
+    }
+
+    #[test]
+    fn decodes_every_short_stack_class() {
+        const S: [usize; 3] = SHORT_STACK_COPIES;
+        check_short_class::<{ S[0] }>();
+        check_short_class::<{ S[1] }>();
+        check_short_class::<{ S[2] }>();
+        // Every class, the full one included, has a size of its own.
+        let mut sizes = vec![
+            size_of::<ShortOffCpuStack<{ S[0] }>>(),
+            size_of::<ShortOffCpuStack<{ S[1] }>>(),
+            size_of::<ShortOffCpuStack<{ S[2] }>>(),
+            size_of::<OffCpuStack>(),
+        ];
+        sizes.dedup();
+        assert_eq!(sizes.len(), 4);
+        assert!(sizes.is_sorted());
+    }
+
+    #[test]
+    fn rejects_stack_records_of_no_class() {
+        let short = as_bytes(&short_stack::<{ SHORT_STACK_COPIES[0] }>(64));
+        let full_len = size_of::<OffCpuStack>();
+        let mut full = short.clone();
+        full.resize(full_len, 0);
+        // Truncated, or with bytes to spare: neither is any class.
+        for bytes in [
+            &short[..short.len() - 8],
+            &short[..size_of::<EventHeader>()],
+            &full[..full_len - 1],
+        ] {
+            assert_eq!(decode(bytes), Err(DecodeError::StackClass(bytes.len())));
+        }
+        let mut long = short.clone();
+        long.extend([0; 8]);
+        assert_eq!(decode(&long), Err(DecodeError::StackClass(long.len())));
+        long.resize(full_len + 8, 0);
+        assert_eq!(decode(&long), Err(DecodeError::StackClass(long.len())));
+    }
+
+    #[test]
+    fn mutated_stack_records_never_read_past_their_bytes() {
+        let mut m = crate::service::fuzzing::Mutator::new(0x57ac_c1a5);
+        let seeds = [
+            as_bytes(&short_stack::<{ SHORT_STACK_COPIES[0] }>(1024)),
+            as_bytes(&short_stack::<{ SHORT_STACK_COPIES[1] }>(2048)),
+            as_bytes(&short_stack::<{ SHORT_STACK_COPIES[2] }>(4096)),
+        ];
+        let mut decoded = 0;
+        for round in 0..3000 {
+            let seed = &seeds[round % seeds.len()];
+            let mut bytes = m.mutate(seed);
+            // Also corrupt the lengths the decoder trusts least: the copy's
+            // `stack_len` and `returns_len`, and the two frame counts.
+            if round % 2 == 0 && bytes.len() >= seed.len() {
+                let at = [
+                    24,
+                    28,
+                    32 + 8 * MAX_STACK_DEPTH + 24,
+                    32 + 8 * MAX_STACK_DEPTH + 28,
+                ][round / 2 % 4];
+                bytes[at..at + 4].copy_from_slice(&(round as i32 * 997).to_le_bytes());
+            }
+            let Ok(Event::Stack(s)) = decode(&bytes) else {
+                continue;
+            };
+            decoded += 1;
+            if let Some(Ok(stack)) = s.user_copy.map(|c| c.stack) {
+                assert!(stack.len() + 32 + 8 * MAX_STACK_DEPTH + 96 <= bytes.len());
+            }
+            for frames in [s.kernel, s.user].into_iter().flatten() {
+                assert!(frames.len() <= MAX_STACK_DEPTH);
+            }
+        }
+        assert!(
+            decoded > 100,
+            "the mutations kept some records whole: {decoded}"
+        );
     }
 
     #[test]

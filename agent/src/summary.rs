@@ -90,6 +90,10 @@ pub struct RunSummary {
     /// collective, a sync), unwound past the kernel's uretprobe trampoline
     /// with the real return address the record carries.
     pub user_stacks_past_uretprobes: u64,
+    /// Ring bytes of the off-CPU stack records: a stack whose copy reached
+    /// its thread's learned end within a short class came in that
+    /// smaller record (`xpuscope_common::OffCpuStackOf`).
+    pub stack_record_bytes: u64,
     /// Off-CPU stacks of CPython threads with their Python frames
     /// interleaved; those whose Python frames could not be read (native
     /// frames only); the mean time a read took (us).
@@ -339,6 +343,7 @@ impl RunSummary {
             user_stacks_truncated: interpret.user_stacks_truncated,
             user_stacks_short_copies: interpret.user_stacks_short_copies,
             user_stacks_past_uretprobes: interpret.user_stacks_past_uretprobes,
+            stack_record_bytes: interpret.stack_record_bytes,
             caches: interpret.caches,
             python_stacks: interpret.python_stacks,
             python_stack_errors: interpret.python_stack_errors,

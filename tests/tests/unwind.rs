@@ -680,6 +680,18 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         sleeps.len(),
         done.stats
     );
+    // And most of those came in a short record: the ring carried at least
+    // (full record - largest short record) bytes less for each of half the
+    // short copies (sizes of `xpuscope_common::OffCpuStackOf`).
+    const FULL_RECORD: u64 = 10_336;
+    const LARGEST_SHORT_RECORD: u64 = 4_736;
+    let stacks = done.stats["stacks"].as_u64().unwrap();
+    let record_bytes = done.stats["stack_record_bytes"].as_u64().unwrap();
+    assert!(
+        record_bytes <= stacks * FULL_RECORD - short / 2 * (FULL_RECORD - LARGEST_SHORT_RECORD),
+        "{record_bytes} ring bytes for {stacks} stacks, {short} short copies: {}",
+        done.stats
+    );
 
     // Stacks came from the CFI unwind, and the summary's top off-CPU
     // reasons name the fixture's functions.

@@ -29,6 +29,8 @@ pub struct InterpretCounters {
     /// Of those, stacks taken inside a return-probed call, unwound past it
     /// with the real return address the kernel's trampoline stood for.
     pub user_stacks_past_uretprobes: u64,
+    /// Ring bytes of the off-CPU stack records (each in its size class).
+    pub stack_record_bytes: u64,
     /// Off-CPU stacks with Python frames interleaved, those whose Python
     /// frames could not be read, and the time spent reading them (ns).
     pub python_stacks: u64,

@@ -134,6 +134,7 @@ fn story() -> Vec<PipelineMsg> {
                 kernel: Ok(vec![0xffff_ffff_8100_0000 + i]),
                 user: Ok(vec![0x4000]),
                 user_copy: None,
+                record_bytes: 0,
             })),
             switch(t + 3_000, 0, APP, false, true),
         ];

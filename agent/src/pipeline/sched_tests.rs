@@ -87,6 +87,7 @@ fn events_become_what_the_ui_shows() {
             kernel: Ok(vec![0xffff_ffff_8100_0010]),
             user: Ok(vec![0x1000]),
             user_copy: None,
+            record_bytes: 0,
         })),
         Event::Waking(Waking {
             cpu: 0,

@@ -266,38 +266,61 @@ pub struct TaskRename {
 
 /// The stacks of a traced thread as it leaves the CPU; it belongs to the
 /// [`SchedSwitch`] with the same cpu and timestamp whose `prev_tid` is `tid`.
+///
+/// One layout in size classes: the full record ([`OffCpuStack`]), and
+/// short ones ([`ShortOffCpuStack`]) for a stack whose learned end lies
+/// within a smaller copy. A stack at every switch fills the ring with
+/// these records, and most stacks are short: the ring reserves, and the
+/// agent reads, only the class the stack needs. The agent tells the
+/// classes apart by the record's length.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct OffCpuStack {
+pub struct OffCpuStackOf<const WALK: usize, const COPY: usize> {
     pub header: EventHeader,
     pub tid: u32,
     pub tgid: u32,
     /// Bytes of `kernel` filled (frames * 8), or a negative errno.
     pub kernel_bytes: i32,
-    /// Bytes of `user` filled (frames * 8), or a negative errno.
+    /// Bytes of `user` filled (frames * 8), or a negative errno;
+    /// [`USER_STACK_NOT_WALKED`] in a short record.
     pub user_bytes: i32,
     /// Leaf first, as the kernel walks it.
     pub kernel: [u64; MAX_STACK_DEPTH],
-    /// Leaf first.
-    pub user: [u64; MAX_STACK_DEPTH],
+    /// Leaf first. None in a short record: its copy holds the whole stack,
+    /// so the frame-pointer walk is never taken.
+    pub user: [u64; WALK],
     /// Registers and stack top for the CFI unwind (the frame-pointer walk
     /// in `user` is the fallback).
-    pub copy: UserStackCopy,
+    pub copy: UserStackCopyOf<COPY>,
 }
+
+/// The full off-CPU stack record: the whole [`USER_STACK_COPY`] and the
+/// frame-pointer walk, for a stack whose end is not learned or lies
+/// beyond the largest short class.
+pub type OffCpuStack = OffCpuStackOf<MAX_STACK_DEPTH, USER_STACK_COPY>;
+
+/// A short off-CPU stack record: a copy of `COPY` bytes (one of
+/// [`SHORT_STACK_COPIES`]) that reached the thread's learned stack end,
+/// and no frame-pointer walk.
+pub type ShortOffCpuStack<const COPY: usize> = OffCpuStackOf<0, COPY>;
+
+/// The copy sizes of the short [`OffCpuStack`] classes, smallest first:
+/// a stack is pushed in the smallest whose copy reaches its learned end.
+pub const SHORT_STACK_COPIES: [usize; 3] = [1024, 2048, 4096];
 
 /// The user registers of a thread and a copy of the top of its user stack
 /// (from `sp` up), taken with a frame-pointer stack: the agent unwinds it
 /// from the CFI of the mapped files (code built without frame pointers).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct UserStackCopy {
+pub struct UserStackCopyOf<const COPY: usize> {
     /// User `ip`, `sp`, `bp` (the task's saved user registers).
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
-    /// Bytes of `stack` copied from `sp` (whole chunks; less than
-    /// [`USER_STACK_COPY`] when the stack ended before), or a negative
-    /// errno when nothing could be read.
+    /// Bytes of `stack` copied from `sp` (whole chunks; less than `COPY`
+    /// when the stack ended before), or a negative errno when nothing
+    /// could be read.
     pub stack_len: i32,
     /// Entries of `returns` filled.
     pub returns_len: u32,
@@ -306,8 +329,11 @@ pub struct UserStackCopy {
     /// kernel replaced the return address in that slot with its uretprobe
     /// trampoline; the agent puts the real one back before unwinding.
     pub returns: [[u64; 2]; MAX_PENDING_RETURNS],
-    pub stack: [u8; USER_STACK_COPY],
+    pub stack: [u8; COPY],
 }
+
+/// The whole user-stack copy ([`USER_STACK_COPY`] bytes).
+pub type UserStackCopy = UserStackCopyOf<USER_STACK_COPY>;
 
 /// A traced thread called its dynamic loader's debugger hook
 /// (`_dl_debug_state`, the `r_brk` of `r_debug` that debuggers break on):
@@ -421,6 +447,31 @@ const _: () = assert!(USER_STACK_COPY.is_multiple_of(USER_STACK_CHUNK));
 const _: () = assert!(
     core::mem::size_of::<OffCpuStack>()
         == 32 + 2 * 8 * MAX_STACK_DEPTH + core::mem::size_of::<UserStackCopy>()
+);
+// Each class is a whole number of copy chunks, smaller than the next, and
+// its record size differs from every other class's (the agent's only way
+// to tell them apart).
+const _: () = {
+    let mut i = 0;
+    while i < SHORT_STACK_COPIES.len() {
+        let copy = SHORT_STACK_COPIES[i];
+        assert!(copy.is_multiple_of(USER_STACK_CHUNK));
+        let next = if i + 1 < SHORT_STACK_COPIES.len() {
+            SHORT_STACK_COPIES[i + 1]
+        } else {
+            USER_STACK_COPY
+        };
+        assert!(copy < next);
+        i += 1;
+    }
+};
+const _: () = assert!(
+    core::mem::size_of::<ShortOffCpuStack<1024>>()
+        == 32 + 8 * MAX_STACK_DEPTH + 32 + 16 * MAX_PENDING_RETURNS + 1024
+);
+const _: () = assert!(
+    core::mem::size_of::<ShortOffCpuStack<{ SHORT_STACK_COPIES[2] }>>()
+        < core::mem::size_of::<OffCpuStack>()
 );
 const _: () = assert!(core::mem::size_of::<Config>() == 48);
 const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 52);

@@ -4,7 +4,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_USER_STACK, pt_regs},
+    bindings::{BPF_F_USER_STACK, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
         bpf_probe_read_kernel,
         generated::{
@@ -13,9 +13,9 @@ use aya_ebpf::{
     },
 };
 use xpuscope_common::{
-    Config, DROP_SLOT_STACK_ERRORS, EventKind, MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStack,
-    StackBudget, TaskOffsets, USER_STACK_CHUNK, USER_STACK_COPY, USER_STACK_NOT_WALKED,
-    UserStackCopy, stack_mode,
+    Config, DROP_SLOT_STACK_ERRORS, EventKind, MAX_PENDING_RETURNS, MAX_STACK_DEPTH, OffCpuStackOf,
+    SHORT_STACK_COPIES, StackBudget, TaskOffsets, USER_STACK_CHUNK, USER_STACK_COPY,
+    USER_STACK_NOT_WALKED, UserStackCopyOf, stack_mode,
 };
 
 use crate::{
@@ -73,7 +73,9 @@ fn take_token(cfg: &Config, tid: u32, now: u64) -> bool {
     }
 }
 
-/// Pushes the current task's kernel and user stacks.
+/// Pushes the current task's kernel and user stacks, in the smallest
+/// record class whose copy reaches the thread's learned stack end (see
+/// [`OffCpuStackOf`]), or the full record.
 #[inline(always)]
 pub fn capture_off_cpu<C: EbpfContext>(
     ctx: &C,
@@ -83,74 +85,158 @@ pub fn capture_off_cpu<C: EbpfContext>(
     tid: u32,
     tgid: u32,
 ) {
-    let Some(mut entry) = reserve::<OffCpuStack>(Ring::Sched, EventKind::OffCpuStack, cpu, ts)
-    else {
-        return;
+    // SAFETY: helpers on the current task, which is a user task being
+    // switched out (kernel threads are never traced).
+    let task = unsafe { bpf_get_current_task_btf() } as *const u8;
+    let regs = UserRegs::of(task);
+    // The class has to be known before the reserve (its size is a
+    // constant of each reserve call).
+    let reach = learned_reach(tid, regs.sp);
+    let at = Capture {
+        cfg,
+        cpu,
+        ts,
+        tid,
+        tgid,
+        task,
+        regs: &regs,
+        reach,
     };
-    let rec = entry.as_mut_ptr();
-    // SAFETY: `rec` points into the reserved ring-buffer record, and each
-    // buffer handed to bpf_get_stack is exactly STACK_BYTES long.
-    unsafe {
-        (*rec).tid = tid;
-        (*rec).tgid = tgid;
-        let kernel = bpf_get_stack(
-            ctx.as_ptr(),
-            (*rec).kernel.as_mut_ptr().cast(),
-            STACK_BYTES,
-            0,
-        );
-        // The copy first: where it reaches the thread's learned stack end,
-        // the frame-pointer walk could add nothing to its CFI unwind, and
-        // is skipped (it costs about a microsecond a stack).
-        let covered = copy_current_user_stack(&mut (*rec).copy, tid);
-        let user = if covered {
-            USER_STACK_NOT_WALKED as i64
-        } else {
-            bpf_get_stack(
-                ctx.as_ptr(),
-                (*rec).user.as_mut_ptr().cast(),
-                STACK_BYTES,
-                BPF_F_USER_STACK as u64,
-            )
-        };
-        if kernel < 0 || (user < 0 && !covered) {
-            count_drop(DROP_SLOT_STACK_ERRORS);
-        }
-        (*rec).kernel_bytes = kernel as i32;
-        (*rec).user_bytes = user as i32;
+    let taken = if reach == 0 {
+        false
+    } else if reach <= SHORT_STACK_COPIES[0] as u64 {
+        at.push::<0, { SHORT_STACK_COPIES[0] }, C>(ctx)
+    } else if reach <= SHORT_STACK_COPIES[1] as u64 {
+        at.push::<0, { SHORT_STACK_COPIES[1] }, C>(ctx)
+    } else if reach <= SHORT_STACK_COPIES[2] as u64 {
+        at.push::<0, { SHORT_STACK_COPIES[2] }, C>(ctx)
+    } else {
+        false
+    };
+    if !taken {
+        at.push::<MAX_STACK_DEPTH, USER_STACK_COPY, C>(ctx);
     }
-    submit(Ring::Sched, entry, cfg);
+}
+
+/// What an off-CPU stack record is filled from.
+struct Capture<'a> {
+    cfg: &'a Config,
+    cpu: u32,
+    ts: u64,
+    tid: u32,
+    tgid: u32,
+    task: *const u8,
+    regs: &'a UserRegs,
+    /// [`learned_reach`] of the stack.
+    reach: u64,
+}
+
+impl Capture<'_> {
+    /// Pushes the stacks in the record class with a `COPY`-byte copy and a
+    /// `WALK`-frame frame-pointer walk. A short class (no walk) whose copy
+    /// fell short of the learned end (a read failed before it) is
+    /// discarded, so the full record with its walk takes the stack:
+    /// returns false then. True once the stack was pushed or dropped
+    /// (ring full, counted).
+    #[inline(always)]
+    fn push<const WALK: usize, const COPY: usize, C: EbpfContext>(&self, ctx: &C) -> bool {
+        let Some(mut entry) = reserve::<OffCpuStackOf<WALK, COPY>>(
+            Ring::Sched,
+            EventKind::OffCpuStack,
+            self.cpu,
+            self.ts,
+        ) else {
+            return true;
+        };
+        let rec = entry.as_mut_ptr();
+        // SAFETY: `rec` points into the reserved ring-buffer record, and
+        // each buffer handed to bpf_get_stack is exactly the size passed.
+        unsafe {
+            // The copy first: where it reaches the thread's learned stack
+            // end, the frame-pointer walk could add nothing to its CFI
+            // unwind, and is skipped (it costs about a microsecond a
+            // stack).
+            (*rec).copy.ip = self.regs.ip;
+            (*rec).copy.sp = self.regs.sp;
+            (*rec).copy.bp = self.regs.bp;
+            let covered = copy_user_stack(&mut (*rec).copy, self.reach);
+            let user = if covered {
+                USER_STACK_NOT_WALKED as i64
+            } else if WALK == 0 {
+                entry.discard(BPF_RB_NO_WAKEUP as u64);
+                return false;
+            } else {
+                bpf_get_stack(
+                    ctx.as_ptr(),
+                    (*rec).user.as_mut_ptr().cast(),
+                    (WALK * 8) as u32,
+                    BPF_F_USER_STACK as u64,
+                )
+            };
+            copy_pending_returns(self.task, &mut (*rec).copy);
+            (*rec).tid = self.tid;
+            (*rec).tgid = self.tgid;
+            let kernel = bpf_get_stack(
+                ctx.as_ptr(),
+                (*rec).kernel.as_mut_ptr().cast(),
+                STACK_BYTES,
+                0,
+            );
+            if kernel < 0 || (user < 0 && !covered) {
+                count_drop(DROP_SLOT_STACK_ERRORS);
+            }
+            (*rec).kernel_bytes = kernel as i32;
+            (*rec).user_bytes = user as i32;
+        }
+        submit(Ring::Sched, entry, self.cfg);
+        true
+    }
 }
 
 /// `-EFAULT`: no user registers or stack could be read.
 const EFAULT: i32 = -14;
 
-/// Copies the current task's saved user registers (its `pt_regs`: where it
-/// entered the kernel) and the top of its user stack; whether the copy
-/// reaches the thread's learned stack end.
-#[inline(always)]
-fn copy_current_user_stack(copy: &mut UserStackCopy, tid: u32) -> bool {
-    // SAFETY: helpers on the current task, which is a user task being
-    // switched out (kernel threads are never traced); the pt_regs pointer
-    // is only read through bpf_probe_read_kernel.
-    unsafe {
-        let task = bpf_get_current_task_btf();
-        let regs = bpf_task_pt_regs(task) as *const pt_regs;
-        let read = |field: *const u64| bpf_probe_read_kernel(field).unwrap_or(0);
-        copy.ip = read(core::ptr::addr_of!((*regs).rip));
-        copy.sp = read(core::ptr::addr_of!((*regs).rsp));
-        copy.bp = read(core::ptr::addr_of!((*regs).rbp));
-        let covered = copy_user_stack(copy, tid);
-        copy_pending_returns(task as *const u8, copy);
-        covered
+/// A task's saved user registers (its `pt_regs`: where it entered the
+/// kernel).
+pub struct UserRegs {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+}
+
+impl UserRegs {
+    /// The registers of `task`, the current task; zero where unreadable.
+    #[inline(always)]
+    fn of(task: *const u8) -> Self {
+        // SAFETY: `task` is the current task (a BTF pointer); the pt_regs
+        // pointer is only read through bpf_probe_read_kernel.
+        unsafe {
+            let regs = bpf_task_pt_regs(task as *mut _) as *const pt_regs;
+            let read = |field: *const u64| bpf_probe_read_kernel(field).unwrap_or(0);
+            UserRegs {
+                ip: read(core::ptr::addr_of!((*regs).rip)),
+                sp: read(core::ptr::addr_of!((*regs).rsp)),
+                bp: read(core::ptr::addr_of!((*regs).rbp)),
+            }
+        }
     }
+}
+
+/// How far the thread's stack reaches above `sp`: up to its learned end
+/// ([`STACK_ENDS`]); 0 when none is learned, or `sp` is not below it
+/// (another stack: a coroutine's, a signal's).
+#[inline(always)]
+pub fn learned_reach(tid: u32, sp: u64) -> u64 {
+    // SAFETY: a plain value copied out of the map.
+    let end = unsafe { STACK_ENDS.get(&tid) }.copied().unwrap_or(0);
+    if sp != 0 && end > sp { end - sp } else { 0 }
 }
 
 /// The task's pending uretprobe return instances, innermost first: where
 /// each return address was on the stack and what it was (see
-/// [`UserStackCopy::returns`]).
+/// [`UserStackCopyOf::returns`]).
 #[inline(always)]
-fn copy_pending_returns(task: *const u8, copy: &mut UserStackCopy) {
+fn copy_pending_returns<const COPY: usize>(task: *const u8, copy: &mut UserStackCopyOf<COPY>) {
     let off = crate::maps::offsets();
     if off.utask == TaskOffsets::ABSENT
         || off.return_instances == TaskOffsets::ABSENT
@@ -181,38 +267,32 @@ fn copy_pending_returns(task: *const u8, copy: &mut UserStackCopy) {
 }
 
 /// Copies the stack from `copy.sp` up, chunk by chunk until a read fails
-/// (the stack's mapping ended) or the copy reaches the thread's learned
-/// stack end ([`STACK_ENDS`]), and says how much was copied. Returns
-/// whether the copy reached that end (so holds every frame).
+/// (the stack's mapping ended) or the copy reaches `reach` bytes (the
+/// thread's [`learned_reach`]; 0: unknown, the whole copy), and says how
+/// much was copied. Returns whether the copy reached that end (so holds
+/// every frame).
 #[inline(always)]
-pub fn copy_user_stack(copy: &mut UserStackCopy, tid: u32) -> bool {
+pub fn copy_user_stack<const COPY: usize>(copy: &mut UserStackCopyOf<COPY>, reach: u64) -> bool {
     copy.returns_len = 0;
     if copy.sp == 0 {
         copy.stack_len = EFAULT;
         return false;
     }
     // A learned end within reach: copy up to it, whole chunks. Else (not
-    // learned yet, or another stack: a coroutine's, a signal's) the
-    // whole copy.
-    // SAFETY: a plain value copied out of the map.
-    let end = unsafe { STACK_ENDS.get(&tid) }.copied().unwrap_or(0);
-    let reach = end.wrapping_sub(copy.sp);
-    let covered = end > copy.sp && reach <= USER_STACK_COPY as u64;
-    let want = if covered {
-        reach
-    } else {
-        USER_STACK_COPY as u64
-    };
+    // learned yet, or another stack) the whole copy.
+    let covered = reach != 0 && reach <= COPY as u64;
+    let want = if covered { reach } else { COPY as u64 };
     let mut copied: i32 = 0;
     let mut i = 0;
-    while i < USER_STACK_COPY / USER_STACK_CHUNK {
+    while i < COPY / USER_STACK_CHUNK {
         let off = i * USER_STACK_CHUNK;
         if off as u64 >= want {
             break;
         }
         // SAFETY: the destination is `USER_STACK_CHUNK` bytes at `off` of
-        // `copy.stack`, inside it since `off + USER_STACK_CHUNK <=
-        // USER_STACK_COPY`; the source is user memory, read by the helper.
+        // `copy.stack`, inside it since `off + USER_STACK_CHUNK <= COPY`
+        // (a whole number of chunks); the source is user memory, read by
+        // the helper.
         let r = unsafe {
             bpf_probe_read_user(
                 copy.stack.as_mut_ptr().add(off).cast(),

@@ -392,7 +392,8 @@ fn push_user_stack(ctx: &RetProbeContext, cpu: u32, ts: u64, tid: u32, tgid: u32
         (*rec).copy.bp = (*regs).rbp;
         // The frame-pointer walk above is kept: device-call stacks are
         // few, and it is their fallback.
-        crate::stacks::copy_user_stack(&mut (*rec).copy, tid);
+        let reach = crate::stacks::learned_reach(tid, (*rec).copy.sp);
+        crate::stacks::copy_user_stack(&mut (*rec).copy, reach);
     }
     submit(Ring::Device, entry, &config());
 }

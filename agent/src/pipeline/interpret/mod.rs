@@ -400,6 +400,7 @@ impl Interpreter {
 
     fn stack(&mut self, s: &StackCapture, en: &mut dyn Enrich, out: &mut Vec<Record>) {
         self.counters.stacks += 1;
+        self.counters.stack_record_bytes += u64::from(s.record_bytes);
         // A frame-pointer walk the kernel skipped (the copy held the whole
         // stack) is no error.
         if s.kernel.is_err() || s.user.as_ref().is_err_and(|e| *e != USER_STACK_NOT_WALKED) {
@@ -500,6 +501,7 @@ mod step_seen_tests {
             kernel: Ok(vec![0xffff_ffff_8100_0010]),
             user: Ok(vec![0x1000]),
             user_copy: None,
+            record_bytes: 0,
         }))
     }
 
