@@ -1223,20 +1223,31 @@ fn probe_links_are_one_per_file_and_end_and_the_perf_event_path_records_alike() 
         assert_eq!(slices, calls, "{tag}: one slice per call");
         let links = device["probe_links"].as_u64().expect("probe_links");
         let multi = device["multi_links"].as_u64().expect("multi_links");
-        seen.push((links, multi, functions.len() as u64));
+        // Launches are only counted at the default level: their entry end
+        // alone is attached.
+        let launches = functions
+            .iter()
+            .filter(|f| f["function"].as_str().is_some_and(|n| n.contains("Launch")))
+            .count() as u64;
+        assert!(launches > 0, "{tag}: the launches are probed: {device}");
+        seen.push((links, multi, functions.len() as u64, launches));
     }
-    let (multi_links, multi_of_them, probed) = seen[0];
+    let (multi_links, multi_of_them, probed, launches) = seen[0];
     assert_eq!(
         (multi_links, multi_of_them),
         (4, 4),
         "libcudart and the libcuda it calls: one link per file for its entries, one for its returns"
     );
-    let (perf_links, perf_multi, probed_perf) = seen[1];
-    assert_eq!(probed, probed_perf, "the same functions probed");
+    let (perf_links, perf_multi, probed_perf, launches_perf) = seen[1];
+    assert_eq!(
+        (probed, launches),
+        (probed_perf, launches_perf),
+        "the same functions probed"
+    );
     assert_eq!(
         (perf_links, perf_multi),
-        (2 * probed, 0),
-        "a perf event per function and end"
+        (2 * probed - launches, 0),
+        "a perf event per function and end, the counted launches' entry only"
     );
 }
 

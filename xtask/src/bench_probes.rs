@@ -16,7 +16,9 @@
 //!    without and with the agent at its default level: rounds with the
 //!    agent, each between two untraced rounds; the overhead is the mean of
 //!    the per-round ratios with its 95% confidence interval, for the step's
-//!    wall time and for the launching thread's CPU time.
+//!    wall time and for the launching thread's CPU time. Also the default
+//!    level without launch counts (`--no-launch-counts`), the default at
+//!    100 k launches/s, and launch probes on at 20 k and 100 k.
 //!
 //! 3. Per driver launch (`launch`): `cuLaunchKernel` called straight, as
 //!    cuBLAS, NCCL and Triton launch, with launch probes on against the bare
@@ -670,6 +672,27 @@ pub fn run(dir: &Path) -> Result<Value> {
         step_overhead(&plain, dir, Placement::DeviceElsewhere, hit_ns, stats_ns)?,
         step_overhead(&plain, dir, Placement::SameCpu, hit_ns, stats_ns)?,
     ];
+    // The default level without launch counts (the launches' entry
+    // probes away): what counting them costs the step.
+    steps.push(step_overhead_at(
+        &plain,
+        dir,
+        Placement::DeviceElsewhere,
+        hit_ns,
+        stats_ns,
+        None,
+        &["--no-launch-counts"],
+    )?);
+    // The default level (launches counted) at 100 k launches per second.
+    steps.push(step_overhead_at(
+        &plain,
+        dir,
+        Placement::DeviceElsewhere,
+        hit_ns,
+        stats_ns,
+        Some(10_000),
+        &[],
+    )?);
     // Launch probes on (every launch a record), at 20 k and 100 k launches
     // per second: what choosing level 1 by default would cost a step.
     for launch_ns in [50_000, 10_000] {
