@@ -199,7 +199,9 @@ pub struct LabelsConfig {
 pub struct ServiceConfig {
     pub level: CaptureLevel,
     /// Count launches in the kernel below the level that records them
-    /// (`launch_counts`, on by default).
+    /// (`launch_counts`). Off by default in the always-on service: the
+    /// entry probes cost a launch-heavy job a few percent of its step
+    /// (`agent attach`, a diagnosis session, counts them by default).
     pub launch_counts: bool,
     pub flight_recorder: FlightRecorderConfig,
     pub dump_dir: PathBuf,
@@ -221,7 +223,7 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
             level: CaptureLevel::default(),
-            launch_counts: true,
+            launch_counts: false,
             flight_recorder: FlightRecorderConfig {
                 seconds: Duration::from_secs(120),
                 max_bytes: 256 << 20,
@@ -995,7 +997,7 @@ mod tests {
         let cfg = parse(
             r#"
 level = 3
-launch_counts = false
+launch_counts = true
 dump_dir = "/srv/dumps"
 dump_dir_max_bytes = 1073741824
 max_dumps_per_hour = 2
@@ -1052,8 +1054,11 @@ dcmi_library = "/opt/ascend/libdcmi.so"
             }
         );
         assert_eq!(cfg.level.get(), 3);
-        assert!(!cfg.launch_counts);
-        assert!(ServiceConfig::default().launch_counts, "on by default");
+        assert!(cfg.launch_counts);
+        assert!(
+            !ServiceConfig::default().launch_counts,
+            "off by default in the service"
+        );
         assert_eq!(cfg.dump_dir, PathBuf::from("/srv/dumps"));
         assert_eq!(cfg.dump_dir_max_bytes, 1 << 30);
         assert_eq!(cfg.max_dumps_per_hour, 2);

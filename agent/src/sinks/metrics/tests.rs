@@ -684,7 +684,11 @@ fn steps_are_split_into_host_work_and_device_waits() {
                 asleep: 100 * MS - (host + device) * MS,
                 host: host * MS,
             },
-            launches: None,
+            // Counted launches: 100 kernels and a graph a step.
+            launches: Some(xpuscope_common::uprobe::LaunchCounts {
+                kernels: 100,
+                graphs: 1,
+            }),
         }))
     };
     // The second comes back from the detect sink after the rank's exit.
@@ -720,4 +724,16 @@ fn steps_are_split_into_host_work_and_device_waits() {
         0.052
     ));
     assert!(close(one("xpuscope_step_host_seconds", "sum"), 0.148));
+    // Each step's counted launches add up, per rank.
+    let counter = |family: &str, rank: u32| -> f64 {
+        let lines: Vec<&str> = lines_with(&text, &format!("{family}_total{{"))
+            .into_iter()
+            .filter(|l| l.contains(&format!("rank=\"{rank}\"")))
+            .collect();
+        assert_eq!(lines.len(), 1, "{family}: {lines:?}\n{text}");
+        lines[0].rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(counter("xpuscope_step_kernel_launches", 0), 200.0);
+    assert_eq!(counter("xpuscope_step_graph_launches", 0), 2.0);
+    assert_eq!(counter("xpuscope_step_kernel_launches", 1), 100.0);
 }
