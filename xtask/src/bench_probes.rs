@@ -672,38 +672,26 @@ pub fn run(dir: &Path) -> Result<Value> {
         step_overhead(&plain, dir, Placement::DeviceElsewhere, hit_ns, stats_ns)?,
         step_overhead(&plain, dir, Placement::SameCpu, hit_ns, stats_ns)?,
     ];
-    // The default level without launch counts (the launches' entry
-    // probes away): what counting them costs the step.
-    steps.push(step_overhead_at(
-        &plain,
-        dir,
-        Placement::DeviceElsewhere,
-        hit_ns,
-        stats_ns,
-        None,
-        &["--no-launch-counts"],
-    )?);
-    // The default level (launches counted) at 100 k launches per second.
-    steps.push(step_overhead_at(
-        &plain,
-        dir,
-        Placement::DeviceElsewhere,
-        hit_ns,
-        stats_ns,
-        Some(10_000),
-        &[],
-    )?);
-    // Launch probes on (every launch a record), at 20 k and 100 k launches
-    // per second: what choosing level 1 by default would cost a step.
-    for launch_ns in [50_000, 10_000] {
+    // The default level without launch counts (the launches' entry probes
+    // away: what counting them costs the step), the default (launches
+    // counted) at 100 k launches per second, and launch probes on (every
+    // launch a record) at 20 k and 100 k: what level 1 by default would
+    // cost a step.
+    let level_1: &[&str] = &["--probe-level", "1"];
+    for (launch_ns, args) in [
+        (None, &["--no-launch-counts"][..]),
+        (Some(10_000), &[][..]),
+        (Some(50_000), level_1),
+        (Some(10_000), level_1),
+    ] {
         steps.push(step_overhead_at(
             &plain,
             dir,
             Placement::DeviceElsewhere,
             hit_ns,
             stats_ns,
-            Some(launch_ns),
-            &["--probe-level", "1"],
+            launch_ns,
+            args,
         )?);
     }
     let launch = launch::per_launch(&plain, dir, &mut bare)?;

@@ -73,6 +73,26 @@ fn device_call(kind: CallKind, function: &'static str, start: u64, end: u64) -> 
     }
 }
 
+/// The rank's gradient all-reduce (its data-parallel communicator's).
+fn all_reduce(start: u64, end: u64) -> DeviceCall {
+    let mut ar = device_call(
+        CallKind::Collective(Collective::AllReduce),
+        "ncclAllReduce",
+        start,
+        end,
+    );
+    ar.library = Library::Nccl;
+    ar.comm = Some(CommContext {
+        handle: 0xc0,
+        id_hash: Some(0xd0),
+        rank: Some(0),
+        size: Some(2),
+        seq: None,
+        seq_exact: false,
+    });
+    ar
+}
+
 fn frame(f: &str) -> SymFrame {
     SymFrame {
         function: f.into(),
@@ -265,22 +285,7 @@ impl Job {
             self.off(t, t + s.late, 1, None, None);
             t += s.late + MS / 20;
         }
-        let mut ar = device_call(
-            CallKind::Collective(Collective::AllReduce),
-            "ncclAllReduce",
-            t,
-            t + MS / 20,
-        );
-        ar.library = Library::Nccl;
-        ar.comm = Some(CommContext {
-            handle: 0xc0,
-            id_hash: Some(0xd0),
-            rank: Some(0),
-            size: Some(2),
-            seq: None,
-            seq_exact: false,
-        });
-        self.call(ar);
+        self.call(all_reduce(t, t + MS / 20));
         t += MS / 10;
         self.sync(t, t + MS);
         t += MS + MS / 10;
@@ -743,22 +748,8 @@ fn a_step_s_launches_are_the_counts_between_its_boundaries() {
     use super::super::host_steps::StepClock;
     use xpuscope_common::uprobe::LaunchCounts;
     let counts = |kernels, graphs| Some(LaunchCounts { kernels, graphs });
-    let all_reduce = |t: u64, launches| {
-        let mut c = device_call(
-            CallKind::Collective(Collective::AllReduce),
-            "ncclAllReduce",
-            t,
-            t + MS,
-        );
-        c.library = Library::Nccl;
-        c.comm = Some(CommContext {
-            handle: 0xc0,
-            id_hash: Some(0xd0),
-            rank: Some(0),
-            size: Some(2),
-            seq: None,
-            seq_exact: false,
-        });
+    let anchor = |t: u64, launches| {
+        let mut c = all_reduce(t, t + MS);
         c.launches = launches;
         DeviceCallRecord::new(c)
     };
@@ -775,28 +766,24 @@ fn a_step_s_launches_are_the_counts_between_its_boundaries() {
     };
     let mut clock = StepClock::default();
     clock.follow(PID);
-    assert!(clock.device_call(&all_reduce(0, None)).is_none());
-    let w = clock
-        .device_call(&all_reduce(10 * MS, None))
-        .expect("step 0");
+    assert!(clock.device_call(&anchor(0, None)).is_none());
+    let w = clock.device_call(&anchor(10 * MS, None)).expect("step 0");
     assert_eq!(w.launches, None, "nothing counted yet");
     // The autograd thread's launches, seen on its own return.
     clock.device_call(&on_thread(PID + 1, 12 * MS, counts(40, 1)));
     let w = clock
-        .device_call(&all_reduce(20 * MS, counts(41, 1)))
+        .device_call(&anchor(20 * MS, counts(41, 1)))
         .expect("step 1");
     assert_eq!(w.launches, counts(41, 1));
     // A late record of another thread with an older count changes nothing.
     clock.device_call(&on_thread(PID + 1, 21 * MS, counts(30, 1)));
     clock.device_call(&on_thread(PID, 25 * MS, counts(60, 1)));
     let w = clock
-        .device_call(&all_reduce(30 * MS, counts(71, 2)))
+        .device_call(&anchor(30 * MS, counts(71, 2)))
         .expect("step 2");
     assert_eq!(w.launches, counts(30, 1));
     // A step whose anchor carried no count: the latest count seen.
     clock.device_call(&on_thread(PID + 1, 35 * MS, counts(90, 2)));
-    let w = clock
-        .device_call(&all_reduce(40 * MS, None))
-        .expect("step 3");
+    let w = clock.device_call(&anchor(40 * MS, None)).expect("step 3");
     assert_eq!(w.launches, counts(19, 0));
 }
