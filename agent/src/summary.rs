@@ -77,6 +77,9 @@ pub struct RunSummary {
     pub stacks: u64,
     pub stack_errors: u64,
     pub stacks_unmatched: u64,
+    /// Off-CPU stacks seen before in their process (same addresses): their
+    /// symbolized frames were reused.
+    pub stacks_memoized: u64,
     /// User stacks (off-CPU and allocating) unwound from the code's CFI
     /// (the rest kept their frame-pointer walk).
     pub user_stacks_cfi: u64,
@@ -339,6 +342,7 @@ impl RunSummary {
             stacks: interpret.stacks,
             stack_errors: interpret.stack_errors,
             stacks_unmatched: interpret.stacks_unmatched,
+            stacks_memoized: interpret.stacks_memoized,
             user_stacks_cfi: interpret.user_stacks_cfi,
             user_stacks_truncated: interpret.user_stacks_truncated,
             user_stacks_short_copies: interpret.user_stacks_short_copies,

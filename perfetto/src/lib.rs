@@ -93,6 +93,7 @@ mod track_events;
 mod types;
 mod writer;
 
+pub use samples::InternedCallstack;
 pub use types::{
     Arg, ArgValue, ClockSnapshot, CounterUnit, DEFAULT_BUNDLE_EVENTS, Frame, KERNEL_MAPPING_PATH,
     Mapping, ProcessInfo, SampleFormat, SystemInfo, ThreadInfo, TrackUuid, WriterOptions,

@@ -59,9 +59,48 @@ pub const DATA_LOADER_FRAMES: &[&str] = &["dataloader", "data_loader", "_next_da
 /// Whether an off-CPU stack is waiting in the data loader.
 pub fn in_data_loader<S: AsRef<str>>(functions: impl IntoIterator<Item = S>) -> bool {
     functions.into_iter().any(|f| {
-        let f = f.as_ref().to_ascii_lowercase();
-        DATA_LOADER_FRAMES.iter().any(|p| f.contains(p))
+        let f = f.as_ref().as_bytes();
+        DATA_LOADER_FRAMES
+            .iter()
+            .any(|p| contains_ignoring_ascii_case(f, p.as_bytes()))
     })
+}
+
+/// Whether each off-CPU stack waits in the data loader, kept per stack
+/// `Arc`: a thread that blocks where it blocked before comes with the same
+/// `Arc` (the interpret stage's stack memo), and the frames' names are not
+/// searched again. The `Arc` is held, so its address keys no other stack.
+#[derive(Default)]
+pub struct DataLoaderStacks {
+    by_stack: rustc_hash::FxHashMap<usize, (std::sync::Arc<crate::model::Stack>, bool)>,
+}
+
+/// Most stacks [`DataLoaderStacks`] keeps before it starts over.
+const DATA_LOADER_STACKS: usize = 4096;
+
+impl DataLoaderStacks {
+    pub fn in_data_loader(&mut self, stack: &std::sync::Arc<crate::model::Stack>) -> bool {
+        let key = std::sync::Arc::as_ptr(stack) as usize;
+        if let Some((_, verdict)) = self.by_stack.get(&key) {
+            return *verdict;
+        }
+        let verdict = in_data_loader(stack.leaf_first().map(|f| &*f.function));
+        if self.by_stack.len() >= DATA_LOADER_STACKS {
+            self.by_stack.clear();
+        }
+        self.by_stack.insert(key, (stack.clone(), verdict));
+        verdict
+    }
+}
+
+/// Whether `haystack` contains `needle` (lower-case ASCII), whatever the
+/// case of its ASCII letters; without the lower-cased copy a plain
+/// `contains` would need (every off-CPU stack of a main thread asks).
+fn contains_ignoring_ascii_case(haystack: &[u8], needle: &[u8]) -> bool {
+    needle.is_empty()
+        || haystack
+            .windows(needle.len())
+            .any(|w| w.eq_ignore_ascii_case(needle))
 }
 
 /// Report-format `prev_state` bits of a task that went to sleep

@@ -17,6 +17,9 @@ pub struct InterpretCounters {
     pub stacks: u64,
     pub stack_errors: u64,
     pub stacks_unmatched: u64,
+    /// Off-CPU stacks whose addresses were seen before in their process:
+    /// the symbolized stack was reused, not built again.
+    pub stacks_memoized: u64,
     /// User stacks (off-CPU and allocating) whose frames came from the CFI
     /// unwind of the stack copy rather than the frame-pointer walk.
     pub user_stacks_cfi: u64,

@@ -175,3 +175,101 @@ fn events_become_what_the_ui_shows() {
     // worker: 7 us asleep, 3 us preempted; main: off from 11 us to the end.
     assert_eq!(stats.offcpu.total_ns, 7_000 + 3_000 + 9_000);
 }
+
+fn stack_at(ts: u64, tid: u32, tgid: u32, user: u64) -> Event {
+    Event::Stack(Box::new(StackCapture {
+        cpu: 0,
+        ts,
+        tid,
+        tgid,
+        kernel: Ok(vec![0xffff_ffff_8100_0010, 0xffff_ffff_8100_0020]),
+        user: Ok(vec![user, 0x2000]),
+        user_copy: None,
+        record_bytes: 0,
+    }))
+}
+
+/// A thread that blocks where it blocked before gets the same stack (one
+/// symbolization, one callstack conversion), and the trace still shows
+/// each off-CPU interval with its own frames and weight; a stack of
+/// another place, or of a new process under a reused pid, is its own.
+#[test]
+fn a_thread_blocking_where_it_blocked_before_shares_its_stack() {
+    let mut b = TestPipeline::new();
+    let worker = (101, "worker", 100);
+    let main = (100, "trainer", 100);
+    // Blocks at 0x1000 three times, at 0x1100 once; each 2 us off CPU.
+    let places = [0x1000, 0x1000, 0x1100, 0x1000];
+    let mut ts = 10_000;
+    for place in places {
+        b.handle(switch(0, ts, worker, main, (true, true, false)));
+        b.handle(stack_at(ts, 101, 100, place));
+        b.handle(switch(0, ts + 2_000, main, worker, (true, true, false)));
+        ts += 10_000;
+    }
+    assert_eq!(b.interpreter.counters.stacks, 4);
+    assert_eq!(b.interpreter.counters.stacks_memoized, 2);
+    let stacks: Vec<_> = b
+        .records()
+        .into_iter()
+        .filter_map(|r| match r {
+            crate::model::Record::OffCpu(i) if i.tid == 101 => i.stack,
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stacks.len(), 4);
+    assert!(std::sync::Arc::ptr_eq(&stacks[0], &stacks[1]));
+    assert!(std::sync::Arc::ptr_eq(&stacks[0], &stacks[3]));
+    assert!(!std::sync::Arc::ptr_eq(&stacks[0], &stacks[2]));
+    assert_ne!(stacks[0].user[0].rel_pc, stacks[2].user[0].rel_pc);
+
+    // The same pid, a new process: its stacks are symbolized anew.
+    b.handle(Event::Exit(Exit {
+        cpu: 0,
+        ts,
+        tid: 101,
+        tgid: 100,
+        prio: 120,
+        comm: comm("worker"),
+        group_dead: true,
+        group_known: true,
+        exit_code: None,
+    }));
+    ts += 10_000;
+    b.handle(switch(0, ts, worker, main, (true, true, false)));
+    b.handle(stack_at(ts, 101, 100, 0x1000));
+    b.handle(switch(0, ts + 2_000, main, worker, (true, true, false)));
+    assert_eq!(b.interpreter.counters.stacks_memoized, 2);
+    let last = b
+        .records()
+        .into_iter()
+        .filter_map(|r| match r {
+            crate::model::Record::OffCpu(i) if i.tid == 101 => i.stack,
+            _ => None,
+        })
+        .last()
+        .unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&stacks[0], &last));
+    assert_eq!(*stacks[0], *last, "the same addresses, the same frames");
+
+    let (bytes, _) = b.finish(ts + 10_000);
+    let trace = decode(&bytes).unwrap();
+    check_importer_rules(&trace).unwrap();
+    let tl = Timeline::new(&trace);
+    let samples: Vec<_> = tl.stack_samples.iter().filter(|s| s.tid == 101).collect();
+    assert_eq!(samples.len(), 5);
+    for s in &samples {
+        assert_eq!(s.weight, 2_000, "each interval its own weight");
+    }
+    for i in [1, 3, 4] {
+        assert_eq!(samples[i].frames, samples[0].frames, "sample {i}");
+        assert_eq!(samples[i].mappings, samples[0].mappings, "sample {i}");
+    }
+    assert_ne!(samples[2].frames, samples[0].frames);
+    assert_eq!(
+        samples[0].frames.len(),
+        4,
+        "two user frames, two kernel: {:?}",
+        samples[0].frames
+    );
+}

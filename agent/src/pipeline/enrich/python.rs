@@ -31,8 +31,12 @@ use crate::model::stack::PYTHON_MODULE_PREFIX;
 /// How one stack went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PyOutcome {
-    /// Not a Python process, or a thread without Python frames.
+    /// Not a Python process, or a native stack without evaluation frames:
+    /// decided by the addresses alone (the same addresses say it again).
     Native,
+    /// Evaluation frames in the native stack, but the thread showed no
+    /// Python frames when read (it moved on): native now, not always.
+    NoPythonNow,
     /// Python frames were interleaved; the step counter they showed.
     Mixed(Option<StepLocal>),
     /// The frames could not be read (the native stack stands).
@@ -114,7 +118,7 @@ impl PythonStacks {
         self.reads += 1;
         let py = match py {
             Ok(py) if !py.is_empty() => py,
-            Ok(_) => return (frames, PyOutcome::Native),
+            Ok(_) => return (frames, PyOutcome::NoPythonNow),
             Err(e) => {
                 tracing::debug!("python frames of thread {tid}: {e}");
                 return (frames, PyOutcome::Failed);

@@ -10,6 +10,7 @@
 //! recording stays bounded and a reused pid starts clean.
 
 pub mod device;
+mod stack_memo;
 
 use std::sync::Arc;
 
@@ -28,6 +29,7 @@ use crate::pipeline::enrich::stack_ends::UnwoundCopy;
 use crate::procfs::ProcessEntry;
 use crate::state::{REPORT_DEAD, REPORT_PREEMPTED, REPORT_ZOMBIE, report_state};
 use device::DeviceInterpreter;
+use stack_memo::{StackKey, StackMemo};
 use xpuscope_common::USER_STACK_NOT_WALKED;
 use xpuscope_probes::decode::table::ProbeTarget;
 use xpuscope_probes::python::StepLocal;
@@ -128,6 +130,8 @@ pub struct Interpreter {
     in_flight_shown: bool,
     /// The last Python step counter value seen per process.
     steps_seen: FxHashMap<u32, u64>,
+    /// Symbolized stacks by their addresses.
+    stack_memo: StackMemo,
 
     pub counters: InterpretCounters,
 }
@@ -190,6 +194,7 @@ impl Interpreter {
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
             Event::LinkMap(l) => {
                 en.link_map_changed(l.tgid);
+                self.stack_memo.forget_process(l.tgid);
                 out.push(Record::LinkMapChanged(l));
             }
         }
@@ -356,6 +361,7 @@ impl Interpreter {
         self.note_thread(e.tid, e.tgid, &new);
         // A new program: addresses cached for the old one mean nothing now.
         en.process_exec(e.tgid);
+        self.stack_memo.forget_process(e.tgid);
         self.device.process_exec(e.tgid);
         let process = Box::new(ProcessStart {
             ts: e.ts,
@@ -385,6 +391,7 @@ impl Interpreter {
             // Every earlier record of the process is out: what is cached
             // about it goes (its pid may come back as another process).
             en.process_ended(e.tgid);
+            self.stack_memo.forget_process(e.tgid);
             self.steps_seen.remove(&e.tgid);
         }
         out.push(Record::Exit {
@@ -406,40 +413,68 @@ impl Interpreter {
         if s.kernel.is_err() || s.user.as_ref().is_err_and(|e| *e != USER_STACK_NOT_WALKED) {
             self.counters.stack_errors += 1;
         }
-        let kernel = match &s.kernel {
-            Ok(addrs) => en.kernel_frames(addrs),
-            Err(_) => Vec::new(),
-        };
-        let user = match user_addrs(
+        let user = user_addrs(
             en,
             (s.tgid, s.tid),
             s.ts,
             &s.user,
             s.user_copy.as_ref(),
             &mut self.counters,
-        ) {
-            Ok(u) => {
-                let (frames, py) = en.thread_user_frames(s.tgid, s.tid, &u.addrs);
-                match py {
-                    PyOutcome::Mixed(step) => {
-                        self.counters.python_stacks += 1;
-                        if let Some(step) = step {
-                            let read_at = en.clock_ns();
-                            self.step_seen(s, step, read_at, out);
-                        }
-                    }
-                    PyOutcome::Failed => self.counters.python_stack_errors += 1,
-                    PyOutcome::Native => {}
-                }
-                self.counters.python_read_ns = en.python_read_ns();
-                with_truncation(frames, u.truncated)
-            }
-            Err(_) => Vec::new(),
+        );
+        // A stack seen before (same process, same addresses) is the same
+        // stack: symbolized once (see `stack_memo`).
+        let key = match (&s.kernel, &user) {
+            (Ok(kernel), Ok(u)) => Some(StackKey {
+                tgid: s.tgid,
+                kernel,
+                user: &u.addrs,
+                truncated: u.truncated,
+            }),
+            _ => None,
         };
-        if !self
-            .offcpu
-            .stack_taken(s.tid, s.ts, Arc::new(Stack { kernel, user }))
-        {
+        let known = key.as_ref().and_then(|k| self.stack_memo.get(k));
+        let stack = match known {
+            Some(stack) => stack,
+            None => {
+                let kernel = match &s.kernel {
+                    Ok(addrs) => en.kernel_frames(addrs),
+                    Err(_) => Vec::new(),
+                };
+                let mut memoizable = true;
+                let user_frames = match &user {
+                    Ok(u) => {
+                        let (frames, py) = en.thread_user_frames(s.tgid, s.tid, &u.addrs);
+                        memoizable = py == PyOutcome::Native;
+                        match py {
+                            PyOutcome::Mixed(step) => {
+                                self.counters.python_stacks += 1;
+                                if let Some(step) = step {
+                                    let read_at = en.clock_ns();
+                                    self.step_seen(s, step, read_at, out);
+                                }
+                            }
+                            PyOutcome::Failed => self.counters.python_stack_errors += 1,
+                            PyOutcome::Native | PyOutcome::NoPythonNow => {}
+                        }
+                        self.counters.python_read_ns = en.python_read_ns();
+                        with_truncation(frames, u.truncated)
+                    }
+                    Err(_) => Vec::new(),
+                };
+                let stack = Arc::new(Stack {
+                    kernel,
+                    user: user_frames,
+                });
+                if let Some(k) = &key
+                    && memoizable
+                {
+                    self.stack_memo.insert(k, stack.clone());
+                }
+                stack
+            }
+        };
+        self.counters.stacks_memoized = self.stack_memo.hits;
+        if !self.offcpu.stack_taken(s.tid, s.ts, stack) {
             self.counters.stacks_unmatched += 1;
         }
     }
@@ -537,6 +572,9 @@ mod step_seen_tests {
             i.event(stack(ts, tid, 100), &mut en, &mut out);
         }
         assert_eq!(seen(&out), vec![(100, 5_000, 7), (100, 9_000, 8)]);
+        // The same addresses each time, but Python frames read from the
+        // live thread: never taken from the stack memo.
+        assert_eq!(i.counters.stacks_memoized, 0);
         out.clear();
         i.event(
             Event::Exit(Exit {

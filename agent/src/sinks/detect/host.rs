@@ -14,7 +14,7 @@ use super::host_contention::ContentionDetector;
 use super::host_steps::{StepClock, Window};
 use super::memory_leak::LeakDetector;
 use super::step_marks::{StepMark, StepSource};
-use crate::analysis::steps::in_data_loader;
+use crate::analysis::steps::DataLoaderStacks;
 use crate::model::{Finding, Record, StepSplitRecord};
 
 /// Splits held between two takes (a sink that never takes them, as
@@ -30,6 +30,7 @@ pub struct HostDetectors {
     /// Finished steps' splits, until the sink takes them.
     splits: Vec<StepSplitRecord>,
     leak: LeakDetector,
+    loader_stacks: DataLoaderStacks,
 }
 
 impl HostDetectors {
@@ -42,6 +43,7 @@ impl HostDetectors {
             splits: Vec::new(),
             stall: StallDetector::default(),
             leak: LeakDetector::default(),
+            loader_stacks: DataLoaderStacks::default(),
         }
     }
 
@@ -62,7 +64,7 @@ impl HostDetectors {
                 let in_loader = i
                     .stack
                     .as_ref()
-                    .is_some_and(|s| in_data_loader(s.leaf_first().map(|f| &*f.function)));
+                    .is_some_and(|s| self.loader_stacks.in_data_loader(s));
                 self.clock.off_cpu(i, in_loader);
             }
             Record::Exit {

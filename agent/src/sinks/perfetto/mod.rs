@@ -39,7 +39,7 @@ use xpuscope_perfetto::{
 use super::{Sink, SinkCounters};
 use crate::events::{Exec, Exit, Fork, Rename, Switch, Waking};
 use crate::model::{
-    Field, FieldValue, OffCpuInterval, Preemption, ProcessStart, Record, StepSeen, SymFrame,
+    Field, FieldValue, OffCpuInterval, Preemption, ProcessStart, Record, Stack, StepSeen, SymFrame,
 };
 use crate::procfs::ProcessEntry;
 use crate::trace_schema::keys as k;
@@ -70,6 +70,7 @@ pub struct PerfettoSink<W: Write> {
     lost_written: u64,
     lost_track: Option<TrackUuid>,
     frames: FrameConverter,
+    callstacks: CallstackCache,
     device: device::DeviceTracks,
     findings: findings::FindingLanes,
     gpus: gpu::GpuTracks,
@@ -110,6 +111,7 @@ impl<W: Write> PerfettoSink<W> {
             lost_written: 0,
             lost_track: None,
             frames: FrameConverter::default(),
+            callstacks: CallstackCache::default(),
             device: device::DeviceTracks::default(),
             findings: findings::FindingLanes::default(),
             gpus: gpu::GpuTracks::default(),
@@ -379,14 +381,23 @@ impl<W: Write> PerfettoSink<W> {
 
     fn off_cpu(&mut self, interval: &OffCpuInterval) -> Result<()> {
         if let Some(stack) = &interval.stack {
-            let frames: Vec<pf::Frame> = stack.leaf_first().map(|f| self.frames.frame(f)).collect();
-            if !frames.is_empty() {
-                self.writer.stack_sample(
+            let callstack = match self.callstacks.get(stack) {
+                Some(c) => c,
+                None => {
+                    let frames: Vec<pf::Frame> =
+                        stack.leaf_first().map(|f| self.frames.frame(f)).collect();
+                    let c = self.writer.intern_callstack(&frames);
+                    self.callstacks.insert(stack, c);
+                    c
+                }
+            };
+            if !callstack.is_empty() {
+                self.writer.interned_stack_sample(
                     interval.start,
                     interval.cpu,
                     interval.tgid as i32,
                     interval.tid as i32,
-                    &frames,
+                    callstack,
                     interval.duration(),
                 )?;
             }
@@ -544,6 +555,36 @@ fn args(fields: &[Field]) -> Vec<Arg> {
             )
         })
         .collect()
+}
+
+/// The callstack ids of stacks this sink wrote, by the stack's `Arc`: the
+/// interpret stage hands a thread that blocks where it blocked before the
+/// same `Arc` (its stack memo), and its samples then cost no conversion.
+/// The `Arc` is held, so its address cannot be reused by another stack
+/// while it keys an entry. Bounded; the writer's interning stays valid
+/// past a clear (the same frames intern to the same id).
+#[derive(Default)]
+struct CallstackCache {
+    by_stack: FxHashMap<usize, (Arc<Stack>, pf::InternedCallstack)>,
+}
+
+/// Most stacks [`CallstackCache`] holds before it starts over.
+const CACHED_CALLSTACKS: usize = 16_384;
+
+impl CallstackCache {
+    fn get(&self, stack: &Arc<Stack>) -> Option<pf::InternedCallstack> {
+        self.by_stack
+            .get(&(Arc::as_ptr(stack) as usize))
+            .map(|(_, c)| *c)
+    }
+
+    fn insert(&mut self, stack: &Arc<Stack>, callstack: pf::InternedCallstack) {
+        if self.by_stack.len() >= CACHED_CALLSTACKS {
+            self.by_stack.clear();
+        }
+        self.by_stack
+            .insert(Arc::as_ptr(stack) as usize, (stack.clone(), callstack));
+    }
 }
 
 /// Converts symbolized frames, sharing one `Mapping` per module.

@@ -2,11 +2,12 @@
 //! waited, and who preempted it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
 use crate::events::Comm;
-use crate::model::OffCpuInterval;
+use crate::model::{OffCpuInterval, Stack};
 
 /// A short human reason for an off-CPU interval: its state, the kernel
 /// function it waited in, and the innermost user function.
@@ -41,17 +42,39 @@ pub struct OffCpuSummary {
     pub by_own_threads: (u64, u64),
     pub total_ns: u64,
     pub with_stack_ns: u64,
+    /// The reason of each (stack, state) seen lately: a thread blocking
+    /// where it blocked before comes with the same stack `Arc` (the
+    /// interpret stage's stack memo), and its reason is not built again.
+    /// The `Arc` is held, so its address keys no other stack.
+    reasons: FxHashMap<(usize, i64), (Arc<Stack>, String)>,
 }
+
+/// Most (stack, state) reasons kept before the cache starts over.
+const CACHED_REASONS: usize = 4096;
 
 impl OffCpuSummary {
     pub fn add(&mut self, interval: &OffCpuInterval) {
         let d = interval.duration();
         self.total_ns += d;
-        if interval.stack.is_some() {
+        if let Some(stack) = &interval.stack {
             self.with_stack_ns += d;
-            let e = self.by_reason.entry(reason(interval)).or_default();
-            e.0 += d;
-            e.1 += 1;
+            let key = (Arc::as_ptr(stack) as usize, interval.state);
+            if !self.reasons.contains_key(&key) {
+                if self.reasons.len() >= CACHED_REASONS {
+                    self.reasons.clear();
+                }
+                self.reasons.insert(key, (stack.clone(), reason(interval)));
+            }
+            let reason = &self.reasons[&key].1;
+            match self.by_reason.get_mut(reason.as_str()) {
+                Some(e) => {
+                    e.0 += d;
+                    e.1 += 1;
+                }
+                None => {
+                    self.by_reason.insert(reason.clone(), (d, 1));
+                }
+            }
         }
         if let Some(p) = &interval.preempted_by {
             let e = if p.in_job {

@@ -16,7 +16,8 @@ use xpuscope_probes::decode::args::CallArgs;
 
 use crate::analysis::groups::{self, CommInfo};
 use crate::analysis::steps::{
-    CallKind, CommSteps, OffCpuKind, Step, StepTracker, dp_comm_by_rank, in_data_loader, rank_steps,
+    CallKind, CommSteps, DataLoaderStacks, OffCpuKind, Step, StepTracker, dp_comm_by_rank,
+    rank_steps,
 };
 use crate::model::{DeviceCallRecord, OffCpuInterval, Record, process_comm_id};
 use crate::sinks::detect::step_marks::{MarkedSteps, StepMark, StepMarks, StepSource};
@@ -40,6 +41,8 @@ const MARK_LIMIT: usize = 1 << 17;
 
 pub struct RecordSteps {
     tracker: StepTracker,
+    /// Which stacks wait in the data loader, per stack.
+    loader_stacks: DataLoaderStacks,
     /// Ranked processes still running: pid -> global rank.
     ranks: BTreeMap<u32, u32>,
     /// Communicators seen (by hash), members as global ranks.
@@ -62,6 +65,7 @@ impl Default for RecordSteps {
             ended: Vec::new(),
             marks: StepMarks::default(),
             scratch: Vec::new(),
+            loader_stacks: DataLoaderStacks::default(),
         }
     }
 }
@@ -159,7 +163,7 @@ impl RecordSteps {
         let in_loader = i
             .stack
             .as_ref()
-            .is_some_and(|s| in_data_loader(s.leaf_first().map(|f| &*f.function)));
+            .is_some_and(|s| self.loader_stacks.in_data_loader(s));
         self.tracker.off_cpu(
             i.tgid as i32,
             i.start,
