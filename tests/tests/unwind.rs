@@ -680,6 +680,16 @@ fn attach_unwinds_off_cpu_and_allocation_stacks_without_frame_pointers() {
         sleeps.len(),
         done.stats
     );
+    // The child blocks at the same place each time: its stacks after the
+    // first were symbolized once and reused (the agent's stack memo),
+    // each sample above still whole.
+    let memoized = done.stats["stacks_memoized"].as_u64().unwrap();
+    assert!(
+        memoized >= sleeps.len() as u64 / 2,
+        "{memoized} memoized of {} stacks: {}",
+        sleeps.len(),
+        done.stats
+    );
     // And most of those came in a short record: the ring carried at least
     // (full record - largest short record) bytes less for each of half the
     // short copies (sizes of `xpuscope_common::OffCpuStackOf`).

@@ -39,6 +39,9 @@ fn workload() -> std::path::PathBuf {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Variant {
     Baseline,
+    /// No agent; programs that only count on `sched_switch` and
+    /// `sched_waking` (`crate::bench_floor`): what any program there costs.
+    Floor,
     NoStacks,
     Sampled,
     AllStacks,
@@ -53,6 +56,7 @@ impl Variant {
     fn name(self) -> &'static str {
         match self {
             Variant::Baseline => "no agent",
+            Variant::Floor => "counting programs only (floor)",
             Variant::NoStacks => "agent, no stacks",
             Variant::Sampled => "agent, sampled stacks (default)",
             Variant::AllStacks => "agent, stack at every switch",
@@ -62,7 +66,7 @@ impl Variant {
     }
     fn stacks_arg(self) -> Option<&'static str> {
         match self {
-            Variant::Baseline => None,
+            Variant::Baseline | Variant::Floor => None,
             Variant::NoStacks => Some("off"),
             Variant::Sampled => Some("sampled"),
             Variant::AllStacks => Some("all"),
@@ -95,6 +99,10 @@ fn pingpong(
     let stdout = wl.stdout.take().context("stdout")?;
     let guard = ChildGuard(wl);
     let stats_path = dir.join("bench-stats.json");
+    let _floor = match variant {
+        Variant::Floor => Some(crate::bench_floor::Floor::attach(&[])?),
+        _ => None,
+    };
     let mut agent = None;
     if let Some(stacks) = variant.stacks_arg() {
         let binary = match (variant, compare) {
@@ -198,7 +206,7 @@ pub fn run(
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
     match only {
-        None => {}
+        None | Some("pingpong") => {}
         Some("probes") => {
             let probes = crate::bench_probes::run(&dir)?;
             std::fs::write(
@@ -236,7 +244,9 @@ pub fn run(
             );
             return Ok(());
         }
-        Some(other) => bail!("unknown benchmark part {other:?} (known: probes, merge, soak)"),
+        Some(other) => {
+            bail!("unknown benchmark part {other:?} (known: pingpong, probes, merge, soak)")
+        }
     }
 
     // Calibrate the iteration count to about `seconds` per run.
@@ -244,6 +254,7 @@ pub fn run(
     let iters = ((seconds as f64 * 1e9) / probe.ns_per_round_trip).max(10_000.0) as u64;
     let mut variants = vec![
         Variant::Baseline,
+        Variant::Floor,
         Variant::NoStacks,
         Variant::Sampled,
         Variant::AllStacks,
@@ -311,13 +322,21 @@ pub fn run(
             } else {
                 "-".into()
             },
-            if *v == Variant::Baseline {
+            if matches!(v, Variant::Baseline | Variant::Floor) {
                 "-".to_string()
             } else {
                 drops[i].to_string()
             }
         );
         sched.push(json!({"variant": v.name(), "ns_per_round_trip": m, "ratio": m / base, "events_per_s": rate, "dropped": drops[i]}));
+    }
+
+    if only == Some("pingpong") {
+        std::fs::write(
+            dir.join("pingpong-results.json"),
+            serde_json::to_string_pretty(&json!({"sched_overhead": sched, "iters": iters}))?,
+        )?;
+        return Ok(());
     }
 
     // Writer throughput, in release.

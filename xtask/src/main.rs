@@ -73,7 +73,8 @@ enum Task {
         /// Seconds per measured phase.
         #[arg(long, default_value_t = 3)]
         seconds: u64,
-        /// Only this part: `probes` (device-library probe costs), `merge`
+        /// Only this part: `pingpong` (the scheduling capture overhead
+        /// table), `probes` (device-library probe costs), `merge`
         /// (agent merge on 16 node traces, see --trace-mb),
         /// `soak` (agent service always on; --minutes long).
         only: Option<String>,
