@@ -34,6 +34,8 @@ pub struct FakeSource {
     pub predicted: HashMap<u32, Predicted>,
     /// Predictions asked for, by pid, in order.
     pub predictions: Vec<u32>,
+    /// Reads of each pid's maps.
+    pub maps_reads: HashMap<u32, usize>,
 }
 
 impl FakeSource {
@@ -93,6 +95,7 @@ impl FakeSource {
 
 impl ProcessSource for FakeSource {
     fn maps(&mut self, pid: u32) -> Option<ProcessMaps> {
+        *self.maps_reads.entry(pid).or_default() += 1;
         self.maps.get(&pid).map(|t| ProcessMaps::parse(t))
     }
 

@@ -270,6 +270,18 @@ pub struct FileRelease {
 /// place (attaching a file's probes again costs a few milliseconds).
 pub const RELEASE_AFTER: Duration = Duration::from_secs(10);
 
+/// How often the periodic rounds ([`Planner::plan`]) read again the maps
+/// of a process whose loader reported a link-map change. Its debugger
+/// hook works, so each `dlopen` and `dlclose` of it is announced and
+/// rescanned at once ([`Planner::plan_early`]); the rounds are only the
+/// safety net for code mapped without the loader and for a notice lost to
+/// a full queue (`NOTICE_QUEUE`). A real training rank's
+/// `/proc/PID/maps` runs to thousands of lines: read for every rank at
+/// every round (four a second), it cost the always-on service more than
+/// anything it learned. A process whose loader never reported (started
+/// before the agent, or whose loader has no hook) is read every round.
+pub const HOOKED_RESCAN: Duration = Duration::from_secs(5);
+
 impl ProbeSite {
     pub fn file(&self) -> FileId {
         (self.dev, self.ino)
@@ -375,6 +387,12 @@ pub struct Planner {
     /// Processes whose program's libraries were predicted (until it execs
     /// again or is forgotten).
     predicted: HashSet<u32>,
+    /// Processes whose loader reported a link-map change since their
+    /// program started (see [`HOOKED_RESCAN`]), and when each traced
+    /// process's maps were last read.
+    hooked: HashSet<u32>,
+    scanned_at: HashMap<u32, Instant>,
+    hooked_rescan: Duration,
     pub stats: PlanStats,
 }
 
@@ -397,8 +415,19 @@ impl Planner {
             slots: HashMap::new(),
             files: HashMap::new(),
             predicted: HashSet::new(),
+            hooked: HashSet::new(),
+            scanned_at: HashMap::new(),
+            hooked_rescan: HOOKED_RESCAN,
             stats: PlanStats::default(),
         }
+    }
+
+    /// Rounds read the maps of a process whose loader reports only this
+    /// often (see [`HOOKED_RESCAN`]).
+    #[cfg(test)]
+    pub fn with_hooked_rescan(mut self, every: Duration) -> Self {
+        self.hooked_rescan = every;
+        self
     }
 
     /// At most `limit - 1` slots (1 to [`MAX_PROBE_SLOTS`]).
@@ -447,11 +476,21 @@ impl Planner {
         for pid in &gone {
             self.procs.remove(pid);
             self.predicted.remove(pid);
+            self.hooked.remove(pid);
+            self.scanned_at.remove(pid);
         }
         // Predicted, never mapped, and gone: its files are not held.
         self.ahead.retain(|pid, _| wanted.contains(pid));
         plan.gone = gone;
+        let now = Instant::now();
         for &pid in pids {
+            let fresh = self
+                .scanned_at
+                .get(&pid)
+                .is_some_and(|at| now.duration_since(*at) < self.hooked_rescan);
+            if fresh && self.hooked.contains(&pid) {
+                continue;
+            }
             self.scan(pid, source, &mut plan);
         }
         self.release_unused(Instant::now(), &mut plan);
@@ -512,6 +551,12 @@ impl Planner {
         if exec {
             self.predicted.remove(&pid);
             self.ahead.remove(&pid);
+            // A new program, maybe with another loader: not known to
+            // report until it does.
+            self.hooked.remove(&pid);
+        } else {
+            // A link-map change came from its loader's hook.
+            self.hooked.insert(pid);
         }
         if self.predicted.insert(pid)
             && let Some(predicted) = source.predict(pid)
@@ -594,6 +639,7 @@ impl Planner {
         let Some(maps) = source.maps(pid) else {
             return; // exited, or a kernel thread
         };
+        self.scanned_at.insert(pid, Instant::now());
         let now = discover::discover(&maps);
         let libs = self.procs.entry(pid).or_default();
         let old: Vec<LoadedLibrary> = libs.iter().map(|l| l.lib.clone()).collect();

@@ -395,3 +395,66 @@ fn launches_below_their_level_are_planned_only_with_launch_counts() {
         "{plan:?}"
     );
 }
+
+/// A process whose loader reported a link-map change (its debugger hook
+/// works: each dlopen is announced and rescanned at once) has its maps
+/// read by the periodic rounds only every `hooked_rescan`; one that never
+/// reported is read at every round, and so is one that exec'd until its
+/// new program's loader reports.
+#[test]
+fn a_process_whose_loader_reports_is_rescanned_by_the_rounds_only_now_and_then() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    src.map(11, &[(CUDART, 11, OTHER_BASE)]);
+    let mut planner =
+        Planner::new(level(2), false).with_hooked_rescan(std::time::Duration::from_secs(3600));
+    planner.plan(&[10, 11], &mut src);
+    // 10's loader reports: its maps are read now.
+    planner.plan_early(10, false, &mut src);
+    let reads = |src: &FakeSource, pid| src.maps_reads[&pid];
+    let (r10, r11) = (reads(&src, 10), reads(&src, 11));
+    planner.plan(&[10, 11], &mut src);
+    planner.plan(&[10, 11], &mut src);
+    assert_eq!(reads(&src, 10), r10, "reported: the rounds leave it");
+    assert_eq!(reads(&src, 11), r11 + 2, "never reported: every round");
+
+    // Its dlopen is announced: read at once, the new library planned.
+    src.map(10, &[(CUDART, 11, BASE), (CUPTI, 21, BASE)]);
+    let plan = planner.plan_early(10, false, &mut src);
+    assert_eq!(reads(&src, 10), r10 + 1);
+    assert!(
+        plan.updates
+            .iter()
+            .any(|u| u.tgid == 10 && functions(u).iter().any(|f| f.2.starts_with("cupti"))),
+        "{:?}",
+        plan.updates.iter().map(functions).collect::<Vec<_>>()
+    );
+
+    // A new program: every round again, until its loader reports.
+    planner.plan_early(10, true, &mut src);
+    let r = reads(&src, 10);
+    planner.plan(&[10, 11], &mut src);
+    assert_eq!(reads(&src, 10), r + 1);
+
+    // Gone and back (a reused pid): every round again.
+    planner.plan_early(10, false, &mut src);
+    planner.plan(&[11], &mut src);
+    let r = reads(&src, 10);
+    planner.plan(&[10, 11], &mut src);
+    planner.plan(&[10, 11], &mut src);
+    assert_eq!(reads(&src, 10), r + 2);
+}
+
+/// The rounds' safety net: past `hooked_rescan`, a reported process is
+/// read again (code mapped without the loader, a notice lost).
+#[test]
+fn a_reported_process_is_still_rescanned_past_the_interval() {
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE)]);
+    let mut planner = Planner::new(level(0), false).with_hooked_rescan(std::time::Duration::ZERO);
+    planner.plan_early(10, false, &mut src);
+    let r = src.maps_reads[&10];
+    planner.plan(&[10], &mut src);
+    planner.plan(&[10], &mut src);
+    assert_eq!(src.maps_reads[&10], r + 2);
+}
