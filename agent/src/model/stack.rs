@@ -20,6 +20,19 @@ impl SymFrame {
     pub fn is_kernel(&self) -> bool {
         &*self.module == "kernel"
     }
+
+    /// A user frame of function `name` in `/bin/x` (tests).
+    #[cfg(test)]
+    pub fn named(name: &str) -> Self {
+        SymFrame {
+            function: Arc::from(name),
+            module: Arc::from("/bin/x"),
+            module_start: 0,
+            module_end: 0,
+            module_offset: 0,
+            rel_pc: 0,
+        }
+    }
 }
 
 /// A symbolized off-CPU stack.

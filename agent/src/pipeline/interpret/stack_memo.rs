@@ -116,14 +116,7 @@ mod tests {
     fn stack(name: &str) -> Arc<Stack> {
         Arc::new(Stack {
             kernel: vec![],
-            user: vec![SymFrame {
-                function: Arc::from(name),
-                module: Arc::from("/bin/x"),
-                module_start: 0,
-                module_end: 0,
-                module_offset: 0,
-                rel_pc: 0,
-            }],
+            user: vec![SymFrame::named(name)],
         })
     }
 

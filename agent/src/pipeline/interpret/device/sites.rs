@@ -132,7 +132,6 @@ fn label(frames: &[SymFrame]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use xpuscope_probes::catalog::Vendor;
     use xpuscope_probes::decode::memory::{Device, SiteUsage};
@@ -140,14 +139,7 @@ mod tests {
     use super::*;
 
     fn sym(name: &str) -> SymFrame {
-        SymFrame {
-            function: Arc::from(name),
-            module: Arc::from("/bin/x"),
-            module_start: 0,
-            module_end: 0,
-            module_offset: 0,
-            rel_pc: 0,
-        }
+        SymFrame::named(name)
     }
 
     #[test]
