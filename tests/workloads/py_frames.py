@@ -110,6 +110,9 @@ def reporter():
             break
         last = now
     print(json.dumps({"threads": now, "native_tid": native}), flush=True)
+    # Stay: a thread that exits after its report would leave the thread
+    # list while the test reads it two ways, one after the other.
+    event.wait()
 
 
 lock.acquire()
