@@ -621,6 +621,14 @@ fn an_outsider_on_every_cpu_is_one_job_level_incident() {
                 root["evidence"]["preemptors"][0]["pid"], hog,
                 "{driver}: {root:#}"
             );
+            // It fired once it had held a second; the hog ran on to the
+            // job's last step (39), and so does the incident: lateness
+            // late in the run is its consequence, not a fault of its own.
+            let last = root["evidence"]["last_step"].as_u64();
+            assert!(
+                last.is_some_and(|s| s >= 36),
+                "{driver}: it went on while the hog ran: {root:#}"
+            );
             for f in found
                 .iter()
                 .filter(|f| f["incident"] == root["incident"])

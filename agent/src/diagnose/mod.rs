@@ -148,6 +148,7 @@ pub fn diagnose(traces: &[PathBuf], cfg: DetectConfig) -> Result<Vec<Finding>> {
         }
     }
     d.finish(end, &mut found);
+    d.extend_spans(&mut found);
     // Roots first (most important first), each with its consequences.
     incidents::group(&mut found);
     Ok(found)

@@ -9,6 +9,7 @@ use serde_json::json;
 
 use super::Ranks;
 use super::host_config::HostDetectConfig;
+use super::run_spans::{ReportedAs, RunSpans};
 
 /// Preemptors named in a finding.
 pub const TOP_PREEMPTORS: usize = 3;
@@ -68,6 +69,8 @@ pub struct Run {
     pub first_step: u64,
     pub start: u64,
     pub end: u64,
+    /// Its latest contended step.
+    pub last_step: u64,
     pub steps: u64,
     pub lost: u64,
     pub dur: u64,
@@ -82,6 +85,9 @@ pub struct Run {
     /// run (its lulls too).
     pub all_excess: u64,
     pub all_dur: u64,
+    /// The finding it fired, once reported: it follows the run on
+    /// ([`RunSpans`]).
+    pub reported_as: Option<ReportedAs>,
 }
 
 /// The processes that took the most, most first.
@@ -227,12 +233,14 @@ pub struct Judged {
 /// holds `contention_min_steps` contended steps spanning
 /// `contention_min_span` and, its lulls included, lost
 /// `contention_min_share_pct` above the usual: scattered contended steps
-/// are the host's blips, not a neighbour.
+/// are the host's blips, not a neighbour. A reported run's contended
+/// steps carry its finding's span on (`spans`).
 pub fn advance<K: std::hash::Hash + Eq + Clone>(
     runs: &mut HashMap<K, Run>,
     key: K,
     j: Judged,
     cfg: &HostDetectConfig,
+    spans: &mut RunSpans,
 ) -> bool {
     if !j.contended {
         if let Some(run) = runs.get_mut(&key) {
@@ -264,6 +272,7 @@ pub fn advance<K: std::hash::Hash + Eq + Clone>(
     run.all_excess += j.excess;
     run.all_dur += j.dur;
     run.end = j.end;
+    run.last_step = j.step;
     run.steps += 1;
     run.lost += j.lost;
     run.dur += j.dur;
@@ -271,6 +280,9 @@ pub fn advance<K: std::hash::Hash + Eq + Clone>(
         if run.by.len() < MAX_PREEMPTORS || run.by.contains_key(&pid) {
             run.by.entry(pid).or_default().merge(&taken);
         }
+    }
+    if let Some(at) = &run.reported_as {
+        spans.went_on(at, run.end, run.last_step, run.steps);
     }
     if run.reported
         || run.steps < u64::from(cfg.contention_min_steps.max(1))

@@ -134,6 +134,13 @@ impl HostDetectors {
         }
     }
 
+    /// Stretches the findings of runs that went on past them to where the
+    /// runs got ([`RunSpans`](super::run_spans::RunSpans)).
+    pub fn extend_spans(&self, found: &mut [Finding]) {
+        self.contention.spans().extend(found);
+        self.bound.spans().extend(found);
+    }
+
     /// The steps split since the last call.
     pub fn take_splits(&mut self) -> Vec<StepSplitRecord> {
         std::mem::take(&mut self.splits)

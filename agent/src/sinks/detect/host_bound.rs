@@ -36,6 +36,7 @@ use serde_json::json;
 
 use super::Ranks;
 use super::host_steps::Window;
+use super::run_spans::{ReportedAs, RunSpans};
 use crate::analysis::steps::{overlap, total, union};
 use crate::model::{Finding, FindingKind, StepSplit};
 
@@ -103,6 +104,8 @@ struct Run {
     /// Steps under the bar since the last host-bound one.
     clean: u32,
     reported: bool,
+    /// The finding it fired: it follows the run on ([`RunSpans`]).
+    reported_as: Option<ReportedAs>,
     /// Kernel launches of its steps, while every step had a count.
     launches: Option<u64>,
     /// The rank's usual launches per step when the run began.
@@ -122,6 +125,8 @@ struct RankShares {
 pub struct HostBoundDetector {
     ranks: HashMap<u32, RankShares>,
     runs: HashMap<u32, Run>,
+    /// Where the reported runs got to.
+    spans: RunSpans,
 }
 
 fn lower_median(mut v: Vec<f64>) -> Option<f64> {
@@ -219,6 +224,9 @@ impl HostBoundDetector {
         t.runnable += s.runnable;
         t.asleep += s.asleep;
         t.host += s.host;
+        if let Some(at) = &run.reported_as {
+            self.spans.went_on(at, run.end, w.step, run.steps);
+        }
         if run.reported || run.steps < MIN_STEPS {
             return;
         }
@@ -282,6 +290,12 @@ impl HostBoundDetector {
             }),
             detected_ns: w.end,
         });
+        run.reported_as = out.last().map(ReportedAs::of);
+    }
+
+    /// Where the reported runs got to.
+    pub fn spans(&self) -> &RunSpans {
+        &self.spans
     }
 }
 

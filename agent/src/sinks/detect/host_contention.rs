@@ -45,6 +45,7 @@ use super::contention_runs::{
 use super::host_config::HostDetectConfig;
 use super::host_steps::Window;
 use super::job_contention::{JobContention, RankStep};
+use super::run_spans::{ReportedAs, RunSpans};
 use crate::model::{Finding, FindingKind};
 
 /// Steps of each rank kept to name a time by its step.
@@ -80,6 +81,8 @@ pub struct ContentionDetector {
     usual: HashMap<u32, Usual>,
     /// The jobs' steps, judged as a whole.
     job: JobContention,
+    /// Where the reported runs (a rank's, a job's) got to.
+    spans: RunSpans,
 }
 
 #[derive(Default)]
@@ -257,7 +260,8 @@ impl ContentionDetector {
                     c
                 },
             };
-            self.job.step_ended(job, w.step, rs, cfg, ranks, came, out);
+            self.job
+                .step_ended(job, w.step, rs, cfg, ranks, came, &mut self.spans, out);
         }
         let dur = w.dur().max(1);
         let share = lost as f64 / dur as f64;
@@ -285,7 +289,7 @@ impl ContentionDetector {
             usual,
             by,
         };
-        if !advance(&mut self.runs, w.tgid, judged, cfg) {
+        if !advance(&mut self.runs, w.tgid, judged, cfg, &mut self.spans) {
             return;
         }
         let run = &self.runs[&w.tgid];
@@ -342,6 +346,15 @@ impl ContentionDetector {
                 .with_thresholds(cfg),
             detected_ns: w.end,
         });
+        let at = out.last().map(ReportedAs::of);
+        if let Some(run) = self.runs.get_mut(&w.tgid) {
+            run.reported_as = at;
+        }
+    }
+
+    /// Where the reported runs got to.
+    pub fn spans(&self) -> &RunSpans {
+        &self.spans
     }
 }
 

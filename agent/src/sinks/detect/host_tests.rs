@@ -303,7 +303,13 @@ impl Job {
     }
 
     /// The records in stream order (by the time each was emitted).
-    fn run(mut self, cfg: DetectConfig) -> Vec<Finding> {
+    fn run(self, cfg: DetectConfig) -> Vec<Finding> {
+        self.run_to_end(cfg, false)
+    }
+
+    /// As [`run`](Self::run); with `extend`, the findings as the end of a
+    /// run gives them: each spans its whole run of steps.
+    fn run_to_end(mut self, cfg: DetectConfig, extend: bool) -> Vec<Finding> {
         self.records.sort_by_key(|(ts, _)| *ts);
         let mut d = Detectors::new(cfg);
         let mut out = Vec::new();
@@ -312,6 +318,9 @@ impl Job {
         }
         d.record(&exit(PID, None), &mut out);
         assert!(d.hang_state_is_empty_for(PID), "forgotten at exit");
+        if extend {
+            d.extend_spans(&mut out);
+        }
         out
     }
 }
@@ -576,6 +585,50 @@ fn a_contention_with_a_lull_is_one_finding_and_a_new_one_after_it_ends() {
             (FindingKind::HostContention, Some(24))
         ]
     );
+}
+
+/// A contention fires at its third contended step and goes on: once the
+/// run's findings are all known, its finding spans the whole run (what
+/// comes late later in it is its consequence), through its lulls, and not
+/// into the next run.
+#[test]
+fn a_contention_that_goes_on_after_it_fires_spans_its_whole_run_at_the_end() {
+    let shape = |k: u64| StepShape {
+        preempted: if (5..20).contains(&k) && k != 12 && k != 14 || (24..28).contains(&k) {
+            vec![(4242, 4243, "noisy", 6 * MS)]
+        } else {
+            vec![]
+        },
+        ..StepShape::default()
+    };
+    let job = || {
+        let mut job = Job::new();
+        job.steps(40, shape);
+        job
+    };
+    let fired = job().run_to_end(short_steps(), false);
+    let ended = job().run_to_end(short_steps(), true);
+    assert_eq!(fired.len(), 2, "{fired:#?}");
+    assert_eq!(ended.len(), 2, "{ended:#?}");
+    let (f, e) = (&fired[0], &ended[0]);
+    assert_eq!(f.evidence["steps"], 3, "fired at its third step: {f:#?}");
+    assert!(f.evidence.get("last_step").is_none(), "{f:#?}");
+    assert_eq!(e.evidence["last_step"], 19, "{e:#?}");
+    assert_eq!(
+        e.evidence["run_steps"], 13,
+        "15 steps, 2 of them lulls: {e:#?}"
+    );
+    assert_eq!(e.start_ns, f.start_ns);
+    assert!(
+        e.end_ns > f.end_ns && e.end_ns < Some(ended[1].start_ns),
+        "to the end of step 19, before the next run: {e:#?}"
+    );
+    assert!(
+        e.summary.ends_with("; it went on to step 19"),
+        "{}",
+        e.summary
+    );
+    assert_eq!(ended[1].evidence["last_step"], 27, "{:#?}", ended[1]);
 }
 
 #[test]

@@ -51,7 +51,10 @@
 //!
 //! The grouping is over a run's findings once they are all known (`agent
 //! diagnose`, the end of `agent attach`): a consequence is often found
-//! before its cause (a waiting peer's hang before the dead rank's exit).
+//! before its cause (a waiting peer's hang before the dead rank's exit),
+//! and a run of steps (contention, a host-bound rank) reported when it
+//! had held long enough has by then been stretched to its whole run
+//! ([`run_spans`](super::run_spans)).
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -19,7 +19,11 @@
 //! median of the job's recent uncontended steps, and the job's first
 //! [`BASELINE_MIN_STEPS`] complete steps form it unjudged: an outsider
 //! present from the job's first step is its background, as a shared host
-//! is. Then the run rules of a rank's contention ([`advance`]) hold for
+//! is. A step's usual is never more than what the outsiders that the
+//! usual was learnt from took in it: a process new since is never
+//! background (a daemon busy through the first steps sets the usual
+//! high, and a hog that comes after it and takes less is still found).
+//! Then the run rules of a rank's contention ([`advance`]) hold for
 //! the job's steps, and a run is reported only when the outsider that
 //! took the most above its usual took from more than half the job's
 //! ranks (a neighbour on one CPU's ranks is left to their own
@@ -38,6 +42,7 @@ use super::contention_runs::{
     Judged, Run, TOP_PREEMPTORS, Takers, WithThresholds, advance, taker_names, top_takers,
 };
 use super::host_config::HostDetectConfig;
+use super::run_spans::{ReportedAs, RunSpans};
 use crate::model::{Finding, FindingKind};
 
 /// Complete steps whose share is the job's usual (their median).
@@ -130,6 +135,7 @@ impl JobContention {
         cfg: &HostDetectConfig,
         ranks: &Ranks,
         came: impl Fn(u32) -> Came,
+        spans: &mut RunSpans,
         out: &mut Vec<Finding>,
     ) {
         let j = self.jobs.entry(job.to_string()).or_default();
@@ -155,7 +161,7 @@ impl JobContention {
                 break;
             }
             let steps = j.pending.remove(&first).expect("its first key");
-            self.judge(job, first, steps, cfg, ranks, &came, out);
+            self.judge(job, first, steps, cfg, ranks, &came, spans, out);
         }
     }
 
@@ -168,6 +174,7 @@ impl JobContention {
         cfg: &HostDetectConfig,
         ranks: &Ranks,
         came: &impl Fn(u32) -> Came,
+        spans: &mut RunSpans,
         out: &mut Vec<Finding>,
     ) {
         // One rank is no job: its own judgement covers it.
@@ -199,7 +206,20 @@ impl JobContention {
             note_usual_takers(&mut j.usual_by, &steps, j.usual_steps);
             return;
         }
-        let usual = median(&mut j.usual.iter().copied().collect::<Vec<_>>());
+        // What the job's usual outsiders took this step: one that took
+        // nothing in the steps the usual was learnt from (it is not in
+        // `usual_by`) is new, and never the background, however high a
+        // passing process at the job's start set the usual (a daemon busy
+        // through the first steps, then a hog that takes less than it
+        // did would otherwise be learnt as usual itself).
+        let new: u64 = steps
+            .iter()
+            .flat_map(|s| s.by.iter())
+            .filter(|(pid, _)| !j.usual_by.contains_key(pid))
+            .map(|(_, t)| t.ns)
+            .sum();
+        let by_usual_takers = lost.saturating_sub(new) as f64 / (dur as f64 * cpus);
+        let usual = median(&mut j.usual.iter().copied().collect::<Vec<_>>()).min(by_usual_takers);
         let excess = ((share - usual).max(0.0) * dur as f64) as u64;
         let contended = excess >= cfg.contention_min_lost.as_nanos() as u64
             && excess.saturating_mul(100) >= dur * u64::from(cfg.contention_min_share_pct);
@@ -245,7 +265,7 @@ impl JobContention {
             usual,
             by,
         };
-        if !advance(&mut self.runs, job.to_string(), judged, cfg) {
+        if !advance(&mut self.runs, job.to_string(), judged, cfg, spans) {
             return;
         }
         // Every rank alike: the outsider that took the most took a
@@ -363,6 +383,10 @@ impl JobContention {
                 .with_thresholds(cfg),
             detected_ns: run.end,
         });
+        let at = out.last().map(ReportedAs::of);
+        if let Some(run) = self.runs.get_mut(job) {
+            run.reported_as = at;
+        }
     }
 }
 
@@ -395,4 +419,84 @@ fn note_usual_takers(usual: &mut HashMap<u32, f64>, steps: &[RankStep], seen: us
 fn ranks_counting_steps(j: Option<&JobSteps>, ranks: &Ranks) -> Vec<u32> {
     j.map(|j| j.latest.keys().filter_map(|t| ranks.of(*t)).collect())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RankIdentity;
+
+    const MS: u64 = 1_000_000;
+
+    fn two_ranks() -> Ranks {
+        let mut r = Ranks::default();
+        for k in 0..2 {
+            let env = format!("RANK={k}\0WORLD_SIZE=2\0XPUSCOPE_JOB=j\0");
+            r.identity(10 + k, &RankIdentity::from_environ(env.as_bytes()));
+        }
+        r
+    }
+
+    /// Two ranks, one per CPU, 100 ms steps; `taker(step)` takes that
+    /// many ms of each rank's step, as (pid, comm, ms).
+    fn run(steps: u64, taker: impl Fn(u64) -> Option<(u32, &'static str, u64)>) -> Vec<Finding> {
+        let ranks = two_ranks();
+        let cfg = HostDetectConfig::default();
+        let mut job = JobContention::default();
+        let mut spans = RunSpans::default();
+        let mut out = Vec::new();
+        for step in 0..steps {
+            for (cpu, tgid) in [10u32, 11].into_iter().enumerate() {
+                let start = 1_000 * MS + step * 100 * MS;
+                let mut by = Takers::new();
+                let mut lost = 0;
+                if let Some((pid, comm, ms)) = taker(step) {
+                    by.entry(pid).or_default().add(comm, ms * MS);
+                    lost = ms * MS;
+                }
+                let rs = RankStep {
+                    tgid,
+                    start,
+                    end: start + 100 * MS,
+                    lost,
+                    by,
+                    cpus: vec![cpu as u32],
+                };
+                job.step_ended("j", step, rs, &cfg, &ranks, |_| None, &mut spans, &mut out);
+            }
+        }
+        out
+    }
+
+    /// A daemon busy through the job's first steps (the first complete
+    /// ones, 1-3, form the usual: step 0 had one rank when it was judged)
+    /// sets a high usual; a hog that comes after it has gone takes less
+    /// than the daemon did, yet it is new: the job's contention, not its
+    /// background.
+    #[test]
+    fn a_newcomer_is_not_background_however_high_a_passing_process_set_the_usual() {
+        let found = run(30, |step| match step {
+            0..=3 => Some((44, "kcompactd0", 60)),
+            _ => Some((999, "noisy", 30)),
+        });
+        assert_eq!(found.len(), 1, "{found:#?}");
+        let f = &found[0];
+        assert_eq!(f.kind, FindingKind::HostContention);
+        assert_eq!(f.ranks, vec![0, 1]);
+        assert_eq!(f.evidence["scope"], "job");
+        assert_eq!(f.evidence["preemptors"][0]["pid"], 999, "{f:#?}");
+        assert_eq!(f.step, Some(4), "{f:#?}");
+        assert!(
+            f.evidence["usual_share_pct"].as_f64().unwrap() < 1.0,
+            "usually nothing of what took it: {f:#?}"
+        );
+    }
+
+    /// An outsider there from the job's first step, taking as much all
+    /// along, is the host's background: no finding.
+    #[test]
+    fn an_outsider_present_from_the_first_step_is_background() {
+        let found = run(30, |_| Some((999, "noisy", 30)));
+        assert!(found.is_empty(), "{found:#?}");
+    }
 }

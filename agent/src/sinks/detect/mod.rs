@@ -54,6 +54,7 @@ pub mod oom;
 pub mod p2p;
 #[cfg(test)]
 mod p2p_tests;
+pub mod run_spans;
 pub mod step_marks;
 #[cfg(test)]
 mod tests;
@@ -350,6 +351,14 @@ impl Detectors {
         }
     }
 
+    /// Once the run's findings are all known: each finding of a run of
+    /// steps that went on after it fired (a contention still taking the
+    /// job's CPU) spans the whole run, so that what came later in it is
+    /// grouped under it.
+    pub fn extend_spans(&self, found: &mut [Finding]) {
+        self.host.extend_spans(found);
+    }
+
     /// The end: what waits for more evidence is reported as it stands.
     pub fn finish(&mut self, end: u64, out: &mut Vec<Finding>) {
         self.tick(end, out);
@@ -440,7 +449,9 @@ impl Sink for DetectSink {
     fn finish(mut self, end: u64, _lost: &SinkCounters) -> Result<Vec<Finding>> {
         self.detectors.finish(end, &mut self.scratch);
         self.publish();
-        // The run's findings are all known: each under its fault.
+        // The run's findings are all known: each spans its whole run, and
+        // goes under its fault.
+        self.detectors.extend_spans(&mut self.found);
         incidents::group(&mut self.found);
         Ok(self.found)
     }
