@@ -240,6 +240,7 @@ async fn record(
     // Device libraries already mapped are probed before the start line, so
     // a caller waiting for it sees their calls from then on.
     let mut device = DeviceProbes::new(levels, cfg.stacks != StackPolicy::Off);
+    device.loaders_hooked(probes.hooked_loaders());
     // With the loader hook, a process starting under the target gets its
     // probes within milliseconds: the programs are verified beforehand.
     if target.is_some()

@@ -34,10 +34,15 @@ pub async fn announce_and_apply(
     }
     let loaders = std::mem::take(&mut plan.loaders);
     device.apply(&mut probes.attacher(), plan)?;
+    let mut hooked = false;
     for path in loaders {
-        if let Err(e) = probes.hook_loader(&path) {
-            tracing::warn!("loader hook: {e:#}");
+        match probes.hook_loader(&path) {
+            Ok(new) => hooked |= new,
+            Err(e) => tracing::warn!("loader hook: {e:#}"),
         }
+    }
+    if hooked {
+        device.loaders_hooked(probes.hooked_loaders());
     }
     Ok(())
 }

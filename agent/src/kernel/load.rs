@@ -130,6 +130,8 @@ pub struct Kernel {
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     /// Loader files (device, inode) whose debugger hook was tried.
     loader_hooks: std::collections::HashSet<(u64, u64)>,
+    /// Those whose hook is attached (`stat`'s device, inode).
+    loaders_hooked: Vec<(u64, u64)>,
     /// The loader hooks' links, owned here so the stop hands them to the
     /// closer (closing a uprobe waits for RCU grace periods, which a
     /// switch storm starves: stops of over a minute were seen).
@@ -211,6 +213,7 @@ impl Kernel {
             bpf,
             logger,
             loader_hooks: Default::default(),
+            loaders_hooked: Vec::new(),
             loader_links: Vec::new(),
             multi: MultiPrograms::default(),
         })
@@ -264,7 +267,15 @@ impl Kernel {
                 .with_context(|| format!("taking the link of {LOADER_PROGRAM} at {path}"))?,
         );
         tracing::info!("loader hook: {path}+{offset:#x} ({LOADER_HOOK})");
+        self.loaders_hooked.push((meta.dev(), meta.ino()));
         Ok(true)
+    }
+
+    /// The loader files (`stat`'s device, inode) whose debugger hook is
+    /// attached: a traced process mapping one reports each change of its
+    /// link map from then on.
+    pub fn hooked_loaders(&self) -> &[(u64, u64)] {
+        &self.loaders_hooked
     }
 
     /// The device-call probes' kernel effects over this object.

@@ -271,6 +271,7 @@ pub async fn start(
         losses: running.losses,
         reader_counters,
     };
+    side.device.loaders_hooked(side.kernel.hooked_loaders());
     // Programs verified beforehand: a starting process's probes are then
     // attached within milliseconds of its loader's first report.
     if hooked && let Err(e) = side.device.load_programs(&mut side.kernel.attacher()) {

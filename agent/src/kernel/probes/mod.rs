@@ -93,6 +93,12 @@ impl<L> DeviceProbes<L> {
         self.planner.plan_early(pid, exec, source)
     }
 
+    /// The loader files whose debugger hook is attached now
+    /// (`Kernel::hooked_loaders`; see [`Planner::loaders_hooked`]).
+    pub fn loaders_hooked(&mut self, files: &[(u64, u64)]) {
+        self.planner.loaders_hooked(files);
+    }
+
     /// Switches the device capture level of the running recording: the
     /// returned plan attaches the probes the new level adds in every traced
     /// process (their table updates first), silences those it drops, and

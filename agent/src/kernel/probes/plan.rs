@@ -278,8 +278,14 @@ pub const RELEASE_AFTER: Duration = Duration::from_secs(10);
 /// a full queue (`NOTICE_QUEUE`). A real training rank's
 /// `/proc/PID/maps` runs to thousands of lines: read for every rank at
 /// every round (four a second), it cost the always-on service more than
-/// anything it learned. A process whose loader never reported (started
-/// before the agent, or whose loader has no hook) is read every round.
+/// anything it learned. A process counts as reporting once its loader
+/// reported, or once a round read its maps while it was traced and they
+/// map a loader whose hook is attached ([`Planner::loaders_hooked`]):
+/// every later change of its link map is announced. That is the usual
+/// case of a process found by the service's discovery or given to
+/// `agent attach`, whose start-up reports came before it was traced. A
+/// process whose loader has no hook (another loader file, not predicted)
+/// is read every round.
 pub const HOOKED_RESCAN: Duration = Duration::from_secs(5);
 
 impl ProbeSite {
@@ -387,10 +393,13 @@ pub struct Planner {
     /// Processes whose program's libraries were predicted (until it execs
     /// again or is forgotten).
     predicted: HashSet<u32>,
-    /// Processes whose loader reported a link-map change since their
-    /// program started (see [`HOOKED_RESCAN`]), and when each traced
-    /// process's maps were last read.
+    /// Processes whose link-map changes are reported (see
+    /// [`HOOKED_RESCAN`]) since their program started, and when each
+    /// traced process's maps were last read.
     hooked: HashSet<u32>,
+    /// Loader files whose debugger hook is attached, as maps name them
+    /// (`Mapping::dev`, inode).
+    hooked_loaders: HashSet<(u64, u64)>,
     scanned_at: HashMap<u32, Instant>,
     hooked_rescan: Duration,
     pub stats: PlanStats,
@@ -416,10 +425,21 @@ impl Planner {
             files: HashMap::new(),
             predicted: HashSet::new(),
             hooked: HashSet::new(),
+            hooked_loaders: HashSet::new(),
             scanned_at: HashMap::new(),
             hooked_rescan: HOOKED_RESCAN,
             stats: PlanStats::default(),
         }
+    }
+
+    /// The loader files (`stat`'s device and inode) whose debugger hook
+    /// is attached now: a traced process whose maps hold one reports its
+    /// link-map changes from the next read of its maps on.
+    pub fn loaders_hooked(&mut self, files: &[(u64, u64)]) {
+        self.hooked_loaders = files
+            .iter()
+            .map(|&(dev, ino)| (maps_dev(dev), ino))
+            .collect();
     }
 
     /// Rounds read the maps of a process whose loader reports only this
@@ -640,6 +660,15 @@ impl Planner {
             return; // exited, or a kernel thread
         };
         self.scanned_at.insert(pid, Instant::now());
+        // Traced now and mapping a hooked loader: a change of its link
+        // map after this read is announced (one before it is in `maps`).
+        if maps
+            .mappings()
+            .iter()
+            .any(|m| self.hooked_loaders.contains(&(m.dev, m.inode)))
+        {
+            self.hooked.insert(pid);
+        }
         let now = discover::discover(&maps);
         let libs = self.procs.entry(pid).or_default();
         let old: Vec<LoadedLibrary> = libs.iter().map(|l| l.lib.clone()).collect();
@@ -902,6 +931,12 @@ fn site_work(p: &SiteProbe, path: &str, slot: u32, mask: u32) -> SiteWork {
             CallKind::UniqueId | CallKind::CommInit(_)
         ),
     }
+}
+
+/// A `stat` device number as `/proc/PID/maps` gives it (`major << 32 |
+/// minor`, see [`xpuscope_probes::maps::Mapping::dev`]).
+fn maps_dev(st_dev: u64) -> u64 {
+    (u64::from(libc::major(st_dev)) << 32) | u64::from(libc::minor(st_dev))
 }
 
 #[cfg(test)]

@@ -445,6 +445,75 @@ fn a_process_whose_loader_reports_is_rescanned_by_the_rounds_only_now_and_then()
     assert_eq!(reads(&src, 10), r + 2);
 }
 
+/// A process traced after its loader's start-up reports (found by the
+/// service's discovery, given to `agent attach`) reports its later
+/// link-map changes all the same once its maps hold a loader whose hook is
+/// attached: the rounds leave it as they leave one that reported. One that
+/// maps another loader is read at every round.
+#[test]
+fn a_process_mapping_a_hooked_loader_is_rescanned_by_the_rounds_only_now_and_then() {
+    const LOADER: &str = "/usr/lib64/ld-linux-x86-64.so.2";
+    const OTHER_LOADER: &str = "/opt/glibc/lib/ld-linux-x86-64.so.2";
+    const LOADER_BASE: u64 = 0x7f30_0000_0000;
+    let mut src = FakeSource::nvidia();
+    src.map(10, &[(CUDART, 11, BASE), (LOADER, 30, LOADER_BASE)]);
+    src.map(
+        11,
+        &[(CUDART, 11, OTHER_BASE), (OTHER_LOADER, 31, LOADER_BASE)],
+    );
+    let mut planner =
+        Planner::new(level(2), false).with_hooked_rescan(std::time::Duration::from_secs(3600));
+    // `stat`'s encoding of the device maps print as `01:00`.
+    planner.loaders_hooked(&[(libc::makedev(1, 0), 30)]);
+    planner.plan(&[10, 11], &mut src);
+    let reads = |src: &FakeSource, pid| src.maps_reads[&pid];
+    let (r10, r11) = (reads(&src, 10), reads(&src, 11));
+    planner.plan(&[10, 11], &mut src);
+    planner.plan(&[10, 11], &mut src);
+    assert_eq!(
+        reads(&src, 10),
+        r10,
+        "its loader reports: the rounds leave it"
+    );
+    assert_eq!(reads(&src, 11), r11 + 2, "another loader: every round");
+
+    // A new program mapping the same loader: read at its start, then left.
+    planner.plan_early(10, true, &mut src);
+    let r = reads(&src, 10);
+    planner.plan(&[10, 11], &mut src);
+    assert_eq!(reads(&src, 10), r);
+
+    // The hooks known now name 11's loader only: 10's next program is read
+    // at every round again.
+    planner.loaders_hooked(&[(libc::makedev(1, 0), 31)]);
+    planner.plan_early(10, true, &mut src);
+    let (r10, r11) = (reads(&src, 10), reads(&src, 11));
+    planner.plan(&[10, 11], &mut src);
+    planner.plan(&[10, 11], &mut src);
+    assert_eq!(reads(&src, 10), r10 + 2);
+    assert_eq!(reads(&src, 11), r11 + 1, "read once more, then left");
+}
+
+/// `stat` packs a device number one way, `/proc/PID/maps` prints it
+/// another: the two name the same device.
+#[test]
+fn a_stat_device_number_reads_as_maps_print_it() {
+    for (major, minor, printed) in [
+        (1, 0, "01:00"),
+        (0x103, 3, "103:03"),
+        (8, 0x1234, "08:1234"),
+    ] {
+        let maps = xpuscope_probes::maps::ProcessMaps::parse(&format!(
+            "7f0000000000-7f0000001000 r-xp 00000000 {printed} 42 /lib/ld.so\n"
+        ));
+        assert_eq!(
+            maps_dev(libc::makedev(major, minor)),
+            maps.mappings()[0].dev,
+            "{printed}"
+        );
+    }
+}
+
 /// The rounds' safety net: past `hooked_rescan`, a reported process is
 /// read again (code mapped without the loader, a notice lost).
 #[test]
