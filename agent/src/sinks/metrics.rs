@@ -60,7 +60,8 @@
 //!
 //! Not yet here: algorithm bandwidth.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::HashSet;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

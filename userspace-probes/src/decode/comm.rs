@@ -9,7 +9,7 @@
 //! same number to the same collective everywhere: the key to match ranks'
 //! slices and to find the rank that did not arrive.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use crate::catalog::Library;
 

@@ -15,7 +15,7 @@
 //! and at most [`MAX_KERNEL_HANDLES`] handles are remembered per process
 //! (the table goes with the process).
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::Arc;
 
 /// Most handles named per process (a large model has thousands of kernels).

@@ -18,7 +18,8 @@
 //! kept per (device, site), so the largest live allocation sites are known
 //! at any time (at an OOM, at the end of a trace).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use foldhash::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::catalog::Vendor;
 

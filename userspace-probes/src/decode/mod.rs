@@ -56,7 +56,7 @@ pub mod memory;
 pub mod nesting;
 pub mod table;
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 use xpuscope_common::uprobe::{LaunchCounts, UprobeEntry, UprobeReturn};
 

@@ -4,7 +4,7 @@
 //! its function: a record from a process whose own addresses are not known
 //! yet still decodes.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use xpuscope_common::uprobe::{DEREF_NONE, DEREF_STACK, ProbeKey, ProbeSpec, RETURN_LAUNCH_COUNTS};
 

@@ -46,7 +46,8 @@
 //! its data-parallel communicator (the all-reduce communicator with the
 //! fewest, one per step: the gradients), as `analysis::steps` anchors steps.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::time::Duration;
 
 use serde_json::json;

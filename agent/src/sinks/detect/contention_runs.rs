@@ -3,7 +3,7 @@
 //! outsider took, and the rules by which judged steps make a run that is
 //! reported once.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use serde_json::json;
 

@@ -15,7 +15,7 @@
 //! end of a job, not a fault: counted in `stopped_without_rank`, not
 //! reported.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use serde_json::json;
 

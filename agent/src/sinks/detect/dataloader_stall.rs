@@ -16,7 +16,8 @@
 //! [`HISTORY`] steps, once it has `stall_min_history` of them); once per
 //! run of consecutive stalled steps.
 
-use std::collections::{HashMap, VecDeque};
+use foldhash::HashMap;
+use std::collections::VecDeque;
 
 use serde_json::json;
 

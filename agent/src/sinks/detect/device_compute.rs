@@ -28,7 +28,8 @@
 //! - Only compute kernels count (`WorkKind::Compute`): a collective's
 //!   kernel time is mostly waiting, longest on the fast ranks.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use serde_json::json;
 use xpuscope_probes::catalog::{CallKind, Collective};

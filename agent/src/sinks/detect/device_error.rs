@@ -9,7 +9,8 @@
 //! A failed allocation with such a code is this finding, never
 //! `device_oom` (`oom.rs` leaves it): the memory was not the problem.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::HashMap;
+use std::collections::HashSet;
 
 use serde_json::json;
 use xpuscope_probes::catalog::status;

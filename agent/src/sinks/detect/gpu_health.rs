@@ -22,7 +22,8 @@
 //! is per device; the ranks come from [`Ranks`], which forgets a process at
 //! its exit.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::HashMap;
+use std::collections::HashSet;
 use std::time::Duration;
 
 use serde_json::json;

@@ -30,7 +30,8 @@
 //! stuck_before_collective (rank.py:274) <- train_step (rank.py:404)`,
 //! Python frames where it is a Python process).
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use serde_json::{Value, json};

@@ -30,7 +30,8 @@
 //! host-bound from its first step has no baseline to turn from and is not
 //! either (its peers' waits show it as `slow_rank`).
 
-use std::collections::{HashMap, VecDeque};
+use foldhash::HashMap;
+use std::collections::VecDeque;
 
 use serde_json::json;
 

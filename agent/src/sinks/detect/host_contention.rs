@@ -33,7 +33,8 @@
 //! preemptors (command name, pid, time taken; a traced one by its rank,
 //! and whether it is of the same job).
 
-use std::collections::{HashMap, VecDeque};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::VecDeque;
 
 use serde_json::json;
 

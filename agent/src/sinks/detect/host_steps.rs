@@ -25,7 +25,7 @@
 //! [`MAX_WINDOW_ITEMS`] (a window past it loses its oldest: a rank that
 //! stopped all-reducing does not grow the agent).
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use xpuscope_probes::catalog::{CallKind, CommOp};
 

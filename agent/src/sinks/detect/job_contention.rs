@@ -33,7 +33,8 @@
 //!
 //! [`host_contention`]: super::host_contention
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde_json::json;
 

@@ -12,7 +12,7 @@
 //! for a few steps and then holds steady (a caching allocator filling
 //! up) stays under the run length.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use serde_json::json;
 use xpuscope_probes::catalog::Vendor;

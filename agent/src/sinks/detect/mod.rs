@@ -59,7 +59,7 @@ pub mod step_marks;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::mpsc::Sender;
 use std::time::Duration;
 

@@ -17,7 +17,7 @@
 //! finding comes when the time is up, when the process exits (so a crash
 //! that follows is explained by it), or at the end.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use serde_json::json;
 use xpuscope_probes::catalog::{Vendor, status};

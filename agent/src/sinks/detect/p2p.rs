@@ -18,7 +18,7 @@
 //! known when it is a traced member of the communicator (0 when it sent or
 //! received nothing yet); an untraced peer gives no edge.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use serde_json::{Value, json};
 use xpuscope_probes::catalog::{CallKind, Direction};

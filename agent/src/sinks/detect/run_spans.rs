@@ -9,7 +9,7 @@
 //! diagnose`), [`RunSpans::extend`] stretches each finding to its run's
 //! last step. The record stream already carries the finding as it fired.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use crate::model::{Finding, FindingKind};
 

@@ -26,7 +26,8 @@
 //! the starts of its last [`MAX_STARTS`] steps (to date a finding at a
 //! time); forgotten when the process exits.
 
-use std::collections::{HashMap, VecDeque};
+use foldhash::HashMap;
+use std::collections::VecDeque;
 
 use xpuscope_probes::catalog::CallKind;
 use xpuscope_probes::decode::args::CallArgs;

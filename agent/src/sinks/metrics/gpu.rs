@@ -19,7 +19,7 @@
 //! (its process exited) its series go at the next sample. Bounded by the
 //! libraries' devices (64 each at most) times the pids a sample keeps.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::EncodeLabelSet;

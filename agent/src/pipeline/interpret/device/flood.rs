@@ -6,7 +6,7 @@
 //! collectives and communicator set-up (sequence numbers), device memory
 //! (the ledger and OOM stacks), and failed calls.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 use xpuscope_probes::catalog::CallKind;
 use xpuscope_probes::decode::DeviceCall;

@@ -8,7 +8,8 @@ mod flood;
 mod sites;
 mod streams;
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::HashSet;
 
 use sites::{AllocSites, TOP_SITES};
 use streams::{CollectiveView, DeviceStreams, HeldCall, HostCall, OpenWindow, StreamKey, Work};

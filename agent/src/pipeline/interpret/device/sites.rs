@@ -3,7 +3,7 @@
 //! charges live bytes to. A site keeps its symbolized frames and a short
 //! label; records carry it shared (`Arc<Site>`).
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::fmt::Write as _;
 
 use std::sync::Arc;

@@ -17,7 +17,8 @@
 //! goes to an extra lane track ("GPU 0 stream 7 #2") so slices nest (the
 //! trace sink picks lanes).
 
-use std::collections::{HashMap, HashSet};
+use foldhash::HashMap;
+use std::collections::HashSet;
 
 use std::collections::VecDeque;
 
