@@ -154,11 +154,12 @@ impl<E: Enrich> Pipeline<E> {
         let mut out = Vec::new();
         let en = &mut self.enricher;
         match msg {
-            PipelineMsg::Events(events) => {
+            PipelineMsg::Events(mut events) => {
                 out.reserve(events.len());
-                for e in events {
+                for e in events.drain(..) {
                     self.interpreter.event(e, en, &mut out);
                 }
+                collect::batch_pool::give(events);
             }
             PipelineMsg::Drops { ts, cpus, total } => {
                 self.interpreter.drops(ts, cpus, total, &mut out)

@@ -6,6 +6,7 @@
 //! It waits when the pipeline is behind (the kernel rings are the buffer and
 //! count what they cannot hold); sinks never hold it up (see `sinks`).
 
+pub mod batch_pool;
 mod floors;
 mod positions;
 
@@ -334,9 +335,14 @@ const FLUSH_SETTLE: Duration = Duration::from_millis(50);
 fn release(held: &mut Held, watermark: u64) -> Vec<Event> {
     // Each ring: its records up to the watermark (moved out without a
     // copy), the rest stay held (the last millisecond or so: a short copy).
+    // Vectors come from the pool (see `batch_pool`).
     let parts = held.each_mut().map(|ring| {
         let n = ring.partition_point(|e| e.ts() <= watermark);
-        let rest = ring.split_off(n);
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut rest = batch_pool::take();
+        rest.extend(ring.drain(n..));
         std::mem::replace(ring, rest)
     });
     let busy = parts.iter().filter(|p| !p.is_empty()).count();
@@ -347,17 +353,24 @@ fn release(held: &mut Held, watermark: u64) -> Vec<Event> {
             .find(|p| !p.is_empty())
             .unwrap_or_default();
     }
-    let mut out = Vec::with_capacity(parts.iter().map(Vec::len).sum());
-    let mut parts = parts.map(Vec::into_iter);
-    loop {
-        // The earliest head; on a tie the first ring's (stable).
-        let next = parts
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| p.as_slice().first().map(|e| (e.ts(), i)))
-            .min();
-        let Some((_, i)) = next else { break };
-        out.extend(parts[i].next());
+    let mut out = batch_pool::take();
+    out.reserve(parts.iter().map(Vec::len).sum());
+    let mut parts = parts;
+    {
+        let mut heads = parts.each_mut().map(|p| p.drain(..).peekable());
+        loop {
+            // The earliest head; on a tie the first ring's (stable).
+            let next = heads
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, p)| p.peek().map(|e| (e.ts(), i)))
+                .min();
+            let Some((_, i)) = next else { break };
+            out.extend(heads[i].next());
+        }
+    }
+    for p in parts {
+        batch_pool::give(p);
     }
     out
 }
