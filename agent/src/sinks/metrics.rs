@@ -828,18 +828,31 @@ impl MetricsSink {
         }
     }
 
+    /// Counts a batch's records by kind: one atomic add per kind present,
+    /// where one per record was a tenth of this sink's time.
+    fn count_kinds(&mut self, batch: &[Record]) {
+        let mut counts = [0u64; Record::KINDS];
+        for r in batch {
+            counts[r.kind_index()] += 1;
+        }
+        for (kind, n) in counts.into_iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            self.kind_counters[kind]
+                .get_or_insert_with(|| {
+                    self.f
+                        .records
+                        .get_or_create(&KindLabels {
+                            kind: Record::KIND_NAMES[kind].into(),
+                        })
+                        .clone()
+                })
+                .inc_by(n);
+        }
+    }
+
     fn record(&mut self, r: &Record) {
-        let kind = r.kind_index();
-        self.kind_counters[kind]
-            .get_or_insert_with(|| {
-                self.f
-                    .records
-                    .get_or_create(&KindLabels {
-                        kind: Record::KIND_NAMES[kind].into(),
-                    })
-                    .clone()
-            })
-            .inc();
         match r {
             Record::Identity { tgid, identity } => self.identity(*tgid, identity),
             Record::DeviceCall(c) if c.unmatched.is_none() => self.device_call(c),
@@ -1332,6 +1345,7 @@ impl Sink for MetricsSink {
     type Output = ();
 
     fn on_batch(&mut self, batch: &[Record], lost: &SinkCounters) -> Result<()> {
+        self.count_kinds(batch);
         for r in batch {
             self.record(r);
         }

@@ -7,6 +7,9 @@
 //!   freed only when none of it is kept), counted as evictions. What
 //!   leaves the front is applied to a [`state::ProcessTable`] (processes,
 //!   threads, names, rank identities), so any window renders on its own.
+//!   Each batch is read once when it comes ([`state::BatchSummary`]: its
+//!   latest time, its bytes, whether it changes the table); a batch that
+//!   leaves whole is read again only if it changes the table.
 //! - Dumping: a [`DumpRequest`] arrives on a channel; the recorder checks
 //!   the rate limit, clones the window's batch handles and the table, and
 //!   a thread of its own renders them through the Perfetto sink
@@ -15,7 +18,7 @@
 //!   end arrived (or a tick passed it).
 //!
 //! Memory is estimated as each batch's record slots plus what its records
-//! own on the heap ([`state::batch_bytes`]); shared allocations (stacks,
+//! own on the heap ([`state::BatchSummary`]); shared allocations (stacks,
 //! allocation sites) count by their share. A dump in progress holds its
 //! batches until it ends, so memory can exceed the bound by one window
 //! while a dump renders.
@@ -41,7 +44,7 @@ pub use dump::{DumpError, DumpOutcome};
 use dump::{DumpJob, check_job_label};
 use limits::DumpLimits;
 pub use limits::Retention;
-use state::{ProcessTable, batch_bytes, span};
+use state::{BatchSummary, ProcessTable, span};
 
 /// Why a dump was taken (its name's last part).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -204,7 +207,7 @@ impl RecorderStats {
 struct Kept {
     batch: Batch,
     first: usize,
-    bytes: u64,
+    summary: BatchSummary,
 }
 
 pub struct FlightRecorder {
@@ -264,22 +267,24 @@ impl FlightRecorder {
     }
 
     fn keep(&mut self, batch: &Batch) {
-        if let Some(last) = batch.iter().filter_map(span).map(|(_, end)| end).max() {
+        let summary = BatchSummary::of(batch, batch.capacity());
+        if let Some(last) = summary.end {
             self.now = self.now.max(last);
         }
-        let bytes = batch_bytes(batch, batch.capacity());
-        self.bytes += bytes;
+        self.bytes += summary.bytes;
         self.records += batch.len() as u64;
         self.kept.push_back(Kept {
             batch: batch.clone(),
             first: 0,
-            bytes,
+            summary,
         });
-        for r in batch.iter() {
-            if let Record::Identity { tgid, identity } = r
-                && let Some(job) = &identity.job
-            {
-                self.jobs.insert(*tgid, job.clone());
+        if summary.changes_table {
+            for r in batch.iter() {
+                if let Record::Identity { tgid, identity } = r
+                    && let Some(job) = &identity.job
+                {
+                    self.jobs.insert(*tgid, job.clone());
+                }
             }
         }
         if self.settings.dump_on_finding {
@@ -325,6 +330,23 @@ impl FlightRecorder {
             self.losses.pop_front();
         }
         while let Some(front) = self.kept.front_mut() {
+            // Wholly before the window: it goes without a look at each
+            // record unless one of them changes the table.
+            if front.summary.end.is_none_or(|end| end < horizon) {
+                let left = (front.batch.len() - front.first) as u64;
+                if front.summary.changes_table {
+                    for r in &front.batch[front.first..] {
+                        Self::leave_table(&mut self.table, &mut self.jobs, r);
+                    }
+                }
+                self.records -= left;
+                self.stats
+                    .expired_records
+                    .fetch_add(left, Ordering::Relaxed);
+                self.bytes -= front.summary.bytes;
+                self.kept.pop_front();
+                continue;
+            }
             while let Some(r) = front.batch.get(front.first) {
                 match span(r) {
                     Some((_, end)) if end >= horizon => break,
@@ -338,7 +360,7 @@ impl FlightRecorder {
             if front.first < front.batch.len() {
                 return;
             }
-            self.bytes -= front.bytes;
+            self.bytes -= front.summary.bytes;
             self.kept.pop_front();
         }
     }
@@ -379,22 +401,26 @@ impl FlightRecorder {
             let Some(front) = self.kept.pop_front() else {
                 return;
             };
-            let mut evicted = 0;
-            for r in &front.batch[front.first..] {
-                Self::leave_table(&mut self.table, &mut self.jobs, r);
-                if let Some((_, end)) = span(r) {
-                    self.evicted_until = Some(self.evicted_until.unwrap_or(0).max(end));
+            let rest = &front.batch[front.first..];
+            if front.summary.changes_table {
+                for r in rest {
+                    Self::leave_table(&mut self.table, &mut self.jobs, r);
                 }
-                evicted += 1;
             }
-            self.bytes -= front.bytes;
+            // The batch's latest end: its records' from `first` on, or
+            // one of those expired before (ended earlier than any left).
+            if let Some(end) = front.summary.end {
+                self.evicted_until = Some(self.evicted_until.unwrap_or(0).max(end));
+            }
+            let evicted = rest.len() as u64;
+            self.bytes -= front.summary.bytes;
             self.records -= evicted;
             self.stats
                 .evicted_records
                 .fetch_add(evicted, Ordering::Relaxed);
             self.stats
                 .evicted_bytes
-                .fetch_add(front.bytes, Ordering::Relaxed);
+                .fetch_add(front.summary.bytes, Ordering::Relaxed);
         }
     }
 

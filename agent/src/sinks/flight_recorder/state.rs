@@ -244,12 +244,56 @@ pub fn heap_bytes(r: &Record) -> usize {
     }
 }
 
-/// Bytes a batch holds in memory: its vector's slots (used or not) and
-/// what each record owns.
-pub fn batch_bytes(batch: &[Record], capacity: usize) -> u64 {
-    (alloc(capacity.max(batch.len()) * size_of::<Record>())
-        + batch.iter().map(heap_bytes).sum::<usize>()
-        + alloc(16 + size_of::<Vec<Record>>())) as u64
+/// What the recorder keeps about a batch, from one pass over it when it
+/// comes: its records are then read again only when one of them changes
+/// the process table (see [`changes_table`]) or the window's edge falls
+/// inside it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchSummary {
+    /// The latest end of its records' spans (None: none has a time).
+    pub end: Option<u64>,
+    /// Bytes it holds in memory: its vector's slots (used or not) and what
+    /// each record owns.
+    pub bytes: u64,
+    /// Whether any of its records changes the process table.
+    pub changes_table: bool,
+}
+
+impl BatchSummary {
+    pub fn of(batch: &[Record], capacity: usize) -> Self {
+        let mut end: Option<u64> = None;
+        let mut heap = 0;
+        let mut changes = false;
+        for r in batch {
+            if let Some((_, e)) = span(r) {
+                end = Some(end.map_or(e, |m| m.max(e)));
+            }
+            heap += heap_bytes(r);
+            changes |= changes_table(r);
+        }
+        BatchSummary {
+            end,
+            bytes: (alloc(capacity.max(batch.len()) * size_of::<Record>())
+                + heap
+                + alloc(16 + size_of::<Vec<Record>>())) as u64,
+            changes_table: changes,
+        }
+    }
+}
+
+/// Whether [`ProcessTable::apply`] acts on `r` (and the recorder's job
+/// labels on its leaving): the process and thread lifecycle and rank
+/// identities.
+pub fn changes_table(r: &Record) -> bool {
+    matches!(
+        r,
+        Record::InitialProcesses { .. }
+            | Record::NewTask { .. }
+            | Record::Exec { .. }
+            | Record::Rename(_)
+            | Record::Exit { .. }
+            | Record::Identity { .. }
+    )
 }
 
 /// The processes, threads, names and rank identities as of some point in
@@ -342,6 +386,7 @@ impl ProcessTable {
             Record::Identity { tgid, identity } => {
                 self.identities.insert(*tgid, (**identity).clone());
             }
+            // Keep `changes_table` in step with the arms above.
             _ => {}
         }
     }

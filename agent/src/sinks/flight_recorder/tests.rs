@@ -1037,3 +1037,29 @@ fn a_dump_of_a_window_the_recorder_lost_records_in_shows_the_loss() {
     fanout.finish(11 * S);
     handle.join().unwrap();
 }
+
+/// A batch is read again when it leaves only if `changes_table` says one
+/// of its records changes the process table: the records it passes over
+/// must leave the table as it was, and those it names must change it.
+#[test]
+fn only_the_records_changes_table_names_change_the_process_table() {
+    let mut table = ProcessTable::default();
+    table.apply(&initial());
+    let before = format!("{table:?}");
+    let passed_over = [
+        switch(S, APP + 1),
+        waking(S, APP + 1),
+        finding(crate::model::FindingKind::Hang, APP, S),
+    ];
+    for r in &passed_over {
+        assert!(!state::changes_table(r), "{r:?}");
+        table.apply(r);
+        assert_eq!(format!("{table:?}"), before, "{r:?} changed the table");
+    }
+    for r in [identity(APP, "0", "job-a"), child_process(S, APP + 7)] {
+        assert!(state::changes_table(&r), "{r:?}");
+        let was = format!("{table:?}");
+        table.apply(&r);
+        assert_ne!(format!("{table:?}"), was, "{r:?}");
+    }
+}
