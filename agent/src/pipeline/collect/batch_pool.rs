@@ -16,38 +16,57 @@ const KEPT: usize = 8;
 /// Largest capacity kept: a few batches (see `BATCH`).
 const MAX_CAPACITY: usize = 4 * super::BATCH;
 
-static FREE: Mutex<Vec<Vec<Event>>> = Mutex::new(Vec::new());
+/// A bounded free list of event vectors.
+struct Pool(Mutex<Vec<Vec<Event>>>);
+
+impl Pool {
+    const fn new() -> Self {
+        Pool(Mutex::new(Vec::new()))
+    }
+
+    fn take(&self) -> Vec<Event> {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|mut free| free.pop())
+            .unwrap_or_default()
+    }
+
+    fn give(&self, mut v: Vec<Event>) {
+        if v.capacity() == 0 || v.capacity() > MAX_CAPACITY {
+            return;
+        }
+        v.clear();
+        if let Ok(mut free) = self.0.lock()
+            && free.len() < KEPT
+        {
+            free.push(v);
+        }
+    }
+}
+
+static FREE: Pool = Pool::new();
 
 /// An empty vector: a reused one when there is one.
 pub fn take() -> Vec<Event> {
-    FREE.lock()
-        .ok()
-        .and_then(|mut free| free.pop())
-        .unwrap_or_default()
+    FREE.take()
 }
 
 /// Hands back a vector whose records were moved out (any left are
 /// dropped).
-pub fn give(mut v: Vec<Event>) {
-    if v.capacity() == 0 || v.capacity() > MAX_CAPACITY {
-        return;
-    }
-    v.clear();
-    if let Ok(mut free) = FREE.lock()
-        && free.len() < KEPT
-    {
-        free.push(v);
-    }
+pub fn give(v: Vec<Event>) {
+    FREE.give(v)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// What comes back is empty whatever went in, and neither an empty
-    /// vector nor one grown past the bound is kept.
+    /// What comes back is empty whatever went in; neither an empty vector
+    /// nor one grown past the bound is kept, and no more than `KEPT`.
     #[test]
     fn a_vector_comes_back_empty_and_only_within_bounds() {
+        let pool = Pool::new();
         let mut v = Vec::with_capacity(16);
         v.push(Event::Rename(crate::events::Rename {
             cpu: 0,
@@ -57,21 +76,17 @@ mod tests {
             old_comm: Default::default(),
             new_comm: Default::default(),
         }));
-        give(v);
-        give(Vec::new());
-        give(Vec::with_capacity(MAX_CAPACITY + 1));
-        // Other tests of this process share the list: every vector in it
-        // must be empty and within the bound.
-        let mut seen = Vec::new();
-        loop {
-            let v = take();
-            if v.capacity() == 0 {
-                break;
-            }
-            assert!(v.is_empty());
-            assert!(v.capacity() <= MAX_CAPACITY);
-            seen.push(v);
+        pool.give(v);
+        pool.give(Vec::new());
+        pool.give(Vec::with_capacity(MAX_CAPACITY + 1));
+        let reused = pool.take();
+        assert!(reused.is_empty());
+        assert_eq!(reused.capacity(), 16, "the vector given back is reused");
+        assert_eq!(pool.take().capacity(), 0, "nothing else was kept");
+        for _ in 0..KEPT + 3 {
+            pool.give(Vec::with_capacity(8));
         }
-        assert!(!seen.is_empty(), "the vector given back is reused");
+        let kept = std::iter::from_fn(|| Some(pool.take()).filter(|v| v.capacity() > 0)).count();
+        assert_eq!(kept, KEPT);
     }
 }
