@@ -283,17 +283,34 @@ impl BatchSummary {
 
 /// Whether [`ProcessTable::apply`] acts on `r` (and the recorder's job
 /// labels on its leaving): the process and thread lifecycle and rank
-/// identities.
+/// identities. Every kind is named, so a new one needs a decision here.
 pub fn changes_table(r: &Record) -> bool {
-    matches!(
-        r,
+    match r {
         Record::InitialProcesses { .. }
-            | Record::NewTask { .. }
-            | Record::Exec { .. }
-            | Record::Rename(_)
-            | Record::Exit { .. }
-            | Record::Identity { .. }
-    )
+        | Record::NewTask { .. }
+        | Record::Exec { .. }
+        | Record::Rename(_)
+        | Record::Exit { .. }
+        | Record::Identity { .. } => true,
+        Record::Switch { .. }
+        | Record::Waking(_)
+        | Record::Preempted(_)
+        | Record::OffCpu(_)
+        | Record::DeviceCall(_)
+        | Record::CallsSummarized(_)
+        | Record::Enqueued(_)
+        | Record::DeviceWork(_)
+        | Record::MemoryHeld(_)
+        | Record::InFlightAtEnd(_)
+        | Record::Drops { .. }
+        | Record::InFlight(_)
+        | Record::Finding(_)
+        | Record::LinkMapChanged(_)
+        | Record::StepSeen(_)
+        | Record::StepSplit(_)
+        | Record::GpuSample(_)
+        | Record::GpuXid(_) => false,
+    }
 }
 
 /// The processes, threads, names and rank identities as of some point in
@@ -386,7 +403,7 @@ impl ProcessTable {
             Record::Identity { tgid, identity } => {
                 self.identities.insert(*tgid, (**identity).clone());
             }
-            // Keep `changes_table` in step with the arms above.
+            // The kinds `changes_table` says no to.
             _ => {}
         }
     }
