@@ -10,7 +10,8 @@
 #
 # Usage: make-kernel.sh SERIES [DIR]   (SERIES: 6.1 or 6.12; DIR defaults
 # to /var/cache/xpuscope-test/kernel-SERIES). Writes DIR/vmlinuz,
-# DIR/initrd.img and DIR/release (the kernel's release string).
+# DIR/initrd.img, DIR/release (the kernel's release string) and
+# DIR/System.map.
 set -eu
 series=$1
 dir=${2:-/var/cache/xpuscope-test/kernel-$series}
@@ -24,7 +25,7 @@ esac
 mkdir -p "$(dirname "$dir")"
 exec 9>"$dir.lock"
 flock 9
-stamp="$suite $(sha256sum "$here/vm-init.sh" | cut -c1-16)"
+stamp="$suite $(cat "$here/vm-init.sh" "$0" | sha256sum | cut -c1-16)"
 if [ -f "$dir/.xpuscope-kernel" ] && [ "$(cat "$dir/.xpuscope-kernel")" = "$stamp" ]; then
     exit 0
 fi
@@ -74,6 +75,8 @@ release=$(ls "$tmp/pkg/lib/modules")
 # The package leaves modules.dep to its installation's depmod.
 /sbin/depmod -b "$tmp/pkg" "$release"
 cp "$tmp/pkg/boot/vmlinuz-$release" "$tmp/vmlinuz"
+# Its symbols: where a stalled guest's CPUs were (run-in-vm.sh).
+cp "$tmp/pkg/boot/System.map-$release" "$tmp/System.map"
 echo "$release" >"$tmp/release"
 
 # The modules that mount the root over virtio 9p, each after the ones it

@@ -4,8 +4,9 @@
 # in this machine's root seen read-only, from the current directory (also
 # seen read-only, wherever it is: /tmp is the machine's own), with
 # the environment variables named in XPUSCOPE_VM_ENV passed on; exits
-# with COMMAND's status. The machine's console (the kernel's messages and
-# COMMAND's output) goes to stdout.
+# with COMMAND's status, or 96 when the guest stalled (see below). The
+# machine's console (the kernel's messages and COMMAND's output) goes to
+# stdout.
 #
 # TCG emulation, not KVM (KVM guests hang on the machines this runs on):
 # code runs several times slower than on the host.
@@ -31,20 +32,60 @@ trap 'rm -rf "$shared"' EXIT
 } >"$shared/run.sh"
 
 # Two CPUs as CI has, memory for the job and the agent's rings; no
-# network device (the tests use loopback), no display. The tests take
-# about a minute in the machine; a guest that stalls (emulated CPUs
-# starved on a busy host have shown RCU stalls and soft lockups) fails
-# within 10 minutes rather than holding CI for half an hour
-# (XPUSCOPE_VM_TIMEOUT, seconds).
+# network device (the tests use loopback), no display.
+#
+# Two bounds. The guest writes a heartbeat into the shared directory
+# every few seconds (vm-init.sh). Emulated guests here have been seen to
+# stop making progress for good, now and then (about one run in ten of
+# the checks, at any test): both emulated CPUs busy and no timer firing
+# any more, or an RCU stall ("timer wakeup didn't happen") with a CPU
+# spinning in the kernel; the same checks pass on a rerun. A guest whose
+# heartbeat is XPUSCOPE_VM_STALL seconds old (120) is stopped and
+# reported as stalled (exit 96), so the caller can tell that from a
+# failed command and run it again. Before it is stopped, vm-where.py
+# prints where its CPUs are, and the guest's kernel every CPU's stack
+# (an NMI it panics on; the kernel is not relocated, so its addresses
+# read in its System.map). And the whole run is bounded by
+# XPUSCOPE_VM_TIMEOUT seconds (600: the tests take about a minute in the
+# machine).
+stall=${XPUSCOPE_VM_STALL:-120}
+heartbeat="$shared/heartbeat"
+: >"$heartbeat"
 timeout "${XPUSCOPE_VM_TIMEOUT:-600}" qemu-system-x86_64 \
     -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 6G \
     -nic none -vga none -nographic -no-reboot \
     -kernel "$kernel/vmlinuz" -initrd "$kernel/initrd.img" \
-    -append "console=ttyS0 quiet panic=-1 XPUSCOPE_VM_SHARED=$shared XPUSCOPE_VM_CWD=$PWD" \
+    -append "console=ttyS0 quiet panic=-1 nokaslr unknown_nmi_panic panic_print=0x40 XPUSCOPE_VM_SHARED=$shared XPUSCOPE_VM_CWD=$PWD" \
+    -monitor "unix:$shared/monitor,server=on,wait=off" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
     -virtfs "local,path=$PWD,mount_tag=cwd,security_model=none,readonly=on,multidevs=remap" \
-    -virtfs "local,path=$shared,mount_tag=shared,security_model=none" </dev/null ||
-    { echo "run-in-vm: qemu failed or timed out ($?)" >&2; exit 98; }
+    -virtfs "local,path=$shared,mount_tag=shared,security_model=none" </dev/null &
+qemu=$!
+(
+    while sleep 5 && kill -0 "$qemu" 2>/dev/null; do
+        age=$(($(date +%s) - $(stat -c %Y "$heartbeat")))
+        if [ "$age" -gt "$stall" ]; then
+            : >"$shared/stalled"
+            echo "run-in-vm: no heartbeat from the guest for $age s; where its CPUs are:" >&2
+            python3 "$here/vm-where.py" "$shared/monitor" "$kernel/System.map" >&2 || true
+            kill "$qemu"
+            exit
+        fi
+    done
+) &
+watchdog=$!
+status=0
+wait "$qemu" || status=$?
+kill "$watchdog" 2>/dev/null || true
+wait "$watchdog" 2>/dev/null || true
+if [ -f "$shared/stalled" ]; then
+    echo "run-in-vm: the guest stalled: no heartbeat for over $stall s" >&2
+    exit 96
+fi
+if [ "$status" != 0 ]; then
+    echo "run-in-vm: qemu failed or timed out ($status)" >&2
+    exit 98
+fi
 if [ ! -f "$shared/rc" ]; then
     echo "run-in-vm: the machine stopped before the command finished" >&2
     exit 99
