@@ -45,6 +45,11 @@ pub struct UserCopy {
 }
 
 impl UserCopy {
+    /// The heap bytes of the stack copy.
+    fn bytes(&self) -> usize {
+        self.stack.as_ref().map_or(0, Vec::capacity)
+    }
+
     /// The copy as the thread's stack really is: each pending
     /// return-probed call's return address, which the kernel replaced with
     /// its uretprobe trampoline in the copied slot, put back (the unwind
@@ -132,6 +137,35 @@ impl Event {
         }
     }
 
+    /// The memory the event holds, itself and what it owns: what a batch
+    /// of them costs while queued (a stack event owns a copy of the
+    /// thread's stack, several KiB; a switch owns nothing).
+    pub fn bytes(&self) -> usize {
+        let owned = match self {
+            Event::Stack(s) => {
+                size_of::<StackCapture>()
+                    + words(&s.kernel)
+                    + words(&s.user)
+                    + s.user_copy.as_ref().map_or(0, UserCopy::bytes)
+            }
+            Event::ProbeEntry(_) => size_of::<UprobeEntry>(),
+            Event::ProbeReturn(_) => size_of::<UprobeReturn>(),
+            Event::ProbeStack(s) => {
+                size_of::<CallStack>()
+                    + words(&s.user)
+                    + s.user_copy.as_ref().map_or(0, UserCopy::bytes)
+            }
+            Event::Switch(_)
+            | Event::Waking(_)
+            | Event::Fork(_)
+            | Event::Exec(_)
+            | Event::Exit(_)
+            | Event::Rename(_)
+            | Event::LinkMap(_) => 0,
+        };
+        size_of::<Event>() + owned
+    }
+
     /// When the kernel stamped the record.
     pub fn ts(&self) -> u64 {
         match self {
@@ -148,6 +182,13 @@ impl Event {
             Event::LinkMap(e) => e.ts,
         }
     }
+}
+
+/// The heap bytes of a list of addresses.
+fn words(addresses: &Result<Vec<u64>, i32>) -> usize {
+    addresses
+        .as_ref()
+        .map_or(0, |a| a.capacity() * size_of::<u64>())
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]

@@ -24,6 +24,7 @@ use crate::model::Finding;
 use crate::pipeline::collect::{LoaderNotice, NOTICE_QUEUE, Reader, ReaderCounters};
 use crate::pipeline::enrich::LiveEnricher;
 use crate::pipeline::interpret::InterpretCounters;
+use crate::pipeline::queue_budget::QueueBudget;
 use crate::pipeline::{self, Announcements, PIPELINE_BATCHES, Pipeline, PipelineMsg};
 use crate::sinks::detect::{DetectConfig, DetectSink};
 use crate::sinks::perfetto::{PerfettoSink, Written};
@@ -167,6 +168,7 @@ impl Stages {
             out: tx.clone(),
             notices: Some(notice_tx),
             counters: collect_counters.clone(),
+            budget: QueueBudget::default(),
             drain_interval: cfg.drain_interval,
             delay: cfg.reader_delay,
         };

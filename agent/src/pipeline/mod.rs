@@ -25,6 +25,7 @@ pub mod enrich;
 pub mod interpret;
 #[cfg(test)]
 mod pipeline_tests;
+pub mod queue_budget;
 #[cfg(test)]
 mod sched_tests;
 #[cfg(test)]
@@ -43,17 +44,16 @@ use crate::procfs::ProcessEntry;
 use crate::sinks::{FanOut, panic_message};
 use enrich::Enrich;
 use interpret::{InterpretCounters, Interpreter};
+use queue_budget::QueueShare;
 use xpuscope_probes::decode::table::ProbeTarget;
 
 /// Messages into the pipeline, in stream order.
 pub enum PipelineMsg {
-    Events(Vec<Event>),
+    /// Events in time order, holding their share of the queue's byte
+    /// budget until the pipeline is done with them.
+    Events(Vec<Event>, QueueShare),
     /// Per-CPU drop totals changed: the CPUs with new drops, and the total.
-    Drops {
-        ts: u64,
-        cpus: Vec<u32>,
-        total: u64,
-    },
+    Drops { ts: u64, cpus: Vec<u32>, total: u64 },
     /// Device-library probes about to be attached (sent before they can
     /// fire, so every hit finds its meaning).
     Probes(TableUpdate),
@@ -74,7 +74,9 @@ pub type Announcements = std::sync::mpsc::Sender<PipelineMsg>;
 
 /// Channel depth from collect (and the supervisor) into the pipeline, in
 /// batches. The kernel ring buffer is the real buffer; this only smooths
-/// hand-offs (each batch holds up to 4096 events, about 400 KiB).
+/// hand-offs (each batch holds up to 4096 events, about 400 KiB of
+/// scheduler records; batches of stacks are bounded in bytes as well, by
+/// [`queue_budget`]).
 pub const PIPELINE_BATCHES: usize = 16;
 
 /// Ticks forwarded to sinks at most this often (ns).
@@ -154,7 +156,7 @@ impl<E: Enrich> Pipeline<E> {
         let mut out = Vec::new();
         let en = &mut self.enricher;
         match msg {
-            PipelineMsg::Events(mut events) => {
+            PipelineMsg::Events(mut events, _share) => {
                 out.reserve(events.len());
                 for e in events.drain(..) {
                     self.interpreter.event(e, en, &mut out);

@@ -16,6 +16,7 @@ use xpuscope_probes::decode::table::ProbeTarget;
 use xpuscope_tests::trace_check::{Timeline, check_importer_rules, decode};
 
 use super::enrich::fake::FakeEnricher;
+use super::queue_budget::QueueShare;
 use super::{Pipeline, PipelineMsg};
 use crate::events::{Comm, Event, Exit, Fork, StackCapture, Switch};
 use crate::kernel::probes::TableUpdate;
@@ -141,7 +142,7 @@ fn story() -> Vec<PipelineMsg> {
         if i < 30 {
             batch.extend(allreduce(t + 4_000));
         }
-        msgs.push(PipelineMsg::Events(batch));
+        msgs.push(PipelineMsg::Events(batch, QueueShare::default()));
     }
     msgs
 }
@@ -430,31 +431,34 @@ fn state_per_process_goes_when_it_exits() {
     for i in 0..20_000u32 {
         let child = 100_000 + i;
         let ts = 1_000_000 + u64::from(i) * 1_000;
-        p.handle(PipelineMsg::Events(vec![
-            Event::Fork(Fork {
-                cpu: 0,
-                ts,
-                parent_tid: APP,
-                parent_tgid: APP,
-                child_tid: child,
-                child_tgid: child,
-                child_comm: Comm::from_str_lossy("child"),
-            }),
-            switch_in(ts + 10, (0, 0), (child, child), false, true),
-            // It blocks (an off-CPU interval opens), then exits.
-            switch_in(ts + 20, (child, child), (0, 0), true, false),
-            Event::Exit(Exit {
-                cpu: 0,
-                ts: ts + 500,
-                tid: child,
-                tgid: child,
-                prio: 120,
-                comm: Comm::from_str_lossy("child"),
-                group_dead: true,
-                group_known: true,
-                exit_code: None,
-            }),
-        ]));
+        p.handle(PipelineMsg::Events(
+            vec![
+                Event::Fork(Fork {
+                    cpu: 0,
+                    ts,
+                    parent_tid: APP,
+                    parent_tgid: APP,
+                    child_tid: child,
+                    child_tgid: child,
+                    child_comm: Comm::from_str_lossy("child"),
+                }),
+                switch_in(ts + 10, (0, 0), (child, child), false, true),
+                // It blocks (an off-CPU interval opens), then exits.
+                switch_in(ts + 20, (child, child), (0, 0), true, false),
+                Event::Exit(Exit {
+                    cpu: 0,
+                    ts: ts + 500,
+                    tid: child,
+                    tgid: child,
+                    prio: 120,
+                    comm: Comm::from_str_lossy("child"),
+                    group_dead: true,
+                    group_known: true,
+                    exit_code: None,
+                }),
+            ],
+            QueueShare::default(),
+        ));
     }
     assert_eq!(p.interpreter.threads_alive(), 0, "no thread state left");
     assert_eq!(p.enricher.ended.len(), 20_000, "the enricher forgot each");
@@ -476,8 +480,11 @@ fn announcements_are_read_before_queued_batches() {
     let (tx, rx) = mpsc::channel(8);
     let (announce, announce_rx) = std::sync::mpsc::channel();
     for i in 0..3u64 {
-        tx.blocking_send(PipelineMsg::Events(allreduce(100_000 * (i + 1)).to_vec()))
-            .unwrap();
+        tx.blocking_send(PipelineMsg::Events(
+            allreduce(100_000 * (i + 1)).to_vec(),
+            QueueShare::default(),
+        ))
+        .unwrap();
     }
     let target = probes().probes[0].2;
     announce

@@ -44,6 +44,7 @@ use crate::pipeline::Announcements;
 use crate::pipeline::PipelineMsg;
 use crate::pipeline::collect::{LoaderNotice, NOTICE_QUEUE};
 use crate::pipeline::collect::{Reader, ReaderCounters};
+use crate::pipeline::queue_budget::QueueBudget;
 use crate::supervise::{announce_and_apply, on_loader_notices, send_drops};
 use crate::{host, preflight, procfs};
 
@@ -240,6 +241,7 @@ pub async fn start(
         rings,
         out: running.pipeline.clone(),
         counters: reader_counters.clone(),
+        budget: QueueBudget::default(),
         drain_interval: SERVICE_DRAIN_INTERVAL,
         delay: tuning.reader_delay,
     };

@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, watch};
 use xpuscope_common::DROP_SLOTS;
 
 use super::PipelineMsg as Msg;
+use super::queue_budget::QueueBudget;
 use crate::events::{self, Event};
 use crate::kernel::KernelRings;
 use floors::{Floors, ReadEnd, RingRead};
@@ -84,6 +85,8 @@ pub struct Reader {
     /// Where [`LoaderNotice`]s go (`None`: nobody acts on them).
     pub notices: Option<mpsc::Sender<LoaderNotice>>,
     pub counters: Arc<ReaderCounters>,
+    /// The bytes of batches sent and not yet done with, bounded.
+    pub budget: QueueBudget,
     pub drain_interval: Duration,
     /// Testing aid: pause after each batch.
     pub delay: Duration,
@@ -102,6 +105,7 @@ impl Reader {
             out,
             notices,
             counters,
+            budget,
             drain_interval,
             delay,
         } = self;
@@ -148,6 +152,7 @@ impl Reader {
                 positions: &positions,
                 floors: &mut floors,
                 notices: notices.as_ref(),
+                budget: &budget,
             };
             let Some(watermark) = drain(&mut rings, &mut held, &out, &counters, delay, false).await
             else {
@@ -177,6 +182,7 @@ struct Rings<'a> {
     positions: &'a [RingPositions; 3],
     floors: &'a mut Floors,
     notices: Option<&'a mpsc::Sender<LoaderNotice>>,
+    budget: &'a QueueBudget,
 }
 
 /// Decodes records from `ring` into `into` until it is empty, `limit`
@@ -447,7 +453,8 @@ async fn drain(
             }
             return Some(Some(read.watermark));
         }
-        if out.send(Msg::Events(read.events)).await.is_err() {
+        let share = rings.budget.hold(&read.events).await;
+        if out.send(Msg::Events(read.events, share)).await.is_err() {
             return None;
         }
         if !delay.is_zero() {
