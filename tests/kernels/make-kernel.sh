@@ -10,8 +10,7 @@
 #
 # Usage: make-kernel.sh SERIES [DIR]   (SERIES: 6.1 or 6.12; DIR defaults
 # to /var/cache/xpuscope-test/kernel-SERIES). Writes DIR/vmlinuz,
-# DIR/initrd.img, DIR/release (the kernel's release string) and
-# DIR/System.map.
+# DIR/initrd.img and DIR/release (the kernel's release string).
 set -eu
 series=$1
 dir=${2:-/var/cache/xpuscope-test/kernel-$series}
@@ -75,8 +74,6 @@ release=$(ls "$tmp/pkg/lib/modules")
 # The package leaves modules.dep to its installation's depmod.
 /sbin/depmod -b "$tmp/pkg" "$release"
 cp "$tmp/pkg/boot/vmlinuz-$release" "$tmp/vmlinuz"
-# Its symbols: where a stalled guest's CPUs were (run-in-vm.sh).
-cp "$tmp/pkg/boot/System.map-$release" "$tmp/System.map"
 echo "$release" >"$tmp/release"
 
 # The modules that mount the root over virtio 9p, each after the ones it

@@ -51,7 +51,10 @@ shared=${XPUSCOPE_VM_SHARED:?no XPUSCOPE_VM_SHARED on the kernel command line}
 mkdir -p "$r$shared"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 shared "$r$shared" ||
     fail "mounting the shared directory $shared failed"
-# The heartbeat run-in-vm.sh watches: the guest's clock still moves.
+# The kernel's symbols, for run-in-vm.sh to name where the CPUs of a
+# stalled guest are (Debian ships no System.map), and the heartbeat it
+# watches: the guest's clock still moves.
+cat /proc/kallsyms >"$r$shared/kallsyms"
 while cat /proc/uptime >"$r$shared/heartbeat"; do
     sleep 5
 done &

@@ -2,12 +2,13 @@
 """Where a stalled guest's CPUs are: asks QEMU's monitor (a Unix socket)
 for every CPU's registers a few times, a second apart, and prints each
 CPU's instruction pointer with the kernel symbol it falls in (from the
-kernel's System.map); then sends the guest an NMI, which its kernel
-(booted with `unknown_nmi_panic panic_print=0x40`) answers with every
-CPU's stack on the console. run-in-vm.sh calls it when the guest's
+guest's /proc/kallsyms, copied out at boot), whether it is halted and its
+flags (interrupts enabled: 0x200); then sends the guest an NMI, which its
+kernel (booted with `unknown_nmi_panic panic_print=0x40`) answers with
+every CPU's stack on the console. run-in-vm.sh calls it when the guest's
 heartbeat stopped, before it stops the machine.
 
-Usage: vm-where.py MONITOR_SOCKET SYSTEM_MAP
+Usage: vm-where.py MONITOR_SOCKET KALLSYMS
 """
 import bisect
 import re
@@ -22,7 +23,7 @@ def read_symbols(path):
         with open(path) as f:
             for line in f:
                 parts = line.split()
-                if len(parts) == 3 and parts[1].lower() in "tw":
+                if len(parts) >= 3 and parts[1].lower() in "tw":
                     addrs.append(int(parts[0], 16))
                     names.append(parts[2])
     except OSError as e:
@@ -60,8 +61,8 @@ def ask(sock_path, command):
 
 
 def main():
-    sock_path, system_map = sys.argv[1], sys.argv[2]
-    addrs, names = read_symbols(system_map)
+    sock_path, kallsyms = sys.argv[1], sys.argv[2]
+    addrs, names = read_symbols(kallsyms)
     for sample in range(3):
         try:
             text = ask(sock_path, "info registers -a")
