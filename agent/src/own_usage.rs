@@ -22,9 +22,33 @@ impl OwnUsage {
         OwnUsage {
             cpu_seconds: secs(ru.ru_utime) + secs(ru.ru_stime),
             resident_bytes: resident_bytes().unwrap_or(0),
-            peak_resident_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
+            peak_resident_bytes: peak_resident_bytes().unwrap_or(ru.ru_maxrss.max(0) as u64 * 1024),
         }
     }
+}
+
+/// The most resident bytes of this program so far (`/proc/self/status`'
+/// `VmHWM`). Not getrusage's `ru_maxrss`: that keeps the peak of the
+/// memory the process had before its `exec`, and a process started by
+/// `vfork` or `posix_spawn` (Python's `subprocess`, Rust's `Command`) had
+/// its parent's memory until then, so an agent started by a 600 MiB
+/// program reported a 600 MiB peak of its own.
+fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_peak(&status)
+}
+
+/// `VmHWM` of a `/proc/PID/status` text, in bytes.
+fn parse_peak(status: &str) -> Option<u64> {
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
 
 /// Resident pages now (`/proc/self/statm`'s second field), in bytes:
@@ -79,5 +103,14 @@ mod tests {
         assert!(u.cpu_seconds > 0.0);
         assert!(u.resident_bytes > 0);
         assert!(u.peak_resident_bytes >= u.resident_bytes / 2);
+    }
+
+    #[test]
+    fn the_peak_is_read_from_vmhwm() {
+        let status = "Name:\tagent\nVmPeak:\t  900000 kB\nVmHWM:\t   271176 kB\nVmRSS:\t  100 kB\n";
+        assert_eq!(parse_peak(status), Some(271_176 * 1024));
+        assert_eq!(parse_peak("VmHWM:\t12 MB\n"), None, "only kB");
+        assert_eq!(parse_peak("VmRSS:\t12 kB\n"), None);
+        assert_eq!(parse_peak("VmHWM:\t99999999999999999999 kB\n"), None);
     }
 }

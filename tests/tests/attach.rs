@@ -226,6 +226,39 @@ fn sigterm_and_duration_leave_a_valid_trace() {
     check_importer_rules(&decode(&done.trace).unwrap()).unwrap();
 }
 
+/// The agent's peak resident memory (the summary's, and its metrics') is
+/// its own: started from a program holding 768 MiB (as this test process
+/// does here, the way a large orchestration script would start it), it
+/// reports what the agent itself held. getrusage's peak kept the memory
+/// the process had before its exec, which a `vfork`ed or `posix_spawn`ed
+/// child shares with its parent.
+#[test]
+fn the_agent_reports_its_own_peak_memory_not_its_starters() {
+    let _serial = exclusive();
+    const HELD: usize = 768 << 20;
+    // Touched (non-zero), so resident.
+    let held = std::hint::black_box(vec![1u8; HELD]);
+    let dir = TempDir::new("own-peak");
+    let wl = workload(&["loop", "10"]);
+    let rec = Recording::start(
+        dir.path(),
+        &["--pid", &wl.pid().to_string(), "--duration", "500ms"],
+    );
+    let done = rec.finish(Duration::from_secs(20));
+    drop(held);
+    let peak = done.stats["agent_peak_rss_bytes"]
+        .as_u64()
+        .expect("agent_peak_rss_bytes");
+    let rings = done.stats["ring_bytes"].as_u64().expect("ring_bytes");
+    assert!(peak > 0, "{}", done.stats);
+    assert!(
+        peak < (HELD as u64) / 2,
+        "the agent reported a peak of {} MiB (its rings {} MiB, mapped twice): its starter's memory, not its own",
+        peak >> 20,
+        rings >> 20
+    );
+}
+
 #[test]
 fn system_mode_records_every_process() {
     let _serial = exclusive();
