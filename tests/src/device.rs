@@ -74,10 +74,7 @@ pub fn closers_running() -> bool {
         .into_iter()
         .flatten()
         .flatten()
-        .any(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| c.trim() == "xpuscope-close")
-        })
+        .any(|e| std::fs::read_to_string(e.path().join("stat")).is_ok_and(|s| closer_releasing(&s)))
 }
 
 pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
@@ -612,4 +609,16 @@ pub fn ordered_slices<'a>(tl: &'a Timeline, track: &Track) -> Vec<&'a Slice> {
         assert!(end <= w[1].ts, "{track:?}: {:?} overlaps {:?}", w[0], w[1]);
     }
     slices
+}
+
+/// Whether `/proc/PID/stat` content `stat` is an `xpuscope-close` process
+/// that has not exited: one that has holds no uprobe any more (its files
+/// went before it became a zombie), though it stays listed until reaped.
+fn closer_releasing(stat: &str) -> bool {
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+        return false;
+    };
+    let comm = &stat[open + 1..close.max(open + 1)];
+    let state = stat[close + 1..].split_whitespace().next().unwrap_or("");
+    comm == "xpuscope-close" && !matches!(state, "Z" | "X" | "x")
 }

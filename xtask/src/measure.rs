@@ -35,8 +35,7 @@ pub fn wait_for_closers() -> Result<()> {
     let end = Instant::now() + Duration::from_secs(120);
     loop {
         let closing = std::fs::read_dir("/proc")?.flatten().any(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| c.trim() == "xpuscope-close")
+            std::fs::read_to_string(e.path().join("stat")).is_ok_and(|s| closer_releasing(&s))
         });
         if !closing {
             return Ok(());
@@ -107,4 +106,16 @@ pub fn overhead_summary(paired: &[f64]) -> Value {
         "min_percent": paired.iter().cloned().fold(f64::MAX, f64::min),
         "max_percent": paired.iter().cloned().fold(f64::MIN, f64::max),
     })
+}
+
+/// Whether `/proc/PID/stat` content `stat` is an `xpuscope-close` process
+/// that has not exited: one that has holds no uprobe any more (its files
+/// went before it became a zombie), though it stays listed until reaped.
+fn closer_releasing(stat: &str) -> bool {
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+        return false;
+    };
+    let comm = &stat[open + 1..close.max(open + 1)];
+    let state = stat[close + 1..].split_whitespace().next().unwrap_or("");
+    comm == "xpuscope-close" && !matches!(state, "Z" | "X" | "x")
 }

@@ -556,6 +556,15 @@ pub enum DeviceLink {
     Multi(OwnedFd),
 }
 
+impl closer::HeldLink for DeviceLink {
+    fn own_fd(&self) -> Option<std::os::fd::RawFd> {
+        match self {
+            DeviceLink::PerfEvent(_) => None,
+            DeviceLink::Multi(fd) => Some(std::os::fd::AsRawFd::as_raw_fd(fd)),
+        }
+    }
+}
+
 /// The device-call programs loaded as uprobe-multi programs, beside aya's
 /// (see [`uprobe_multi`]); kept with the [`Ebpf`] whose maps they use.
 #[derive(Debug, Default)]
