@@ -363,6 +363,12 @@ fn a_rank_turned_host_bound_is_the_root_of_the_waits_it_causes() {
         let (off, code, text) = offline(&run, &[]);
         check_one_incident(&off, "host_bound", 6, step, &format!("{what} offline"));
         assert_eq!(code, Some(DIAGNOSE_EXIT_ROOT_FINDING), "{what}: {text}");
+        // Offline the launches come back from the syncs' slices (the
+        // process's count so far): the same launches per step.
+        let oe = &off[0]["evidence"];
+        for key in ["launches_per_step", "usual_launches_per_step"] {
+            assert_eq!(oe[key], e[key], "{what}: {key} offline: {oe:#}");
+        }
         assert_eq!(
             root_shape(&on, step),
             root_shape(&off, step),

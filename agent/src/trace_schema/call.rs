@@ -2,6 +2,7 @@
 //! read back into the same call. What the live record carries comes back,
 //! except what the slice does not hold (see [`read_call`]).
 
+use xpuscope_common::uprobe::LaunchCounts;
 use xpuscope_perfetto::Arg;
 use xpuscope_perfetto::rewrite::EventView;
 use xpuscope_probes::catalog::{CallKind, CommOp, LaunchKind, Library, SyncKind};
@@ -272,6 +273,10 @@ pub fn call_args(call: &DeviceCall) -> Vec<Arg> {
             a.push(k::UNTRACKED.arg(true));
         }
     }
+    if let Some(l) = call.launches {
+        a.push(k::LAUNCHES_SO_FAR.arg(l.kernels));
+        a.push(k::GRAPH_LAUNCHES_SO_FAR.arg(l.graphs));
+    }
     if let Some(r) = call.ret {
         a.push(k::RETURN.arg(r));
     }
@@ -406,7 +411,10 @@ pub fn read_call(
         comm,
         memory,
         site: None,
-        launches: None,
+        launches: k::LAUNCHES_SO_FAR.read(event).map(|kernels| LaunchCounts {
+            kernels,
+            graphs: k::GRAPH_LAUNCHES_SO_FAR.read(event).unwrap_or(0),
+        }),
     })
 }
 

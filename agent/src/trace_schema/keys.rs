@@ -77,6 +77,12 @@ pub const ALLOC_STACK: Key<Text> = Key::new("alloc_stack");
 /// leaves it out).
 pub const UNTRACKED: Key<Flag> = Key::new("untracked");
 
+// The process's launches so far (all threads), as the kernel counted them
+// when the call returned: on the calls that carry them (synchronisations).
+// Step windows take their launches from the differences.
+pub const LAUNCHES_SO_FAR: Key<Uint> = Key::new("launches_so_far");
+pub const GRAPH_LAUNCHES_SO_FAR: Key<Uint> = Key::new("graph_launches_so_far");
+
 // How a call ended.
 pub const RETURN: Key<Int> = Key::new("return");
 pub const ERROR: Key<Int> = Key::new("error");

@@ -198,7 +198,9 @@ fn calls() -> Vec<DeviceCallRecord> {
         site: None,
     });
     out.push(failed);
-    out.push(call(
+    // A sync carries the process's launches so far, as the kernel counted
+    // them: step windows take their launches from these.
+    let mut sync = call(
         Library::Cudart,
         "cudaStreamSynchronize",
         PID,
@@ -207,7 +209,12 @@ fn calls() -> Vec<DeviceCallRecord> {
             stream: Some(0x99),
             event: None,
         },
-    ));
+    );
+    sync.launches = Some(xpuscope_common::uprobe::LaunchCounts {
+        kernels: 12_345,
+        graphs: 7,
+    });
+    out.push(sync);
     out.push(call(
         Library::Cudart,
         "cudaLaunchKernel",
