@@ -421,6 +421,9 @@ pub fn task_offsets(btf: &Btf) -> Result<TaskOffsets, BtfError> {
         // process's last): optional.
         signal: optional("task_struct", "signal"),
         signal_live: optional("signal_struct", "live"),
+        // Only kernels before 5.18 need it (no `prev_state` on
+        // sched_switch): optional.
+        state: optional("task_struct", "__state"),
     })
 }
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Runs COMMAND (a shell command line) as root in a QEMU virtual machine
-# booted on Debian's kernel SERIES (made by make-kernel.sh, on first use),
+# booted on the distribution kernel SERIES (made by make-kernel.sh, on first use),
 # in this machine's root seen read-only, from the current directory (also
 # seen read-only, wherever it is: /tmp is the machine's own), with
 # the environment variables named in XPUSCOPE_VM_ENV passed on; exits

@@ -211,6 +211,22 @@ fn sigterm_and_duration_leave_a_valid_trace() {
     check_importer_rules(&trace).expect("and is finalized");
     let tl = Timeline::new(&trace);
     assert!(tl.switches.len() > 50, "it recorded scheduling");
+    // The state each thread left its CPU in: the sleeper thread of the
+    // workload's pattern leaves asleep (S) in its nanosleep. (Kernels
+    // before 5.18 do not pass it to the tracepoint: the agent reads it
+    // from the task; `cargo xtask test --kernel 5.15` runs this there.)
+    let sleepers: std::collections::BTreeSet<i32> = tl
+        .switches
+        .iter()
+        .filter(|s| s.next_comm == "sleeper")
+        .map(|s| s.next_pid)
+        .collect();
+    let asleep = tl
+        .switches
+        .iter()
+        .filter(|s| sleepers.contains(&s.prev_pid) && s.prev_state == 1)
+        .count();
+    assert!(asleep > 0, "the sleeper thread leaves in S: {sleepers:?}");
 
     let dir2 = TempDir::new("duration");
     let rec = Recording::start(

@@ -1,7 +1,8 @@
 //! `cargo xtask test --kernel SERIES`: the agent's core checks on the
-//! kernels fleets run, each in a QEMU virtual machine booted on Debian's
-//! own kernel of that series (tests/kernels: the kernel and an initramfs
-//! made once and cached, this machine's root shared read-only).
+//! kernels fleets run, each in a QEMU virtual machine booted on a
+//! distribution's own kernel of that series (Ubuntu 22.04's 5.15, Debian's
+//! 6.1 and 6.12; tests/kernels: the kernel and an initramfs made once and
+//! cached, this machine's root shared read-only).
 //!
 //! The same test binaries as on the host run there, on a chosen set of
 //! tests: every kernel program verifies and loads; scheduling and off-CPU
@@ -19,7 +20,7 @@ use crate::build::{ROOT_TEST_FEATURES, TEST_PROFILE, test_agent_binary};
 use crate::{clean_command, root};
 
 /// The kernel series a virtual machine can boot (tests/kernels/make-kernel.sh).
-pub const SERIES: &[&str] = &["6.1", "6.12"];
+pub const SERIES: &[&str] = &["5.15", "6.1", "6.12"];
 
 /// The agent's unit tests that load programs into the running kernel.
 const AGENT_KERNEL_TESTS: &[&str] = &[
@@ -57,32 +58,38 @@ pub fn test(series: &[String]) -> Result<()> {
     run(series)
 }
 
-/// The kernel `cargo xtask test` checks after the host's tests: the oldest
-/// series here, where every fallback is taken.
-pub const DEFAULT: &str = "6.1";
+/// The kernels `cargo xtask test` checks after the host's tests: the
+/// oldest series here, where every fallback is taken, and Debian 12's own.
+pub const DEFAULT: &[&str] = &["5.15", "6.1"];
 
 /// `cargo xtask test`: every test on this machine (`build::test`), then,
 /// unless the run was narrowed to some tests (`args`), the core checks on
-/// [`DEFAULT`] in a virtual machine, whatever the host's tests gave (both
-/// results are reported). The kernel is made (a download, QEMU installed;
-/// cached after) while the host builds and tests.
+/// [`DEFAULT`] in virtual machines, whatever the host's tests gave (both
+/// results are reported). The kernels are made (a download, QEMU
+/// installed; cached after) while the host builds and tests.
 pub fn test_here_and_on_the_default_kernel(args: &[String]) -> Result<()> {
     if !args.is_empty() {
         return crate::build::test(args);
     }
-    let mut maker = crate::build::ChildGuard(
-        clean_command("sh")
-            .arg(root().join("tests/kernels/make-kernel.sh"))
-            .arg(DEFAULT)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .context("could not start tests/kernels/make-kernel.sh")?,
-    );
+    let mut makers = Vec::new();
+    for series in DEFAULT {
+        makers.push(crate::build::ChildGuard(
+            clean_command("sh")
+                .arg(root().join("tests/kernels/make-kernel.sh"))
+                .arg(series)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .context("could not start tests/kernels/make-kernel.sh")?,
+        ));
+    }
     let host = crate::build::test(args);
-    // (run-in-vm.sh makes it too, and reports a failure.)
-    let _ = maker.0.wait();
-    let older = run(&[DEFAULT.to_string()]);
+    // (run-in-vm.sh makes them too, and reports a failure.)
+    for maker in &mut makers {
+        let _ = maker.0.wait();
+    }
+    let series: Vec<String> = DEFAULT.iter().map(|s| s.to_string()).collect();
+    let older = run(&series);
     match (host, older) {
         (Ok(()), older) => older,
         (Err(e), Ok(())) => Err(e),
@@ -102,7 +109,11 @@ fn build() -> Result<()> {
     crate::build::test_build()
 }
 
-/// Runs the checks on each of `series` (built already).
+/// Runs the checks on each of `series` (built already). Each machine
+/// emulates its CPUs on one host thread (see run-in-vm.sh), so as many
+/// machines as this machine has CPUs run side by side, in about the time
+/// of one; their consoles are then printed one after another as each ends
+/// (one machine alone prints as it goes).
 pub fn run(series: &[String]) -> Result<()> {
     let (agent_tests, e2e) = test_executables()?;
     let command = format!(
@@ -112,36 +123,26 @@ pub fn run(series: &[String]) -> Result<()> {
         e2e.display(),
         E2E_KERNEL_TESTS.join(" ")
     );
+    let side_by_side = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let live = series.len() == 1;
     let mut failed = Vec::new();
-    for s in series {
-        eprintln!("xtask: the kernel checks on Debian's {s} kernel (QEMU, TCG)");
-        let mut tries = 0;
-        let passed = loop {
-            tries += 1;
-            let started = std::time::Instant::now();
-            let status = run_in_vm(s, &command)?;
-            let outcome = match status.code() {
-                Some(0) => "passed",
-                Some(STALLED) => "STALLED",
-                _ => "FAILED",
-            };
-            eprintln!(
-                "xtask: kernel {s}: {outcome} in {:.0} s",
-                started.elapsed().as_secs_f64()
-            );
-            // A stalled guest is the emulator's fault, not the checks':
-            // run them once more, saying so; a second stall fails.
-            if status.code() == Some(STALLED) && tries < STALL_TRIES {
-                eprintln!(
-                    "xtask: kernel {s}: the emulated machine stalled (not a failed check); \
-                     running the checks on it again"
-                );
-                continue;
+    for group in series.chunks(side_by_side) {
+        let passed: Vec<Result<bool>> = std::thread::scope(|scope| {
+            let runs: Vec<_> = group
+                .iter()
+                .map(|s| scope.spawn(|| check_on(s, &command, live)))
+                .collect();
+            runs.into_iter()
+                .map(|r| {
+                    r.join()
+                        .unwrap_or_else(|_| bail!("the checks' thread panicked"))
+                })
+                .collect()
+        });
+        for (s, passed) in group.iter().zip(passed) {
+            if !passed? {
+                failed.push(s.clone());
             }
-            break status.success();
-        };
-        if !passed {
-            failed.push(s.clone());
         }
     }
     if !failed.is_empty() {
@@ -150,24 +151,74 @@ pub fn run(series: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The checks in a machine on kernel `series`, once more if it stalled;
+/// whether they passed. `live`: its console goes straight to this
+/// process's output, else it is printed when the machine ends.
+fn check_on(series: &str, command: &str, live: bool) -> Result<bool> {
+    eprintln!("xtask: the kernel checks on the {series} kernel (QEMU, TCG)");
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let started = std::time::Instant::now();
+        let status = run_in_vm(series, command, live)?;
+        let outcome = match status.code() {
+            Some(0) => "passed",
+            Some(STALLED) => "STALLED",
+            _ => "FAILED",
+        };
+        eprintln!(
+            "xtask: kernel {series}: {outcome} in {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+        // A stalled guest is the emulator's fault, not the checks': run
+        // them once more, saying so; a second stall fails.
+        if status.code() == Some(STALLED) && tries < STALL_TRIES {
+            eprintln!(
+                "xtask: kernel {series}: the emulated machine stalled (not a failed check); \
+                 running the checks on it again"
+            );
+            continue;
+        }
+        return Ok(status.success());
+    }
+}
+
 /// run-in-vm.sh's status when the guest stalled (its heartbeat stopped).
 const STALLED: i32 = 96;
 
 /// Runs of the checks on one kernel when the machine stalls.
 const STALL_TRIES: u32 = 2;
 
-/// Runs `command` in a machine booted on kernel `series`.
-fn run_in_vm(series: &str, command: &str) -> Result<std::process::ExitStatus> {
-    clean_command("sh")
-        .arg(root().join("tests/kernels/run-in-vm.sh"))
+/// Runs `command` in a machine booted on kernel `series`; its console
+/// goes to this process's output as it comes (`live`), or whole once the
+/// machine ends, under a line naming it.
+fn run_in_vm(series: &str, command: &str, live: bool) -> Result<std::process::ExitStatus> {
+    let mut vm = clean_command("sh");
+    vm.arg(root().join("tests/kernels/run-in-vm.sh"))
         .arg(series)
         .arg(command)
         .current_dir(root())
         .env("CI", "true")
         .env("XPUSCOPE_AGENT_BIN", test_agent_binary())
-        .env("XPUSCOPE_VM_ENV", "CI XPUSCOPE_AGENT_BIN")
-        .status()
-        .context("could not start tests/kernels/run-in-vm.sh")
+        .env("XPUSCOPE_VM_ENV", "CI XPUSCOPE_AGENT_BIN");
+    if live {
+        return vm
+            .status()
+            .context("could not start tests/kernels/run-in-vm.sh");
+    }
+    let out = vm
+        .output()
+        .context("could not start tests/kernels/run-in-vm.sh")?;
+    // One write each, so that two machines ending together do not mix.
+    let mut console = format!("xtask: ---- the {series} machine's console ----\n").into_bytes();
+    console.extend_from_slice(&out.stdout);
+    console.extend_from_slice(&out.stderr);
+    console.extend_from_slice(format!("xtask: ---- end of the {series} machine ----\n").as_bytes());
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout.write_all(&console);
+    let _ = stdout.flush();
+    Ok(out.status)
 }
 
 /// The test executables of the agent's unit tests and of the end-to-end

@@ -60,8 +60,9 @@ enum Task {
     },
     /// Build everything and run all tests.
     Test {
-        /// Instead: the agent's core checks on Debian's kernel of this
-        /// series (6.1, 6.12) in a QEMU virtual machine; repeatable.
+        /// Instead: the agent's core checks on a distribution's kernel of
+        /// this series (5.15: Ubuntu 22.04's; 6.1, 6.12: Debian's) in a
+        /// QEMU virtual machine; repeatable.
         #[arg(long = "kernel", value_name = "SERIES")]
         kernels: Vec<String>,
         /// Extra arguments for `cargo test` (e.g. a test name filter).

@@ -119,6 +119,14 @@ const OPTIONAL: &[(Feature, &str)] = &[
         },
         "a process's last exiting thread is read from its live-thread count instead",
     ),
+    (
+        Feature {
+            what: "`prev_state` on the sched_switch tracepoint",
+            since: "5.18",
+            evidence: Evidence::TracepointArgs("sched_switch", 4),
+        },
+        "a switched-out thread's state is read from the task itself",
+    ),
 ];
 
 /// What the running kernel has of [`OPTIONAL`].
@@ -127,6 +135,7 @@ pub struct KernelFeatures {
     pub uprobes: bool,
     pub uprobe_multi: bool,
     pub exit_group_dead: bool,
+    pub switch_prev_state: bool,
 }
 
 /// The kernel lacks what the kernel programs need.
@@ -168,6 +177,7 @@ pub fn check(btf: &Btf) -> Result<KernelFeatures, MissingFeatures> {
         uprobes: has(0),
         uprobe_multi: has(1),
         exit_group_dead: has(2),
+        switch_prev_state: has(3),
     })
 }
 
@@ -199,7 +209,8 @@ mod tests {
             KernelFeatures {
                 uprobes: true,
                 uprobe_multi: true,
-                exit_group_dead: true
+                exit_group_dead: true,
+                switch_prev_state: true,
             }
         );
         assert_eq!(btf.tracepoint_args("sched_process_exit"), Some(2));

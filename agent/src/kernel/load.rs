@@ -99,7 +99,12 @@ pub const PROGRAMS: &[TracepointProgram] = &[
         name: "sched_switch",
         tracepoint: "sched_switch",
         kind: EventKind::SchedSwitch,
-        fallback: None,
+        // Before Linux 5.18 the tracepoint has no `prev_state`: the
+        // fallback reads it from the task (Ubuntu 22.04's 5.15).
+        fallback: Some(Fallback {
+            name: "sched_switch_compat",
+            primary_runs: |f| f.switch_prev_state,
+        }),
     },
 ];
 

@@ -376,6 +376,10 @@ pub struct TaskOffsets {
     /// thread is its process's last; [`TaskOffsets::ABSENT`] if missing.
     pub signal: u32,
     pub signal_live: u32,
+    /// `task_struct.__state` (Linux 5.14 and later): the state a switched-
+    /// out task leaves in, on kernels whose `sched_switch` tracepoint does
+    /// not pass it (before 5.18); [`TaskOffsets::ABSENT`] if missing.
+    pub state: u32,
 }
 
 impl TaskOffsets {
@@ -474,7 +478,7 @@ const _: () = assert!(
         < core::mem::size_of::<OffCpuStack>()
 );
 const _: () = assert!(core::mem::size_of::<Config>() == 48);
-const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 52);
+const _: () = assert!(core::mem::size_of::<TaskOffsets>() == 56);
 
 #[cfg(feature = "user")]
 mod pod {

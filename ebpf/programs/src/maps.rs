@@ -127,6 +127,7 @@ pub static TASK_OFFSETS: TaskOffsets = TaskOffsets {
     ri_next: TaskOffsets::ABSENT,
     signal: TaskOffsets::ABSENT,
     signal_live: TaskOffsets::ABSENT,
+    state: TaskOffsets::ABSENT,
 };
 
 #[inline(always)]

@@ -16,17 +16,29 @@ use crate::{
 /// `sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)`
 #[btf_tracepoint(function = "sched_switch")]
 pub fn sched_switch(ctx: BtfTracePointContext) -> u32 {
-    try_sched_switch(&ctx).unwrap_or(0)
+    let prev_state: u64 = ctx.arg(3);
+    try_sched_switch(&ctx, prev_state).unwrap_or(0)
+}
+
+/// [`sched_switch`] for kernels before 5.18, whose tracepoint has no
+/// `prev_state` (`sched_switch(bool preempt, prev, next)`): the state is
+/// the task's own `__state` as it leaves, which is what those kernels'
+/// own tracepoint reports.
+#[btf_tracepoint(function = "sched_switch")]
+pub fn sched_switch_compat(ctx: BtfTracePointContext) -> u32 {
+    let prev: *const u8 = ctx.arg(1);
+    let prev_state = task::state(prev, &offsets());
+    try_sched_switch(&ctx, prev_state as u64).unwrap_or(0)
 }
 
 /// `TASK_DEAD` in `task_struct::__state`.
 const TASK_DEAD: u32 = 0x80;
 
-fn try_sched_switch(ctx: &BtfTracePointContext) -> Option<u32> {
+#[inline(always)]
+fn try_sched_switch(ctx: &BtfTracePointContext, prev_state: u64) -> Option<u32> {
     let preempt: u64 = ctx.arg(0);
     let prev: *const u8 = ctx.arg(1);
     let next: *const u8 = ctx.arg(2);
-    let prev_state: u64 = ctx.arg(3);
     let off = offsets();
     let cfg = config();
     if cfg.sched_off != 0 && cfg.system_wide == 0 {

@@ -44,6 +44,16 @@ pub fn cpu(task: *const u8, off: &TaskOffsets) -> u32 {
     unsafe { load::<u32>(task, off.cpu) }
 }
 
+/// The task's `__state` (0 when the kernel's BTF has no such field).
+#[inline(always)]
+pub fn state(task: *const u8, off: &TaskOffsets) -> u32 {
+    if off.state == TaskOffsets::ABSENT {
+        return 0;
+    }
+    // SAFETY: see load.
+    unsafe { load::<u32>(task, off.state) }
+}
+
 /// The task's `exit_code`, when the kernel's BTF has the field.
 #[inline(always)]
 pub fn exit_code(task: *const u8, off: &TaskOffsets) -> Option<i32> {
