@@ -4,6 +4,8 @@
 //! or a ring's.
 //!
 //! - [`groups`]: the job's TP/PP/DP groups from its communicators;
+//! - [`jobs`]: which job a traced process is of (its rank identity's
+//!   label, or its parent's);
 //! - [`offcpu`]: a thread's time off CPU from the switches that take it
 //!   off and put it back (live from the kernel's switches, offline from a
 //!   trace's);
@@ -11,5 +13,6 @@
 //!   and time off CPU.
 
 pub mod groups;
+pub mod jobs;
 pub mod offcpu;
 pub mod steps;

@@ -273,3 +273,83 @@ fn a_thread_blocking_where_it_blocked_before_shares_its_stack() {
         samples[0].frames
     );
 }
+
+/// A service traces every job on its node: a rank preempted by another
+/// job's thread (traced too) is interfered with, a marker on its track;
+/// by its own job's threads and worker processes (forked from it, or
+/// unlabelled) it is not.
+#[test]
+fn another_jobs_threads_preempt_as_outsiders() {
+    use crate::kernel::probes::TableUpdate;
+    use crate::model::{RankIdentity, Record};
+    let mut b = TestPipeline::new();
+    for (tgid, job) in [(100, "a"), (200, "b")] {
+        b.probes_added(TableUpdate {
+            tgid,
+            probes: Vec::new(),
+            identity: RankIdentity::from_environ(
+                format!("RANK=0\0WORLD_SIZE=1\0XPUSCOPE_JOB={job}\0").as_bytes(),
+            ),
+            maps: Default::default(),
+        });
+    }
+    let fork = |ts, parent: u32, child: u32| {
+        Event::Fork(Fork {
+            cpu: 0,
+            ts,
+            parent_tid: parent,
+            parent_tgid: parent,
+            child_tid: child,
+            child_tgid: child,
+            child_comm: comm("pt_worker"),
+        })
+    };
+    let rank_a = (100, "rank-a", 100);
+    let rank_b = (200, "rank-b", 200);
+    let worker_a = (101, "pt_worker", 101);
+    let worker_b = (201, "pt_worker", 201);
+    let launcher = (50, "launcher", 50);
+    let preempted = (true, true, true);
+    let back = (true, true, false);
+    let events = vec![
+        fork(1_000, 100, 101),
+        fork(1_100, 200, 201),
+        // Rank a preempted by rank b, then by job b's worker: outsiders.
+        switch(0, 2_000, rank_a, rank_b, preempted),
+        switch(0, 3_000, rank_b, rank_a, back),
+        switch(0, 4_000, rank_a, worker_b, preempted),
+        switch(0, 5_000, worker_b, rank_a, back),
+        // By its own worker, and by an unlabelled traced process: its own.
+        switch(0, 6_000, rank_a, worker_a, preempted),
+        switch(0, 7_000, worker_a, rank_a, back),
+        switch(0, 8_000, rank_a, launcher, preempted),
+        switch(0, 9_000, launcher, rank_a, back),
+    ];
+    for e in events {
+        b.handle(e);
+    }
+    let by: Vec<(u32, u64)> = b
+        .records()
+        .iter()
+        .filter_map(|r| match r {
+            Record::Preempted(p) if p.tgid == 100 => Some((p.by.tgid, p.ts)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(by, [(200, 2_000), (201, 4_000)], "markers");
+    let in_job: Vec<(u32, bool)> = b
+        .records()
+        .iter()
+        .filter_map(|r| match r {
+            Record::OffCpu(i) if i.tgid == 100 => {
+                i.preempted_by.as_ref().map(|p| (p.tgid, p.in_job))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        in_job,
+        [(200, false), (201, false), (101, true), (50, true)],
+        "who took its CPU"
+    );
+}

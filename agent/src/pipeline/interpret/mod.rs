@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
+use crate::analysis::jobs::JobLabels;
 use crate::analysis::offcpu::OffCpuTracker;
 use crate::events::{Comm, Event, Exec, Exit, Fork, Rename, StackCapture, Switch, UserCopy};
 use crate::kernel::probes::TableUpdate;
@@ -132,6 +133,9 @@ pub struct Interpreter {
     steps_seen: FxHashMap<u32, u64>,
     /// Symbolized stacks by their addresses.
     stack_memo: StackMemo,
+    /// The job of each traced process that has a label: a preemptor of
+    /// another job is interference, traced or not.
+    jobs: JobLabels,
 
     pub counters: InterpretCounters,
 }
@@ -168,7 +172,18 @@ impl Interpreter {
         en: &mut dyn Enrich,
         out: &mut Vec<Record>,
     ) {
+        let from = out.len();
         self.device.probes_added(update, en, out);
+        self.learn_jobs(&out[from..]);
+    }
+
+    /// The job labels of the identities among `records` (just made).
+    fn learn_jobs(&mut self, records: &[Record]) {
+        for r in records {
+            if let Record::Identity { tgid, identity } = r {
+                self.jobs.identified(*tgid, identity.job.as_deref());
+            }
+        }
     }
 
     /// Probes attached by file ahead of any process mapping them.
@@ -189,8 +204,16 @@ impl Interpreter {
             Event::Exit(e) => self.exit(e, en, out),
             Event::Rename(r) => self.rename(r, out),
             Event::Stack(s) => self.stack(&s, en, out),
-            Event::ProbeEntry(e) => self.device.entry(&e, en, &mut self.counters, out),
-            Event::ProbeReturn(r) => self.device.ret(&r, en, &mut self.counters, out),
+            Event::ProbeEntry(e) => {
+                let from = out.len();
+                self.device.entry(&e, en, &mut self.counters, out);
+                self.learn_jobs(&out[from..]);
+            }
+            Event::ProbeReturn(r) => {
+                let from = out.len();
+                self.device.ret(&r, en, &mut self.counters, out);
+                self.learn_jobs(&out[from..]);
+            }
             Event::ProbeStack(s) => self.device.call_stack(&s, en, &mut self.counters),
             Event::LinkMap(l) => {
                 en.link_map_changed(l.tgid);
@@ -300,17 +323,18 @@ impl Interpreter {
         if s.prev_target && s.prev_tid != 0 {
             self.switched.insert(s.prev_tid);
             self.note_running(s.prev_tid, s.prev_tgid, &s.prev_comm);
-            let preemptor = (state == 0 || state == REPORT_PREEMPTED).then_some(Preemptor {
+            let preemptor = (state == 0 || state == REPORT_PREEMPTED).then(|| Preemptor {
                 tid: s.next_tid,
                 tgid: s.next_tgid,
                 comm: s.next_comm,
-                in_job: s.next_target,
+                in_job: s.next_target && !self.jobs.different(s.prev_tgid, s.next_tgid),
             });
             // Preemption by another thread of the traced job is the job's own
             // business (and happens at every wakeup); an outsider taking the
-            // CPU is interference worth a marker on the thread's track.
+            // CPU (another job's too) is interference worth a marker on the
+            // thread's track.
             if let Some(p) = &preemptor
-                && !s.next_target
+                && !p.in_job
             {
                 out.push(Record::Preempted(Preemption {
                     ts: s.ts,
@@ -340,6 +364,7 @@ impl Interpreter {
         self.note_thread(f.child_tid, f.child_tgid, &name);
         let process = (!f.is_thread()).then(|| {
             en.process_forked(f.child_tgid, f.parent_tgid);
+            self.jobs.forked(f.child_tgid, f.parent_tgid);
             Box::new(ProcessStart {
                 ts: f.ts,
                 pid: f.child_tgid,
@@ -393,6 +418,7 @@ impl Interpreter {
             en.process_ended(e.tgid);
             self.stack_memo.forget_process(e.tgid);
             self.steps_seen.remove(&e.tgid);
+            self.jobs.ended(e.tgid);
         }
         out.push(Record::Exit {
             exit: e,
@@ -512,7 +538,9 @@ impl Interpreter {
         en: &mut dyn Enrich,
         out: &mut Vec<Record>,
     ) {
+        let from = out.len();
         self.device.emit(decoded, en, &mut self.counters, out);
+        self.learn_jobs(&out[from..]);
     }
 
     /// Threads alive that interpretation keeps state for (tests).

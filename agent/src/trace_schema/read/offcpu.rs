@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::switches::{CpuRunning, Switched, taken_at_switch};
+use crate::analysis::jobs::JobLabels;
 use crate::analysis::offcpu::OffCpuTracker;
 use crate::events::Comm;
 use crate::model::{Preemptor, Record, Stack, SymFrame};
@@ -50,6 +51,9 @@ pub struct MainThreadSwitches {
     threads: HashMap<i32, MainThread>,
     /// Every task of the job the trace knows: tid -> pid.
     traced: HashMap<i32, i32>,
+    /// The job labels of its processes (a traced task of another job
+    /// preempts as an outsider).
+    jobs: JobLabels,
     running: CpuRunning,
 }
 
@@ -78,9 +82,16 @@ impl MainThreadSwitches {
         let pid = if clone_flags & CLONE_THREAD != 0 {
             self.traced.get(&parent).copied().unwrap_or(parent)
         } else {
+            let from = self.traced.get(&parent).copied().unwrap_or(parent);
+            self.jobs.forked(child as u32, from as u32);
             child
         };
         self.traced.insert(child, pid);
+    }
+
+    /// Process `pid`'s identity names job `job`.
+    pub fn identified(&mut self, pid: i32, job: Option<&str>) {
+        self.jobs.identified(pid as u32, job);
     }
 
     /// A switch on `cpu` at `ts` to `next` (named `next_comm`); the task
@@ -131,7 +142,10 @@ impl MainThreadSwitches {
     /// agent's own [`OffCpuTracker`].
     pub fn into_records(self, id: impl Fn(i32) -> u32, out: &mut Vec<(u64, Record)>) {
         let MainThreadSwitches {
-            threads, traced, ..
+            threads,
+            traced,
+            jobs,
+            ..
         } = self;
         for (pid, mut t) in threads {
             t.stacks.sort_by_key(|s| s.0);
@@ -150,7 +164,7 @@ impl MainThreadSwitches {
                 match left {
                     Some(l) => {
                         let preempted_by = (l.state == 0 || l.state == REPORT_PREEMPTED)
-                            .then(|| preemptor(&t, l, &traced, &id))
+                            .then(|| preemptor(pid, &t, l, &traced, &jobs, &id))
                             .flatten();
                         tracker.switched_out(tid, tid, l.cpu, l.ts, l.state, preempted_by);
                         if let Some(stack) = stack_at(&t.stacks, l.ts) {
@@ -170,19 +184,22 @@ impl MainThreadSwitches {
     }
 }
 
-/// Who took the CPU at a runnable switch-out: a task of the job, or an
-/// outsider (its process as the sink named it; the task itself if not).
+/// Who took the CPU from main thread `main` at a runnable switch-out: a
+/// task of its job, or an outsider (another job's traced task; else its
+/// process as the sink named it, the task itself if not).
 fn preemptor(
+    main: i32,
     t: &MainThread,
     l: &Left,
     traced: &HashMap<i32, i32>,
+    jobs: &JobLabels,
     id: &impl Fn(i32) -> u32,
 ) -> Option<Preemptor> {
     if l.next == 0 {
         return None;
     }
     let (pid, in_job) = match traced.get(&l.next) {
-        Some(&pid) => (pid, true),
+        Some(&pid) => (pid, !jobs.different(main as u32, pid as u32)),
         None => (
             t.preempted.get(&l.ts).map_or(l.next, |(p, _)| *p as i32),
             false,
@@ -292,5 +309,35 @@ mod tests {
         assert_eq!(by(&v[3]), (1077, "kworker".into(), false));
         assert!(v[1].stack.is_none());
         assert!(v.iter().all(|i| i.tgid == 1010 && i.tid == 1010));
+    }
+
+    /// Two jobs in one trace (a service's): a traced task of the other
+    /// job takes the rank's CPU as an outsider; the rank's own worker,
+    /// forked from it before its label was read, does not.
+    #[test]
+    fn another_jobs_traced_task_preempts_as_an_outsider() {
+        let mut s = MainThreadSwitches::default();
+        s.follow(10);
+        s.thread(10, 10);
+        s.thread(20, 20);
+        s.new_task(10, 11, 0);
+        s.new_task(20, 21, 0);
+        s.identified(10, Some("a"));
+        s.identified(20, Some("b"));
+        s.switch(0, 1_000, 0, 10, "rank-a");
+        s.switch(0, 2_000, 0, 20, "rank-b");
+        s.switch(0, 3_000, 0, 10, "rank-a");
+        s.switch(0, 4_000, 0, 21, "pt_worker");
+        s.switch(0, 5_000, 0, 10, "rank-a");
+        s.switch(0, 6_000, 0, 11, "pt_worker");
+        s.switch(0, 7_000, 0, 10, "rank-a");
+        let by: Vec<(u32, bool)> = intervals(s)
+            .iter()
+            .map(|i| {
+                let p = i.preempted_by.as_ref().unwrap();
+                (p.tgid, p.in_job)
+            })
+            .collect();
+        assert_eq!(by, [(1020, false), (1021, false), (1011, true)]);
     }
 }

@@ -251,6 +251,7 @@ impl TraceRecords {
                     if let Some(id) = identity_of(&labels)
                         && identified.get(&p) != Some(&id)
                     {
+                        switches.identified(p, id.job.as_deref());
                         identified.insert(p, id.clone());
                         out.push((
                             0,
