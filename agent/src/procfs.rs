@@ -91,7 +91,8 @@ pub fn stat(pid: u32) -> Option<Stat> {
     parse_stat(&read_lossy(&format!("/proc/{pid}/stat"))?)
 }
 
-fn is_dead(state: char) -> bool {
+/// A zombie (`Z`) or a process being reaped (`X`): exited.
+pub fn is_dead(state: char) -> bool {
     state == 'Z' || state == 'X'
 }
 

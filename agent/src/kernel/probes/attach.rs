@@ -815,17 +815,66 @@ impl Attacher for AyaAttacher<'_> {
 
 /// Links being closed: dropping it closes them, then reports it, wherever
 /// it is dropped (on its thread, or here when no thread could start).
-struct Closing<L> {
+struct Closing<L: Send> {
     links: Vec<L>,
     closed: Option<Box<dyn FnOnce() + Send>>,
 }
 
-impl<L> Drop for Closing<L> {
+/// Links closed side by side, at most.
+const CLOSE_SIDE_BY_SIDE: usize = 16;
+
+impl<L: Send> Drop for Closing<L> {
     fn drop(&mut self) {
-        self.links.clear();
+        // Each close waits for its own grace periods: closed on threads of
+        // their own, the waits overlap (as the closer's at exit: see
+        // `closer`). A link whose thread cannot start is closed here.
+        let mut links = std::mem::take(&mut self.links);
+        while !links.is_empty() {
+            let batch: Vec<L> = links.drain(..links.len().min(CLOSE_SIDE_BY_SIDE)).collect();
+            std::thread::scope(|scope| {
+                for link in batch {
+                    let _ = std::thread::Builder::new()
+                        .name("xpuscope-release".into())
+                        .spawn_scoped(scope, move || drop(link));
+                }
+            });
+        }
         if let Some(closed) = self.closed.take() {
             closed();
         }
+    }
+}
+
+#[cfg(test)]
+mod closing_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct Link(Arc<AtomicUsize>);
+
+    impl Drop for Link {
+        fn drop(&mut self) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Every link is closed, more than a batch of them too, before the
+    /// release is reported.
+    #[test]
+    fn every_link_is_closed_before_the_release_is_reported() {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(AtomicUsize::new(usize::MAX));
+        let n = 2 * CLOSE_SIDE_BY_SIDE + 3;
+        let release = Closing {
+            links: (0..n).map(|_| Link(dropped.clone())).collect(),
+            closed: Some(Box::new({
+                let (dropped, seen) = (dropped.clone(), seen.clone());
+                move || seen.store(dropped.load(Ordering::SeqCst), Ordering::SeqCst)
+            })),
+        };
+        drop(release);
+        assert_eq!(seen.load(Ordering::SeqCst), n);
     }
 }
 

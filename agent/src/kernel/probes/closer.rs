@@ -198,22 +198,13 @@ pub fn releases_in_progress() -> Vec<u32> {
 /// though it stays listed until its parent reaps it: after the agent's
 /// exit that is the init process, which may take a second or more.
 fn is_closer(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    closer_releasing(&stat)
+    crate::procfs::stat(pid).is_some_and(|s| closer_releasing(&s))
 }
 
-/// Whether `/proc/PID/stat` content `stat` is a closer's, not exited yet.
-fn closer_releasing(stat: &str) -> bool {
-    // "pid (comm) state ...": the name may hold spaces and parentheses,
-    // so the state follows the last ')'.
-    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-        return false;
-    };
-    let comm = &stat[open + 1..close.max(open + 1)];
-    let state = stat[close + 1..].split_whitespace().next().unwrap_or("");
-    comm == CLOSER_COMM && !matches!(state, "Z" | "X" | "x")
+/// Whether a process of `/proc/PID/stat` `stat` is a closer that has not
+/// exited.
+fn closer_releasing(stat: &crate::procfs::Stat) -> bool {
+    stat.comm == CLOSER_COMM && !crate::procfs::is_dead(stat.state)
 }
 
 /// How a wait for earlier agents' releases ended.
@@ -276,14 +267,14 @@ mod tests {
 
     #[test]
     fn a_closer_is_releasing_until_it_exits_whatever_its_reaping() {
-        assert!(closer_releasing("4242 (xpuscope-close) D 1 4242 ..."));
-        assert!(closer_releasing("4242 (xpuscope-close) S 1 4242 ..."));
-        assert!(!closer_releasing("4242 (xpuscope-close) Z 1 4242 ..."));
-        assert!(!closer_releasing("4242 (xpuscope-close) X 1 4242 ..."));
+        let releasing = |line: &str| closer_releasing(&crate::procfs::parse_stat(line).unwrap());
+        assert!(releasing("4242 (xpuscope-close) D 1 4242 0"));
+        assert!(releasing("4242 (xpuscope-close) S 1 4242 0"));
+        assert!(!releasing("4242 (xpuscope-close) Z 1 4242 0"));
+        assert!(!releasing("4242 (xpuscope-close) X 1 4242 0"));
         // Another process, whatever its name holds.
-        assert!(!closer_releasing("7 (python3) S 1 7 ..."));
-        assert!(!closer_releasing("7 (a) xpuscope-close) S 1 7 ..."));
-        assert!(!closer_releasing(""));
+        assert!(!releasing("7 (python3) S 1 7 0"));
+        assert!(!releasing("7 (a) xpuscope-close) S 1 7 0"));
     }
 
     /// The closer and its helpers, for real: links held by a forked
