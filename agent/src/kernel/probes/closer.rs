@@ -37,12 +37,12 @@ impl HeldLink for aya::programs::uprobe::UProbeLink {
 /// Hands `links` (anything holding the links' descriptors) to the closer
 /// child; if it cannot be started they are closed here, slowly.
 ///
-/// Each release waits for its own grace period, and one process exiting
-/// releases its links one after another: a file's entry and return links
-/// of four libraries took 1.5-2.3 s. So once the agent has exited, the
-/// closer forks a process per link it can name, each keeping that link's
-/// descriptor alone, and they all exit at once: their grace periods
-/// overlap.
+/// Each release waits for its own grace periods, and one process exiting
+/// releases its links one after another: the entry and return links of a
+/// 2-rank job's four libraries took 0.46-0.52 s. So once the agent has
+/// exited, the closer forks a process per link it can name, each keeping
+/// that link's descriptor alone, and they all exit at once: their grace
+/// periods overlap (0.05-0.08 s).
 pub fn close_after_exit<T: HeldLink>(links: Vec<T>) {
     if links.is_empty() {
         return;
@@ -62,7 +62,8 @@ pub fn close_after_exit<T: HeldLink>(links: Vec<T>) {
         return; // the links are closed (slowly) when dropped
     }
     // SAFETY: the child only calls async-signal-safe functions (prctl,
-    // close, read, pipe2, fork, _exit) before exiting.
+    // close, close_range, read, pipe2, fork, waitpid, _exit) before
+    // exiting.
     match unsafe { libc::fork() } {
         0 => unsafe {
             libc::prctl(libc::PR_SET_NAME, c"xpuscope-close".as_ptr());
