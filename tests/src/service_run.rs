@@ -151,18 +151,20 @@ impl Service {
 
 /// A 2-rank job nobody is told about; waits for its end (any outcome).
 pub fn run_untold_job(dir: &Path, tag: &str, extra: &[&str]) -> Value {
+    run_untold_job_shaped(
+        dir,
+        tag,
+        &["--world-size", "2", "--dp", "2", "--tp", "1", "--pp", "1"],
+        extra,
+    )
+}
+
+/// [`run_untold_job`] with the job's layout (`--world-size`, `--tp`, ...)
+/// given.
+pub fn run_untold_job_shaped(dir: &Path, tag: &str, shape: &[&str], extra: &[&str]) -> Value {
     let job_dir = dir.join(tag);
     let mut launcher = untold_launcher(tag, extra, |c| {
-        c.arg("--out-dir").arg(&job_dir).args([
-            "--world-size",
-            "2",
-            "--dp",
-            "2",
-            "--tp",
-            "1",
-            "--pp",
-            "1",
-        ]);
+        c.arg("--out-dir").arg(&job_dir).args(shape);
     });
     wait_ended(tag, std::slice::from_mut(&mut launcher));
     read_json(&job_dir.join("ground_truth.json")).expect("ground truth")

@@ -16,7 +16,7 @@ use xpuscope_tests::agent::{TempDir, agent_bin, exclusive};
 use xpuscope_tests::device::*;
 use xpuscope_tests::fixtures;
 use xpuscope_tests::service_run::{
-    Service, http_get, run_untold_job, run_untold_job_on_nodes, try_http_get,
+    Service, http_get, run_untold_job, run_untold_job_on_nodes, run_untold_job_shaped, try_http_get,
 };
 use xpuscope_tests::trace_check::{Slice, Timeline, TrackKind, check_importer_rules, decode};
 
@@ -253,6 +253,91 @@ fn the_service_dumps_a_hung_job_and_a_crashed_rank_on_its_own() {
         assert!(n >= 1.0, "{kind}: {n}");
     }
     svc.stop();
+}
+
+/// One fault, not a cascade: rank 5 of an 8-rank job (TP 2, PP 2, DP 2)
+/// stops. Its data-parallel peer waits at the all-reduce rank 5 never
+/// enters, its tensor-parallel peer at the next all-gather, and their
+/// pipeline peers behind them: five hangs. The service writes one dump,
+/// triggered by the hang rank 5 never entered; the hangs that wait for it
+/// stream as following from it (`follows_from`, the dump's findings), and
+/// `xpuscope_incidents_total` counts one fault where
+/// `xpuscope_findings_total` counts every hang.
+#[test]
+fn a_hung_rank_s_waiting_peers_come_out_as_its_consequences() {
+    let _serial = exclusive();
+    wait_for_closers();
+    fixtures::build_all();
+    let _ = agent_bin();
+    let dir = TempDir::new("svccascade");
+    let mut svc = Service::start(dir.path(), "[detect]\nhang_timeout = \"1s\"\n");
+    run_untold_job_shaped(
+        dir.path(),
+        "svccascade",
+        &["--world-size", "8", "--tp", "2", "--pp", "2", "--dp", "2"],
+        &[
+            "--steps",
+            "8",
+            "--fault",
+            "hang:rank=5,step=3",
+            "--timeout",
+            "8",
+        ],
+    );
+    let (summary, _) = svc.wait_dump("hang", Duration::from_secs(20), |f| {
+        f["follows_from"].is_null() && f["ranks"] == serde_json::json!([5])
+    });
+    let metrics = http_get(svc.port, "/metrics");
+    let count = |family: &str| -> f64 {
+        let line = format!("{family}{{kind=\"hang\"}}");
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&line))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {line}:\n{metrics}"))
+    };
+    let hang_dumps: Vec<Value> = std::fs::read_dir(svc.dump_dir.clone())
+        .expect("the dump directory")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with("-hang.summary.json"))
+        .filter_map(|p| serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok())
+        .collect();
+    svc.stop();
+    // The dump's own trigger is the root: the hang rank 5 never entered.
+    assert_eq!(hang_dumps.len(), 1, "{hang_dumps:#?}");
+    let trigger = &hang_dumps[0]["finding"];
+    assert_eq!(trigger["ranks"], serde_json::json!([5]), "{trigger:#}");
+    assert!(trigger["follows_from"].is_null(), "{trigger:#}");
+    let listed = summary["findings"]["findings"]
+        .as_array()
+        .expect("findings");
+    let root_line = trigger["summary"].as_str().expect("a summary").to_string();
+    // Its tensor-parallel peer's hang (rank 4 waits in the all-gather
+    // rank 5 never entered) follows from it.
+    let tp_peer = listed
+        .iter()
+        .find(|f| {
+            f["ranks"] == serde_json::json!([5])
+                && f["summary"]
+                    .as_str()
+                    .is_some_and(|s| s.contains("ncclAllGather"))
+        })
+        .unwrap_or_else(|| panic!("the all-gather rank 5 never entered: {listed:#?}"));
+    assert_eq!(
+        tp_peer["follows_from"].as_str(),
+        Some(root_line.as_str()),
+        "{listed:#?}"
+    );
+    let (findings, incidents) = (
+        count("xpuscope_findings_total"),
+        count("xpuscope_incidents_total"),
+    );
+    assert!(findings >= 3.0, "the waiting peers' hangs: {findings}");
+    assert!(
+        incidents >= 1.0 && incidents < findings,
+        "faults {incidents} of findings {findings}"
+    );
 }
 
 /// Debian's `prometheus`, installed if missing (a test that needs a tool

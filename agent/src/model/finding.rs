@@ -76,11 +76,13 @@ impl FindingKind {
     }
 }
 
-/// Where a finding stands among the others of its document: set when the
-/// findings are grouped into incidents (`crate::sinks::detect::incidents`:
-/// `agent diagnose`, the end of `agent attach`), absent on a finding
-/// streamed the moment it was made (the trace's track, a service dump's
-/// trigger), when its consequences were not known yet.
+/// Where a finding stands among the others of its document: `id`,
+/// `incident` and `cause` are set when the findings are grouped into
+/// incidents (`crate::sinks::detect::incidents`: `agent diagnose`, the end
+/// of `agent attach`), absent on a finding streamed the moment it was made
+/// (the trace's track, a service dump's trigger), when its consequences
+/// were not known yet; such a finding has `follows_from` instead when an
+/// earlier one explains it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct IncidentLink {
     /// The finding's number in its document (1-based).
@@ -92,6 +94,15 @@ pub struct IncidentLink {
     /// The `id` of the finding it follows from; absent on a root.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cause: Option<u32>,
+    /// On a finding streamed the moment it was made (a service's log,
+    /// dumps and metrics, a trace's findings track): the headline of an
+    /// earlier finding of the same run of the same job that explains it,
+    /// so a consequence (a peer that waited for the slow rank, a hang
+    /// waiting for the crashed one) says so when it comes out, before the
+    /// run's findings are all known. A grouped document has `cause`
+    /// instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub follows_from: Option<String>,
 }
 
 /// One finding, as the contract has it (`detected_ns` is not part of it:

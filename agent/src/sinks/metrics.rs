@@ -54,7 +54,9 @@
 //!   the rank has run (0 when none), from the interpret stage's in-flight
 //!   snapshots (about once a second);
 //! - `xpuscope_findings_total` [kind]: what the detectors found (`hang`,
-//!   `device_oom`, `crash`).
+//!   `device_oom`, `crash`); `xpuscope_incidents_total` [kind]: those that
+//!   follow from no earlier finding (the faults, without their
+//!   consequences).
 //!
 //! - GPU health per GPU and rank on it (`xpuscope_gpu_*`, see [`gpu`]).
 //!
@@ -223,6 +225,7 @@ struct Families {
     folded: Family<FamilyLabels, Counter>,
     in_flight_oldest: Family<RankLabels, Gauge<f64, AtomicU64>>,
     findings: Family<KindLabels, Counter>,
+    incidents: Family<KindLabels, Counter>,
     cache_bytes: Family<CacheLabels, Gauge>,
     cache_evictions: Family<CacheLabels, Counter>,
     cache_evicted_bytes: Family<CacheLabels, Counter>,
@@ -268,6 +271,7 @@ impl Families {
             folded: Family::default(),
             in_flight_oldest: Family::default(),
             findings: Family::default(),
+            incidents: Family::default(),
             cache_bytes: Family::default(),
             cache_evictions: Family::default(),
             cache_evicted_bytes: Family::default(),
@@ -275,9 +279,11 @@ impl Families {
         };
         // Every kind from the start: a query for a kind sees 0, not nothing.
         for kind in crate::model::FindingKind::ALL {
-            let _ = f.findings.get_or_create(&KindLabels {
+            let labels = KindLabels {
                 kind: kind.as_str().into(),
-            });
+            };
+            let _ = f.findings.get_or_create(&labels);
+            let _ = f.incidents.get_or_create(&labels);
         }
         let r = registry;
         r.register(
@@ -462,6 +468,11 @@ impl Families {
             "xpuscope_findings",
             "Findings of the detectors (hang, device_oom, crash)",
             f.findings.clone(),
+        );
+        r.register(
+            "xpuscope_incidents",
+            "Faults: findings that follow from no earlier one, by kind (a peer that waited for a slow rank is counted in findings only)",
+            f.incidents.clone(),
         );
         r.register(
             "xpuscope_agent_cache_bytes",
@@ -862,12 +873,13 @@ impl MetricsSink {
             Record::GpuSample(s) => self.gpu.sample(&self.node, s, &self.ranks),
             Record::GpuXid(x) => self.gpu.xid(&self.node, x, &self.ranks),
             Record::Finding(f) => {
-                self.f
-                    .findings
-                    .get_or_create(&KindLabels {
-                        kind: f.kind.as_str().into(),
-                    })
-                    .inc();
+                let labels = KindLabels {
+                    kind: f.kind.as_str().into(),
+                };
+                self.f.findings.get_or_create(&labels).inc();
+                if f.link.follows_from.is_none() {
+                    self.f.incidents.get_or_create(&labels).inc();
+                }
             }
             Record::Drops { total, .. } => {
                 let d = self.deltas.delta("kernel_drops", *total as f64);

@@ -137,6 +137,9 @@ pub const RANKS: Key<Text> = Key::new("ranks");
 pub const DETECTED_NS: Key<Uint> = Key::new("detected_ns");
 /// The communicator a finding is about, by name.
 pub const FINDING_COMM: Key<Text> = Key::new("comm");
+/// The headline of the earlier finding a streamed one follows from (its
+/// consequence), where one explains it.
+pub const FOLLOWS_FROM: Key<Text> = Key::new("follows_from");
 /// A finding's evidence: `evidence.<key>`, nested objects dotted.
 pub const EVIDENCE: &str = "evidence";
 

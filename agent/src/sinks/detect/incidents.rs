@@ -58,6 +58,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::model::finding::IncidentLink;
 use crate::model::{Finding, FindingKind};
 
 /// Steps apart at most for a finding to explain another.
@@ -341,10 +342,11 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
     }
 }
 
-/// Groups `found` into incidents: orders it roots first (by importance,
-/// then time), each root followed by its consequences (by time), and
-/// sets every finding's `id`, `incident` and, on consequences, `cause`.
-pub fn group(found: &mut Vec<Finding>) {
+/// What each of `found` follows from: the index of the finding that
+/// explains it best (the strongest explanation, then the earliest), None
+/// for a root. The one judgement behind [`group`] and the detect sink's
+/// links of findings as they stream.
+pub fn causes(found: &[Finding]) -> Vec<Option<usize>> {
     let n = found.len();
     // Time order decides "earlier" between findings of one kind.
     let mut by_time: Vec<usize> = (0..n).collect();
@@ -382,6 +384,17 @@ pub fn group(found: &mut Vec<Finding>) {
             at = next;
         }
     }
+    cause
+}
+
+/// Groups `found` into incidents: orders it roots first (by importance,
+/// then time), each root followed by its consequences (by time), and
+/// sets every finding's `id`, `incident` and, on consequences, `cause`.
+pub fn group(found: &mut Vec<Finding>) {
+    let n = found.len();
+    let cause = causes(found);
+    let mut by_time: Vec<usize> = (0..n).collect();
+    by_time.sort_by_key(|&i| (found[i].start_ns, i));
     let root_of = |mut i: usize| {
         while let Some(c) = cause[i] {
             i = c;
@@ -415,9 +428,13 @@ pub fn group(found: &mut Vec<Finding>) {
     let mut old: Vec<Option<Finding>> = std::mem::take(found).into_iter().map(Some).collect();
     for (i, incident) in order {
         let mut f = old[i].take().expect("each finding once");
-        f.link.id = Some(id_of[i]);
-        f.link.incident = Some(incident);
-        f.link.cause = cause[i].map(|c| id_of[c]);
+        f.link = IncidentLink {
+            id: Some(id_of[i]),
+            incident: Some(incident),
+            cause: cause[i].map(|c| id_of[c]),
+            // The stream's provisional link: `cause` says it now.
+            follows_from: None,
+        };
         found.push(f);
     }
 }

@@ -106,19 +106,103 @@ pub struct Ranks {
     jobs: HashMap<u32, String>,
     /// The job's step markers, per process.
     pub marks: step_marks::StepMarks,
+    /// Each job's current run: the ranks seen in it, kept after their
+    /// processes ended (a crashed rank's finding still names its run).
+    runs: HashMap<String, JobRun>,
+    /// Bumped at every identity (which run was touched last).
+    touches: u64,
 }
+
+/// One run of a job: from its first rank's identity until a rank it has
+/// seen appears again in a new process (the job restarted).
+struct JobRun {
+    generation: u32,
+    ranks: std::collections::BTreeSet<u32>,
+    /// Its processes with a rank that have not ended.
+    live: std::collections::BTreeSet<u32>,
+    /// When its last process ended.
+    ended_at: Option<u64>,
+    touched: u64,
+}
+
+/// How long after its last process ended a run still owns the findings
+/// made about it (those made at the exits themselves, a late verdict).
+const ENDED_RUN_GRACE_NS: u64 = 60_000_000_000;
+
+/// Jobs whose runs are remembered; past it the least recently seen goes.
+const MAX_JOB_RUNS: usize = 1024;
 
 impl Ranks {
     /// Records `tgid`'s identity; whether it is new (not a repeat).
     fn identity(&mut self, tgid: u32, id: &RankIdentity) -> bool {
         let mut new = false;
-        if let Some(r) = id.rank.as_deref().and_then(|r| r.trim().parse().ok()) {
+        let rank = id.rank.as_deref().and_then(|r| r.trim().parse().ok());
+        if let Some(r) = rank {
             new = self.by_tgid.insert(tgid, r) != Some(r);
         }
         if let Some(j) = &id.job {
             self.jobs.insert(tgid, j.clone());
         }
+        if let Some(r) = rank
+            && new
+        {
+            self.note_run(tgid, r);
+        }
         new
+    }
+
+    /// A new process holds rank `r` of its job: the job's run goes on, or
+    /// a new one begins if the rank was seen in this run already.
+    fn note_run(&mut self, tgid: u32, r: u32) {
+        self.touches += 1;
+        let job = self.job_of(tgid).to_string();
+        if !self.runs.contains_key(&job) && self.runs.len() >= MAX_JOB_RUNS {
+            let oldest = self
+                .runs
+                .iter()
+                .min_by_key(|(_, run)| run.touched)
+                .map(|(j, _)| j.clone());
+            if let Some(j) = oldest {
+                self.runs.remove(&j);
+            }
+        }
+        let run = self.runs.entry(job).or_insert_with(|| JobRun {
+            generation: 0,
+            ranks: Default::default(),
+            live: Default::default(),
+            ended_at: None,
+            touched: 0,
+        });
+        run.touched = self.touches;
+        if !run.ranks.insert(r) {
+            run.generation += 1;
+            run.ranks.clear();
+            run.ranks.insert(r);
+        }
+        run.live.insert(tgid);
+        run.ended_at = None;
+    }
+
+    /// The job and run that ranks `ranks` belong to, for a finding made
+    /// at `at`: the one job whose current run has seen them all and is
+    /// running (or ended less than [`ENDED_RUN_GRACE_NS`] before); None
+    /// when none is, or when two jobs are (their ranks are numbered alike).
+    pub fn run_of(&self, ranks: &[u32], at: u64) -> Option<(String, u32)> {
+        if ranks.is_empty() {
+            return None;
+        }
+        let mut holding = self.runs.iter().filter(|(_, run)| {
+            let current = !run.live.is_empty()
+                || run
+                    .ended_at
+                    .is_some_and(|end| at <= end.saturating_add(ENDED_RUN_GRACE_NS));
+            current && ranks.iter().all(|r| run.ranks.contains(r))
+        });
+        let (job, run) = holding.next()?;
+        holding
+            .next()
+            .is_none()
+            .then(|| (job.clone(), run.generation))
     }
 
     pub fn of(&self, tgid: u32) -> Option<u32> {
@@ -146,7 +230,16 @@ impl Ranks {
             .min()
     }
 
-    fn forget(&mut self, tgid: u32) {
+    /// `tgid` ended at `ts`.
+    fn forget(&mut self, tgid: u32, ts: u64) {
+        if let Some(run) = self
+            .runs
+            .get_mut(self.jobs.get(&tgid).map_or("", String::as_str))
+            && run.live.remove(&tgid)
+            && run.live.is_empty()
+        {
+            run.ended_at = Some(ts);
+        }
         self.by_tgid.remove(&tgid);
         self.jobs.remove(&tgid);
         self.marks.forget(tgid);
@@ -299,7 +392,7 @@ impl Detectors {
         } = r
         {
             // Last: the findings above named it by its rank and job.
-            self.ranks.forget(exit.tgid);
+            self.ranks.forget(exit.tgid, exit.ts);
         }
     }
 
@@ -397,7 +490,13 @@ pub struct DetectSink {
     feedback: Option<Sender<Record>>,
     found: Vec<Finding>,
     scratch: Vec<Finding>,
+    /// The latest findings with the run of the job they belong to: what a
+    /// new finding may follow from (see [`Self::link`]).
+    recent: std::collections::VecDeque<(Finding, (String, u32))>,
 }
+
+/// Findings a new one is checked against for what it follows from.
+const RECENT_FINDINGS: usize = 256;
 
 impl DetectSink {
     pub fn new(cfg: DetectConfig, feedback: Option<Sender<Record>>) -> Self {
@@ -406,12 +505,69 @@ impl DetectSink {
             feedback,
             found: Vec::new(),
             scratch: Vec::new(),
+            recent: Default::default(),
+        }
+    }
+
+    /// Links the findings made now to what explains them among the
+    /// latest findings of the same run of their job and each other, as
+    /// [`incidents::group`] would judge them ([`incidents::causes`]): the
+    /// stream's consumers (the service's log, dumps and metrics) then take
+    /// a consequence as such, not as a fault of its own. Findings made
+    /// together (a hung job's members, found at one tick) are judged
+    /// together, whichever came out first; an earlier finding stays as it
+    /// went out. Findings whose job is not known for sure (two jobs
+    /// numbering their ranks alike) stand alone.
+    fn link(&mut self, made: &mut [Finding]) {
+        let runs: Vec<Option<(String, u32)>> = made
+            .iter()
+            .map(|f| self.detectors.ranks.run_of(&f.ranks, f.detected_ns))
+            .collect();
+        let mut judged: Vec<&(String, u32)> = Vec::new();
+        for run in runs.iter().flatten() {
+            if judged.contains(&run) {
+                continue;
+            }
+            judged.push(run);
+            let earlier: Vec<&Finding> = self
+                .recent
+                .iter()
+                .filter(|(_, r)| r == run)
+                .map(|(g, _)| g)
+                .collect();
+            let now: Vec<usize> = (0..made.len())
+                .filter(|&k| runs[k].as_ref() == Some(run))
+                .collect();
+            let together: Vec<Finding> = earlier
+                .iter()
+                .map(|g| (*g).clone())
+                .chain(now.iter().map(|&k| made[k].clone()))
+                .collect();
+            let causes = incidents::causes(&together);
+            for (pos, &k) in now.iter().enumerate() {
+                if let Some(c) = causes[earlier.len() + pos] {
+                    made[k].link.follows_from = Some(together[c].headline());
+                }
+            }
+        }
+        for (f, run) in made.iter().zip(runs) {
+            if let Some(run) = run {
+                if self.recent.len() == RECENT_FINDINGS {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back((f.clone(), run));
+            }
         }
     }
 
     fn publish(&mut self) {
-        for f in self.scratch.drain(..) {
-            tracing::warn!("finding: {}", f.summary);
+        let mut made = std::mem::take(&mut self.scratch);
+        self.link(&mut made);
+        for f in made.drain(..) {
+            match &f.link.follows_from {
+                None => tracing::warn!("finding: {}", f.summary),
+                Some(cause) => tracing::info!("finding: {} (follows from {cause})", f.summary),
+            }
             if let Some(tx) = &self.feedback {
                 // The pipeline is gone at the very end: the output has it.
                 let _ = tx.send(Record::Finding(Box::new(f.clone())));
@@ -420,6 +576,7 @@ impl DetectSink {
                 self.found.push(f);
             }
         }
+        self.scratch = made;
         let splits = self.detectors.take_step_splits();
         if let Some(tx) = &self.feedback {
             for s in splits {

@@ -966,3 +966,206 @@ fn a_sticky_error_of_any_call_is_a_device_error_once_per_code() {
         ]
     );
 }
+
+/// The sink's findings as they stream, from `records` then a tick at `at`.
+fn stream(
+    sink: &mut DetectSink,
+    rx: &std::sync::mpsc::Receiver<Record>,
+    records: &[Record],
+    at: u64,
+) -> Vec<Finding> {
+    let lost = SinkCounters::default();
+    sink.on_batch(records, &lost).unwrap();
+    sink.on_tick(at, &lost).unwrap();
+    rx.try_iter()
+        .filter_map(|r| match r {
+            Record::Finding(f) => Some(*f),
+            _ => None,
+        })
+        .collect()
+}
+
+/// An all-reduce of process `pid` as member `member` of the two-member
+/// communicator `hash`: finished (`open` false) or in flight.
+fn member_call(pid: u32, hash: u64, member: u32, seq: u64, start: u64) -> (Record, OpenCall) {
+    let comm = CommContext {
+        handle: hash ^ u64::from(member),
+        id_hash: Some(hash),
+        rank: Some(member),
+        size: Some(2),
+        seq: Some(seq),
+        seq_exact: true,
+    };
+    let mut c = call(
+        pid,
+        CallKind::Collective(Collective::AllReduce),
+        "ncclAllReduce",
+        start,
+        start + 1_000,
+    );
+    c.comm = Some(comm);
+    let open = OpenCall {
+        tgid: pid,
+        tid: pid,
+        library: Library::Nccl,
+        function: "ncclAllReduce",
+        kind: CallKind::Collective(Collective::AllReduce),
+        start_ts: start,
+        comm: Some(comm),
+        peer: None,
+        thread: ThreadNow::Off {
+            state: 1,
+            since: start + 10,
+        },
+    };
+    (Record::DeviceCall(Box::new(DeviceCallRecord::new(c))), open)
+}
+
+/// Ranks 0, 1, 2 of job `j` (pids `first`..): ranks 0 and 1 share
+/// communicator A, ranks 1 and 2 communicator B. Rank 0 never enters A's
+/// #5, so rank 1 waits there and never enters B's #5, where rank 2 waits:
+/// the hang on B (rank 1 missing) follows from the hang on A (rank 0
+/// missing, rank 1 waiting), found a tick later (`b_at`: 8 s into the
+/// run), or at the same tick (6.5 s). `extra` joins the first batch.
+fn chained_hangs(
+    sink: &mut DetectSink,
+    rx: &std::sync::mpsc::Receiver<Record>,
+    first: u32,
+    t0: u64,
+    b_at: u64,
+    extra: &[Record],
+) -> Vec<Finding> {
+    let (a, b) = (0xa000 + u64::from(first), 0xb000 + u64::from(first));
+    let mut records: Vec<Record> = (0..3)
+        .map(|r| identity_in(first + r, r, "j"))
+        .chain(extra.iter().cloned())
+        .collect();
+    for seq in 0..5 {
+        let at = t0 + seq * S;
+        records.push(member_call(first, a, 0, seq, at).0);
+        records.push(member_call(first + 1, a, 1, seq, at).0);
+        records.push(member_call(first + 1, b, 0, seq, at + 1_000).0);
+        records.push(member_call(first + 2, b, 1, seq, at + 1_000).0);
+    }
+    let waiting_in_a = member_call(first + 1, a, 1, 5, t0 + 6 * S).1;
+    let waiting_in_b = member_call(first + 2, b, 1, 5, t0 + b_at).1;
+    records.push(snapshot(
+        t0 + 17 * S,
+        vec![waiting_in_a.clone(), waiting_in_b.clone()],
+    ));
+    // 11 s in A (over the 10 s timeout), 9 s in B (or 10.5 s).
+    let mut found = stream(sink, rx, &records, t0 + 17 * S);
+    found.extend(stream(
+        sink,
+        rx,
+        &[snapshot(t0 + 19 * S, vec![waiting_in_a, waiting_in_b])],
+        t0 + 19 * S,
+    ));
+    found
+}
+
+/// A finding streamed as it is made says which earlier finding of its
+/// job's run explains it (the service then neither dumps nor counts it as
+/// a fault of its own); after the job restarted (new processes, the same
+/// ranks) nothing of the old run explains the new run's findings, and
+/// where two jobs number their ranks alike nothing is linked.
+#[test]
+fn a_streamed_finding_follows_from_the_earlier_one_of_its_run_that_explains_it() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut sink = DetectSink::new(
+        DetectConfig {
+            hang_timeout: Duration::from_secs(10),
+            ..DetectConfig::default()
+        },
+        Some(tx),
+    );
+    let shape = |found: &[Finding]| -> Vec<(FindingKind, Vec<u32>, bool)> {
+        found
+            .iter()
+            .map(|f| (f.kind, f.ranks.clone(), f.link.follows_from.is_some()))
+            .collect()
+    };
+    let first = chained_hangs(&mut sink, &rx, 100, 0, 8 * S, &[]);
+    assert_eq!(
+        shape(&first),
+        vec![
+            (FindingKind::Hang, vec![0], false),
+            (FindingKind::Hang, vec![1], true),
+        ],
+        "{first:#?}"
+    );
+    assert_eq!(first[1].link.follows_from, Some(first[0].headline()));
+    // The job restarted: pids 200.. hold the same ranks, on new
+    // communicators. Its second hang follows from its own first.
+    let second = chained_hangs(&mut sink, &rx, 200, 100 * S, 8 * S, &[]);
+    assert_eq!(shape(&second), shape(&first), "{second:#?}");
+    assert_eq!(second[1].link.follows_from, Some(second[0].headline()));
+    // (Its first hang names rank 0 as the first run's did: without the
+    // run, it would follow from that one.)
+    // Another job with ranks 0..3 too: a rank number no longer says
+    // whose finding it is, so this run's findings stand alone.
+    let other: Vec<Record> = (0..3).map(|r| identity_in(400 + r, r, "k")).collect();
+    let third = chained_hangs(&mut sink, &rx, 300, 200 * S, 8 * S, &other);
+    assert_eq!(third.len(), 2, "{third:#?}");
+    assert!(
+        third.iter().all(|f| f.link.follows_from.is_none()),
+        "{third:#?}"
+    );
+    // Job k ends: a minute on, rank numbers say whose findings they are
+    // again. Found at the same tick, in whatever order they come out,
+    // the hangs are judged together: B follows from A.
+    let mut k_ends = Vec::new();
+    for pid in 400..403 {
+        let mut e = exit(pid, Some(0));
+        if let Record::Exit { exit, .. } = &mut e {
+            exit.ts = 230 * S;
+        }
+        k_ends.push(e);
+    }
+    stream(&mut sink, &rx, &k_ends, 230 * S);
+    let fourth = chained_hangs(&mut sink, &rx, 500, 300 * S, 6 * S + S / 2, &[]);
+    let mut by_rank = shape(&fourth);
+    by_rank.sort_by(|a, b| a.1.cmp(&b.1));
+    assert_eq!(by_rank, shape(&first), "{fourth:#?}");
+    // At the end the run's findings are grouped; the stream's links give
+    // way to the document's.
+    let all = sink.finish(400 * S, &SinkCounters::default()).unwrap();
+    assert!(all.iter().all(|f| f.link.follows_from.is_none()));
+    assert!(all.iter().any(|f| f.link.cause.is_some()));
+}
+
+/// A job's run: a new process holding a rank the run has seen begins
+/// the next run; ranks of two jobs numbered alike name no run.
+#[test]
+fn a_rank_seen_again_in_a_new_process_begins_the_jobs_next_run() {
+    let mut d = detectors(300);
+    let run_of = |d: &Detectors, ranks: &[u32]| d.ranks.run_of(ranks, 10 * S);
+    feed(
+        &mut d,
+        &(0..2)
+            .map(|r| identity_in(10 + r, r, "j"))
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(run_of(&d, &[0, 1]), Some(("j".to_string(), 0)));
+    assert_eq!(run_of(&d, &[]), None);
+    assert_eq!(run_of(&d, &[2]), None, "no process held rank 2");
+    // The same identity again is no new process.
+    feed(&mut d, &[identity_in(10, 0, "j")]);
+    assert_eq!(run_of(&d, &[0, 1]), Some(("j".to_string(), 0)));
+    // Rank 0 in a new process: the restart's run has seen rank 0 only.
+    feed(&mut d, &[identity_in(20, 0, "j")]);
+    assert_eq!(run_of(&d, &[0]), Some(("j".to_string(), 1)));
+    assert_eq!(run_of(&d, &[0, 1]), None);
+    feed(&mut d, &[identity_in(21, 1, "j"), identity_in(30, 1, "k")]);
+    assert_eq!(run_of(&d, &[0]), Some(("j".to_string(), 1)));
+    assert_eq!(run_of(&d, &[1]), None, "jobs j and k both have rank 1");
+    // Job k's process ended (exits are stamped 9 s): its run owns the
+    // findings of the next minute, then j's rank 1 is j's alone.
+    feed(&mut d, &[exit(30, Some(0))]);
+    assert_eq!(d.ranks.run_of(&[1], 60 * S), None);
+    assert_eq!(
+        d.ranks.run_of(&[1], 70 * S),
+        Some(("j".to_string(), 1)),
+        "k ended over a minute before"
+    );
+}

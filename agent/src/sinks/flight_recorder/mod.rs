@@ -292,10 +292,15 @@ impl FlightRecorder {
             // seen): the dump holds what led to it, and the finding. One
             // dump per trigger and batch: findings come out together (every
             // member of a hung collective at the same tick), and one window
-            // holds them all (its summary lists every finding in it).
+            // holds them all (its summary lists every finding in it). A
+            // finding that follows from an earlier one (a peer that waited
+            // for the slow rank) is that fault's consequence: the fault's
+            // own dump holds what led to both.
             let mut triggers = Vec::new();
             for r in batch.iter() {
-                if let Record::Finding(f) = r {
+                if let Record::Finding(f) = r
+                    && f.link.follows_from.is_none()
+                {
                     let trigger = Trigger::of_finding(f.kind);
                     if triggers.contains(&trigger) {
                         continue;

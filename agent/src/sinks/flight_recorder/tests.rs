@@ -811,6 +811,50 @@ fn a_dump_is_named_after_its_findings_job_or_the_windows_jobs() {
     );
 }
 
+/// A finding that follows from an earlier one (a peer that waited for the
+/// slow rank) takes no dump of its own: the fault's dump holds what led
+/// to both; the next fault dumps again.
+#[test]
+fn a_consequence_takes_no_dump_of_its_own() {
+    use crate::model::FindingKind::SlowRank;
+    let dir = Dir::new("consequence");
+    let (mut rec, _tx, stats) = FlightRecorder::new(settings(&dir.0));
+    feed(&mut rec, vec![initial(), identity(APP, "5", "llama")]);
+    feed(
+        &mut rec,
+        vec![waking(S, APP + 1), finding(SlowRank, APP, 2 * S)],
+    );
+    let mut consequence = finding(SlowRank, APP + 1, 2 * S + S / 20);
+    if let Record::Finding(f) = &mut consequence {
+        f.link.follows_from = Some(format!("slow_rank: pid {APP}"));
+    }
+    feed(&mut rec, vec![waking(2 * S + S / 10, APP + 1), consequence]);
+    feed(&mut rec, vec![waking(3 * S, APP + 1)]);
+    feed(&mut rec, vec![finding(SlowRank, APP + 2, 60 * S)]);
+    feed(&mut rec, vec![waking(61 * S, APP + 1)]);
+    rec.finish(62 * S, &SinkCounters::default()).unwrap();
+    let written = stats
+        .trigger(Trigger::Slowdown)
+        .written
+        .load(Ordering::Relaxed);
+    let mut triggered_by: Vec<u64> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".summary.json"))
+        .map(|p| {
+            let s: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            s["finding"]["evidence"]["pid"].as_u64().expect("a trigger")
+        })
+        .collect();
+    triggered_by.sort();
+    assert_eq!(
+        (written, triggered_by),
+        (2, vec![u64::from(APP), u64::from(APP + 2)]),
+        "a dump for each fault, none for the consequence"
+    );
+}
+
 fn finding(kind: crate::model::FindingKind, pid: u32, at: u64) -> Record {
     Record::Finding(Box::new(crate::model::Finding {
         link: Default::default(),

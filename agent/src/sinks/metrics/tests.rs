@@ -438,6 +438,31 @@ fn the_hang_gauge_and_findings() {
     let text = handle.render();
     assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 1.0);
     assert_eq!(value(&text, "xpuscope_findings_total{kind=\"crash\"}"), 0.0);
+    assert_eq!(value(&text, "xpuscope_incidents_total{kind=\"hang\"}"), 1.0);
+    // A peer's hang that follows from it: a finding, not another fault.
+    let mut peer = Finding {
+        link: Default::default(),
+        kind: FindingKind::Hang,
+        ranks: vec![0],
+        comm: None,
+        seq: None,
+        step: None,
+        start_ns: 9_600 * MS,
+        end_ns: None,
+        summary: "hang".into(),
+        evidence: serde_json::json!({}),
+        detected_ns: 11_000 * MS,
+    };
+    peer.link.follows_from = Some("hang: rank 1".into());
+    sink.on_batch(&[Record::Finding(Box::new(peer))], &lost)
+        .unwrap();
+    let text = handle.render();
+    assert_eq!(value(&text, "xpuscope_findings_total{kind=\"hang\"}"), 2.0);
+    assert_eq!(value(&text, "xpuscope_incidents_total{kind=\"hang\"}"), 1.0);
+    assert_eq!(
+        value(&text, "xpuscope_incidents_total{kind=\"crash\"}"),
+        0.0
+    );
 }
 
 fn exit(tgid: u32, ts: u64) -> Record {

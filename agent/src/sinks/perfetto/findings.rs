@@ -80,6 +80,9 @@ impl<W: Write> PerfettoSink<W> {
         if let Some(c) = &f.comm {
             args.push(k::FINDING_COMM.arg(c.as_str()));
         }
+        if let Some(cause) = &f.link.follows_from {
+            args.push(k::FOLLOWS_FROM.arg(cause.as_str()));
+        }
         if let Some(s) = f.seq {
             args.push(k::SEQ.arg(s));
         }
