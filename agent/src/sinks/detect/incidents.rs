@@ -347,6 +347,27 @@ fn explains(g: &Finding, f: &Finding, g_first: bool) -> Option<u8> {
 /// for a root. The one judgement behind [`group`] and the detect sink's
 /// links of findings as they stream.
 pub fn causes(found: &[Finding]) -> Vec<Option<usize>> {
+    causes_where(found, |_, _| true)
+}
+
+/// Whether a finding streamed as it is made may be linked to `cause`
+/// before the run's findings are all known. Not one rank's lateness to
+/// another's: with host evidence alone two ranks late together can each
+/// look like the one the other waited for (two tensor-parallel peers,
+/// each blocked in its stream sync, late at their data-parallel
+/// all-reduces within microseconds of each other), and the first to begin
+/// is no better than a guess. What a stall, contention, a hang, a
+/// throttled device, a crash or a leak explains has one direction.
+pub fn streamed_link_holds(cause: &Finding, f: &Finding) -> bool {
+    let lateness = |k: FindingKind| matches!(k, FindingKind::LateArrival | FindingKind::SlowRank);
+    !(lateness(cause.kind) && lateness(f.kind))
+}
+
+/// [`causes`] with only the explanations `accept` (cause, finding) takes.
+pub fn causes_where(
+    found: &[Finding],
+    accept: impl Fn(&Finding, &Finding) -> bool,
+) -> Vec<Option<usize>> {
     let n = found.len();
     // Time order decides "earlier" between findings of one kind.
     let mut by_time: Vec<usize> = (0..n).collect();
@@ -358,7 +379,7 @@ pub fn causes(found: &[Finding]) -> Vec<Option<usize>> {
     let mut cause: Vec<Option<usize>> = (0..n)
         .map(|i| {
             (0..n)
-                .filter(|&j| j != i)
+                .filter(|&j| j != i && accept(&found[j], &found[i]))
                 .filter_map(|j| {
                     explains(&found[j], &found[i], when[j] < when[i]).map(|s| (s, when[j], j))
                 })

@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use super::incidents::{group, text};
+use super::incidents::{causes, causes_where, group, streamed_link_holds, text};
 use crate::model::{Finding, FindingKind};
 
 const MS: u64 = 1_000_000;
@@ -237,6 +237,26 @@ fn a_peer_late_because_it_waited_for_a_late_rank_follows_from_it() {
             (1, FindingKind::LateArrival, vec![1], Some(1)),
             (1, FindingKind::LateArrival, vec![3], Some(1)),
         ]
+    );
+}
+
+/// Findings streamed as they are made are linked by the same rules, but
+/// not one rank's lateness to another's (host evidence alone cannot tell
+/// which of two ranks late together waited for the other); a stall still
+/// explains the lateness that overlaps it.
+#[test]
+fn a_streamed_lateness_follows_from_a_stall_never_from_another_rank_s_lateness() {
+    let late = |rank, span| finding(FindingKind::LateArrival, &[rank], Some(5), span);
+    let peers = vec![late(3, (5_100, 5_900)), late(1, (5_000, 6_000))];
+    assert_eq!(causes(&peers), vec![Some(1), None]);
+    assert_eq!(causes_where(&peers, streamed_link_holds), vec![None, None]);
+    let stalled = vec![
+        late(4, (5_200, 5_450)),
+        finding(FindingKind::DataloaderStall, &[6], Some(5), (5_000, 5_500)),
+    ];
+    assert_eq!(
+        causes_where(&stalled, streamed_link_holds),
+        vec![Some(1), None]
     );
 }
 

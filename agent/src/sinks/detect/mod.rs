@@ -517,7 +517,9 @@ impl DetectSink {
     /// together (a hung job's members, found at one tick) are judged
     /// together, whichever came out first; an earlier finding stays as it
     /// went out. Findings whose job is not known for sure (two jobs
-    /// numbering their ranks alike) stand alone.
+    /// numbering their ranks alike) stand alone, as does one rank's
+    /// lateness where only another rank's explains it
+    /// ([`incidents::streamed_link_holds`]).
     fn link(&mut self, made: &mut [Finding]) {
         let runs: Vec<Option<(String, u32)>> = made
             .iter()
@@ -543,7 +545,7 @@ impl DetectSink {
                 .map(|g| (*g).clone())
                 .chain(now.iter().map(|&k| made[k].clone()))
                 .collect();
-            let causes = incidents::causes(&together);
+            let causes = incidents::causes_where(&together, incidents::streamed_link_holds);
             for (pos, &k) in now.iter().enumerate() {
                 if let Some(c) = causes[earlier.len() + pos] {
                     made[k].link.follows_from = Some(together[c].headline());
