@@ -405,6 +405,48 @@ pub fn causes_where(
             at = next;
         }
     }
+    // A hang every member entered whose point-to-point waits point to
+    // ranks that several hangs hold up, none of them all (a data-parallel
+    // group's ranks each waiting to receive from a pipeline peer stuck in
+    // its own tensor-parallel all-gather): it follows from those hangs
+    // when they all lead back to one fault (the earliest of them stands
+    // for it). Assigned after the cycles are broken: a root's chain is
+    // final, and it is never this hang's own.
+    let root_of = |cause: &[Option<usize>], mut i: usize| {
+        while let Some(c) = cause[i] {
+            i = c;
+        }
+        i
+    };
+    for i in 0..n {
+        let f = &found[i];
+        if cause[i].is_some() || f.kind != FindingKind::Hang || !missing_none(f) {
+            continue;
+        }
+        let peers = p2p_peers(f);
+        if peers.is_empty() {
+            continue;
+        }
+        let holders: Vec<usize> = (0..n)
+            .filter(|&j| {
+                j != i
+                    && found[j].kind == FindingKind::Hang
+                    && accept(&found[j], f)
+                    && !held_ranks(&found[j]).is_disjoint(&peers)
+            })
+            .collect();
+        let held: BTreeSet<u32> = holders
+            .iter()
+            .flat_map(|&j| held_ranks(&found[j]))
+            .collect();
+        if !peers.is_subset(&held) {
+            continue;
+        }
+        let roots: BTreeSet<usize> = holders.iter().map(|&j| root_of(&cause, j)).collect();
+        if roots.len() == 1 && !roots.contains(&i) {
+            cause[i] = holders.iter().copied().min_by_key(|&j| when[j]);
+        }
+    }
     cause
 }
 

@@ -1,5 +1,7 @@
 //! Incidents over findings built here, shaped as the detectors write them.
 
+use std::collections::BTreeSet;
+
 use serde_json::json;
 
 use super::incidents::{causes, causes_where, group, streamed_link_holds, text};
@@ -150,6 +152,56 @@ fn point_to_point_waits_lead_to_the_hang_that_holds_their_peer() {
         "the collective rank 5 never entered says more than a wait for it"
     );
     assert_eq!(found[1].comm.as_deref(), Some("pp1"));
+}
+
+#[test]
+fn waits_into_several_hangs_of_one_fault_follow_from_it() {
+    // 16 ranks, TP 2, DP 4, two pipeline stages; rank 5 stops before its
+    // data-parallel all-reduce (ranks 1, 3, 7 wait in it). Each of the
+    // stage's tensor-parallel all-gathers waits for the odd rank of its
+    // pair, and the next stage's data-parallel all-reduces, which every
+    // member entered, wait to receive from the stage's ranks: ranks 0, 2,
+    // 4, 6 (each held by another all-gather) and 1, 3, 5, 7.
+    let mut found = vec![hang("dp1357", &[5], &[1, 3, 7], 1_000)];
+    for (even, odd) in [(0, 1), (2, 3), (4, 5), (6, 7)] {
+        found.push(hang(&format!("tp{even}{odd}"), &[odd], &[even], 1_010));
+    }
+    for (name, peers) in [("dp8", [0, 2, 4, 6]), ("dp9", [1, 3, 5, 7])] {
+        let mut all_in = hang(name, &[], &[], 990);
+        all_in.evidence["never_entered"] = json!([]);
+        all_in.evidence["p2p_waits"] = json!(
+            peers
+                .iter()
+                .map(|p| json!({"rank": p + 8, "peer": p, "op": "recv"}))
+                .collect::<Vec<_>>()
+        );
+        all_in.ranks = peers.iter().map(|p| p + 8).collect();
+        found.push(all_in);
+    }
+    group(&mut found);
+    let incidents: BTreeSet<u32> = found.iter().filter_map(|f| f.link.incident).collect();
+    assert_eq!(incidents.len(), 1, "one fault: {:#?}", shape(&found));
+    assert_eq!(found[0].comm.as_deref(), Some("dp1357"));
+    // One of its waits is for a rank held up by a second, unrelated fault
+    // (rank 20 never entered "other", rank 21 waits in it): the waits lead
+    // to two faults, and it stands alone.
+    let mut split = found.clone();
+    split.push(hang("other", &[20], &[21], 1_020));
+    if let Some(f) = split.iter_mut().find(|f| f.comm.as_deref() == Some("dp8")) {
+        f.evidence["p2p_waits"] = json!([{"rank": 10, "peer": 0, "op": "recv"},
+            {"rank": 11, "peer": 21, "op": "recv"}]);
+    }
+    group(&mut split);
+    let dp8 = split
+        .iter()
+        .find(|f| f.comm.as_deref() == Some("dp8"))
+        .unwrap();
+    assert_eq!(
+        dp8.link.cause,
+        None,
+        "its waits lead to two faults: {:#?}",
+        shape(&split)
+    );
 }
 
 #[test]
