@@ -498,6 +498,12 @@ pub struct DetectSink {
 /// Findings a new one is checked against for what it follows from.
 const RECENT_FINDINGS: usize = 256;
 
+/// How long before a new finding another can be what it follows from: a
+/// fault's consequences come out within the hang timeout (default 5
+/// minutes) of it; a finding of the same run much later is a fault of its
+/// own (the same rank hanging again an hour on), and dumps.
+const RECENT_WINDOW_NS: u64 = 15 * 60 * 1_000_000_000;
+
 impl DetectSink {
     pub fn new(cfg: DetectConfig, feedback: Option<Sender<Record>>) -> Self {
         Self {
@@ -510,7 +516,8 @@ impl DetectSink {
     }
 
     /// Links the findings made now to what explains them among the
-    /// latest findings of the same run of their job and each other, as
+    /// latest findings of the same run of their job (of the last
+    /// [`RECENT_WINDOW_NS`]) and each other, as
     /// [`incidents::group`] would judge them ([`incidents::causes`]): the
     /// stream's consumers (the service's log, dumps and metrics) then take
     /// a consequence as such, not as a fault of its own. Findings made
@@ -525,6 +532,7 @@ impl DetectSink {
             .iter()
             .map(|f| self.detectors.ranks.run_of(&f.ranks, f.detected_ns))
             .collect();
+        let latest = made.iter().map(|f| f.detected_ns).max().unwrap_or(0);
         let mut judged: Vec<&(String, u32)> = Vec::new();
         for run in runs.iter().flatten() {
             if judged.contains(&run) {
@@ -534,7 +542,9 @@ impl DetectSink {
             let earlier: Vec<&Finding> = self
                 .recent
                 .iter()
-                .filter(|(_, r)| r == run)
+                .filter(|(g, r)| {
+                    r == run && g.detected_ns.saturating_add(RECENT_WINDOW_NS) >= latest
+                })
                 .map(|(g, _)| g)
                 .collect();
             let now: Vec<usize> = (0..made.len())

@@ -1169,3 +1169,40 @@ fn a_rank_seen_again_in_a_new_process_begins_the_jobs_next_run() {
         "k ended over a minute before"
     );
 }
+
+/// A finding of the same run long after another that would explain it (the
+/// same rank never entering a collective again, 21 minutes on) is a fault
+/// of its own; minutes apart, one fault.
+#[test]
+fn a_finding_long_after_another_of_its_run_is_a_fault_of_its_own() {
+    let mut sink = DetectSink::new(DetectConfig::default(), None);
+    sink.on_batch(
+        &[identity_in(10, 0, "j"), identity_in(11, 1, "j")],
+        &SinkCounters::default(),
+    )
+    .unwrap();
+    let hang = |at: u64| Finding {
+        link: Default::default(),
+        kind: FindingKind::Hang,
+        ranks: vec![1],
+        comm: Some("nccl:00000000000000aa".into()),
+        seq: Some(4),
+        step: None,
+        start_ns: at,
+        end_ns: None,
+        summary: format!("hang: at {at}"),
+        evidence: serde_json::json!({"entered": [0], "never_entered": [1],
+            "stuck": [{"rank": 0}]}),
+        detected_ns: at,
+    };
+    let mut first = vec![hang(100 * S)];
+    sink.link(&mut first);
+    assert_eq!(first[0].link.follows_from, None);
+    let mut soon = vec![hang(400 * S)];
+    sink.link(&mut soon);
+    assert_eq!(soon[0].link.follows_from, Some(first[0].headline()));
+    // 21 minutes on: the one of 400 s is more than 15 minutes before it.
+    let mut later = vec![hang(100 * S + 21 * 60 * S)];
+    sink.link(&mut later);
+    assert_eq!(later[0].link.follows_from, None, "{later:#?}");
+}
