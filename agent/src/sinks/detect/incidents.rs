@@ -412,12 +412,6 @@ pub fn causes_where(
     // when they all lead back to one fault (the earliest of them stands
     // for it). Assigned after the cycles are broken: a root's chain is
     // final, and it is never this hang's own.
-    let root_of = |cause: &[Option<usize>], mut i: usize| {
-        while let Some(c) = cause[i] {
-            i = c;
-        }
-        i
-    };
     for i in 0..n {
         let f = &found[i];
         if cause[i].is_some() || f.kind != FindingKind::Hang || !missing_none(f) {
@@ -450,6 +444,15 @@ pub fn causes_where(
     cause
 }
 
+/// The root finding `i` leads back to by `cause` (as [`causes`] gives it:
+/// without cycles).
+fn root_of(cause: &[Option<usize>], mut i: usize) -> usize {
+    while let Some(c) = cause[i] {
+        i = c;
+    }
+    i
+}
+
 /// Groups `found` into incidents: orders it roots first (by importance,
 /// then time), each root followed by its consequences (by time), and
 /// sets every finding's `id`, `incident` and, on consequences, `cause`.
@@ -458,12 +461,6 @@ pub fn group(found: &mut Vec<Finding>) {
     let cause = causes(found);
     let mut by_time: Vec<usize> = (0..n).collect();
     by_time.sort_by_key(|&i| (found[i].start_ns, i));
-    let root_of = |mut i: usize| {
-        while let Some(c) = cause[i] {
-            i = c;
-        }
-        i
-    };
     let roots: Vec<usize> = {
         let mut r: Vec<usize> = (0..n).filter(|&i| cause[i].is_none()).collect();
         r.sort_by_key(|&i| (importance(found[i].kind), found[i].start_ns, i));
@@ -472,7 +469,7 @@ pub fn group(found: &mut Vec<Finding>) {
     let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for &i in &by_time {
         if cause[i].is_some() {
-            members.entry(root_of(i)).or_default().push(i);
+            members.entry(root_of(&cause, i)).or_default().push(i);
         }
     }
     let order: Vec<(usize, u32)> = roots
