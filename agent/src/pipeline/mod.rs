@@ -157,7 +157,11 @@ impl<E: Enrich> Pipeline<E> {
         let en = &mut self.enricher;
         match msg {
             PipelineMsg::Events(mut events, _share) => {
-                out.reserve(events.len());
+                // Room for what the events make, about: growing past it
+                // copies every record once more, and room left unused stays
+                // with the batch in the flight recorder's window (bounded
+                // in bytes) for its whole stay.
+                out.reserve(interpret::records_expected(&events));
                 for e in events.drain(..) {
                     self.interpreter.event(e, en, &mut out);
                 }

@@ -1165,27 +1165,26 @@ impl MetricsSink {
 
     fn off_cpu(&mut self, i: &OffCpuInterval) {
         let seconds = i.duration() as f64 / 1e9;
-        if self
-            .resolved
-            .get(&i.tgid)
-            .is_none_or(|p| p.off_cpu.is_none())
-        {
-            let rank = self.rank(i.tgid);
-            let rank = self.admit_rank(i.tgid, RankFamily::OffCpu, rank);
-            let h = (
-                self.f.off_cpu.get_or_create(&rank).clone(),
-                self.f.runqueue.get_or_create(&rank).clone(),
-            );
-            self.resolved.entry(i.tgid).or_default().off_cpu = Some(h);
-        }
-        let Some((off_cpu, runqueue)) = self.resolved.get(&i.tgid).and_then(|p| p.off_cpu.as_ref())
-        else {
-            return;
+        let observe = |(off_cpu, runqueue): &(Counter<f64, AtomicU64>, Histogram)| {
+            off_cpu.inc_by(seconds);
+            if i.preempted_by.is_some() && !i.truncated {
+                runqueue.observe(seconds);
+            }
         };
-        off_cpu.inc_by(seconds);
-        if i.preempted_by.is_some() && !i.truncated {
-            runqueue.observe(seconds);
+        // A third of the records: one lookup once the process's series
+        // are resolved.
+        if let Some(h) = self.resolved.get(&i.tgid).and_then(|p| p.off_cpu.as_ref()) {
+            observe(h);
+            return;
         }
+        let rank = self.rank(i.tgid);
+        let rank = self.admit_rank(i.tgid, RankFamily::OffCpu, rank);
+        let h = (
+            self.f.off_cpu.get_or_create(&rank).clone(),
+            self.f.runqueue.get_or_create(&rank).clone(),
+        );
+        observe(&h);
+        self.resolved.entry(i.tgid).or_default().off_cpu = Some(h);
     }
 
     /// The agent's own figures, as of now.

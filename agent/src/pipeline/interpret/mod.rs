@@ -116,16 +116,34 @@ pub(crate) fn with_truncation(mut frames: Vec<SymFrame>, truncated: bool) -> Vec
     frames
 }
 
+/// A traced thread alive.
+struct ThreadEntry {
+    /// Its name, latest first (what an exec renames it from).
+    name: String,
+    /// Its switches were seen: its state is known (at the service's level
+    /// 0 no switch comes).
+    switched: bool,
+}
+
+/// About how many records `events` make: one each, and an off-CPU
+/// interval more for each traced thread switching in (the most common
+/// second record; a probed call's entry makes none).
+pub fn records_expected(events: &[Event]) -> usize {
+    events.len()
+        + events
+            .iter()
+            .filter(|e| matches!(e, Event::Switch(s) if s.next_target))
+            .count()
+}
+
 /// Raw events in, records out.
 #[derive(Default)]
 pub struct Interpreter {
-    /// tid -> (tgid, latest name) of traced threads alive.
-    threads: FxHashMap<u32, (u32, String)>,
+    /// Traced threads alive, by tid: one lookup per side of a switch
+    /// (switches are most of the records).
+    threads: FxHashMap<u32, ThreadEntry>,
     offcpu: OffCpuTracker,
     device: DeviceInterpreter,
-    /// Traced threads whose switches were seen (their state is known; at
-    /// the service's level 0 no switch comes).
-    switched: rustc_hash::FxHashSet<u32>,
     /// The last in-flight snapshot had calls (one more, empty, says they
     /// all returned).
     in_flight_shown: bool,
@@ -159,7 +177,7 @@ impl Interpreter {
     ) {
         for p in &processes {
             for t in &p.threads {
-                self.note_thread(t.tid, p.pid, &t.comm);
+                self.note_thread(t.tid, &t.comm);
             }
         }
         out.push(Record::InitialProcesses { ts, processes });
@@ -235,7 +253,7 @@ impl Interpreter {
         self.in_flight_shown = !open.is_empty();
         let thread_now = |tid: u32| match self.offcpu.off_since(tid) {
             Some((state, since)) => ThreadNow::Off { state, since },
-            None if self.switched.contains(&tid) => ThreadNow::OnCpu,
+            None if self.threads.get(&tid).is_some_and(|t| t.switched) => ThreadNow::OnCpu,
             None => ThreadNow::Unknown,
         };
         let calls = open
@@ -297,20 +315,34 @@ impl Interpreter {
         self.device.finish(end, &mut self.counters, out);
     }
 
-    fn note_thread(&mut self, tid: u32, tgid: u32, name: &str) {
+    fn note_thread(&mut self, tid: u32, name: &str) {
         if let Some(t) = self.threads.get_mut(&tid) {
-            t.0 = tgid;
-            t.1.clear();
-            t.1.push_str(name);
+            t.name.clear();
+            t.name.push_str(name);
         } else {
             self.counters.threads_seen += 1;
-            self.threads.insert(tid, (tgid, name.to_string()));
+            self.threads.insert(
+                tid,
+                ThreadEntry {
+                    name: name.to_string(),
+                    switched: false,
+                },
+            );
         }
     }
 
-    fn note_running(&mut self, tid: u32, tgid: u32, comm: &Comm) {
-        if !self.threads.contains_key(&tid) {
-            self.note_thread(tid, tgid, &comm.as_str());
+    /// A traced thread switched (in or out): known from now on, with the
+    /// name it switched with if it was not known yet.
+    fn note_switched(&mut self, tid: u32, comm: &Comm) {
+        match self.threads.entry(tid) {
+            std::collections::hash_map::Entry::Occupied(mut t) => t.get_mut().switched = true,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                self.counters.threads_seen += 1;
+                v.insert(ThreadEntry {
+                    name: comm.as_str().into_owned(),
+                    switched: true,
+                });
+            }
         }
     }
 
@@ -321,8 +353,7 @@ impl Interpreter {
             prev_state: state,
         });
         if s.prev_target && s.prev_tid != 0 {
-            self.switched.insert(s.prev_tid);
-            self.note_running(s.prev_tid, s.prev_tgid, &s.prev_comm);
+            self.note_switched(s.prev_tid, &s.prev_comm);
             let preemptor = (state == 0 || state == REPORT_PREEMPTED).then(|| Preemptor {
                 tid: s.next_tid,
                 tgid: s.next_tgid,
@@ -351,8 +382,7 @@ impl Interpreter {
             }
         }
         if s.next_target && s.next_tid != 0 {
-            self.switched.insert(s.next_tid);
-            self.note_running(s.next_tid, s.next_tgid, &s.next_comm);
+            self.note_switched(s.next_tid, &s.next_comm);
             if let Some(interval) = self.offcpu.switched_in(s.next_tid, s.ts) {
                 out.push(Record::OffCpu(interval));
             }
@@ -361,7 +391,7 @@ impl Interpreter {
 
     fn fork(&mut self, f: Fork, en: &mut dyn Enrich, out: &mut Vec<Record>) {
         let name = f.child_comm.as_str().into_owned();
-        self.note_thread(f.child_tid, f.child_tgid, &name);
+        self.note_thread(f.child_tid, &name);
         let process = (!f.is_thread()).then(|| {
             en.process_forked(f.child_tgid, f.parent_tgid);
             self.jobs.forked(f.child_tgid, f.parent_tgid);
@@ -381,9 +411,9 @@ impl Interpreter {
         let old_name = self
             .threads
             .get(&e.tid)
-            .map(|t| t.1.clone())
+            .map(|t| t.name.clone())
             .unwrap_or_default();
-        self.note_thread(e.tid, e.tgid, &new);
+        self.note_thread(e.tid, &new);
         // A new program: addresses cached for the old one mean nothing now.
         en.process_exec(e.tgid);
         self.stack_memo.forget_process(e.tgid);
@@ -410,7 +440,6 @@ impl Interpreter {
         self.device
             .exited(&e, process_ended, en, &mut self.counters, out);
         self.threads.remove(&e.tid);
-        self.switched.remove(&e.tid);
         en.thread_exited(e.tid);
         if process_ended {
             // Every earlier record of the process is out: what is cached
@@ -427,7 +456,7 @@ impl Interpreter {
     }
 
     fn rename(&mut self, r: Rename, out: &mut Vec<Record>) {
-        self.note_thread(r.tid, r.tgid, &r.new_comm.as_str());
+        self.note_thread(r.tid, &r.new_comm.as_str());
         out.push(Record::Rename(r));
     }
 
@@ -702,5 +731,83 @@ mod user_stack_tests {
         assert_eq!(got, Err(-14));
         let got = user_addrs(&mut en, (1, 1), 0, &Ok(vec![0x10]), None, &mut c);
         assert_eq!(got.unwrap().addrs, vec![0x10]);
+    }
+}
+
+#[cfg(test)]
+mod records_expected_tests {
+    use super::*;
+    use crate::events::Waking;
+    use crate::pipeline::enrich::fake::FakeEnricher;
+
+    fn switch(ts: u64, prev: (u32, bool), next: (u32, bool)) -> Event {
+        Event::Switch(Switch {
+            cpu: 0,
+            ts,
+            prev_tid: prev.0,
+            prev_tgid: prev.0,
+            prev_comm: Comm::from_str_lossy("a"),
+            prev_state: 1,
+            prev_prio: 120,
+            next_tid: next.0,
+            next_tgid: next.0,
+            next_comm: Comm::from_str_lossy("b"),
+            next_prio: 120,
+            preempt: false,
+            prev_target: prev.1,
+            next_target: next.1,
+            stack_follows: false,
+        })
+    }
+
+    fn waking(ts: u64, tid: u32) -> Event {
+        Event::Waking(Waking {
+            cpu: 0,
+            ts,
+            tid,
+            tgid: tid,
+            target_cpu: 0,
+            prio: 120,
+            waker_tid: 0,
+            waker_tgid: 0,
+            comm: Comm::from_str_lossy("b"),
+            new_task: false,
+        })
+    }
+
+    /// Two traced threads taking turns, with an outsider between: every
+    /// record the batch makes fits the room reserved for it (the vector
+    /// never grows, so no record is copied twice and the flight recorder
+    /// keeps no unused half).
+    #[test]
+    fn a_scheduling_batch_fits_the_room_expected_for_it() {
+        let (a, b, outsider) = ((100, true), (101, true), (900, false));
+        let mut events = Vec::new();
+        let mut ts = 1_000;
+        for _ in 0..50 {
+            events.push(waking(ts, b.0));
+            events.push(switch(ts + 10, a, b));
+            events.push(waking(ts + 20, a.0));
+            events.push(switch(ts + 30, b, outsider));
+            events.push(switch(ts + 40, outsider, a));
+            ts += 100;
+        }
+        let room = records_expected(&events);
+        let mut out = Vec::with_capacity(room);
+        let mut i = Interpreter::default();
+        let mut en = FakeEnricher::default();
+        for e in events {
+            i.event(e, &mut en, &mut out);
+        }
+        let off_cpu = out
+            .iter()
+            .filter(|r| matches!(r, Record::OffCpu(_)))
+            .count();
+        // Every switch-in of a traced thread that left its CPU earlier in
+        // the batch ends an off-CPU interval: all of a's, all of b's but
+        // its first.
+        assert_eq!(off_cpu, 50 + 49);
+        assert!(out.len() <= room, "{} records, room for {room}", out.len());
+        assert_eq!(out.capacity(), room, "the vector did not grow");
     }
 }

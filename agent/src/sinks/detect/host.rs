@@ -58,6 +58,7 @@ impl HostDetectors {
                 self.leak.device_call(c, ranks.of(c.call.tgid).is_some());
                 if let Some(w) = self.clock.device_call(c) {
                     self.step_ended(&w, ranks, out);
+                    self.clock.recycle(w);
                 }
             }
             Record::OffCpu(i) if i.tid == i.tgid => {
@@ -87,6 +88,7 @@ impl HostDetectors {
         for m in marks {
             if let Some(w) = self.clock.step_mark(m) {
                 self.step_ended(&w, ranks, out);
+                self.clock.recycle(w);
             }
         }
     }

@@ -165,6 +165,28 @@ fn push_bounded<T>(v: &mut Vec<T>, item: T) {
 #[derive(Default)]
 pub struct StepClock {
     ranks: HashMap<u32, RankClock>,
+    /// Emptied window vectors (see [`StepClock::recycle`]): a step's
+    /// calls and off-CPU intervals go into room a finished step left,
+    /// instead of vectors grown anew every step.
+    spare: Spare,
+}
+
+#[derive(Default)]
+struct Spare {
+    calls: Vec<Vec<MainCall>>,
+    off_cpu: Vec<Vec<MainOffCpu>>,
+}
+
+/// Emptied window vectors kept at most, of each kind.
+const SPARE_KEPT: usize = 8;
+
+impl Spare {
+    fn keep<T>(list: &mut Vec<Vec<T>>, mut v: Vec<T>) {
+        if list.len() < SPARE_KEPT && v.capacity() > 0 && v.capacity() <= MAX_WINDOW_ITEMS {
+            v.clear();
+            list.push(v);
+        }
+    }
 }
 
 impl StepClock {
@@ -174,6 +196,12 @@ impl StepClock {
 
     pub fn forget(&mut self, tgid: u32) {
         self.ranks.remove(&tgid);
+    }
+
+    /// A window the detectors are done with: its vectors are reused.
+    pub fn recycle(&mut self, w: Window) {
+        Spare::keep(&mut self.spare.calls, w.calls);
+        Spare::keep(&mut self.spare.off_cpu, w.off_cpu);
     }
 
     #[cfg(test)]
@@ -197,7 +225,8 @@ impl StepClock {
         {
             return None;
         }
-        let r = self.ranks.get_mut(&call.tgid)?;
+        let Self { ranks, spare } = self;
+        let r = ranks.get_mut(&call.tgid)?;
         let op = call
             .comm
             .as_ref()
@@ -224,13 +253,14 @@ impl StepClock {
         }
         let launches = r.launches_since_open(call.launches);
         let closed = r.open.map(|start| {
-            let mut calls = std::mem::take(&mut r.calls);
+            let mut calls = std::mem::replace(&mut r.calls, spare.calls.pop().unwrap_or_default());
             calls.sort_by_key(|m| m.start);
-            let (mut off_cpu, later): (Vec<_>, Vec<_>) = std::mem::take(&mut r.off_cpu)
-                .into_iter()
-                .partition(|i| i.start < me.start);
+            // Intervals from the closing call on belong to the next window.
+            let mut off_cpu =
+                std::mem::replace(&mut r.off_cpu, spare.off_cpu.pop().unwrap_or_default());
+            r.off_cpu
+                .extend(off_cpu.extract_if(.., |i| i.start >= me.start));
             off_cpu.sort_by_key(|i| i.start);
-            r.off_cpu = later;
             Window {
                 tgid: call.tgid,
                 step: r.anchors,
@@ -269,15 +299,18 @@ impl StepClock {
                 start,
                 end,
             } => {
-                let r = self.ranks.get_mut(&tgid)?;
+                let Self { ranks, spare } = self;
+                let r = ranks.get_mut(&tgid)?;
                 if r.open != Some(start) || r.marked_step != step {
                     return None;
                 }
                 r.open = None;
-                let mut calls = std::mem::take(&mut r.calls);
+                let mut calls =
+                    std::mem::replace(&mut r.calls, spare.calls.pop().unwrap_or_default());
                 calls.retain(|c| c.start < end);
                 calls.sort_by_key(|c| c.start);
-                let mut off_cpu = std::mem::take(&mut r.off_cpu);
+                let mut off_cpu =
+                    std::mem::replace(&mut r.off_cpu, spare.off_cpu.pop().unwrap_or_default());
                 off_cpu.retain(|i| i.start < end);
                 off_cpu.sort_by_key(|i| i.start);
                 let launches = r.launches_since_open(None);

@@ -840,3 +840,53 @@ fn a_step_s_launches_are_the_counts_between_its_boundaries() {
     let w = clock.device_call(&anchor(40 * MS, None)).expect("step 3");
     assert_eq!(w.launches, counts(19, 0));
 }
+
+/// A window the detectors are done with gives its room to the next one:
+/// the next window holds its own off-CPU intervals only (those from the
+/// closing all-reduce on, carried over, among them), in the recycled
+/// vector.
+#[test]
+fn a_recycled_window_s_room_holds_the_next_window_only() {
+    use super::super::host_steps::StepClock;
+    let off = |start: u64, end: u64| OffCpuInterval {
+        tid: PID,
+        tgid: PID,
+        cpu: 0,
+        start,
+        end,
+        state: 1,
+        stack: None,
+        preempted_by: None,
+        truncated: false,
+    };
+    let anchor = |t: u64| DeviceCallRecord::new(all_reduce(t, t + MS));
+    let starts = |w: &super::super::host_steps::Window| -> Vec<u64> {
+        w.off_cpu.iter().map(|i| i.start).collect()
+    };
+    let mut clock = StepClock::default();
+    clock.follow(PID);
+    assert!(clock.device_call(&anchor(0)).is_none());
+    for t in [2, 4, 6] {
+        clock.off_cpu(&off(t * MS, t * MS + MS / 2), false);
+    }
+    // Step 1 began inside the all-reduce closing step 0 (its records come
+    // after the interval that began there).
+    clock.off_cpu(&off(10 * MS + 1, 10 * MS + 2), false);
+    let w = clock.device_call(&anchor(10 * MS)).expect("step 0");
+    assert_eq!(starts(&w), [2 * MS, 4 * MS, 6 * MS]);
+    let room = w.off_cpu.as_ptr();
+    clock.recycle(w);
+    for t in [12, 14] {
+        clock.off_cpu(&off(t * MS, t * MS + MS / 2), false);
+    }
+    let w = clock.device_call(&anchor(20 * MS)).expect("step 1");
+    assert_eq!(starts(&w), [10 * MS + 1, 12 * MS, 14 * MS]);
+    clock.recycle(w);
+    clock.off_cpu(&off(22 * MS, 23 * MS), false);
+    clock.off_cpu(&off(30 * MS + 1, 30 * MS + 2), false);
+    let w = clock.device_call(&anchor(30 * MS)).expect("step 2");
+    assert_eq!(starts(&w), [22 * MS]);
+    // Step 0's vector, recycled, gathered the intervals of step 2 (step
+    // 1's own had been gathered in a new one).
+    assert_eq!(w.off_cpu.as_ptr(), room, "the recycled vector is reused");
+}
