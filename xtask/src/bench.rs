@@ -19,6 +19,9 @@
 //! 6. `agent service` always on (`cargo xtask bench soak [--minutes N]`
 //!    alone): CPU and RSS over a long run with the 8-rank simulated job,
 //!    and the job's step-time overhead (see `bench_soak`).
+//! 7. The service's CPU per record by thread and its flight recorder's
+//!    window (`cargo xtask bench service [--compare-agent PATH]` alone,
+//!    see `bench_service`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -244,8 +247,22 @@ pub fn run(
             );
             return Ok(());
         }
+        Some("service") => {
+            let service = crate::bench_service::run(compare)?;
+            std::fs::write(
+                dir.join("service-results.json"),
+                serde_json::to_string_pretty(&service)?,
+            )?;
+            println!(
+                "\n(raw figures: {})",
+                dir.join("service-results.json").display()
+            );
+            return Ok(());
+        }
         Some(other) => {
-            bail!("unknown benchmark part {other:?} (known: pingpong, probes, merge, soak)")
+            bail!(
+                "unknown benchmark part {other:?} (known: pingpong, probes, merge, soak, service)"
+            )
         }
     }
 

@@ -117,10 +117,10 @@ fn pin_to(cmd: &mut Command, cpu: usize) {
 }
 
 /// A temporary directory, removed on drop.
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Scratch {
-    fn new() -> Result<Scratch> {
+    pub(crate) fn new() -> Result<Scratch> {
         let p = std::env::temp_dir().join(format!("xpuscope-soak-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p)?;
@@ -135,8 +135,10 @@ impl Drop for Scratch {
 }
 
 /// A running `agent service`, stopped with SIGTERM on drop.
-struct Service {
+pub(crate) struct Service {
     child: Option<Child>,
+    /// The agent binary it runs (and `agent ctl` with it).
+    agent: PathBuf,
     socket: PathBuf,
     port: u16,
     log: PathBuf,
@@ -147,6 +149,16 @@ impl Service {
     /// files and endpoints go (all under `dir`), and waits until its
     /// control API answers.
     fn start(dir: &Path, tag: &str, cpu: Option<usize>) -> Result<Service> {
+        Self::start_binary(&build::agent_binary(), dir, tag, cpu)
+    }
+
+    /// [`Service::start`] with the agent binary `agent`.
+    pub(crate) fn start_binary(
+        agent: &Path,
+        dir: &Path,
+        tag: &str,
+        cpu: Option<usize>,
+    ) -> Result<Service> {
         wait_for_closers()?;
         let dir = dir.join(tag);
         std::fs::create_dir_all(&dir)?;
@@ -165,7 +177,7 @@ impl Service {
             ),
         )?;
         let log = dir.join("agent.log");
-        let mut cmd = Command::new(build::agent_binary());
+        let mut cmd = Command::new(agent);
         if let Some(cpu) = cpu {
             pin_to(&mut cmd, cpu);
         }
@@ -180,6 +192,7 @@ impl Service {
             .context("starting agent service")?;
         let mut svc = Service {
             child: Some(child),
+            agent: agent.to_path_buf(),
             socket,
             port,
             log,
@@ -202,12 +215,12 @@ impl Service {
         }
     }
 
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, |c| c.id())
     }
 
-    fn ctl(&self, args: &[&str]) -> Result<Value> {
-        let out = Command::new(build::agent_binary())
+    pub(crate) fn ctl(&self, args: &[&str]) -> Result<Value> {
+        let out = Command::new(&self.agent)
             .arg("ctl")
             .arg("--socket")
             .arg(&self.socket)
@@ -229,6 +242,11 @@ impl Service {
 
     /// One scrape of `/metrics`; its size in bytes.
     fn scrape(&self) -> Result<usize> {
+        Ok(self.metrics()?.len())
+    }
+
+    /// One scrape of `/metrics`: the response, headers and all.
+    pub(crate) fn metrics(&self) -> Result<String> {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         write!(
@@ -240,11 +258,11 @@ impl Service {
         if !text.starts_with(b"HTTP/1.1 200") {
             bail!("/metrics: {}", String::from_utf8_lossy(&text));
         }
-        Ok(text.len())
+        Ok(String::from_utf8_lossy(&text).into_owned())
     }
 
     /// SIGTERM, then waits for it and for its probes to be released.
-    fn stop(mut self) -> Result<()> {
+    pub(crate) fn stop(mut self) -> Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
@@ -271,7 +289,7 @@ impl Drop for Service {
 }
 
 /// A simulated job (its own process group, killed on drop).
-struct Job {
+pub(crate) struct Job {
     child: Option<Child>,
     dir: PathBuf,
     /// CPU seconds (user + system) of the launcher and its ranks, once
@@ -282,7 +300,7 @@ struct Job {
 }
 
 impl Job {
-    fn start(
+    pub(crate) fn start(
         dir: &Path,
         name: &str,
         steps: u64,
@@ -324,7 +342,7 @@ impl Job {
     /// Whether it finished; fails if it failed. Reaps the launcher with
     /// `wait4` for its resource usage, which includes its ranks' (the
     /// children it waited for): [`Job::cpu_seconds`].
-    fn finished(&mut self) -> Result<bool> {
+    pub(crate) fn finished(&mut self) -> Result<bool> {
         let Some(c) = self.child.as_ref() else {
             return Ok(true);
         };
@@ -455,7 +473,7 @@ fn cpu_and_rss(pid: u32) -> Result<(f64, u64)> {
     Ok((ticks as f64 / hz, pages * page))
 }
 
-fn load_average() -> String {
+pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()

@@ -17,6 +17,7 @@ mod bench;
 mod bench_floor;
 mod bench_merge;
 mod bench_probes;
+mod bench_service;
 mod bench_soak;
 mod build;
 mod fuzz;
@@ -77,13 +78,16 @@ enum Task {
         /// Only this part: `pingpong` (the scheduling capture overhead
         /// table), `probes` (device-library probe costs), `merge`
         /// (agent merge on 16 node traces, see --trace-mb),
-        /// `soak` (agent service always on; --minutes long).
+        /// `soak` (agent service always on; --minutes long), `service`
+        /// (its CPU per record by thread, and the flight recorder's
+        /// window; with --compare-agent, against another build).
         only: Option<String>,
         /// Length of the soak (`bench soak`), in minutes.
         #[arg(long, default_value_t = 30)]
         minutes: u64,
         /// Another agent binary (e.g. a build of the previous version) to
-        /// measure in the same run: interleaved in the ping-pong rounds,
+        /// measure in the same run: interleaved in the ping-pong rounds
+        /// and the service rounds (`bench service`),
         /// back to back in the system-wide recordings.
         #[arg(long)]
         compare_agent: Option<PathBuf>,
