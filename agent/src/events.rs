@@ -289,6 +289,11 @@ fn off_cpu_class<const WALK: usize, const COPY: usize>(
 }
 
 /// Decodes one ring-buffer record.
+/// A kernel priority (0-139), saturated into what a switch holds.
+fn prio(p: i32) -> i16 {
+    p.clamp(i16::MIN.into(), i16::MAX.into()) as i16
+}
+
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
         return Err(DecodeError::Short(bytes.len()));
@@ -307,11 +312,11 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 prev_tgid: r.prev_tgid,
                 prev_comm: Comm(r.prev_comm),
                 prev_state: r.prev_state,
-                prev_prio: r.prev_prio,
+                prev_prio: prio(r.prev_prio),
                 next_tid: r.next_tid,
                 next_tgid: r.next_tgid,
                 next_comm: Comm(r.next_comm),
-                next_prio: r.next_prio,
+                next_prio: prio(r.next_prio),
                 preempt: r.flags & switch_flags::PREEMPT != 0,
                 prev_target: r.flags & switch_flags::PREV_TARGET != 0,
                 next_target: r.flags & switch_flags::NEXT_TARGET != 0,

@@ -102,11 +102,17 @@ impl OffCpuTracker {
     }
 }
 
+/// A CPU number as an interval holds it (the kernel numbers CPUs below
+/// its NR_CPUS, at most 8192; saturated past u16 all the same).
+pub fn cpu_of(cpu: u32) -> u16 {
+    u16::try_from(cpu).unwrap_or(u16::MAX)
+}
+
 fn finish(tid: u32, open: Open, end: u64, truncated: bool) -> OffCpuInterval {
     OffCpuInterval {
         tid,
         tgid: open.tgid,
-        cpu: open.cpu,
+        cpu: cpu_of(open.cpu),
         start: open.start,
         end,
         state: open.state,

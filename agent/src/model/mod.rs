@@ -96,7 +96,9 @@ pub struct Preemption {
 pub struct OffCpuInterval {
     pub tid: u32,
     pub tgid: u32,
-    pub cpu: u32,
+    /// u16 (CPUs are numbered below 65536; see `offcpu::cpu_of`) keeps
+    /// the interval, a third of the records, within a record's 80 bytes.
+    pub cpu: u16,
     pub start: u64,
     pub end: u64,
     /// Report-format state at switch-out (see `state`).
@@ -134,10 +136,9 @@ pub enum Record {
         ts: u64,
         processes: Vec<ProcessEntry>,
     },
-    /// A context switch; `prev_state` in report format (see `state`).
+    /// A context switch (its report-format state: `Switch::report_state`).
     Switch {
         switch: Switch,
-        prev_state: i64,
     },
     Waking(Waking),
     /// A thread or process was created (`process` for a new process).
@@ -168,7 +169,7 @@ pub enum Record {
     },
     /// A device-library call (possibly without its return). Boxed: it is
     /// 400 bytes, and every record of a batch is as large as the largest
-    /// variant (a switch needs 90).
+    /// variant (see `a_record_is_80_bytes`).
     DeviceCall(Box<DeviceCallRecord>),
     /// Calls past the flood rate, counted over a window.
     CallsSummarized(CallSummary),
@@ -289,5 +290,22 @@ mod size_tests {
             "{}",
             size_of::<super::Record>()
         );
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+
+    /// Every record of a batch takes the largest variant's size, in every
+    /// stage and for its whole stay in the flight recorder (bounded in
+    /// bytes): switches and off-CPU intervals, two thirds of the records,
+    /// are 72 bytes so that a record is 80. A variant grown past that
+    /// makes every record larger: box it, or make room.
+    #[test]
+    fn a_record_is_80_bytes() {
+        assert_eq!(size_of::<Switch>(), 72);
+        assert_eq!(size_of::<OffCpuInterval>(), 72);
+        assert_eq!(size_of::<Record>(), 80);
     }
 }

@@ -70,11 +70,13 @@ pub struct Switch {
     pub prev_comm: Comm,
     /// Raw `__state` of the previous task.
     pub prev_state: u32,
-    pub prev_prio: i32,
+    /// Priorities are 0-139 (`task_struct::prio`): i16 keeps a switch,
+    /// the most common record, small (see `Record`).
+    pub prev_prio: i16,
     pub next_tid: u32,
     pub next_tgid: u32,
     pub next_comm: Comm,
-    pub next_prio: i32,
+    pub next_prio: i16,
     pub preempt: bool,
     pub prev_target: bool,
     pub next_target: bool,
@@ -86,6 +88,11 @@ impl Switch {
     /// (its flags decide that, so this agrees with the record's kind).
     pub fn is_bystander(&self) -> bool {
         !self.prev_target && !self.next_target
+    }
+
+    /// The previous task's state in report format (see `state`).
+    pub fn report_state(&self) -> i64 {
+        crate::state::report_state(self.prev_state, self.preempt)
     }
 }
 

@@ -306,8 +306,13 @@ fn calls() -> Vec<DeviceCallRecord> {
     records
 }
 
-/// A switch on CPU 0 from `prev` (left in report state `state`) to `next`.
+/// A switch on CPU 0 from `prev` (left in report state `state`: 0, R, or
+/// 1, S, whose raw states report as themselves) to `next`.
 fn switch(ts: u64, prev: u32, state: i64, next: u32, next_comm: &str) -> Record {
+    assert!(
+        state == 0 || state == 1,
+        "raw state {state} reports otherwise"
+    );
     Record::Switch {
         switch: Switch {
             cpu: 0,
@@ -315,18 +320,17 @@ fn switch(ts: u64, prev: u32, state: i64, next: u32, next_comm: &str) -> Record 
             prev_tid: prev,
             prev_tgid: prev,
             prev_comm: Comm::from_str_lossy("prev"),
-            prev_state: 0,
+            prev_state: state as u32,
             prev_prio: 120,
             next_tid: next,
             next_tgid: next,
             next_comm: Comm::from_str_lossy(next_comm),
             next_prio: 120,
-            preempt: state == 0,
+            preempt: false,
             prev_target: prev == PID,
             next_target: next == PID,
             stack_follows: false,
         },
-        prev_state: state,
     }
 }
 

@@ -348,10 +348,7 @@ impl Interpreter {
 
     fn switch(&mut self, s: Switch, out: &mut Vec<Record>) {
         let state = report_state(s.prev_state, s.preempt);
-        out.push(Record::Switch {
-            switch: s,
-            prev_state: state,
-        });
+        out.push(Record::Switch { switch: s });
         if s.prev_target && s.prev_tid != 0 {
             self.note_switched(s.prev_tid, &s.prev_comm);
             let preemptor = (state == 0 || state == REPORT_PREEMPTED).then(|| Preemptor {

@@ -358,7 +358,7 @@ impl StepClock {
                 asleep: i.state & crate::analysis::steps::SLEEPING != 0,
                 in_loader,
                 preempted_by,
-                cpu: i.cpu,
+                cpu: i.cpu.into(),
             },
         );
     }

@@ -83,7 +83,6 @@ fn switch(ts: u64, next: u32) -> Record {
             next_target: true,
             stack_follows: false,
         },
-        prev_state: 0,
     }
 }
 
@@ -656,19 +655,12 @@ fn the_summary_lists_discovered_processes_and_exited_ones() {
     let dir = Dir::new("discovered");
     let (mut rec, tx, _stats) = FlightRecorder::new(settings(&dir.0));
     let leader_runs = |ts: u64| {
-        let Record::Switch {
-            switch: mut s,
-            prev_state,
-        } = switch(ts, FOUND)
-        else {
+        let Record::Switch { switch: mut s } = switch(ts, FOUND) else {
             unreachable!()
         };
         s.next_tgid = FOUND;
         s.next_comm = Comm::from_str_lossy("python3");
-        Record::Switch {
-            switch: s,
-            prev_state,
-        }
+        Record::Switch { switch: s }
     };
     // The service starts with nothing to trace; the job comes later.
     feed(

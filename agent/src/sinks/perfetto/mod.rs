@@ -127,7 +127,7 @@ impl<W: Write> PerfettoSink<W> {
     pub fn record(&mut self, r: &Record) -> Result<()> {
         match r {
             Record::InitialProcesses { ts, processes } => self.initial_processes(*ts, processes)?,
-            Record::Switch { switch, prev_state } => self.switch(switch, *prev_state)?,
+            Record::Switch { switch } => self.switch(switch, switch.report_state())?,
             Record::Waking(w) => self.waking(w)?,
             Record::NewTask { fork, process } => self.new_task(fork, process.as_deref())?,
             Record::Exec {
@@ -239,7 +239,7 @@ impl<W: Write> PerfettoSink<W> {
             s.ts,
             state,
             s.next_tid as i32,
-            s.next_prio,
+            s.next_prio.into(),
             &s.next_comm.as_str(),
         )?;
         Ok(())
@@ -394,7 +394,7 @@ impl<W: Write> PerfettoSink<W> {
             if !callstack.is_empty() {
                 self.writer.interned_stack_sample(
                     interval.start,
-                    interval.cpu,
+                    interval.cpu.into(),
                     interval.tgid as i32,
                     interval.tid as i32,
                     callstack,
