@@ -193,6 +193,15 @@ fn record_system(agent: &Path, dir: &Path, name: &str, secs: u64, ring: &str) ->
     Ok(serde_json::from_slice(&std::fs::read(&stats_path)?)?)
 }
 
+/// Writes a part's figures to `dir/<part>-results.json` and says where
+/// (`more`: other files it wrote, for the same line).
+fn write_results(dir: &Path, part: &str, results: &Value, more: &str) -> Result<()> {
+    let path = dir.join(format!("{part}-results.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(results)?)?;
+    println!("\n(raw figures: {}{more})", path.display());
+    Ok(())
+}
+
 pub fn run(
     seconds: u64,
     minutes: u64,
@@ -211,53 +220,20 @@ pub fn run(
     match only {
         None | Some("pingpong") => {}
         Some("probes") => {
-            let probes = crate::bench_probes::run(&dir)?;
-            std::fs::write(
-                dir.join("probes-results.json"),
-                serde_json::to_string_pretty(&probes)?,
-            )?;
-            println!(
-                "\n(raw figures: {})",
-                dir.join("probes-results.json").display()
-            );
-            return Ok(());
+            return write_results(&dir, "probes", &crate::bench_probes::run(&dir)?, "");
         }
         Some("merge") => {
             let merge = crate::bench_merge::run(&dir, trace_mb)?;
-            std::fs::write(
-                dir.join("merge-results.json"),
-                serde_json::to_string_pretty(&merge)?,
-            )?;
-            println!(
-                "\n(raw figures: {})",
-                dir.join("merge-results.json").display()
-            );
-            return Ok(());
+            return write_results(&dir, "merge", &merge, "");
         }
         Some("soak") => {
             let soak = crate::bench_soak::run(&dir, minutes)?;
-            std::fs::write(
-                dir.join("soak-results.json"),
-                serde_json::to_string_pretty(&soak)?,
-            )?;
-            println!(
-                "\n(raw figures: {}, samples: {})",
-                dir.join("soak-results.json").display(),
-                dir.join("soak-samples.csv").display()
-            );
-            return Ok(());
+            let samples = format!(", samples: {}", dir.join("soak-samples.csv").display());
+            return write_results(&dir, "soak", &soak, &samples);
         }
         Some("service") => {
             let service = crate::bench_service::run(compare)?;
-            std::fs::write(
-                dir.join("service-results.json"),
-                serde_json::to_string_pretty(&service)?,
-            )?;
-            println!(
-                "\n(raw figures: {})",
-                dir.join("service-results.json").display()
-            );
-            return Ok(());
+            return write_results(&dir, "service", &service, "");
         }
         Some(other) => {
             bail!(

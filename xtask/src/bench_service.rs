@@ -226,25 +226,21 @@ pub fn run(compare: Option<&Path>) -> Result<Value> {
         let cells: Vec<String> = results.iter().map(cell).collect();
         println!("| {label} | {} |", cells.join(" | "));
     };
-    row("ns of CPU per record, rounds", &|r| {
-        r["ns_per_record"]
+    // A build's rounds, one figure each.
+    let rounds = |r: &Value, key: &str, decimals: usize| -> String {
+        r[key]
             .as_array()
             .into_iter()
             .flatten()
-            .map(|v| format!("{:.0}", f(v)))
+            .map(|v| format!("{:.*}", decimals, f(v)))
             .collect::<Vec<_>>()
             .join(", ")
+    };
+    row("ns of CPU per record, rounds", &|r| {
+        rounds(r, "ns_per_record", 0)
     });
     row("mean", &|r| format!("{:.0}", f(&r["ns_per_record_mean"])));
-    row("% of one core, rounds", &|r| {
-        r["cpu_percent"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|v| format!("{:.2}", f(v)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    });
+    row("% of one core, rounds", &|r| rounds(r, "cpu_percent", 2));
     row("records per second (median)", &|r| {
         format!("{:.0}", f(&r["records_per_s_median"]))
     });
