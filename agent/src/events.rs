@@ -288,12 +288,12 @@ fn off_cpu_class<const WALK: usize, const COPY: usize>(
     .ok()
 }
 
-/// Decodes one ring-buffer record.
 /// A kernel priority (0-139), saturated into what a switch holds.
 fn prio(p: i32) -> i16 {
     p.clamp(i16::MIN.into(), i16::MAX.into()) as i16
 }
 
+/// Decodes one ring-buffer record.
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
         return Err(DecodeError::Short(bytes.len()));

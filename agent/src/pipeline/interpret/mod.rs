@@ -118,7 +118,7 @@ pub(crate) fn with_truncation(mut frames: Vec<SymFrame>, truncated: bool) -> Vec
 
 /// A traced thread alive.
 struct ThreadEntry {
-    /// Its name, latest first (what an exec renames it from).
+    /// Its latest name (what an exec renames it from).
     name: String,
     /// Its switches were seen: its state is known (at the service's level
     /// 0 no switch comes).
